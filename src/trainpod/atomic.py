@@ -1,0 +1,75 @@
+"""Crash-safe writes: a reader sees either the old file or the complete new one, never a torn one.
+
+The pattern is write to a temp name in the same directory, fsync the file, rename over the target,
+fsync the directory (so the rename itself survives a power loss; on a FUSE network volume the
+fsync is what makes the server persist it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+
+def temp_name(target: Path) -> Path:
+    """A sibling of `target` that no other writer picks, recognisable as leftover by `.tmp-`."""
+    return target.with_name(f"{target.name}.tmp-{uuid.uuid4().hex[:12]}")
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_bytes(target: Path, data: bytes) -> None:
+    """Atomically replace `target` with `data`."""
+    target = Path(target)
+    tmp = temp_name(target)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(target.parent)
+
+
+def write_text(target: Path, text: str) -> None:
+    write_bytes(target, text.encode("utf-8"))
+
+
+def write_json(target: Path, obj: Any) -> None:
+    write_text(target, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def read_json(path: Path) -> Any:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def publish_dir(tmp_dir: Path, target: Path) -> None:
+    """Move a fully written and fsynced `tmp_dir` to `target` (which must not exist) durably."""
+    for path in sorted(tmp_dir.rglob("*")):
+        if path.is_file():
+            fsync_file(path)
+    for path in sorted([p for p in tmp_dir.rglob("*") if p.is_dir()] + [tmp_dir], reverse=True):
+        fsync_dir(path)
+    os.rename(tmp_dir, target)
+    fsync_dir(target.parent)

@@ -1,0 +1,164 @@
+"""Load a YAML config into a pydantic model, apply overrides, and report every problem at once."""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import shlex
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pydantic
+import yaml
+from pydantic import BaseModel, ConfigDict
+
+from trainpod.errors import ConfigError
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys are errors, values are checked on assignment."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+
+ConfigT = TypeVar("ConfigT", bound=Section)
+
+
+def parse_overrides(text: str | None) -> list[str]:
+    """Split TRAINPOD_SET ("a.b=1 c=x" or one per line; shell quoting allowed) into assignments."""
+    if not text or not text.strip():
+        return []
+    return shlex.split(text, comments=False, posix=True)
+
+
+def _apply_override(tree: dict[str, Any], assignment: str, problems: list[str]) -> None:
+    key, sep, raw_value = assignment.partition("=")
+    key = key.strip()
+    if not sep or not key or any(not part for part in key.split(".")):
+        problems.append(
+            f"override {assignment!r} is not of the form key.path=value; "
+            "write it like train.max_steps=1000 (TRAINPOD_SET separates several with spaces or newlines)"
+        )
+        return
+    try:
+        value = yaml.safe_load(raw_value) if raw_value.strip() else ""
+    except yaml.YAMLError:
+        value = raw_value  # not YAML: keep it as the literal string
+    node = tree
+    parts = key.split(".")
+    for part in parts[:-1]:
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            problems.append(f"override {key}: '{part}' holds a value, not a section, so it has no keys below it")
+            return
+        node = child
+    node[parts[-1]] = value
+
+
+def _known_fields(model_cls: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
+    """The field names accepted at `loc` (the parent of an unknown key), for a 'did you mean'."""
+    cls: Any = model_cls
+    for part in loc:
+        field = getattr(cls, "model_fields", {}).get(part)
+        if field is None:
+            return []
+        annotation = field.annotation
+        candidates = [annotation, *getattr(annotation, "__args__", ())]
+        cls = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+        if cls is None:
+            return []
+    return sorted(getattr(cls, "model_fields", {}))
+
+
+def _field_description(model_cls: type[BaseModel], loc: tuple[Any, ...]) -> str | None:
+    cls: Any = model_cls
+    field = None
+    for part in loc:
+        field = getattr(cls, "model_fields", {}).get(part)
+        if field is None:
+            return None
+        annotation = field.annotation
+        candidates = [annotation, *getattr(annotation, "__args__", ())]
+        cls = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+    return field.description if field is not None else None
+
+
+def _describe(model_cls: type[BaseModel], error: dict[str, Any]) -> str:
+    loc = tuple(error["loc"])
+    dotted = ".".join(str(part) for part in loc) or "(top level)"
+    kind = error["type"]
+    if kind == "extra_forbidden":
+        known = _known_fields(model_cls, loc[:-1])
+        guess = difflib.get_close_matches(str(loc[-1]), known, n=1)
+        hint = f"did you mean '{guess[0]}'? " if guess else ""
+        return f"{dotted}: unknown key; {hint}remove it or use one of: {', '.join(known)}"
+    if kind == "missing":
+        description = _field_description(model_cls, loc)
+        about = f" ({description})" if description else ""
+        return f"{dotted}: required but missing{about}; add it to the YAML or pass --set {dotted}=VALUE"
+    value = error.get("input")
+    shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+    description = _field_description(model_cls, loc)
+    fix = f"fix: {description[0].lower() + description[1:]}" if description else "fix the value"
+    return f"{dotted} = {shown}: {error['msg']}; {fix}"
+
+
+def validate_tree(model_cls: type[ConfigT], tree: Any, source: str | None = None) -> ConfigT:
+    if not isinstance(tree, dict):
+        raise ConfigError([f"the config must be a mapping of keys to values, got {type(tree).__name__}"], source)
+    try:
+        return model_cls.model_validate(tree)
+    except pydantic.ValidationError as exc:
+        raise ConfigError([_describe(model_cls, e) for e in exc.errors()], source) from None
+
+
+def load_config(model_cls: type[ConfigT], path: Path | str | None, overrides: list[str] = ()) -> ConfigT:
+    """Read `path` (YAML), apply `overrides` in order, validate, and return the typed config.
+
+    Raises ConfigError (exit 2) listing every problem: YAML syntax, malformed overrides, unknown
+    keys, wrong types, failed checks.
+    """
+    problems: list[str] = []
+    source = str(path) if path is not None else "overrides"
+    tree: Any = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(
+                [f"config file {path} does not exist; set TRAINPOD_CONFIG to an existing YAML file "
+                 "(an absolute path, a path in the synced git checkout, or a path on the volume)"],
+                source,
+            )
+        try:
+            tree = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            raise ConfigError([f"malformed YAML{where}: {problem}; fix the syntax there"], source) from None
+        except UnicodeDecodeError:
+            raise ConfigError(["the file is not UTF-8 text; save it as UTF-8 YAML"], source) from None
+        if tree is None:
+            tree = {}
+        if not isinstance(tree, dict):
+            raise ConfigError(
+                [f"the top level must be a mapping of keys to values, got {type(tree).__name__}"], source
+            )
+    for assignment in overrides:
+        _apply_override(tree, assignment, problems)
+    if problems:
+        raise ConfigError(problems, source)
+    return validate_tree(model_cls, tree, source)
+
+
+def dump_config(config: BaseModel) -> str:
+    """The resolved config as YAML, in field order, suitable to load again."""
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+
+
+def config_hash(config: BaseModel) -> str:
+    canonical = json.dumps(config.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]

@@ -1,0 +1,63 @@
+"""The one error hierarchy of trainpod and the exit codes the supervisor acts on (DESIGN.md).
+
+Every error a user can cause is a `TrainpodError` whose message says what is wrong, where, and
+what to do next; the CLI prints the message (never a traceback) and exits with `exit_code`.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class ExitCode(enum.IntEnum):
+    """Process exit codes; the supervisor decides whether to restart a pod from these alone."""
+
+    DONE = 0  # finished, DONE written: stop the pod
+    BAD_INPUT = 2  # bad config or input: do not restart
+    BUDGET_EXHAUSTED = 3  # checkpoint committed, budget spent: do not restart
+    TEMPORARY = 75  # network, hub, volume busy: restart with backoff (EX_TEMPFAIL)
+    PREEMPTED = 143  # stopped by SIGTERM after committing: restart (128 + SIGTERM)
+
+
+class TrainpodError(Exception):
+    """Base of every error trainpod reports to a user."""
+
+    exit_code: ExitCode = ExitCode.BAD_INPUT
+
+
+class ConfigError(TrainpodError):
+    """The config (YAML, overrides or environment) is invalid. Holds every problem found."""
+
+    exit_code = ExitCode.BAD_INPUT
+
+    def __init__(self, problems: list[str], source: str | None = None):
+        self.problems = list(problems)
+        self.source = source
+        where = f" in {source}" if source else ""
+        lines = [f"{len(self.problems)} config problem(s){where}:"]
+        lines += [f"  - {problem}" for problem in self.problems]
+        super().__init__("\n".join(lines))
+
+
+class InputError(TrainpodError):
+    """An input on disk (dataset, tokenizer, volume) is missing or unusable."""
+
+    exit_code = ExitCode.BAD_INPUT
+
+
+class TemporaryError(TrainpodError):
+    """A failure that a later start may not see (network, hub, a volume held by another writer)."""
+
+    exit_code = ExitCode.TEMPORARY
+
+
+class BudgetExhausted(TrainpodError):
+    """The run spent its TRAINPOD_BUDGET_USD; the newest state is committed."""
+
+    exit_code = ExitCode.BUDGET_EXHAUSTED
+
+
+class Preempted(TrainpodError):
+    """SIGTERM or SIGINT arrived; whatever could be committed in the warning window was committed."""
+
+    exit_code = ExitCode.PREEMPTED

@@ -1,0 +1,60 @@
+"""Logging to stdout and the run's log file, with every secret's value masked on the way out.
+
+Secrets (HF_TOKEN, WANDB_API_KEY, RUNPOD_API_KEY, git tokens) must never reach a log line, even
+when a library prints a URL with a token in it, so the mask sits on the handlers, not the callers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import sys
+from pathlib import Path
+
+SECRET_ENV_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "WANDB_API_KEY", "RUNPOD_API_KEY", "GIT_TOKEN",
+                   "TRAINPOD_GIT_TOKEN", "GITHUB_TOKEN")
+# Credentials embedded in URLs (https://user:token@host/...), whatever variable they came from.
+_URL_CREDENTIALS = re.compile(r"(https?://)[^/\s:@]+(:[^/\s@]+)?@")
+_MIN_SECRET_LENGTH = 6  # shorter values would mask ordinary words
+
+
+def secret_values(environ: dict[str, str] | None = None) -> list[str]:
+    environ = os.environ if environ is None else environ
+    values = {environ[name] for name in SECRET_ENV_VARS if len(environ.get(name, "")) >= _MIN_SECRET_LENGTH}
+    return sorted(values, key=len, reverse=True)
+
+
+def redact(text: str, secrets: list[str] | None = None) -> str:
+    for value in secret_values() if secrets is None else secrets:
+        text = text.replace(value, "***")
+    return _URL_CREDENTIALS.sub(r"\1***@", text)
+
+
+class RedactingFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return redact(super().format(record))
+
+
+_FORMAT = "%(asctime)s %(levelname)s [%(name)s] %(message)s"
+
+
+def setup_logging(log_file: Path | None = None, rank: int = 0) -> None:
+    """Log INFO to stdout (rank 0 only; other ranks log warnings) and everything to `log_file`."""
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+        handler.close()
+    root.setLevel(logging.INFO)
+    formatter = RedactingFormatter(_FORMAT, datefmt="%Y-%m-%d %H:%M:%S")
+    stream = logging.StreamHandler(sys.stdout)
+    stream.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    stream.setFormatter(formatter)
+    root.addHandler(stream)
+    if log_file is not None:
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        file_handler = logging.FileHandler(log_file, encoding="utf-8")
+        file_handler.setFormatter(formatter)
+        root.addHandler(file_handler)
+    for noisy in ("urllib3", "filelock", "matplotlib", "PIL", "httpx"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)

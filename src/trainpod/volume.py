@@ -1,0 +1,100 @@
+"""Where everything lives on the network volume (DESIGN.md, "The volume").
+
+    $TRAINPOD_VOLUME/
+      datasets/<name>/   tokenizers/<name>/   repos/<name>/   cache/
+      runs/<run>/config.yaml checkpoints/ export/ logs/ tensorboard/ loss.png status.json DONE LEASE
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from trainpod.errors import InputError
+
+DEFAULT_VOLUME = "/workspace"
+
+
+@dataclass(frozen=True)
+class Volume:
+    root: Path
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> Volume:
+        environ = os.environ if environ is None else environ
+        return cls(Path(environ.get("TRAINPOD_VOLUME") or DEFAULT_VOLUME))
+
+    def dataset(self, name: str) -> Path:
+        return self.root / "datasets" / name
+
+    def tokenizer(self, name: str) -> Path:
+        return self.root / "tokenizers" / name
+
+    def run(self, name: str) -> RunDir:
+        return RunDir(self.root / "runs" / name)
+
+    def cache(self) -> Path:
+        return self.root / "cache"
+
+    def check_writable(self) -> None:
+        """Fail with exit 2 before anything is written if the volume cannot take writes."""
+        if not self.root.is_dir():
+            raise InputError(
+                f"TRAINPOD_VOLUME={self.root} does not exist or is not a directory; "
+                "mount the network volume there or set TRAINPOD_VOLUME to a writable folder."
+            )
+        if not os.access(self.root, os.W_OK | os.X_OK):
+            raise InputError(
+                f"TRAINPOD_VOLUME={self.root} is not writable by uid {os.getuid()}; "
+                "fix its permissions or point TRAINPOD_VOLUME at a writable folder."
+            )
+
+
+@dataclass(frozen=True)
+class RunDir:
+    root: Path
+
+    @property
+    def name(self) -> str:
+        return self.root.name
+
+    @property
+    def config(self) -> Path:
+        return self.root / "config.yaml"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def export(self) -> Path:
+        return self.root / "export"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.root / "tensorboard"
+
+    @property
+    def loss_plot(self) -> Path:
+        return self.root / "loss.png"
+
+    @property
+    def status(self) -> Path:
+        return self.root / "status.json"
+
+    @property
+    def done(self) -> Path:
+        return self.root / "DONE"
+
+    @property
+    def lease(self) -> Path:
+        return self.root / "LEASE"
+
+    def create(self) -> None:
+        for path in (self.root, self.checkpoints, self.export, self.logs, self.tensorboard):
+            path.mkdir(parents=True, exist_ok=True)

@@ -55,8 +55,12 @@ def write_text(target: Path, text: str) -> None:
     write_bytes(target, text.encode("utf-8"))
 
 
+def json_bytes(obj: Any) -> bytes:
+    return (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode("utf-8")
+
+
 def write_json(target: Path, obj: Any) -> None:
-    write_text(target, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    write_bytes(target, json_bytes(obj))
 
 
 def read_json(path: Path) -> Any:

@@ -84,6 +84,9 @@ class TrainConfig(Section):
         "auto", description="'auto' uses flash-attn 2 when installed on a GPU, else PyTorch SDPA."
     )
     compile: bool = Field(False, description="Wrap the model in torch.compile (GPU runs; slow to start).")
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute activations in the backward pass: less memory, about 30% more compute."
+    )
     seed: int = Field(1337, description="Seed for weights init, dropout and data order.")
     eval_every: int = Field(200, ge=0, description="Evaluate on the validation split every N steps (0: never).")
     eval_batches: int = Field(20, ge=1, description="Micro-batches per evaluation.")

@@ -1,0 +1,106 @@
+"""One writer per run: a LEASE file with owner, heartbeat and expiry.
+
+A second process that finds a live lease refuses to start (exit 75, so a supervisor retries later).
+A lease is stale, and taken over, when it expired, or when its owner ran on this same host (a
+restarted pod keeps its hostname) and that process no longer exists: a pid alone is not enough
+because pids are reused, so the owner's process start time is compared too.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from trainpod import atomic
+from trainpod.errors import TemporaryError
+
+log = logging.getLogger(__name__)
+
+
+def _process_start_ticks(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    # Field 22 (starttime) counts from after the ")" that closes the command name.
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+class Lease:
+    def __init__(self, path: Path, ttl_seconds: float = 90.0):
+        self.path = Path(path)
+        self.ttl = ttl_seconds
+        self.owner = {
+            "id": uuid.uuid4().hex,
+            "host": socket.gethostname(),
+            "pod_id": os.environ.get("RUNPOD_POD_ID"),
+            "pid": os.getpid(),
+            "pid_start": _process_start_ticks(os.getpid()),
+        }
+        self.lost = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _read(self) -> dict[str, Any] | None:
+        try:
+            return json.loads(self.path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return None
+        except (ValueError, UnicodeDecodeError):
+            log.warning("LEASE at %s is unreadable; treating it as stale", self.path)
+            return None
+
+    def _holder_alive(self, held: dict[str, Any]) -> bool:
+        if held.get("expires_unix", 0) < time.time():
+            return False
+        owner = held.get("owner", {})
+        if owner.get("host") == self.owner["host"]:
+            start = _process_start_ticks(int(owner.get("pid", -1)))
+            return start is not None and start == owner.get("pid_start")
+        return True  # another machine, not expired: assume it is working
+
+    def _write(self) -> None:
+        now = time.time()
+        atomic.write_json(self.path, {"owner": self.owner, "heartbeat_unix": now, "expires_unix": now + self.ttl})
+
+    def acquire(self) -> None:
+        held = self._read()
+        if held and held.get("owner", {}).get("id") != self.owner["id"] and self._holder_alive(held):
+            owner = held.get("owner", {})
+            left = held.get("expires_unix", 0) - time.time()
+            raise TemporaryError(
+                f"run is leased by another writer (host {owner.get('host')}, pid {owner.get('pid')}, "
+                f"pod {owner.get('pod_id') or '-'}) until its lease expires in {left:.0f} s; "
+                f"stop that process first, or wait for the lease at {self.path} to expire"
+            )
+        if held:
+            log.info("taking over a stale lease (owner host %s pid %s)",
+                     held.get("owner", {}).get("host"), held.get("owner", {}).get("pid"))
+        self._write()
+        self._thread = threading.Thread(target=self._heartbeat, name="lease-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(self.ttl / 4):
+            held = self._read()
+            if held and held.get("owner", {}).get("id") != self.owner["id"]:
+                log.error("the lease at %s was taken over by another writer; stopping", self.path)
+                self.lost.set()
+                return
+            self._write()
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        held = self._read()
+        if held and held.get("owner", {}).get("id") == self.owner["id"]:
+            self.path.unlink(missing_ok=True)
+            atomic.fsync_dir(self.path.parent)

@@ -1,0 +1,294 @@
+"""The checkpoint protocol of DESIGN.md: a kill at any instant loses no committed checkpoint.
+
+Commit sequence:
+  1. write every file into `step-<N>.tmp-<id>/`, hashing while writing, fsync each file;
+  2. write `manifest.json` (sizes, sha256, step, metadata) last, fsync the directory;
+  3. rename the directory to `step-<N>/`, fsync `checkpoints/`;
+  4. replace `LATEST` atomically; this is the commit point;
+  5. only then delete checkpoints that retention no longer keeps (renamed to `*.tmp-*` first, so a
+     kill mid-delete leaves something that the next start removes, never a half checkpoint).
+
+On start, leftover `*.tmp-*` are removed, LATEST is verified against its manifest, and on any
+mismatch the next older valid checkpoint is used. Steps are ordered by number, never by mtime.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import shutil
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from trainpod import atomic
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+LATEST = "LATEST"
+FORMAT = "trainpod-checkpoint/1"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+_HASH_CHUNK = 8 << 20
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step}"
+
+
+@dataclass(frozen=True)
+class CommittedCheckpoint:
+    step: int
+    path: Path
+    manifest: dict[str, Any]
+
+    @property
+    def eval_loss(self) -> float | None:
+        return self.manifest.get("eval_loss")
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        return self.manifest.get("metadata", {})
+
+
+class _HashingFile:
+    """A write-only file that hashes and counts what passes through it (one pass over the bytes)."""
+
+    def __init__(self, raw: BinaryIO):
+        self._raw = raw
+        self.sha256 = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: bytes | memoryview) -> int:
+        self.sha256.update(data)
+        self.size += len(data)
+        return self._raw.write(data)
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+
+class PendingCheckpoint:
+    """A checkpoint being written into its temp directory; nothing here is visible until commit."""
+
+    def __init__(self, tmp_dir: Path):
+        self.dir = tmp_dir
+        self.files: dict[str, dict[str, Any]] = {}
+
+    def write_bytes(self, name: str, data: bytes) -> None:
+        with self.open(name) as f:
+            f.write(data)
+
+    def open(self, name: str) -> _PendingFile:
+        """A file object for streaming writers (e.g. `torch.save(obj, pending.open("x.pt"))`)."""
+        if "/" in name or name in (MANIFEST, LATEST) or name in self.files:
+            raise ValueError(f"checkpoint file name {name!r} is reserved, nested or already written")
+        return _PendingFile(self, name)
+
+
+class _PendingFile:
+    def __init__(self, pending: PendingCheckpoint, name: str):
+        self._pending = pending
+        self._name = name
+        self._raw = open(pending.dir / name, "wb")  # noqa: SIM115 - closed in __exit__
+        self._hashing = _HashingFile(self._raw)
+
+    def __enter__(self) -> _HashingFile:
+        return self._hashing
+
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        try:
+            if exc_type is None:
+                self._raw.flush()
+                os.fsync(self._raw.fileno())
+                self._pending.files[self._name] = {
+                    "bytes": self._hashing.size,
+                    "sha256": self._hashing.sha256.hexdigest(),
+                }
+        finally:
+            self._raw.close()
+
+
+class CheckpointStore:
+    def __init__(self, root: Path, keep_last: int = 2, keep_best: int = 0, verify: str = "sha256"):
+        if keep_last < 1:
+            raise ValueError("keep_last must be at least 1: the newest committed checkpoint is always kept")
+        self.root = Path(root)
+        self.keep_last = keep_last
+        self.keep_best = keep_best
+        self.verify_mode = verify
+        self.last_commit_seconds: float | None = None
+
+    # ----------------------------------------------------------------------------- reading
+    def _step_dirs(self) -> list[tuple[int, Path]]:
+        if not self.root.is_dir():
+            return []
+        found = []
+        for path in self.root.iterdir():
+            match = _STEP_DIR.match(path.name)
+            if match and path.is_dir():
+                found.append((int(match.group(1)), path))
+        return sorted(found, reverse=True)
+
+    def _latest_name(self) -> str | None:
+        try:
+            name = (self.root / LATEST).read_text(encoding="utf-8").strip()
+        except (FileNotFoundError, UnicodeDecodeError):
+            return None
+        return name if _STEP_DIR.match(name) else None
+
+    def verify(self, path: Path) -> tuple[dict[str, Any] | None, str]:
+        """(manifest, "") when every file matches its manifest entry, else (None, reason)."""
+        try:
+            manifest = atomic.read_json(path / MANIFEST)
+        except FileNotFoundError:
+            return None, "manifest.json is missing"
+        except (ValueError, UnicodeDecodeError):
+            return None, "manifest.json is not valid JSON"
+        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+            return None, f"manifest.json is not a {FORMAT} manifest"
+        match = _STEP_DIR.match(path.name)
+        if not match or manifest.get("step") != int(match.group(1)):
+            return None, f"manifest step {manifest.get('step')!r} does not match the folder name"
+        for name, expected in manifest.get("files", {}).items():
+            file = path / name
+            try:
+                size = file.stat().st_size
+            except FileNotFoundError:
+                return None, f"{name} is missing"
+            if size != expected["bytes"]:
+                return None, f"{name} has {size} bytes, the manifest says {expected['bytes']}"
+            if self.verify_mode == "sha256" and _sha256_file(file) != expected["sha256"]:
+                return None, f"{name} does not match its sha256 (bit rot or a torn write)"
+        return manifest, ""
+
+    def latest(self) -> CommittedCheckpoint | None:
+        """The newest valid committed checkpoint, cleaning up what a kill may have left behind."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.remove_leftovers()
+        latest_name = self._latest_name()
+        step_dirs = self._step_dirs()
+        latest_step = int(_STEP_DIR.match(latest_name).group(1)) if latest_name else None
+        if latest_step is None and step_dirs:
+            log.warning("checkpoints/LATEST is missing or unreadable; looking for the newest valid checkpoint")
+        for step, path in step_dirs:
+            if latest_step is not None and step > latest_step:
+                # Renamed into place but never committed by LATEST: a kill between steps 3 and 4.
+                log.warning("removing %s: written after the committed LATEST (%s) by an interrupted commit",
+                            path.name, latest_name)
+                self._delete(path)
+                continue
+            manifest, reason = self.verify(path)
+            if manifest is not None:
+                if path.name != latest_name:
+                    atomic.write_text(self.root / LATEST, path.name + "\n")
+                    log.warning("resuming from %s instead; LATEST now points to it", path.name)
+                return CommittedCheckpoint(step, path, manifest)
+            log.warning("checkpoint %s is invalid (%s); trying the next older one", path.name, reason)
+            self._quarantine(path)
+        if latest_name and not step_dirs:
+            log.warning("LATEST names %s but no checkpoint folder exists; starting from scratch", latest_name)
+        return None
+
+    def committed(self) -> list[CommittedCheckpoint]:
+        """Every committed checkpoint, newest first, read from manifests (not re-hashed)."""
+        out = []
+        for step, path in self._step_dirs():
+            try:
+                out.append(CommittedCheckpoint(step, path, atomic.read_json(path / MANIFEST)))
+            except (FileNotFoundError, ValueError):
+                continue
+        return out
+
+    # ----------------------------------------------------------------------------- writing
+    def begin(self, step: int) -> PendingCheckpoint:
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = self.root / f"{step_dir_name(step)}.tmp-{uuid.uuid4().hex[:12]}"
+        tmp.mkdir()
+        return PendingCheckpoint(tmp)
+
+    def commit(
+        self,
+        pending: PendingCheckpoint,
+        step: int,
+        metadata: dict[str, Any],
+        eval_loss: float | None = None,
+        started: float | None = None,
+    ) -> CommittedCheckpoint:
+        """Publish `pending` as `step-<step>` and make it LATEST; then apply retention."""
+        started = time.monotonic() if started is None else started
+        manifest = {
+            "format": FORMAT,
+            "step": step,
+            "files": pending.files,
+            "eval_loss": eval_loss,
+            "created_unix": time.time(),
+            "metadata": metadata,
+        }
+        with open(pending.dir / MANIFEST, "wb") as f:  # last: its presence means every file is whole
+            f.write(atomic.json_bytes(manifest))
+            f.flush()
+            os.fsync(f.fileno())
+        target = self.root / step_dir_name(step)
+        if target.exists():
+            # Same step written again (e.g. a resumed run preempted before its first new step):
+            # the committed one stays; the duplicate is discarded.
+            self._delete(pending.dir)
+        else:
+            atomic.fsync_dir(pending.dir)
+            os.rename(pending.dir, target)
+            atomic.fsync_dir(self.root)
+        atomic.write_text(self.root / LATEST, target.name + "\n")
+        self.last_commit_seconds = time.monotonic() - started
+        committed = CommittedCheckpoint(step, target, atomic.read_json(target / MANIFEST))
+        self.apply_retention()
+        return committed
+
+    def apply_retention(self) -> list[int]:
+        """Delete checkpoints beyond the last k and best k; never the one LATEST names."""
+        checkpoints = self.committed()
+        keep = {c.step for c in checkpoints[: self.keep_last]}
+        scored = sorted((c for c in checkpoints if c.eval_loss is not None), key=lambda c: (c.eval_loss, -c.step))
+        keep |= {c.step for c in scored[: self.keep_best]}
+        latest_name = self._latest_name()
+        deleted = []
+        for c in checkpoints:
+            if c.step not in keep and c.path.name != latest_name:
+                self._delete(c.path)
+                deleted.append(c.step)
+        return deleted
+
+    # ----------------------------------------------------------------------------- cleanup
+    def remove_leftovers(self) -> list[str]:
+        removed = []
+        for path in self.root.glob("*.tmp-*"):
+            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+            removed.append(path.name)
+        if removed:
+            log.info("removed %d leftover temp item(s) from an interrupted write: %s", len(removed),
+                     ", ".join(sorted(removed)))
+        return removed
+
+    def _delete(self, path: Path) -> None:
+        doomed = path.with_name(f"{path.name}.tmp-deleting-{uuid.uuid4().hex[:8]}")
+        os.rename(path, doomed)
+        atomic.fsync_dir(self.root)
+        shutil.rmtree(doomed, ignore_errors=True)
+
+    def _quarantine(self, path: Path) -> None:
+        """Keep an invalid checkpoint for inspection, out of the way of the step it would collide with."""
+        aside = path.with_name(f"{path.name}.invalid-{uuid.uuid4().hex[:8]}")
+        os.rename(path, aside)
+        log.warning("moved the invalid checkpoint to %s (delete it when you no longer need it)", aside.name)
+
+
+def _sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()

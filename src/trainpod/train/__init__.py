@@ -1,0 +1,1 @@
+"""Training machinery shared by the training workloads: model, batches, state, reporting, export."""

@@ -1,0 +1,118 @@
+"""Training batches read sequentially from token shards, with an O(1) position to checkpoint.
+
+Like llm.c's DataLoader: every rank reads its own B*T+1 window at `position + rank*B*T` of the
+current shard, then the position advances by world*B*T. The shard order is a permutation drawn
+from (seed, epoch), so the whole position is four integers, restored without replaying batches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from trainpod.errors import InputError
+
+ShardOpener = Callable[[Path], np.ndarray]
+
+
+class TokenBatches:
+    def __init__(
+        self,
+        shards: list[Path],
+        open_shard: ShardOpener,
+        batch_size: int,
+        seq_len: int,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+    ):
+        if not shards:
+            raise InputError("the dataset has no shards for this split; rerun datagen with more documents")
+        self.shards = list(shards)
+        self._open = open_shard
+        self.batch_size = batch_size
+        self.seq_len = seq_len
+        self.rank = rank
+        self.world_size = world_size
+        self.seed = seed
+        self.epoch = 0
+        self.shard_index = 0  # index into this epoch's order
+        self.position = 0  # token offset of the global window in the current shard
+        self._order = self._epoch_order(0)
+        self._cache: tuple[int, np.ndarray] | None = None
+
+    @property
+    def _global_window(self) -> int:
+        return self.world_size * self.batch_size * self.seq_len
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        if epoch == 0:
+            return list(range(len(self.shards)))  # epoch 0 in dataset order, like llm.c
+        return np.random.default_rng([self.seed, epoch]).permutation(len(self.shards)).tolist()
+
+    def _tokens(self, shard: int) -> np.ndarray:
+        if self._cache is None or self._cache[0] != shard:
+            tokens = self._open(self.shards[shard])
+            if len(tokens) < self._global_window + 1:
+                raise InputError(
+                    f"shard {self.shards[shard]} holds {len(tokens)} tokens, fewer than one global batch "
+                    f"({self.world_size} ranks x {self.batch_size} x {self.seq_len} + 1); lower "
+                    "train.micro_batch_size or train.seq_len, or make bigger shards (datagen shard_tokens)"
+                )
+            self._cache = (shard, tokens)
+        return self._cache[1]
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = self._tokens(self._order[self.shard_index])
+        if self.position + self._global_window + 1 > len(tokens):
+            self._advance_shard()
+            tokens = self._tokens(self._order[self.shard_index])
+        start = self.position + self.rank * self.batch_size * self.seq_len
+        window = torch.from_numpy(tokens[start : start + self.batch_size * self.seq_len + 1].astype(np.int64))
+        self.position += self._global_window
+        inputs = window[:-1].view(self.batch_size, self.seq_len)
+        targets = window[1:].view(self.batch_size, self.seq_len)
+        return inputs, targets
+
+    def _advance_shard(self) -> None:
+        self.position = 0
+        self.shard_index += 1
+        if self.shard_index == len(self.shards):
+            self.epoch += 1
+            self.shard_index = 0
+            self._order = self._epoch_order(self.epoch)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "shard_index": self.shard_index, "position": self.position,
+                "world_size": self.world_size, "batch_size": self.batch_size, "seq_len": self.seq_len}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        layout = (state["world_size"], state["batch_size"], state["seq_len"])
+        if layout != (self.world_size, self.batch_size, self.seq_len):
+            raise InputError(
+                f"the checkpoint's data position was taken with (world size, micro batch, seq_len) = {layout}, "
+                f"this run has {(self.world_size, self.batch_size, self.seq_len)}; resume with the same "
+                "settings and GPU count, or start a new run name"
+            )
+        self.epoch = state["epoch"]
+        self.shard_index = state["shard_index"]
+        self.position = state["position"]
+        self._order = self._epoch_order(self.epoch)
+
+
+def eval_batches(
+    shards: list[Path], open_shard: ShardOpener, batch_size: int, seq_len: int, count: int,
+    rank: int = 0, world_size: int = 1,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The same first `count` validation windows at every evaluation, split across ranks."""
+    batches = TokenBatches(shards, open_shard, batch_size, seq_len, rank, world_size, seed=0)
+    out = []
+    for _ in range(count):
+        batch = batches.next_batch()
+        if batches.epoch > 0:  # a small validation split wrapped; stop rather than repeat windows
+            break
+        out.append(batch)
+    return out

@@ -1,0 +1,42 @@
+"""HF-format export: safetensors weights, config and tokenizer that transformers loads as they are."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerFast
+
+from trainpod import atomic
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def export_hf(model: PreTrainedModel, tokenizer_dir: Path, target: Path, dtype: torch.dtype) -> Path:
+    """Write `model` and its tokenizer to `target` atomically (replacing an older export)."""
+    tmp = target.with_name(f"{target.name}.tmp-{uuid.uuid4().hex[:12]}")
+    tmp.mkdir(parents=True)
+    exported = model if dtype == next(model.parameters()).dtype else _copy_as(model, dtype)
+    exported.save_pretrained(tmp, safe_serialization=True)
+    PreTrainedTokenizerFast.from_pretrained(str(tokenizer_dir)).save_pretrained(tmp)
+    if target.exists():
+        old = target.with_name(f"{target.name}.tmp-replaced-{uuid.uuid4().hex[:8]}")
+        os.rename(target, old)
+        atomic.publish_dir(tmp, target)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        atomic.publish_dir(tmp, target)
+    log.info("exported the model in HF format to %s", target)
+    return target
+
+
+def _copy_as(model: PreTrainedModel, dtype: torch.dtype) -> PreTrainedModel:
+    import copy
+
+    return copy.deepcopy(model).to(dtype)

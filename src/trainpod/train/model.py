@@ -1,0 +1,66 @@
+"""The pretraining model: transformers' LlamaForCausalLM built from `ModelConfig`, randomly initialised."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from trainpod.config.pretrain import ModelConfig
+
+VOCAB_MULTIPLE = 64  # embedding rows padded to a multiple of 64 keep the lm_head matmul on fast paths
+
+
+def padded_vocab(tokenizer_vocab: int) -> int:
+    return -(-tokenizer_vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+
+
+def resolve_attention(requested: str, device: torch.device) -> str:
+    """flash-attn 2 on a GPU where it is installed, else PyTorch SDPA (which picks its own flash kernel)."""
+    if requested != "auto":
+        return requested
+    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return "sdpa"
+
+
+def llama_config(model: ModelConfig, vocab_size: int, seq_len: int, attention: str = "sdpa") -> LlamaConfig:
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=model.hidden_size,
+        intermediate_size=model.mlp_width,
+        num_hidden_layers=model.num_layers,
+        num_attention_heads=model.num_heads,
+        num_key_value_heads=model.num_kv_heads or model.num_heads,
+        max_position_embeddings=seq_len,
+        rope_theta=model.rope_theta,
+        tie_word_embeddings=model.tie_embeddings,
+        initializer_range=model.init_std,
+        attention_dropout=model.dropout,
+        use_cache=False,
+    )
+    config._attn_implementation = attention
+    return config
+
+
+def build_model(config: LlamaConfig, seed: int, device: torch.device | str = "cpu") -> LlamaForCausalLM:
+    """A freshly initialised model, identical for the same seed on every rank and every start."""
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = LlamaForCausalLM(config)
+    return model
+
+
+def parameter_count(config: LlamaConfig) -> int:
+    """Parameters of the model `config` describes, counted on the meta device (no memory used)."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    return sum(p.numel() for p in model.parameters())  # shared (tied) tensors are counted once
+
+
+def flops_per_token(config: LlamaConfig, n_params: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6N for the matmuls plus attention's 12 * layers * width * seq_len (PaLM)."""
+    embedding = config.vocab_size * config.hidden_size
+    non_embedding = n_params - (0 if config.tie_word_embeddings else embedding)
+    return 6 * non_embedding + 12 * config.num_hidden_layers * config.hidden_size * seq_len

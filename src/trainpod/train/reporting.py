@@ -1,0 +1,143 @@
+"""What a run shows while it trains: log lines, TensorBoard, status.json, metrics.jsonl, loss.png.
+
+`trainpod status RUN` and the supervisor read `status.json`; everything here is written by rank 0
+only, atomically where a reader may look at the same time.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainpod import atomic
+from trainpod.volume import RunDir
+
+log = logging.getLogger(__name__)
+
+# Dense bf16 peak FLOP/s per GPU, for MFU (vendor datasheets, without sparsity).
+PEAK_BF16_FLOPS = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "L40": 181e12,
+    "A6000": 155e12,
+    "4090": 165e12,
+    "A40": 150e12,
+    "L4": 121e12,
+}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
+
+
+class RunReporter:
+    def __init__(self, run: RunDir, max_steps: int, resumed_step: int, enabled: bool = True):
+        self.run = run
+        self.max_steps = max_steps
+        self.enabled = enabled
+        self.hourly_usd = _float_env("TRAINPOD_GPU_HOURLY_USD")
+        self.metrics_path = run.logs / "metrics.jsonl"
+        self._tb = None
+        if enabled:
+            self._truncate_metrics(resumed_step)
+            from torch.utils.tensorboard import SummaryWriter
+
+            # purge_step hides events a previous attempt logged after the checkpoint we resumed from.
+            self._tb = SummaryWriter(str(run.tensorboard), purge_step=resumed_step + 1 if resumed_step else None)
+
+    def _truncate_metrics(self, resumed_step: int) -> None:
+        """Drop lines logged after the resumed checkpoint: those steps are trained again."""
+        if not self.metrics_path.exists():
+            return
+        kept = [line for line in self.metrics_path.read_text().splitlines()
+                if line.strip() and json.loads(line)["step"] <= resumed_step]
+        atomic.write_text(self.metrics_path, "".join(line + "\n" for line in kept))
+
+    def log_step(self, metrics: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        step = metrics["step"]
+        parts = [f"step {step}/{self.max_steps}"]
+        for key, fmt in (("loss", ".4f"), ("lr", ".2e"), ("grad_norm", ".3f"), ("tokens_per_s", ",.0f"),
+                         ("mfu", ".1%"), ("cost_usd", ".2f")):
+            if metrics.get(key) is not None:
+                parts.append(f"{key} {metrics[key]:{fmt}}")
+        log.info(" | ".join(parts))
+        with open(self.metrics_path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(metrics) + "\n")
+        for key, value in metrics.items():
+            if key != "step" and isinstance(value, int | float) and math.isfinite(value):
+                self._tb.add_scalar(f"train/{key}" if key != "eval_loss" else "eval/loss", value, step)
+
+    def write_status(self, state: str, step: int, metrics: dict[str, Any], checkpoint: dict[str, Any] | None,
+                     elapsed_s: float) -> None:
+        if not self.enabled:
+            return
+        rate = metrics.get("steps_per_s")
+        eta = (self.max_steps - step) / rate if rate else None
+        atomic.write_json(self.run.status, {
+            "run": self.run.name, "state": state, "step": step, "max_steps": self.max_steps,
+            "loss": metrics.get("loss"), "eval_loss": metrics.get("eval_loss"), "lr": metrics.get("lr"),
+            "tokens_per_s": metrics.get("tokens_per_s"), "mfu": metrics.get("mfu"),
+            "eta_s": eta, "elapsed_s": elapsed_s, "cost_usd": self.cost(elapsed_s),
+            "latest_checkpoint": checkpoint, "updated_unix": time.time(), "pid": os.getpid(),
+        })
+
+    def cost(self, elapsed_s: float) -> float | None:
+        return None if self.hourly_usd is None else elapsed_s / 3600 * self.hourly_usd
+
+    def plot_loss(self) -> None:
+        if not self.enabled or not self.metrics_path.exists():
+            return
+        rows = [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line.strip()]
+        train = [(r["step"], r["loss"]) for r in rows if r.get("loss") is not None]
+        evals = [(r["step"], r["eval_loss"]) for r in rows if r.get("eval_loss") is not None]
+        if not train and not evals:
+            return
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+        if train:
+            ax.plot(*zip(*train, strict=True), label="train loss")
+        if evals:
+            ax.plot(*zip(*evals, strict=True), "o-", label="eval loss")
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss")
+        ax.set_title(self.run.name)
+        ax.grid(alpha=0.3)
+        ax.legend()
+        tmp = atomic.temp_name(self.run.loss_plot)
+        fig.savefig(tmp, format="png")
+        plt.close(fig)
+        os.replace(tmp, self.run.loss_plot)
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+
+
+def _float_env(name: str) -> float | None:
+    raw = os.environ.get(name)
+    if not raw:
+        return None
+    try:
+        return float(raw)
+    except ValueError:
+        from trainpod.errors import ConfigError
+
+        raise ConfigError([f"{name}={raw!r} is not a number; set it to the price in USD, e.g. 2.49"]) from None

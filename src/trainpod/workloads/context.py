@@ -1,0 +1,59 @@
+"""What a workload gets from the lifecycle: the volume, its run folder, the stop flag, the lease."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from trainpod.checkpoint import Lease
+from trainpod.errors import ConfigError, InputError
+from trainpod.preemption import PreemptionWatch
+from trainpod.volume import RunDir, Volume
+
+
+@dataclass
+class RunContext:
+    volume: Volume
+    run: RunDir
+    watch: PreemptionWatch
+    lease: Lease | None = None
+    datagen_hint: str = "configs/datagen/tiny.yaml"
+
+    def lease_lost(self) -> bool:
+        return self.lease is not None and self.lease.lost.is_set()
+
+    @property
+    def budget_usd(self) -> float | None:
+        raw = os.environ.get("TRAINPOD_BUDGET_USD")
+        if not raw:
+            return None
+        try:
+            return float(raw)
+        except ValueError:
+            raise ConfigError([f"TRAINPOD_BUDGET_USD={raw!r} is not a number; set it in USD, e.g. 50"]) from None
+
+    def resolve_dataset(self, name: str) -> Path:
+        path = Path(name) if os.path.isabs(name) else self.volume.dataset(name)
+        if not (path / "manifest.json").is_file():
+            raise InputError(
+                f"dataset '{name}' not found: {path}/manifest.json does not exist. Make it first with "
+                f"`TRAINPOD_CONFIG=<datagen config naming '{path.name}'> trainpod run datagen` "
+                f"(for example {self.datagen_hint}), or fix data.dataset"
+            )
+        return path
+
+    def resolve_tokenizer(self, name: str | None, manifest: dict[str, Any]) -> Path:
+        if name is None:
+            recorded = manifest["tokenizer"]
+            candidates = [Path(recorded["path"])] if recorded.get("path") else []
+            if recorded.get("name"):
+                candidates.append(self.volume.tokenizer(recorded["name"]))
+        else:
+            candidates = [Path(name) if os.path.isabs(name) else self.volume.tokenizer(name)]
+        for path in candidates:
+            if (path / "tokenizer.json").is_file():
+                return path
+        shown = ", ".join(str(p) for p in candidates) or "(none recorded in the dataset manifest)"
+        raise InputError(f"tokenizer not found at {shown}; run datagen again or set data.tokenizer to its folder")

@@ -1,0 +1,147 @@
+"""The life of one workload start, the same for every workload:
+
+  load and validate the config (exit 2, nothing written)  ->  check the volume (exit 2)
+  -> a DONE run exits 0 at once, changing nothing  ->  preflight inputs (exit 2, nothing written)
+  -> run folder, lease, resolved config.yaml  ->  the workload  ->  DONE, or the error's exit code.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from trainpod import atomic
+from trainpod.checkpoint import Lease
+from trainpod.config import dump_config, load_config
+from trainpod.config.datagen import DatagenConfig
+from trainpod.config.pretrain import PretrainConfig
+from trainpod.errors import ConfigError, ExitCode, TrainpodError
+from trainpod.log import setup_logging
+from trainpod.preemption import PreemptionWatch
+from trainpod.volume import Volume
+from trainpod.workloads.context import RunContext
+
+log = logging.getLogger("trainpod")
+
+CONFIG_TYPES = {"datagen": DatagenConfig, "pretrain": PretrainConfig}
+
+
+@dataclass
+class RunRequest:
+    """What the environment (or the CLI's flags, which win) asks for; DESIGN.md's env contract."""
+
+    workload: str
+    config_path: str | None
+    overrides: list[str] = field(default_factory=list)
+    run_name: str | None = None
+    volume: Volume = field(default_factory=Volume.from_env)
+
+
+def resolve_config_path(raw: str | None, volume: Volume) -> Path:
+    """An absolute path, a path relative to here, on the volume, or in a synced checkout under repos/."""
+    if not raw:
+        raise ConfigError(["TRAINPOD_CONFIG is not set; point it at a YAML config, "
+                           "e.g. TRAINPOD_CONFIG=configs/pretrain/tiny.yaml (or pass --config)"])
+    path = Path(raw)
+    if path.is_absolute():
+        return path
+    candidates = [Path.cwd() / path, volume.root / path]
+    repos = volume.root / "repos"
+    if repos.is_dir():
+        candidates += [repo / path for repo in sorted(repos.iterdir())]
+    return next((c for c in candidates if c.is_file()), candidates[0])
+
+
+def execute(request: RunRequest) -> int:
+    """Run one workload start to its end and return DESIGN.md's exit code."""
+    rank = int(os.environ.get("RANK", "0"))
+    setup_logging(None, rank)
+    try:
+        return _execute(request, rank)
+    except TrainpodError as exc:
+        log.error("%s", exc) if exc.exit_code != ExitCode.PREEMPTED else log.warning("%s", exc)
+        return int(exc.exit_code)
+
+
+def _execute(request: RunRequest, rank: int) -> int:
+    config_cls = CONFIG_TYPES.get(request.workload)
+    if config_cls is None:
+        raise ConfigError([f"unknown workload {request.workload!r}; use one of: {', '.join(CONFIG_TYPES)}"])
+    config_path = resolve_config_path(request.config_path, request.volume)
+    config = load_config(config_cls, config_path, request.overrides)
+    request.volume.check_writable()
+    watch = PreemptionWatch(getattr(getattr(config, "checkpoint", None), "preemption_window_seconds", 5.0))
+    watch.install()
+    if request.workload == "datagen":
+        from trainpod.data.datagen import run_datagen
+
+        dataset = run_datagen(config, request.volume, watch)
+        log.info("dataset ready at %s", dataset)
+        return ExitCode.DONE
+    return _run_training(request, config, watch, rank)
+
+
+def _run_training(request: RunRequest, config: Any, watch: PreemptionWatch, rank: int) -> int:
+    run = request.volume.run(request.run_name or config.name)
+    if run.done.exists():
+        log.info("run %s is already DONE (%s); nothing to do", run.name, run.done)
+        return ExitCode.DONE
+    ctx = RunContext(request.volume, run, watch)
+    ctx.resolve_dataset(config.data.dataset)  # preflight: fail before anything is written
+    if rank == 0:
+        run.create()
+        ctx.lease = Lease(run.lease, config.checkpoint.lease_ttl_seconds)
+        ctx.lease.acquire()
+    setup_logging(run.logs / f"{request.workload}.log", rank)
+    try:
+        if rank == 0:
+            _write_resolved_config(run.config, config)
+        module = _workload_module(request.workload)
+        started = time.monotonic()
+        summary = module.run(ctx, config)
+        if rank == 0:
+            summary["wall_s_this_start"] = time.monotonic() - started
+            atomic.write_json(run.done, summary)
+            _set_status_state(run.status, "done")
+            log.info("run %s DONE: %s", run.name, json.dumps(summary))
+        return ExitCode.DONE
+    except TrainpodError as exc:
+        if rank == 0:
+            _set_status_state(run.status, "preempted" if exc.exit_code == ExitCode.PREEMPTED else "stopped")
+        raise
+    except BaseException:
+        if rank == 0:
+            _set_status_state(run.status, "failed")
+        raise
+    finally:
+        if ctx.lease is not None:
+            ctx.lease.release()
+
+
+def _workload_module(name: str) -> Any:
+    import importlib
+
+    return importlib.import_module(f"trainpod.workloads.{name}")
+
+
+def _write_resolved_config(path: Path, config: Any) -> None:
+    text = dump_config(config)
+    if not path.exists():
+        atomic.write_text(path, text)
+    elif path.read_text() != text:
+        log.warning("the config differs from %s, which the run started with; continuing with the new one "
+                    "(the original stays there)", path)
+
+
+def _set_status_state(path: Path, state: str) -> None:
+    try:
+        status = atomic.read_json(path)
+    except (FileNotFoundError, ValueError):
+        status = {}
+    status.update(state=state, updated_unix=time.time())
+    atomic.write_json(path, status)

@@ -1,0 +1,132 @@
+"""The checkpoint protocol: atomic commit, verification with fallback, leftovers, retention."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainpod.checkpoint import CheckpointStore
+
+
+def commit(store: CheckpointStore, step: int, payload: bytes = b"", eval_loss: float | None = None):
+    pending = store.begin(step)
+    pending.write_bytes("weights.bin", payload or f"weights at step {step}".encode() * 100)
+    with pending.open("state.pt") as f:
+        torch.save({"step": torch.tensor(step)}, f)
+    return store.commit(pending, step, {"note": "test"}, eval_loss)
+
+
+def test_commit_publishes_folder_manifest_and_latest(tmp_path):
+    store = CheckpointStore(tmp_path)
+    committed = commit(store, 10)
+    assert committed.path == tmp_path / "step-10"
+    assert (tmp_path / "LATEST").read_text().strip() == "step-10"
+    manifest = json.loads((committed.path / "manifest.json").read_text())
+    assert set(manifest["files"]) == {"weights.bin", "state.pt"}
+    assert manifest["files"]["weights.bin"]["bytes"] == (committed.path / "weights.bin").stat().st_size
+    assert torch.load(committed.path / "state.pt", weights_only=True)["step"].item() == 10
+    assert store.latest().step == 10
+    assert store.last_commit_seconds is not None
+
+
+def test_resume_uses_previous_checkpoint_when_latest_is_bit_flipped(tmp_path):
+    store = CheckpointStore(tmp_path, keep_last=3)
+    commit(store, 10)
+    commit(store, 20)
+    weights = tmp_path / "step-20" / "weights.bin"
+    data = bytearray(weights.read_bytes())
+    data[5] ^= 0x01  # same size, one bit different: only the sha256 notices
+    weights.write_bytes(bytes(data))
+    latest = CheckpointStore(tmp_path, keep_last=3).latest()
+    assert latest.step == 10
+    assert (tmp_path / "LATEST").read_text().strip() == "step-10"
+    assert not (tmp_path / "step-20").exists(), "the invalid checkpoint must move out of the way of step 20"
+    assert list(tmp_path.glob("step-20.invalid-*")), "the invalid checkpoint is kept for inspection"
+
+
+def test_resume_uses_previous_checkpoint_when_latest_is_truncated(tmp_path):
+    store = CheckpointStore(tmp_path, keep_last=3, verify="size")
+    commit(store, 10)
+    commit(store, 20)
+    with open(tmp_path / "step-20" / "state.pt", "r+b") as f:
+        f.truncate(10)
+    assert CheckpointStore(tmp_path, verify="size").latest().step == 10
+
+
+def test_missing_manifest_is_invalid(tmp_path):
+    store = CheckpointStore(tmp_path, keep_last=3)
+    commit(store, 1)
+    commit(store, 2)
+    (tmp_path / "step-2" / "manifest.json").unlink()
+    assert store.latest().step == 1
+
+
+def test_leftover_temp_dirs_are_removed_and_never_chosen(tmp_path):
+    store = CheckpointStore(tmp_path)
+    commit(store, 5)
+    half = store.begin(6)  # a kill while writing step 6
+    half.write_bytes("weights.bin", b"partial")
+    assert store.latest().step == 5
+    assert not list(tmp_path.glob("*.tmp-*"))
+
+
+def test_folder_renamed_but_never_committed_by_latest_is_discarded(tmp_path):
+    store = CheckpointStore(tmp_path, keep_last=3)
+    commit(store, 5)
+    commit(store, 6)
+    (tmp_path / "LATEST").write_text("step-5\n")  # a kill between the rename and the LATEST replace
+    assert store.latest().step == 5
+    assert not (tmp_path / "step-6").exists()
+
+
+def test_missing_latest_falls_back_to_newest_valid_by_number_not_mtime(tmp_path):
+    store = CheckpointStore(tmp_path, keep_last=5)
+    for step in (9, 10, 100):
+        commit(store, step)
+    os.utime(tmp_path / "step-9", (2e9, 2e9))  # newest mtime must not matter
+    (tmp_path / "LATEST").unlink()
+    assert store.latest().step == 100
+
+
+def test_retention_keeps_last_k_and_best_k(tmp_path):
+    store = CheckpointStore(tmp_path, keep_last=2, keep_best=1)
+    losses = {10: 3.0, 20: 1.0, 30: 2.5, 40: 2.0, 50: 2.2}
+    for step, loss in losses.items():
+        commit(store, step, eval_loss=loss)
+    kept = sorted(int(p.name.split("-")[1]) for p in tmp_path.glob("step-*"))
+    assert kept == [20, 40, 50]
+
+
+def test_latest_is_never_deleted_even_when_retention_would(tmp_path):
+    store = CheckpointStore(tmp_path, keep_last=1)
+    commit(store, 1)
+    (tmp_path / "LATEST").write_text("step-1\n")
+    commit(store, 2)
+    assert store.latest().step == 2
+    assert [p.name for p in tmp_path.glob("step-*")] == ["step-2"]
+
+
+def test_committing_a_step_again_keeps_the_first_commit(tmp_path):
+    store = CheckpointStore(tmp_path)
+    first = commit(store, 3, payload=b"first")
+    commit(store, 3, payload=b"second")
+    assert (first.path / "weights.bin").read_bytes() == b"first"
+    assert not list(tmp_path.glob("*.tmp-*"))
+
+
+def test_reserved_and_nested_names_are_refused(tmp_path):
+    pending = CheckpointStore(tmp_path).begin(1)
+    for name in ("manifest.json", "LATEST", "a/b"):
+        with pytest.raises(ValueError):
+            pending.open(name)
+
+
+def test_garbage_in_latest_is_treated_as_missing(tmp_path: Path):
+    store = CheckpointStore(tmp_path)
+    commit(store, 4)
+    (tmp_path / "LATEST").write_bytes(b"\xff\xfe garbage")
+    assert store.latest().step == 4

@@ -1,0 +1,84 @@
+"""Config loading: YAML + overrides, every problem reported at once with field, value and fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from trainpod.config import load_config, parse_overrides
+from trainpod.config.pretrain import PretrainConfig
+from trainpod.errors import ConfigError, ExitCode
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "configs/pretrain/tiny.yaml"
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_tiny_config_loads_with_defaults_filled_in():
+    config = load_config(PretrainConfig, TINY)
+    assert config.name == "tiny-pretrain"
+    assert config.model.num_layers == 2
+    assert config.checkpoint.keep_last == 2
+    assert config.train.tokens_per_step_per_rank == 64 * 8 * 2
+
+
+def test_overrides_win_over_yaml_and_parse_yaml_scalars():
+    config = load_config(PretrainConfig, TINY, ["train.max_steps=7", "train.compile=true", "train.lr=1e-4"])
+    assert (config.train.max_steps, config.train.compile, config.train.lr) == (7, True, 1e-4)
+
+
+def test_trainpod_set_splits_on_spaces_and_newlines_with_quoting():
+    assert parse_overrides("a.b=1 c='x y'\nd=2") == ["a.b=1", "c=x y", "d=2"]
+    assert parse_overrides("  ") == []
+
+
+def test_every_problem_is_reported_at_once_with_field_value_and_fix(tmp_path):
+    path = write(tmp_path, "name: x\ndata: {dataset: d}\ntrain: {max_steps: ten, lrr: 0.1}\nmodel: {num_heads: -1}\n")
+    with pytest.raises(ConfigError) as caught:
+        load_config(PretrainConfig, path)
+    message = str(caught.value)
+    assert caught.value.exit_code == ExitCode.BAD_INPUT
+    assert len(caught.value.problems) == 3, message
+    assert "train.max_steps = 'ten'" in message and "optimizer steps to train for" in message
+    assert "train.lrr: unknown key; did you mean 'lr'?" in message
+    assert "model.num_heads = -1" in message and "greater than or equal to 1" in message
+    assert str(path) in message
+
+
+def test_malformed_yaml_names_the_line(tmp_path):
+    path = write(tmp_path, "name: x\ntrain:\n  max_steps: [1, 2\n")
+    with pytest.raises(ConfigError, match=r"malformed YAML at line \d+"):
+        load_config(PretrainConfig, path)
+
+
+def test_missing_required_field_says_how_to_add_it(tmp_path):
+    path = write(tmp_path, "name: x\ndata: {dataset: d}\n")
+    with pytest.raises(ConfigError, match=r"train: required but missing.*--set train=VALUE"):
+        load_config(PretrainConfig, path)
+
+
+def test_cross_field_check_names_both_fields(tmp_path):
+    path = write(tmp_path, "name: x\ndata: {dataset: d}\ntrain: {max_steps: 5, warmup_steps: 10}\n")
+    with pytest.raises(ConfigError, match=r"train.warmup_steps=10 exceeds train.max_steps=5"):
+        load_config(PretrainConfig, path)
+
+
+def test_malformed_override_is_a_config_error():
+    with pytest.raises(ConfigError, match="not of the form key.path=value"):
+        load_config(PretrainConfig, TINY, ["train.max_steps"])
+
+
+def test_override_into_a_scalar_is_refused():
+    with pytest.raises(ConfigError, match="'max_steps' holds a value, not a section"):
+        load_config(PretrainConfig, TINY, ["train.max_steps.x=1"])
+
+
+def test_missing_config_file_says_what_to_set(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist; set TRAINPOD_CONFIG"):
+        load_config(PretrainConfig, tmp_path / "nope.yaml")

@@ -39,7 +39,9 @@ def test_trainpod_set_splits_on_spaces_and_newlines_with_quoting():
 
 
 def test_every_problem_is_reported_at_once_with_field_value_and_fix(tmp_path):
-    path = write(tmp_path, "name: x\ndata: {dataset: d}\ntrain: {max_steps: ten, lrr: 0.1}\nmodel: {num_heads: -1}\n")
+    path = write(
+        tmp_path, "name: x\ndata: {dataset: d}\ntrain: {max_steps: ten, lrr: 0.1}\nmodel: {num_heads: -1}\n"
+    )
     with pytest.raises(ConfigError) as caught:
         load_config(PretrainConfig, path)
     message = str(caught.value)

@@ -27,7 +27,9 @@ def test_second_writer_is_refused_while_the_first_is_alive(tmp_path):
 
 def test_expired_lease_from_another_host_is_taken_over(tmp_path):
     path = tmp_path / "LEASE"
-    path.write_text(json.dumps({"owner": {"id": "x", "host": "elsewhere", "pid": 1}, "expires_unix": time.time() - 1}))
+    path.write_text(
+        json.dumps({"owner": {"id": "x", "host": "elsewhere", "pid": 1}, "expires_unix": time.time() - 1})
+    )
     lease = Lease(path, ttl_seconds=60)
     lease.acquire()
     assert json.loads(path.read_text())["owner"]["id"] == lease.owner["id"]
@@ -36,15 +38,19 @@ def test_expired_lease_from_another_host_is_taken_over(tmp_path):
 
 def test_live_lease_from_another_host_is_respected(tmp_path):
     path = tmp_path / "LEASE"
-    path.write_text(json.dumps({"owner": {"id": "x", "host": "elsewhere", "pid": 1}, "expires_unix": time.time() + 60}))
+    path.write_text(
+        json.dumps({"owner": {"id": "x", "host": "elsewhere", "pid": 1}, "expires_unix": time.time() + 60})
+    )
     with pytest.raises(TemporaryError, match="host elsewhere"):
         Lease(path, ttl_seconds=60).acquire()
 
 
 def test_lease_of_a_dead_process_on_this_host_is_taken_over_before_expiry(tmp_path):
     path = tmp_path / "LEASE"
-    code = ("import sys; from trainpod.checkpoint import Lease; "
-            f"Lease({str(path)!r}, ttl_seconds=600).acquire()")  # exits without releasing: like SIGKILL
+    code = (
+        "import sys; from trainpod.checkpoint import Lease; "
+        f"Lease({str(path)!r}, ttl_seconds=600).acquire()"
+    )  # exits without releasing: like SIGKILL
     subprocess.run([sys.executable, "-c", code], check=True)
     assert json.loads(path.read_text())["expires_unix"] > time.time() + 500
     lease = Lease(path, ttl_seconds=60)

@@ -1,8 +1,8 @@
 """The `trainpod` command. Each verb is a function whose docstring is its help.
 
-    trainpod run pretrain --config configs/pretrain/tiny.yaml --set train.max_steps=50
-    trainpod run pretrain --nproc-per-node 2 ...     (one process per GPU, or gloo processes on CPU)
-    trainpod status RUN
+trainpod run pretrain --config configs/pretrain/tiny.yaml --set train.max_steps=50
+trainpod run pretrain --nproc-per-node 2 ...     (one process per GPU, or gloo processes on CPU)
+trainpod status RUN
 """
 
 from __future__ import annotations
@@ -20,8 +20,14 @@ from trainpod.errors import ExitCode
 from trainpod.volume import Volume
 
 
-def run(workload: str, config: str | None = None, set: list[str] | None = None, run_name: str | None = None,
-        volume: str | None = None, nproc_per_node: int = 1) -> int:
+def run(
+    workload: str,
+    config: str | None = None,
+    set: list[str] | None = None,
+    run_name: str | None = None,
+    volume: str | None = None,
+    nproc_per_node: int = 1,
+) -> int:
     """Run a workload (datagen, pretrain) to its end; resumes from the newest checkpoint.
 
     Flags override the environment: --config over TRAINPOD_CONFIG, --run over TRAINPOD_RUN,
@@ -73,7 +79,9 @@ def _status_line(vol: Volume, name: str) -> str:
         parts.append(f"cost ${s['cost_usd']:.2f}")
     checkpoint = s.get("latest_checkpoint")
     if checkpoint:
-        parts.append(f"checkpoint step-{checkpoint['step']} ({time.time() - checkpoint['committed_unix']:.0f} s ago)")
+        parts.append(
+            f"checkpoint step-{checkpoint['step']} ({time.time() - checkpoint['committed_unix']:.0f} s ago)"
+        )
     parts.append(f"updated {time.time() - s.get('updated_unix', time.time()):.0f} s ago")
     return " | ".join(parts)
 

@@ -29,8 +29,15 @@ def launch_local(nproc: int, argv: list[str]) -> int:
     port = str(_free_port())
     procs = []
     for rank in range(nproc):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
-                   LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(nproc),
+            LOCAL_WORLD_SIZE=str(nproc),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+        )
         procs.append(subprocess.Popen([sys.executable, "-m", "trainpod", *argv], env=env))
 
     def forward(signum: int, _frame: object) -> None:

@@ -12,8 +12,15 @@ import re
 import sys
 from pathlib import Path
 
-SECRET_ENV_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "WANDB_API_KEY", "RUNPOD_API_KEY", "GIT_TOKEN",
-                   "TRAINPOD_GIT_TOKEN", "GITHUB_TOKEN")
+SECRET_ENV_VARS = (
+    "HF_TOKEN",
+    "HUGGING_FACE_HUB_TOKEN",
+    "WANDB_API_KEY",
+    "RUNPOD_API_KEY",
+    "GIT_TOKEN",
+    "TRAINPOD_GIT_TOKEN",
+    "GITHUB_TOKEN",
+)
 # Credentials embedded in URLs (https://user:token@host/...), whatever variable they came from.
 _URL_CREDENTIALS = re.compile(r"(https?://)[^/\s:@]+(:[^/\s@]+)?@")
 _MIN_SECRET_LENGTH = 6  # shorter values would mask ordinary words

@@ -1,8 +1,8 @@
 """Where everything lives on the network volume (DESIGN.md, "The volume").
 
-    $TRAINPOD_VOLUME/
-      datasets/<name>/   tokenizers/<name>/   repos/<name>/   cache/
-      runs/<run>/config.yaml checkpoints/ export/ logs/ tensorboard/ loss.png status.json DONE LEASE
+$TRAINPOD_VOLUME/
+  datasets/<name>/   tokenizers/<name>/   repos/<name>/   cache/
+  runs/<run>/config.yaml checkpoints/ export/ logs/ tensorboard/ loss.png status.json DONE LEASE
 """
 
 from __future__ import annotations

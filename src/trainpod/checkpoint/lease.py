@@ -68,7 +68,9 @@ class Lease:
 
     def _write(self) -> None:
         now = time.time()
-        atomic.write_json(self.path, {"owner": self.owner, "heartbeat_unix": now, "expires_unix": now + self.ttl})
+        atomic.write_json(
+            self.path, {"owner": self.owner, "heartbeat_unix": now, "expires_unix": now + self.ttl}
+        )
 
     def acquire(self) -> None:
         held = self._read()
@@ -81,8 +83,11 @@ class Lease:
                 f"stop that process first, or wait for the lease at {self.path} to expire"
             )
         if held:
-            log.info("taking over a stale lease (owner host %s pid %s)",
-                     held.get("owner", {}).get("host"), held.get("owner", {}).get("pid"))
+            log.info(
+                "taking over a stale lease (owner host %s pid %s)",
+                held.get("owner", {}).get("host"),
+                held.get("owner", {}).get("pid"),
+            )
         self._write()
         self._thread = threading.Thread(target=self._heartbeat, name="lease-heartbeat", daemon=True)
         self._thread.start()

@@ -52,7 +52,9 @@ def _apply_override(tree: dict[str, Any], assignment: str, problems: list[str]) 
         if child is None:
             child = node[part] = {}
         if not isinstance(child, dict):
-            problems.append(f"override {key}: '{part}' holds a value, not a section, so it has no keys below it")
+            problems.append(
+                f"override {key}: '{part}' holds a value, not a section, so it has no keys below it"
+            )
             return
         node = child
     node[parts[-1]] = value
@@ -108,7 +110,9 @@ def _describe(model_cls: type[BaseModel], error: dict[str, Any]) -> str:
 
 def validate_tree(model_cls: type[ConfigT], tree: Any, source: str | None = None) -> ConfigT:
     if not isinstance(tree, dict):
-        raise ConfigError([f"the config must be a mapping of keys to values, got {type(tree).__name__}"], source)
+        raise ConfigError(
+            [f"the config must be a mapping of keys to values, got {type(tree).__name__}"], source
+        )
     try:
         return model_cls.model_validate(tree)
     except pydantic.ValidationError as exc:
@@ -128,8 +132,10 @@ def load_config(model_cls: type[ConfigT], path: Path | str | None, overrides: li
         path = Path(path)
         if not path.is_file():
             raise ConfigError(
-                [f"config file {path} does not exist; set TRAINPOD_CONFIG to an existing YAML file "
-                 "(an absolute path, a path in the synced git checkout, or a path on the volume)"],
+                [
+                    f"config file {path} does not exist; set TRAINPOD_CONFIG to an existing YAML file "
+                    "(an absolute path, a path in the synced git checkout, or a path on the volume)"
+                ],
                 source,
             )
         try:

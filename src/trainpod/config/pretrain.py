@@ -88,7 +88,9 @@ class TrainConfig(Section):
         False, description="Recompute activations in the backward pass: less memory, about 30% more compute."
     )
     seed: int = Field(1337, description="Seed for weights init, dropout and data order.")
-    eval_every: int = Field(200, ge=0, description="Evaluate on the validation split every N steps (0: never).")
+    eval_every: int = Field(
+        200, ge=0, description="Evaluate on the validation split every N steps (0: never)."
+    )
     eval_batches: int = Field(20, ge=1, description="Micro-batches per evaluation.")
     log_every: int = Field(10, ge=1, description="Log a line every N steps.")
     cpu_threads: int | None = Field(None, ge=1, description="torch threads on CPU; default: torch's choice.")
@@ -114,8 +116,10 @@ class ExportConfig(Section):
 
 
 class PretrainConfig(Section):
-    name: str = Field(description="Run name: the run lives in runs/<name>/ unless TRAINPOD_RUN says otherwise.",
-                      pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    name: str = Field(
+        description="Run name: the run lives in runs/<name>/ unless TRAINPOD_RUN says otherwise.",
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+    )
     data: PretrainDataConfig
     model: ModelConfig = ModelConfig()
     train: TrainConfig

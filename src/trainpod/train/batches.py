@@ -86,8 +86,14 @@ class TokenBatches:
             self._order = self._epoch_order(self.epoch)
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "shard_index": self.shard_index, "position": self.position,
-                "world_size": self.world_size, "batch_size": self.batch_size, "seq_len": self.seq_len}
+        return {
+            "epoch": self.epoch,
+            "shard_index": self.shard_index,
+            "position": self.position,
+            "world_size": self.world_size,
+            "batch_size": self.batch_size,
+            "seq_len": self.seq_len,
+        }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         layout = (state["world_size"], state["batch_size"], state["seq_len"])
@@ -104,8 +110,13 @@ class TokenBatches:
 
 
 def eval_batches(
-    shards: list[Path], open_shard: ShardOpener, batch_size: int, seq_len: int, count: int,
-    rank: int = 0, world_size: int = 1,
+    shards: list[Path],
+    open_shard: ShardOpener,
+    batch_size: int,
+    seq_len: int,
+    count: int,
+    rank: int = 0,
+    world_size: int = 1,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The same first `count` validation windows at every evaluation, split across ranks."""
     batches = TokenBatches(shards, open_shard, batch_size, seq_len, rank, world_size, seed=0)

@@ -39,8 +39,9 @@ def init_distributed() -> DistContext:
         device = torch.device("cpu")
     if world_size > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=timedelta(minutes=10),
-                                device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(
+            backend, timeout=timedelta(minutes=10), device_id=device if device.type == "cuda" else None
+        )
     return DistContext(rank, local_rank, world_size, device)
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
+from transformers.utils import logging as transformers_logging
 
 from trainpod import atomic
 
@@ -22,6 +23,7 @@ def export_hf(model: PreTrainedModel, tokenizer_dir: Path, target: Path, dtype: 
     """Write `model` and its tokenizer to `target` atomically (replacing an older export)."""
     tmp = target.with_name(f"{target.name}.tmp-{uuid.uuid4().hex[:12]}")
     tmp.mkdir(parents=True)
+    transformers_logging.disable_progress_bar()  # a progress bar per shard clutters the run's log
     exported = model if dtype == next(model.parameters()).dtype else _copy_as(model, dtype)
     exported.save_pretrained(tmp, safe_serialization=True)
     PreTrainedTokenizerFast.from_pretrained(str(tokenizer_dir)).save_pretrained(tmp)

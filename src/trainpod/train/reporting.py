@@ -11,7 +11,6 @@ import logging
 import math
 import os
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -55,14 +54,19 @@ class RunReporter:
             from torch.utils.tensorboard import SummaryWriter
 
             # purge_step hides events a previous attempt logged after the checkpoint we resumed from.
-            self._tb = SummaryWriter(str(run.tensorboard), purge_step=resumed_step + 1 if resumed_step else None)
+            self._tb = SummaryWriter(
+                str(run.tensorboard), purge_step=resumed_step + 1 if resumed_step else None
+            )
 
     def _truncate_metrics(self, resumed_step: int) -> None:
         """Drop lines logged after the resumed checkpoint: those steps are trained again."""
         if not self.metrics_path.exists():
             return
-        kept = [line for line in self.metrics_path.read_text().splitlines()
-                if line.strip() and json.loads(line)["step"] <= resumed_step]
+        kept = [
+            line
+            for line in self.metrics_path.read_text().splitlines()
+            if line.strip() and json.loads(line)["step"] <= resumed_step
+        ]
         atomic.write_text(self.metrics_path, "".join(line + "\n" for line in kept))
 
     def log_step(self, metrics: dict[str, Any]) -> None:
@@ -70,8 +74,14 @@ class RunReporter:
             return
         step = metrics["step"]
         parts = [f"step {step}/{self.max_steps}"]
-        for key, fmt in (("loss", ".4f"), ("lr", ".2e"), ("grad_norm", ".3f"), ("tokens_per_s", ",.0f"),
-                         ("mfu", ".1%"), ("cost_usd", ".2f")):
+        for key, fmt in (
+            ("loss", ".4f"),
+            ("lr", ".2e"),
+            ("grad_norm", ".3f"),
+            ("tokens_per_s", ",.0f"),
+            ("mfu", ".1%"),
+            ("cost_usd", ".2f"),
+        ):
             if metrics.get(key) is not None:
                 parts.append(f"{key} {metrics[key]:{fmt}}")
         log.info(" | ".join(parts))
@@ -81,19 +91,38 @@ class RunReporter:
             if key != "step" and isinstance(value, int | float) and math.isfinite(value):
                 self._tb.add_scalar(f"train/{key}" if key != "eval_loss" else "eval/loss", value, step)
 
-    def write_status(self, state: str, step: int, metrics: dict[str, Any], checkpoint: dict[str, Any] | None,
-                     elapsed_s: float) -> None:
+    def write_status(
+        self,
+        state: str,
+        step: int,
+        metrics: dict[str, Any],
+        checkpoint: dict[str, Any] | None,
+        elapsed_s: float,
+    ) -> None:
         if not self.enabled:
             return
         rate = metrics.get("steps_per_s")
         eta = (self.max_steps - step) / rate if rate else None
-        atomic.write_json(self.run.status, {
-            "run": self.run.name, "state": state, "step": step, "max_steps": self.max_steps,
-            "loss": metrics.get("loss"), "eval_loss": metrics.get("eval_loss"), "lr": metrics.get("lr"),
-            "tokens_per_s": metrics.get("tokens_per_s"), "mfu": metrics.get("mfu"),
-            "eta_s": eta, "elapsed_s": elapsed_s, "cost_usd": self.cost(elapsed_s),
-            "latest_checkpoint": checkpoint, "updated_unix": time.time(), "pid": os.getpid(),
-        })
+        atomic.write_json(
+            self.run.status,
+            {
+                "run": self.run.name,
+                "state": state,
+                "step": step,
+                "max_steps": self.max_steps,
+                "loss": metrics.get("loss"),
+                "eval_loss": metrics.get("eval_loss"),
+                "lr": metrics.get("lr"),
+                "tokens_per_s": metrics.get("tokens_per_s"),
+                "mfu": metrics.get("mfu"),
+                "eta_s": eta,
+                "elapsed_s": elapsed_s,
+                "cost_usd": self.cost(elapsed_s),
+                "latest_checkpoint": checkpoint,
+                "updated_unix": time.time(),
+                "pid": os.getpid(),
+            },
+        )
 
     def cost(self, elapsed_s: float) -> float | None:
         return None if self.hourly_usd is None else elapsed_s / 3600 * self.hourly_usd
@@ -140,4 +169,6 @@ def _float_env(name: str) -> float | None:
     except ValueError:
         from trainpod.errors import ConfigError
 
-        raise ConfigError([f"{name}={raw!r} is not a number; set it to the price in USD, e.g. 2.49"]) from None
+        raise ConfigError(
+            [f"{name}={raw!r} is not a number; set it to the price in USD, e.g. 2.49"]
+        ) from None

@@ -5,7 +5,9 @@ from __future__ import annotations
 import math
 
 
-def cosine_with_warmup(step: int, max_steps: int, peak_lr: float, warmup_steps: int, min_lr_ratio: float) -> float:
+def cosine_with_warmup(
+    step: int, max_steps: int, peak_lr: float, warmup_steps: int, min_lr_ratio: float
+) -> float:
     """Linear warmup from peak/warmup to peak over `warmup_steps`, then cosine decay to peak*min_lr_ratio."""
     if warmup_steps and step < warmup_steps:
         return peak_lr * (step + 1) / warmup_steps

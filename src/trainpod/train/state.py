@@ -19,8 +19,13 @@ def capture_rng() -> dict[str, Any]:
     version, internal, gauss = random.getstate()
     state: dict[str, Any] = {
         "python": {"version": version, "internal": list(internal), "gauss": gauss},
-        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                  "has_gauss": int(has_gauss), "cached": float(cached)},
+        "numpy": {
+            "kind": kind,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached": float(cached),
+        },
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
@@ -32,8 +37,15 @@ def restore_rng(state: dict[str, Any]) -> None:
     python = state["python"]
     random.setstate((python["version"], tuple(python["internal"]), python["gauss"]))
     numpy = state["numpy"]
-    np.random.set_state((numpy["kind"], numpy["keys"].numpy().astype(np.uint32), numpy["pos"],
-                         numpy["has_gauss"], numpy["cached"]))
+    np.random.set_state(
+        (
+            numpy["kind"],
+            numpy["keys"].numpy().astype(np.uint32),
+            numpy["pos"],
+            numpy["has_gauss"],
+            numpy["cached"],
+        )
+    )
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])

@@ -32,7 +32,9 @@ class RunContext:
         try:
             return float(raw)
         except ValueError:
-            raise ConfigError([f"TRAINPOD_BUDGET_USD={raw!r} is not a number; set it in USD, e.g. 50"]) from None
+            raise ConfigError(
+                [f"TRAINPOD_BUDGET_USD={raw!r} is not a number; set it in USD, e.g. 50"]
+            ) from None
 
     def resolve_dataset(self, name: str) -> Path:
         path = Path(name) if os.path.isabs(name) else self.volume.dataset(name)
@@ -56,4 +58,6 @@ class RunContext:
             if (path / "tokenizer.json").is_file():
                 return path
         shown = ", ".join(str(p) for p in candidates) or "(none recorded in the dataset manifest)"
-        raise InputError(f"tokenizer not found at {shown}; run datagen again or set data.tokenizer to its folder")
+        raise InputError(
+            f"tokenizer not found at {shown}; run datagen again or set data.tokenizer to its folder"
+        )

@@ -1,8 +1,8 @@
 """The life of one workload start, the same for every workload:
 
-  load and validate the config (exit 2, nothing written)  ->  check the volume (exit 2)
-  -> a DONE run exits 0 at once, changing nothing  ->  preflight inputs (exit 2, nothing written)
-  -> run folder, lease, resolved config.yaml  ->  the workload  ->  DONE, or the error's exit code.
+load and validate the config (exit 2, nothing written)  ->  check the volume (exit 2)
+-> a DONE run exits 0 at once, changing nothing  ->  preflight inputs (exit 2, nothing written)
+-> run folder, lease, resolved config.yaml  ->  the workload  ->  DONE, or the error's exit code.
 """
 
 from __future__ import annotations
@@ -45,8 +45,12 @@ class RunRequest:
 def resolve_config_path(raw: str | None, volume: Volume) -> Path:
     """An absolute path, a path relative to here, on the volume, or in a synced checkout under repos/."""
     if not raw:
-        raise ConfigError(["TRAINPOD_CONFIG is not set; point it at a YAML config, "
-                           "e.g. TRAINPOD_CONFIG=configs/pretrain/tiny.yaml (or pass --config)"])
+        raise ConfigError(
+            [
+                "TRAINPOD_CONFIG is not set; point it at a YAML config, "
+                "e.g. TRAINPOD_CONFIG=configs/pretrain/tiny.yaml (or pass --config)"
+            ]
+        )
     path = Path(raw)
     if path.is_absolute():
         return path
@@ -134,8 +138,11 @@ def _write_resolved_config(path: Path, config: Any) -> None:
     if not path.exists():
         atomic.write_text(path, text)
     elif path.read_text() != text:
-        log.warning("the config differs from %s, which the run started with; continuing with the new one "
-                    "(the original stays there)", path)
+        log.warning(
+            "the config differs from %s, which the run started with; continuing with the new one "
+            "(the original stays there)",
+            path,
+        )
 
 
 def _set_status_state(path: Path, state: str) -> None:

@@ -15,7 +15,7 @@ import json
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +31,14 @@ from trainpod.errors import BudgetExhausted, InputError, Preempted, TemporaryErr
 from trainpod.train import distributed as D
 from trainpod.train.batches import TokenBatches, eval_batches
 from trainpod.train.export import DTYPES, export_hf
-from trainpod.train.model import (build_model, flops_per_token, llama_config, padded_vocab, parameter_count,
-                                  resolve_attention)
+from trainpod.train.model import (
+    build_model,
+    flops_per_token,
+    llama_config,
+    padded_vocab,
+    parameter_count,
+    resolve_attention,
+)
 from trainpod.train.reporting import RunReporter, peak_flops
 from trainpod.train.schedule import cosine_with_warmup
 from trainpod.train.state import capture_rng, load_weights, restore_rng, weights_bytes
@@ -52,7 +58,7 @@ class Progress:
     elapsed_s: float = 0.0  # training time over every attempt, for cost and ETA
     best_eval_loss: float | None = None
     last_eval_loss: float | None = None
-    history: dict[str, Any] = field(default_factory=dict)
+    last_eval_step: int | None = None
 
 
 class Pretrainer:
@@ -62,8 +68,12 @@ class Pretrainer:
         self.dist = dist
         self.train_cfg = config.train
         self.progress = Progress()
-        self.store = CheckpointStore(ctx.run.checkpoints, config.checkpoint.keep_last,
-                                     config.checkpoint.keep_best, config.checkpoint.verify)
+        self.store = CheckpointStore(
+            ctx.run.checkpoints,
+            config.checkpoint.keep_last,
+            config.checkpoint.keep_best,
+            config.checkpoint.verify,
+        )
         self.last_committed_step: int | None = None
         self._last_commit_time = time.monotonic()
         self._setup_data()
@@ -75,23 +85,34 @@ class Pretrainer:
 
         dataset_dir = self.ctx.resolve_dataset(self.cfg.data.dataset)
         manifest = load_dataset_manifest(dataset_dir)
-        train_shards, self.val_shards = dataset_shards(dataset_dir, manifest, "train"), \
-            dataset_shards(dataset_dir, manifest, "val")
+        train_shards, self.val_shards = (
+            dataset_shards(dataset_dir, manifest, "train"),
+            dataset_shards(dataset_dir, manifest, "val"),
+        )
         self.tokenizer_dir = self.ctx.resolve_tokenizer(self.cfg.data.tokenizer, manifest)
         self.tokenizer_vocab = manifest["tokenizer"]["vocab_size"]
         from trainpod.data.shards import open_shard
 
         self._open_shard = open_shard
         t = self.train_cfg
-        self.batches = TokenBatches(train_shards, open_shard, t.micro_batch_size, t.seq_len,
-                                    self.dist.rank, self.dist.world_size, t.seed)
+        self.batches = TokenBatches(
+            train_shards,
+            open_shard,
+            t.micro_batch_size,
+            t.seq_len,
+            self.dist.rank,
+            self.dist.world_size,
+            t.seed,
+        )
 
     def _setup_model(self) -> None:
         t, device = self.train_cfg, self.dist.device
         vocab = self.cfg.model.vocab_size or padded_vocab(self.tokenizer_vocab)
         if vocab < self.tokenizer_vocab:
-            raise InputError(f"model.vocab_size={vocab} is smaller than the tokenizer's vocabulary "
-                             f"({self.tokenizer_vocab}); raise model.vocab_size or leave it unset")
+            raise InputError(
+                f"model.vocab_size={vocab} is smaller than the tokenizer's vocabulary "
+                f"({self.tokenizer_vocab}); raise model.vocab_size or leave it unset"
+            )
         self.autocast_dtype = _autocast_dtype(t.precision, device)
         attention = resolve_attention(t.attention, device)
         self.model_config = llama_config(self.cfg.model, vocab, t.seq_len, attention)
@@ -101,14 +122,21 @@ class Pretrainer:
         self.n_params = parameter_count(self.model_config)
         self.flops_per_token = flops_per_token(self.model_config, self.n_params, t.seq_len)
         self.optimizer = _adamw(self.model, t, device)
-        log.info("model: %s parameters, attention %s, precision %s, device %s, %d rank(s)",
-                 f"{self.n_params:,}", attention, self.autocast_dtype or "fp32", device, self.dist.world_size)
+        log.info(
+            "model: %s parameters, attention %s, precision %s, device %s, %d rank(s)",
+            f"{self.n_params:,}",
+            attention,
+            self.autocast_dtype or "fp32",
+            device,
+            self.dist.world_size,
+        )
 
     def _wrap_for_training(self) -> torch.nn.Module:
         model: torch.nn.Module = self.model
         if self.dist.distributed:
-            model = DistributedDataParallel(model, device_ids=[self.dist.local_rank]
-                                            if self.dist.device.type == "cuda" else None)
+            model = DistributedDataParallel(
+                model, device_ids=[self.dist.local_rank] if self.dist.device.type == "cuda" else None
+            )
         if self.train_cfg.compile:
             model = torch.compile(model)
         return model
@@ -131,15 +159,19 @@ class Pretrainer:
         self.optimizer.load_state_dict(optimizer_state)
         rng = torch.load(path / "rng.pt", weights_only=True)
         if len(rng) != self.dist.world_size:
-            raise InputError(f"checkpoint {path.name} was written by {len(rng)} rank(s), this run has "
-                             f"{self.dist.world_size}; resume with the same number of GPUs or start a new run")
+            raise InputError(
+                f"checkpoint {path.name} was written by {len(rng)} rank(s), this run has "
+                f"{self.dist.world_size}; resume with the same number of GPUs or start a new run"
+            )
         restore_rng(rng[self.dist.rank])
         self.batches.load_state_dict(state["data"])
         self.progress = Progress(**state["progress"])
         self.last_committed_step = step
         if state.get("config_hash") != config_hash(self.cfg):
             log.warning("the config changed since %s was written; continuing with the new one", path.name)
-        log.info("resumed from %s (step %d, %s tokens seen)", path.name, step, f"{self.progress.tokens_seen:,}")
+        log.info(
+            "resumed from %s (step %d, %s tokens seen)", path.name, step, f"{self.progress.tokens_seen:,}"
+        )
         return step
 
     # ---------------------------------------------------------------------------- training
@@ -171,8 +203,9 @@ class Pretrainer:
                 metrics["eval_loss"] = self._evaluate(model)
             if step % t.log_every == 0 or step == t.max_steps or metrics:
                 seconds = time.perf_counter() - window_start
-                metrics |= self._step_metrics(step, loss_sum / window_steps, grad_norm, window_tokens, seconds,
-                                              window_steps)
+                metrics |= self._step_metrics(
+                    step, loss_sum / window_steps, grad_norm, window_tokens, seconds, window_steps
+                )
                 self.reporter.log_step(metrics)
                 self._write_status("running", metrics)
                 window_start, window_tokens, window_steps = time.perf_counter(), 0, 0
@@ -211,28 +244,48 @@ class Pretrainer:
     def _evaluate(self, model: torch.nn.Module) -> float:
         t = self.train_cfg
         model.eval()
-        batches = eval_batches(self.val_shards, self._open_shard, t.micro_batch_size, t.seq_len, t.eval_batches,
-                               self.dist.rank, self.dist.world_size)
+        batches = eval_batches(
+            self.val_shards,
+            self._open_shard,
+            t.micro_batch_size,
+            t.seq_len,
+            t.eval_batches,
+            self.dist.rank,
+            self.dist.world_size,
+        )
         total = torch.zeros((), device=self.dist.device)
         for inputs, targets in batches:
             with self._autocast():
                 logits = model(input_ids=inputs.to(self.dist.device)).logits
-            total += F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.to(self.dist.device).view(-1))
+            total += F.cross_entropy(
+                logits.float().view(-1, logits.size(-1)), targets.to(self.dist.device).view(-1)
+            )
         eval_loss = D.all_reduce_mean(self.dist, total / max(len(batches), 1)).item()
-        self.progress.last_eval_loss = eval_loss
+        self.progress.last_eval_loss, self.progress.last_eval_step = eval_loss, self.progress.step
         if self.progress.best_eval_loss is None or eval_loss < self.progress.best_eval_loss:
             self.progress.best_eval_loss = eval_loss
         return eval_loss
 
-    def _step_metrics(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, tokens: int, seconds: float,
-                      steps: int) -> dict[str, Any]:
+    def _step_metrics(
+        self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, tokens: int, seconds: float, steps: int
+    ) -> dict[str, Any]:
         tokens_per_s = tokens / seconds if seconds > 0 else None
         peak = peak_flops(self.dist.device)
-        mfu = (tokens_per_s * self.flops_per_token / (peak * self.dist.world_size)) if peak and tokens_per_s else None
-        return {"step": step, "loss": D.all_reduce_mean(self.dist, loss.detach().clone()).item(), "lr": self._lr,
-                "grad_norm": grad_norm.item(), "tokens_per_s": tokens_per_s, "mfu": mfu,
-                "steps_per_s": steps / seconds if seconds > 0 else None,
-                "cost_usd": self.reporter.cost(self.progress.elapsed_s)}
+        mfu = (
+            (tokens_per_s * self.flops_per_token / (peak * self.dist.world_size))
+            if peak and tokens_per_s
+            else None
+        )
+        return {
+            "step": step,
+            "loss": D.all_reduce_mean(self.dist, loss.detach().clone()).item(),
+            "lr": self._lr,
+            "grad_norm": grad_norm.item(),
+            "tokens_per_s": tokens_per_s,
+            "mfu": mfu,
+            "steps_per_s": steps / seconds if seconds > 0 else None,
+            "cost_usd": self.reporter.cost(self.progress.elapsed_s),
+        }
 
     # --------------------------------------------------------------------- commit and stop
     def _after_step(self, step: int) -> None:
@@ -242,19 +295,27 @@ class Pretrainer:
         due_by_time = self.dist.is_main and time.monotonic() - self._last_commit_time >= ck.every_minutes * 60
         over_budget = self.dist.is_main and self._over_budget()
         stop = self.ctx.watch.requested or self.ctx.lease_lost()
-        due, due_by_time, over_budget, stop = (bool(v) for v in D.all_reduce_max(
-            self.dist, [float(due), float(due_by_time), float(over_budget), float(stop)]))
+        due, due_by_time, over_budget, stop = (
+            bool(v)
+            for v in D.all_reduce_max(
+                self.dist, [float(due), float(due_by_time), float(over_budget), float(stop)]
+            )
+        )
         if self.ctx.lease_lost():
             raise TemporaryError("another writer took over this run's lease; stopping without a commit")
         if stop:
             self._commit_before_stop(step)
-            raise Preempted(f"stopped by {self.ctx.watch.signal_name or 'signal'} at step {step}; "
-                            f"newest checkpoint: step {self.last_committed_step}")
+            raise Preempted(
+                f"stopped by {self.ctx.watch.signal_name or 'signal'} at step {step}; "
+                f"newest checkpoint: step {self.last_committed_step}"
+            )
         if due or due_by_time or over_budget:
             self.commit(step)
         if over_budget:
-            raise BudgetExhausted(f"TRAINPOD_BUDGET_USD is spent (${self.reporter.cost(self.progress.elapsed_s):.2f}); "
-                                  f"committed step {step}. Raise the budget and start again to continue.")
+            raise BudgetExhausted(
+                f"TRAINPOD_BUDGET_USD is spent (${self.reporter.cost(self.progress.elapsed_s):.2f}); "
+                f"committed step {step}. Raise the budget and start again to continue."
+            )
 
     def _commit_before_stop(self, step: int) -> None:
         if self.last_committed_step == step:
@@ -266,8 +327,13 @@ class Pretrainer:
             left = self.ctx.watch.seconds_left()
             fits = float(needed < left)
             if not fits:
-                log.warning("stop requested: a commit needs about %.1f s but only %.1f s are left before SIGKILL; "
-                            "exiting without one (losing the steps since %s)", needed, left, self.last_committed_step)
+                log.warning(
+                    "stop requested: a commit needs about %.1f s but only %.1f s are left before SIGKILL; "
+                    "exiting without one (losing the steps since %s)",
+                    needed,
+                    left,
+                    self.last_committed_step,
+                )
         if D.broadcast_from_main(self.dist, fits):
             self.commit(step)
 
@@ -300,9 +366,14 @@ class Pretrainer:
                 torch.save(self.optimizer.state_dict(), f)
             with pending.open("rng.pt") as f:
                 torch.save(rng_states, f)
-            pending.write_bytes("trainer_state.json", json.dumps(self._trainer_state(aliases), indent=2).encode())
-            committed = self.store.commit(pending, step, self._manifest_metadata(), self.progress.last_eval_loss,
-                                          started=started)
+            pending.write_bytes(
+                "trainer_state.json", json.dumps(self._trainer_state(aliases), indent=2).encode()
+            )
+            # Only a checkpoint evaluated at its own step competes for best-k retention.
+            eval_loss = self.progress.last_eval_loss if self.progress.last_eval_step == step else None
+            committed = self.store.commit(
+                pending, step, self._manifest_metadata(), eval_loss, started=started
+            )
             log.info("committed checkpoint step-%d in %.2f s", step, self.store.last_commit_seconds)
             self._write_status("running", {})
         D.barrier(self.dist)
@@ -311,23 +382,34 @@ class Pretrainer:
         return committed
 
     def _trainer_state(self, aliases: list[str]) -> dict[str, Any]:
-        return {"progress": self.progress.__dict__, "data": self.batches.state_dict(), "aliased_weights": aliases,
-                "world_size": self.dist.world_size, "config_hash": config_hash(self.cfg)}
+        return {
+            "progress": self.progress.__dict__,
+            "data": self.batches.state_dict(),
+            "aliased_weights": aliases,
+            "world_size": self.dist.world_size,
+            "config_hash": config_hash(self.cfg),
+        }
 
     def _manifest_metadata(self) -> dict[str, Any]:
-        return {"world_size": self.dist.world_size, "config_hash": config_hash(self.cfg),
-                "tokens_seen": self.progress.tokens_seen,
-                "versions": {"trainpod": trainpod.__version__, "torch": torch.__version__}}
+        return {
+            "world_size": self.dist.world_size,
+            "config_hash": config_hash(self.cfg),
+            "tokens_seen": self.progress.tokens_seen,
+            "versions": {"trainpod": trainpod.__version__, "torch": torch.__version__},
+        }
 
     def _write_status(self, state: str, metrics: dict[str, Any]) -> None:
         if not self.dist.is_main:
             return
         checkpoint = None
         if self.last_committed_step is not None:
-            checkpoint = {"step": self.last_committed_step, "committed_unix": time.time()
-                          - (time.monotonic() - self._last_commit_time)}
-        self.reporter.write_status(state, self.progress.step, metrics or self._last_metrics(),
-                                   checkpoint, self.progress.elapsed_s)
+            checkpoint = {
+                "step": self.last_committed_step,
+                "committed_unix": time.time() - (time.monotonic() - self._last_commit_time),
+            }
+        self.reporter.write_status(
+            state, self.progress.step, metrics or self._last_metrics(), checkpoint, self.progress.elapsed_s
+        )
         if metrics:
             self._metrics = metrics
 
@@ -345,10 +427,16 @@ class Pretrainer:
 
     def summary(self) -> dict[str, Any]:
         metrics = self._last_metrics()
-        return {"step": self.progress.step, "tokens_seen": self.progress.tokens_seen,
-                "loss": metrics.get("loss"), "eval_loss": self.progress.last_eval_loss,
-                "best_eval_loss": self.progress.best_eval_loss, "tokens_per_s": metrics.get("tokens_per_s"),
-                "parameters": self.n_params, "elapsed_s": self.progress.elapsed_s}
+        return {
+            "step": self.progress.step,
+            "tokens_seen": self.progress.tokens_seen,
+            "loss": metrics.get("loss"),
+            "eval_loss": self.progress.last_eval_loss,
+            "best_eval_loss": self.progress.best_eval_loss,
+            "tokens_per_s": metrics.get("tokens_per_s"),
+            "parameters": self.n_params,
+            "elapsed_s": self.progress.elapsed_s,
+        }
 
 
 def _autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
@@ -357,8 +445,10 @@ def _autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
     if device.type == "cuda" and torch.cuda.is_bf16_supported():
         return torch.bfloat16
     if precision == "bf16":
-        raise InputError(f"train.precision=bf16 needs a GPU with bf16 support; this process has {device}. "
-                         "Use train.precision=auto or fp32")
+        raise InputError(
+            f"train.precision=bf16 needs a GPU with bf16 support; this process has {device}. "
+            "Use train.precision=auto or fp32"
+        )
     return None
 
 
@@ -367,7 +457,9 @@ def _adamw(model: torch.nn.Module, t: Any, device: torch.device) -> torch.optim.
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, fused=device.type == "cuda")
+    return torch.optim.AdamW(
+        groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, fused=device.type == "cuda"
+    )
 
 
 def run(ctx: RunContext, config: PretrainConfig) -> dict[str, Any]:
@@ -380,8 +472,10 @@ def run(ctx: RunContext, config: PretrainConfig) -> dict[str, Any]:
         trainer.train()
         exported = trainer.export()
         D.barrier(dist)
-        summary = trainer.summary() | {"export": str(exported) if exported else None,
-                                       "checkpoints": [c.path.name for c in trainer.store.committed()]}
+        summary = trainer.summary() | {
+            "export": str(exported) if exported else None,
+            "checkpoints": [c.path.name for c in trainer.store.committed()],
+        }
         if not math.isfinite(summary.get("loss") or 0.0):
             log.warning("the final loss is not finite; check the learning rate and data")
         return summary

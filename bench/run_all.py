@@ -1,0 +1,72 @@
+"""`make bench`: every benchmark, each a ratio against a baseline measured in the same run,
+written to BENCHMARKS.md with the machine it ran on.
+
+    python bench/run_all.py [--quick] [--only datagen,pretrain,checkpoint]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import os
+import platform
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+BENCHES = ["bench_datagen", "bench_pretrain", "bench_checkpoint"]
+
+
+def machine() -> str:
+    import torch
+
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor(),
+    )
+    mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+    return (
+        f"{cpu}, {os.cpu_count()} cores, {mem_gib:.0f} GiB RAM, GPU: {gpu}; Python {platform.python_version()}, "
+        f"torch {torch.__version__}, {platform.system()} {platform.release()}"
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--quick", action="store_true", help="smaller inputs (a smoke run, not for the report)"
+    )
+    parser.add_argument("--only", help="comma-separated subset: datagen, pretrain, checkpoint")
+    parser.add_argument("--out", default=str(REPO / "BENCHMARKS.md"))
+    args = parser.parse_args()
+    names = [f"bench_{n}" for n in args.only.split(",")] if args.only else BENCHES
+    workdir = REPO / "bench-out"
+    sections = []
+    for name in names:
+        print(f"running {name} ...", flush=True)
+        section = importlib.import_module(name).run(workdir, quick=args.quick)
+        print(section, flush=True)
+        sections.append(section)
+    header = [
+        "# Benchmarks",
+        "",
+        f"Written by `make bench` on {datetime.date.today().isoformat()}{' (quick mode)' if args.quick else ''}.",
+        f"Machine: {machine()}.",
+        "",
+        "Each figure is a ratio against a baseline measured in the same command on the same machine.",
+        "",
+    ]
+    Path(args.out).write_text("\n".join(header + sections))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""`make demo`: the whole pipeline on CPU, with a simulated spot interruption and automatic resume.
+
+    python -m trainpod.demo [--volume demo-volume]
+
+1. datagen: trains a byte-level BPE tokenizer on the embedded corpus and writes token shards;
+2. pretrain: a tiny Llama, interrupted by SIGTERM (a spot pod's warning) after a checkpoint;
+3. pretrain again with the same settings: it resumes from the newest checkpoint and finishes;
+4. transformers loads the exported model and generates a few words; a summary is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIGS = REPO / "configs"
+INTERRUPT_AFTER_STEP = 30  # SIGTERM once this step's checkpoint is committed (tiny: every 10 of 60)
+
+
+def banner(text: str) -> None:
+    print(f"\n=== {text}", flush=True)
+
+
+def trainpod(args: list[str], volume: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "trainpod", *args, "--volume", str(volume)])
+
+
+def run_to_end(args: list[str], volume: Path) -> int:
+    return trainpod(args, volume).wait()
+
+
+def latest_step(run_dir: Path) -> int:
+    try:
+        return int((run_dir / "checkpoints" / "LATEST").read_text().strip().split("-")[1])
+    except (FileNotFoundError, IndexError, ValueError):
+        return -1
+
+
+def interrupt_after_checkpoint(args: list[str], volume: Path, run_dir: Path) -> tuple[int, int]:
+    """Start pretraining, SIGTERM it once step INTERRUPT_AFTER_STEP is committed; (exit code, step)."""
+    proc = trainpod(args, volume)
+    while proc.poll() is None and latest_step(run_dir) < INTERRUPT_AFTER_STEP:
+        time.sleep(0.05)
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    return proc.wait(timeout=60), latest_step(run_dir)
+
+
+def generate_sample(export_dir: Path) -> str:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(export_dir)
+    model = AutoModelForCausalLM.from_pretrained(export_dir)
+    inputs = tokenizer("Once upon a time", return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(
+            **inputs, max_new_tokens=20, do_sample=False, pad_token_id=tokenizer.eos_token_id
+        )
+    return tokenizer.decode(out[0], skip_special_tokens=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--volume", default="demo-volume", help="folder standing in for the network volume")
+    volume = Path(parser.parse_args(argv).volume).resolve()
+    shutil.rmtree(volume, ignore_errors=True)  # the demo's own folder: every demo starts fresh
+    volume.mkdir(parents=True)
+    started = time.monotonic()
+
+    banner("1/4 datagen: tokenizer + token shards from the embedded corpus")
+    if run_to_end(["run", "datagen", "--config", str(CONFIGS / "datagen/tiny.yaml")], volume) != 0:
+        return 1
+    pretrain = ["run", "pretrain", "--config", str(CONFIGS / "pretrain/tiny.yaml")]
+    run_dir = volume / "runs" / "tiny-pretrain"
+
+    banner(
+        f"2/4 pretrain, interrupted by SIGTERM after the step-{INTERRUPT_AFTER_STEP} checkpoint (a spot warning)"
+    )
+    code, step = interrupt_after_checkpoint(pretrain, volume, run_dir)
+    print(f"--> exit code {code} (143 = preempted after committing); newest checkpoint: step-{step}")
+    if code not in (0, 143):
+        return 1
+
+    banner("3/4 pretrain again with the same settings: resumes from the newest checkpoint")
+    if run_to_end(pretrain, volume) != 0:
+        return 1
+
+    banner("4/4 transformers loads the export and generates")
+    export_dir = run_dir / "export" / "hf"
+    print(f"--> {generate_sample(export_dir)!r}")
+    print_summary(run_dir, export_dir, time.monotonic() - started)
+    return 0
+
+
+def print_summary(run_dir: Path, export_dir: Path, seconds: float) -> None:
+    done = json.loads((run_dir / "DONE").read_text())
+    checkpoints = sorted(p.name for p in (run_dir / "checkpoints").glob("step-*"))
+    banner("summary")
+    print(
+        f"steps            {done['step']} ({done['tokens_seen']:,} tokens, {done['parameters']:,} parameters)"
+    )
+    print(f"final loss       train {done['loss']:.3f}, eval {done['eval_loss']:.3f}")
+    print(f"throughput       {done['tokens_per_s']:,.0f} tokens/s on CPU")
+    print(
+        f"checkpoints      {', '.join(checkpoints)} (LATEST: {(run_dir / 'checkpoints/LATEST').read_text().strip()})"
+    )
+    print(f"exported model   {export_dir} ({', '.join(sorted(p.name for p in export_dir.iterdir()))})")
+    print(f"loss curve       {run_dir / 'loss.png'}")
+    print(f"status           trainpod status --volume {run_dir.parents[1]}")
+    print(f"demo took        {seconds:.0f} s")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,28 @@
+"""Fixtures: a tiny dataset made once per session by the real datagen, copied into each test's volume."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from support import TINY_DATAGEN, run_trainpod
+
+
+@pytest.fixture(scope="session")
+def tiny_dataset_volume(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    volume = tmp_path_factory.mktemp("dataset-volume")
+    result = run_trainpod("run", "datagen", "--config", str(TINY_DATAGEN), volume=volume)
+    assert result.returncode == 0, f"datagen for the test dataset failed:\n{result.stdout}\n{result.stderr}"
+    return volume
+
+
+@pytest.fixture
+def volume(tmp_path: Path, tiny_dataset_volume: Path) -> Path:
+    """A fresh volume holding the tiny dataset and tokenizer, nothing else."""
+    root = tmp_path / "volume"
+    root.mkdir()
+    for folder in ("datasets", "tokenizers"):
+        shutil.copytree(tiny_dataset_volume / folder, root / folder)
+    return root

@@ -1,0 +1,182 @@
+"""A workload start as the supervisor sees it: exit codes, nothing written on bad input, DONE, lease."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from support import (
+    RUN,
+    TINY_PRETRAIN,
+    child_env,
+    exported_weights,
+    run_trainpod,
+    signal_when_step_reached,
+    start_trainpod,
+    trainpod_cmd,
+    tree_snapshot,
+)
+
+pytestmark = pytest.mark.slow
+PRETRAIN = ("run", "pretrain", "--config", str(TINY_PRETRAIN))
+
+
+def test_finished_run_exports_a_model_transformers_loads_and_generates_with(volume):
+    result = run_trainpod(*PRETRAIN, volume=volume)
+    assert result.returncode == 0, result.stdout + result.stderr
+    run = volume / "runs" / RUN
+    done = json.loads((run / "DONE").read_text())
+    assert done["step"] == 60 and done["export"].endswith("export/hf")
+    model = AutoModelForCausalLM.from_pretrained(run / "export/hf")
+    tokenizer = AutoTokenizer.from_pretrained(run / "export/hf")
+    inputs = tokenizer("Once upon a time", return_tensors="pt")
+    out = model.generate(**inputs, max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+    assert out.shape[1] == inputs["input_ids"].shape[1] + 8
+    status = json.loads((run / "status.json").read_text())
+    assert status["state"] == "done" and status["step"] == 60 and status["tokens_per_s"] > 0
+    assert (run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert list((run / "tensorboard").glob("events.out.tfevents.*"))
+    assert (run / "config.yaml").read_text().startswith("name: tiny-pretrain")
+    assert not (run / "LEASE").exists(), "a finished run releases its lease"
+    metrics = [json.loads(line) for line in (run / "logs/metrics.jsonl").read_text().splitlines()]
+    assert metrics[-1]["loss"] < metrics[0]["loss"], "the tiny model must learn something"
+    kept = sorted(p.name for p in (run / "checkpoints").glob("step-*"))
+    assert kept == ["step-50", "step-60"], "retention: the last 2, which include the best eval (step 60)"
+
+
+def test_rerun_after_done_exits_zero_at_once_and_changes_nothing(volume):
+    assert run_trainpod(*PRETRAIN, volume=volume).returncode == 0
+    before = tree_snapshot(volume)
+    result = run_trainpod(*PRETRAIN, volume=volume)
+    assert result.returncode == 0
+    assert "already DONE" in result.stdout
+    assert tree_snapshot(volume) == before
+
+
+@pytest.mark.parametrize(
+    ("config_text", "expected"),
+    [
+        ("name: x\ndata: {dataset: tiny\ntrain: {max_steps: 3}\n", "malformed YAML at line"),
+        ("name: x\ndata: {dataset: tiny}\ntrain: {max_steps: 3, lr_peak: 1}\n", "train.lr_peak: unknown key"),
+        ("name: x\ndata: {dataset: tiny}\ntrain: {max_steps: many}\n", "train.max_steps = 'many'"),
+        ("name: x\ndata: {dataset: missing-set}\ntrain: {max_steps: 3}\n", "trainpod run datagen"),
+    ],
+    ids=["malformed-yaml", "unknown-key", "wrong-type", "missing-dataset"],
+)
+def test_bad_input_exits_2_with_a_clear_message_and_leaves_the_volume_untouched(
+    volume, tmp_path, config_text, expected
+):
+    config = tmp_path / "bad.yaml"
+    config.write_text(config_text)
+    before = tree_snapshot(volume)
+    result = run_trainpod("run", "pretrain", "--config", str(config), volume=volume)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert expected in result.stdout + result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+    assert tree_snapshot(volume) == before
+
+
+def test_missing_dataset_message_names_the_path(volume):
+    result = run_trainpod(*PRETRAIN, "--set", "data.dataset=nope", volume=volume)
+    assert result.returncode == 2
+    assert f"{volume}/datasets/nope/manifest.json does not exist" in result.stdout
+
+
+def test_missing_trainpod_config_exits_2(volume):
+    result = run_trainpod("run", "pretrain", volume=volume)
+    assert result.returncode == 2
+    assert "TRAINPOD_CONFIG is not set" in result.stdout
+
+
+@contextlib.contextmanager
+def read_only(path: Path):
+    """Make `path` unwritable the way a read-only mounted volume is (root ignores permission bits)."""
+    if os.geteuid() == 0:
+        subprocess.run(["mount", "--bind", str(path), str(path)], check=True)
+        try:
+            subprocess.run(["mount", "-o", "remount,ro,bind", str(path)], check=True)
+            yield
+        finally:
+            subprocess.run(["umount", str(path)], check=True)
+    else:
+        path.chmod(0o555)
+        try:
+            yield
+        finally:
+            path.chmod(0o755)
+
+
+def test_unwritable_volume_exits_2_before_writing_anything(volume):
+    before = tree_snapshot(volume)
+    with read_only(volume):
+        result = run_trainpod(*PRETRAIN, volume=volume)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "is not writable" in result.stdout
+    assert tree_snapshot(volume) == before
+
+
+def test_second_writer_on_a_leased_run_is_refused_with_exit_75(volume):
+    first = start_trainpod(*PRETRAIN, "--set", "train.log_every=1", volume=volume)
+    try:
+        while json_step(volume) < 3 and first.poll() is None:
+            time.sleep(0.02)
+        second = run_trainpod(*PRETRAIN, volume=volume)
+        assert second.returncode == 75, second.stdout + second.stderr
+        assert "leased by another writer" in second.stdout
+    finally:
+        signal_when_step_reached(first, volume, 0, signal.SIGTERM)
+    assert first.returncode == 143
+
+
+def json_step(volume: Path) -> int:
+    from support import status_step
+
+    return status_step(volume)
+
+
+def test_budget_exhaustion_commits_and_exits_3(volume):
+    env = {"TRAINPOD_GPU_HOURLY_USD": "3600", "TRAINPOD_BUDGET_USD": "0.5"}  # $1 a second: spent in 0.5 s
+    result = run_trainpod(*PRETRAIN, "--set", "checkpoint.every_steps=1000", volume=volume, env=env)
+    assert result.returncode == 3, result.stdout + result.stderr
+    assert "TRAINPOD_BUDGET_USD is spent" in result.stdout
+    latest = (volume / "runs" / RUN / "checkpoints/LATEST").read_text().strip()
+    status = json.loads((volume / "runs" / RUN / "status.json").read_text())
+    assert latest == f"step-{status['step']}", "the step the budget ran out on is committed"
+
+
+def test_secrets_never_reach_logs_or_the_volume(volume):
+    secrets = {
+        "HF_TOKEN": "hf_secretvalue0123456789",
+        "WANDB_API_KEY": "wandbsecret0123456789",
+        "RUNPOD_API_KEY": "rpa_secret0123456789",
+        "TRAINPOD_GIT_TOKEN": "ghp_gitsecret0123456789",
+    }
+    result = run_trainpod(*PRETRAIN, "--set", "train.max_steps=10", volume=volume, env=secrets)
+    assert result.returncode == 0, result.stdout + result.stderr
+    for value in secrets.values():
+        assert value not in result.stdout + result.stderr
+        for path in volume.rglob("*"):
+            if path.is_file():
+                assert value.encode() not in path.read_bytes(), f"{value} found in {path}"
+
+
+def test_run_name_from_environment_selects_the_run_folder(volume):
+    result = subprocess.run(
+        trainpod_cmd(*PRETRAIN, "--set", "train.max_steps=5", volume=volume),
+        env=child_env({"TRAINPOD_RUN": "custom-name"}),
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert (volume / "runs/custom-name/DONE").exists()
+    assert exported_weights(volume, "custom-name")
+    shutil.rmtree(volume / "runs/custom-name")

@@ -1,0 +1,33 @@
+"""Secrets never reach a log line, whichever library prints them."""
+
+from __future__ import annotations
+
+import logging
+
+from trainpod.log import redact, setup_logging
+
+
+def test_secret_values_from_the_environment_are_masked(monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "hf_abcdefghijklmnop")
+    monkeypatch.setenv("WANDB_API_KEY", "0123456789abcdef")
+    text = redact("token hf_abcdefghijklmnop and key 0123456789abcdef")
+    assert "hf_abcdefghijklmnop" not in text and "0123456789abcdef" not in text
+    assert text.count("***") == 2
+
+
+def test_credentials_in_urls_are_masked_even_when_not_in_the_environment():
+    assert (
+        redact("cloning https://user:ghp_zzz@github.com/org/repo.git")
+        == "cloning https://***@github.com/org/repo.git"
+    )
+
+
+def test_log_handlers_mask_secrets(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("RUNPOD_API_KEY", "rpa_SECRETSECRET")
+    setup_logging(tmp_path / "run.log")
+    logging.getLogger("anything").info("request failed with key rpa_SECRETSECRET")
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    assert "rpa_SECRETSECRET" not in capsys.readouterr().out
+    assert "rpa_SECRETSECRET" not in (tmp_path / "run.log").read_text()
+    assert "***" in (tmp_path / "run.log").read_text()

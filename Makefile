@@ -6,6 +6,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # The CPU build of torch for tests and the demo; the images install their own (docker/).
 TORCH_SPEC ?= torch==2.13.0
+# Where a plain PyPI torch is a CUDA build (GitHub runners), point this at the CPU wheels:
+# TORCH_INDEX=https://download.pytorch.org/whl/cpu
+TORCH_INDEX ?=
 PYTEST_ARGS ?=
 
 .PHONY: setup demo test test-all bench lint clean
@@ -16,7 +19,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch first and alone: a later install sees it satisfied and never swaps it for a CUDA build.
-	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e '.[dev,hub]'
 	touch $@
 

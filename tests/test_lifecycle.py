@@ -180,3 +180,18 @@ def test_run_name_from_environment_selects_the_run_folder(volume):
     assert (volume / "runs/custom-name/DONE").exists()
     assert exported_weights(volume, "custom-name")
     shutil.rmtree(volume / "runs/custom-name")
+
+
+def test_time_based_saves_commit_without_waiting_for_the_step_interval(volume):
+    every_moment = (
+        "--set",
+        "checkpoint.every_minutes=0.000001",
+        "--set",
+        "checkpoint.every_steps=1000",
+        "--set",
+        "train.max_steps=6",
+    )
+    result = run_trainpod(*PRETRAIN, *every_moment, volume=volume)
+    assert result.returncode == 0, result.stdout + result.stderr
+    committed = [line for line in result.stdout.splitlines() if "committed checkpoint" in line]
+    assert len(committed) == 6, "a commit after every step once the time interval has passed"

@@ -139,3 +139,17 @@ def test_two_processes_under_torchrun_resume_exactly_after_sigterm(volume, tiny_
     result = run_trainpod(*PRETRAIN, *two, volume=volume)
     assert result.returncode == 0, result.stdout + result.stderr
     assert exported_weights(volume) == exported_weights(reference)
+
+
+def test_bit_flipped_newest_checkpoint_falls_back_to_the_previous_one_and_stays_exact(volume, uninterrupted):
+    proc = start_trainpod(*PRETRAIN, volume=volume)
+    signal_when_step_reached(proc, volume, 35, signal.SIGKILL)
+    newest = volume / "runs" / RUN / "checkpoints" / latest(volume)
+    weights = newest / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    weights.write_bytes(bytes(data))
+    result = run_trainpod(*PRETRAIN, volume=volume)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"checkpoint {newest.name} is invalid" in result.stdout
+    assert exported_weights(volume) == uninterrupted

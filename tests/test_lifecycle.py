@@ -65,10 +65,10 @@ def test_rerun_after_done_exits_zero_at_once_and_changes_nothing(volume):
 @pytest.mark.parametrize(
     ("config_text", "expected"),
     [
-        ("name: x\ndata: {dataset: tiny\ntrain: {max_steps: 3}\n", "malformed YAML at line"),
+        ("name: x\ndata: {dataset: tiny\ntrain: {max_steps: 3, warmup_steps: 0}\n", "malformed YAML at line"),
         ("name: x\ndata: {dataset: tiny}\ntrain: {max_steps: 3, lr_peak: 1}\n", "train.lr_peak: unknown key"),
         ("name: x\ndata: {dataset: tiny}\ntrain: {max_steps: many}\n", "train.max_steps = 'many'"),
-        ("name: x\ndata: {dataset: missing-set}\ntrain: {max_steps: 3}\n", "trainpod run datagen"),
+        ("name: x\ndata: {dataset: missing-set}\ntrain: {max_steps: 3, warmup_steps: 0}\n", "trainpod run datagen"),
     ],
     ids=["malformed-yaml", "unknown-key", "wrong-type", "missing-dataset"],
 )
@@ -171,7 +171,7 @@ def test_secrets_never_reach_logs_or_the_volume(volume):
 
 def test_run_name_from_environment_selects_the_run_folder(volume):
     result = subprocess.run(
-        trainpod_cmd(*PRETRAIN, "--set", "train.max_steps=5", volume=volume),
+        trainpod_cmd(*PRETRAIN, "--set", "train.max_steps=6", volume=volume),
         env=child_env({"TRAINPOD_RUN": "custom-name"}),
         capture_output=True,
         text=True,
@@ -195,3 +195,12 @@ def test_time_based_saves_commit_without_waiting_for_the_step_interval(volume):
     assert result.returncode == 0, result.stdout + result.stderr
     committed = [line for line in result.stdout.splitlines() if "committed checkpoint" in line]
     assert len(committed) == 6, "a commit after every step once the time interval has passed"
+
+
+def test_status_shows_step_loss_throughput_and_newest_checkpoint(volume):
+    assert run_trainpod(*PRETRAIN, "--set", "train.max_steps=10", volume=volume).returncode == 0
+    result = run_trainpod("status", volume=volume)
+    assert result.returncode == 0
+    line = result.stdout.strip()
+    assert line.startswith("tiny-pretrain: done | step 10/10 | loss ")
+    assert "tok/s" in line and "checkpoint step-10" in line

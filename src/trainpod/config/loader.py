@@ -101,6 +101,9 @@ def _describe(model_cls: type[BaseModel], error: dict[str, Any]) -> str:
         description = _field_description(model_cls, loc)
         about = f" ({description})" if description else ""
         return f"{dotted}: required but missing{about}; add it to the YAML or pass --set {dotted}=VALUE"
+    if kind == "value_error" and isinstance(error.get("input"), dict):
+        # A cross-field check on a whole section: its message already names the fields and the fix.
+        return str(error["msg"]).removeprefix("Value error, ")
     value = error.get("input")
     shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
     description = _field_description(model_cls, loc)

@@ -48,10 +48,12 @@ class RunContext:
 
     def resolve_tokenizer(self, name: str | None, manifest: dict[str, Any]) -> Path:
         if name is None:
+            # By name on this volume first: the recorded absolute path is where the volume was mounted
+            # when datagen ran, which another pod (or /runpod-volume on serverless) may not share.
             recorded = manifest["tokenizer"]
-            candidates = [Path(recorded["path"])] if recorded.get("path") else []
-            if recorded.get("name"):
-                candidates.append(self.volume.tokenizer(recorded["name"]))
+            candidates = [self.volume.tokenizer(recorded["name"])] if recorded.get("name") else []
+            if recorded.get("path"):
+                candidates.append(Path(recorded["path"]))
         else:
             candidates = [Path(name) if os.path.isabs(name) else self.volume.tokenizer(name)]
         for path in candidates:

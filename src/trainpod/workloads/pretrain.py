@@ -375,10 +375,10 @@ class Pretrainer:
                 pending, step, self._manifest_metadata(), eval_loss, started=started
             )
             log.info("committed checkpoint step-%d in %.2f s", step, self.store.last_commit_seconds)
-            self._write_status("running", {})
-        D.barrier(self.dist)
         self.last_committed_step = step
         self._last_commit_time = time.monotonic()
+        self._write_status("running", {})
+        D.barrier(self.dist)
         return committed
 
     def _trainer_state(self, aliases: list[str]) -> dict[str, Any]:

@@ -1,0 +1,343 @@
+"""The datagen workload: documents -> tokenizer -> llm.c-format token shards + manifest.json.
+
+    TRAINPOD_CONFIG=configs/datagen/tiny.yaml TRAINPOD_VOLUME=./demo-volume trainpod run datagen
+
+Output in $TRAINPOD_VOLUME/datasets/<name>/: `train_000000.bin ...`, `val_000000.bin ...` (fineweb
+format, see shards.py), `progress.json` (updated after every committed shard) and, last,
+`manifest.json`. Killed at any moment and started again, it continues from progress.json and the
+shards come out byte-identical to an uninterrupted run; a complete dataset is reused as it is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import logging
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from trainpod.atomic import read_json, write_json
+from trainpod.config.datagen import DatagenConfig
+from trainpod.data.encoding import BatchEncoder
+from trainpod.data.shards import HEADER_BYTES, shard_header, token_dtype
+from trainpod.data.sources import check_sources, describe_sources, iter_documents
+from trainpod.data.split_writer import SplitProgress, SplitWriter
+from trainpod.data.tokenizer import TOKENIZER_FILE, TokenizerInfo, prepare_tokenizer
+from trainpod.errors import InputError, Preempted
+from trainpod.preemption import PreemptionWatch
+from trainpod.volume import Volume
+
+log = logging.getLogger(__name__)
+
+MANIFEST_FILE = "manifest.json"
+PROGRESS_FILE = "progress.json"
+MANIFEST_FORMAT = "trainpod-datagen/1"
+# A batch is also cut at this many characters, so a corpus of book-length documents does not put
+# gigabytes in flight (1000 fineweb documents are ~4 MB).
+MAX_BATCH_CHARACTERS = 8_000_000
+_MASK64 = (1 << 64) - 1
+
+
+def settings_hash(config: DatagenConfig) -> str:
+    """Identifies what the shards depend on; workers and batch size may change between runs."""
+    canonical = json.dumps(config.output_settings(), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def is_validation(doc_index: int, val_ratio: float) -> bool:
+    """A fixed pseudo-random choice per document index (splitmix64), independent of batching."""
+    x = (doc_index + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) < val_ratio * 2**64
+
+
+def run_datagen(config: DatagenConfig, volume: Volume, watch: PreemptionWatch) -> Path:
+    """Build (or reuse, or resume) the dataset `config.name`; returns its folder.
+
+    Raises InputError (exit 2) for missing sources or a folder holding another config's dataset,
+    Preempted (exit 143) when `watch` saw SIGTERM: the committed shards and progress stay.
+    """
+    volume.check_writable()
+    folder = volume.dataset(config.name)
+    expected_hash = settings_hash(config)
+    manifest = _existing_manifest(folder, expected_hash)
+    if manifest is None:  # a finished dataset stays usable after its source files are gone
+        check_sources(config.sources, volume.root)
+    tokenizer = prepare_tokenizer(
+        config.tokenizer,
+        volume.tokenizer(config.tokenizer_name),
+        volume.root,
+        itertools.islice(iter_documents(config.sources, volume.root), config.tokenizer.max_train_documents),
+        [source.model_dump(mode="json") for source in config.sources],
+    )
+    if manifest is not None:
+        _check_same_tokenizer(folder / MANIFEST_FILE, manifest["tokenizer"]["sha256"], tokenizer)
+        log.info(
+            "dataset %s is complete and matches this config (hash %s): reusing it, nothing to do",
+            folder,
+            expected_hash,
+        )
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+    _remove_leftovers(folder)
+    progress = _load_progress(folder, config, expected_hash, tokenizer)
+    documents_read = _write_shards(config, volume, folder, tokenizer, progress, expected_hash, watch)
+    write_json(
+        folder / MANIFEST_FILE, _manifest(config, volume, tokenizer, progress, expected_hash, documents_read)
+    )
+    total = sum(p.tokens for p in progress.values())
+    log.info(
+        "dataset %s complete: %d documents, %d tokens in %d shards",
+        folder,
+        documents_read,
+        total,
+        sum(len(p.shards) for p in progress.values()),
+    )
+    return folder
+
+
+def _existing_manifest(folder: Path, expected_hash: str) -> dict | None:
+    """The manifest of a complete dataset made from this config, None when there is none yet."""
+    path = folder / MANIFEST_FILE
+    if not path.is_file():
+        return None
+    manifest = read_json(path)
+    if manifest.get("config_hash") != expected_hash:
+        raise InputError(
+            f"{folder} already holds a dataset made from a different config (hash {manifest.get('config_hash')}, "
+            f"this config {expected_hash}); it is not overwritten. Pick another dataset name, or delete the "
+            "folder to rebuild it"
+        )
+    return manifest if manifest.get("complete") else None
+
+
+def _check_same_tokenizer(where: Path, recorded_sha: str, tokenizer: TokenizerInfo) -> None:
+    if recorded_sha != tokenizer.sha256:
+        raise InputError(
+            f"{where} was made with tokenizer sha256 {recorded_sha[:12]}, but {tokenizer.folder} now has "
+            f"{tokenizer.sha256[:12]}; its shards do not match this tokenizer and are not overwritten. "
+            "Pick another dataset name, or delete the dataset folder to rebuild it"
+        )
+
+
+def _remove_leftovers(folder: Path) -> None:
+    for leftover in folder.glob("*.tmp-*"):
+        log.info("removing %s left by an interrupted write", leftover.name)
+        leftover.unlink()
+
+
+def _load_progress(
+    folder: Path, config: DatagenConfig, expected_hash: str, tokenizer: TokenizerInfo
+) -> dict[str, SplitProgress]:
+    """Committed shards per split from progress.json (empty for a fresh start); drops unlisted shards."""
+    path = folder / PROGRESS_FILE
+    progress = {split: SplitProgress() for split in config.splits}
+    if path.is_file():
+        recorded = read_json(path)
+        if recorded.get("config_hash") != expected_hash:
+            raise InputError(
+                f"{folder} holds a partly written dataset from a different config (hash "
+                f"{recorded.get('config_hash')}, this config {expected_hash}); it is not overwritten. "
+                "Pick another dataset name, or delete the folder to start it again"
+            )
+        _check_same_tokenizer(path, recorded["tokenizer_sha256"], tokenizer)
+        progress = {split: SplitProgress.from_json(recorded["splits"][split]) for split in config.splits}
+        if not _shards_intact(folder, progress):
+            progress = {split: SplitProgress() for split in config.splits}
+        else:
+            log.info(
+                "resuming: %s",
+                ", ".join(f"{split} {len(p.shards)} shards committed" for split, p in progress.items()),
+            )
+    listed = {s.file for p in progress.values() for s in p.shards}
+    for shard in folder.glob("*.bin"):
+        if shard.name not in listed:  # renamed into place but the crash came before progress.json
+            shard.unlink()
+    return progress
+
+
+def _shards_intact(folder: Path, progress: dict[str, SplitProgress]) -> bool:
+    for split_progress in progress.values():
+        for shard in split_progress.shards:
+            path = folder / shard.file
+            if not path.is_file() or path.stat().st_size != shard.bytes:
+                log.warning(
+                    "progress.json lists %s but it is missing or has another size; starting over", path
+                )
+                return False
+    return True
+
+
+class DocumentBatcher:
+    """Reads documents in order, assigns each a split, and groups them into per-split batches.
+
+    Documents a split has already committed (before its resume point) are counted but never sent
+    to the encoder, so resuming costs one read of the skipped text, not its encoding.
+    """
+
+    def __init__(self, config: DatagenConfig, volume: Volume, writers: dict[str, SplitWriter]):
+        self.config = config
+        self.volume = volume
+        self.writers = writers
+        self.documents_read = 0
+
+    def __iter__(self) -> Iterator[tuple[str, np.ndarray, list[str]]]:
+        pending: dict[str, tuple[list[int], list[str]]] = {split: ([], []) for split in self.writers}
+        characters = dict.fromkeys(self.writers, 0)
+        limit = self.config.smoke_documents if self.config.mode == "smoke" else None
+        for index, document in enumerate(
+            itertools.islice(iter_documents(self.config.sources, self.volume.root), limit)
+        ):
+            self.documents_read = index + 1
+            split = self._split_of(index)
+            if not self.writers[split].wants(index):
+                continue
+            indices, documents = pending[split]
+            indices.append(index)
+            documents.append(document)
+            characters[split] += len(document)
+            if len(documents) >= self.config.batch_documents or characters[split] >= MAX_BATCH_CHARACTERS:
+                yield split, np.array(indices, dtype=np.int64), documents
+                pending[split], characters[split] = ([], []), 0
+        for split, (indices, documents) in pending.items():
+            if documents:
+                yield split, np.array(indices, dtype=np.int64), documents
+
+    def _split_of(self, index: int) -> str:
+        if len(self.writers) > 1 and is_validation(index, self.config.val_ratio):
+            return "val"
+        return "train"
+
+
+def _write_shards(
+    config: DatagenConfig,
+    volume: Volume,
+    folder: Path,
+    tokenizer: TokenizerInfo,
+    progress: dict[str, SplitProgress],
+    expected_hash: str,
+    watch: PreemptionWatch,
+) -> int:
+    """Encode and commit every remaining shard; returns the number of documents read."""
+
+    def save_progress() -> None:
+        write_json(
+            folder / PROGRESS_FILE,
+            {
+                "config_hash": expected_hash,
+                "tokenizer_sha256": tokenizer.sha256,
+                "splits": {split: p.to_json() for split, p in progress.items()},
+            },
+        )
+
+    dtype = token_dtype(tokenizer.vocab_size)
+    writers = {
+        split: SplitWriter(split, folder, config.shard_tokens, dtype, p, save_progress)
+        for split, p in progress.items()
+    }
+    batcher = DocumentBatcher(config, volume, writers)
+    workers = config.workers or _cpu_count()
+    started, encoded = time.monotonic(), 0
+    with BatchEncoder(tokenizer.folder / TOKENIZER_FILE, tokenizer.eot_id, dtype, workers) as encoder:
+        for batch in encoder.map(iter(batcher)):
+            writers[batch.split].feed(batch)
+            encoded += len(batch.tokens)
+            if watch.requested:
+                raise Preempted(
+                    f"datagen stopped by {watch.signal_name}: "
+                    f"{sum(len(p.shards) for p in progress.values())} shards are committed in {folder}; "
+                    "run it again to continue from there"
+                )
+    for writer in writers.values():
+        writer.finish(batcher.documents_read)
+    elapsed = max(time.monotonic() - started, 1e-9)
+    log.info(
+        "encoded %d tokens in %.1f s (%.2f M tokens/s, %d workers)",
+        encoded,
+        elapsed,
+        encoded / elapsed / 1e6,
+        workers,
+    )
+    return batcher.documents_read
+
+
+def _cpu_count() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def _manifest(
+    config: DatagenConfig,
+    volume: Volume,
+    tokenizer: TokenizerInfo,
+    progress: dict[str, SplitProgress],
+    expected_hash: str,
+    documents_read: int,
+) -> dict:
+    dtype = token_dtype(tokenizer.vocab_size)
+    header = shard_header(0, dtype)
+    splits = {
+        split: {"tokens": p.tokens, "shards": [s.to_json() for s in p.shards]}
+        for split, p in progress.items()
+    }
+    return {
+        "format": MANIFEST_FORMAT,
+        "complete": True,
+        "name": config.name,
+        "dtype": dtype.name,
+        "shard_format": {"magic": int(header[0]), "version": int(header[1]), "header_bytes": HEADER_BYTES},
+        "splits": splits,
+        "total_tokens": sum(p.tokens for p in progress.values()),
+        "documents": documents_read,
+        "tokenizer": tokenizer.to_json(),
+        "sources": describe_sources(config.sources, volume.root),
+        "config": config.model_dump(mode="json"),
+        "config_hash": expected_hash,
+    }
+
+
+def dataset_shards(dataset_dir: Path, manifest: dict, split: str) -> list[Path]:
+    """The shard files of `split` ("train" or "val") in order; empty when the dataset has no such split."""
+    return [
+        Path(dataset_dir) / shard["file"] for shard in manifest["splits"].get(split, {}).get("shards", [])
+    ]
+
+
+def load_dataset_manifest(dataset_dir: Path) -> dict:
+    """The manifest of a complete dataset (schema: `_manifest`), every listed shard present.
+
+    Raises InputError naming the folder and the command that makes it.
+    """
+    dataset_dir = Path(dataset_dir)
+    make_it = (
+        f"make it with `TRAINPOD_CONFIG=<datagen config with name: {dataset_dir.name}> "
+        "trainpod run datagen` (e.g. configs/datagen/tiny.yaml)"
+    )
+    path = dataset_dir / MANIFEST_FILE
+    if not dataset_dir.is_dir():
+        raise InputError(f"dataset folder {dataset_dir} does not exist; {make_it}")
+    if not path.is_file():
+        raise InputError(
+            f"dataset folder {dataset_dir} has no {MANIFEST_FILE}: datagen has not finished there; "
+            f"{make_it} (it resumes where it stopped)"
+        )
+    try:
+        data = read_json(path)
+    except (OSError, ValueError) as exc:
+        raise InputError(f"{path} is unreadable ({exc}); delete {dataset_dir} and {make_it}") from None
+    if not data.get("complete") or data.get("format") != MANIFEST_FORMAT:
+        raise InputError(f"{path} does not describe a complete {MANIFEST_FORMAT} dataset; {make_it}")
+    for recorded in data["splits"].values():
+        for shard in recorded["shards"]:
+            shard_path = dataset_dir / shard["file"]
+            if not shard_path.is_file() or shard_path.stat().st_size != shard["bytes"]:
+                raise InputError(
+                    f"{shard_path} is listed in {path} but is missing or has another size; "
+                    f"delete {dataset_dir} and {make_it}"
+                )
+    return data

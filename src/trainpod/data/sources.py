@@ -1,0 +1,197 @@
+"""Documents from the configured sources, streamed in a fixed order so a document's index is stable.
+
+A document's index (its position in the concatenation of all sources, empty documents skipped)
+is what the train/val choice and the resume point refer to, so the order here must never depend
+on timing: globs are sorted, files are read front to back.
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import importlib.resources
+import io
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+from trainpod.config.datagen import BUILTIN_TINY_STORIES, SourceConfig
+from trainpod.errors import InputError, TemporaryError
+
+SUFFIX_FORMATS = {
+    ".txt": "text",
+    ".text": "text",
+    ".md": "text",
+    ".jsonl": "jsonl",
+    ".json": "jsonl",
+    ".parquet": "parquet",
+}
+BLANK_LINE = re.compile(r"\n[ \t\r]*\n")
+READ_BLOCK_CHARS = 4 << 20  # text files are split in 4 Mi-character blocks: memory stays flat
+PARQUET_BATCH_ROWS = 1024
+
+
+def builtin_corpus_path() -> Path:
+    return Path(str(importlib.resources.files("trainpod") / "demo_corpus" / "tiny_stories.txt.gz"))
+
+
+def resolve_files(source: SourceConfig, volume_root: Path) -> list[Path]:
+    """The files a path/glob/folder source names, sorted; InputError when it names nothing."""
+    if source.path == BUILTIN_TINY_STORIES:
+        return [builtin_corpus_path()]
+    pattern = Path(source.path).expanduser()
+    if not pattern.is_absolute():
+        pattern = volume_root / pattern
+    if pattern.is_dir():
+        files = sorted(p for p in pattern.rglob("*") if p.is_file() and _format_of(p, "auto", strict=False))
+    else:
+        files = sorted(Path(p) for p in glob.glob(str(pattern), recursive=True) if Path(p).is_file())
+    if not files:
+        what = "folder holds no .txt/.jsonl/.parquet files" if pattern.is_dir() else "matches no file"
+        raise InputError(
+            f"source path {source.path!r} ({pattern}) {what}; relative paths are taken from the volume "
+            f"root {volume_root}: fix sources[].path or copy the files there"
+        )
+    return files
+
+
+def _format_of(path: Path, declared: str, strict: bool = True) -> str | None:
+    if declared != "auto":
+        return declared
+    suffixes = [s.lower() for s in path.suffixes]
+    if suffixes and suffixes[-1] == ".gz":
+        suffixes.pop()
+    fmt = SUFFIX_FORMATS.get(suffixes[-1]) if suffixes else None
+    if fmt is None and strict:
+        raise InputError(
+            f"source file {path} has no known suffix (.txt, .jsonl, .parquet, optionally .gz); "
+            "set sources[].format to text, jsonl or parquet"
+        )
+    return fmt
+
+
+def _open_text(path: Path) -> io.TextIOBase:
+    if path.suffix == ".gz":
+        return gzip.open(path, "rt", encoding="utf-8")
+    return open(path, encoding="utf-8")
+
+
+def _text_documents(path: Path, separator: str) -> Iterator[str]:
+    with _open_text(path) as f:
+        if separator == "file":
+            yield f.read()
+        elif separator == "line":
+            yield from f
+        else:
+            rest = ""
+            while block := f.read(READ_BLOCK_CHARS):
+                parts = BLANK_LINE.split(rest + block)
+                rest = parts.pop()  # may continue in the next block
+                yield from parts
+            yield rest
+
+
+def _jsonl_documents(path: Path, field: str) -> Iterator[str]:
+    with _open_text(path) as f:
+        for line_number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                yield record[field]
+            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                raise InputError(
+                    f"{path}, line {line_number}: not a JSON object with a {field!r} string "
+                    f"({type(exc).__name__}); fix the file or set sources[].text_field"
+                ) from None
+
+
+def _parquet_documents(path: Path, field: str) -> Iterator[str]:
+    import pyarrow.parquet as pq
+
+    if path.suffix == ".gz":
+        raise InputError(
+            f"{path}: gzip-compressed parquet cannot be streamed; decompress it "
+            "(parquet compresses its own columns)"
+        )
+    parquet = pq.ParquetFile(path)
+    if field not in parquet.schema_arrow.names:
+        raise InputError(
+            f"{path} has no column {field!r} (columns: {', '.join(parquet.schema_arrow.names)}); "
+            "set sources[].text_field"
+        )
+    for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[field]):
+        yield from batch.column(0).to_pylist()
+
+
+def _hf_documents(source: SourceConfig) -> Iterator[str]:
+    try:
+        import datasets
+    except ImportError:
+        raise InputError("an hf source needs the `datasets` package: pip install 'trainpod[hub]'") from None
+    try:
+        stream = datasets.load_dataset(source.hf, source.hf_config, split=source.hf_split, streaming=True)
+    except (ConnectionError, TimeoutError) as exc:
+        raise TemporaryError(
+            f"could not reach the Hugging Face hub for {source.describe()}: "
+            f"{type(exc).__name__}; the pod will retry"
+        ) from None
+    except (FileNotFoundError, ValueError) as exc:
+        raise InputError(
+            f"Hugging Face dataset {source.describe()} could not be opened ({exc}); "
+            "check sources[].hf, hf_config and hf_split"
+        ) from None
+    for row in stream:
+        yield row[source.text_field]
+
+
+def iter_source(source: SourceConfig, volume_root: Path) -> Iterator[str]:
+    """Every non-empty document of one source, stripped of surrounding whitespace."""
+    if source.hf is not None:
+        raw: Iterator[str] = _hf_documents(source)
+    else:
+        raw = _iter_files(source, resolve_files(source, volume_root))
+    for document in raw:
+        if document and (document := document.strip()):
+            yield document
+
+
+def _iter_files(source: SourceConfig, files: list[Path]) -> Iterator[str]:
+    for path in files:
+        fmt = _format_of(path, "text" if source.path == BUILTIN_TINY_STORIES else source.format)
+        if fmt == "text":
+            yield from _text_documents(path, source.separator)
+        elif fmt == "jsonl":
+            yield from _jsonl_documents(path, source.text_field)
+        else:
+            yield from _parquet_documents(path, source.text_field)
+
+
+def iter_documents(sources: list[SourceConfig], volume_root: Path) -> Iterator[str]:
+    """All documents of all sources, in config order."""
+    for source in sources:
+        yield from iter_source(source, volume_root)
+
+
+def check_sources(sources: list[SourceConfig], volume_root: Path) -> None:
+    """Fail before any work when a local source names no file (hf sources are checked on reading)."""
+    for source in sources:
+        if source.path is not None:
+            for path in resolve_files(source, volume_root):
+                _format_of(path, "text" if source.path == BUILTIN_TINY_STORIES else source.format)
+
+
+def describe_sources(sources: list[SourceConfig], volume_root: Path) -> list[dict]:
+    """What the manifest records about the inputs: files with sizes and mtimes, or hf ids."""
+    described = []
+    for source in sources:
+        if source.hf is not None:
+            described.append({"hf": source.hf, "config": source.hf_config, "split": source.hf_split})
+            continue
+        files = [
+            {"path": str(p), "bytes": p.stat().st_size, "mtime_ns": p.stat().st_mtime_ns}
+            for p in resolve_files(source, volume_root)
+        ]
+        described.append({"path": source.path, "files": files})
+    return described

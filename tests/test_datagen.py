@@ -1,0 +1,248 @@
+"""datagen in-process: shards hold exactly the tokenizer's ids, reuse and refusal, modes, source formats."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from tokenizers import Tokenizer
+
+from trainpod.config.datagen import DatagenConfig
+from trainpod.config.loader import load_config, validate_tree
+from trainpod.data.datagen import dataset_shards, is_validation, load_dataset_manifest, run_datagen
+from trainpod.data.synthetic_corpus import stories
+from trainpod.errors import ConfigError, ExitCode, InputError
+from trainpod.preemption import PreemptionWatch
+from trainpod.volume import Volume
+
+REPO = Path(__file__).resolve().parents[1]
+STORY_COUNT = 600
+
+
+def llmc_tokens(path: Path) -> np.ndarray:
+    """Reader written from llm.c's data_common.py, independent of trainpod.data.shards."""
+    raw = path.read_bytes()
+    magic, version, count = struct.unpack_from("<3i", raw)
+    dtype = {(20240520, 1): "<u2", (20240801, 7): "<u4"}[(magic, version)]
+    tokens = np.frombuffer(raw, dtype=dtype, offset=1024)
+    assert len(tokens) == count
+    return tokens
+
+
+def corpus_documents(count: int = STORY_COUNT) -> list[str]:
+    generator = stories(seed=7)
+    return [next(generator) for _ in range(count)]
+
+
+@pytest.fixture
+def volume(tmp_path) -> Volume:
+    root = tmp_path / "volume"
+    (root / "corpus").mkdir(parents=True)
+    (root / "corpus" / "stories.txt").write_text("\n\n".join(corpus_documents()) + "\n", encoding="utf-8")
+    return Volume(root)
+
+
+def make_config(**changes) -> DatagenConfig:
+    tree = {
+        "name": "stories",
+        "tokenizer": {"vocab_size": 400, "max_train_documents": 300},
+        "sources": [{"path": "corpus/stories.txt"}],
+        "mode": "split",
+        "val_ratio": 0.1,
+        "shard_tokens": 3000,
+        "workers": 2,
+        "batch_documents": 50,
+    }
+    for key, value in changes.items():
+        tree[key] = value
+    return validate_tree(DatagenConfig, tree)
+
+
+def run(config: DatagenConfig, volume: Volume) -> Path:
+    return run_datagen(config, volume, PreemptionWatch())
+
+
+def split_stream(folder: Path, manifest: dict, split: str) -> np.ndarray:
+    shards = dataset_shards(folder, manifest, split)
+    return np.concatenate([llmc_tokens(p) for p in shards]) if shards else np.zeros(0, np.uint16)
+
+
+def expected_stream(tokenizer: Tokenizer, documents: list[str], want_val: bool | None, val_ratio: float):
+    eot = tokenizer.token_to_id("<|endoftext|>")
+    ids: list[int] = []
+    for index, document in enumerate(documents):
+        if want_val is None or is_validation(index, val_ratio) == want_val:
+            ids += [eot] + tokenizer.encode(document).ids
+    return np.array(ids)
+
+
+def test_shards_hold_exactly_the_tokenizer_ids_with_eot_before_each_document(volume):
+    folder = run(make_config(), volume)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    tokenizer = Tokenizer.from_file(str(volume.tokenizer("stories") / "tokenizer.json"))
+    documents = corpus_documents()
+    for split, want_val in (("train", False), ("val", True)):
+        stream = split_stream(folder, manifest, split)
+        assert np.array_equal(stream, expected_stream(tokenizer, documents, want_val, 0.1)), split
+        sizes = [s["tokens"] for s in manifest["splits"][split]["shards"]]
+        assert all(size == 3000 for size in sizes[:-1]) and 0 < sizes[-1] <= 3000
+        assert manifest["splits"][split]["tokens"] == len(stream)
+    assert len(manifest["splits"]["train"]["shards"]) >= 3, "the corpus should fill several train shards"
+    assert manifest["complete"] is True and manifest["documents"] == STORY_COUNT
+    assert manifest["dtype"] == "uint16" and manifest["tokenizer"]["eot_id"] == tokenizer.token_to_id(
+        "<|endoftext|>"
+    )
+    assert manifest["total_tokens"] == sum(manifest["splits"][s]["tokens"] for s in ("train", "val"))
+    assert sorted(p.name for p in folder.iterdir() if ".tmp-" in p.name) == []
+
+
+def test_complete_dataset_is_reused_without_rewriting_anything(volume, caplog):
+    folder = run(make_config(), volume)
+    before = {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in folder.iterdir()}
+    tokenizer_before = (volume.tokenizer("stories") / "tokenizer.json").stat().st_mtime_ns
+    with caplog.at_level("INFO"):
+        assert run(make_config(workers=1, batch_documents=7), volume) == folder  # tuning knobs may change
+    assert {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in folder.iterdir()} == before
+    assert (volume.tokenizer("stories") / "tokenizer.json").stat().st_mtime_ns == tokenizer_before
+    assert "reusing it" in caplog.text
+
+
+def test_different_config_on_the_same_name_is_refused_and_nothing_is_overwritten(volume):
+    folder = run(make_config(), volume)
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    with pytest.raises(InputError, match="different config") as caught:
+        run(make_config(shard_tokens=5000), volume)
+    assert str(folder) in str(caught.value) and "another dataset name" in str(caught.value)
+    assert caught.value.exit_code == ExitCode.BAD_INPUT
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+
+
+def test_smoke_mode_reads_only_the_first_documents(volume):
+    folder = run(make_config(mode="smoke", smoke_documents=40, val_ratio=0.0), volume)
+    manifest = load_dataset_manifest(folder)
+    tokenizer = Tokenizer.from_file(str(volume.tokenizer("stories") / "tokenizer.json"))
+    assert manifest["documents"] == 40 and list(manifest["splits"]) == ["train"]
+    expected = expected_stream(tokenizer, corpus_documents(40), None, 0.0)
+    assert np.array_equal(split_stream(folder, manifest, "train"), expected)
+
+
+def test_validation_share_follows_val_ratio():
+    chosen = sum(is_validation(index, 0.05) for index in range(20_000))
+    assert 0.04 < chosen / 20_000 < 0.06
+    assert [is_validation(i, 0.05) for i in range(50)] == [is_validation(i, 0.05) for i in range(50)]
+
+
+def test_full_mode_writes_only_train(volume):
+    manifest = load_dataset_manifest(run(make_config(mode="full"), volume))
+    assert list(manifest["splits"]) == ["train"] and manifest["documents"] == STORY_COUNT
+
+
+def write_in_other_formats(volume: Volume) -> None:
+    documents = corpus_documents()
+    data = volume.root / "formats"
+    data.mkdir()
+    with gzip.open(data / "a.jsonl.gz", "wt", encoding="utf-8") as f:
+        for document in documents[:200]:
+            f.write(json.dumps({"body": document, "id": 1}) + "\n")
+    pq.write_table(pa.table({"body": documents[200:400]}), data / "b.parquet", row_group_size=64)
+    with gzip.open(data / "c.txt.gz", "wt", encoding="utf-8") as f:
+        f.write("\n\n\n".join(documents[400:]))
+
+
+def test_jsonl_gz_parquet_and_txt_gz_by_glob_give_the_same_shards_as_one_text_file(volume):
+    write_in_other_formats(volume)
+    text_manifest = load_dataset_manifest(run(make_config(), volume))
+    mixed = make_config(
+        name="mixed",
+        tokenizer={"path": str(volume.tokenizer("stories"))},
+        sources=[{"path": "formats/*", "text_field": "body"}],
+    )
+    mixed_manifest = load_dataset_manifest(run(mixed, volume))
+    assert mixed_manifest["splits"] == text_manifest["splits"]
+    assert [f["path"].rsplit("/", 1)[-1] for f in mixed_manifest["sources"][0]["files"]] == [
+        "a.jsonl.gz",
+        "b.parquet",
+        "c.txt.gz",
+    ]
+
+
+def test_reused_tokenizer_folder_is_used_as_it_is(volume):
+    run(make_config(), volume)
+    shared = volume.tokenizer("stories")
+    mtime = (shared / "tokenizer.json").stat().st_mtime_ns
+    manifest = load_dataset_manifest(
+        run(make_config(name="other", tokenizer={"path": "tokenizers/stories"}), volume)
+    )
+    assert manifest["tokenizer"]["path"] == str(shared) and manifest["tokenizer"]["name"] is None
+    assert (shared / "tokenizer.json").stat().st_mtime_ns == mtime
+    assert not volume.tokenizer("other").exists()
+
+
+def test_tokenizer_with_other_training_settings_is_not_overwritten(volume):
+    run(make_config(), volume)
+    before = (volume.tokenizer("stories") / "tokenizer.json").read_bytes()
+    with pytest.raises(InputError, match="not trained with these settings"):
+        run(make_config(name="bigger", tokenizer={"name": "stories", "vocab_size": 500}), volume)
+    assert (volume.tokenizer("stories") / "tokenizer.json").read_bytes() == before
+
+
+def test_tokenizer_folder_loads_with_transformers_autotokenizer(volume):
+    from transformers import AutoTokenizer
+
+    run(make_config(mode="smoke", smoke_documents=20), volume)
+    folder = volume.tokenizer("stories")
+    hf = AutoTokenizer.from_pretrained(folder)
+    raw = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    text = "Once upon a time, there was a brave fox named Lily."
+    assert hf.eos_token == hf.bos_token == "<|endoftext|>"
+    assert hf.eos_token_id == raw.token_to_id("<|endoftext|>")
+    assert hf(text)["input_ids"] == raw.encode(text).ids
+    assert hf.decode(hf(text)["input_ids"]) == text
+
+
+def test_builtin_tiny_config_loads_and_fineweb_example_validates(tmp_path):
+    tiny = load_config(DatagenConfig, REPO / "configs/datagen/tiny.yaml")
+    assert tiny.sources[0].path == "builtin:tiny-stories" and tiny.mode == "split"
+    fineweb = load_config(DatagenConfig, REPO / "configs/datagen/fineweb-edu.yaml")
+    assert fineweb.sources[0].hf and fineweb.shard_tokens == 100_000_000
+
+
+def test_missing_source_path_names_the_path(volume):
+    with pytest.raises(InputError, match=r"corpus/nothing-\*\.jsonl") as caught:
+        run(make_config(sources=[{"path": "corpus/nothing-*.jsonl"}]), volume)
+    assert "matches no file" in str(caught.value) and caught.value.exit_code == ExitCode.BAD_INPUT
+    assert not volume.dataset("stories").exists(), "nothing is written before the inputs are checked"
+
+
+@pytest.mark.parametrize(
+    ("changes", "words"),
+    [
+        ({"mode": "split", "val_ratio": 0.0}, "val_ratio"),
+        ({"shard_tokens": 0}, "shard_tokens"),
+        ({"sources": [{"path": "a.txt", "hf": "x/y"}]}, "exactly one"),
+        ({"sources": []}, "sources"),
+        ({"tokenizer": {"vocab_size": 10}}, "tokenizer.vocab_size"),
+        ({"mode": "fast"}, "mode"),
+        ({"shard_tokns": 5}, "did you mean 'shard_tokens'"),
+    ],
+)
+def test_bad_field_values_are_config_errors_with_exit_code_2(changes, words):
+    with pytest.raises(ConfigError, match=words) as caught:
+        make_config(**changes)
+    assert caught.value.exit_code == ExitCode.BAD_INPUT == 2
+
+
+def test_load_dataset_manifest_says_how_to_make_a_missing_dataset(tmp_path):
+    with pytest.raises(InputError, match="trainpod run datagen") as caught:
+        load_dataset_manifest(tmp_path / "datasets" / "nope")
+    assert str(tmp_path / "datasets" / "nope") in str(caught.value)
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / "progress.json").write_text("{}")
+    with pytest.raises(InputError, match="has no manifest.json.*TRAINPOD_CONFIG="):
+        load_dataset_manifest(tmp_path / "half")

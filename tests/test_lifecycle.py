@@ -68,7 +68,10 @@ def test_rerun_after_done_exits_zero_at_once_and_changes_nothing(volume):
         ("name: x\ndata: {dataset: tiny\ntrain: {max_steps: 3, warmup_steps: 0}\n", "malformed YAML at line"),
         ("name: x\ndata: {dataset: tiny}\ntrain: {max_steps: 3, lr_peak: 1}\n", "train.lr_peak: unknown key"),
         ("name: x\ndata: {dataset: tiny}\ntrain: {max_steps: many}\n", "train.max_steps = 'many'"),
-        ("name: x\ndata: {dataset: missing-set}\ntrain: {max_steps: 3, warmup_steps: 0}\n", "trainpod run datagen"),
+        (
+            "name: x\ndata: {dataset: missing-set}\ntrain: {max_steps: 3, warmup_steps: 0}\n",
+            "trainpod run datagen",
+        ),
     ],
     ids=["malformed-yaml", "unknown-key", "wrong-type", "missing-dataset"],
 )

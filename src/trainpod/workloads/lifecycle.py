@@ -101,7 +101,9 @@ def _run_training(request: RunRequest, config: Any, watch: PreemptionWatch, rank
         run.create()
         ctx.lease = Lease(run.lease, config.checkpoint.lease_ttl_seconds)
         ctx.lease.acquire()
-    setup_logging(run.logs / (f"{request.workload}.log" if rank == 0 else f"{request.workload}.rank{rank}.log"), rank)
+    setup_logging(
+        run.logs / (f"{request.workload}.log" if rank == 0 else f"{request.workload}.rank{rank}.log"), rank
+    )
     try:
         if rank == 0:
             _write_resolved_config(run.config, config)

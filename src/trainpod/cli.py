@@ -86,6 +86,13 @@ def _status_line(vol: Volume, name: str) -> str:
     return " | ".join(parts)
 
 
+def boot() -> int:
+    """Run the workload the pod's environment names (TRAINPOD_WORKLOAD, TRAINPOD_CONFIG, ...)."""
+    from trainpod.boot import boot as boot_from_env
+
+    return boot_from_env()
+
+
 def _strip_nproc(argv: list[str]) -> list[str]:
     out, skip = [], False
     for arg in argv:
@@ -108,6 +115,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--run", dest="run_name", help="run name (default: $TRAINPOD_RUN, else the config's name)")
     p.add_argument("--volume", help="volume root (default: $TRAINPOD_VOLUME, else /workspace)")
     p.add_argument("--nproc-per-node", type=int, default=1, help="processes on this machine (one per GPU)")
+    verbs.add_parser("boot", help=_summary(boot), description=inspect.getdoc(boot))
     p = verbs.add_parser("status", help=_summary(status), description=inspect.getdoc(status))
     p.add_argument("run_name", nargs="?", metavar="RUN")
     p.add_argument("--volume")
@@ -120,7 +128,7 @@ def _summary(fn: object) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = vars(_parser().parse_args(argv))
-    verb = {"run": run, "status": status}[args.pop("verb")]
+    verb = {"run": run, "status": status, "boot": boot}[args.pop("verb")]
     return int(verb(**args))
 
 

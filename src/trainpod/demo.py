@@ -56,13 +56,21 @@ def interrupt_after_checkpoint(args: list[str], volume: Path, run_dir: Path) -> 
 def generate_sample(export_dir: Path) -> str:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as transformers_logging
 
+    transformers_logging.disable_progress_bar()
     tokenizer = AutoTokenizer.from_pretrained(export_dir)
     model = AutoModelForCausalLM.from_pretrained(export_dir)
     inputs = tokenizer("Once upon a time", return_tensors="pt")
+    torch.manual_seed(0)
     with torch.no_grad():
         out = model.generate(
-            **inputs, max_new_tokens=20, do_sample=False, pad_token_id=tokenizer.eos_token_id
+            **inputs,
+            max_new_tokens=30,
+            do_sample=True,
+            temperature=0.7,
+            top_k=20,
+            pad_token_id=tokenizer.eos_token_id,
         )
     return tokenizer.decode(out[0], skip_special_tokens=True)
 
@@ -85,7 +93,11 @@ def main(argv: list[str] | None = None) -> int:
         f"2/4 pretrain, interrupted by SIGTERM after the step-{INTERRUPT_AFTER_STEP} checkpoint (a spot warning)"
     )
     code, step = interrupt_after_checkpoint(pretrain, volume, run_dir)
-    print(f"--> exit code {code} (143 = preempted after committing); newest checkpoint: step-{step}")
+    stopped_at = json.loads((run_dir / "status.json").read_text())["step"]
+    print(
+        f"--> exit code {code} (143 = preempted after committing); stopped after step {stopped_at}, "
+        f"newest checkpoint step-{step}: {stopped_at - step} step(s) to redo"
+    )
     if code not in (0, 143):
         return 1
 

@@ -1,0 +1,178 @@
+"""`trainpod boot`: what a pod runs. The images' entrypoints call it; everything comes from the env.
+
+    TRAINPOD_WORKLOAD=pretrain TRAINPOD_CONFIG=configs/pretrain/tiny.yaml trainpod boot
+
+1. read the env contract (README, "The pod's environment");
+2. create the volume's folders (datasets, tokenizers, runs, repos, cache) and point caches there;
+3. sync TRAINPOD_GIT_REPO at TRAINPOD_GIT_REF under repos/ (exit 75 when it keeps failing);
+4. preflight, each failure one line and exit 2: volume writable, config valid, inputs present,
+   a GPU when the pod has one or the config needs one, free space for the checkpoints;
+5. launch: one process, one per GPU (RUNPOD_GPU_COUNT or what torch sees), or torchrun across the
+   nodes of a RunPod Instant Cluster (NUM_NODES, NODE_RANK, NUM_TRAINERS, PRIMARY_ADDR/PORT);
+   the exit code is the workload's.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+
+from trainpod.errors import ConfigError, InputError, TrainpodError
+from trainpod.log import setup_logging
+from trainpod.volume import Volume
+
+log = logging.getLogger("trainpod.boot")
+
+WORKLOADS = ("datagen", "pretrain")
+VOLUME_FOLDERS = ("datasets", "tokenizers", "runs", "repos", "cache")
+# Bytes per parameter a training run keeps on the volume: fp32 weights + two AdamW moments.
+CHECKPOINT_BYTES_PER_PARAM = 12
+
+
+def boot(environ: dict[str, str] | None = None) -> int:
+    """Run the workload the environment names (TRAINPOD_WORKLOAD, TRAINPOD_CONFIG, ...)."""
+    environ = os.environ if environ is None else environ
+    setup_logging(None, int(environ.get("RANK", "0")))
+    try:
+        workload = _workload(environ)
+        volume = Volume.from_env(environ)
+        volume.check_writable()
+        _prepare_volume(volume, environ)
+        if environ.get("TRAINPOD_GIT_REPO"):
+            from trainpod.gitsync import sync
+
+            sync(environ["TRAINPOD_GIT_REPO"], environ.get("TRAINPOD_GIT_REF"), volume.root / "repos")
+        config = _preflight(workload, volume, environ)
+        return _launch(workload, config, environ)
+    except TrainpodError as exc:
+        log.error("%s", exc)
+        return int(exc.exit_code)
+
+
+def _workload(environ: dict[str, str]) -> str:
+    workload = environ.get("TRAINPOD_WORKLOAD", "")
+    if workload not in WORKLOADS:
+        shown = repr(workload) if workload else "unset"
+        raise ConfigError([f"TRAINPOD_WORKLOAD is {shown}; set it to one of: {', '.join(WORKLOADS)}"])
+    return workload
+
+
+def _prepare_volume(volume: Volume, environ: dict[str, str]) -> None:
+    for folder in VOLUME_FOLDERS:
+        (volume.root / folder).mkdir(exist_ok=True)
+    cache = volume.cache()
+    # Downloads and compiled kernels survive a pod restart on the volume, not on the wiped container disk.
+    defaults = {
+        "HF_HOME": cache / "hf",
+        "TORCHINDUCTOR_CACHE_DIR": cache / "inductor",
+        "TRITON_CACHE_DIR": cache / "triton",
+    }
+    for name, path in defaults.items():
+        environ.setdefault(name, str(path))
+
+
+def _preflight(workload: str, volume: Volume, environ: dict[str, str]):
+    from trainpod.config import load_config, parse_overrides
+    from trainpod.workloads.lifecycle import CONFIG_TYPES, resolve_config_path
+
+    config_path = resolve_config_path(environ.get("TRAINPOD_CONFIG"), volume)
+    config = load_config(CONFIG_TYPES[workload], config_path, parse_overrides(environ.get("TRAINPOD_SET")))
+    if workload == "pretrain":
+        _check_gpu(config, environ)
+        _check_free_space(config, volume)
+    return config
+
+
+def _check_gpu(config, environ: dict[str, str]) -> None:
+    import torch
+
+    pod_gpus = int(environ.get("RUNPOD_GPU_COUNT") or 0)
+    if pod_gpus and not torch.cuda.is_available():
+        raise InputError(
+            f"the pod has {pod_gpus} GPU(s) (RUNPOD_GPU_COUNT) but CUDA is not usable in this container: the "
+            "host driver is probably older than the image's CUDA; restrict the pod with allowedCudaVersions"
+        )
+    if config.train.precision == "bf16" and not torch.cuda.is_available():
+        raise InputError(
+            "train.precision=bf16 needs a GPU and none is visible; use a GPU pod or precision=auto"
+        )
+
+
+def _check_free_space(config, volume: Volume) -> None:
+    from trainpod.train.model import llama_config, padded_vocab, parameter_count
+
+    vocab = config.model.vocab_size or padded_vocab(65536)  # before the tokenizer is read: a safe upper bound
+    params = parameter_count(llama_config(config.model, vocab, config.train.seq_len))
+    kept = config.checkpoint.keep_last + config.checkpoint.keep_best + 1  # +1: the one being written
+    needed = params * CHECKPOINT_BYTES_PER_PARAM * kept + params * 4  # + the fp32 export
+    free = shutil.disk_usage(volume.root).free
+    if free < needed:
+        raise InputError(
+            f"the volume at {volume.root} has {free / 2**30:.1f} GiB free; this run needs about "
+            f"{needed / 2**30:.1f} GiB ({params / 1e6:.0f}M parameters x {CHECKPOINT_BYTES_PER_PARAM} bytes x "
+            f"{kept} checkpoints + export); grow the network volume or lower checkpoint.keep_last/keep_best"
+        )
+
+
+def _launch(workload: str, config, environ: dict[str, str]) -> int:
+    from trainpod.cli import run
+
+    nodes = int(environ.get("NUM_NODES") or 1)
+    if workload == "pretrain" and nodes > 1:
+        return _torchrun_cluster(workload, environ)
+    gpus = _gpu_count(environ) if workload == "pretrain" else 1
+    if gpus > 1:
+        log.info("launching %d ranks, one per GPU", gpus)
+        from trainpod.launch import launch_local
+
+        return launch_local(gpus, ["run", workload])
+    return run(workload)
+
+
+def _gpu_count(environ: dict[str, str]) -> int:
+    if environ.get("RUNPOD_GPU_COUNT"):
+        return int(environ["RUNPOD_GPU_COUNT"])
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def _torchrun_cluster(workload: str, environ: dict[str, str]) -> int:
+    """RunPod Instant Cluster: torchrun with the cluster's own variables, as RunPod's examples do."""
+    addr = environ.get("PRIMARY_ADDR") or environ.get("MASTER_ADDR")
+    port = environ.get("PRIMARY_PORT") or environ.get("MASTER_PORT") or "29500"
+    missing = [
+        name for name, value in (("NODE_RANK", environ.get("NODE_RANK")), ("PRIMARY_ADDR", addr)) if not value
+    ]
+    if missing:
+        raise ConfigError(
+            [
+                f"NUM_NODES>1 but {', '.join(missing)} is unset; these come from RunPod's Instant "
+                "Cluster (or set them as torchrun's MASTER_ADDR/NODE_RANK)"
+            ]
+        )
+    per_node = environ.get("NUM_TRAINERS") or str(_gpu_count(environ))
+    argv = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        environ["NUM_NODES"],
+        "--node_rank",
+        environ["NODE_RANK"],
+        "--nproc_per_node",
+        per_node,
+        "--rdzv_backend",
+        "c10d",
+        "--rdzv_endpoint",
+        f"{addr}:{port}",
+        "-m",
+        "trainpod",
+        "run",
+        workload,
+    ]
+    log.info("launching %s", " ".join(argv[2:]))
+    os.execv(sys.executable, argv)  # torchrun becomes this process: tini's SIGTERM reaches it directly
+    return 0  # not reached

@@ -1,0 +1,103 @@
+"""Sync TRAINPOD_GIT_REPO at TRAINPOD_GIT_REF into repos/<name>/ on the volume before a workload starts.
+
+The token (TRAINPOD_GIT_TOKEN, GIT_TOKEN or GITHUB_TOKEN) reaches git only through GIT_ASKPASS, a
+script that reads it from the environment: it is never part of a URL, an argument, .git/config on
+the volume, or a log line. A first clone goes to a temp folder renamed into place, so a kill
+mid-clone leaves no half checkout under the name. Failures are retried, then exit 75.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import stat
+import subprocess
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+from trainpod.errors import TemporaryError
+from trainpod.log import redact
+
+log = logging.getLogger(__name__)
+
+TOKEN_VARS = ("TRAINPOD_GIT_TOKEN", "GIT_TOKEN", "GITHUB_TOKEN")
+ATTEMPTS = 3
+_ASKPASS = """#!/bin/sh
+case "$1" in
+  Username*) echo "${TRAINPOD_GIT_USER:-x-access-token}" ;;
+  *) echo "${TRAINPOD_GIT_TOKEN:-${GIT_TOKEN:-$GITHUB_TOKEN}}" ;;
+esac
+"""
+
+
+def repo_name(url: str) -> str:
+    name = url.rstrip("/").rsplit("/", 1)[-1].rsplit(":", 1)[-1]
+    return name.removesuffix(".git") or "repo"
+
+
+def sync(url: str, ref: str | None, repos_root: Path, sleep=time.sleep) -> Path:
+    """Make repos/<name> hold `ref` (a branch, tag or commit; default: the remote's HEAD)."""
+    target = repos_root / repo_name(url)
+    last_error = ""
+    for attempt in range(1, ATTEMPTS + 1):
+        try:
+            _sync_once(url, ref or "HEAD", target)
+            head = _git(["rev-parse", "HEAD"], target).strip()
+            log.info("synced %s at %s (%s) into %s", redact(url), ref or "HEAD", head[:12], target)
+            return target
+        except subprocess.CalledProcessError as exc:
+            last_error = redact(_git_reason(exc))
+            log.warning("git sync attempt %d/%d failed: %s", attempt, ATTEMPTS, last_error)
+            if attempt < ATTEMPTS:
+                sleep(2**attempt)
+    raise TemporaryError(
+        f"could not sync TRAINPOD_GIT_REPO={redact(url)} at TRAINPOD_GIT_REF={ref or 'HEAD'} after "
+        f"{ATTEMPTS} attempts ({last_error}); check the URL, the ref and the token"
+    )
+
+
+def _sync_once(url: str, ref: str, target: Path) -> None:
+    if (target / ".git").is_dir():
+        _fetch_checkout(url, ref, target)
+        return
+    tmp = target.with_name(f"{target.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        tmp.mkdir(parents=True)
+        _git(["init", "--quiet"], tmp)
+        _fetch_checkout(url, ref, tmp)
+        os.rename(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _fetch_checkout(url: str, ref: str, checkout: Path) -> None:
+    # The URL is passed on each fetch, never stored as a remote: .git/config stays credential-free.
+    _git(["fetch", "--quiet", "--depth", "1", url, ref], checkout)
+    _git(["checkout", "--quiet", "--force", "FETCH_HEAD"], checkout)
+
+
+def _git(args: list[str], cwd: Path) -> str:
+    with tempfile.TemporaryDirectory(prefix="trainpod-askpass-") as folder:
+        askpass = Path(folder) / "askpass.sh"
+        askpass.write_text(_ASKPASS)
+        askpass.chmod(stat.S_IRWXU)
+        env = dict(os.environ, GIT_ASKPASS=str(askpass), GIT_TERMINAL_PROMPT="0")
+        result = subprocess.run(
+            ["git", "-c", "advice.detachedHead=false", *args],
+            cwd=cwd,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        result.check_returncode()
+        return result.stdout
+
+
+def _git_reason(exc: subprocess.CalledProcessError) -> str:
+    """git's own one-line reason ("fatal: ..."), not the advice lines around it."""
+    lines = [line.strip() for line in (exc.stderr or "").splitlines() if line.strip()]
+    return next((line for line in lines if line.startswith("fatal:")), lines[-1] if lines else str(exc))

@@ -1,0 +1,140 @@
+"""The pod boot contract: env only, volume folders, git sync, preflight one-liners with exit 2."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trainpod import boot as boot_module
+from trainpod.gitsync import repo_name, sync
+
+from support import TINY_DATAGEN, child_env
+
+TOKEN = "ghp_supersecrettoken0123456789"
+
+
+def boot_process(volume: Path, **env: str) -> subprocess.CompletedProcess:
+    environ = child_env({"TRAINPOD_VOLUME": str(volume), **env})
+    return subprocess.run(
+        [sys.executable, "-m", "trainpod", "boot"], env=environ, capture_output=True, text=True, timeout=300
+    )
+
+
+def git(*args: str, cwd: Path) -> str:
+    return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True).stdout
+
+
+@pytest.fixture
+def config_repo(tmp_path: Path) -> Path:
+    """A bare git repo holding a datagen config on `main` and a different one at tag v2."""
+    work = tmp_path / "work"
+    work.mkdir()
+    git("init", "-q", "-b", "main", cwd=work)
+    (work / "configs").mkdir()
+    (work / "configs/data.yaml").write_text(
+        TINY_DATAGEN.read_text().replace("name: tiny-stories", "name: from-git")
+    )
+    git("add", ".", cwd=work)
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one", cwd=work)
+    (work / "configs/data.yaml").write_text(
+        TINY_DATAGEN.read_text().replace("name: tiny-stories", "name: tagged")
+    )
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "two", cwd=work)
+    git("tag", "v2", cwd=work)
+    git("reset", "-q", "--hard", "HEAD~1", cwd=work)
+    bare = tmp_path / "configs.git"
+    git("clone", "-q", "--bare", str(work), str(bare), cwd=tmp_path)
+    subprocess.run(
+        ["git", "--git-dir", str(bare), "fetch", "-q", str(work), "refs/tags/v2:refs/tags/v2"], check=True
+    )
+    return bare
+
+
+def test_missing_workload_exits_2_with_one_line(tmp_path):
+    result = boot_process(tmp_path)
+    assert result.returncode == 2
+    assert "TRAINPOD_WORKLOAD is unset; set it to one of: datagen, pretrain" in result.stdout
+
+
+def test_boot_creates_the_volume_layout_and_runs_the_workload_from_env_alone(tmp_path):
+    result = boot_process(tmp_path, TRAINPOD_WORKLOAD="datagen", TRAINPOD_CONFIG=str(TINY_DATAGEN))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert {p.name for p in tmp_path.iterdir()} >= {"datasets", "tokenizers", "runs", "repos", "cache"}
+    assert (tmp_path / "datasets/tiny-stories/manifest.json").is_file()
+
+
+def test_config_from_the_synced_repo_at_a_ref_and_the_token_never_lands(tmp_path, config_repo):
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    env = {
+        "TRAINPOD_WORKLOAD": "datagen",
+        "TRAINPOD_CONFIG": "configs/data.yaml",
+        "TRAINPOD_GIT_TOKEN": TOKEN,
+        "TRAINPOD_GIT_REPO": f"file://{config_repo}",
+        "TRAINPOD_GIT_REF": "v2",
+    }
+    result = boot_process(volume, **env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert (volume / "datasets/tagged/manifest.json").is_file(), (
+        "the config at tag v2 names the dataset 'tagged'"
+    )
+    assert TOKEN not in result.stdout + result.stderr
+    for path in volume.rglob("*"):
+        if path.is_file():
+            assert TOKEN.encode() not in path.read_bytes(), path
+    assert "url" not in (volume / "repos/configs/.git/config").read_text(), "no remote URL is stored"
+
+
+def test_sync_again_moves_an_existing_checkout_to_the_new_ref(tmp_path, config_repo):
+    repos = tmp_path / "repos"
+    checkout = sync(f"file://{config_repo}", "v2", repos)
+    assert "name: tagged" in (checkout / "configs/data.yaml").read_text()
+    sync(f"file://{config_repo}", "main", repos)
+    assert "name: from-git" in (checkout / "configs/data.yaml").read_text()
+    assert not list(repos.glob("*.tmp-*"))
+
+
+def test_failing_sync_is_retried_then_exits_75(tmp_path):
+    result = boot_process(
+        tmp_path,
+        TRAINPOD_WORKLOAD="datagen",
+        TRAINPOD_CONFIG=str(TINY_DATAGEN),
+        TRAINPOD_GIT_REPO=f"file://{tmp_path}/missing.git",
+        TRAINPOD_GIT_TOKEN=TOKEN,
+    )
+    assert result.returncode == 75, result.stdout + result.stderr
+    assert result.stdout.count("git sync attempt") == 3 and "after 3 attempts (fatal:" in result.stdout
+    assert TOKEN not in result.stdout + result.stderr
+    assert not (tmp_path / "datasets/tiny-stories").exists()
+
+
+def test_repo_name_comes_from_the_url():
+    assert repo_name("https://github.com/org/my-configs.git") == "my-configs"
+    assert repo_name("git@github.com:org/cfg") == "cfg"
+
+
+def test_pod_with_gpus_but_no_usable_cuda_exits_2(tmp_path):
+    result = boot_process(
+        tmp_path,
+        TRAINPOD_WORKLOAD="pretrain",
+        TRAINPOD_CONFIG="configs/pretrain/tiny.yaml",
+        RUNPOD_GPU_COUNT="1",
+    )
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "CUDA is not usable" in result.stdout
+
+
+def test_not_enough_free_space_for_the_checkpoints_exits_2(tmp_path, monkeypatch, capsys):
+    # A volume this small cannot be made here without a mount; the measurement itself is faked.
+    monkeypatch.setattr(boot_module.shutil, "disk_usage", lambda _: type("U", (), {"free": 2**30})())
+    environ = {
+        "TRAINPOD_VOLUME": str(tmp_path),
+        "TRAINPOD_WORKLOAD": "pretrain",
+        "TRAINPOD_CONFIG": str(Path(__file__).parents[1] / "configs/pretrain/1b.yaml"),
+    }
+    assert boot_module.boot(environ) == 2
+    out = capsys.readouterr().out
+    assert "has 1.0 GiB free; this run needs about" in out and "grow the network volume" in out

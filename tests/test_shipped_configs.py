@@ -36,3 +36,10 @@ def test_pretrain_preset_parameter_count_is_within_10_percent_of_its_name(preset
     vocab = config.model.vocab_size or padded_vocab(32768)
     count = parameter_count(llama_config(config.model, vocab, config.train.seq_len))  # on the meta device
     assert abs(count - nominal) / nominal <= 0.10, f"{preset}: {count / 1e6:.1f}M parameters"
+
+
+def test_every_pretrain_config_names_a_dataset_a_shipped_datagen_config_makes():
+    made = {load_config(DatagenConfig, p).name for p in shipped() if p.parent.name == "datagen"}
+    for path in (p for p in shipped() if p.parent.name == "pretrain"):
+        dataset = load_config(PretrainConfig, path).data.dataset
+        assert dataset in made, f"{path.name}: data.dataset={dataset!r}; shipped datagen configs make {sorted(made)}"

@@ -82,20 +82,23 @@ class _HashingFile:
         if not isinstance(data, bytes):
             data = bytes(data)  # the caller may reuse its buffer before the hashers read it
         view = memoryview(data)
-        self._raw.write(view)
-        self.size += len(view)
+        # Hand the pieces to the hashers first, so they digest while this thread copies to the disk.
         if self._partial:
             taken = PIECE_BYTES - len(self._partial)
             self._partial += view[:taken]
-            view = view[taken:]
+            rest = view[taken:]
             if len(self._partial) == PIECE_BYTES:
                 self._digests.append(self._hashers.submit(_piece_digest, bytes(self._partial)))
                 self._partial = bytearray()
-        whole = len(view) - len(view) % PIECE_BYTES
+        else:
+            rest = view
+        whole = len(rest) - len(rest) % PIECE_BYTES
         for start in range(0, whole, PIECE_BYTES):
-            self._digests.append(self._hashers.submit(_piece_digest, view[start : start + PIECE_BYTES]))
-        self._partial += view[whole:]
-        return len(data)
+            self._digests.append(self._hashers.submit(_piece_digest, rest[start : start + PIECE_BYTES]))
+        self._partial += rest[whole:]
+        self._raw.write(view)
+        self.size += len(view)
+        return len(view)
 
     def flush(self) -> None:
         self._raw.flush()

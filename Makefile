@@ -11,7 +11,7 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-all bench lint clean
+.PHONY: setup demo test test-container bench lint clean
 
 setup: $(VENV)/.installed
 
@@ -29,6 +29,11 @@ demo: setup
 test: setup
 	$(PY) -m pytest -m "not container and not gpu" $(PYTEST_ARGS)
 
+# The container tier: installs Docker's engine from Debian if missing (root), builds the cpu image
+# offline and runs it like RunPod would (tests/container). CI runs it after `make test`.
+test-container: setup
+	$(PY) -m pytest -m container tests/container $(PYTEST_ARGS)
+
 bench: setup
 	$(PY) bench/run_all.py
 
@@ -38,3 +43,60 @@ lint: setup
 
 clean:
 	rm -rf $(VENV) demo-volume bench-out .pytest_cache
+
+# ---------------------------------------------------------------------------------------------
+# Images (docker/Dockerfile): make wheelhouse image push TARGET=cpu|cuda REGISTRY=ghcr.io/you
+#   wheelhouse: pip download every pin of docker/constraints-$(TARGET).txt into $(WHEELHOUSE)
+#   image:      offline build (--network none) from that wheelhouse, tagged version, git sha,
+#               flavour (cu<cuda>-torch<torch> | cpu-torch<torch>) and latest (suffixed -cpu for cpu)
+#   push:       pushes those four tags to $(REGISTRY)
+# Debian's client with BuildKit: another `docker` earlier on PATH may lack buildx.
+# ---------------------------------------------------------------------------------------------
+TARGET ?= cuda
+REGISTRY ?= trainpod
+DOCKER ?= /usr/bin/docker
+WHEELHOUSE ?= .cache/wheelhouse/$(TARGET)
+IMAGE_VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+GIT_SHA := $(shell git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)
+TORCH_PIN := $(shell sed -n 's/^torch==//p' docker/constraints-$(TARGET).txt)
+TORCH_RELEASE := $(firstword $(subst +, ,$(TORCH_PIN)))
+CUDA_VERSION ?= 13.0
+ifeq ($(TARGET),cpu)
+BASE_IMAGE ?= debian:bookworm-slim
+BASE_ARG := CPU_BASE_IMAGE
+FLAVOUR := cpu-torch$(TORCH_RELEASE)
+SUFFIX := -cpu
+# The image's Python: pip downloads wheels for it, not for the host's.
+WHEEL_PYTHON ?= 3.11
+else
+BASE_IMAGE ?= nvidia/cuda:13.0.1-base-ubuntu24.04
+BASE_ARG := BASE_IMAGE
+FLAVOUR := cu$(subst .,,$(CUDA_VERSION))-torch$(TORCH_RELEASE)
+SUFFIX :=
+WHEEL_PYTHON ?= 3.12
+endif
+# flash-attn is not on PyPI as a wheel: a prebuilt one matching torch/CUDA/Python (cuda target only).
+FLASH_ATTN_WHEEL_URL ?=
+TAG ?= $(IMAGE_VERSION)$(SUFFIX)
+IMAGE_TAGS := $(TAG) $(GIT_SHA)$(SUFFIX) $(FLAVOUR) latest$(SUFFIX)
+
+.PHONY: wheelhouse image push
+
+wheelhouse: setup
+	mkdir -p $(WHEELHOUSE)
+	# flash-attn comes from FLASH_ATTN_WHEEL_URL (no wheel on PyPI); every other pin from the index.
+	grep -v '^flash-attn==' docker/constraints-$(TARGET).txt > $(WHEELHOUSE)/.requirements.txt
+	$(PY) -m pip download --no-deps --only-binary=:all: -d $(WHEELHOUSE) \
+	  --platform manylinux_2_28_x86_64 --python-version $(WHEEL_PYTHON) --implementation cp \
+	  $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) \
+	  -r $(WHEELHOUSE)/.requirements.txt
+	$(if $(and $(filter cuda,$(TARGET)),$(FLASH_ATTN_WHEEL_URL)),cd $(WHEELHOUSE) && curl -fLO $(FLASH_ATTN_WHEEL_URL))
+
+image:
+	DOCKER_BUILDKIT=1 $(DOCKER) build --network none -f docker/Dockerfile --target $(TARGET) \
+	  --build-arg $(BASE_ARG)=$(BASE_IMAGE) --build-arg WHEELHOUSE=$(WHEELHOUSE) \
+	  --build-arg VERSION=$(IMAGE_VERSION) --build-arg GIT_SHA=$(GIT_SHA) \
+	  $(foreach t,$(IMAGE_TAGS),-t $(REGISTRY)/trainpod:$(t)) .
+
+push:
+	$(foreach t,$(IMAGE_TAGS),$(DOCKER) push $(REGISTRY)/trainpod:$(t) &&) true

@@ -16,7 +16,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
-BENCHES = ["bench_datagen", "bench_pretrain", "bench_checkpoint"]
+sys.path.insert(
+    0, str(REPO / "tests/container")
+)  # bench_image drives the engine through the test tier's helpers
+BENCHES = ["bench_datagen", "bench_pretrain", "bench_checkpoint", "bench_image"]
 
 
 def machine() -> str:
@@ -43,7 +46,7 @@ def main() -> int:
     parser.add_argument(
         "--quick", action="store_true", help="smaller inputs (a smoke run, not for the report)"
     )
-    parser.add_argument("--only", help="comma-separated subset: datagen, pretrain, checkpoint")
+    parser.add_argument("--only", help="comma-separated subset: datagen, pretrain, checkpoint, image")
     parser.add_argument("--out", default=str(REPO / "BENCHMARKS.md"))
     args = parser.parse_args()
     names = [f"bench_{n}" for n in args.only.split(",")] if args.only else BENCHES

@@ -138,3 +138,26 @@ def test_not_enough_free_space_for_the_checkpoints_exits_2(tmp_path, monkeypatch
     assert boot_module.boot(environ) == 2
     out = capsys.readouterr().out
     assert "has 1.0 GiB free; this run needs about" in out and "grow the network volume" in out
+
+
+@pytest.mark.parametrize(
+    "config", ["missing.yaml", "configs/pretrain/tiny.yaml"], ids=["missing", "bad-override"]
+)
+def test_bad_input_at_boot_exits_2_and_writes_nothing(tmp_path, config):
+    result = boot_process(
+        tmp_path, TRAINPOD_WORKLOAD="pretrain", TRAINPOD_CONFIG=config, TRAINPOD_SET="train.max_steps=none"
+    )
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+    assert list(tmp_path.iterdir()) == [], "preflight failures must leave the volume as it was"
+
+
+def test_unknown_on_finish_action_exits_2(tmp_path):
+    result = boot_process(
+        tmp_path,
+        TRAINPOD_WORKLOAD="datagen",
+        TRAINPOD_CONFIG=str(TINY_DATAGEN),
+        TRAINPOD_ON_FINISH="shutdown",
+    )
+    assert result.returncode == 2
+    assert "TRAINPOD_ON_FINISH='shutdown'; set it to one of: stop, terminate, idle" in result.stdout

@@ -42,4 +42,6 @@ def test_every_pretrain_config_names_a_dataset_a_shipped_datagen_config_makes():
     made = {load_config(DatagenConfig, p).name for p in shipped() if p.parent.name == "datagen"}
     for path in (p for p in shipped() if p.parent.name == "pretrain"):
         dataset = load_config(PretrainConfig, path).data.dataset
-        assert dataset in made, f"{path.name}: data.dataset={dataset!r}; shipped datagen configs make {sorted(made)}"
+        assert dataset in made, (
+            f"{path.name}: data.dataset={dataset!r}; shipped datagen configs make {sorted(made)}"
+        )

@@ -3,10 +3,10 @@
     TRAINPOD_WORKLOAD=pretrain TRAINPOD_CONFIG=configs/pretrain/tiny.yaml trainpod boot
 
 1. read the env contract (README, "The pod's environment");
-2. create the volume's folders (datasets, tokenizers, runs, repos, cache) and point caches there;
-3. sync TRAINPOD_GIT_REPO at TRAINPOD_GIT_REF under repos/ (exit 75 when it keeps failing);
-4. preflight, each failure one line and exit 2: volume writable, config valid, inputs present,
-   a GPU when the pod has one or the config needs one, free space for the checkpoints;
+2. sync TRAINPOD_GIT_REPO at TRAINPOD_GIT_REF under repos/ (exit 75 when it keeps failing);
+3. preflight, each failure one line and exit 2 with nothing written: volume writable, config
+   valid, a GPU when the pod has one or the config needs one, free space for the checkpoints;
+4. create the volume's folders (datasets, tokenizers, runs, repos, cache) and point caches there;
 5. launch: one process, one per GPU (RUNPOD_GPU_COUNT or what torch sees), or torchrun across the
    nodes of a RunPod Instant Cluster (NUM_NODES, NODE_RANK, NUM_TRAINERS, PRIMARY_ADDR/PORT);
    the exit code is the workload's.
@@ -39,16 +39,25 @@ def boot(environ: dict[str, str] | None = None) -> int:
         workload = _workload(environ)
         volume = Volume.from_env(environ)
         volume.check_writable()
-        _prepare_volume(volume, environ)
-        if environ.get("TRAINPOD_GIT_REPO"):
+        if environ.get("TRAINPOD_GIT_REPO"):  # first: the config may live in the synced repo
             from trainpod.gitsync import sync
 
             sync(environ["TRAINPOD_GIT_REPO"], environ.get("TRAINPOD_GIT_REF"), volume.root / "repos")
         config = _preflight(workload, volume, environ)
+        _prepare_volume(volume, environ)  # only after preflight: bad input leaves the volume untouched
         return _launch(workload, config, environ)
     except TrainpodError as exc:
         log.error("%s", exc)
         return int(exc.exit_code)
+
+
+ON_FINISH = ("stop", "terminate", "idle")
+
+
+def _check_on_finish(environ: dict[str, str]) -> None:
+    value = environ.get("TRAINPOD_ON_FINISH") or "stop"
+    if value not in ON_FINISH:
+        raise ConfigError([f"TRAINPOD_ON_FINISH={value!r}; set it to one of: {', '.join(ON_FINISH)}"])
 
 
 def _workload(environ: dict[str, str]) -> str:
@@ -77,6 +86,7 @@ def _preflight(workload: str, volume: Volume, environ: dict[str, str]):
     from trainpod.config import load_config, parse_overrides
     from trainpod.workloads.lifecycle import CONFIG_TYPES, resolve_config_path
 
+    _check_on_finish(environ)
     config_path = resolve_config_path(environ.get("TRAINPOD_CONFIG"), volume)
     config = load_config(CONFIG_TYPES[workload], config_path, parse_overrides(environ.get("TRAINPOD_SET")))
     if workload == "pretrain":

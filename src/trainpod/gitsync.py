@@ -41,6 +41,7 @@ def repo_name(url: str) -> str:
 def sync(url: str, ref: str | None, repos_root: Path, sleep=time.sleep) -> Path:
     """Make repos/<name> hold `ref` (a branch, tag or commit; default: the remote's HEAD)."""
     target = repos_root / repo_name(url)
+    repos_root.mkdir(parents=True, exist_ok=True)
     last_error = ""
     for attempt in range(1, ATTEMPTS + 1):
         try:

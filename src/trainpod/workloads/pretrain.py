@@ -182,8 +182,8 @@ class Pretrainer:
         self.reporter = reporter
         try:
             self._loop(model, start_step)
+            reporter.plot_loss()  # not on a stop: the seconds before SIGKILL are not for drawing
         finally:
-            reporter.plot_loss()
             reporter.close()
 
     def _loop(self, model: torch.nn.Module, start_step: int) -> None:
@@ -294,14 +294,13 @@ class Pretrainer:
         due = step % ck.every_steps == 0 or step == self.train_cfg.max_steps
         due_by_time = self.dist.is_main and time.monotonic() - self._last_commit_time >= ck.every_minutes * 60
         over_budget = self.dist.is_main and self._over_budget()
-        stop = self.ctx.watch.requested or self.ctx.lease_lost()
-        due, due_by_time, over_budget, stop = (
-            bool(v)
-            for v in D.all_reduce_max(
-                self.dist, [float(due), float(due_by_time), float(over_budget), float(stop)]
-            )
+        # Only rank 0 holds the lease and the clock: every flag is agreed on, or ranks would part ways
+        # (one raising while the others wait in a collective for it).
+        flags = [due, due_by_time, over_budget, self.ctx.watch.requested, self.ctx.lease_lost()]
+        due, due_by_time, over_budget, stop, lease_lost = (
+            bool(v) for v in D.all_reduce_max(self.dist, [float(f) for f in flags])
         )
-        if self.ctx.lease_lost():
+        if lease_lost:
             raise TemporaryError("another writer took over this run's lease; stopping without a commit")
         if stop:
             self._commit_before_stop(step)
@@ -311,6 +310,11 @@ class Pretrainer:
             )
         if due or due_by_time or over_budget:
             self.commit(step)
+            # A SIGTERM that came during the commit stops now, not after another step.
+            if D.all_reduce_max(self.dist, [float(self.ctx.watch.requested)])[0]:
+                raise Preempted(
+                    f"stopped by {self.ctx.watch.signal_name or 'signal'} at step {step}, which is committed"
+                )
         if over_budget:
             raise BudgetExhausted(
                 f"TRAINPOD_BUDGET_USD is spent (${self.reporter.cost(self.progress.elapsed_s):.2f}); "

@@ -161,3 +161,18 @@ def test_unknown_on_finish_action_exits_2(tmp_path):
     )
     assert result.returncode == 2
     assert "TRAINPOD_ON_FINISH='shutdown'; set it to one of: stop, terminate, idle" in result.stdout
+
+
+def test_malformed_price_exits_2_at_boot_not_hours_into_the_run(tmp_path):
+    result = boot_process(
+        tmp_path,
+        TRAINPOD_WORKLOAD="datagen",
+        TRAINPOD_CONFIG=str(TINY_DATAGEN),
+        TRAINPOD_GPU_HOURLY_USD="$2.49",
+    )
+    assert result.returncode == 2
+    assert (
+        "TRAINPOD_GPU_HOURLY_USD='$2.49' is not an amount in USD; set it like TRAINPOD_GPU_HOURLY_USD=2.49"
+        in result.stdout
+    )
+    assert list(tmp_path.iterdir()) == []

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -35,13 +36,14 @@ def fsync_file(path: Path) -> None:
         os.close(fd)
 
 
-def write_bytes(target: Path, data: bytes) -> None:
-    """Atomically replace `target` with `data`."""
+def write_parts(target: Path, parts: Iterable[bytes | memoryview]) -> None:
+    """Atomically replace `target` with the concatenation of `parts` (written without joining them)."""
     target = Path(target)
     tmp = temp_name(target)
     try:
         with open(tmp, "wb") as f:
-            f.write(data)
+            for part in parts:
+                f.write(part)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, target)
@@ -49,6 +51,11 @@ def write_bytes(target: Path, data: bytes) -> None:
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(target.parent)
+
+
+def write_bytes(target: Path, data: bytes) -> None:
+    """Atomically replace `target` with `data`."""
+    write_parts(target, [data])
 
 
 def write_text(target: Path, text: str) -> None:

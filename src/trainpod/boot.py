@@ -19,6 +19,7 @@ import os
 import shutil
 import sys
 
+from trainpod import cost
 from trainpod.errors import ConfigError, InputError, TrainpodError
 from trainpod.log import setup_logging
 from trainpod.volume import Volume
@@ -87,6 +88,7 @@ def _preflight(workload: str, volume: Volume, environ: dict[str, str]):
     from trainpod.workloads.lifecycle import CONFIG_TYPES, resolve_config_path
 
     _check_on_finish(environ)
+    cost.check_environment()
     config_path = resolve_config_path(environ.get("TRAINPOD_CONFIG"), volume)
     config = load_config(CONFIG_TYPES[workload], config_path, parse_overrides(environ.get("TRAINPOD_SET")))
     if workload == "pretrain":

@@ -9,13 +9,12 @@ id does not fit in 16 bits. llm.c's `train_gpt2.c` and nanoGPT-style loaders rea
 from __future__ import annotations
 
 import hashlib
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
-from trainpod.atomic import fsync_dir, temp_name
+from trainpod.atomic import write_parts
 from trainpod.errors import InputError
 
 HEADER_INTS = 256
@@ -69,21 +68,11 @@ def write_shard(path: Path, tokens: np.ndarray) -> ShardInfo:
         raise ValueError(f"shard tokens must be uint16 or uint32, got {tokens.dtype}")
     tokens = tokens.astype(tokens.dtype.newbyteorder("<"), copy=False)
     header = shard_header(len(tokens), tokens.dtype)
+    parts = [memoryview(header).cast("B"), memoryview(tokens).cast("B")]
     digest = hashlib.sha256()
-    tmp = temp_name(path)
-    try:
-        with open(tmp, "wb") as f:
-            for part in (header, tokens):
-                data = memoryview(part).cast("B")
-                digest.update(data)
-                f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
+    for part in parts:
+        digest.update(part)
+    write_parts(path, parts)
     return ShardInfo(path.name, len(tokens), HEADER_BYTES + tokens.nbytes, digest.hexdigest())
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from trainpod import atomic
+from trainpod import atomic, cost
 from trainpod.volume import RunDir
 
 log = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ class RunReporter:
         self.run = run
         self.max_steps = max_steps
         self.enabled = enabled
-        self.hourly_usd = _float_env("TRAINPOD_GPU_HOURLY_USD")
+        self.hourly_usd = cost.hourly_usd()
         self.metrics_path = run.logs / "metrics.jsonl"
         self._tb = None
         if enabled:
@@ -158,17 +158,3 @@ class RunReporter:
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
-
-
-def _float_env(name: str) -> float | None:
-    raw = os.environ.get(name)
-    if not raw:
-        return None
-    try:
-        return float(raw)
-    except ValueError:
-        from trainpod.errors import ConfigError
-
-        raise ConfigError(
-            [f"{name}={raw!r} is not a number; set it to the price in USD, e.g. 2.49"]
-        ) from None

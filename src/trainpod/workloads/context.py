@@ -7,8 +7,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trainpod import cost
 from trainpod.checkpoint import Lease
-from trainpod.errors import ConfigError, InputError
+from trainpod.errors import InputError
 from trainpod.preemption import PreemptionWatch
 from trainpod.volume import RunDir, Volume
 
@@ -26,15 +27,7 @@ class RunContext:
 
     @property
     def budget_usd(self) -> float | None:
-        raw = os.environ.get("TRAINPOD_BUDGET_USD")
-        if not raw:
-            return None
-        try:
-            return float(raw)
-        except ValueError:
-            raise ConfigError(
-                [f"TRAINPOD_BUDGET_USD={raw!r} is not a number; set it in USD, e.g. 50"]
-            ) from None
+        return cost.budget_usd()
 
     def resolve_dataset(self, name: str) -> Path:
         path = Path(name) if os.path.isabs(name) else self.volume.dataset(name)

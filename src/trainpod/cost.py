@@ -1,0 +1,36 @@
+"""What a run costs: TRAINPOD_GPU_HOURLY_USD x training time, capped by TRAINPOD_BUDGET_USD."""
+
+from __future__ import annotations
+
+import os
+
+from trainpod.errors import ConfigError
+
+
+def _usd(name: str, example: str) -> float | None:
+    raw = os.environ.get(name)
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if value < 0:
+        raise ConfigError([f"{name}={raw!r} is not an amount in USD; set it like {name}={example}"])
+    return value
+
+
+def hourly_usd() -> float | None:
+    """The pod's price per hour, for cost tracking (unset: no cost shown)."""
+    return _usd("TRAINPOD_GPU_HOURLY_USD", "2.49")
+
+
+def budget_usd() -> float | None:
+    """The most a run may spend; at 100% it commits and exits 3 (unset: no cap)."""
+    return _usd("TRAINPOD_BUDGET_USD", "50")
+
+
+def check_environment() -> None:
+    """Fail at boot (exit 2), not hours into a run, when either amount is malformed."""
+    hourly_usd()
+    budget_usd()

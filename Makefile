@@ -40,6 +40,7 @@ bench: setup
 lint: setup
 	$(VENV)/bin/ruff check src tests bench entrypoints
 	$(VENV)/bin/ruff format --check src tests bench entrypoints
+	$(VENV)/bin/hadolint docker/Dockerfile
 
 clean:
 	rm -rf $(VENV) demo-volume bench-out .pytest_cache

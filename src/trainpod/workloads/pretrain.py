@@ -27,6 +27,8 @@ import trainpod
 from trainpod.checkpoint import CheckpointStore, CommittedCheckpoint
 from trainpod.config import config_hash
 from trainpod.config.pretrain import PretrainConfig
+from trainpod.data.datagen import dataset_shards, load_dataset_manifest
+from trainpod.data.shards import open_shard
 from trainpod.errors import BudgetExhausted, InputError, Preempted, TemporaryError
 from trainpod.train import distributed as D
 from trainpod.train.batches import TokenBatches, eval_batches
@@ -76,27 +78,23 @@ class Pretrainer:
         )
         self.last_committed_step: int | None = None
         self._last_commit_time = time.monotonic()
+        self._last_metrics: dict[str, Any] = {}  # the newest logged metrics, for status.json and DONE
+        self._lr = 0.0
+        self._budget_warned = False
+        self.reporter: RunReporter | None = None  # made in train(): rank 0 writes, the others do not
         self._setup_data()
         self._setup_model()
 
     # ------------------------------------------------------------------------------- setup
     def _setup_data(self) -> None:
-        from trainpod.data.datagen import dataset_shards, load_dataset_manifest
-
         dataset_dir = self.ctx.resolve_dataset(self.cfg.data.dataset)
         manifest = load_dataset_manifest(dataset_dir)
-        train_shards, self.val_shards = (
-            dataset_shards(dataset_dir, manifest, "train"),
-            dataset_shards(dataset_dir, manifest, "val"),
-        )
+        self.val_shards = dataset_shards(dataset_dir, manifest, "val")
         self.tokenizer_dir = self.ctx.resolve_tokenizer(self.cfg.data.tokenizer, manifest)
         self.tokenizer_vocab = manifest["tokenizer"]["vocab_size"]
-        from trainpod.data.shards import open_shard
-
-        self._open_shard = open_shard
         t = self.train_cfg
         self.batches = TokenBatches(
-            train_shards,
+            dataset_shards(dataset_dir, manifest, "train"),
             open_shard,
             t.micro_batch_size,
             t.seq_len,
@@ -246,7 +244,7 @@ class Pretrainer:
         model.eval()
         batches = eval_batches(
             self.val_shards,
-            self._open_shard,
+            open_shard,
             t.micro_batch_size,
             t.seq_len,
             t.eval_batches,
@@ -352,7 +350,7 @@ class Pretrainer:
         cost = self.reporter.cost(self.progress.elapsed_s)
         if budget is None or cost is None:
             return False
-        if cost >= 0.9 * budget and not getattr(self, "_budget_warned", False):
+        if cost >= 0.9 * budget and not self._budget_warned:
             log.warning("90%% of TRAINPOD_BUDGET_USD spent ($%.2f of $%.2f)", cost, budget)
             self._budget_warned = True
         return cost >= budget
@@ -412,13 +410,10 @@ class Pretrainer:
                 "committed_unix": time.time() - (time.monotonic() - self._last_commit_time),
             }
         self.reporter.write_status(
-            state, self.progress.step, metrics or self._last_metrics(), checkpoint, self.progress.elapsed_s
+            state, self.progress.step, metrics or self._last_metrics, checkpoint, self.progress.elapsed_s
         )
         if metrics:
-            self._metrics = metrics
-
-    def _last_metrics(self) -> dict[str, Any]:
-        return getattr(self, "_metrics", {})
+            self._last_metrics = metrics
 
     # ------------------------------------------------------------------------------ finish
     def export(self) -> Path | None:
@@ -430,7 +425,7 @@ class Pretrainer:
         return export_hf(self.model, self.tokenizer_dir, self.ctx.run.export / "hf", DTYPES[dtype_name])
 
     def summary(self) -> dict[str, Any]:
-        metrics = self._last_metrics()
+        metrics = self._last_metrics
         return {
             "step": self.progress.step,
             "tokens_seen": self.progress.tokens_seen,

@@ -41,6 +41,18 @@ def machine() -> str:
     )
 
 
+def gpu_section() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return "## GPU\n\nRun `pytest -m gpu` and the 125m preset on this machine for the GPU figures.\n"
+    return (
+        "## GPU\n\nNo GPU on this machine, so not measured here: the 125m preset's tokens/s and MFU with "
+        "torch.compile and SDPA/flash attention (target MFU >= 40%), and the resume check on GPU "
+        "(`pytest -m gpu`, tests/test_gpu.py). They run where a GPU is lent.\n"
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -66,6 +78,7 @@ def main() -> int:
         "Each figure is a ratio against a baseline measured in the same command on the same machine.",
         "",
     ]
+    sections.append(gpu_section())
     Path(args.out).write_text("\n".join(header + sections))
     print(f"wrote {args.out}")
     return 0

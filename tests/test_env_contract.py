@@ -54,7 +54,9 @@ def test_secrets_in_infra_are_runpod_secret_references_never_values(path):
 
 def runpod_schema(name: str) -> dict:
     """RunPod's schema for `name`, with unknown keys refused (RunPod ignores them silently)."""
-    assert OPENAPI.is_file(), f"{OPENAPI} is missing: the checkout needs shared/ beside it (DESIGN.md, reference/)"
+    assert OPENAPI.is_file(), (
+        f"{OPENAPI} is missing: the checkout needs shared/ beside it (DESIGN.md, reference/)"
+    )
     spec = json.loads(OPENAPI.read_text())
     schema = dict(spec["components"]["schemas"][name], additionalProperties=False)
     schema["properties"] = dict(

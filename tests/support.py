@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -92,7 +91,3 @@ def tree_snapshot(root: Path) -> dict[str, tuple[int, float, str]]:
 
 def exported_weights(volume: Path, run: str = RUN) -> bytes:
     return (volume / "runs" / run / "export" / "hf" / "model.safetensors").read_bytes()
-
-
-def sigterm() -> int:
-    return signal.SIGTERM

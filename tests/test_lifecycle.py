@@ -22,6 +22,7 @@ from support import (
     run_trainpod,
     signal_when_step_reached,
     start_trainpod,
+    status_step,
     trainpod_cmd,
     tree_snapshot,
 )
@@ -130,7 +131,7 @@ def test_unwritable_volume_exits_2_before_writing_anything(volume):
 def test_second_writer_on_a_leased_run_is_refused_with_exit_75(volume):
     first = start_trainpod(*PRETRAIN, "--set", "train.log_every=1", volume=volume)
     try:
-        while json_step(volume) < 3 and first.poll() is None:
+        while status_step(volume) < 3 and first.poll() is None:
             time.sleep(0.02)
         second = run_trainpod(*PRETRAIN, volume=volume)
         assert second.returncode == 75, second.stdout + second.stderr
@@ -138,12 +139,6 @@ def test_second_writer_on_a_leased_run_is_refused_with_exit_75(volume):
     finally:
         signal_when_step_reached(first, volume, 0, signal.SIGTERM)
     assert first.returncode == 143
-
-
-def json_step(volume: Path) -> int:
-    from support import status_step
-
-    return status_step(volume)
 
 
 def test_budget_exhaustion_commits_and_exits_3(volume):

@@ -38,7 +38,7 @@ def run(
     if nproc_per_node > 1 and "LOCAL_RANK" not in os.environ:
         from trainpod.launch import launch_local
 
-        return launch_local(nproc_per_node, [a for a in _strip_nproc(sys.argv[1:])])
+        return launch_local(nproc_per_node, _strip_nproc(sys.argv[1:]))
     request = RunRequest(
         workload=workload,
         config_path=config or os.environ.get("TRAINPOD_CONFIG"),

@@ -68,7 +68,10 @@ def execute(request: RunRequest) -> int:
     try:
         return _execute(request, rank)
     except TrainpodError as exc:
-        log.error("%s", exc) if exc.exit_code != ExitCode.PREEMPTED else log.warning("%s", exc)
+        if exc.exit_code == ExitCode.PREEMPTED:
+            log.warning("%s", exc)  # a stop the supervisor expects, not an error
+        else:
+            log.error("%s", exc)
         return int(exc.exit_code)
 
 

@@ -89,7 +89,7 @@ def trainer_seconds(volume: Path, steps: int) -> float:
     trainer = Pretrainer(ctx, bench_config(steps), init_distributed())
     trainer.resume()
     trainer.reporter = RunReporter(run, steps, 0)
-    model = trainer._wrap_for_training()
+    model = trainer.wrap_for_training()
     started = time.perf_counter()
     trainer._loop(model, 0)
     elapsed = time.perf_counter() - started

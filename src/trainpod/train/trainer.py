@@ -1,0 +1,392 @@
+"""The training loop, commit and stop protocol that pretrain and finetune share.
+
+A workload's trainer subclasses `Trainer` and supplies what differs: one optimizer step
+(`train_step`), an evaluation (`evaluate`), and what a checkpoint holds beyond the counters
+(`write_checkpoint` / `load_checkpoint`, `data_state` / `load_data_state`). Everything here is
+the same for every workload:
+
+- after each step the ranks agree (one small all-reduce) on committing, stopping and the budget;
+- SIGTERM finishes the step in flight, commits when the measured commit time fits the warning
+  window, and exits 143; a SIGTERM during a periodic commit stops right after it;
+- a spent budget commits and exits 3; an eval plateau (when the workload asks for early stopping)
+  commits and ends training as if max_steps were reached.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import trainpod
+from trainpod.checkpoint import CheckpointStore, CommittedCheckpoint, PendingCheckpoint
+from trainpod.config import config_hash
+from trainpod.config.checkpoint import CheckpointConfig
+from trainpod.errors import BudgetExhausted, InputError, Preempted, TemporaryError
+from trainpod.train import distributed as D
+from trainpod.train.reporting import RunReporter, peak_flops
+from trainpod.train.state import capture_rng, restore_rng
+from trainpod.workloads.context import RunContext
+
+log = logging.getLogger(__name__)
+
+ASSUMED_VOLUME_BYTES_PER_S = 200e6  # network volumes write 200-400 MB/s; used before a commit is measured
+
+
+@dataclass
+class Progress:
+    """Counters that travel in every checkpoint."""
+
+    step: int = 0
+    tokens_seen: int = 0
+    elapsed_s: float = 0.0  # training time over every attempt, for cost and ETA
+    best_eval_loss: float | None = None
+    last_eval_loss: float | None = None
+    last_eval_step: int | None = None
+    evals_without_improvement: int = 0
+
+
+@dataclass
+class StepResult:
+    loss: torch.Tensor  # mean loss of the step, on the device (read only when logging)
+    grad_norm: torch.Tensor
+    tokens: int  # tokens this rank processed in the step
+
+
+class Trainer:
+    """Subclasses set `self.model` (the module whose parameters train) and `self.optimizer`."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    flops_per_token: float | None = None  # for MFU; None where it is not meaningful
+
+    def __init__(
+        self,
+        ctx: RunContext,
+        config: Any,
+        checkpoint: CheckpointConfig,
+        max_steps: int,
+        log_every: int,
+        eval_every: int,
+        dist: D.DistContext,
+    ):
+        self.ctx = ctx
+        self.cfg = config
+        self.checkpoint_cfg = checkpoint
+        self.max_steps = max_steps
+        self.log_every = log_every
+        self.eval_every = eval_every
+        self.dist = dist
+        self.progress = Progress()
+        self.store = CheckpointStore(
+            ctx.run.checkpoints, checkpoint.keep_last, checkpoint.keep_best, checkpoint.verify
+        )
+        self.last_committed_step: int | None = None
+        self.finished_early: str | None = None  # the reason, when an eval plateau ended training
+        self._last_commit_time = time.monotonic()
+        self._last_metrics: dict[str, Any] = {}  # the newest logged metrics, for status.json and DONE
+        self._lr = 0.0
+        self._budget_warned = False
+        self.reporter: RunReporter | None = None  # made in train(): rank 0 writes, the others do not
+
+    # ----------------------------------------------------------------------- workload hooks
+    def train_step(self, model: torch.nn.Module, step: int) -> StepResult:
+        raise NotImplementedError
+
+    def evaluate(self, model: torch.nn.Module, step: int) -> float:
+        """The mean eval loss over every rank."""
+        raise NotImplementedError
+
+    @property
+    def has_eval_data(self) -> bool:
+        raise NotImplementedError
+
+    def write_checkpoint(self, pending: PendingCheckpoint) -> None:
+        """Write the weights (or adapter) and optimizer files; rank 0 only."""
+        raise NotImplementedError
+
+    def load_checkpoint(self, path: Path, state: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def data_state(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def load_data_state(self, state: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def checkpoint_bytes_estimate(self) -> int:
+        """Bytes a commit writes, for the first SIGTERM decision before a commit has been timed."""
+        raise NotImplementedError
+
+    def extra_state(self) -> dict[str, Any]:
+        """More JSON state for trainer_state.json (tracker run ids, ...)."""
+        return {}
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        pass
+
+    def should_stop_early(self) -> str | None:
+        """From the eval history in `self.progress`: the reason to end training now, or None.
+
+        Asked after each eval and after a resume (a run that stopped early and was interrupted
+        before DONE must not train on). No early stopping by default.
+        """
+        return None
+
+    def wrap_for_training(self) -> torch.nn.Module:
+        return self.model
+
+    # ------------------------------------------------------------------------------ resume
+    def resume(self) -> int:
+        """Load the newest valid checkpoint, if any; returns the step training continues after."""
+        step = -1.0
+        if self.dist.is_main:
+            latest = self.store.latest()  # also removes what an interrupted commit left behind
+            step = float(latest.step) if latest else -1.0
+        step = int(D.broadcast_from_main(self.dist, step))
+        if step < 0:
+            log.info("no checkpoint found; starting from step 0")
+            return 0
+        path = self.store.root / f"step-{step}"
+        state = json.loads((path / "trainer_state.json").read_text())
+        self.load_checkpoint(path, state)
+        rng = torch.load(path / "rng.pt", weights_only=True)
+        if len(rng) != self.dist.world_size:
+            raise InputError(
+                f"checkpoint {path.name} was written by {len(rng)} rank(s), this run has "
+                f"{self.dist.world_size}; resume with the same number of GPUs or start a new run"
+            )
+        restore_rng(rng[self.dist.rank])
+        self.load_data_state(state["data"])
+        self.progress = Progress(**state["progress"])
+        self.load_extra_state(state)
+        self.last_committed_step = step
+        if state.get("config_hash") != config_hash(self.cfg):
+            log.warning("the config changed since %s was written; continuing with the new one", path.name)
+        log.info(
+            "resumed from %s (step %d, %s tokens seen)", path.name, step, f"{self.progress.tokens_seen:,}"
+        )
+        return step
+
+    # ---------------------------------------------------------------------------- training
+    def train(self) -> None:
+        start_step = self.resume()
+        self.finished_early = self.should_stop_early()
+        model = self.wrap_for_training()
+        self.reporter = self.make_reporter(start_step)
+        try:
+            if not self.finished_early:
+                self._loop(model, start_step)
+            self.reporter.plot_loss()  # not on a stop: the seconds before SIGKILL are not for drawing
+        finally:
+            self.reporter.close()
+
+    def make_reporter(self, start_step: int) -> RunReporter:
+        return RunReporter(self.ctx.run, self.max_steps, start_step, enabled=self.dist.is_main)
+
+    def _loop(self, model: torch.nn.Module, start_step: int) -> None:
+        window_start, window_tokens, window_steps = time.perf_counter(), 0, 0
+        loss_sum = torch.zeros((), device=self.dist.device)
+        for step in range(start_step + 1, self.max_steps + 1):
+            step_started = time.perf_counter()
+            result = self.train_step(model, step)
+            loss_sum += result.loss
+            tokens = result.tokens * self.dist.world_size
+            self.progress.step, self.progress.tokens_seen = step, self.progress.tokens_seen + tokens
+            self.progress.elapsed_s += time.perf_counter() - step_started
+            window_tokens, window_steps = window_tokens + tokens, window_steps + 1
+            metrics: dict[str, Any] = {}
+            if self.eval_every and step % self.eval_every == 0 and self.has_eval_data:
+                metrics["eval_loss"] = self._evaluate(model, step)
+            if step % self.log_every == 0 or step == self.max_steps or metrics:
+                seconds = time.perf_counter() - window_start
+                metrics |= self._step_metrics(
+                    step, loss_sum / window_steps, result.grad_norm, window_tokens, seconds, window_steps
+                )
+                self.reporter.log_step(metrics)
+                self._write_status("running", metrics)
+                window_start, window_tokens, window_steps = time.perf_counter(), 0, 0
+                loss_sum.zero_()
+            self._after_step(step)
+            if self.finished_early:
+                return
+
+    def _evaluate(self, model: torch.nn.Module, step: int) -> float:
+        eval_loss = self.evaluate(model, step)
+        p = self.progress
+        p.last_eval_loss, p.last_eval_step = eval_loss, step
+        if p.best_eval_loss is None or eval_loss < p.best_eval_loss:
+            p.best_eval_loss, p.evals_without_improvement = eval_loss, 0
+        else:
+            p.evals_without_improvement += 1
+        self.finished_early = self.should_stop_early()
+        if self.finished_early:
+            log.info("stopping early at step %d: %s", step, self.finished_early)
+        return eval_loss
+
+    def _step_metrics(
+        self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, tokens: int, seconds: float, steps: int
+    ) -> dict[str, Any]:
+        tokens_per_s = tokens / seconds if seconds > 0 else None
+        peak = peak_flops(self.dist.device)
+        mfu = None
+        if peak and tokens_per_s and self.flops_per_token:
+            mfu = tokens_per_s * self.flops_per_token / (peak * self.dist.world_size)
+        return {
+            "step": step,
+            "loss": D.all_reduce_mean(self.dist, loss.detach().clone()).item(),
+            "lr": self._lr,
+            "grad_norm": grad_norm.item(),
+            "tokens_per_s": tokens_per_s,
+            "mfu": mfu,
+            "steps_per_s": steps / seconds if seconds > 0 else None,
+            "cost_usd": self.reporter.cost(self.progress.elapsed_s),
+        }
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self._lr = lr
+
+    # --------------------------------------------------------------------- commit and stop
+    def _after_step(self, step: int) -> None:
+        """Agree across ranks on committing and stopping, then do it (one all-reduce per step)."""
+        ck = self.checkpoint_cfg
+        due = step % ck.every_steps == 0 or step == self.max_steps or self.finished_early is not None
+        due_by_time = self.dist.is_main and time.monotonic() - self._last_commit_time >= ck.every_minutes * 60
+        over_budget = self.dist.is_main and self._over_budget()
+        # Only rank 0 holds the lease and the clock: every flag is agreed on, or ranks would part ways
+        # (one raising while the others wait in a collective for it).
+        flags = [due, due_by_time, over_budget, self.ctx.watch.requested, self.ctx.lease_lost()]
+        due, due_by_time, over_budget, stop, lease_lost = (
+            bool(v) for v in D.all_reduce_max(self.dist, [float(f) for f in flags])
+        )
+        if lease_lost:
+            raise TemporaryError("another writer took over this run's lease; stopping without a commit")
+        if stop:
+            self._commit_before_stop(step)
+            raise Preempted(
+                f"stopped by {self.ctx.watch.signal_name or 'signal'} at step {step}; "
+                f"newest checkpoint: step {self.last_committed_step}"
+            )
+        if due or due_by_time or over_budget:
+            self.commit(step)
+            # A SIGTERM that came during the commit stops now, not after another step.
+            if D.all_reduce_max(self.dist, [float(self.ctx.watch.requested)])[0]:
+                raise Preempted(
+                    f"stopped by {self.ctx.watch.signal_name or 'signal'} at step {step}, which is committed"
+                )
+        if over_budget:
+            raise BudgetExhausted(
+                f"TRAINPOD_BUDGET_USD is spent (${self.reporter.cost(self.progress.elapsed_s):.2f}); "
+                f"committed step {step}. Raise the budget and start again to continue."
+            )
+
+    def _commit_before_stop(self, step: int) -> None:
+        if self.last_committed_step == step:
+            log.info("stop requested at step %d, which is already committed", step)
+            return
+        fits = 1.0
+        if self.dist.is_main:
+            needed = self._expected_commit_seconds() * self.checkpoint_cfg.commit_margin
+            left = self.ctx.watch.seconds_left()
+            fits = float(needed < left)
+            if not fits:
+                log.warning(
+                    "stop requested: a commit needs about %.1f s but only %.1f s are left before SIGKILL; "
+                    "exiting without one (losing the steps since %s)",
+                    needed,
+                    left,
+                    self.last_committed_step,
+                )
+        if D.broadcast_from_main(self.dist, fits):
+            self.commit(step)
+
+    def _expected_commit_seconds(self) -> float:
+        if self.store.last_commit_seconds is not None:
+            return self.store.last_commit_seconds
+        return 0.5 + self.checkpoint_bytes_estimate() / ASSUMED_VOLUME_BYTES_PER_S
+
+    def _over_budget(self) -> bool:
+        budget = self.ctx.budget_usd
+        cost = self.reporter.cost(self.progress.elapsed_s)
+        if budget is None or cost is None:
+            return False
+        if cost >= 0.9 * budget and not self._budget_warned:
+            log.warning("90%% of TRAINPOD_BUDGET_USD spent ($%.2f of $%.2f)", cost, budget)
+            self._budget_warned = True
+        return cost >= budget
+
+    def commit(self, step: int) -> CommittedCheckpoint | None:
+        """Write a checkpoint of the state after `step` (rank 0 writes; every rank sends its RNG state)."""
+        started = time.monotonic()
+        rng_states = D.gather_to_main(self.dist, capture_rng())
+        committed = None
+        if self.dist.is_main:
+            pending = self.store.begin(step)
+            self.write_checkpoint(pending)
+            with pending.open("rng.pt") as f:
+                torch.save(rng_states, f)
+            pending.write_bytes("trainer_state.json", json.dumps(self._trainer_state(), indent=2).encode())
+            # Only a checkpoint evaluated at its own step competes for best-k retention.
+            eval_loss = self.progress.last_eval_loss if self.progress.last_eval_step == step else None
+            committed = self.store.commit(
+                pending, step, self._manifest_metadata(), eval_loss, started=started
+            )
+            log.info("committed checkpoint step-%d in %.2f s", step, self.store.last_commit_seconds)
+        self.last_committed_step = step
+        self._last_commit_time = time.monotonic()
+        self._write_status("running", {})
+        D.barrier(self.dist)
+        return committed
+
+    def _trainer_state(self) -> dict[str, Any]:
+        return {
+            "progress": self.progress.__dict__,
+            "data": self.data_state(),
+            "world_size": self.dist.world_size,
+            "config_hash": config_hash(self.cfg),
+            **self.extra_state(),
+        }
+
+    def _manifest_metadata(self) -> dict[str, Any]:
+        return {
+            "world_size": self.dist.world_size,
+            "config_hash": config_hash(self.cfg),
+            "tokens_seen": self.progress.tokens_seen,
+            "versions": {"trainpod": trainpod.__version__, "torch": torch.__version__},
+        }
+
+    def _write_status(self, state: str, metrics: dict[str, Any]) -> None:
+        if not self.dist.is_main:
+            return
+        checkpoint = None
+        if self.last_committed_step is not None:
+            checkpoint = {
+                "step": self.last_committed_step,
+                "committed_unix": time.time() - (time.monotonic() - self._last_commit_time),
+            }
+        self.reporter.write_status(
+            state, self.progress.step, metrics or self._last_metrics, checkpoint, self.progress.elapsed_s
+        )
+        if metrics:
+            self._last_metrics = metrics
+
+    # ------------------------------------------------------------------------------ finish
+    def summary(self) -> dict[str, Any]:
+        metrics = self._last_metrics
+        return {
+            "step": self.progress.step,
+            "tokens_seen": self.progress.tokens_seen,
+            "loss": metrics.get("loss"),
+            "eval_loss": self.progress.last_eval_loss,
+            "best_eval_loss": self.progress.best_eval_loss,
+            "tokens_per_s": metrics.get("tokens_per_s"),
+            "elapsed_s": self.progress.elapsed_s,
+            "finished_early": self.finished_early,
+        }

@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# torch first and alone: a later install sees it satisfied and never swaps it for a CUDA build.
 	$(PY) -m pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e '.[dev,hub]'
+	$(PY) -m pip install -q -e '.[dev,hub,tracking]'
 	touch $@
 
 demo: setup
@@ -38,9 +38,11 @@ bench: setup
 	$(PY) bench/run_all.py
 
 lint: setup
-	$(VENV)/bin/ruff check src tests bench entrypoints
-	$(VENV)/bin/ruff format --check src tests bench entrypoints
+	$(VENV)/bin/ruff check src tests bench entrypoints examples
+	$(VENV)/bin/ruff format --check src tests bench entrypoints examples
 	$(VENV)/bin/hadolint docker/Dockerfile
+	$(VENV)/bin/check-jsonschema --builtin-schema vendor.github-workflows .github/workflows/*.yml
+	$(VENV)/bin/zizmor --offline --no-progress .github/workflows
 
 clean:
 	rm -rf $(VENV) demo-volume bench-out .pytest_cache
@@ -48,9 +50,14 @@ clean:
 # ---------------------------------------------------------------------------------------------
 # Images (docker/Dockerfile): make wheelhouse image push TARGET=cpu|cuda REGISTRY=ghcr.io/you
 #   wheelhouse: pip download every pin of docker/constraints-$(TARGET).txt into $(WHEELHOUSE)
-#   image:      offline build (--network none) from that wheelhouse, tagged version, git sha,
-#               flavour (cu<cuda>-torch<torch> | cpu-torch<torch>) and latest (suffixed -cpu for cpu)
-#   push:       pushes those four tags to $(REGISTRY)
+#   image:      build from that wheelhouse (pip offline; BUILD_NETWORK=none for apt too), tagged version, git sha,
+#               flavour (cu<cuda>-torch<torch> | cpu-torch<torch>) and latest (suffixed -cpu for cpu);
+#               with SOURCE_IMAGE=<local image> it tags that already-built image instead of building
+#               (the container tier pushes the image its fixture built: a rebuild, even from cache,
+#               would be a new image ID)
+#   push:       pushes those four tags to $(REGISTRY) (docker/push.sh), logging in first when the
+#               environment has REGISTRY_USER + REGISTRY_PASSWORD, or GITHUB_TOKEN for ghcr.io;
+#               the password only ever goes through `docker login --password-stdin`
 # Debian's client with BuildKit: another `docker` earlier on PATH may lack buildx.
 # ---------------------------------------------------------------------------------------------
 TARGET ?= cuda
@@ -76,28 +83,53 @@ FLAVOUR := cu$(subst .,,$(CUDA_VERSION))-torch$(TORCH_RELEASE)
 SUFFIX :=
 WHEEL_PYTHON ?= 3.12
 endif
+# Both bases have glibc >= 2.36; pip takes --platform literally, so every manylinux level that
+# wheels use is listed (bitsandbytes ships manylinux_2_24, grpcio manylinux_2_17).
+WHEEL_PLATFORMS ?= manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64
 # flash-attn is not on PyPI as a wheel: a prebuilt one matching torch/CUDA/Python (cuda target only).
 FLASH_ATTN_WHEEL_URL ?=
 TAG ?= $(IMAGE_VERSION)$(SUFFIX)
 IMAGE_TAGS := $(TAG) $(GIT_SHA)$(SUFFIX) $(FLAVOUR) latest$(SUFFIX)
 
-.PHONY: wheelhouse image push
+# RUN steps' network: the wheelhouse makes pip offline either way (--no-index), but the apt step
+# needs the network unless the base already has python3, git and tini (the CI base does):
+# BUILD_NETWORK=none proves a build needs nothing from outside.
+BUILD_NETWORK ?= default
 
-wheelhouse: setup
+.PHONY: wheelhouse image push image-refs
+
+# Any pip will do (pip download fetches for the image's platform, not the host's): no venv needed.
+# With dependencies: the cuda lock pins cuda-toolkit[...] with extras, whose nvidia-* component
+# wheels only a resolver brings; for a complete lock (cpu) the resolver just re-checks the closure.
+wheelhouse:
 	mkdir -p $(WHEELHOUSE)
 	# flash-attn comes from FLASH_ATTN_WHEEL_URL (no wheel on PyPI); every other pin from the index.
 	grep -v '^flash-attn==' docker/constraints-$(TARGET).txt > $(WHEELHOUSE)/.requirements.txt
-	$(PY) -m pip download --no-deps --only-binary=:all: -d $(WHEELHOUSE) \
-	  --platform manylinux_2_28_x86_64 --python-version $(WHEEL_PYTHON) --implementation cp \
+	$(PYTHON) -m pip download --only-binary=:all: -d $(WHEELHOUSE) \
+	  $(foreach p,$(WHEEL_PLATFORMS),--platform $(p)) --python-version $(WHEEL_PYTHON) --implementation cp \
 	  $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) \
 	  -r $(WHEELHOUSE)/.requirements.txt
 	$(if $(and $(filter cuda,$(TARGET)),$(FLASH_ATTN_WHEEL_URL)),cd $(WHEELHOUSE) && curl -fLO $(FLASH_ATTN_WHEEL_URL))
 
+SOURCE_IMAGE ?=
+# Docker's rule: the first part of a name is a registry host when it has a dot or a colon or is
+# localhost; otherwise the name lives on Docker Hub.
+REGISTRY_FIRST := $(firstword $(subst /, ,$(REGISTRY)))
+REGISTRY_HOST := $(if $(or $(findstring .,$(REGISTRY_FIRST)),$(findstring :,$(REGISTRY_FIRST)),$(filter localhost,$(REGISTRY_FIRST))),$(REGISTRY_FIRST),docker.io)
+
 image:
-	DOCKER_BUILDKIT=1 $(DOCKER) build --network none -f docker/Dockerfile --target $(TARGET) \
+ifneq ($(SOURCE_IMAGE),)
+	$(foreach t,$(IMAGE_TAGS),$(DOCKER) tag $(SOURCE_IMAGE) $(REGISTRY)/trainpod:$(t) &&) true
+else
+	DOCKER_BUILDKIT=1 $(DOCKER) build --network $(BUILD_NETWORK) -f docker/Dockerfile --target $(TARGET) \
 	  --build-arg $(BASE_ARG)=$(BASE_IMAGE) --build-arg WHEELHOUSE=$(WHEELHOUSE) \
 	  --build-arg VERSION=$(IMAGE_VERSION) --build-arg GIT_SHA=$(GIT_SHA) \
 	  $(foreach t,$(IMAGE_TAGS),-t $(REGISTRY)/trainpod:$(t)) .
+endif
 
 push:
-	$(foreach t,$(IMAGE_TAGS),$(DOCKER) push $(REGISTRY)/trainpod:$(t) &&) true
+	DOCKER=$(DOCKER) sh docker/push.sh $(REGISTRY_HOST) $(foreach t,$(IMAGE_TAGS),$(REGISTRY)/trainpod:$(t))
+
+# The references `make image push` makes, one per line (.github/workflows/images.yml tags with them).
+image-refs:
+	@$(foreach t,$(IMAGE_TAGS),echo $(REGISTRY)/trainpod:$(t);)

@@ -9,8 +9,10 @@ wheelhouse, offline `cpu` build), then measures:
   base image (documented estimate) + apt layer (estimate) + every wheel of docker/constraints-cuda.txt
   as installed. Installed size = the sum of the uncompressed sizes in the wheel's zip directory,
   for each wheel that can be downloaded here (torch's own, measured); the packages shared with the
-  cpu image are measured inside it (its site-packages without torch); wheels this mirror lacks
-  (nvidia-*-cu13, flash-attn) get estimates from their published sizes, marked "est.". Target <= 7 GB;
+  cpu image are measured inside it (its site-packages without torch; bitsandbytes and wandb
+  included); bitsandbytes' CUDA 13.0 kernels, the only CUDA build of them the cuda stage keeps, from
+  its wheel; wheels this mirror lacks (nvidia-*-cu13, flash-attn) get estimates from their
+  published sizes, marked "est.". Target <= 7 GB;
 - cold start: `docker run` to the first logged optimizer step on the tiny config (target <= 20 s),
   and to the first resumed step after a `docker stop -t 5`.
 """
@@ -40,7 +42,6 @@ ESTIMATES_GB = {
     ),
     "triton 3.7.1": (0.45, "triton wheel ~170 MB, unpacked"),
     "flash-attn 2.8.3 prebuilt wheel": (0.4, "GitHub release wheel ~250 MB, unpacked"),
-    "bitsandbytes 0.50.2": (0.2, "multi-CUDA wheel"),
 }
 
 
@@ -65,6 +66,14 @@ def torch_cuda_installed_bytes() -> int:
     return wheel_installed_bytes(wheels[0])
 
 
+def bnb_cuda_kernels_bytes() -> int:
+    """bitsandbytes' CUDA 13.0 kernels, the one CUDA library the cuda stage keeps of its wheel (the
+    wheel is the same for both images; its Python code and CPU kernels are in the cpu image)."""
+    wheel = next((CACHE / "wheelhouse" / "cpu").glob("bitsandbytes-*.whl"))
+    with zipfile.ZipFile(wheel) as zf:
+        return sum(i.file_size for i in zf.infolist() if i.filename.endswith("libbitsandbytes_cuda130.so"))
+
+
 def cpu_site_packages_bytes() -> tuple[int, int]:
     """(all site-packages, torch alone) inside the cpu image, in bytes."""
     script = (
@@ -82,7 +91,9 @@ def cuda_expected_size() -> tuple[float, list[str]]:
     shared = total - torch_cpu
     rows.append(f"torch 2.13.0+cu130 (measured, wheel unpacked): {torch_bytes / GB:.2f} GB")
     rows.append(f"packages shared with the cpu image (measured in it): {shared / GB:.2f} GB")
-    size = (torch_bytes + shared) / GB
+    bnb_cuda = bnb_cuda_kernels_bytes()
+    rows.append(f"bitsandbytes CUDA 13.0 kernels (measured, in its wheel): {bnb_cuda / GB:.3f} GB")
+    size = (torch_bytes + shared + bnb_cuda) / GB
     for name, (gb, source) in ESTIMATES_GB.items():
         rows.append(f"{name} (est., {source}): {gb:.2f} GB")
         size += gb

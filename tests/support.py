@@ -59,10 +59,10 @@ def status_step(volume: Path, run: str = RUN) -> int:
 
 
 def signal_when_step_reached(
-    proc: subprocess.Popen, volume: Path, step: int, signum: int, timeout: float = 120
+    proc: subprocess.Popen, volume: Path, step: int, signum: int, timeout: float = 120, run: str = RUN
 ) -> str:
     deadline = time.monotonic() + timeout
-    while proc.poll() is None and status_step(volume) < step:
+    while proc.poll() is None and status_step(volume, run) < step:
         if time.monotonic() > deadline:
             proc.kill()
             raise AssertionError(f"step {step} was never reached; output:\n{proc.communicate()[0]}")

@@ -7,12 +7,23 @@ from pathlib import Path
 import pytest
 
 from trainpod.config import load_config
+from trainpod.config.convert import ConvertConfig
 from trainpod.config.datagen import DatagenConfig
+from trainpod.config.deploy import DeployConfig
+from trainpod.config.finetune import FinetuneConfig
 from trainpod.config.pretrain import PretrainConfig
+from trainpod.config.sft import SftDatagenConfig
 from trainpod.train.model import llama_config, padded_vocab, parameter_count
+from trainpod.workloads.lifecycle import config_class
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-TYPES = {"datagen": DatagenConfig, "pretrain": PretrainConfig}
+TYPES = {
+    "datagen": DatagenConfig,
+    "pretrain": PretrainConfig,
+    "finetune": FinetuneConfig,
+    "convert": ConvertConfig,
+    "deploy": DeployConfig,
+}
 PRESET_SIZES = {"125m": 125e6, "1b": 1e9, "2b": 2e9, "4b": 4e9}
 
 
@@ -26,8 +37,30 @@ def test_every_workload_folder_ships_configs():
 
 @pytest.mark.parametrize("path", shipped(), ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_shipped_config_loads_and_validates(path):
-    config = load_config(TYPES[path.parent.name], path)
-    assert config.name
+    config = load_config(config_type(path), path)
+    assert getattr(config, "name", None) or config.run
+
+
+def config_type(path: Path) -> type:
+    """datagen configs come in three kinds, told apart by their top-level key (as `trainpod run` does)."""
+    return config_class("datagen", path) if path.parent.name == "datagen" else TYPES[path.parent.name]
+
+
+def test_the_datagen_kinds_are_told_apart_by_their_top_level_key():
+    kinds = {p.name: config_type(p).__name__ for p in shipped() if p.parent.name == "datagen"}
+    assert kinds["tiny.yaml"] == "DatagenConfig"
+    assert kinds["sft-tiny.yaml"] == "SftDatagenConfig"
+    assert kinds["generator-tiny.yaml"] == "GeneratorDatagenConfig"
+
+
+def test_every_finetune_profile_names_a_dataset_a_shipped_sft_datagen_config_makes():
+    made = {load_config(SftDatagenConfig, p).name for p in shipped() if config_type(p) is SftDatagenConfig}
+    for path in (p for p in shipped() if p.parent.name == "finetune"):
+        config = load_config(FinetuneConfig, path)
+        if config.data.dataset is not None:
+            assert config.data.dataset in made, (
+                f"{path.name}: data.dataset={config.data.dataset!r}; made: {made}"
+            )
 
 
 @pytest.mark.parametrize(("preset", "nominal"), PRESET_SIZES.items())
@@ -39,7 +72,7 @@ def test_pretrain_preset_parameter_count_is_within_10_percent_of_its_name(preset
 
 
 def test_every_pretrain_config_names_a_dataset_a_shipped_datagen_config_makes():
-    made = {load_config(DatagenConfig, p).name for p in shipped() if p.parent.name == "datagen"}
+    made = {load_config(DatagenConfig, p).name for p in shipped() if config_type(p) is DatagenConfig}
     for path in (p for p in shipped() if p.parent.name == "pretrain"):
         dataset = load_config(PretrainConfig, path).data.dataset
         assert dataset in made, (

@@ -9,7 +9,10 @@
 4. create the volume's folders (datasets, tokenizers, runs, repos, cache) and point caches there;
 5. launch: one process, one per GPU (RUNPOD_GPU_COUNT or what torch sees), or torchrun across the
    nodes of a RunPod Instant Cluster (NUM_NODES, NODE_RANK, NUM_TRAINERS, PRIMARY_ADDR/PORT);
-   the exit code is the workload's.
+   the exit code is the workload's;
+6. finish (runpod/finish.py): after DONE the pod stops itself (TRAINPOD_ON_FINISH); failed starts
+   are counted on the volume and after TRAINPOD_MAX_FAILED_STARTS in a row the run is FAILED and
+   the pod stopped. The `supervise` workload runs the spot supervisor with the volume in view.
 """
 
 from __future__ import annotations
@@ -22,23 +25,30 @@ import sys
 from trainpod import cost
 from trainpod.errors import ConfigError, InputError, TrainpodError
 from trainpod.log import setup_logging
-from trainpod.volume import Volume
+from trainpod.runpod.finish import after_workload
+from trainpod.runpod.finish import check_environment as check_finish_environment
+from trainpod.volume import RunDir, Volume
 
 log = logging.getLogger("trainpod.boot")
 
-WORKLOADS = ("datagen", "pretrain")
+TRAINING_WORKLOADS = ("pretrain", "finetune")  # one rank per GPU, several nodes through torchrun
+WORKLOADS = ("datagen", "pretrain", "finetune", "convert", "supervise")
 VOLUME_FOLDERS = ("datasets", "tokenizers", "runs", "repos", "cache")
 # Bytes per parameter a training run keeps on the volume: fp32 weights + two AdamW moments.
 CHECKPOINT_BYTES_PER_PARAM = 12
 
 
 def boot(environ: dict[str, str] | None = None) -> int:
-    """Run the workload the environment names (TRAINPOD_WORKLOAD, TRAINPOD_CONFIG, ...)."""
+    """Run the workload the environment names (TRAINPOD_WORKLOAD, TRAINPOD_CONFIG, ...), then finish.
+
+    Finishing (runpod/finish.py) acts on the exit code: after DONE the pod stops itself
+    (TRAINPOD_ON_FINISH), failed starts are counted on the volume and a crash loop stops the pod.
+    """
     environ = os.environ if environ is None else environ
     setup_logging(None, int(environ.get("RANK", "0")))
+    workload, volume, config = environ.get("TRAINPOD_WORKLOAD", ""), Volume.from_env(environ), None
     try:
         workload = _workload(environ)
-        volume = Volume.from_env(environ)
         volume.check_writable()
         if environ.get("TRAINPOD_GIT_REPO"):  # first: the config may live in the synced repo
             from trainpod.gitsync import sync
@@ -46,19 +56,20 @@ def boot(environ: dict[str, str] | None = None) -> int:
             sync(environ["TRAINPOD_GIT_REPO"], environ.get("TRAINPOD_GIT_REF"), volume.root / "repos")
         config = _preflight(workload, volume, environ)
         _prepare_volume(volume, environ)  # only after preflight: bad input leaves the volume untouched
-        return _launch(workload, config, environ)
+        code = _launch(workload, config, volume, environ)
     except TrainpodError as exc:
         log.error("%s", exc)
-        return int(exc.exit_code)
+        code = int(exc.exit_code)
+    except Exception:  # a crash still counts as a failed start, or a crash loop would never end
+        log.exception("the %s workload crashed", workload or "?")
+        code = 1
+    return after_workload(code, _run_dir(volume, config, environ), environ, workload)
 
 
-ON_FINISH = ("stop", "terminate", "idle")
-
-
-def _check_on_finish(environ: dict[str, str]) -> None:
-    value = environ.get("TRAINPOD_ON_FINISH") or "stop"
-    if value not in ON_FINISH:
-        raise ConfigError([f"TRAINPOD_ON_FINISH={value!r}; set it to one of: {', '.join(ON_FINISH)}"])
+def _run_dir(volume: Volume, config, environ: dict[str, str]) -> RunDir | None:
+    """Where this start is counted: runs/<TRAINPOD_RUN or the config's name>/, when either is known."""
+    name = environ.get("TRAINPOD_RUN") or getattr(config, "run", None) or getattr(config, "name", None)
+    return volume.run(name) if name else None
 
 
 def _workload(environ: dict[str, str]) -> str:
@@ -85,14 +96,17 @@ def _prepare_volume(volume: Volume, environ: dict[str, str]) -> None:
 
 def _preflight(workload: str, volume: Volume, environ: dict[str, str]):
     from trainpod.config import load_config, parse_overrides
-    from trainpod.workloads.lifecycle import CONFIG_TYPES, resolve_config_path
+    from trainpod.config.deploy import DeployConfig
+    from trainpod.workloads.lifecycle import config_class, resolve_config_path
 
-    _check_on_finish(environ)
+    check_finish_environment(environ)
     cost.check_environment()
     config_path = resolve_config_path(environ.get("TRAINPOD_CONFIG"), volume)
-    config = load_config(CONFIG_TYPES[workload], config_path, parse_overrides(environ.get("TRAINPOD_SET")))
-    if workload == "pretrain":
+    config_type = DeployConfig if workload == "supervise" else config_class(workload, config_path)
+    config = load_config(config_type, config_path, parse_overrides(environ.get("TRAINPOD_SET")))
+    if workload in TRAINING_WORKLOADS:
         _check_gpu(config, environ)
+    if workload == "pretrain":
         _check_free_space(config, volume)
     return config
 
@@ -128,13 +142,20 @@ def _check_free_space(config, volume: Volume) -> None:
         )
 
 
-def _launch(workload: str, config, environ: dict[str, str]) -> int:
+def _launch(workload: str, config, volume: Volume, environ: dict[str, str]) -> int:
     from trainpod.cli import run
 
+    if workload == "supervise":  # the recommended mode: it sees DONE, FAILED and status.json directly
+        from trainpod.runpod.supervise import supervise
+
+        if environ.get("TRAINPOD_RUN"):
+            config.run = environ["TRAINPOD_RUN"]
+        return supervise(config, volume)
+
     nodes = int(environ.get("NUM_NODES") or 1)
-    if workload == "pretrain" and nodes > 1:
+    if workload in TRAINING_WORKLOADS and nodes > 1:
         return _torchrun_cluster(workload, environ)
-    gpus = _gpu_count(environ) if workload == "pretrain" else 1
+    gpus = _gpu_count(environ) if workload in TRAINING_WORKLOADS else 1
     if gpus > 1:
         log.info("launching %d ranks, one per GPU", gpus)
         from trainpod.launch import launch_local

@@ -3,6 +3,9 @@
 trainpod run pretrain --config configs/pretrain/tiny.yaml --set train.max_steps=50
 trainpod run pretrain --nproc-per-node 2 ...     (one process per GPU, or gloo processes on CPU)
 trainpod status RUN
+trainpod deploy configs/deploy/pretrain-spot.yaml [--dry-run]   (RunPod: template, volume, pod)
+trainpod supervise RUN --config configs/deploy/pretrain-spot.yaml [--once]
+trainpod stop RUN [--terminate]
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ def run(
     volume: str | None = None,
     nproc_per_node: int = 1,
 ) -> int:
-    """Run a workload (datagen, pretrain) to its end; resumes from the newest checkpoint.
+    """Run a workload (datagen, pretrain, finetune, convert) to its end; resumes from the newest checkpoint.
 
     Flags override the environment: --config over TRAINPOD_CONFIG, --run over TRAINPOD_RUN,
     --volume over TRAINPOD_VOLUME; --set assignments apply after TRAINPOD_SET.
@@ -59,7 +62,29 @@ def status(run_name: str | None = None, volume: str | None = None) -> int:
         return ExitCode.DONE
     for name in names:
         print(_status_line(vol, name))
+    _print_pods(run_name, names)
     return ExitCode.DONE
+
+
+def _print_pods(run_name: str | None, names: list[str]) -> None:
+    """The runs' pods (id, status, GPU, cost/hr) when a RunPod key is at hand; silent without one."""
+    from trainpod.runpod.client import RunPodAuthError, RunPodClient, RunPodError, api_key
+    from trainpod.runpod.deploy import pod_line
+
+    try:
+        api_key()
+    except RunPodAuthError:
+        return
+    try:
+        pods = RunPodClient.from_env(max_attempts=2).list_pods()
+    except RunPodError as exc:
+        print(f"pods: not shown ({exc})")
+        return
+    for name in [run_name] if run_name else names:
+        mine = [pod for pod in pods if pod.name.startswith(f"{name}-")]
+        print(f"{name}: {len(mine)} pod(s) on RunPod")
+        for pod in mine:
+            print(pod_line(pod))
 
 
 def _status_line(vol: Volume, name: str) -> str:
@@ -86,6 +111,86 @@ def _status_line(vol: Volume, name: str) -> str:
     return " | ".join(parts)
 
 
+def deploy(
+    config: str, dry_run: bool = False, spot: bool | None = None, secrets_from_env: bool = False
+) -> int:
+    """Create or reuse the run's RunPod template, network volume and pod `<run>-<workload>`.
+
+    Idempotent: deploying again updates the template only when it changed, reuses the volume and
+    a running pod, and starts an exited one again. --dry-run prints the requests and sends nothing.
+    Secrets go to the pod as {{ RUNPOD_SECRET_<name> }} references unless --secrets-from-env.
+    """
+    from trainpod.config import load_config
+    from trainpod.config.deploy import DeployConfig
+    from trainpod.log import redact
+    from trainpod.runpod import deploy as deploying
+    from trainpod.runpod.client import DryRunClient, RunPodClient
+
+    def act() -> int:
+        cfg = load_config(DeployConfig, config)
+        if spot is not None:
+            cfg.pod.spot = spot
+        secrets = deploying.secrets_from_shell(cfg, dict(os.environ)) if secrets_from_env else None
+        if dry_run:
+            shown = sorted(secrets.values(), key=len, reverse=True) if secrets else []
+            deploying.deploy(DryRunClient(echo=lambda text: print(redact(text, shown))), cfg, secrets)
+            return ExitCode.DONE
+        done = deploying.deploy(RunPodClient.from_env(), cfg, secrets)
+        print(f"pod {done.pod.name} ({done.pod.id}) {done.action}; supervise it with: "
+              f"trainpod supervise {cfg.run} --config {config}")  # fmt: skip
+        return ExitCode.DONE
+
+    return _reported(act)
+
+
+def supervise(run_name: str, config: str | None = None, once: bool = False, volume: str | None = None) -> int:
+    """Bring the run's interrupted spot pod back until it is DONE, FAILED or over budget.
+
+    Needs the run's deploy config (--config, else $TRAINPOD_CONFIG). Reads DONE, FAILED and
+    status.json from the volume when it is mounted here (--volume, else $TRAINPOD_VOLUME), else
+    works from the API alone. --once: one look and one decision (for cron or a CI schedule).
+    """
+    from trainpod.config import load_config
+    from trainpod.config.deploy import DeployConfig
+    from trainpod.errors import ConfigError
+    from trainpod.runpod.supervise import supervise as supervise_run
+
+    def act() -> int:
+        path = config or os.environ.get("TRAINPOD_CONFIG")
+        if not path:
+            raise ConfigError(
+                ["supervise needs the run's deploy config: pass --config configs/deploy/X.yaml"]
+            )
+        cfg = load_config(DeployConfig, path)
+        cfg.run = run_name
+        return supervise_run(cfg, Volume(Path(volume)) if volume else Volume.from_env(), once=once)
+
+    return _reported(act)
+
+
+def stop(run_name: str, terminate: bool = False) -> int:
+    """Stop the run's pods (they keep their disk and can start again), or --terminate them."""
+    from trainpod.runpod.client import RunPodClient
+    from trainpod.runpod.deploy import stop_run
+
+    return _reported(lambda: (stop_run(RunPodClient.from_env(), run_name, terminate), ExitCode.DONE)[1])
+
+
+def _reported(act) -> int:
+    """Run a RunPod verb: its log lines on stdout (secrets masked), an error as one message + exit code."""
+    from trainpod.errors import TrainpodError
+    from trainpod.log import setup_logging
+
+    setup_logging(None)
+    try:
+        return int(act())
+    except TrainpodError as exc:
+        import logging
+
+        logging.getLogger("trainpod").error("%s", exc)
+        return int(exc.exit_code)
+
+
 def boot() -> int:
     """Run the workload the pod's environment names (TRAINPOD_WORKLOAD, TRAINPOD_CONFIG, ...)."""
     from trainpod.boot import boot as boot_from_env
@@ -109,7 +214,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trainpod", description=__doc__.split("\n\n")[0])
     verbs = parser.add_subparsers(dest="verb", required=True)
     p = verbs.add_parser("run", help=_summary(run), description=inspect.getdoc(run))
-    p.add_argument("workload", choices=["datagen", "pretrain"])
+    p.add_argument("workload", choices=["datagen", "pretrain", "finetune", "convert"])
     p.add_argument("--config", help="YAML config (default: $TRAINPOD_CONFIG)")
     p.add_argument("--set", action="append", metavar="KEY.PATH=VALUE", help="config override (repeatable)")
     p.add_argument("--run", dest="run_name", help="run name (default: $TRAINPOD_RUN, else the config's name)")
@@ -119,6 +224,20 @@ def _parser() -> argparse.ArgumentParser:
     p = verbs.add_parser("status", help=_summary(status), description=inspect.getdoc(status))
     p.add_argument("run_name", nargs="?", metavar="RUN")
     p.add_argument("--volume")
+    p = verbs.add_parser("deploy", help=_summary(deploy), description=inspect.getdoc(deploy))
+    p.add_argument("config", metavar="CONFIG", help="deploy YAML, e.g. configs/deploy/pretrain-spot.yaml")
+    p.add_argument("--dry-run", action="store_true", help="print the requests, send nothing")
+    p.add_argument("--spot", dest="spot", action="store_true", default=None, help="an interruptible pod")
+    p.add_argument("--on-demand", dest="spot", action="store_false", help="an on-demand pod")
+    p.add_argument("--secrets-from-env", action="store_true", help="send this shell's secret values")
+    p = verbs.add_parser("supervise", help=_summary(supervise), description=inspect.getdoc(supervise))
+    p.add_argument("run_name", metavar="RUN")
+    p.add_argument("--config", help="the run's deploy YAML (default: $TRAINPOD_CONFIG)")
+    p.add_argument("--once", action="store_true", help="one look and one decision, then exit")
+    p.add_argument("--volume", help="the volume when mounted here (default: $TRAINPOD_VOLUME)")
+    p = verbs.add_parser("stop", help=_summary(stop), description=inspect.getdoc(stop))
+    p.add_argument("run_name", metavar="RUN")
+    p.add_argument("--terminate", action="store_true", help="terminate instead of stop (the pod is gone)")
     return parser
 
 
@@ -128,7 +247,15 @@ def _summary(fn: object) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = vars(_parser().parse_args(argv))
-    verb = {"run": run, "status": status, "boot": boot}[args.pop("verb")]
+    verbs = {
+        "run": run,
+        "status": status,
+        "boot": boot,
+        "deploy": deploy,
+        "supervise": supervise,
+        "stop": stop,
+    }
+    verb = verbs[args.pop("verb")]
     return int(verb(**args))
 
 

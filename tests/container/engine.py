@@ -33,6 +33,7 @@ BASE_PACKAGES = "python3,python3-venv,ca-certificates,git,tini"
 BASE_IMAGE = "trainpod-ci/bookworm-base:" + hashlib.sha256(BASE_PACKAGES.encode()).hexdigest()[:12]
 CPU_IMAGE = "trainpod:ci-cpu"
 DEBIAN_MIRROR = "http://deb.debian.org/debian"
+SYSTEM_REGISTRY = Path("/usr/bin/docker-registry")
 
 
 class EngineError(RuntimeError):
@@ -85,12 +86,19 @@ def docker(*args: str, check: bool = True, timeout: float = 300) -> subprocess.C
 
 
 def ensure_packages() -> None:
-    """apt-get install docker.io debootstrap, unless both are there already (about 40 s when not)."""
-    if Path(DOCKER).exists() and Path(DOCKERD).exists() and Path(DEBOOTSTRAP).exists():
+    """apt-get install docker.io debootstrap, unless there already (about 40 s when not).
+
+    An engine that already answers (GitHub's runners ship Docker's own packages, with dockerd in
+    /usr/bin) is used as it is: installing docker.io next to it would conflict with its containerd.
+    """
+    missing = [] if Path(DEBOOTSTRAP).exists() else ["debootstrap"]
+    if not (Path(DOCKER).exists() and Path(DOCKERD).exists()) and not engine_answers():
+        missing.append("docker.io")
+    if not missing:
         return
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     sh(["apt-get", "update", "-qq"], "install engine (apt-get update)", env=env)
-    sh(["apt-get", "install", "-y", "-qq", "docker.io", "debootstrap"], "install engine", env=env)
+    sh(["apt-get", "install", "-y", "-qq", *missing], "install engine", env=env)
 
 
 def engine_answers() -> bool:
@@ -178,6 +186,10 @@ def ensure_wheelhouse(target: str = "cpu") -> Path:
         return out
     out.mkdir(parents=True, exist_ok=True)
     pip = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "-d", str(out)]
+    # The lock's torch==X+cpu is on PyTorch's CPU index, which the Makefile's TORCH_INDEX names
+    # where pip's own configuration does not know it (GitHub's runners).
+    if os.environ.get("TORCH_INDEX"):
+        pip += ["--extra-index-url", os.environ["TORCH_INDEX"]]
     sh([*pip, "-r", str(lock)], f"download the {target} wheelhouse", timeout=1200)
     stamp.write_text(digest)
     return out
@@ -233,6 +245,36 @@ def ensure_engine() -> Engine:
     STATE.mkdir(parents=True, exist_ok=True)
     (STATE / "timings.json").write_text(json.dumps(engine.timings, indent=2))
     return engine
+
+
+def ensure_registry_binary() -> Path:
+    """Debian's `docker-registry` server: the installed binary, else the package unpacked under .cache.
+
+    Not `apt-get install`: the package's maintainer script starts a system service that listens on
+    :5000 on every interface and outlives the test. `apt-get download` + `dpkg-deb -x` takes the
+    same Debian binary (about 20 MB) and starts nothing.
+    """
+    if SYSTEM_REGISTRY.exists():
+        return SYSTEM_REGISTRY
+    unpacked = STATE / "docker-registry"
+    binary = unpacked / "usr/bin/docker-registry"
+    if binary.exists():
+        return binary
+    downloads = STATE / "debs"
+    downloads.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    download = ["apt-get", "download", "-qq", "docker-registry"]
+    if subprocess.run(download, cwd=downloads, capture_output=True, env=env).returncode != 0:
+        # A fresh machine may have no package lists yet.
+        sh(["apt-get", "update", "-qq"], "registry package (apt-get update)", env=env)
+        sh(download, "registry package (apt-get download docker-registry)", cwd=downloads, env=env)
+    deb = max(downloads.glob("docker-registry_*.deb"))
+    partial = unpacked.with_suffix(".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    sh(["dpkg-deb", "-x", str(deb), str(partial)], "registry package (dpkg-deb -x)")
+    shutil.rmtree(unpacked, ignore_errors=True)
+    partial.rename(unpacked)
+    return binary
 
 
 def image_size_bytes(tag: str) -> int:

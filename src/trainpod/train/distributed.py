@@ -53,6 +53,14 @@ def all_reduce_max(ctx: DistContext, values: list[float]) -> list[float]:
     return tensor.tolist()
 
 
+def all_reduce_sum(ctx: DistContext, value: float) -> float:
+    if not ctx.distributed:
+        return value
+    tensor = torch.tensor([value], dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor.item()
+
+
 def all_reduce_mean(ctx: DistContext, value: torch.Tensor) -> torch.Tensor:
     if ctx.distributed:
         dist.all_reduce(value, op=dist.ReduceOp.AVG if ctx.device.type == "cuda" else dist.ReduceOp.SUM)

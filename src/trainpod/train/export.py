@@ -7,9 +7,10 @@ import os
 import shutil
 import uuid
 from pathlib import Path
+from typing import Any
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerFast
+from transformers import AutoTokenizer, PreTrainedModel
 from transformers.utils import logging as transformers_logging
 
 from trainpod import atomic
@@ -19,14 +20,33 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def export_hf(model: PreTrainedModel, tokenizer_dir: Path, target: Path, dtype: torch.dtype) -> Path:
-    """Write `model` and its tokenizer to `target` atomically (replacing an older export)."""
+def export_hf(
+    model: PreTrainedModel,
+    tokenizer_dir: Path,
+    target: Path,
+    dtype: torch.dtype,
+    extra_json: dict[str, Any] | None = None,
+) -> Path:
+    """Write `model`, its tokenizer and `extra_json` files to `target` atomically (replacing an older export)."""
     tmp = target.with_name(f"{target.name}.tmp-{uuid.uuid4().hex[:12]}")
     tmp.mkdir(parents=True)
     transformers_logging.disable_progress_bar()  # a progress bar per shard clutters the run's log
     exported = model if dtype == next(model.parameters()).dtype else _copy_as(model, dtype)
     exported.save_pretrained(tmp, safe_serialization=True)
-    PreTrainedTokenizerFast.from_pretrained(str(tokenizer_dir)).save_pretrained(tmp)
+    AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(tmp)
+    for name, content in (extra_json or {}).items():
+        atomic.write_json(tmp / name, content)
+    publish_replacing(tmp, target)
+    log.info("exported the model in HF format to %s", target)
+    return target
+
+
+def publish_replacing(tmp: Path, target: Path) -> None:
+    """Publish the finished folder `tmp` as `target`; an older `target` is moved aside first, then deleted.
+
+    A kill between the two renames leaves the old folder under a .tmp-replaced- name and no
+    `target`; the next export writes it again (exports are made from committed checkpoints).
+    """
     if target.exists():
         old = target.with_name(f"{target.name}.tmp-replaced-{uuid.uuid4().hex[:8]}")
         os.rename(target, old)
@@ -34,8 +54,6 @@ def export_hf(model: PreTrainedModel, tokenizer_dir: Path, target: Path, dtype: 
         shutil.rmtree(old, ignore_errors=True)
     else:
         atomic.publish_dir(tmp, target)
-    log.info("exported the model in HF format to %s", target)
-    return target
 
 
 def _copy_as(model: PreTrainedModel, dtype: torch.dtype) -> PreTrainedModel:

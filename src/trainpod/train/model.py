@@ -8,6 +8,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from trainpod.config.pretrain import ModelConfig
+from trainpod.errors import InputError
 
 VOCAB_MULTIPLE = 64  # embedding rows padded to a multiple of 64 keep the lm_head matmul on fast paths
 
@@ -64,3 +65,17 @@ def flops_per_token(config: LlamaConfig, n_params: int, seq_len: int) -> float:
     embedding = config.vocab_size * config.hidden_size
     non_embedding = n_params - (0 if config.tie_word_embeddings else embedding)
     return 6 * non_embedding + 12 * config.num_hidden_layers * config.hidden_size * seq_len
+
+
+def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
+    """bf16 autocast on a GPU that has it; None (fp32) otherwise or when asked for fp32."""
+    if precision == "fp32":
+        return None
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    if precision == "bf16":
+        raise InputError(
+            f"train.precision=bf16 needs a GPU with bf16 support; this process has {device}. "
+            "Use train.precision=auto or fp32"
+        )
+    return None

@@ -42,8 +42,11 @@ def peak_flops(device: torch.device) -> float | None:
 
 
 class RunReporter:
-    def __init__(self, run: RunDir, max_steps: int, resumed_step: int, enabled: bool = True):
+    def __init__(
+        self, run: RunDir, max_steps: int, resumed_step: int, enabled: bool = True, tracker: Any = None
+    ):
         self.run = run
+        self.tracker = tracker  # e.g. tracking.WandbTracker: gets every logged metric too
         self.max_steps = max_steps
         self.enabled = enabled
         self.hourly_usd = cost.hourly_usd()
@@ -90,6 +93,8 @@ class RunReporter:
         for key, value in metrics.items():
             if key != "step" and isinstance(value, int | float) and math.isfinite(value):
                 self._tb.add_scalar(f"train/{key}" if key != "eval_loss" else "eval/loss", value, step)
+        if self.tracker is not None:
+            self.tracker.log(metrics, step)
 
     def write_status(
         self,
@@ -158,3 +163,5 @@ class RunReporter:
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
+        if self.tracker is not None:
+            self.tracker.finish()

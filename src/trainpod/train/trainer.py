@@ -64,6 +64,7 @@ class Trainer:
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     flops_per_token: float | None = None  # for MFU; None where it is not meaningful
+    improvement_threshold = 0.0  # an eval counts as better only if it beats the best by more than this
 
     def __init__(
         self,
@@ -220,7 +221,7 @@ class Trainer:
         eval_loss = self.evaluate(model, step)
         p = self.progress
         p.last_eval_loss, p.last_eval_step = eval_loss, step
-        if p.best_eval_loss is None or eval_loss < p.best_eval_loss:
+        if p.best_eval_loss is None or eval_loss < p.best_eval_loss - self.improvement_threshold:
             p.best_eval_loss, p.evals_without_improvement = eval_loss, 0
         else:
             p.evals_without_improvement += 1

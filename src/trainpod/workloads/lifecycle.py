@@ -7,6 +7,7 @@ load and validate the config (exit 2, nothing written)  ->  check the volume (ex
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
@@ -15,11 +16,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from trainpod import atomic
 from trainpod.checkpoint import Lease
 from trainpod.config import dump_config, load_config
+from trainpod.config.convert import ConvertConfig
 from trainpod.config.datagen import DatagenConfig
+from trainpod.config.finetune import FinetuneConfig
+from trainpod.config.generate import GeneratorDatagenConfig
+from trainpod.config.loader import ConfigT
 from trainpod.config.pretrain import PretrainConfig
+from trainpod.config.sft import SftDatagenConfig
 from trainpod.errors import ConfigError, ExitCode, TrainpodError
 from trainpod.log import setup_logging
 from trainpod.preemption import PreemptionWatch
@@ -28,7 +36,15 @@ from trainpod.workloads.context import RunContext
 
 log = logging.getLogger("trainpod")
 
-CONFIG_TYPES = {"datagen": DatagenConfig, "pretrain": PretrainConfig}
+CONFIG_TYPES = {
+    "datagen": DatagenConfig,
+    "pretrain": PretrainConfig,
+    "finetune": FinetuneConfig,
+    "convert": ConvertConfig,
+}
+TRAINING_WORKLOADS = ("pretrain", "finetune")
+# datagen makes three kinds of dataset; the config's one distinctive top-level key says which.
+DATAGEN_VARIANTS = {"sft": SftDatagenConfig, "generator": GeneratorDatagenConfig}
 
 
 @dataclass
@@ -61,6 +77,25 @@ def resolve_config_path(raw: str | None, volume: Volume) -> Path:
     return next((c for c in candidates if c.is_file()), candidates[0])
 
 
+def config_class(workload: str, path: Path) -> type:
+    """The config type of `workload`; for datagen, by the YAML's top-level keys (sft:, generator:)."""
+    config_cls = CONFIG_TYPES.get(workload)
+    if config_cls is None:
+        raise ConfigError([f"unknown workload {workload!r}; use one of: {', '.join(CONFIG_TYPES)}"])
+    if workload == "datagen":
+        try:
+            tree = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except (OSError, yaml.YAMLError, UnicodeDecodeError):
+            tree = None  # load_config reports a missing or malformed file properly
+        if isinstance(tree, dict):
+            config_cls = next((cls for key, cls in DATAGEN_VARIANTS.items() if key in tree), config_cls)
+    return config_cls
+
+
+def load_workload_config(workload: str, config_path: Path, overrides: list[str]) -> ConfigT:
+    return load_config(config_class(workload, config_path), config_path, overrides)
+
+
 def execute(request: RunRequest) -> int:
     """Run one workload start to its end and return DESIGN.md's exit code."""
     rank = int(os.environ.get("RANK", "0"))
@@ -76,21 +111,53 @@ def execute(request: RunRequest) -> int:
 
 
 def _execute(request: RunRequest, rank: int) -> int:
-    config_cls = CONFIG_TYPES.get(request.workload)
-    if config_cls is None:
+    if request.workload not in CONFIG_TYPES:
         raise ConfigError([f"unknown workload {request.workload!r}; use one of: {', '.join(CONFIG_TYPES)}"])
     config_path = resolve_config_path(request.config_path, request.volume)
-    config = load_config(config_cls, config_path, request.overrides)
+    config = load_workload_config(request.workload, config_path, request.overrides)
     request.volume.check_writable()
     watch = PreemptionWatch(getattr(getattr(config, "checkpoint", None), "preemption_window_seconds", 5.0))
     watch.install()
-    if request.workload == "datagen":
-        from trainpod.data.datagen import run_datagen
+    if request.workload in TRAINING_WORKLOADS:
+        return _run_training(request, config, watch, rank)
+    if request.workload == "convert":
+        return _run_convert(request, config, watch)
+    for output in _run_data_workload(config, request.volume, watch):
+        log.info("%s ready at %s", request.workload, output)
+    return ExitCode.DONE
 
-        dataset = run_datagen(config, request.volume, watch)
-        log.info("dataset ready at %s", dataset)
-        return ExitCode.DONE
-    return _run_training(request, config, watch, rank)
+
+def _run_data_workload(config: Any, volume: Volume, watch: PreemptionWatch) -> list[Path]:
+    """datagen (token shards, SFT data, generated records) and convert: outputs, no training run."""
+    if isinstance(config, SftDatagenConfig):
+        from trainpod.sft import run_sft_datagen
+
+        return [run_sft_datagen(config, volume, watch)]
+    if isinstance(config, GeneratorDatagenConfig):
+        from trainpod.data.generate import run_generator
+
+        return [run_generator(config, volume, watch)]
+    from trainpod.data.datagen import run_datagen
+
+    return [run_datagen(config, volume, watch)]
+
+
+def _run_convert(request: RunRequest, config: ConvertConfig, watch: PreemptionWatch) -> int:
+    """Conversions write into runs/<run>/export/ under the run's lease, but never its DONE:
+    the run they convert is finished already (and convert reruns skip what is done)."""
+    from trainpod.convert import run_convert
+
+    run = request.volume.run(request.run_name or config.name)
+    run.export.mkdir(parents=True, exist_ok=True)
+    lease = Lease(run.lease, 300.0)
+    lease.acquire()
+    try:
+        outputs = run_convert(config.model_copy(update={"name": run.name}), request.volume, watch)
+    finally:
+        lease.release()
+    for output in outputs:
+        log.info("convert output ready at %s", output)
+    return ExitCode.DONE
 
 
 def _run_training(request: RunRequest, config: Any, watch: PreemptionWatch, rank: int) -> int:
@@ -99,7 +166,8 @@ def _run_training(request: RunRequest, config: Any, watch: PreemptionWatch, rank
         log.info("run %s is already DONE (%s); nothing to do", run.name, run.done)
         return ExitCode.DONE
     ctx = RunContext(request.volume, run, watch)
-    ctx.resolve_dataset(config.data.dataset)  # preflight: fail before anything is written
+    module = _workload_module(request.workload)
+    module.preflight(ctx, config)  # fail before anything is written
     if rank == 0:
         run.create()
         ctx.lease = Lease(run.lease, config.checkpoint.lease_ttl_seconds)
@@ -110,7 +178,6 @@ def _run_training(request: RunRequest, config: Any, watch: PreemptionWatch, rank
     try:
         if rank == 0:
             _write_resolved_config(run.config, config)
-        module = _workload_module(request.workload)
         started = time.monotonic()
         summary = module.run(ctx, config)
         if rank == 0:
@@ -133,8 +200,6 @@ def _run_training(request: RunRequest, config: Any, watch: PreemptionWatch, rank
 
 
 def _workload_module(name: str) -> Any:
-    import importlib
-
     return importlib.import_module(f"trainpod.workloads.{name}")
 
 

@@ -28,6 +28,7 @@ from trainpod.train import distributed as D
 from trainpod.train.batches import TokenBatches, eval_batches
 from trainpod.train.export import DTYPES, export_hf
 from trainpod.train.model import (
+    autocast_dtype,
     build_model,
     flops_per_token,
     llama_config,
@@ -77,7 +78,7 @@ class Pretrainer(Trainer):
                 f"model.vocab_size={vocab} is smaller than the tokenizer's vocabulary "
                 f"({self.tokenizer_vocab}); raise model.vocab_size or leave it unset"
             )
-        self.autocast_dtype = _autocast_dtype(t.precision, device)
+        self.autocast_dtype = autocast_dtype(t.precision, device)
         attention = resolve_attention(t.attention, device)
         self.model_config = llama_config(self.cfg.model, vocab, t.seq_len, attention)
         self.model = build_model(self.model_config, t.seed, device)
@@ -194,19 +195,6 @@ class Pretrainer(Trainer):
         return super().summary() | {"parameters": self.n_params}
 
 
-def _autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
-    if precision == "fp32":
-        return None
-    if device.type == "cuda" and torch.cuda.is_bf16_supported():
-        return torch.bfloat16
-    if precision == "bf16":
-        raise InputError(
-            f"train.precision=bf16 needs a GPU with bf16 support; this process has {device}. "
-            "Use train.precision=auto or fp32"
-        )
-    return None
-
-
 def _adamw(model: torch.nn.Module, t: Any, device: torch.device) -> torch.optim.AdamW:
     """AdamW with weight decay on matrices only (not norms or biases); fused kernels on CUDA."""
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
@@ -215,6 +203,11 @@ def _adamw(model: torch.nn.Module, t: Any, device: torch.device) -> torch.optim.
     return torch.optim.AdamW(
         groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, fused=device.type == "cuda"
     )
+
+
+def preflight(ctx: RunContext, config: PretrainConfig) -> None:
+    """Fail with exit 2 before anything is written: the dataset must exist."""
+    ctx.resolve_dataset(config.data.dataset)
 
 
 def run(ctx: RunContext, config: PretrainConfig) -> dict[str, Any]:

@@ -1,0 +1,139 @@
+"""The convert workload's config: a finetune's adapter to MLX or merged into its base, a pretrain
+checkpoint to an HF model. Outputs go to $TRAINPOD_VOLUME/runs/<name>/export/<output>/.
+
+    TRAINPOD_CONFIG=configs/convert/tiny.yaml TRAINPOD_VOLUME=/tmp/vol trainpod run convert
+
+    name: tiny-finetune
+    adapter: run:tiny-finetune        # default: run:<name>
+    task:
+      - kind: mlx
+      - kind: merge
+        dtype: float32
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, field_validator
+
+from trainpod.config.datagen import NAME_PATTERN
+from trainpod.config.loader import Section
+
+RUN_PREFIX = "run:"
+DTYPE_CHOICES = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+class MlxTask(Section):
+    """A PEFT LoRA/DoRA adapter to an mlx-lm adapter folder (adapters.safetensors, adapter_config.json)."""
+
+    kind: Literal["mlx"] = Field(description="'mlx': convert the adapter for mlx-lm.")
+    output: str = Field(
+        "mlx", pattern=NAME_PATTERN, description="Folder name under runs/<name>/export/ for the MLX adapter."
+    )
+
+
+class MergeTask(Section):
+    """Adapter + base model -> one merged HF model (sharded safetensors, config, tokenizer)."""
+
+    kind: Literal["merge"] = Field(description="'merge': fold the adapter into the base model's weights.")
+    output: str = Field(
+        "merged", pattern=NAME_PATTERN, description="Folder name under runs/<name>/export/ for the model."
+    )
+    dtype: DTYPE_CHOICES = Field(
+        "auto",
+        description="Weights dtype of the merged model (the merge itself runs in float32); "
+        "'auto' keeps the base model's dtype from its config.json (float32 when it records none).",
+    )
+    qlora_base: Literal["dequantized", "original"] = Field(
+        "dequantized",
+        description="For QLoRA adapters: merge into the NF4-quantized-then-dequantized base ('dequantized', "
+        "the default: the weights the adapter was trained against, so the merged model reproduces the "
+        "finetuned model's outputs) or into the original 16-bit base ('original': keeps the base's "
+        "precision, but adds the quantization error the adapter never saw). Ignored for LoRA adapters.",
+    )
+    max_shard_size: str = Field(
+        "5GB",
+        pattern=r"^\d+(\.\d+)?\s*(B|KB|MB|GB|KiB|MiB|GiB)$",
+        description="Largest safetensors shard, like '5GB' or '500MB' (transformers' max_shard_size).",
+    )
+
+
+class ExportTask(Section):
+    """A committed pretrain checkpoint (any step, not only the final one) -> an HF-format model."""
+
+    kind: Literal["export"] = Field(description="'export': a pretrain checkpoint to an HF model.")
+    run: str | None = Field(
+        None,
+        pattern=NAME_PATTERN,
+        description="The pretrain run whose checkpoints/ holds the step; default: the config's name.",
+    )
+    step: int | Literal["latest"] = Field(
+        "latest", description="Checkpoint step to export (must be committed), or 'latest' for the newest."
+    )
+    output: str | None = Field(
+        None,
+        pattern=NAME_PATTERN,
+        description="Folder name under runs/<name>/export/; default: hf-step-<step>.",
+    )
+    dtype: DTYPE_CHOICES = Field(
+        "auto",
+        description="Weights dtype of the export; 'auto' is the pretrain run's export.dtype, "
+        "float32 when that is auto too (checkpoints hold float32 weights).",
+    )
+
+    @field_validator("step")
+    @classmethod
+    def _step_not_negative(cls, step: int | str) -> int | str:
+        if isinstance(step, int) and step < 0:
+            raise ValueError("a checkpoint step is 0 or more; give a committed step or 'latest'")
+        return step
+
+
+Task = Annotated[MlxTask | MergeTask | ExportTask, Field(discriminator="kind")]
+
+
+class ConvertConfig(Section):
+    """Conversions of one run's results; each output is written atomically with a manifest.json."""
+
+    name: str = Field(
+        pattern=NAME_PATTERN,
+        description="Run name: outputs go to runs/<name>/export/<output>/ on the volume.",
+    )
+    adapter: str | None = Field(
+        None,
+        description="The PEFT adapter folder (adapter_model.safetensors, adapter_config.json): absolute, "
+        f"relative to the volume root, or '{RUN_PREFIX}<run>' for runs/<run>/export/adapter; "
+        f"default: '{RUN_PREFIX}<name>'. Only mlx and merge tasks read it.",
+    )
+    base_model: str | None = Field(
+        None,
+        description="The base model folder the adapter was trained on (absolute or relative to the volume "
+        "root; a Hugging Face id is fetched into cache/); default: training_summary.json's base_model.",
+    )
+    task: list[Task] = Field(
+        min_length=1,
+        description="What to make: one task or a list, each with kind mlx, merge or export "
+        "(a bare kind like 'mlx' is short for {kind: mlx}).",
+    )
+
+    @field_validator("task", mode="before")
+    @classmethod
+    def _one_or_many(cls, value: Any) -> Any:
+        items = value if isinstance(value, list) else [value]
+        return [{"kind": item} if isinstance(item, str) else item for item in items]
+
+    @field_validator("task")
+    @classmethod
+    def _outputs_distinct(cls, tasks: list[Any]) -> list[Any]:
+        outputs = [getattr(t, "output", None) for t in tasks if getattr(t, "output", None)]
+        repeated = sorted({o for o in outputs if outputs.count(o) > 1})
+        if repeated:
+            raise ValueError(
+                f"two tasks write the same output folder {repeated}; give each task its own 'output'"
+            )
+        return tasks
+
+    @property
+    def adapter_ref(self) -> str:
+        return self.adapter or f"{RUN_PREFIX}{self.name}"

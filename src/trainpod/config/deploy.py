@@ -1,0 +1,181 @@
+"""How a run is deployed on RunPod and supervised: image, pod, volume, env, secrets, budget, restarts.
+
+    trainpod deploy configs/deploy/pretrain-spot.yaml [--dry-run] [--spot|--on-demand]
+    trainpod supervise RUN --config configs/deploy/pretrain-spot.yaml
+
+The pod's environment is built from this file alone (README, "The pod's environment"); secrets are
+`{{ RUNPOD_SECRET_<name> }}` references that RunPod fills from the account's secrets.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from trainpod.config.loader import Section
+
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
+# RunPod's `allowedCudaVersions` enum (PodCreateInput), newest first; tests/test_runpod_schema.py
+# checks it against RunPod's OpenAPI file so the two cannot drift.
+CUDA_VERSIONS = (
+    "13.0",
+    "12.9",
+    "12.8",
+    "12.7",
+    "12.6",
+    "12.5",
+    "12.4",
+    "12.3",
+    "12.2",
+    "12.1",
+    "12.0",
+    "11.8",
+)
+MAX_POD_ENV = 50  # RunPod's limit on environment variables per pod
+
+
+class ImageSettings(Section):
+    """The image a pod runs (built by `make image push`)."""
+
+    name: str = Field(description="Image reference, e.g. ghcr.io/you/trainpod:0.1.0 (or :0.1.0-cpu).")
+    flavour: Literal["cuda", "cpu"] = Field(
+        "cuda", description="cuda for GPU pods (pretrain, finetune), cpu for CPU pods (datagen, convert)."
+    )
+    cuda_version: str | None = Field(
+        "13.0",
+        description=f"The CUDA version the cuda image is built for; pods are limited to hosts whose driver "
+        f"supports it or newer (allowedCudaVersions). One of: {', '.join(CUDA_VERSIONS)}.",
+    )
+
+    @model_validator(mode="after")
+    def _known_cuda(self) -> ImageSettings:
+        if self.flavour == "cuda" and self.cuda_version not in CUDA_VERSIONS:
+            raise ValueError(
+                f"image.cuda_version={self.cuda_version!r} is not a CUDA version RunPod can select hosts by; "
+                f"set it to one of: {', '.join(CUDA_VERSIONS)}"
+            )
+        return self
+
+
+class PodSettings(Section):
+    """What RunPod rents: GPU types in priority order (or CPU flavours), spot or on demand, cloud."""
+
+    gpu_types: list[str] = Field(
+        default_factory=list,
+        description="RunPod GPU type ids in priority order, e.g. ['NVIDIA H100 80GB HBM3', 'NVIDIA H200']; "
+        "the first that has a free machine is rented. Required for the cuda flavour.",
+    )
+    gpu_count: int = Field(1, ge=1, le=8, description="GPUs per pod (one training process each).")
+    cpu_flavors: list[Literal["cpu3c", "cpu3g", "cpu3m", "cpu5c", "cpu5g", "cpu5m"]] = Field(
+        default_factory=lambda: ["cpu3c"], description="CPU flavours for cpu-flavour pods, in priority order."
+    )
+    vcpu_count: int = Field(8, ge=1, description="vCPUs of a CPU pod.")
+    spot: bool = Field(
+        True, description="true: an interruptible (spot) pod, cheaper, stopped at any time with 5 s warning."
+    )
+    cloud: Literal["SECURE", "COMMUNITY"] = Field("SECURE", description="SECURE or COMMUNITY cloud.")
+    container_disk_gb: int = Field(
+        40, ge=5, description="Container disk in GB: the image plus temp space; wiped on every restart."
+    )
+    ports: list[str] = Field(default_factory=lambda: ["22/tcp"], description="Ports to expose, e.g. 22/tcp.")
+
+
+class VolumeSettings(Section):
+    """The network volume that holds datasets, runs and checkpoints; created when none has the name."""
+
+    name: str = Field("trainpod", min_length=1, description="Network volume name (reused when one exists).")
+    size_gb: int = Field(100, ge=10, le=4000, description="Size in GB when it is created (10-4000).")
+    data_center: str = Field(
+        description="RunPod data center id of the volume, e.g. EU-RO-1; pods are created there."
+    )
+    mount_path: str = Field("/workspace", description="Where pods mount it (TRAINPOD_VOLUME).")
+
+
+class EnvSettings(Section):
+    """The pod's environment beyond workload, config and run (README, "The pod's environment")."""
+
+    set: str = Field("", description="TRAINPOD_SET: config overrides, key.path=value separated by spaces.")
+    git_repo: str = Field(
+        "", description="TRAINPOD_GIT_REPO: a repo of configs cloned under repos/ (optional)."
+    )
+    git_ref: str = Field("main", description="TRAINPOD_GIT_REF: branch, tag or commit of git_repo.")
+    on_finish: Literal["stop", "terminate", "idle"] = Field(
+        "stop", description="TRAINPOD_ON_FINISH: what the pod does after DONE: stop, terminate or idle."
+    )
+    max_failed_starts: int = Field(
+        3, ge=1, description="TRAINPOD_MAX_FAILED_STARTS: failed starts in a row before the run is FAILED."
+    )
+    extra: dict[str, str] = Field(
+        default_factory=dict, description="Further variables, NAME: value (never secrets: use `secrets`)."
+    )
+
+
+class BudgetSettings(Section):
+    """Cost tracking in the pod and a cap the supervisor and the workload both respect."""
+
+    hourly_usd: float | None = Field(
+        None, ge=0, description="TRAINPOD_GPU_HOURLY_USD: the pod's price per hour."
+    )
+    budget_usd: float | None = Field(
+        None, ge=0, description="TRAINPOD_BUDGET_USD: the most the run may spend; unset: no cap."
+    )
+
+
+class SuperviseSettings(Section):
+    """How `trainpod supervise` brings interrupted pods back."""
+
+    poll_s: float = Field(60.0, gt=0, description="Seconds between looks at the pods and the volume.")
+    max_restarts: int = Field(50, ge=0, description="Starts or new pods the supervisor makes at most.")
+    backoff_s: float = Field(30.0, ge=0, description="First wait after a failed start; doubles each time.")
+    max_backoff_s: float = Field(900.0, ge=0, description="Longest wait between failed starts.")
+    max_failed_starts: int = Field(
+        5, ge=1, description="Failed start attempts in a row (no GPU anywhere) before supervising stops."
+    )
+
+
+class DeployConfig(Section):
+    """One run on RunPod: the pod `<run>-<workload>` on a network volume, from a template for the image."""
+
+    run: str = Field(pattern=NAME_PATTERN, description="Run name (TRAINPOD_RUN): runs/<run>/ on the volume.")
+    workload: Literal["datagen", "pretrain", "finetune", "convert"] = Field(
+        description="TRAINPOD_WORKLOAD: datagen, pretrain, finetune or convert."
+    )
+    config: str = Field(
+        description="TRAINPOD_CONFIG: the workload's YAML, as the pod sees it (a path in the image's configs/, "
+        "in the synced git checkout, or on the volume)."
+    )
+    image: ImageSettings
+    pod: PodSettings = Field(default_factory=PodSettings, description="What RunPod rents.")
+    volume: VolumeSettings
+    env: EnvSettings = Field(default_factory=EnvSettings, description="The pod's environment.")
+    secrets: list[str] = Field(
+        default_factory=lambda: ["HF_TOKEN", "WANDB_API_KEY"],
+        description="Variables filled from RunPod secrets of the same name ({{ RUNPOD_SECRET_<name> }}); "
+        "create the secrets in RunPod's console first.",
+    )
+    budget: BudgetSettings = Field(default_factory=BudgetSettings, description="Cost tracking and cap.")
+    supervise: SuperviseSettings = Field(default_factory=SuperviseSettings, description="Restart policy.")
+
+    @property
+    def pod_name(self) -> str:
+        return f"{self.run}-{self.workload}"
+
+    @model_validator(mode="after")
+    def _consistent(self) -> DeployConfig:
+        problems = []
+        if self.image.flavour == "cuda" and not self.pod.gpu_types:
+            problems.append("pod.gpu_types is empty; list GPU type ids in priority order for a cuda image")
+        bad = [name for name in [*self.secrets, *self.env.extra] if not _is_env_name(name)]
+        if bad:
+            problems.append(f"{', '.join(bad)}: not environment variable names; use letters, digits and _")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+
+def _is_env_name(name: str) -> bool:
+    import re
+
+    return re.fullmatch(ENV_NAME_PATTERN, name) is not None

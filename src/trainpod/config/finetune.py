@@ -1,0 +1,188 @@
+"""The finetune workload's config: base model, method (QLoRA, LoRA, full), SFT data, optimisation.
+
+TRAINPOD_CONFIG=configs/finetune/tiny.yaml trainpod run finetune
+
+Defaults follow what QLoRA users of axolotl and LLaMA-Factory start from: NF4 with double
+quantization, rank 16 / alpha 32 on every linear layer, lr 2e-4 with cosine decay, gradient
+checkpointing on.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from trainpod.config.checkpoint import CheckpointConfig
+from trainpod.config.loader import Section
+from trainpod.config.sft import SftDataConfig
+
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+
+
+class BaseModelConfig(Section):
+    path: str = Field(
+        min_length=1,
+        description="The model to finetune: a folder (absolute, or relative to the volume root, e.g. "
+        "runs/tiny-pretrain/export/hf) or a Hugging Face hub id such as Qwen/Qwen2.5-7B-Instruct "
+        "(downloaded once into the volume's cache/, with HF_TOKEN for gated models).",
+    )
+    revision: str | None = Field(None, description="Hub branch, tag or commit (hub ids only).")
+    trust_remote_code: bool = Field(False, description="Allow the model's own Python code from the hub.")
+    attention: Literal["auto", "sdpa", "flash_attention_2", "eager"] = Field(
+        "auto", description="'auto' uses flash-attn 2 when installed on a GPU, else PyTorch SDPA."
+    )
+
+
+class LoraSettings(Section):
+    r: int = Field(16, ge=1, description="LoRA rank.")
+    alpha: float = Field(
+        32.0, gt=0, description="LoRA alpha: the update is scaled by alpha/r (alpha/sqrt(r) with rslora)."
+    )
+    dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on the LoRA input.")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear",
+        description="Module names to adapt (e.g. [q_proj, v_proj]), or 'all-linear' for every linear layer "
+        "but the output head.",
+    )
+    use_rslora: bool = Field(False, description="Rank-stabilised LoRA: scale by alpha/sqrt(r).")
+
+
+class QuantizationSettings(Section):
+    """bitsandbytes 4-bit base weights (method qlora only)."""
+
+    quant_type: Literal["nf4", "fp4"] = Field("nf4", description="4-bit data type: nf4 (QLoRA's) or fp4.")
+    double_quant: bool = Field(
+        True, description="Quantize the quantization constants too (saves ~0.4 bit/param)."
+    )
+    compute_dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto",
+        description="Dtype the 4-bit layers compute in; 'auto': bfloat16 on a GPU that has it, else float32.",
+    )
+
+
+class FinetuneDataConfig(Section):
+    dataset: str | None = Field(
+        None,
+        description="An SFT dataset made by `trainpod run datagen` with an `sft:` section: its name under "
+        "datasets/ or an absolute folder. Give this or `sft`.",
+    )
+    sft: SftDataConfig | None = Field(
+        None,
+        description="Or the SFT data itself: tokenized here with the base model's tokenizer and cached on the "
+        "volume under cache/sft/<key> (reused while data, tokenizer and settings stay the same).",
+    )
+    packing: bool | None = Field(
+        None,
+        description="Pack several samples per row with no attention across them; default: sft.packing "
+        "(false for a named dataset).",
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> FinetuneDataConfig:
+        if (self.dataset is None) == (self.sft is None):
+            raise ValueError(
+                f"data has dataset={self.dataset!r} and sft={'set' if self.sft else None}; give exactly one: "
+                "dataset (made by datagen) or sft (prepared here)"
+            )
+        return self
+
+    @property
+    def use_packing(self) -> bool:
+        if self.packing is not None:
+            return self.packing
+        return bool(self.sft and self.sft.packing)
+
+
+class FinetuneTrainConfig(Section):
+    max_steps: int | None = Field(None, ge=1, description="Optimizer steps to train for; or give epochs.")
+    epochs: float | None = Field(
+        None, gt=0, description="Passes over the training samples; or give max_steps."
+    )
+    micro_batch_size: int = Field(4, ge=1, description="Rows per GPU per forward pass.")
+    grad_accum_steps: int = Field(4, ge=1, description="Micro-batches accumulated per optimizer step.")
+    lr: float = Field(2e-4, gt=0, description="Peak learning rate.")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Final learning rate as a fraction of lr.")
+    warmup_ratio: float = Field(0.03, ge=0, lt=1, description="Share of the steps spent in linear warmup.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    beta1: float = Field(0.9, gt=0, lt=1, description="AdamW beta1.")
+    beta2: float = Field(0.999, gt=0, lt=1, description="AdamW beta2.")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    grad_clip: float = Field(1.0, ge=0, description="Clip the global gradient norm to this (0 disables).")
+    optimizer: Literal["adamw", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit"] = Field(
+        "adamw",
+        description="'adamw' (torch, fused on CUDA), or bitsandbytes' adamw_8bit, paged_adamw_8bit, "
+        "paged_adamw_32bit (paged: optimizer state spills to CPU memory instead of running out of GPU memory).",
+    )
+    precision: Literal["auto", "bf16", "fp32"] = Field(
+        "auto", description="'auto' is bf16 on a GPU that supports it, fp32 on CPU."
+    )
+    gradient_checkpointing: bool = Field(
+        True,
+        description="Recompute activations in the backward pass: much less memory, about 30% more compute.",
+    )
+    seed: int = Field(42, description="Seed for adapter init, dropout and data order.")
+    eval_every: int = Field(
+        100, ge=0, description="Evaluate on the validation split every N steps (0: never)."
+    )
+    eval_batches: int | None = Field(
+        None, ge=1, description="Micro-batches per evaluation; default: the whole validation split."
+    )
+    early_stopping_patience: int = Field(
+        0, ge=0, description="Stop after this many evals without improvement (0: never stop early)."
+    )
+    early_stopping_min_delta: float = Field(
+        0.0, ge=0, description="An eval improves only if it beats the best by more than this."
+    )
+    worst_samples: int = Field(
+        10,
+        ge=0,
+        description="Write this many highest-loss eval samples to eval/step-N.worst.jsonl each eval.",
+    )
+    log_every: int = Field(10, ge=1, description="Log a line every N steps.")
+    cpu_threads: int | None = Field(None, ge=1, description="torch threads on CPU; default: torch's choice.")
+
+    @model_validator(mode="after")
+    def _one_length(self) -> FinetuneTrainConfig:
+        if (self.max_steps is None) == (self.epochs is None):
+            raise ValueError(
+                f"train has max_steps={self.max_steps} and epochs={self.epochs}; give exactly one of them"
+            )
+        return self
+
+
+class TrackingConfig(Section):
+    wandb_project: str = Field(
+        "trainpod",
+        min_length=1,
+        description="W&B project, used when WANDB_API_KEY is set (or WANDB_MODE=offline).",
+    )
+    wandb_entity: str | None = Field(None, description="W&B entity (team or user); default: the key's own.")
+
+
+class FinetuneExportConfig(Section):
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="Weights dtype of a full finetune's export; 'auto': bfloat16 for bf16 runs, else float32. "
+        "Adapters keep their training dtype.",
+    )
+
+
+class FinetuneConfig(Section):
+    name: str = Field(
+        pattern=NAME_PATTERN,
+        description="Run name: the run lives in runs/<name>/ unless TRAINPOD_RUN says otherwise.",
+    )
+    base_model: BaseModelConfig
+    method: Literal["qlora", "lora", "full"] = Field(
+        "qlora",
+        description="'qlora': LoRA on a 4-bit NF4 base (bitsandbytes); 'lora': LoRA on a 16/32-bit base; "
+        "'full': every weight trains.",
+    )
+    lora: LoraSettings = LoraSettings()
+    quantization: QuantizationSettings = QuantizationSettings()
+    data: FinetuneDataConfig
+    train: FinetuneTrainConfig
+    checkpoint: CheckpointConfig = CheckpointConfig(every_steps=100)
+    tracking: TrackingConfig = TrackingConfig()
+    export: FinetuneExportConfig = FinetuneExportConfig()

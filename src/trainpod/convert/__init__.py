@@ -1,0 +1,149 @@
+"""`trainpod run convert`: a finetune's PEFT adapter to an mlx-lm adapter or merged into its base model,
+and pretrain checkpoints to HF models; outputs in runs/<name>/export/<output>/.
+
+    TRAINPOD_CONFIG=configs/convert/tiny.yaml TRAINPOD_VOLUME=/tmp/vol trainpod run convert
+
+Every input is checked before anything is written (a refused adapter or a base model that does
+not fit is exit 2). Each output is published atomically with a manifest.json; an output whose
+inputs and settings are unchanged is skipped, so running the same config again does nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from trainpod.config.convert import ConvertConfig, ExportTask, MergeTask, MlxTask
+from trainpod.convert import adapter as peft_adapter
+from trainpod.convert import export, inputs, merge, mlx, output
+from trainpod.errors import InputError, Preempted
+from trainpod.preemption import PreemptionWatch
+from trainpod.volume import Volume
+
+log = logging.getLogger(__name__)
+
+__all__ = ["run_convert"]
+
+
+@dataclass
+class AdapterInputs:
+    adapter: peft_adapter.PeftAdapter
+    base_ref: str  # as the user or the training run named it
+    base_dir: Path | None  # None: a hub id not fetched (an mlx task alone does not need it)
+
+    @classmethod
+    def resolve(cls, config: ConvertConfig, volume: Volume, need_base: bool) -> AdapterInputs:
+        adapter = peft_adapter.load_adapter(inputs.resolve_adapter(config.adapter_ref, volume))
+        base_ref = inputs.base_reference(config.base_model, adapter.summary, adapter.config)
+        base_dir = inputs.fetch_base(base_ref, volume) if need_base else inputs.local_base(base_ref, volume)
+        if base_dir is not None:
+            peft_adapter.check_against_base(adapter, base_dir)
+        return cls(adapter, base_ref, base_dir)
+
+    def base_files(self) -> dict[str, Path]:
+        files = sorted(p for p in self.base_dir.iterdir() if p.is_file() and not p.name.startswith("."))
+        return {f"base/{p.name}": p for p in files}
+
+    def base_layers(self) -> int | None:
+        if self.base_dir is None:
+            return None
+        return peft_adapter.base_config(self.base_dir).get("num_hidden_layers")
+
+
+def run_convert(config: ConvertConfig, volume: Volume, watch: PreemptionWatch) -> list[Path]:
+    """Make every task's output (or find it finished) and return their folders, in task order.
+
+    Raises InputError (exit 2) for inputs that are missing, refused or do not fit, and Preempted
+    (exit 143) when a stop is requested between tasks; finished outputs stay and are skipped next time.
+    """
+    export_root = volume.run(config.name).export
+    adapter_tasks = [t for t in config.task if isinstance(t, MlxTask | MergeTask)]
+    sources: AdapterInputs | None = None
+    if adapter_tasks:
+        need_base = any(isinstance(t, MergeTask) for t in adapter_tasks)
+        sources = AdapterInputs.resolve(config, volume, need_base)
+        if any(isinstance(t, MlxTask) for t in adapter_tasks):
+            problems = mlx.refusals(sources.adapter)
+            if problems:  # before any output is written, not after the merge
+                raise InputError(
+                    f"the adapter {sources.adapter.folder} cannot be converted to an mlx-lm adapter without "
+                    "changing what it computes:\n  - " + "\n  - ".join(problems)
+                )
+    done: list[Path] = []
+    for task in config.task:
+        if watch.requested:
+            raise Preempted(
+                f"stopped by {watch.signal_name or 'signal'} before the {task.kind} task; finished: "
+                f"{', '.join(p.name for p in done) or 'nothing'}. Run the same config again to continue"
+            )
+        if isinstance(task, MlxTask):
+            done.append(_mlx(task, sources, export_root))
+        elif isinstance(task, MergeTask):
+            done.append(_merge(task, sources, export_root))
+        else:
+            done.append(_export(task, config.name, volume, watch, export_root))
+    return done
+
+
+def _produce(
+    target: Path, files: dict[str, Path], settings: dict[str, Any], write: Callable[[output.Staging], None]
+) -> Path:
+    started = time.monotonic()
+    if output.produce(target, files, settings, write):
+        log.info("wrote %s in %.1f s", target, time.monotonic() - started)
+    else:
+        log.info("%s is up to date (same inputs and settings); skipping", target)
+    return target
+
+
+def _mlx(task: MlxTask, sources: AdapterInputs, export_root: Path) -> Path:
+    layers = sources.base_layers()
+    settings = {"task": task.model_dump(mode="json"), "base_model": sources.base_ref, "base_layers": layers}
+    return _produce(
+        export_root / task.output,
+        sources.adapter.files(),
+        settings,
+        lambda staging: mlx.write_mlx_adapter(sources.adapter, staging, sources.base_ref, layers),
+    )
+
+
+def _merge(task: MergeTask, sources: AdapterInputs, export_root: Path) -> Path:
+    dtype = task.dtype
+    if dtype == "auto":
+        dtype = merge.base_dtype(peft_adapter.base_config(sources.base_dir))
+    quantization = sources.adapter.quantization
+    settings = {
+        "task": task.model_dump(mode="json"),
+        "dtype": dtype,
+        "quantization": quantization if task.qlora_base == "dequantized" else None,
+    }
+    return _produce(
+        export_root / task.output,
+        sources.adapter.files() | sources.base_files(),
+        settings,
+        lambda staging: merge.write_merged(
+            sources.adapter.folder,
+            sources.base_dir,
+            staging,
+            dtype,
+            quantization,
+            task.qlora_base,
+            task.max_shard_size,
+        ),
+    )
+
+
+def _export(task: ExportTask, name: str, volume: Volume, watch: PreemptionWatch, export_root: Path) -> Path:
+    source = export.resolve_checkpoint(task, name, volume, watch)
+    dtype = source.dtype(task.dtype)
+    settings = {"task": task.model_dump(mode="json"), "step": source.step, "dtype": dtype}
+    return _produce(
+        export_root / (task.output or f"hf-step-{source.step}"),
+        source.files(),
+        settings,
+        lambda staging: export.write_export(source, staging.folder, dtype),
+    )

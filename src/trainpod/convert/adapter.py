@@ -1,0 +1,182 @@
+"""A PEFT LoRA adapter folder as written by `PeftModel.save_pretrained`, and the checks against a base.
+
+Key layout (peft 0.21): `base_model.model.<module>.lora_A.weight` (r, in), `...lora_B.weight` (out, r),
+and with DoRA `...lora_magnitude_vector` (out,). Per-module rank and alpha follow peft's own
+`rank_pattern`/`alpha_pattern` matching (peft.utils.other.get_pattern_key).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import safetensors.torch
+import torch
+from peft.utils.other import get_pattern_key
+from safetensors import safe_open
+
+from trainpod.errors import InputError
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+TRAINING_SUMMARY = "training_summary.json"
+PEFT_PREFIX = "base_model.model."
+_LORA_KEY = re.compile(
+    r"^(?P<module>.+)\.(?:(?P<part>lora_A|lora_B)\.weight|(?P<magnitude>lora_magnitude_vector)(?:\.weight)?)$"
+)
+
+
+@dataclass
+class LoraModule:
+    name: str  # the module's path in the base model, e.g. model.layers.0.self_attn.q_proj
+    lora_a: torch.Tensor | None = None  # (r, in)
+    lora_b: torch.Tensor | None = None  # (out, r)
+    magnitude: torch.Tensor | None = None  # DoRA: (out,)
+
+    @property
+    def rank(self) -> int:
+        return self.lora_a.shape[0]
+
+    @property
+    def weight_shape(self) -> tuple[int, int]:
+        """The (out, in) shape of the base weight this module adapts."""
+        return (self.lora_b.shape[0], self.lora_a.shape[1])
+
+
+@dataclass
+class PeftAdapter:
+    folder: Path
+    config: dict[str, Any]
+    modules: dict[str, LoraModule]
+    other_tensors: list[str] = field(default_factory=list)  # neither LoRA A/B nor a DoRA magnitude
+    summary: dict[str, Any] | None = None
+
+    @property
+    def uses_dora(self) -> bool:
+        return bool(self.config.get("use_dora"))
+
+    def scale(self, module: LoraModule) -> float:
+        """lora_alpha / r for this module (alpha / sqrt(r) with rsLoRA), patterns resolved as peft does."""
+        alpha_pattern = self.config.get("alpha_pattern") or {}
+        alpha = alpha_pattern.get(
+            get_pattern_key(list(alpha_pattern), module.name), self.config.get("lora_alpha", 8)
+        )
+        rank = module.rank
+        return alpha / math.sqrt(rank) if self.config.get("use_rslora") else alpha / rank
+
+    @property
+    def default_scale(self) -> float:
+        rank, alpha = self.config.get("r", 8), self.config.get("lora_alpha", 8)
+        return alpha / math.sqrt(rank) if self.config.get("use_rslora") else alpha / rank
+
+    @property
+    def quantization(self) -> dict[str, Any] | None:
+        """The 4-bit settings the adapter was trained with (QLoRA), from training_summary.json."""
+        if not self.summary or self.summary.get("method") != "qlora":
+            return None
+        return self.summary.get("quantization") or None
+
+    def files(self) -> dict[str, Path]:
+        names = [ADAPTER_WEIGHTS, ADAPTER_CONFIG] + ([TRAINING_SUMMARY] if self.summary else [])
+        return {f"adapter/{name}": self.folder / name for name in names}
+
+
+def load_adapter(folder: Path) -> PeftAdapter:
+    missing = [name for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG) if not (folder / name).is_file()]
+    if missing:
+        present = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+        raise InputError(
+            f"no PEFT adapter at {folder}: {', '.join(missing)} missing (found: {present or 'nothing'}). "
+            "Finish the finetune first (`trainpod run finetune`), or point `adapter` at a folder written by "
+            "PeftModel.save_pretrained"
+        )
+    config = _read_json(folder / ADAPTER_CONFIG)
+    summary = _read_json(folder / TRAINING_SUMMARY) if (folder / TRAINING_SUMMARY).is_file() else None
+    modules: dict[str, LoraModule] = {}
+    others: list[str] = []
+    for key, tensor in safetensors.torch.load_file(folder / ADAPTER_WEIGHTS).items():
+        match = _LORA_KEY.match(key.removeprefix(PEFT_PREFIX))
+        if not key.startswith(PEFT_PREFIX) or match is None:
+            others.append(key)
+            continue
+        module = modules.setdefault(match["module"], LoraModule(match["module"]))
+        if match["magnitude"]:
+            module.magnitude = tensor
+        elif match["part"] == "lora_A":
+            module.lora_a = tensor
+        else:
+            module.lora_b = tensor
+    broken = [m.name for m in modules.values() if m.lora_a is None or m.lora_b is None]
+    if broken:
+        raise InputError(
+            f"{folder / ADAPTER_WEIGHTS}: module {broken[0]} has only one of lora_A/lora_B; the file is "
+            "incomplete or not a LoRA adapter. Save it again with PeftModel.save_pretrained"
+        )
+    return PeftAdapter(folder, config, modules, others, summary)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InputError(f"{path} is not valid JSON ({exc}); write it again or fix it by hand") from None
+    if not isinstance(value, dict):
+        raise InputError(f"{path} holds a {type(value).__name__}, not a JSON object")
+    return value
+
+
+# ------------------------------------------------------------------------------------ the base model
+def base_weight_shapes(base_dir: Path) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape in a HF safetensors model folder, read from the headers (no weights loaded)."""
+    files = sorted(base_dir.glob("*.safetensors"))
+    if not files:
+        raise InputError(
+            f"base model {base_dir} holds no *.safetensors weights; give `base_model` a folder written by "
+            "save_pretrained(safe_serialization=True)"
+        )
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path in files:
+        with safe_open(path, "pt") as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open handles have keys(), not iteration
+                shapes[key] = tuple(f.get_slice(key).get_shape())
+    return shapes
+
+
+def base_config(base_dir: Path) -> dict[str, Any]:
+    if not (base_dir / "config.json").is_file():
+        raise InputError(f"base model {base_dir} has no config.json; it is not a transformers model folder")
+    return _read_json(base_dir / "config.json")
+
+
+def check_against_base(adapter: PeftAdapter, base_dir: Path) -> None:
+    """Exit 2 naming the module and both shapes when the adapter was not trained on this base."""
+    shapes = base_weight_shapes(base_dir)
+    tied = base_config(base_dir).get("tie_word_embeddings", False)
+    problems = []
+    for module in adapter.modules.values():
+        key = f"{module.name}.weight"
+        if key not in shapes and tied and module.name.endswith("lm_head"):
+            key = key.replace("lm_head", "model.embed_tokens")  # tied heads are stored once, as the embedding
+        expected = module.weight_shape
+        if key not in shapes:
+            problems.append(
+                f"module {module.name}: the adapter adapts a weight of shape {expected} (out, in), "
+                f"the base model has no {module.name}.weight"
+            )
+        elif tuple(shapes[key][:2]) != expected:
+            problems.append(
+                f"module {module.name}: the adapter expects weight shape {expected} (out, in), "
+                f"the base model's is {shapes[key]}"
+            )
+    if problems:
+        shown = problems[:8] + ([f"... and {len(problems) - 8} more"] if len(problems) > 8 else [])
+        raise InputError(
+            f"the adapter {adapter.folder} does not fit the base model {base_dir}:\n  - "
+            + "\n  - ".join(shown)
+            + "\nPoint `base_model` at the model the adapter was trained on (training_summary.json's "
+            "base_model names it)"
+        )

@@ -1,0 +1,112 @@
+"""A committed pretrain checkpoint (any step, not only the final one) -> an HF-format model.
+
+The model is rebuilt exactly as the pretrain workload builds it (runs/<run>/config.yaml, the
+tokenizer named by the dataset's manifest), the checkpoint is verified against its manifest, and
+its weights are loaded and exported with the pretrain workload's own export_hf.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from trainpod.checkpoint import CheckpointStore
+from trainpod.checkpoint.store import LATEST, MANIFEST, step_dir_name
+from trainpod.config import load_config
+from trainpod.config.convert import ExportTask
+from trainpod.config.pretrain import PretrainConfig
+from trainpod.data.datagen import load_dataset_manifest
+from trainpod.errors import InputError
+from trainpod.preemption import PreemptionWatch
+from trainpod.train.export import DTYPES, export_hf
+from trainpod.train.model import build_model, llama_config, padded_vocab
+from trainpod.train.state import load_weights
+from trainpod.volume import RunDir, Volume
+from trainpod.workloads.context import RunContext
+
+
+@dataclass(frozen=True)
+class CheckpointSource:
+    run: RunDir
+    step: int
+    path: Path
+    config: PretrainConfig
+    tokenizer_dir: Path
+    vocab_size: int
+
+    def files(self) -> dict[str, Path]:
+        # The checkpoint's manifest holds the sha256 of every file in it: hashing it covers the weights.
+        return {
+            "checkpoint/manifest.json": self.path / MANIFEST,
+            "run/config.yaml": self.run.config,
+            "tokenizer/tokenizer.json": self.tokenizer_dir / "tokenizer.json",
+        }
+
+    def dtype(self, requested: str) -> str:
+        if requested != "auto":
+            return requested
+        recorded = self.config.export.dtype
+        return "float32" if recorded == "auto" else recorded
+
+
+def resolve_checkpoint(
+    task: ExportTask, run_name: str, volume: Volume, watch: PreemptionWatch
+) -> CheckpointSource:
+    run = volume.run(task.run or run_name)
+    if not run.config.is_file():
+        raise InputError(
+            f"run {run.name} has no {run.config}: it is not a pretrain run on this volume. Set the export "
+            "task's `run` to a pretrain run's name (the folder under runs/)"
+        )
+    config = load_config(PretrainConfig, run.config)
+    step = _step(task.step, run)
+    path = run.checkpoints / step_dir_name(step)
+    ctx = RunContext(volume, run, watch)
+    dataset_dir = ctx.resolve_dataset(config.data.dataset)
+    manifest = load_dataset_manifest(dataset_dir)
+    tokenizer_dir = ctx.resolve_tokenizer(config.data.tokenizer, manifest)
+    vocab = config.model.vocab_size or padded_vocab(manifest["tokenizer"]["vocab_size"])
+    return CheckpointSource(run, step, path, config, tokenizer_dir, vocab)
+
+
+def _step(requested: int | str, run: RunDir) -> int:
+    store = CheckpointStore(run.checkpoints)
+    steps = sorted(c.step for c in store.committed())
+    if requested == "latest":
+        try:
+            name = (run.checkpoints / LATEST).read_text(encoding="utf-8").strip()
+            return int(name.removeprefix("step-"))
+        except (FileNotFoundError, ValueError):
+            if steps:
+                return steps[-1]
+            raise InputError(
+                f"run {run.name} has no committed checkpoint under {run.checkpoints}; train it first "
+                f"(`trainpod run pretrain`) or export another run"
+            ) from None
+    if requested not in steps:
+        raise InputError(
+            f"run {run.name} has no committed checkpoint step-{requested}; committed steps: "
+            f"{', '.join(map(str, steps)) or 'none'} (retention keeps checkpoint.keep_last and keep_best). "
+            "Set step to one of them or to latest"
+        )
+    return int(requested)
+
+
+def write_export(source: CheckpointSource, folder: Path, dtype: str) -> None:
+    """Verify the checkpoint against its manifest, load it, and export it to `folder` (made here)."""
+    store = CheckpointStore(source.run.checkpoints)
+    manifest, reason = store.verify(source.path)
+    if manifest is None:
+        raise InputError(
+            f"checkpoint {source.path} fails verification ({reason}); export another step "
+            f"(committed: {', '.join(str(c.step) for c in store.committed())})"
+        )
+    model_config = llama_config(source.config.model, source.vocab_size, source.config.train.seq_len, "sdpa")
+    model = build_model(model_config, source.config.train.seed)
+    state = json.loads((source.path / "trainer_state.json").read_text(encoding="utf-8"))
+    try:
+        load_weights(model, (source.path / "model.safetensors").read_bytes(), state["aliased_weights"])
+    except ValueError as exc:
+        raise InputError(f"{source.path}: {exc}") from None
+    export_hf(model, source.tokenizer_dir, folder, DTYPES[dtype])

@@ -1,0 +1,109 @@
+"""Adapter + base model -> one merged HF model, merged in float32 and cast afterwards.
+
+The merge is peft's own (`PeftModel.merge_and_unload`), so whatever peft can load it merges
+correctly: LoRA, rsLoRA, rank/alpha patterns, DoRA, modules_to_save, trained biases.
+
+For a QLoRA adapter the base can first be replaced by what training saw: every Linear layer that
+transformers quantizes (all but the output head) quantized to 4 bits with bitsandbytes and
+dequantized again, from the dtype the weights were loaded in, with the same block size, quant type
+and double quantization.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging as transformers_logging
+
+from trainpod.convert.output import Staging
+from trainpod.errors import InputError
+from trainpod.train.export import DTYPES
+
+log = logging.getLogger(__name__)
+
+BNB_DEFAULT_BLOCKSIZE = 64  # bitsandbytes' 4-bit block size, which transformers' loader uses
+
+
+def base_dtype(base_dir_config: dict[str, Any]) -> str:
+    recorded = base_dir_config.get("dtype") or base_dir_config.get("torch_dtype") or "float32"
+    return recorded if recorded in DTYPES else "float32"
+
+
+def nf4_roundtrip(model: torch.nn.Module, quantization: dict[str, Any]) -> list[str]:
+    """Replace the quantizable Linear weights by quantize_4bit -> dequantize_4bit of themselves.
+
+    Returns the names of the modules changed.
+    """
+    import bitsandbytes.functional as bnb
+
+    load_dtype = quantization.get("load_dtype") or quantization.get("compute_dtype") or "bfloat16"
+    if load_dtype not in DTYPES:
+        raise InputError(
+            f"training_summary.json: quantization load/compute dtype {load_dtype!r} is not one of "
+            f"{', '.join(DTYPES)}; fix the summary or merge with qlora_base: original"
+        )
+    head = model.get_output_embeddings()
+    changed = []
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if not isinstance(module, torch.nn.Linear) or module is head:
+                continue
+            packed, state = bnb.quantize_4bit(
+                module.weight.data.to(DTYPES[load_dtype]),
+                blocksize=int(quantization.get("blocksize") or BNB_DEFAULT_BLOCKSIZE),
+                compress_statistics=bool(quantization.get("double_quant", False)),
+                quant_type=quantization.get("quant_type", "nf4"),
+            )
+            module.weight.data = bnb.dequantize_4bit(packed, state).to(module.weight.dtype)
+            changed.append(name)
+    return changed
+
+
+def load_base_fp32(base_dir: Path) -> torch.nn.Module:
+    transformers_logging.disable_progress_bar()
+    return AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+
+
+def merged_model(
+    adapter_dir: Path, base_dir: Path, quantization: dict[str, Any] | None, qlora_base: str
+) -> torch.nn.Module:
+    """The base with the adapter folded in, in float32."""
+    from peft import PeftModel
+
+    model = load_base_fp32(base_dir)
+    if quantization is not None and qlora_base == "dequantized":
+        changed = nf4_roundtrip(model, quantization)
+        log.info("merging into the 4-bit round-tripped base (%d Linear layers), as trained", len(changed))
+    peft_model = PeftModel.from_pretrained(model, str(adapter_dir), torch_device="cpu")
+    return peft_model.merge_and_unload()
+
+
+def write_merged(
+    adapter_dir: Path,
+    base_dir: Path,
+    staging: Staging,
+    dtype: str,
+    quantization: dict[str, Any] | None,
+    qlora_base: str,
+    max_shard_size: str,
+) -> None:
+    tokenizer_source = next((d for d in (adapter_dir, base_dir) if _has_tokenizer(d)), None)
+    if tokenizer_source is None:
+        raise InputError(
+            f"no tokenizer in the adapter folder {adapter_dir} or the base model {base_dir}, and a merged "
+            "model must carry one; copy the tokenizer files (tokenizer.json, tokenizer_config.json) into "
+            "the adapter folder"
+        )
+    merged = merged_model(adapter_dir, base_dir, quantization, qlora_base).to(DTYPES[dtype])
+    folder = staging.folder
+    folder.mkdir(parents=True)
+    merged.save_pretrained(folder, safe_serialization=True, max_shard_size=max_shard_size)
+    AutoTokenizer.from_pretrained(str(tokenizer_source)).save_pretrained(folder)
+
+
+def _has_tokenizer(folder: Path) -> bool:
+    return (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file()

@@ -1,0 +1,216 @@
+"""PEFT LoRA/DoRA adapter -> mlx-lm adapter folder (adapters.safetensors + adapter_config.json).
+
+mlx-lm 0.32 (mlx_lm/tuner/utils.py `load_adapters`, tuner/lora.py `LoRALinear`) computes
+`y = W x + scale * (x @ lora_a) @ lora_b` with lora_a (in, r) and lora_b (r, out): PEFT's
+lora_A (r, in) and lora_B (out, r) transposed, one `rank` and `scale` for every layer, applied to
+the `keys` (paths inside a decoder layer) of the last `num_layers` layers. PEFT's per-module
+rank_pattern/alpha_pattern are carried over exactly by zero-padding every module to the largest
+rank (zero columns add nothing) and folding each module's scale / the common scale into lora_b.
+DoRA's magnitude vector becomes `m` (mlx-lm's DoRALinear normalises W + scale * B A per output row,
+as PEFT does).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from trainpod import atomic
+from trainpod.convert import tensorfile
+from trainpod.convert.adapter import PeftAdapter
+from trainpod.convert.output import Staging
+from trainpod.errors import InputError
+
+_LAYER_MODULE = re.compile(r"^(?:model\.)?layers\.(\d+)\.(.+)$")
+_MERGE_INSTEAD = (
+    "use a `kind: merge` task and convert the merged model for MLX with "
+    "`mlx_lm.convert --hf-path <merged folder>`"
+)
+# adapter_config.json settings that change what the adapter computes in ways an mlx-lm adapter
+# cannot express, with what each one is.
+_UNSUPPORTED = {
+    "modules_to_save": "modules_to_save stores whole trained copies of modules, which mlx-lm adapters "
+    "cannot carry",
+    "lora_bias": "lora_bias adds a trained bias to lora_B, which mlx-lm's LoRALinear does not have",
+    "trainable_token_indices": "trainable_token_indices trains single embedding rows, which mlx-lm "
+    "adapters cannot carry",
+    "layer_replication": "layer_replication duplicates decoder layers, which mlx-lm cannot rebuild",
+    "target_parameters": "target_parameters adapts raw parameters (MoE experts), not Linear layers",
+    "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens) only applies after its "
+    "invocation tokens, which mlx-lm does not do",
+    "fan_in_fan_out": "fan_in_fan_out (GPT-2 Conv1D layers) stores weights transposed; mlx-lm models use "
+    "Linear layers",
+    "use_bdlora": "block-diagonal LoRA (use_bdlora) is not mlx-lm's LoRA",
+}
+
+
+def refusals(adapter: PeftAdapter) -> list[str]:
+    """Why this adapter cannot become an mlx-lm adapter without changing what it computes (empty: it can)."""
+    config, problems = adapter.config, []
+    if config.get("peft_type", "LORA") != "LORA":
+        problems.append(
+            f"peft_type {config.get('peft_type')!r}: only LoRA and DoRA adapters convert to mlx-lm; "
+            + _MERGE_INSTEAD
+        )
+    if config.get("bias", "none") != "none":
+        problems.append(
+            f"bias={config['bias']!r} trains the base layers' biases, which mlx-lm adapters cannot hold; "
+            + _MERGE_INSTEAD
+        )
+    for name, why in _UNSUPPORTED.items():
+        if config.get(name):
+            problems.append(f"{name}={config[name]!r}: {why}; {_MERGE_INSTEAD}")
+    if adapter.other_tensors:
+        shown = ", ".join(adapter.other_tensors[:3]) + (" ..." if len(adapter.other_tensors) > 3 else "")
+        problems.append(
+            f"the adapter holds tensors that are not LoRA A/B or DoRA magnitudes ({shown}), for example "
+            f"embedding LoRA or trained copies of modules; {_MERGE_INSTEAD}"
+        )
+    if adapter.uses_dora:
+        lacking = [m.name for m in adapter.modules.values() if m.magnitude is None]
+        if lacking:
+            problems.append(f"use_dora is set but {lacking[0]} has no lora_magnitude_vector; save it again")
+    return problems
+
+
+def mlx_name(peft_module: str) -> str:
+    """PEFT's module path is the base model's, which is also mlx-lm's (mlx-lm keeps HF's names)."""
+    return peft_module
+
+
+def relative_key(module: str) -> str:
+    """The key mlx-lm's lora_parameters.keys uses: the path inside a decoder layer, else the full path."""
+    match = _LAYER_MODULE.match(module)
+    return match.group(2) if match else module
+
+
+def mlx_layout(adapter: PeftAdapter) -> tuple[tensorfile.TensorFile, dict[str, Callable], int, float]:
+    """adapters.safetensors laid out in memory, how to fill each tensor, the common rank and the common scale.
+
+    Each transpose, zero-padding and scale fold is computed straight into the tensor's place in the
+    file's buffer: the adapter's bytes are copied once, on the way from the input to the output.
+    """
+    rank = max(m.rank for m in adapter.modules.values())
+    scale = adapter.default_scale or 1.0
+    specs, fillers = {}, {}
+    for module in adapter.modules.values():
+        name, r, fold = mlx_name(module.name), module.rank, adapter.scale(module) / scale
+        # A 16-bit lora_b keeps float32 when a scale is folded in: rounding the product would change it.
+        b_dtype = (
+            module.lora_b.dtype if fold == 1.0 else torch.promote_types(module.lora_b.dtype, torch.float32)
+        )
+        specs[f"{name}.lora_a"] = (module.lora_a.dtype, (module.lora_a.shape[1], rank))  # (in, rank)
+        specs[f"{name}.lora_b"] = (b_dtype, (rank, module.lora_b.shape[0]))  # (rank, out)
+        fillers[f"{name}.lora_a"] = functools.partial(_fill_a, module.lora_a, r)
+        fillers[f"{name}.lora_b"] = functools.partial(_fill_b, module.lora_b, r, fold)
+        if adapter.uses_dora:
+            specs[f"{name}.m"] = (module.magnitude.dtype, tuple(module.magnitude.shape))
+            fillers[f"{name}.m"] = module.magnitude
+    return tensorfile.layout(specs, {"format": "mlx"}), fillers, rank, scale
+
+
+def mlx_file(adapter: PeftAdapter) -> tuple[tensorfile.TensorFile, int, float]:
+    """mlx_layout with every tensor filled in (for callers that want the whole file in memory)."""
+    file, fillers, rank, scale = mlx_layout(adapter)
+    for name, slot in file.slots.items():
+        fill(fillers[name], slot)
+    return file, rank, scale
+
+
+def fill(filler: Callable | torch.Tensor, slot: torch.Tensor) -> None:
+    filler(slot) if callable(filler) else slot.copy_(filler)
+
+
+def _fill_a(lora_a: torch.Tensor, r: int, slot: torch.Tensor) -> None:
+    """PEFT's lora_A (r, in) transposed to mlx-lm's (in, rank), zero columns beyond r (they add nothing)."""
+    slot[:, :r].copy_(lora_a.T)
+    slot[:, r:].zero_()
+
+
+def _fill_b(lora_b: torch.Tensor, r: int, fold: float, slot: torch.Tensor) -> None:
+    """PEFT's lora_B (out, r) transposed to mlx-lm's (rank, out), scaled by `fold`, zero rows beyond r."""
+    if fold != 1.0:
+        torch.mul(lora_b.T.float(), fold, out=slot[:r])
+    else:
+        slot[:r].copy_(lora_b.T)
+    slot[r:].zero_()
+
+
+def num_layers(adapter: PeftAdapter, base_layers: int | None) -> int:
+    """mlx-lm adapts the last `num_layers` layers: all of them when the base's depth is known."""
+    indices = [int(m.group(1)) for m in map(_LAYER_MODULE.match, adapter.modules) if m]
+    if base_layers is not None:
+        return base_layers
+    if adapter.config.get("layers_to_transform") is not None:
+        raise InputError(
+            "layers_to_transform is set, so the adapter may skip the last layers, and the base model is not "
+            "a local folder whose depth could be read; set base_model to the base model's folder"
+        )
+    return max(indices) + 1 if indices else 0
+
+
+def mlx_config(adapter: PeftAdapter, rank: int, scale: float, layers: int, base: str) -> dict[str, Any]:
+    keys = sorted({relative_key(m) for m in adapter.modules})
+    return {
+        "fine_tune_type": "dora" if adapter.uses_dora else "lora",
+        "num_layers": layers,
+        "lora_parameters": {
+            "rank": rank,
+            "scale": scale,
+            "dropout": float(adapter.config.get("lora_dropout") or 0.0),
+            "keys": keys,
+        },
+        "model": base,
+    }
+
+
+def write_mlx_adapter(adapter: PeftAdapter, staging: Staging, base: str, base_layers: int | None) -> None:
+    """Write the mlx-lm adapter into `staging.folder` (created here)."""
+    problems = refusals(adapter)
+    if problems:
+        raise InputError(
+            f"the adapter {adapter.folder} cannot be converted to an mlx-lm adapter without changing what it "
+            "computes:\n  - " + "\n  - ".join(problems)
+        )
+    file, fillers, rank, scale = mlx_layout(adapter)
+    config = mlx_config(adapter, rank, scale, num_layers(adapter, base_layers), base)
+    staging.folder.mkdir(parents=True)
+    staging.write_tensors("adapters.safetensors", file, lambda name, slot: fill(fillers[name], slot))
+    staging.write_file("adapter_config.json", atomic.json_bytes(config))
+    staging.write_file("README.md", _readme(adapter, config, base).encode("utf-8"))
+
+
+def _readme(adapter: PeftAdapter, config: dict[str, Any], base: str) -> str:
+    params = config["lora_parameters"]
+    return f"""# MLX adapter
+
+Converted by trainpod from the PEFT adapter `{adapter.folder}`.
+
+It belongs to the base model **`{base}`**: load it on top of exactly that model (the same weights;
+a 4-bit MLX copy of it also works, with the usual quantization error).
+
+```sh
+pip install mlx-lm
+mlx_lm.generate --model {base} --adapter-path . --prompt "Once upon a time"
+```
+
+```python
+from mlx_lm import load, generate
+model, tokenizer = load("{base}", adapter_path=".")
+print(generate(model, tokenizer, prompt="Once upon a time", max_tokens=50))
+```
+
+`mlx_lm.fuse --model {base} --adapter-path . --save-path fused` folds it into the weights.
+
+| setting | value |
+| --- | --- |
+| fine_tune_type | {config["fine_tune_type"]} |
+| num_layers | {config["num_layers"]} |
+| rank | {params["rank"]} |
+| scale | {params["scale"]} |
+| keys | {", ".join(params["keys"])} |
+"""

@@ -1,0 +1,351 @@
+"""The one way trainpod reaches RunPod's REST API (https://rest.runpod.io/v1), through `request`.
+
+    client = RunPodClient.from_env()          # RUNPOD_API_KEY, else the runpod CLI's ~/.runpod/config.toml
+    client.list_pods(name="tiny-pretrain-pretrain")
+
+Timeouts on every call; retries with exponential backoff and jitter on 429 and 5xx only (a 4xx
+other than 429 is our mistake and is not retried), honouring Retry-After. Errors carry the status
+code, the method and path and a hint, never the key and never the response body (RunPod's bodies
+may echo the request, secrets included). The official `runpod` SDK is not used: it has no spot
+support, builds GraphQL without escaping, and pulls about 100 packages.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from trainpod.errors import ExitCode, TemporaryError, TrainpodError
+
+log = logging.getLogger("trainpod.runpod")
+
+DEFAULT_API_URL = "https://rest.runpod.io/v1"
+API_URL_ENV = "TRAINPOD_RUNPOD_API_URL"
+KEY_ENV = "RUNPOD_API_KEY"
+# Where the runpod CLIs keep the key: the Python CLI writes `[default] api_key = "..."` to
+# config.toml (older releases: credentials.toml); runpodctl writes a top-level `apikey = "..."`.
+CLI_CONFIG_FILES = ("~/.runpod/config.toml", "~/.runpod/credentials.toml")
+RETRY_AFTER_CAP_S = 300.0
+
+
+class RunPodError(TrainpodError):
+    """RunPod refused or failed a request; the message names the endpoint and the status."""
+
+    exit_code = ExitCode.BAD_INPUT
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+
+
+class RunPodAuthError(RunPodError):
+    """No key, or RunPod rejected it (401/403): nothing will work until the user fixes the key."""
+
+
+class RunPodNotFound(RunPodError):
+    """404: the pod, template or volume does not exist (any more)."""
+
+
+class RunPodUnavailable(RunPodError, TemporaryError):
+    """429/5xx/timeouts that outlasted every retry: a later attempt may succeed (exit 75)."""
+
+    exit_code = ExitCode.TEMPORARY
+
+
+@dataclass(frozen=True)
+class Pod:
+    id: str
+    name: str
+    desired_status: str  # RUNNING, EXITED or TERMINATED
+    image: str = ""
+    env: dict[str, str] = field(default_factory=dict)
+    gpu_type_id: str | None = None
+    gpu_count: int = 0
+    cost_per_hr: float | None = None
+    interruptible: bool = False
+    network_volume_id: str | None = None
+    template_id: str | None = None
+    machine_id: str | None = None
+    last_status_change: str = ""
+
+    @classmethod
+    def from_api(cls, data: dict[str, Any]) -> Pod:
+        gpu = data.get("gpu") or {}
+        machine = data.get("machine") or {}
+        cost = data.get("adjustedCostPerHr", data.get("costPerHr"))
+        return cls(
+            id=data["id"],
+            name=data.get("name") or "",
+            desired_status=data.get("desiredStatus") or "",
+            image=data.get("image") or data.get("imageName") or "",
+            env=dict(data.get("env") or {}),
+            gpu_type_id=gpu.get("id") or machine.get("gpuTypeId"),
+            gpu_count=int(gpu.get("count") or 0),
+            cost_per_hr=float(cost) if cost is not None else None,
+            interruptible=bool(data.get("interruptible")),
+            network_volume_id=data.get("networkVolumeId") or (data.get("networkVolume") or {}).get("id"),
+            template_id=data.get("templateId"),
+            machine_id=data.get("machineId"),
+            last_status_change=data.get("lastStatusChange") or "",
+        )
+
+
+@dataclass(frozen=True)
+class Template:
+    id: str
+    name: str
+    image_name: str
+    env: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_api(cls, data: dict[str, Any]) -> Template:
+        return cls(
+            data["id"], data.get("name") or "", data.get("imageName") or "", dict(data.get("env") or {})
+        )
+
+
+@dataclass(frozen=True)
+class NetworkVolume:
+    id: str
+    name: str
+    size_gb: int
+    data_center_id: str
+
+    @classmethod
+    def from_api(cls, data: dict[str, Any]) -> NetworkVolume:
+        return cls(
+            data["id"], data.get("name") or "", int(data.get("size") or 0), data.get("dataCenterId") or ""
+        )
+
+
+def _key_from_cli_config(home: Path | None = None) -> str | None:
+    for raw in CLI_CONFIG_FILES:
+        path = Path(raw.replace("~", str(home), 1)) if home else Path(raw).expanduser()
+        if path.is_file():
+            key = _key_in_toml(path.read_text(encoding="utf-8", errors="replace"))
+            if key:
+                return key
+    return None
+
+
+def _key_in_toml(text: str) -> str | None:
+    try:
+        import tomllib  # Python 3.11+; on 3.10 the pattern below reads the one line we need
+    except ModuleNotFoundError:
+        match = re.search(r'^\s*api_?key\s*=\s*"([^"]+)"', text, re.M | re.I)
+        return match.group(1) if match else None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError:
+        return None
+    for table in (data, data.get("default") or {}, *[v for v in data.values() if isinstance(v, dict)]):
+        for name in ("apikey", "api_key", "apiKey"):
+            if isinstance(table.get(name), str) and table[name]:
+                return table[name]
+    return None
+
+
+def api_key(environ: dict[str, str] | None = None, home: Path | None = None) -> str:
+    """The key from RUNPOD_API_KEY, else the runpod CLI's config file; RunPodAuthError when neither."""
+    environ = os.environ if environ is None else environ
+    key = environ.get(KEY_ENV) or _key_from_cli_config(home)
+    if not key:
+        raise RunPodAuthError(
+            f"no RunPod API key: {KEY_ENV} is unset and no api_key is in {' or '.join(CLI_CONFIG_FILES)}; "
+            f"create a key at https://console.runpod.io/user/settings and export {KEY_ENV}=... "
+            "(or run `runpod config`)"
+        )
+    return key
+
+
+class RunPodClient:
+    """RunPod's REST API; every call goes through `request` (timeout, retries, clean errors)."""
+
+    def __init__(
+        self,
+        key: str,
+        base_url: str = DEFAULT_API_URL,
+        timeout_s: float = 30.0,
+        max_attempts: int = 5,
+        backoff_s: float = 1.0,
+        max_backoff_s: float = 60.0,
+        sleep: Callable[[float], None] = time.sleep,
+        jitter: Callable[[], float] = random.random,
+    ):
+        self._key = key
+        self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
+        self.max_attempts = max_attempts
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.sleep = sleep
+        self.jitter = jitter
+
+    def __repr__(self) -> str:  # never the key, not even in a traceback's locals
+        return f"RunPodClient({self.base_url})"
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None, **kwargs: Any) -> RunPodClient:
+        environ = os.environ if environ is None else environ
+        base_url = environ.get(API_URL_ENV) or DEFAULT_API_URL
+        return cls(api_key(environ), base_url=base_url, **kwargs)
+
+    # ---------------------------------------------------------------- the one request function
+    def request(self, method: str, path: str, body: Any = None, query: dict[str, Any] | None = None) -> Any:
+        """Send one call, retrying 429/5xx/timeouts; returns the decoded JSON (None when empty)."""
+        endpoint = f"{method} {path}"
+        url = self.base_url + path
+        if query:
+            url += "?" + urllib.parse.urlencode({k: v for k, v in query.items() if v is not None})
+        data = json.dumps(body).encode() if body is not None else None
+        for attempt in range(1, self.max_attempts + 1):
+            try:
+                return self._send(method, url, data)
+            except urllib.error.HTTPError as exc:
+                retry_after = exc.headers.get("Retry-After") if exc.headers else None
+                exc.close()
+                if exc.code != 429 and exc.code < 500:
+                    raise _client_error(exc.code, endpoint) from None
+                status, problem, wait = exc.code, f"answered {exc.code}", self._delay(attempt, retry_after)
+            except TimeoutError:
+                status, problem, wait = (
+                    None,
+                    f"timed out after {self.timeout_s:g} s",
+                    self._delay(attempt, None),
+                )
+            except urllib.error.URLError as exc:
+                status, problem, wait = (
+                    None,
+                    f"could not be reached ({_reason(exc)})",
+                    self._delay(attempt, None),
+                )
+            if attempt == self.max_attempts:
+                raise RunPodUnavailable(
+                    f"RunPod {endpoint} {problem}, {self.max_attempts} attempts in a row; RunPod or the "
+                    "network is having trouble: try again later (https://uptime.runpod.io)",
+                    status,
+                )
+            log.warning(
+                "RunPod %s %s; retry %d/%d in %.1f s", endpoint, problem, attempt, self.max_attempts - 1, wait
+            )
+            self.sleep(wait)
+        raise AssertionError("not reached")
+
+    def _send(self, method: str, url: str, data: bytes | None) -> Any:
+        headers = {"Authorization": f"Bearer {self._key}", "Accept": "application/json"}
+        if data is not None:
+            headers["Content-Type"] = "application/json"
+        req = urllib.request.Request(url, data=data, method=method, headers=headers)
+        with urllib.request.urlopen(req, timeout=self.timeout_s) as response:  # noqa: S310 - https/our fake
+            raw = response.read()
+        return json.loads(raw) if raw.strip() else None
+
+    def _delay(self, attempt: int, retry_after: str | None) -> float:
+        if retry_after:
+            try:
+                return min(float(retry_after), RETRY_AFTER_CAP_S)
+            except ValueError:
+                pass  # an HTTP date: fall back to our own backoff
+        capped = min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1))
+        return capped * (0.5 + 0.5 * self.jitter())  # jitter: many supervisors never retry in lockstep
+
+    # ---------------------------------------------------------------- pods
+    def list_pods(self, name: str | None = None) -> list[Pod]:
+        pods = [Pod.from_api(p) for p in self.request("GET", "/pods", query={"name": name}) or []]
+        return [p for p in pods if name is None or p.name == name]  # the filter may be a prefix match
+
+    def get_pod(self, pod_id: str) -> Pod | None:
+        try:
+            return Pod.from_api(self.request("GET", f"/pods/{_segment(pod_id)}"))
+        except RunPodNotFound:
+            return None
+
+    def create_pod(self, body: dict[str, Any]) -> Pod:
+        return Pod.from_api(self.request("POST", "/pods", body))
+
+    def start_pod(self, pod_id: str) -> None:
+        self.request("POST", f"/pods/{_segment(pod_id)}/start")
+
+    def stop_pod(self, pod_id: str) -> None:
+        self.request("POST", f"/pods/{_segment(pod_id)}/stop")
+
+    def terminate_pod(self, pod_id: str) -> None:
+        self.request("DELETE", f"/pods/{_segment(pod_id)}")
+
+    # ---------------------------------------------------------------- templates
+    def list_templates(self) -> list[Template]:
+        return [Template.from_api(t) for t in self.request("GET", "/templates") or []]
+
+    def get_template(self, template_id: str) -> Template | None:
+        try:
+            return Template.from_api(self.request("GET", f"/templates/{_segment(template_id)}"))
+        except RunPodNotFound:
+            return None
+
+    def create_template(self, body: dict[str, Any]) -> Template:
+        return Template.from_api(self.request("POST", "/templates", body))
+
+    def update_template(self, template_id: str, body: dict[str, Any]) -> Template:
+        return Template.from_api(self.request("PATCH", f"/templates/{_segment(template_id)}", body))
+
+    # ---------------------------------------------------------------- network volumes
+    def list_network_volumes(self) -> list[NetworkVolume]:
+        return [NetworkVolume.from_api(v) for v in self.request("GET", "/networkvolumes") or []]
+
+    def create_network_volume(self, name: str, size_gb: int, data_center_id: str) -> NetworkVolume:
+        body = {"name": name, "size": size_gb, "dataCenterId": data_center_id}
+        return NetworkVolume.from_api(self.request("POST", "/networkvolumes", body))
+
+
+class DryRunClient(RunPodClient):
+    """Prints each request (method, path, JSON body) and sends nothing, as if the account were empty."""
+
+    def __init__(self, echo: Callable[[str], None] = print):
+        super().__init__(key="", base_url=DEFAULT_API_URL)
+        self.echo = echo
+        self.sent: list[tuple[str, str, Any]] = []
+
+    def request(self, method: str, path: str, body: Any = None, query: dict[str, Any] | None = None) -> Any:
+        if method == "GET":
+            return [] if path.count("/") == 1 else None  # lists are empty, nothing exists yet
+        self.sent.append((method, path, body))
+        shown = "" if body is None else "\n" + json.dumps(body, indent=2)
+        self.echo(f"{method} {path}{shown}")
+        kind = path.strip("/").split("/")[0].rstrip("s")
+        return {**(body or {}), "id": f"<new {kind} id>", "desiredStatus": "RUNNING"}
+
+
+def _client_error(status: int, endpoint: str) -> RunPodError:
+    if status in (401, 403):
+        return RunPodAuthError(
+            f"RUNPOD_API_KEY rejected: RunPod answered {status} to {endpoint}; the key is wrong, revoked, "
+            "or lacks read/write permission (a pod's own key only controls that pod): create one with "
+            "All permissions at https://console.runpod.io/user/settings",
+            status,
+        )
+    if status == 404:
+        return RunPodNotFound(f"RunPod {endpoint}: not found (404); it may have been terminated", status)
+    return RunPodError(
+        f"RunPod refused {endpoint} ({status}): the request does not fit RunPod's API; check the deploy "
+        "config's values (GPU type names, data center ids, sizes) against https://docs.runpod.io/api-reference",
+        status,
+    )
+
+
+def _reason(exc: urllib.error.URLError) -> str:
+    return type(exc.reason).__name__ if not isinstance(exc.reason, str) else exc.reason
+
+
+def _segment(value: str) -> str:
+    return urllib.parse.quote(value, safe="")

@@ -1,0 +1,280 @@
+"""`trainpod deploy CONFIG`: the template, the network volume and the pod of one run, idempotently.
+
+    trainpod deploy configs/deploy/pretrain-spot.yaml --dry-run     # prints the requests, sends nothing
+    trainpod deploy configs/deploy/pretrain-spot.yaml --on-demand
+
+Deploying again changes nothing that is already right: the template is updated only when it
+differs, a volume of that name is reused, a RUNNING pod `<run>-<workload>` is reused and an EXITED
+one started again. GPU types are tried in the config's order by RunPod itself
+(`gpuTypePriority: custom`). This module speaks in pods and templates; HTTP lives in client.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from trainpod.config.deploy import CUDA_VERSIONS, MAX_POD_ENV, DeployConfig
+from trainpod.errors import ConfigError
+from trainpod.runpod.client import NetworkVolume, Pod, RunPodAuthError, RunPodClient, RunPodError, Template
+
+log = logging.getLogger("trainpod.deploy")
+
+IMAGE_ROOT = "/opt/trainpod"  # where the images keep the kit and its entrypoints (docker/Dockerfile)
+
+
+@dataclass(frozen=True)
+class Deployment:
+    template: Template
+    volume: NetworkVolume
+    pod: Pod
+    action: str  # what happened to the pod: created, started, reused
+
+
+def secret_reference(name: str) -> str:
+    return "{{ RUNPOD_SECRET_" + name + " }}"
+
+
+def allowed_cuda_versions(config: DeployConfig) -> list[str]:
+    """The image's CUDA version and every newer one RunPod knows: a newer driver runs older CUDA."""
+    wanted = _version(config.image.cuda_version or "0")
+    return [v for v in CUDA_VERSIONS if _version(v) >= wanted]
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split("."))
+
+
+def pod_env(config: DeployConfig, secret_values: dict[str, str] | None = None) -> dict[str, str]:
+    """The pod's environment: the contract's variables, extras, then secrets (references by default).
+
+    `secret_values` (from the user's shell, only with --secrets-from-env) replaces the references.
+    """
+    env = {
+        "TRAINPOD_WORKLOAD": config.workload,
+        "TRAINPOD_CONFIG": config.config,
+        "TRAINPOD_RUN": config.run,
+        "TRAINPOD_VOLUME": config.volume.mount_path,
+        "TRAINPOD_ON_FINISH": config.env.on_finish,
+        "TRAINPOD_MAX_FAILED_STARTS": str(config.env.max_failed_starts),
+    }
+    optional = {
+        "TRAINPOD_SET": config.env.set,
+        "TRAINPOD_GIT_REPO": config.env.git_repo,
+        "TRAINPOD_GIT_REF": config.env.git_ref if config.env.git_repo else "",
+        "TRAINPOD_GPU_HOURLY_USD": _usd(config.budget.hourly_usd),
+        "TRAINPOD_BUDGET_USD": _usd(config.budget.budget_usd),
+    }
+    env.update({name: value for name, value in optional.items() if value})
+    env.update(config.env.extra)
+    for name in config.secrets:
+        env[name] = secret_values[name] if secret_values is not None else secret_reference(name)
+    if len(env) > MAX_POD_ENV:
+        raise ConfigError(
+            [
+                f"the pod would get {len(env)} environment variables, RunPod allows at most {MAX_POD_ENV}; "
+                f"remove {len(env) - MAX_POD_ENV} from env.extra or secrets (or move settings into the "
+                "workload's YAML / env.set)"
+            ]
+        )
+    return env
+
+
+def secrets_from_shell(config: DeployConfig, environ: dict[str, str]) -> dict[str, str]:
+    """The secrets' values from the user's shell (only when asked with --secrets-from-env)."""
+    missing = [name for name in config.secrets if not environ.get(name)]
+    if missing:
+        raise ConfigError(
+            [f"--secrets-from-env: {', '.join(missing)} not set in this shell; export them or drop the flag "
+             "(the pod then uses RunPod secrets of those names)"]
+        )  # fmt: skip
+    return {name: environ[name] for name in config.secrets}
+
+
+def _usd(value: float | None) -> str:
+    return "" if value is None else f"{value:g}"
+
+
+def template_name(config: DeployConfig) -> str:
+    return "trainpod-" + config.image.flavour + "-" + re.sub(r"[^A-Za-z0-9._-]+", "-", config.image.name)
+
+
+def template_body(config: DeployConfig) -> dict[str, Any]:
+    """A TemplateCreateInput: the image and what every pod of it shares; never a secret's value."""
+    return {
+        "name": template_name(config),
+        "imageName": config.image.name,
+        "category": "NVIDIA" if config.image.flavour == "cuda" else "CPU",
+        "isServerless": False,
+        "isPublic": False,
+        "containerDiskInGb": config.pod.container_disk_gb,
+        "volumeInGb": 0,
+        "volumeMountPath": config.volume.mount_path,
+        "dockerStartCmd": [f"{IMAGE_ROOT}/entrypoints/boot"],
+        "ports": list(config.pod.ports),
+        "env": {
+            "TRAINPOD_VOLUME": config.volume.mount_path,
+            **{n: secret_reference(n) for n in config.secrets},
+        },
+    }
+
+
+def pod_body(
+    config: DeployConfig, template_id: str, volume_id: str, env: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """A PodCreateInput for `<run>-<workload>` on the volume; `env` overrides the config's (same pod again)."""
+    body: dict[str, Any] = {
+        "name": config.pod_name,
+        "templateId": template_id,
+        "imageName": config.image.name,
+        "cloudType": config.pod.cloud,
+        "networkVolumeId": volume_id,
+        "volumeMountPath": config.volume.mount_path,
+        "containerDiskInGb": config.pod.container_disk_gb,
+        "dataCenterIds": [config.volume.data_center],  # a network volume attaches only in its data center
+        "ports": list(config.pod.ports),
+        "dockerStartCmd": [f"{IMAGE_ROOT}/entrypoints/{config.workload}"],
+        "env": env if env else pod_env(config),
+    }
+    if config.image.flavour == "cuda":
+        body |= {
+            "computeType": "GPU",
+            "gpuTypeIds": list(config.pod.gpu_types),
+            "gpuTypePriority": "custom",  # RunPod tries the types in our order, not by availability
+            "gpuCount": config.pod.gpu_count,
+            "interruptible": config.pod.spot,
+            "allowedCudaVersions": allowed_cuda_versions(config),
+        }
+    else:
+        body |= {
+            "computeType": "CPU",
+            "cpuFlavorIds": list(config.pod.cpu_flavors),
+            "cpuFlavorPriority": "custom",
+            "vcpuCount": config.pod.vcpu_count,
+        }
+    return body
+
+
+def ensure_template(client: RunPodClient, config: DeployConfig) -> Template:
+    body = template_body(config)
+    existing = next((t for t in client.list_templates() if t.name == body["name"]), None)
+    if existing is None:
+        template = client.create_template(body)
+        log.info("template %s created (%s)", body["name"], template.id)
+        return template
+    if existing.image_name == body["imageName"] and existing.env == body["env"]:
+        log.info("template %s is up to date (%s)", body["name"], existing.id)
+        return existing
+    update = {k: v for k, v in body.items() if k not in ("category", "isServerless")}  # not updatable
+    template = client.update_template(existing.id, update)
+    log.info("template %s updated (%s)", body["name"], existing.id)
+    return template
+
+
+def ensure_volume(client: RunPodClient, config: DeployConfig) -> NetworkVolume:
+    want = config.volume
+    for volume in client.list_network_volumes():
+        if volume.name == want.name and volume.data_center_id == want.data_center:
+            log.info(
+                "network volume %s reused (%s, %d GB in %s)",
+                want.name,
+                volume.id,
+                volume.size_gb,
+                want.data_center,
+            )
+            return volume
+    volume = client.create_network_volume(want.name, want.size_gb, want.data_center)
+    log.info(
+        "network volume %s created (%s, %d GB in %s)", want.name, volume.id, want.size_gb, want.data_center
+    )
+    return volume
+
+
+def bring_back(
+    client: RunPodClient,
+    config: DeployConfig,
+    old: Pod | None,
+    template_id: str | None = None,
+    volume_id: str | None = None,
+    env: dict[str, str] | None = None,
+) -> tuple[Pod, str]:
+    """Start an EXITED pod again, or (start refused, or no pod) create one on the same volume.
+
+    `env` (deploy: from the config) wins; without it a replacement keeps the old pod's env.
+    Returns the pod and what was done ("started" or "created"); RunPodError when both fail.
+    """
+    if old is not None:
+        try:
+            client.start_pod(old.id)
+            return old, "started"
+        except RunPodAuthError:
+            raise
+        except RunPodError as exc:
+            log.info(
+                "start of pod %s refused (%s): creating a new pod on the same volume", old.id, exc.status
+            )
+        template_id = old.template_id or template_id
+        volume_id = old.network_volume_id or volume_id
+    if template_id is None or volume_id is None:
+        template_id, volume_id = ensure_template(client, config).id, ensure_volume(client, config).id
+    if env is None and old is not None:
+        env = old.env  # the supervisor's replacement gets exactly the env the interrupted pod had
+    pod = client.create_pod(pod_body(config, template_id, volume_id, env=env))
+    if old is not None:
+        _terminate_quietly(client, old)  # one pod per name: the replacement takes over
+    return pod, "created"
+
+
+def _terminate_quietly(client: RunPodClient, pod: Pod) -> None:
+    try:
+        client.terminate_pod(pod.id)
+    except RunPodAuthError:
+        raise
+    except RunPodError as exc:
+        log.warning(
+            "could not terminate the replaced pod %s (%s); terminate it in the console", pod.id, exc.status
+        )
+
+
+def deploy(
+    client: RunPodClient, config: DeployConfig, secret_values: dict[str, str] | None = None
+) -> Deployment:
+    """Template, volume and pod of `config`, each created only when missing."""
+    env = pod_env(config, secret_values)  # first: a config with too many variables sends nothing
+    template = ensure_template(client, config)
+    volume = ensure_volume(client, config)
+    pods = client.list_pods(name=config.pod_name)
+    running = next((p for p in pods if p.desired_status == "RUNNING"), None)
+    if running is not None:
+        log.info("pod %s (%s) is already running: reusing it", running.name, running.id)
+        return Deployment(template, volume, running, "reused")
+    exited = next((p for p in pods if p.desired_status == "EXITED"), None)
+    pod, action = bring_back(client, config, exited, template.id, volume.id, env)
+    log.info("pod %s (%s) %s", pod.name, pod.id, action)
+    return Deployment(template, volume, pod, action)
+
+
+def run_pods(client: RunPodClient, run: str) -> list[Pod]:
+    """Every pod of a run: `<run>-<workload>` and its supervisor `<run>-supervise`."""
+    return [p for p in client.list_pods() if p.name.startswith(f"{run}-")]
+
+
+def pod_line(pod: Pod) -> str:
+    gpu = f"{pod.gpu_count} x {pod.gpu_type_id}" if pod.gpu_type_id else "cpu"
+    cost = f"${pod.cost_per_hr:.2f}/hr" if pod.cost_per_hr is not None else "cost unknown"
+    kind = "spot" if pod.interruptible else "on demand"
+    return f"  pod {pod.name} ({pod.id}): {pod.desired_status} | {gpu} | {cost} | {kind}"
+
+
+def stop_run(client: RunPodClient, run: str, terminate: bool, echo: Callable[[str], None] = print) -> int:
+    """Stop (or terminate) every pod of a run; returns how many were acted on."""
+    pods = [p for p in run_pods(client, run) if terminate or p.desired_status == "RUNNING"]
+    for pod in pods:
+        (client.terminate_pod if terminate else client.stop_pod)(pod.id)
+        echo(f"pod {pod.name} ({pod.id}) {'terminated' if terminate else 'stopped'}")
+    if not pods:
+        echo(f"no {'' if terminate else 'running '}pods named {run}-*")
+    return len(pods)

@@ -1,0 +1,164 @@
+"""What a pod does after its workload exits, so that nothing bills idle and no crash loop runs for hours.
+
+RunPod starts a pod's container again whenever it exits, so the exit code alone is not enough:
+
+| exit | meaning (DESIGN.md) | here |
+| --- | --- | --- |
+| 0 | DONE | failed-start count reset; TRAINPOD_ON_FINISH: stop (default), terminate or idle |
+| 143 | SIGTERM (spot interruption) | count reset: the start itself worked; RunPod stops the pod |
+| 2, 3 | bad input, budget spent | FAILED marker (when the run folder exists) and the pod stopped at once |
+| other (75, 1, ...) | temporary failure or crash | counted in runs/<run>/starts.json; at TRAINPOD_MAX_FAILED_STARTS in a row (default 3): FAILED marker, pod stopped |
+
+Exit 2 writes no marker into a run folder that does not exist yet: bad input leaves the volume
+untouched. The pod acts through the API with its own key (RUNPOD_API_KEY, RUNPOD_POD_ID, both set
+by RunPod in every pod); when either is missing it says so and exits normally.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from trainpod import atomic
+from trainpod.errors import ConfigError, ExitCode
+from trainpod.runpod.client import RunPodClient, RunPodError
+from trainpod.volume import RunDir
+
+log = logging.getLogger("trainpod.finish")
+
+FAILED_MARKER = "FAILED"
+STARTS_FILE = "starts.json"
+ON_FINISH = ("stop", "terminate", "idle")
+DEFAULT_MAX_FAILED_STARTS = 3
+STOP_AT_ONCE = {ExitCode.BAD_INPUT: "bad config or input", ExitCode.BUDGET_EXHAUSTED: "budget exhausted"}
+START_WORKED = (ExitCode.DONE, ExitCode.PREEMPTED)
+
+
+def on_finish(environ: dict[str, str]) -> str:
+    value = environ.get("TRAINPOD_ON_FINISH") or "stop"
+    if value not in ON_FINISH:
+        raise ConfigError([f"TRAINPOD_ON_FINISH={value!r}; set it to one of: {', '.join(ON_FINISH)}"])
+    return value
+
+
+def max_failed_starts(environ: dict[str, str]) -> int:
+    raw = environ.get("TRAINPOD_MAX_FAILED_STARTS") or str(DEFAULT_MAX_FAILED_STARTS)
+    if not raw.isdigit() or int(raw) < 1:
+        raise ConfigError(
+            [f"TRAINPOD_MAX_FAILED_STARTS={raw!r} is not a whole number >= 1; set it like "
+             f"TRAINPOD_MAX_FAILED_STARTS={DEFAULT_MAX_FAILED_STARTS}"]
+        )  # fmt: skip
+    return int(raw)
+
+
+def check_environment(environ: dict[str, str]) -> None:
+    """Fail at boot (exit 2), before any work, when a finish setting is malformed."""
+    on_finish(environ)
+    max_failed_starts(environ)
+
+
+def after_workload(
+    code: int,
+    run: RunDir | None,
+    environ: dict[str, str],
+    workload: str,
+    client_factory: Callable[[dict[str, str]], RunPodClient] = RunPodClient.from_env,
+) -> int:
+    """Count, mark and stop the pod as the table above says; returns `code` unchanged."""
+    try:
+        action = _decide(code, run, environ, workload)
+    except (ConfigError, OSError) as exc:  # a bad setting or an unwritable volume must not hide `code`
+        log.warning("after exit %d: %s; the pod is left as it is", code, exc)
+        return code
+    if action != "idle":
+        _act_on_pod(action, environ, client_factory)
+    return code
+
+
+def _decide(code: int, run: RunDir | None, environ: dict[str, str], workload: str) -> str:
+    """What to do with this pod: stop, terminate, idle (leave it) or restart (let RunPod start it again)."""
+    if workload == "supervise":
+        # A supervisor that ended has nothing left to watch; 75 (RunPod unreachable) is worth another start.
+        return "restart" if code == ExitCode.TEMPORARY else on_finish(environ)
+    if code in START_WORKED:
+        _reset_failures(run)
+        return on_finish(environ) if code == ExitCode.DONE else "idle"
+    if code in STOP_AT_ONCE:
+        reason = f"{STOP_AT_ONCE[ExitCode(code)]} (exit {code}); restarting cannot help"
+        if run is not None and run.root.is_dir():
+            _mark_failed(run, reason, code, failures=1)
+        log.error("stopping this pod: %s", reason)
+        return "stop"
+    if run is None:
+        log.warning("exit %d before the run was known: not counted", code)
+        return "restart"
+    failures = _count_failure(run, code)
+    limit = max_failed_starts(environ)
+    if failures < limit:
+        log.warning("failed start %d/%d (exit %d); RunPod starts the container again", failures, limit, code)
+        return "restart"
+    reason = f"{failures} failed starts in a row, the last with exit {code}; look at runs/{run.name}/logs/"
+    _mark_failed(run, reason, code, failures)
+    log.error("crash loop: %s; stopping this pod (TRAINPOD_MAX_FAILED_STARTS=%d)", reason, limit)
+    return "stop"
+
+
+def _reset_failures(run: RunDir | None) -> None:
+    if run is None:
+        return
+    starts, failed = run.root / STARTS_FILE, run.root / FAILED_MARKER
+    if starts.exists():  # only write when there is something to reset: a DONE run's folder stays unchanged
+        starts.unlink()
+        atomic.fsync_dir(run.root)
+    if failed.exists():
+        failed.unlink()
+        atomic.fsync_dir(run.root)
+
+
+def _count_failure(run: RunDir, code: int) -> int:
+    path = run.root / STARTS_FILE
+    try:
+        failures = int(atomic.read_json(path).get("consecutive_failures", 0))
+    except (FileNotFoundError, ValueError, AttributeError):
+        failures = 0
+    run.root.mkdir(parents=True, exist_ok=True)
+    atomic.write_json(
+        path, {"consecutive_failures": failures + 1, "last_exit_code": code, "unix": time.time()}
+    )
+    return failures + 1
+
+
+def _mark_failed(run: RunDir, reason: str, code: int, failures: int) -> None:
+    atomic.write_json(
+        run.root / FAILED_MARKER,
+        {"reason": reason, "exit_code": code, "failures": failures, "unix": time.time()},
+    )
+
+
+def _act_on_pod(
+    action: str, environ: dict[str, str], client_factory: Callable[[dict[str, str]], RunPodClient]
+) -> None:
+    if action == "restart":
+        return
+    pod_id = environ.get("RUNPOD_POD_ID")
+    if not pod_id:
+        log.info("not in a RunPod pod (RUNPOD_POD_ID unset): no pod to %s", action)
+        return
+    if not environ.get("RUNPOD_API_KEY"):
+        log.warning(
+            "cannot %s pod %s: RUNPOD_API_KEY is not set (RunPod sets it in every pod)", action, pod_id
+        )
+        return
+    try:
+        client = client_factory(environ)
+        if action == "terminate":
+            client.terminate_pod(pod_id)
+        else:
+            client.stop_pod(pod_id)
+    except RunPodError as exc:
+        log.warning(
+            "could not %s this pod (%s): stop it in RunPod's console or it keeps billing", action, exc
+        )
+        return
+    log.info("asked RunPod to %s this pod (%s)", action, pod_id)

@@ -1,0 +1,222 @@
+"""`trainpod supervise RUN`: bring an interrupted spot pod back until the run is DONE.
+
+    trainpod supervise tiny --config configs/deploy/pretrain-spot.yaml            # a loop
+    trainpod supervise tiny --config configs/deploy/pretrain-spot.yaml --once     # one look (cron, CI)
+
+RunPod stops an interrupted spot pod and never starts it again. Each look: read the run's state on
+the volume when it is mounted here (DONE, FAILED, status.json), list the pods `<run>-<workload>`,
+then exactly one decision, logged in one line with its reason:
+  DONE -> stop a pod still running, exit 0;  FAILED marker -> exit 2;  budget spent -> stop, exit 3;
+  a pod RUNNING -> wait;  EXITED or gone -> start it again, or create a new pod on the same volume
+  with the same env (GPU types in order); failed attempts back off exponentially and are bounded.
+Without the volume (a laptop) DONE is invisible: the pod stops itself after DONE and a restarted
+one exits at once, so restarts are bounded by supervise.max_restarts. The recommended mode is the
+`supervise` workload in a cheap on-demand CPU pod with the same network volume.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from trainpod import atomic
+from trainpod.config.deploy import DeployConfig
+from trainpod.errors import ExitCode
+from trainpod.runpod.client import Pod, RunPodAuthError, RunPodClient, RunPodError, RunPodUnavailable
+from trainpod.runpod.deploy import bring_back
+from trainpod.runpod.finish import FAILED_MARKER
+from trainpod.volume import Volume
+
+log = logging.getLogger("trainpod.supervise")
+
+
+@dataclass
+class SupervisorState:
+    """What the supervisor remembers between looks (a file, so `--once` runs share it)."""
+
+    restarts: int = 0
+    failed_starts: int = 0
+    next_attempt_unix: float = 0.0
+    observed_cost_usd: float = 0.0
+    last_look_unix: float | None = None
+
+    @classmethod
+    def load(cls, path: Path) -> SupervisorState:
+        try:
+            return cls(**atomic.read_json(path))
+        except (FileNotFoundError, ValueError, TypeError):
+            return cls()
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic.write_json(path, asdict(self))
+
+
+@dataclass(frozen=True)
+class RunView:
+    """The run as the volume shows it; all unknown (None/False) when the volume is not mounted here."""
+
+    visible: bool
+    done: bool = False
+    failed: str | None = None
+    cost_usd: float | None = None
+
+    @classmethod
+    def read(cls, volume: Volume | None, run: str) -> RunView:
+        if volume is None:
+            return cls(visible=False)
+        run_dir = volume.run(run)
+        failed = None
+        if (run_dir.root / FAILED_MARKER).exists():
+            try:
+                failed = atomic.read_json(run_dir.root / FAILED_MARKER).get("reason", "no reason recorded")
+            except ValueError:
+                failed = "the marker is unreadable"
+        try:
+            cost = atomic.read_json(run_dir.status).get("cost_usd")
+        except (FileNotFoundError, ValueError):
+            cost = None
+        return cls(visible=True, done=run_dir.done.exists(), failed=failed, cost_usd=cost)
+
+
+def state_path(volume: Volume | None, run: str, environ: dict[str, str] | None = None) -> Path:
+    """On the volume beside the run when it is here; else in the user's cache folder."""
+    if volume is not None:
+        return volume.run(run).root / "supervise.json"
+    environ = os.environ if environ is None else environ
+    cache = Path(environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "trainpod" / "supervise" / f"{run}.json"
+
+
+class Supervisor:
+    def __init__(
+        self,
+        client: RunPodClient,
+        config: DeployConfig,
+        volume: Volume | None,
+        state_file: Path,
+        clock: Callable[[], float] = time.time,
+        sleep: Callable[[float], None] = time.sleep,
+    ):
+        self.client, self.config, self.volume = client, config, volume
+        self.state_file, self.clock, self.sleep = state_file, clock, sleep
+        self.policy = config.supervise
+
+    def run(self, once: bool = False) -> int:
+        """Look, decide, act, until a final verdict (its exit code) or, with `once`, after one look."""
+        while True:
+            verdict = self.step()
+            if verdict is not None:
+                return verdict
+            if once:
+                return ExitCode.DONE
+            self.sleep(self.policy.poll_s)
+
+    def step(self) -> int | None:
+        """One look and one decision; returns an exit code when supervising should end."""
+        state = SupervisorState.load(self.state_file)
+        try:
+            return self._decide(state)
+        except RunPodAuthError as exc:
+            return self._end(ExitCode.BAD_INPUT, f"stopping: {exc}")
+        except RunPodUnavailable as exc:
+            return self._say(f"{exc}; looking again in {self.policy.poll_s:g} s")
+        finally:
+            state.save(self.state_file)
+
+    def _decide(self, state: SupervisorState) -> int | None:
+        now = self.clock()
+        view = RunView.read(self.volume, self.config.run)
+        pods = self.client.list_pods(name=self.config.pod_name)
+        running = [p for p in pods if p.desired_status == "RUNNING"]
+        self._account(state, running, now)
+        spent = max(state.observed_cost_usd, view.cost_usd or 0.0)
+        budget = self.config.budget.budget_usd
+        if view.failed:
+            self._stop(running, "the run is FAILED")
+            return self._end(ExitCode.BAD_INPUT, f"run FAILED ({view.failed}); not restarting: fix it, "
+                             f"delete runs/{self.config.run}/{FAILED_MARKER} and deploy again")  # fmt: skip
+        if view.done:
+            if self.config.env.on_finish != "idle":
+                self._stop(running, "the run is DONE")
+            return self._end(ExitCode.DONE, "run is DONE; supervising ends")
+        if budget is not None and spent >= budget:
+            self._stop(running, "the budget is spent")
+            return self._end(ExitCode.BUDGET_EXHAUSTED, f"spent ${spent:.2f} of the ${budget:.2f} budget")
+        if running:
+            state.failed_starts = 0
+            return self._say(f"pod {running[0].id} is RUNNING (spent ${spent:.2f}); nothing to do")
+        if state.restarts >= self.policy.max_restarts:
+            return self._end(ExitCode.BAD_INPUT, f"{state.restarts} restarts reached supervise.max_restarts; "
+                             "look at the run's logs, then raise the bound or deploy again")  # fmt: skip
+        if now < state.next_attempt_unix:
+            return self._say(f"no pod running; next start attempt in {state.next_attempt_unix - now:.0f} s")
+        return self._restart(state, pods, now, view)
+
+    def _restart(self, state: SupervisorState, pods: list[Pod], now: float, view: RunView) -> int | None:
+        exited = next((p for p in pods if p.desired_status == "EXITED"), None)
+        why = "EXITED" if exited else "gone"
+        unseen = "" if view.visible else " (the volume is not mounted here: DONE is unknown)"
+        try:
+            pod, action = bring_back(self.client, self.config, exited)
+        except RunPodAuthError:
+            raise
+        except RunPodError as exc:
+            state.failed_starts += 1
+            if state.failed_starts >= self.policy.max_failed_starts:
+                return self._end(ExitCode.TEMPORARY, f"{state.failed_starts} failed starts in a row, the last: "
+                                 f"{exc}; try again later or add GPU types")  # fmt: skip
+            wait = min(self.policy.max_backoff_s, self.policy.backoff_s * 2 ** (state.failed_starts - 1))
+            state.next_attempt_unix = now + wait
+            return self._say(f"pod {why} and no start possible ({exc}); next attempt in {wait:.0f} s")
+        state.restarts += 1
+        state.failed_starts = 0
+        state.next_attempt_unix = 0.0
+        return self._say(
+            f"pod {why} and the run not DONE{unseen}: {action} pod {pod.id} "
+            f"(restart {state.restarts}/{self.policy.max_restarts})"
+        )
+
+    def _account(self, state: SupervisorState, running: list[Pod], now: float) -> None:
+        """Cost of the pods seen running since the last look, at their hourly price."""
+        if state.last_look_unix is not None:
+            hours = max(0.0, now - state.last_look_unix) / 3600
+            for pod in running:
+                price = (
+                    pod.cost_per_hr if pod.cost_per_hr is not None else self.config.budget.hourly_usd or 0.0
+                )
+                state.observed_cost_usd += price * hours
+        state.last_look_unix = now
+
+    def _stop(self, running: list[Pod], why: str) -> None:
+        for pod in running:
+            self.client.stop_pod(pod.id)
+            self._say(f"stopped pod {pod.id}: {why}")
+
+    def _say(self, decision: str) -> None:
+        log.info("supervise %s: %s", self.config.run, decision)
+
+    def _end(self, code: int, decision: str) -> int:
+        self._say(decision)
+        return int(code)
+
+
+def supervise(
+    config: DeployConfig,
+    volume: Volume | None,
+    once: bool = False,
+    client: RunPodClient | None = None,
+    clock: Callable[[], float] = time.time,
+    sleep: Callable[[float], None] = time.sleep,
+) -> int:
+    """Build the supervisor for `config` (the volume when it is mounted here) and run it."""
+    client = client or RunPodClient.from_env()
+    mounted = volume if volume is not None and volume.root.is_dir() else None
+    supervisor = Supervisor(client, config, mounted, state_path(mounted, config.run), clock, sleep)
+    log.info("supervise %s: watching pods named %s; volume %s", config.run, config.pod_name,
+             mounted.root if mounted else "not mounted here (API only)")  # fmt: skip
+    return supervisor.run(once)

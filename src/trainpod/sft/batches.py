@@ -1,0 +1,232 @@
+"""SFT training batches: shuffled per epoch, optionally packed, with an O(1) position to checkpoint.
+
+Each epoch's order is a permutation drawn from (seed, epoch); packing then fills rows of max_len
+first-fit in that order. The rows of an epoch (its "plan") are a pure function of (seed, epoch, the
+sample lengths), so the data position is (epoch, step): restoring it recomputes the plan and jumps
+there, no batch is replayed. Every optimizer-level step takes world_size * micro_batch_size rows;
+rank r takes its own micro_batch_size of them. The last rows of an epoch that do not fill a global
+batch are left out, so every rank makes the same number of steps.
+
+Labels are not shifted: transformers' causal LM loss shifts them itself. Unpacked batches carry an
+`attention_mask` (right padding). Packed batches are one row (1, tokens) of the micro batch's
+samples with `position_ids` restarting at 0 for each sample and no attention_mask, like
+transformers' DataCollatorWithFlattening: transformers 5.x then builds a block-diagonal causal
+mask under SDPA/eager (masking_utils.find_packed_sequence_indices) and flash-attention-2 runs
+varlen on the same position_ids, so no token attends across a sample boundary. The model MUST be
+called with use_cache=False (or config.use_cache=False): with a cache, masking_utils skips the
+packed-sequence detection and SDPA/eager attend across samples. A sample's first label is always
+-100 (set when it was stored), so the previous sample's last token is never trained to predict it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from trainpod.errors import InputError
+from trainpod.sft.dataset import IGNORE_INDEX
+
+log = logging.getLogger(__name__)
+
+OPEN_ROWS = 32  # packing keeps this many partly filled rows open: >95% fill on mixed lengths, O(n) time
+
+
+def pack_first_fit(order: np.ndarray, lengths: np.ndarray, max_len: int) -> list[list[int]]:
+    """Rows of sample indices, each summing to at most max_len, filled first-fit in `order`."""
+    rows: list[list[int]] = []
+    open_rows: list[tuple[list[int], int]] = []  # (row, room left)
+    for index in order.tolist():
+        length = int(lengths[index])
+        for slot, (row, room) in enumerate(open_rows):
+            if length <= room:
+                row.append(index)
+                open_rows[slot] = (row, room - length)
+                break
+        else:
+            open_rows.append(([index], max_len - length))
+            if len(open_rows) > OPEN_ROWS:
+                rows.append(open_rows.pop(0)[0])
+    rows.extend(row for row, _ in open_rows)
+    return rows
+
+
+def _pad(rows: list[np.ndarray], value: int, width: int) -> torch.Tensor:
+    out = np.full((len(rows), width), value, dtype=np.int64)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = row
+    return torch.from_numpy(out)
+
+
+def unpacked_batch(
+    examples: Sequence, indices: Sequence[int], max_len: int, pad_id: int
+) -> dict[str, torch.Tensor]:
+    """Right-padded to the batch's longest sample, with an attention_mask."""
+    ids = [examples[i].input_ids[:max_len] for i in indices]
+    labels = [examples[i].labels[:max_len] for i in indices]
+    width = max(len(row) for row in ids)
+    return {
+        "input_ids": _pad(ids, pad_id, width),
+        "labels": _pad(labels, IGNORE_INDEX, width),
+        "attention_mask": _pad([np.ones(len(row), np.int64) for row in ids], 0, width),
+    }
+
+
+def packed_batch(examples: Sequence, rows: Sequence[Sequence[int]], max_len: int) -> dict[str, torch.Tensor]:
+    """The rows' samples flattened into one row of shape (1, tokens), position_ids restarting at 0.
+
+    One row because flash-attention-2 in transformers reads packed position_ids only when the
+    batch size is 1 (modeling_flash_attention_utils._is_packed_sequence); SDPA and eager find the
+    boundaries in any shape. No padding is needed.
+    """
+    samples = [examples[i] for row in rows for i in row]
+    ids = np.concatenate([s.input_ids[:max_len] for s in samples])
+    labels = np.concatenate([s.labels[:max_len] for s in samples])
+    positions = np.concatenate([np.arange(min(len(s.input_ids), max_len)) for s in samples])
+    return {
+        "input_ids": torch.from_numpy(ids.astype(np.int64))[None],
+        "labels": torch.from_numpy(labels.astype(np.int64))[None],
+        "position_ids": torch.from_numpy(positions.astype(np.int64))[None],
+    }
+
+
+class SftBatches:
+    def __init__(
+        self,
+        examples: Sequence,
+        micro_batch_size: int,
+        max_len: int,
+        packing: bool,
+        seed: int,
+        rank: int,
+        world_size: int,
+        pad_id: int,
+    ):
+        self.examples = examples
+        self.micro_batch_size = micro_batch_size
+        self.max_len = max_len
+        self.packing = packing
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+        self.pad_id = pad_id
+        self.lengths = np.minimum(self._lengths(examples), max_len)
+        self.last_trained_tokens = 0  # label != -100 in the latest micro batch of this rank
+        self.last_real_tokens = 0  # non-padding tokens in the latest micro batch of this rank
+        self._epoch = 0
+        self._step = 0
+        self._rows = self._plan(0)
+        self.steps_per_epoch = len(self._rows) // self._global_rows
+        if self.steps_per_epoch == 0:
+            raise InputError(
+                f"{len(examples)} training samples make {len(self._rows)} rows, fewer than one global batch of "
+                f"{world_size} rank(s) x {micro_batch_size}; lower the micro batch size, turn packing off, or "
+                "add data"
+            )
+        log.info(
+            "SFT batches: %d samples, %d steps per epoch, %s, %.1f%% of the batch tokens are real tokens",
+            len(examples),
+            self.steps_per_epoch,
+            "packed" if packing else "padded",
+            100 * self.packing_efficiency,
+        )
+
+    @staticmethod
+    def _lengths(examples: Sequence) -> np.ndarray:
+        if hasattr(examples, "lengths"):
+            return np.asarray(examples.lengths)
+        return np.array([len(e.input_ids) for e in examples], dtype=np.int64)
+
+    @property
+    def _global_rows(self) -> int:
+        return self.world_size * self.micro_batch_size
+
+    def _plan(self, epoch: int) -> list[list[int]]:
+        order = np.random.default_rng([self.seed, epoch]).permutation(len(self.lengths))
+        if self.packing:
+            return pack_first_fit(order, self.lengths, self.max_len)
+        return [[int(i)] for i in order]
+
+    @property
+    def epoch(self) -> float:
+        """Progress in epochs, e.g. 1.25: a quarter into the second pass."""
+        return self._epoch + self._step / self.steps_per_epoch
+
+    @property
+    def packing_efficiency(self) -> float:
+        """Real tokens / the tokens a step may hold, over this epoch's steps.
+
+        Unpacked: a micro batch holds micro_batch_size x its longest sample (the rest is padding).
+        Packed: it may hold micro_batch_size x max_len (rows are filled up to max_len, not padded).
+        """
+        used = self._rows[: self.steps_per_epoch * self._global_rows]
+        real = slots = 0
+        for start in range(0, len(used), self.micro_batch_size):
+            row_lengths = [
+                int(self.lengths[row].sum()) for row in used[start : start + self.micro_batch_size]
+            ]
+            real += sum(row_lengths)
+            slots += (self.max_len if self.packing else max(row_lengths)) * len(row_lengths)
+        return real / slots
+
+    def next_batch(self) -> dict[str, torch.Tensor]:
+        if self._step == self.steps_per_epoch:
+            self._epoch, self._step = self._epoch + 1, 0
+            self._rows = self._plan(self._epoch)
+        start = self._step * self._global_rows + self.rank * self.micro_batch_size
+        rows = self._rows[start : start + self.micro_batch_size]
+        self._step += 1
+        if self.packing:
+            batch = packed_batch(self.examples, rows, self.max_len)
+        else:
+            batch = unpacked_batch(self.examples, [row[0] for row in rows], self.max_len, self.pad_id)
+        self.last_trained_tokens = int((batch["labels"] != IGNORE_INDEX).sum())
+        self.last_real_tokens = int(sum(self.lengths[row].sum() for row in rows))
+        return batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {
+            "epoch": self._epoch,
+            "step": self._step,
+            "seed": self.seed,
+            "world_size": self.world_size,
+            "micro_batch_size": self.micro_batch_size,
+            "max_len": self.max_len,
+            "packing": int(self.packing),
+            "num_examples": len(self.lengths),
+        }
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        mine = self.state_dict()
+        layout = ("seed", "world_size", "micro_batch_size", "max_len", "packing", "num_examples")
+        differ = [f"{key} {state[key]} -> {mine[key]}" for key in layout if state[key] != mine[key]]
+        if differ:
+            raise InputError(
+                f"the checkpoint's data position was taken with other batch settings ({', '.join(differ)}); "
+                "resume with the same dataset, seed, batch size, max length, packing and GPU count, or start a "
+                "new run name"
+            )
+        self._epoch, self._step = int(state["epoch"]), int(state["step"])
+        self._rows = self._plan(self._epoch)
+
+
+def eval_batches(
+    examples: Sequence, micro_batch_size: int, max_len: int, pad_id: int, limit: int | None
+) -> list[dict[str, torch.Tensor]]:
+    """The validation samples in stored order, unpacked, at most `limit` batches (None: all).
+
+    Each batch also has `sample_index` (the sample's index in `examples`), for per-sample losses.
+    """
+    count = len(examples)
+    starts = range(0, count, micro_batch_size)
+    if limit is not None:
+        starts = starts[:limit]
+    out = []
+    for start in starts:
+        indices = list(range(start, min(start + micro_batch_size, count)))
+        batch = unpacked_batch(examples, indices, max_len, pad_id)
+        batch["sample_index"] = torch.tensor(indices, dtype=torch.long)
+        out.append(batch)
+    return out

@@ -1,0 +1,135 @@
+"""Dataset rows -> samples: an optional system prompt and (user, assistant) pairs, or a plain text.
+
+The formats are LLaMA-Factory's: alpaca (instruction + input -> output, optional system and history
+of [instruction, answer] pairs), sharegpt (a list of {from, value} turns), and OpenAI-style messages
+({role, content}); plus text, a document trained on every token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trainpod.config.sft import SftSourceConfig
+from trainpod.errors import InputError
+from trainpod.sft.sources import Row
+
+
+@dataclass(frozen=True)
+class Sample:
+    system: str | None
+    pairs: tuple[tuple[str, str], ...]  # (user message, assistant answer), in order
+    text: str | None = None  # the text format: no template, every token trained
+
+    def messages(self) -> list[dict[str, str]]:
+        """OpenAI-style messages, what `apply_chat_template` takes."""
+        out = [{"role": "system", "content": self.system}] if self.system else []
+        for user, assistant in self.pairs:
+            out += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
+        return out
+
+
+class RowReader:
+    """Turns the rows of one dataset (entry `index` of sft.datasets) into samples."""
+
+    def __init__(self, source: SftSourceConfig, index: int):
+        self.source = source
+        self.field_prefix = f"sft.datasets[{index}]"
+
+    def sample(self, row: Row) -> Sample:
+        if self.source.format == "text":
+            return Sample(None, (), self._string(row, "text", required=True))
+        if self.source.format == "alpaca":
+            return self._alpaca(row)
+        return self._conversation(row)
+
+    def _column_value(self, row: Row, key: str, required: bool) -> object:
+        column = self.source.column(key)
+        if column not in row.record:
+            if not required:
+                return None
+            raise InputError(
+                f"{row.where}: dataset {self.source.path!r} ({self.source.format} format) has no column "
+                f"{column!r}; the row's columns are: {', '.join(sorted(map(str, row.record))) or '(none)'}. "
+                f"Map it with {self.field_prefix}.columns.{key}: <column name>, or fix the data"
+            )
+        return row.record[column]
+
+    def _string(self, row: Row, key: str, required: bool) -> str | None:
+        value = self._column_value(row, key, required)
+        if value is None and not required:
+            return None
+        if not isinstance(value, str):
+            raise self._bad(row, self.source.column(key), value, "a string")
+        return value
+
+    def _bad(self, row: Row, field: str, value: object, expected: str) -> InputError:
+        shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+        return InputError(
+            f"{row.where}: field {field!r} = {shown} is not {expected}; fix the row "
+            f"(or the column mapping {self.field_prefix}.columns)"
+        )
+
+    def _alpaca(self, row: Row) -> Sample:
+        instruction = self._string(row, "prompt", required=True)
+        query = self._string(row, "query", required=False)
+        answer = self._string(row, "response", required=True)
+        system = self._string(row, "system", required=False)
+        history = self._column_value(row, "history", required=False) or []
+        pairs = []
+        if not isinstance(history, list):
+            raise self._bad(
+                row, self.source.column("history"), history, "a list of [instruction, answer] pairs"
+            )
+        for turn in history:
+            if not (
+                isinstance(turn, (list, tuple)) and len(turn) == 2 and all(isinstance(t, str) for t in turn)
+            ):
+                raise self._bad(
+                    row, self.source.column("history"), turn, "an [instruction, answer] pair of strings"
+                )
+            pairs.append((turn[0], turn[1]))
+        user = "\n".join(part for part in (instruction, query) if part)  # LLaMA-Factory joins them so
+        pairs.append((user, answer))
+        return Sample(system or None, tuple(pairs))
+
+    def _conversation(self, row: Row) -> Sample:
+        turns = self._column_value(row, "messages", required=True)
+        column = self.source.column("messages")
+        if not isinstance(turns, list) or not turns:
+            raise self._bad(row, column, turns, "a non-empty list of turns")
+        role_tag, content_tag = self.source.column("role_tag"), self.source.column("content_tag")
+        roles = {
+            self.source.column("user_tag"): "user",
+            self.source.column("assistant_tag"): "assistant",
+            self.source.column("system_tag"): "system",
+        }
+        system = self._string(row, "system", required=False)
+        parsed: list[tuple[str, str]] = []
+        for number, turn in enumerate(turns):
+            where = f"{column}[{number}]"
+            if not isinstance(turn, dict) or role_tag not in turn or content_tag not in turn:
+                raise self._bad(row, where, turn, f"an object with {role_tag!r} and {content_tag!r}")
+            role = roles.get(turn[role_tag])
+            if role is None:
+                raise self._bad(
+                    row, f"{where}.{role_tag}", turn[role_tag], f"one of {', '.join(map(repr, roles))}"
+                )
+            if not isinstance(turn[content_tag], str):
+                raise self._bad(row, f"{where}.{content_tag}", turn[content_tag], "a string")
+            if role == "system" and number == 0:
+                system = turn[content_tag]
+                continue
+            parsed.append((role, turn[content_tag]))
+        return Sample(system or None, self._pairs(row, column, parsed))
+
+    def _pairs(self, row: Row, column: str, turns: list[tuple[str, str]]) -> tuple[tuple[str, str], ...]:
+        """user, assistant, user, assistant, ...: the order every chat template assumes."""
+        expected = ["user", "assistant"] * (len(turns) // 2)
+        if not turns or [role for role, _ in turns] != expected or len(turns) % 2:
+            order = ", ".join(role for role, _ in turns) or "(none)"
+            raise InputError(
+                f"{row.where}: field {column!r} has turns in the order {order}; a sample needs user and "
+                "assistant turns alternating, starting with user and ending with assistant (one system turn "
+                "may come first); fix the row or its role tags"
+            )
+        return tuple((turns[i][1], turns[i + 1][1]) for i in range(0, len(turns), 2))

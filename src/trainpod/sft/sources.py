@@ -1,0 +1,159 @@
+"""Rows of an SFT dataset in a fixed order: files sorted, each read front to back.
+
+A row comes with where it is (`file, line N` for JSON Lines, `file, row N` for a JSON array or
+parquet), so a bad row's error can say exactly where to look.
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import hashlib
+import importlib.resources
+import io
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from trainpod.config.sft import BUILTIN_SFT_TINY, SftSourceConfig
+from trainpod.errors import InputError
+
+SUFFIXES = (".jsonl", ".json", ".parquet")
+PARQUET_BATCH_ROWS = 1024
+
+
+@dataclass(frozen=True)
+class Row:
+    record: dict
+    where: str  # "path, line 12" or "path, row 3"
+
+
+def builtin_sft_tiny_path() -> Path:
+    return Path(str(importlib.resources.files("trainpod") / "demo_corpus" / "sft_tiny.jsonl"))
+
+
+def _data_suffix(path: Path) -> str | None:
+    suffixes = [s.lower() for s in path.suffixes]
+    if suffixes and suffixes[-1] == ".gz":
+        suffixes.pop()
+    return suffixes[-1] if suffixes and suffixes[-1] in SUFFIXES else None
+
+
+def resolve_files(source: SftSourceConfig, volume_root: Path) -> list[Path]:
+    """The files a dataset's path names (a file, a folder searched recursively, or a glob), sorted."""
+    if source.path == BUILTIN_SFT_TINY:
+        return [builtin_sft_tiny_path()]
+    pattern = Path(source.path).expanduser()
+    if not pattern.is_absolute():
+        pattern = volume_root / pattern
+    if pattern.is_dir():
+        files = sorted(p for p in pattern.rglob("*") if p.is_file() and _data_suffix(p))
+    else:
+        files = sorted(Path(p) for p in glob.glob(str(pattern), recursive=True) if Path(p).is_file())
+    if not files:
+        what = "folder holds no .json/.jsonl/.parquet files" if pattern.is_dir() else "matches no file"
+        raise InputError(
+            f"sft dataset path {source.path!r} ({pattern}) {what}; relative paths are taken from the volume "
+            f"root {volume_root}: fix sft.datasets[].path or copy the files there"
+        )
+    for path in files:
+        if _data_suffix(path) is None:
+            raise InputError(
+                f"sft dataset file {path} is not .json, .jsonl or .parquet (optionally .gz); "
+                "convert it or point sft.datasets[].path at the data files only"
+            )
+    return files
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def describe_files(source: SftSourceConfig, volume_root: Path) -> list[dict]:
+    """What the manifest records to recognise the inputs: each file's path, size and sha256."""
+    return [
+        {"path": str(p), "bytes": p.stat().st_size, "sha256": file_sha256(p)}
+        for p in resolve_files(source, volume_root)
+    ]
+
+
+def _open_text(path: Path) -> io.TextIOBase:
+    if path.suffix.lower() == ".gz":
+        return gzip.open(path, "rt", encoding="utf-8")
+    return open(path, encoding="utf-8")
+
+
+def _json_lines(path: Path, f: io.TextIOBase, first_line: str) -> Iterator[Row]:
+    yield from _json_line(path, 1, first_line)
+    for line_number, line in enumerate(f, 2):
+        yield from _json_line(path, line_number, line)
+
+
+def _json_line(path: Path, line_number: int, line: str) -> Iterator[Row]:
+    if not line.strip():
+        return
+    where = f"{path}, line {line_number}"
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise InputError(
+            f"{where}: not valid JSON ({exc.msg} at column {exc.colno}); fix that line"
+        ) from None
+    yield Row(_object(record, where), where)
+
+
+def _object(record: object, where: str) -> dict:
+    if not isinstance(record, dict):
+        raise InputError(
+            f"{where}: expected a JSON object (one sample), got {type(record).__name__}; fix the row"
+        )
+    return record
+
+
+def _json_rows(path: Path) -> Iterator[Row]:
+    """A JSON array of objects (LLaMA-Factory's .json) or JSON Lines, told apart by the first character."""
+    with _open_text(path) as f:
+        first_line = f.readline()
+        if not first_line.lstrip().startswith("["):
+            yield from _json_lines(path, f, first_line)
+            return
+        try:
+            records = json.loads(first_line + f.read())
+        except json.JSONDecodeError as exc:
+            raise InputError(
+                f"{path}, line {exc.lineno}: not valid JSON ({exc.msg} at column {exc.colno}); fix the file"
+            ) from None
+    for index, record in enumerate(records):
+        where = f"{path}, row {index}"
+        yield Row(_object(record, where), where)
+
+
+def _parquet_rows(path: Path) -> Iterator[Row]:
+    import pyarrow.parquet as pq
+
+    if path.suffix.lower() == ".gz":
+        raise InputError(
+            f"{path}: gzip-compressed parquet cannot be read; decompress it (parquet compresses itself)"
+        )
+    index = 0
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=PARQUET_BATCH_ROWS):
+        for record in batch.to_pylist():
+            yield Row(record, f"{path}, row {index}")
+            index += 1
+
+
+def iter_rows(source: SftSourceConfig, volume_root: Path) -> Iterator[Row]:
+    """Every row of one dataset in order, at most `max_samples`."""
+    count = 0
+    for path in resolve_files(source, volume_root):
+        rows = _parquet_rows(path) if _data_suffix(path) == ".parquet" else _json_rows(path)
+        for row in rows:
+            if source.max_samples is not None and count >= source.max_samples:
+                return
+            count += 1
+            yield row

@@ -1,0 +1,172 @@
+"""Chat templates: a sample -> text segments (prompt, answer) per turn -> token ids with a trained mask.
+
+Each segment is tokenized on its own and the ids concatenated, as LLaMA-Factory does: an answer's
+ids are then exactly the ids of "answer + end-of-turn" tokenized alone, whatever precedes it. The
+end-of-turn token (<|im_end|>, <|eot_id|>, eos) belongs to the answer and is trained, so the model
+learns to stop. The separator after an answer ("\n" in chatml) belongs to the next prompt.
+
+`auto` uses the tokenizer's own `chat_template`: the segments are the differences between renders
+of growing prefixes of the conversation (with and without the generation prompt).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from trainpod.errors import InputError
+from trainpod.sft.formats import Sample
+
+CONTENT = "{content}"
+QWEN_DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+ALPACA_DEFAULT_SYSTEM = "Below is an instruction that describes a task. Write a response that appropriately completes the request."
+
+
+@dataclass(frozen=True)
+class Segments:
+    """A sample as text: a prefix (e.g. bos) and (prompt, answer) pairs; only answers are trained."""
+
+    prefix: str
+    pairs: tuple[tuple[str, str], ...]
+
+
+class Template(Protocol):
+    name: str
+
+    def segments(self, sample: Sample) -> Segments: ...
+
+
+@dataclass(frozen=True)
+class StringTemplate:
+    """A template written as format strings, like LLaMA-Factory's `register_template`."""
+
+    name: str
+    system: str
+    user: str
+    assistant: str
+    separator: str  # between an answer and the next prompt; untrained
+    prefix: str = ""
+    default_system: str | None = None
+    special_tokens: tuple[str, ...] = ()
+
+    def segments(self, sample: Sample) -> Segments:
+        system = sample.system or self.default_system
+        pairs = []
+        for number, (user, answer) in enumerate(sample.pairs):
+            prompt = self.separator if number else ""
+            if number == 0 and system:
+                prompt += self.system.replace(CONTENT, system)
+            pairs.append((prompt + self.user.replace(CONTENT, user), self.assistant.replace(CONTENT, answer)))
+        return Segments(self.prefix, tuple(pairs))
+
+
+def _chatml(name: str, default_system: str | None) -> StringTemplate:
+    return StringTemplate(
+        name=name,
+        system="<|im_start|>system\n{content}<|im_end|>\n",
+        user="<|im_start|>user\n{content}<|im_end|>\n<|im_start|>assistant\n",
+        assistant="{content}<|im_end|>",
+        separator="\n",
+        default_system=default_system,
+        special_tokens=("<|im_start|>", "<|im_end|>"),
+    )
+
+
+def _llama3() -> StringTemplate:
+    return StringTemplate(
+        name="llama3",
+        prefix="<|begin_of_text|>",
+        system="<|start_header_id|>system<|end_header_id|>\n\n{content}<|eot_id|>",
+        user="<|start_header_id|>user<|end_header_id|>\n\n{content}<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n",
+        assistant="{content}<|eot_id|>",
+        separator="",
+        special_tokens=("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
+    )
+
+
+def _alpaca(tokenizer) -> StringTemplate:
+    eos = tokenizer.eos_token
+    if not eos:
+        raise InputError(
+            "template 'alpaca' ends every answer with the tokenizer's eos_token, but the tokenizer has none; "
+            "set eos_token in its tokenizer_config.json or pick another sft.template"
+        )
+    bos = tokenizer.bos_token if tokenizer.bos_token and tokenizer.bos_token != eos else ""
+    return StringTemplate(
+        name="alpaca",
+        prefix=bos,
+        system="{content}\n\n",
+        user="### Instruction:\n{content}\n\n### Response:\n",
+        assistant="{content}" + eos,
+        separator="\n\n",
+        default_system=ALPACA_DEFAULT_SYSTEM,
+        special_tokens=(eos,),
+    )
+
+
+class TokenizerChatTemplate:
+    """The tokenizer's own Jinja chat_template, split into turns by rendering growing prefixes."""
+
+    name = "tokenizer"
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def _render(self, messages: list[dict[str, str]], generation_prompt: bool) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=generation_prompt
+            )
+        except Exception as exc:  # Jinja raises its own errors (e.g. raise_exception in the template)
+            raise InputError(
+                f"the tokenizer's chat_template failed to render a conversation ({type(exc).__name__}: {exc}); "
+                "set sft.template to chatml, qwen, llama3 or alpaca"
+            ) from None
+
+    def segments(self, sample: Sample) -> Segments:
+        messages = sample.messages()
+        first_user = 1 if sample.system else 0
+        done, pairs = "", []
+        for number in range(len(sample.pairs)):
+            end = first_user + 2 * number
+            prompt = self._render(messages[: end + 1], generation_prompt=True)
+            full = self._render(messages[: end + 2], generation_prompt=False)
+            if not prompt.startswith(done) or not full.startswith(prompt):
+                raise InputError(
+                    "the tokenizer's chat_template renders earlier turns differently once later turns follow "
+                    "(e.g. it drops reasoning from old answers), so answers cannot be located; set sft.template "
+                    "to chatml, qwen, llama3 or alpaca"
+                )
+            pairs.append((prompt[len(done) :], full[len(prompt) :]))
+            done = full
+        return Segments("", tuple(pairs))
+
+
+def build_template(name: str, tokenizer) -> Template:
+    """The template `name` (sft.template) checked against the tokenizer's special tokens."""
+    if name == "auto":
+        if getattr(tokenizer, "chat_template", None):
+            return TokenizerChatTemplate(tokenizer)
+        name = "chatml"
+    template = {
+        "chatml": lambda: _chatml("chatml", None),
+        "qwen": lambda: _chatml("qwen", QWEN_DEFAULT_SYSTEM),
+        "llama3": _llama3,
+        "alpaca": lambda: _alpaca(tokenizer),
+    }[name]()
+    vocab = tokenizer.get_vocab()
+    missing = [token for token in template.special_tokens if token not in vocab]
+    if missing:
+        raise InputError(
+            f"template {template.name!r} needs the special tokens {', '.join(missing)}, which tokenizer "
+            f"{getattr(tokenizer, 'name_or_path', '')} lacks; pick the template the model was trained with "
+            "(sft.template; 'alpaca' needs only an eos_token), or add the tokens to the tokenizer and resize "
+            "the model's embeddings"
+        )
+    return template
+
+
+def text_segments(text: str, tokenizer) -> Segments:
+    """The text format: the document and eos, all of it 'answer' (trained)."""
+    return Segments("", (("", text + (tokenizer.eos_token or "")),))

@@ -1,0 +1,550 @@
+"""`trainpod run finetune`: QLoRA, LoRA or full finetuning of an existing model on SFT data.
+
+    TRAINPOD_CONFIG=configs/finetune/tiny.yaml TRAINPOD_VOLUME=./demo-volume trainpod run finetune
+
+The loop, commits and the stop protocol are train/trainer.py's, as for pretraining. What is
+finetuning's own: the base model (a folder or a hub id, 4-bit NF4 for QLoRA), peft's LoRA on top,
+SFT batches (padded or packed), checkpoints of the trainable tensors only, per-sample eval losses,
+early stopping, W&B, and the export: a PEFT adapter (or a full HF model) with the tokenizer and a
+training summary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import safetensors.torch
+import torch
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+from trainpod import atomic
+from trainpod.checkpoint import PendingCheckpoint
+from trainpod.config.finetune import BaseModelConfig, FinetuneConfig
+from trainpod.errors import InputError, TemporaryError
+from trainpod.sft import IGNORE_INDEX, SftBatches, eval_batches, load_sft, prepare_sft, sft_key
+from trainpod.train import distributed as D
+from trainpod.train.export import DTYPES, export_hf, publish_replacing
+from trainpod.train.model import autocast_dtype, resolve_attention
+from trainpod.train.reporting import RunReporter
+from trainpod.train.schedule import cosine_with_warmup
+from trainpod.train.tracking import WandbTracker, wandb_wanted
+from trainpod.train.trainer import StepResult, Trainer
+from trainpod.volume import Volume
+from trainpod.workloads.context import RunContext
+
+log = logging.getLogger(__name__)
+
+MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "labels")
+# What a model folder needs from the hub: weights, configs, tokenizer (no pickles, no other formats).
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.py"]
+
+
+# ----------------------------------------------------------------------------- base model
+def resolve_base_model(cfg: BaseModelConfig, volume: Volume, download: bool = True) -> Path:
+    """The base model's local folder: given as a folder, or downloaded from the hub into cache/hf."""
+    raw = Path(cfg.path).expanduser()
+    candidates = [raw] if raw.is_absolute() else [volume.root / raw, Path.cwd() / raw]
+    for folder in candidates:
+        if (folder / "config.json").is_file():
+            return folder
+    if raw.is_absolute() or cfg.path.startswith(".") or cfg.path.count("/") != 1:
+        shown = " or ".join(str(c) for c in candidates)
+        raise InputError(
+            f"base_model.path={cfg.path!r}: no model folder (with config.json) at {shown}; point it at a "
+            "folder saved with save_pretrained (relative paths start at the volume root), or give a hub id "
+            "such as Qwen/Qwen2.5-0.5B"
+        )
+    if not download:
+        return volume.cache() / "hf"  # preflight: a hub id is checked when it is downloaded
+    return _download(cfg, volume)
+
+
+def _download(cfg: BaseModelConfig, volume: Volume) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
+
+    log.info("downloading %s from the hub into %s", cfg.path, volume.cache() / "hf")
+    try:
+        return Path(
+            snapshot_download(
+                cfg.path,
+                revision=cfg.revision,
+                cache_dir=volume.cache() / "hf",
+                allow_patterns=HUB_PATTERNS,
+                token=os.environ.get("HF_TOKEN") or None,
+            )
+        )
+    except GatedRepoError:
+        raise InputError(
+            f"base_model.path={cfg.path!r} is gated: accept its licence on the hub and set HF_TOKEN to a token "
+            "of that account"
+        ) from None
+    except (RepositoryNotFoundError, RevisionNotFoundError):
+        raise InputError(
+            f"base_model.path={cfg.path!r} (revision {cfg.revision or 'main'}) is not on the hub, or is private "
+            "and HF_TOKEN is missing; fix the id, or set HF_TOKEN"
+        ) from None
+    except Exception as exc:  # network and hub outages: the supervisor starts us again later
+        raise TemporaryError(
+            f"downloading base_model.path={cfg.path!r} failed ({type(exc).__name__}); will retry on the next start"
+        ) from None
+
+
+def preflight(ctx: RunContext, config: FinetuneConfig) -> None:
+    """Fail with exit 2 before anything is written: the base model and a named dataset must exist."""
+    resolve_base_model(config.base_model, ctx.volume, download=False)
+    if config.data.dataset is not None:
+        _dataset_dir(ctx, config.data.dataset)
+
+
+def _dataset_dir(ctx: RunContext, name: str) -> Path:
+    path = Path(name) if os.path.isabs(name) else ctx.volume.dataset(name)
+    if not (path / "manifest.json").is_file():
+        raise InputError(
+            f"data.dataset={name!r}: {path}/manifest.json does not exist; make it with `trainpod run datagen` "
+            "and a config with an `sft:` section (e.g. configs/datagen/sft-tiny.yaml), or give data.sft instead"
+        )
+    return path
+
+
+# ------------------------------------------------------------------------------- trainer
+class Finetuner(Trainer):
+    def __init__(self, ctx: RunContext, config: FinetuneConfig, dist: D.DistContext):
+        t = config.train
+        super().__init__(ctx, config, config.checkpoint, t.max_steps or 1, t.log_every, t.eval_every, dist)
+        self.train_cfg = t
+        self.method = config.method
+        self.improvement_threshold = t.early_stopping_min_delta
+        self.tracker_run_id: str | None = None
+        self.base_dir = self._on_main_first(lambda: resolve_base_model(config.base_model, ctx.volume))
+        self._setup_data()
+        self._setup_model()
+        steps_per_epoch = max(self.batches.steps_per_epoch // t.grad_accum_steps, 1)
+        self.max_steps = t.max_steps or math.ceil(t.epochs * steps_per_epoch)
+        self.warmup_steps = round(t.warmup_ratio * self.max_steps)
+
+    def _on_main_first(self, work: Any) -> Any:
+        """Run `work` on rank 0, then on the others (downloads and caches are made once)."""
+        result = work() if self.dist.is_main else None
+        D.barrier(self.dist)
+        return result if self.dist.is_main else work()
+
+    # ------------------------------------------------------------------------------- setup
+    def _setup_data(self) -> None:
+        data_cfg = self.cfg.data
+        if data_cfg.dataset is not None:
+            folder = _dataset_dir(self.ctx, data_cfg.dataset)
+        else:
+            folder = self.ctx.volume.cache() / "sft" / sft_key(data_cfg.sft, self.base_dir)
+            self._on_main_first(
+                lambda: prepare_sft(data_cfg.sft, self.base_dir, folder, self.ctx.volume.root, self.ctx.watch)
+            )
+        self.data = load_sft(folder)
+        self._check_same_tokenizer(folder)
+        self.max_len = int(self.data.manifest["settings"]["cutoff_len"])
+        t = self.train_cfg
+        self.batches = SftBatches(
+            self.data.train,
+            t.micro_batch_size,
+            self.max_len,
+            data_cfg.use_packing,
+            t.seed,
+            self.dist.rank,
+            self.dist.world_size,
+            self.data.pad_id,
+        )
+
+    def _check_same_tokenizer(self, folder: Path) -> None:
+        """A dataset tokenized with another tokenizer trains garbage; the vocabulary and eos must agree.
+
+        (Not the files' hash: the same tokenizer saved again, e.g. into an export, has other bytes.)
+        """
+        from transformers import AutoTokenizer
+
+        recorded = self.data.manifest["tokenizer"]
+        base = AutoTokenizer.from_pretrained(str(self.base_dir), local_files_only=True)
+        if (recorded["vocab_size"], recorded["eos_id"]) != (len(base), base.eos_token_id):
+            raise InputError(
+                f"the SFT dataset at {folder} was tokenized with the tokenizer at {recorded.get('path')} "
+                f"({recorded['vocab_size']} tokens, eos {recorded['eos_id']}), not the base model's "
+                f"({len(base)} tokens, eos {base.eos_token_id}); make the dataset with the base model's folder as "
+                "its tokenizer, or give data.sft to tokenize here"
+            )
+
+    def _setup_model(self) -> None:
+        from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        cfg, t, device = self.cfg, self.train_cfg, self.dist.device
+        self.autocast_dtype = autocast_dtype(t.precision, device)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.base_dir), local_files_only=True)
+        attention = resolve_attention(cfg.base_model.attention, device)
+        # Frozen base weights in bf16 on a GPU that has it; trained weights (full) and adapters in fp32.
+        base_dtype = torch.float32 if self.method == "full" or self.autocast_dtype is None else torch.bfloat16
+        kwargs: dict[str, Any] = {
+            "attn_implementation": attention,
+            "trust_remote_code": cfg.base_model.trust_remote_code,
+            "local_files_only": True,
+        }
+        torch.manual_seed(t.seed)  # the LoRA init and everything after it follow the seed
+        if self.method == "qlora":
+            from transformers import BitsAndBytesConfig
+
+            self.compute_dtype = self._compute_dtype()
+            kwargs |= {
+                "quantization_config": BitsAndBytesConfig(
+                    load_in_4bit=True,
+                    bnb_4bit_quant_type=cfg.quantization.quant_type,
+                    bnb_4bit_use_double_quant=cfg.quantization.double_quant,
+                    bnb_4bit_compute_dtype=self.compute_dtype,
+                ),
+                "device_map": {"": device},
+                "dtype": self.compute_dtype,
+            }
+            model = AutoModelForCausalLM.from_pretrained(str(self.base_dir), **kwargs)
+            model = prepare_model_for_kbit_training(
+                model,
+                use_gradient_checkpointing=t.gradient_checkpointing,
+                gradient_checkpointing_kwargs={"use_reentrant": False},
+            )
+            _keep_cpu_4bit_layout(model)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(str(self.base_dir), dtype=base_dtype, **kwargs).to(
+                device
+            )
+            if t.gradient_checkpointing:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                if self.method == "lora":
+                    model.enable_input_require_grads()  # checkpointed blocks need an input that wants grads
+        model.config.use_cache = False  # the KV cache is for generation; training with it only costs memory
+        self._check_vocabulary(model)
+        if self.method != "full":
+            lora = cfg.lora
+            model = get_peft_model(
+                model,
+                LoraConfig(
+                    r=lora.r,
+                    lora_alpha=lora.alpha,
+                    lora_dropout=lora.dropout,
+                    target_modules=lora.target_modules,
+                    use_rslora=lora.use_rslora,
+                    bias="none",
+                    task_type="CAUSAL_LM",
+                ),
+            )
+        self.model = model
+        self.trainable = {name: p for name, p in model.named_parameters() if p.requires_grad}
+        self.n_trainable = sum(p.numel() for p in self.trainable.values())
+        self.n_params = sum(p.numel() for p in model.parameters())
+        self.optimizer = _optimizer(list(self.trainable.values()), t, device)
+        log.info(
+            "finetune: method %s, %s of %s parameters train, attention %s, precision %s, device %s, %d rank(s)",
+            self.method,
+            f"{self.n_trainable:,}",
+            f"{self.n_params:,}",
+            attention,
+            self.autocast_dtype or "fp32",
+            device,
+            self.dist.world_size,
+        )
+
+    def _compute_dtype(self) -> torch.dtype:
+        name = self.cfg.quantization.compute_dtype
+        if name == "auto":
+            return self.autocast_dtype or torch.float32
+        return DTYPES[name]
+
+    def _check_vocabulary(self, model: torch.nn.Module) -> None:
+        rows = model.get_input_embeddings().num_embeddings
+        needed = int(self.data.manifest["tokenizer"]["vocab_size"])
+        if needed > rows:
+            raise InputError(
+                f"the tokenizer has {needed} tokens but base_model {self.cfg.base_model.path!r} embeds only {rows}; "
+                "use the tokenizer the model was trained with (tokens added to it need resized embeddings)"
+            )
+
+    def wrap_for_training(self) -> torch.nn.Module:
+        if not self.dist.distributed:
+            return self.model
+        return DistributedDataParallel(
+            self.model, device_ids=[self.dist.local_rank] if self.dist.device.type == "cuda" else None
+        )
+
+    def make_reporter(self, start_step: int) -> RunReporter:
+        tracker = None
+        if self.dist.is_main and wandb_wanted():
+            tracking = self.cfg.tracking
+            tracker = WandbTracker(
+                self.ctx.run,
+                tracking.wandb_project,
+                tracking.wandb_entity,
+                self.tracker_run_id,
+                self.cfg.model_dump(mode="json"),
+            )
+            self.tracker_run_id = tracker.run_id
+        return RunReporter(
+            self.ctx.run, self.max_steps, start_step, enabled=self.dist.is_main, tracker=tracker
+        )
+
+    # ------------------------------------------------------------------------- checkpoints
+    def write_checkpoint(self, pending: PendingCheckpoint) -> None:
+        # Only what trains: the adapter (or, for full, every weight); the frozen base is on disk already.
+        tensors = {name: p.detach().to("cpu").contiguous() for name, p in self.trainable.items()}
+        pending.write_bytes("trainable.safetensors", safetensors.torch.save(tensors))
+        with pending.open("optimizer.pt") as f:
+            torch.save(self.optimizer.state_dict(), f)
+
+    def load_checkpoint(self, path: Path, state: dict[str, Any]) -> None:
+        tensors = safetensors.torch.load((path / "trainable.safetensors").read_bytes())
+        missing = sorted(set(self.trainable) - set(tensors))
+        unexpected = sorted(set(tensors) - set(self.trainable))
+        wrong = [n for n in set(tensors) & set(self.trainable) if tensors[n].shape != self.trainable[n].shape]
+        if missing or unexpected or wrong:
+            # Never go on with freshly initialised adapters as if they were the trained ones.
+            raise InputError(
+                f"checkpoint {path.name} does not fit this model: {len(missing)} trainable tensors missing "
+                f"(e.g. {missing[:2]}), {len(unexpected)} unexpected (e.g. {unexpected[:2]}), {len(wrong)} with "
+                "other shapes; the method, LoRA settings or base model changed since it was written. Restore "
+                "them, or start a new run name"
+            )
+        with torch.no_grad():
+            for name, param in self.trainable.items():
+                param.copy_(tensors[name])
+        optimizer_state = torch.load(path / "optimizer.pt", map_location=self.dist.device, weights_only=True)
+        self.optimizer.load_state_dict(optimizer_state)
+
+    def data_state(self) -> dict[str, Any]:
+        return self.batches.state_dict()
+
+    def load_data_state(self, state: dict[str, Any]) -> None:
+        self.batches.load_state_dict(state)
+
+    def extra_state(self) -> dict[str, Any]:
+        return {"tracker": {"wandb_run_id": self.tracker_run_id}}
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        self.tracker_run_id = state.get("tracker", {}).get("wandb_run_id")
+
+    def checkpoint_bytes_estimate(self) -> int:
+        return self.n_trainable * 4 * 3  # fp32 trainable tensors + two AdamW moments
+
+    # ---------------------------------------------------------------------------- training
+    def train_step(self, model: torch.nn.Module, step: int) -> StepResult:
+        t = self.train_cfg
+        self.set_lr(cosine_with_warmup(step - 1, self.max_steps, t.lr, self.warmup_steps, t.min_lr_ratio))
+        model.train()
+        micro_batches, real_tokens = [], 0
+        for _ in range(t.grad_accum_steps):
+            micro_batches.append(self.batches.next_batch())
+            real_tokens += self.batches.last_real_tokens
+        # The loss is a mean over every trained token of the step on every rank, as if there were one
+        # big batch: each micro-batch's summed loss is divided by that global count (and multiplied by
+        # the rank count, which DDP's gradient averaging divides out again).
+        local_items = sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in micro_batches)
+        global_items = D.all_reduce_sum(self.dist, float(local_items))
+        items = torch.tensor(max(global_items, 1.0), device=self.dist.device)
+        total = torch.zeros((), device=self.dist.device)
+        for i, batch in enumerate(micro_batches):
+            inputs = {k: batch[k].to(self.dist.device) for k in MODEL_INPUTS if k in batch}
+            last = i == len(micro_batches) - 1
+            sync = contextlib.nullcontext() if last or not self.dist.distributed else model.no_sync()
+            with sync, self._autocast():
+                loss = model(**inputs, num_items_in_batch=items).loss
+                (loss * self.dist.world_size).backward()
+            total += loss.detach()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable.values(), t.grad_clip or float("inf"))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        # This rank's own mean, for the log (ranks are averaged there).
+        rank_mean = total * global_items / max(local_items, 1)
+        return StepResult(rank_mean, grad_norm, real_tokens)
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.dist.device.type, dtype=self.autocast_dtype)
+
+    @property
+    def has_eval_data(self) -> bool:
+        return len(self.data.val) > 0
+
+    @torch.no_grad()
+    def evaluate(self, model: torch.nn.Module, step: int) -> float:
+        t = self.train_cfg
+        model.eval()
+        batches = eval_batches(
+            self.data.val, t.micro_batch_size, self.max_len, self.data.pad_id, t.eval_batches
+        )
+        loss_sum = count = 0.0
+        per_sample: list[tuple[float, int]] = []
+        for batch in batches[self.dist.rank :: self.dist.world_size]:
+            with self._autocast():
+                logits = model(
+                    input_ids=batch["input_ids"].to(self.dist.device),
+                    attention_mask=batch["attention_mask"].to(self.dist.device),
+                ).logits
+            targets = batch["labels"][:, 1:].to(self.dist.device)
+            token_loss = F.cross_entropy(
+                logits[:, :-1].float().transpose(1, 2), targets, ignore_index=IGNORE_INDEX, reduction="none"
+            )
+            trained = targets != IGNORE_INDEX
+            row_sums, row_counts = (token_loss * trained).sum(1), trained.sum(1)
+            loss_sum += row_sums.sum().item()
+            count += row_counts.sum().item()
+            per_sample += [
+                (s / n, int(index))
+                for s, n, index in zip(
+                    row_sums.tolist(), row_counts.tolist(), batch["sample_index"].tolist(), strict=True
+                )
+                if n
+            ]
+        loss_sum, count = D.all_reduce_sum(self.dist, loss_sum), D.all_reduce_sum(self.dist, count)
+        gathered = D.gather_to_main(self.dist, per_sample)
+        if self.dist.is_main and t.worst_samples:
+            self._write_worst_samples(step, [s for rank in gathered for s in rank])
+        return loss_sum / max(count, 1.0)
+
+    def _write_worst_samples(self, step: int, per_sample: list[tuple[float, int]]) -> None:
+        """The highest-loss eval samples, prompt and answer decoded, for a look at what the model gets wrong."""
+        worst = sorted(per_sample, key=lambda item: (-item[0], item[1]))[: self.train_cfg.worst_samples]
+        lines = []
+        for loss, index in worst:
+            example = self.data.val[index]
+            trained = example.labels != IGNORE_INDEX
+            record = {
+                "step": step,
+                "loss": loss,
+                "val_index": index,
+                "source_row": example.row_index,
+                "prompt": self.tokenizer.decode(example.input_ids[~trained].tolist()),
+                "answer": self.tokenizer.decode(example.input_ids[trained].tolist()),
+            }
+            lines.append(json.dumps(record, ensure_ascii=False) + "\n")
+        folder = self.ctx.run.root / "eval"
+        folder.mkdir(exist_ok=True)
+        atomic.write_text(folder / f"step-{step}.worst.jsonl", "".join(lines))
+
+    def should_stop_early(self) -> str | None:
+        patience = self.train_cfg.early_stopping_patience
+        waited = self.progress.evals_without_improvement
+        if patience and waited >= patience:
+            return (
+                f"eval loss has not improved by more than {self.train_cfg.early_stopping_min_delta} for "
+                f"{waited} evals (best {self.progress.best_eval_loss:.4f})"
+            )
+        return None
+
+    # ------------------------------------------------------------------------------ finish
+    def export(self) -> Path | None:
+        if not self.dist.is_main:
+            return None
+        if self.method == "full":
+            dtype_name = self.cfg.export.dtype
+            if dtype_name == "auto":
+                dtype_name = "bfloat16" if self.autocast_dtype == torch.bfloat16 else "float32"
+            return export_hf(
+                self.model,
+                self.base_dir,
+                self.ctx.run.export / "hf",
+                DTYPES[dtype_name],
+                extra_json={"training_summary.json": self.training_summary()},
+            )
+        target = self.ctx.run.export / "adapter"
+        tmp = atomic.temp_name(target)
+        self.model.save_pretrained(str(tmp), safe_serialization=True)
+        self.tokenizer.save_pretrained(str(tmp))
+        atomic.write_json(tmp / "training_summary.json", self.training_summary())
+        publish_replacing(tmp, target)
+        log.info("exported the PEFT adapter to %s", target)
+        return target
+
+    def training_summary(self) -> dict[str, Any]:
+        """What convert and a reader need beside the weights: method, base model, quantization, results."""
+        cfg = self.cfg
+        return {
+            "method": self.method,
+            "base_model": cfg.base_model.path,
+            "base_model_folder": str(self.base_dir),
+            "base_model_revision": cfg.base_model.revision,
+            "quantization": (
+                {
+                    "quant_type": cfg.quantization.quant_type,
+                    "double_quant": cfg.quantization.double_quant,
+                    "compute_dtype": str(self.compute_dtype).removeprefix("torch."),
+                }
+                if self.method == "qlora"
+                else None
+            ),
+            "lora": cfg.lora.model_dump(mode="json") if self.method != "full" else None,
+            "data": {
+                "cutoff_len": self.max_len,
+                "packing": self.batches.packing,
+                "train_samples": len(self.data.train),
+                "val_samples": len(self.data.val),
+                "template": self.data.manifest.get("template"),
+            },
+            "results": self.summary(),
+        }
+
+    def summary(self) -> dict[str, Any]:
+        return super().summary() | {
+            "method": self.method,
+            "trainable_parameters": self.n_trainable,
+            "parameters": self.n_params,
+            "epoch": round(self.batches.epoch, 4),
+            "packing_efficiency": round(self.batches.packing_efficiency, 4),
+            "wandb_run_id": self.tracker_run_id,
+        }
+
+
+def _keep_cpu_4bit_layout(model: torch.nn.Module) -> None:
+    """Evaluate 4-bit layers on CPU with the same kernels as training.
+
+    On CPUs with AVX512-BF16, bitsandbytes repacks a Linear4bit's weights in place for an
+    inference kernel the first time it runs without grad (our evals). That kernel needs output
+    sizes divisible by 32, and the repacked layout would then be what training continues on.
+    """
+    import bitsandbytes as bnb
+
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit) and hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+
+
+def _optimizer(params: list[torch.nn.Parameter], t: Any, device: torch.device) -> torch.optim.Optimizer:
+    kwargs = {"lr": t.lr, "betas": (t.beta1, t.beta2), "eps": t.eps, "weight_decay": t.weight_decay}
+    if t.optimizer == "adamw":
+        return torch.optim.AdamW(params, fused=device.type == "cuda", **kwargs)
+    import bitsandbytes as bnb
+
+    optimizer_class = {
+        "adamw_8bit": bnb.optim.AdamW8bit,
+        "paged_adamw_8bit": bnb.optim.PagedAdamW8bit,
+        "paged_adamw_32bit": bnb.optim.PagedAdamW32bit,
+    }[t.optimizer]
+    return optimizer_class(params, **kwargs)
+
+
+def run(ctx: RunContext, config: FinetuneConfig) -> dict[str, Any]:
+    """Train to the configured steps (or an eval plateau), export, and return the summary."""
+    dist = D.init_distributed()
+    try:
+        if config.train.cpu_threads and dist.device.type == "cpu":
+            torch.set_num_threads(config.train.cpu_threads)
+        trainer = Finetuner(ctx, config, dist)
+        trainer.train()
+        exported = trainer.export()
+        D.barrier(dist)
+        return trainer.summary() | {
+            "export": str(exported) if exported else None,
+            "checkpoints": [c.path.name for c in trainer.store.committed()],
+        }
+    finally:
+        D.shutdown(dist)

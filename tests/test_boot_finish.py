@@ -1,0 +1,154 @@
+"""What a pod does after its workload exits (runpod/finish.py), against the fake RunPod API (the
+mock of RunPod): TRAINPOD_ON_FINISH stop/terminate/idle with the pod's own key, and the crash-loop
+counter on the volume that marks the run FAILED and stops the pod."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+
+import pytest
+from fake_runpod import FakeRunPodServer, api_env, client_for
+
+from trainpod import atomic
+from trainpod import boot as boot_module
+from trainpod.runpod.finish import FAILED_MARKER, STARTS_FILE, after_workload
+from trainpod.volume import Volume
+
+from support import TINY_DATAGEN, child_env
+
+
+@pytest.fixture
+def fake():
+    with FakeRunPodServer() as fake:
+        yield fake
+    assert not fake.violations, f"requests RunPod would refuse: {fake.violations}"
+
+
+@pytest.fixture
+def pod(fake) -> dict:
+    body = {"name": "tiny-pretrain", "gpuTypeIds": ["NVIDIA H100 80GB HBM3"], "interruptible": True}
+    pod = fake.pods[client_for(fake).create_pod(body).id]
+    fake.requests.clear()
+    return pod
+
+
+def pod_env(fake, pod, **extra) -> dict[str, str]:
+    return {**api_env(fake), "RUNPOD_POD_ID": pod["id"], **extra}
+
+
+@pytest.fixture
+def run(tmp_path):
+    run = Volume(tmp_path).run("tiny")
+    run.create()
+    return run
+
+
+@pytest.mark.parametrize(
+    ("action", "expected"), [("stop", "EXITED"), ("terminate", None), ("idle", "RUNNING")]
+)
+def test_after_done_the_pod_acts_on_trainpod_on_finish(fake, pod, run, action, expected):
+    env = pod_env(fake, pod, TRAINPOD_ON_FINISH=action)
+    assert after_workload(0, run, env, "pretrain") == 0
+    status = fake.pods[pod["id"]]["desiredStatus"] if pod["id"] in fake.pods else None
+    assert status == expected
+    if action == "idle":
+        assert fake.requests == []
+
+
+def test_without_the_pods_key_it_says_so_and_exits_normally(fake, pod, run, caplog):
+    env = {"RUNPOD_POD_ID": pod["id"], "TRAINPOD_RUNPOD_API_URL": fake.url}
+    with caplog.at_level(logging.INFO):
+        assert after_workload(0, run, env, "pretrain") == 0
+    assert f"cannot stop pod {pod['id']}: RUNPOD_API_KEY is not set" in caplog.text
+    assert fake.requests == [] and fake.pods[pod["id"]]["desiredStatus"] == "RUNNING"
+
+
+def test_outside_a_pod_there_is_nothing_to_stop(fake, run, caplog):
+    with caplog.at_level(logging.INFO):
+        assert after_workload(0, run, {}, "pretrain") == 0
+    assert "not in a RunPod pod (RUNPOD_POD_ID unset)" in caplog.text
+
+
+def test_an_api_failure_while_stopping_keeps_the_exit_code(fake, pod, run, caplog):
+    fake.fail_next(503, times=10)
+    env = pod_env(fake, pod)
+    from trainpod.runpod.client import RunPodClient
+
+    def factory(environ):
+        return RunPodClient.from_env(environ, sleep=lambda s: None)
+
+    assert after_workload(0, run, env, "pretrain", client_factory=factory) == 0
+    assert "could not stop this pod" in caplog.text and fake.key not in caplog.text
+
+
+def test_failed_starts_are_counted_and_the_third_marks_the_run_failed_and_stops_the_pod(fake, pod, run):
+    env = pod_env(fake, pod)
+    for count in (1, 2):
+        assert after_workload(1, run, env, "pretrain") == 1
+        assert atomic.read_json(run.root / STARTS_FILE)["consecutive_failures"] == count
+        assert fake.pods[pod["id"]]["desiredStatus"] == "RUNNING", "RunPod restarts the container"
+    assert after_workload(75, run, env, "pretrain") == 75
+    failed = atomic.read_json(run.root / FAILED_MARKER)
+    assert failed["failures"] == 3 and "3 failed starts in a row, the last with exit 75" in failed["reason"]
+    assert fake.pods[pod["id"]]["desiredStatus"] == "EXITED"
+
+
+def test_a_successful_or_preempted_start_resets_the_count(fake, pod, run):
+    env = pod_env(fake, pod, TRAINPOD_ON_FINISH="idle", TRAINPOD_MAX_FAILED_STARTS="2")
+    after_workload(1, run, env, "pretrain")
+    after_workload(143, run, env, "pretrain")
+    assert not (run.root / STARTS_FILE).exists()
+    after_workload(1, run, env, "pretrain")
+    assert fake.pods[pod["id"]]["desiredStatus"] == "RUNNING", "1 failure since the reset, 2 allowed"
+
+
+def test_bad_input_stops_the_pod_at_once_and_marks_an_existing_run(fake, pod, run):
+    assert after_workload(2, run, pod_env(fake, pod), "pretrain") == 2
+    assert "bad config or input (exit 2)" in atomic.read_json(run.root / FAILED_MARKER)["reason"]
+    assert fake.pods[pod["id"]]["desiredStatus"] == "EXITED"
+
+
+def test_bad_input_leaves_a_volume_without_the_run_untouched(fake, pod, tmp_path):
+    after_workload(2, Volume(tmp_path).run("new"), pod_env(fake, pod), "pretrain")
+    assert list(tmp_path.iterdir()) == []
+    assert fake.pods[pod["id"]]["desiredStatus"] == "EXITED"
+
+
+def test_a_supervisor_pod_stops_itself_when_done_but_retries_a_temporary_failure(fake, pod, run):
+    assert after_workload(75, run, pod_env(fake, pod), "supervise") == 75
+    assert fake.pods[pod["id"]]["desiredStatus"] == "RUNNING"
+    assert after_workload(0, run, pod_env(fake, pod), "supervise") == 0
+    assert fake.pods[pod["id"]]["desiredStatus"] == "EXITED"
+    assert not (run.root / STARTS_FILE).exists(), "the supervisor's exits never count as the run's"
+
+
+def test_a_malformed_max_failed_starts_exits_2_at_boot(tmp_path, capsys):
+    environ = {
+        "TRAINPOD_VOLUME": str(tmp_path),
+        "TRAINPOD_WORKLOAD": "datagen",
+        "TRAINPOD_CONFIG": str(TINY_DATAGEN),
+        "TRAINPOD_MAX_FAILED_STARTS": "three",
+    }
+    assert boot_module.boot(environ) == 2
+    assert "TRAINPOD_MAX_FAILED_STARTS='three' is not a whole number" in capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_real_boot_stops_its_own_pod_after_done(fake, pod, tmp_path):
+    env = child_env(
+        {
+            **pod_env(fake, pod),
+            "TRAINPOD_VOLUME": str(tmp_path),
+            "TRAINPOD_WORKLOAD": "datagen",
+            "TRAINPOD_CONFIG": str(TINY_DATAGEN),
+        }
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "trainpod", "boot"], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert fake.pods[pod["id"]]["desiredStatus"] == "EXITED"
+    assert f"asked RunPod to stop this pod ({pod['id']})" in result.stdout
+    assert fake.key not in result.stdout + result.stderr

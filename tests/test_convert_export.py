@@ -1,0 +1,119 @@
+"""Export: a committed pretrain checkpoint that is not the final one becomes an HF model that transformers
+loads, holding exactly that step's weights; bad steps and corrupt checkpoints are exit 2.
+
+.venv/bin/pytest -q tests/test_convert_export.py
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+from test_convert_support import convert_config
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from trainpod.convert import run_convert
+from trainpod.errors import ExitCode, InputError
+from trainpod.preemption import PreemptionWatch
+from trainpod.volume import Volume
+
+from support import RUN, TINY_PRETRAIN, run_trainpod, tree_snapshot
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory: pytest.TempPathFactory, tiny_dataset_volume: Path) -> Path:
+    """A 4-step tiny pretrain run with checkpoints at steps 2 and 4 (made once for this file)."""
+    import shutil
+
+    root = tmp_path_factory.mktemp("export-volume")
+    for folder in ("datasets", "tokenizers"):
+        shutil.copytree(tiny_dataset_volume / folder, root / folder)
+    result = run_trainpod(
+        "run",
+        "pretrain",
+        "--config",
+        str(TINY_PRETRAIN),
+        "--set",
+        "train.max_steps=4",
+        "--set",
+        "checkpoint.every_steps=2",
+        "--set",
+        "train.eval_every=0",
+        "--set",
+        "train.warmup_steps=1",
+        volume=root,
+    )
+    assert result.returncode == 0, f"the tiny pretrain run failed:\n{result.stdout}\n{result.stderr}"
+    return root
+
+
+@pytest.fixture
+def vol(pretrained: Path, tmp_path: Path) -> Volume:
+    """A copy per test, so one test's outputs or corruption never reach another."""
+    import shutil
+
+    shutil.copytree(pretrained, tmp_path / "volume")
+    return Volume(tmp_path / "volume")
+
+
+def export(vol: Volume, **task) -> Path:
+    [out] = run_convert(convert_config({"kind": "export"} | task, name=RUN), vol, PreemptionWatch())
+    return out
+
+
+def checkpoint_weights(vol: Volume, step: int) -> dict[str, torch.Tensor]:
+    return safetensors.torch.load_file(vol.run(RUN).checkpoints / f"step-{step}" / "model.safetensors")
+
+
+def test_a_non_final_checkpoint_exports_to_a_model_transformers_loads(vol: Volume) -> None:
+    out = export(vol, step=2)
+    assert out == vol.run(RUN).export / "hf-step-2"
+    model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    state = model.state_dict()
+    stored = checkpoint_weights(vol, 2)
+    for name, tensor in stored.items():
+        assert torch.equal(state[name], tensor), f"{name} differs from step 2's checkpoint"
+    final = checkpoint_weights(vol, 4)
+    assert any(not torch.equal(stored[k], final[k]) for k in stored), "steps 2 and 4 must differ"
+    tokenizer = AutoTokenizer.from_pretrained(str(out))
+    ids = tokenizer("Once upon a time", return_tensors="pt").input_ids
+    assert model.generate(ids, max_new_tokens=3, do_sample=False).shape[1] == ids.shape[1] + 3
+
+
+def test_latest_exports_the_newest_committed_step(vol: Volume) -> None:
+    out = export(vol, dtype="bfloat16")
+    assert out.name == "hf-step-4"
+    weights = safetensors.torch.load_file(out / "model.safetensors")
+    for name, tensor in checkpoint_weights(vol, 4).items():
+        assert torch.equal(weights[name], tensor.to(torch.bfloat16))
+
+
+def test_exporting_again_rewrites_nothing(vol: Volume) -> None:
+    out = export(vol, step=2)
+    before = tree_snapshot(out)
+    export(vol, step=2)
+    assert tree_snapshot(out) == before
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["settings"]["step"] == 2 and "checkpoint/manifest.json" in manifest["inputs"]
+
+
+def test_a_step_that_is_not_committed_is_exit_2_listing_the_committed_ones(vol: Volume) -> None:
+    with pytest.raises(InputError) as caught:
+        export(vol, step=3)
+    assert caught.value.exit_code == ExitCode.BAD_INPUT
+    assert "step-3" in str(caught.value) and "2, 4" in str(caught.value)
+
+
+def test_a_corrupt_checkpoint_is_exit_2_and_nothing_is_written(vol: Volume) -> None:
+    weights = vol.run(RUN).checkpoints / "step-2" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-10] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(InputError) as caught:
+        export(vol, step=2)
+    assert "fails verification" in str(caught.value) and "sha256" in str(caught.value)
+    assert not (vol.run(RUN).export / "hf-step-2").exists()
+    assert not list(vol.run(RUN).export.glob("hf-step-2.tmp-*"))

@@ -1,0 +1,175 @@
+"""Merge: the merged model's weights equal peft's merge_and_unload() (max abs diff <= 1e-6 in fp32),
+transformers loads and generates with it, and QLoRA adapters merge into the base they were trained on.
+
+.venv/bin/pytest -q tests/test_convert_merge.py
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+from peft import PeftModel
+from test_convert_support import INPUT_IDS, convert_config, load_base, make_adapter, make_base, peft_logits
+from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+
+from trainpod.convert import run_convert
+from trainpod.errors import ExitCode, InputError
+from trainpod.preemption import PreemptionWatch
+from trainpod.volume import Volume
+
+from support import tree_snapshot
+
+QLORA_SUMMARY = {
+    "method": "qlora",
+    "quantization": {"quant_type": "nf4", "double_quant": True, "compute_dtype": "bfloat16"},
+}
+
+
+@pytest.fixture
+def vol(tmp_path: Path) -> Volume:
+    return Volume(tmp_path / "volume")
+
+
+@pytest.fixture
+def base(tmp_path: Path) -> Path:
+    return make_base(tmp_path / "base")
+
+
+def adapter_dir(vol: Volume) -> Path:
+    return vol.run("ft").export / "adapter"
+
+
+def merge(vol: Volume, **task) -> Path:
+    [out] = run_convert(convert_config({"kind": "merge"} | task), vol, PreemptionWatch())
+    return out
+
+
+def saved_weights(folder: Path) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        tensors |= safetensors.torch.load_file(path)
+    return tensors
+
+
+def peft_merged(base_model: torch.nn.Module, adapter: Path) -> dict[str, torch.Tensor]:
+    merged = PeftModel.from_pretrained(base_model, str(adapter)).merge_and_unload()
+    return {k: v.detach() for k, v in merged.state_dict().items()}
+
+
+def max_diff(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> float:
+    assert set(got) == set(expected), f"tensor names differ: {set(got) ^ set(expected)}"
+    return max((got[k].float() - expected[k].float()).abs().max().item() for k in expected)
+
+
+@pytest.mark.parametrize(
+    "lora",
+    [
+        pytest.param({}, id="lora"),
+        pytest.param({"use_rslora": True, "rank_pattern": {"q_proj": 8}}, id="rslora-rank-pattern"),
+        pytest.param({"use_dora": True}, id="dora"),
+        pytest.param({"modules_to_save": ["lm_head"]}, id="modules_to_save"),
+    ],
+)
+def test_merged_weights_equal_peft_merge_and_unload(vol: Volume, base: Path, lora: dict) -> None:
+    make_adapter(base, adapter_dir(vol), **lora)
+    out = merge(vol, dtype="float32")
+    expected = peft_merged(load_base(base), adapter_dir(vol))
+    diff = max_diff(saved_weights(out), expected)
+    assert diff <= 1e-6, f"merged weights differ from peft's merge_and_unload() by {diff}"
+
+
+def test_transformers_loads_and_generates_with_the_sharded_merged_model(vol: Volume, base: Path) -> None:
+    make_adapter(base, adapter_dir(vol))
+    out = merge(vol, dtype="float32", max_shard_size="100KB")
+    assert len(list(out.glob("*.safetensors"))) > 1 and (out / "model.safetensors.index.json").is_file()
+    model = AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(out))
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor(INPUT_IDS)).logits[0]
+        generated = model.generate(torch.tensor(INPUT_IDS), max_new_tokens=5, do_sample=False)
+    assert (logits - peft_logits(base, adapter_dir(vol))).abs().max().item() <= 1e-4
+    assert generated.shape == (1, len(INPUT_IDS[0]) + 5)
+    assert tokenizer.decode(generated[0, -5:]).strip(), "the tokenizer must travel with the model"
+
+
+def test_dtype_casts_after_merging_in_fp32(vol: Volume, base: Path) -> None:
+    make_adapter(base, adapter_dir(vol))
+    out = merge(vol, dtype="bfloat16")
+    expected = {k: v.to(torch.bfloat16) for k, v in peft_merged(load_base(base), adapter_dir(vol)).items()}
+    got = saved_weights(out)
+    assert all(t.dtype == torch.bfloat16 for t in got.values())
+    assert max_diff(got, expected) == 0.0
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def nf4_base_as_trained(base: Path) -> torch.nn.Module:
+    """What QLoRA training saw: the base loaded in 4 bits by transformers + bitsandbytes, dequantized."""
+    import bitsandbytes.functional as bnb
+
+    quantized = AutoModelForCausalLM.from_pretrained(
+        str(base),
+        dtype=torch.bfloat16,
+        quantization_config=BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.bfloat16,
+        ),
+    )
+    model = load_base(base)
+    modules = dict(quantized.named_modules())
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            packed = getattr(modules.get(name), "weight", None)
+            if getattr(packed, "quant_state", None) is not None:
+                module.weight.copy_(bnb.dequantize_4bit(packed.data, packed.quant_state).float())
+    return model
+
+
+def test_qlora_dequantized_merges_into_the_4bit_base_it_was_trained_on(vol: Volume, base: Path) -> None:
+    make_adapter(base, adapter_dir(vol), summary=QLORA_SUMMARY)
+    out = merge(vol, dtype="float32")  # qlora_base defaults to dequantized
+    expected = peft_merged(nf4_base_as_trained(base), adapter_dir(vol))
+    assert max_diff(saved_weights(out), expected) <= 1e-6
+    original = peft_merged(load_base(base), adapter_dir(vol))
+    assert max_diff(saved_weights(out), original) > 1e-3, "the 4-bit round trip must change the base"
+
+
+def test_qlora_original_merges_into_the_16bit_base(vol: Volume, base: Path) -> None:
+    make_adapter(base, adapter_dir(vol), summary=QLORA_SUMMARY)
+    out = merge(vol, dtype="float32", qlora_base="original")
+    assert max_diff(saved_weights(out), peft_merged(load_base(base), adapter_dir(vol))) <= 1e-6
+
+
+def test_merging_again_rewrites_nothing(vol: Volume, base: Path) -> None:
+    make_adapter(base, adapter_dir(vol))
+    out = merge(vol, dtype="float32")
+    before = tree_snapshot(out.parent)
+    merge(vol, dtype="float32")
+    assert tree_snapshot(out.parent) == before
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert "base/model.safetensors" in manifest["inputs"] and manifest["settings"]["dtype"] == "float32"
+
+
+def test_merge_into_a_base_of_another_shape_is_exit_2_before_anything_is_written(
+    vol: Volume, base: Path, tmp_path: Path
+) -> None:
+    make_adapter(base, adapter_dir(vol))
+    other = make_base(tmp_path / "wide", hidden=128)
+    with pytest.raises(InputError) as caught:
+        run_convert(convert_config(["mlx", {"kind": "merge"}], base_model=str(other)), vol, PreemptionWatch())
+    assert caught.value.exit_code == ExitCode.BAD_INPUT
+    assert "model.layers.0.mlp.up_proj" in str(caught.value)
+    assert "(96, 64)" in str(caught.value) and "(96, 128)" in str(caught.value)
+    assert sorted(p.name for p in vol.run("ft").export.iterdir()) == ["adapter"]
+
+
+def test_an_unknown_base_model_is_exit_2_saying_what_to_set(vol: Volume, base: Path) -> None:
+    make_adapter(base, adapter_dir(vol), summary={"base_model": "runs/nowhere/export/hf"})
+    with pytest.raises(InputError) as caught:
+        merge(vol)
+    assert "runs/nowhere/export/hf" in str(caught.value) and "base_model" in str(caught.value)

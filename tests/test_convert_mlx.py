@@ -1,0 +1,198 @@
+"""PEFT -> MLX: mlx-lm itself loads the converted adapter and gives PEFT's logits (max abs diff <= 1e-4).
+
+.venv/bin/pytest -q tests/test_convert_mlx.py
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from mlx_lm.utils import load as mlx_load
+from test_convert_support import INPUT_IDS, base_logits, convert_config, make_adapter, make_base, peft_logits
+
+from trainpod.convert import run_convert
+from trainpod.errors import ExitCode, InputError
+from trainpod.preemption import PreemptionWatch
+from trainpod.volume import Volume
+
+from support import tree_snapshot
+
+TOLERANCE = 1e-4
+
+
+@pytest.fixture
+def vol(tmp_path: Path) -> Volume:
+    return Volume(tmp_path / "volume")
+
+
+@pytest.fixture
+def base(tmp_path: Path) -> Path:
+    return make_base(tmp_path / "base")
+
+
+def adapter_dir(vol: Volume, run: str = "ft") -> Path:
+    return vol.run(run).export / "adapter"
+
+
+def mlx_logits(base: Path, adapter: Path) -> np.ndarray:
+    import mlx.core as mx
+
+    model, _tokenizer = mlx_load(str(base), adapter_path=str(adapter))
+    logits = model(mx.array(INPUT_IDS))[0]
+    return np.array(logits.astype(mx.float32))
+
+
+def convert_to_mlx(vol: Volume, **fields) -> Path:
+    [out] = run_convert(convert_config({"kind": "mlx"}, **fields), vol, PreemptionWatch())
+    return out
+
+
+@pytest.mark.parametrize(
+    "lora",
+    [
+        pytest.param({}, id="lora"),
+        pytest.param({"use_rslora": True, "r": 8, "lora_alpha": 4}, id="rslora"),
+        pytest.param(
+            {
+                "r": 4,
+                "lora_alpha": 8,
+                "rank_pattern": {"q_proj": 8, "model.layers.1.mlp.down_proj": 2},
+                "alpha_pattern": {"v_proj": 32, "gate_proj": 3},
+            },
+            id="rank-and-alpha-pattern",
+        ),
+        pytest.param({"use_dora": True}, id="dora"),
+        pytest.param(
+            {"target_modules": ["q_proj", "v_proj"], "layers_to_transform": [0]}, id="first-layer-only"
+        ),
+    ],
+)
+def test_mlx_lm_with_converted_adapter_gives_peft_logits(vol: Volume, base: Path, lora: dict) -> None:
+    make_adapter(base, adapter_dir(vol), **lora)
+    out = convert_to_mlx(vol)
+    expected = peft_logits(base, adapter_dir(vol)).numpy()
+    assert np.abs(expected - base_logits(base).numpy()).max() > 1e-2, "the adapter must change the logits"
+    got = mlx_logits(base, out)
+    diff = np.abs(got - expected).max()
+    assert diff <= TOLERANCE, f"mlx-lm logits differ from PEFT's by {diff} (keys, transposes or scale wrong)"
+    readme = (out / "README.md").read_text()
+    assert str(base) in readme and "adapter_path" in readme
+
+
+def test_rank_pattern_pads_to_the_largest_rank_and_scale_is_the_default(vol: Volume, base: Path) -> None:
+    import json
+
+    make_adapter(base, adapter_dir(vol), r=4, lora_alpha=8, rank_pattern={"q_proj": 8})
+    out = convert_to_mlx(vol)
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["lora_parameters"]["rank"] == 8
+    assert config["lora_parameters"]["scale"] == 2.0
+    assert config["num_layers"] == 2 and config["fine_tune_type"] == "lora"
+    assert set(config["lora_parameters"]["keys"]) == {
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "self_attn.o_proj",
+        "mlp.gate_proj",
+        "mlp.up_proj",
+        "mlp.down_proj",
+    }
+
+
+def test_converting_again_rewrites_nothing(vol: Volume, base: Path) -> None:
+    make_adapter(base, adapter_dir(vol))
+    out = convert_to_mlx(vol)
+    before = tree_snapshot(out.parent)
+    assert convert_to_mlx(vol) == out
+    assert tree_snapshot(out.parent) == before
+    manifest = __import__("json").loads((out / "manifest.json").read_text())
+    assert manifest["inputs"]["adapter/adapter_model.safetensors"]["sha256_pieces"]
+    assert set(manifest["files"]) == {"adapters.safetensors", "adapter_config.json", "README.md"}
+
+
+def test_a_changed_adapter_is_converted_again(vol: Volume, base: Path) -> None:
+    make_adapter(base, adapter_dir(vol), seed=1)
+    out = convert_to_mlx(vol)
+    first = (out / "adapters.safetensors").read_bytes()
+    make_adapter(base, adapter_dir(vol), seed=2)
+    convert_to_mlx(vol)
+    assert (out / "adapters.safetensors").read_bytes() != first
+    assert not list(out.parent.glob("*.tmp-*")), "no temp folder may stay behind"
+
+
+@pytest.mark.parametrize(
+    ("lora", "feature"),
+    [
+        pytest.param({"modules_to_save": ["lm_head"]}, "modules_to_save", id="modules_to_save"),
+        pytest.param({"bias": "all"}, "bias='all'", id="bias"),
+        pytest.param({"lora_bias": True}, "lora_bias", id="lora_bias"),
+        pytest.param({"target_modules": ["q_proj", "embed_tokens"]}, "embedding", id="embedding-lora"),
+    ],
+)
+def test_unconvertible_adapters_are_refused_with_exit_2(
+    vol: Volume, base: Path, lora: dict, feature: str
+) -> None:
+    make_adapter(base, adapter_dir(vol), **lora)
+    with pytest.raises(InputError) as caught:
+        convert_to_mlx(vol)
+    assert caught.value.exit_code == ExitCode.BAD_INPUT
+    message = str(caught.value)
+    assert feature in message, message
+    assert "kind: merge" in message and "mlx_lm.convert" in message, "the message must say what to do instead"
+    assert not (vol.run("ft").export / "mlx").exists()
+
+
+def test_a_base_model_of_another_shape_is_exit_2_naming_module_and_shapes(
+    vol: Volume, tmp_path: Path
+) -> None:
+    trained_on = make_base(tmp_path / "trained-on")
+    other = make_base(tmp_path / "other", hidden=32)
+    make_adapter(trained_on, adapter_dir(vol))
+    with pytest.raises(InputError) as caught:
+        convert_to_mlx(vol, base_model=str(other))
+    message = str(caught.value)
+    assert caught.value.exit_code == ExitCode.BAD_INPUT
+    assert "model.layers.0.self_attn.q_proj" in message
+    assert "(64, 64)" in message and "(32, 32)" in message, message
+
+
+def test_a_base_model_missing_modules_is_exit_2_naming_the_module(vol: Volume, tmp_path: Path) -> None:
+    trained_on = make_base(tmp_path / "trained-on")
+    shallow = make_base(tmp_path / "shallow", layers=1)
+    make_adapter(trained_on, adapter_dir(vol))
+    with pytest.raises(InputError) as caught:
+        convert_to_mlx(vol, base_model=str(shallow))
+    assert "model.layers.1.self_attn.q_proj" in str(caught.value)
+    assert "no model.layers.1.self_attn.q_proj.weight" in str(caught.value)
+
+
+def test_a_missing_adapter_names_the_folder_and_the_command(vol: Volume) -> None:
+    with pytest.raises(InputError) as caught:
+        convert_to_mlx(vol)
+    assert str(adapter_dir(vol)) in str(caught.value)
+    assert "trainpod run finetune" in str(caught.value)
+
+
+def test_the_shipped_convert_config_loads_and_names_both_demo_outputs() -> None:
+    from trainpod.config import load_config
+    from trainpod.config.convert import ConvertConfig, MergeTask, MlxTask
+
+    config = load_config(ConvertConfig, Path(__file__).resolve().parents[1] / "configs/convert/tiny.yaml")
+    assert config.adapter_ref == "run:tiny-finetune"
+    assert [type(t) for t in config.task] == [MlxTask, MergeTask]
+
+
+def test_a_single_task_or_a_bare_kind_is_accepted_and_bad_tasks_are_config_errors() -> None:
+    from trainpod.config.convert import ExportTask, MlxTask
+    from trainpod.errors import ConfigError
+
+    assert [type(t) for t in convert_config("mlx").task] == [MlxTask]
+    assert convert_config({"kind": "export", "step": 20}).task[0] == ExportTask(kind="export", step=20)
+    with pytest.raises(ConfigError) as caught:
+        convert_config([{"kind": "mlx"}, {"kind": "merge", "output": "mlx"}])
+    assert "output" in str(caught.value) and caught.value.exit_code == ExitCode.BAD_INPUT
+    with pytest.raises(ConfigError) as caught:
+        convert_config({"kind": "gguf"})
+    assert "gguf" in str(caught.value) and "mlx" in str(caught.value)

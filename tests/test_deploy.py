@@ -1,0 +1,194 @@
+"""`trainpod deploy/stop/status` against the fake RunPod API (the mock of RunPod; every request is
+validated against RunPod's schema): template + volume + pod with the right bodies, idempotent,
+--dry-run sends nothing, at most 50 env variables, secrets as references."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from fake_runpod import FakeRunPodServer, api_env, client_for
+
+from trainpod import cli
+from trainpod.config import load_config
+from trainpod.config.deploy import DeployConfig
+from trainpod.errors import ConfigError
+from trainpod.runpod.deploy import deploy, pod_env
+
+SHIPPED = Path(__file__).resolve().parents[1] / "configs/deploy"
+GPUS = ["NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB"]
+
+
+@pytest.fixture
+def fake(monkeypatch, tmp_path):
+    with FakeRunPodServer() as fake:
+        for name, value in api_env(fake).items():
+            monkeypatch.setenv(name, value)
+        monkeypatch.setenv("HOME", str(tmp_path))  # no user's ~/.runpod here
+        yield fake
+    assert not fake.violations, f"requests RunPod would refuse: {fake.violations}"
+
+
+def write_config(tmp_path: Path, **changes) -> Path:
+    tree = {
+        "run": "tiny",
+        "workload": "pretrain",
+        "config": "configs/pretrain/tiny.yaml",
+        "image": {"name": "ghcr.io/org/trainpod:0.1.0", "cuda_version": "12.8"},
+        "pod": {"gpu_types": GPUS, "spot": True},
+        "volume": {"name": "vol", "size_gb": 50, "data_center": "EU-RO-1"},
+        "budget": {"hourly_usd": 2.5, "budget_usd": 40},
+    }
+    for key, value in changes.items():
+        node = tree
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    path = tmp_path / "deploy.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    return path
+
+
+def config(tmp_path: Path, **changes) -> DeployConfig:
+    return load_config(DeployConfig, write_config(tmp_path, **changes))
+
+
+def test_deploy_creates_template_volume_and_pod_with_the_right_bodies(fake, tmp_path):
+    done = deploy(client_for(fake), config(tmp_path))
+    (template,) = fake.templates.values()
+    (volume,) = fake.volumes.values()
+    (pod,) = fake.pods.values()
+    assert done.action == "created" and done.pod.id == pod["id"]
+    assert template["imageName"] == "ghcr.io/org/trainpod:0.1.0" and template["category"] == "NVIDIA"
+    assert volume == {"id": volume["id"], "name": "vol", "size": 50, "dataCenterId": "EU-RO-1"}
+    (_, _, body) = fake.calls("POST", "/pods")[0]
+    assert body["name"] == "tiny-pretrain" and body["templateId"] == template["id"]
+    assert body["networkVolumeId"] == volume["id"] and body["dataCenterIds"] == ["EU-RO-1"]
+    assert body["gpuTypeIds"] == GPUS and body["gpuTypePriority"] == "custom"
+    assert body["interruptible"] is True
+    assert body["allowedCudaVersions"] == ["13.0", "12.9", "12.8"], "the image's CUDA or newer"
+    assert body["env"]["TRAINPOD_RUN"] == "tiny" and body["env"]["TRAINPOD_WORKLOAD"] == "pretrain"
+    assert body["env"]["TRAINPOD_GPU_HOURLY_USD"] == "2.5" and body["env"]["TRAINPOD_BUDGET_USD"] == "40"
+    assert body["dockerStartCmd"] == ["/opt/trainpod/entrypoints/pretrain"]
+
+
+def test_secrets_are_runpod_secret_references_never_values(fake, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "hf_realsecretvalue123")
+    deploy(client_for(fake), config(tmp_path))
+    (pod,) = fake.pods.values()
+    (template,) = fake.templates.values()
+    for env in (pod["env"], template["env"]):
+        assert env["HF_TOKEN"] == "{{ RUNPOD_SECRET_HF_TOKEN }}"
+        assert env["WANDB_API_KEY"] == "{{ RUNPOD_SECRET_WANDB_API_KEY }}"
+    assert "hf_realsecretvalue123" not in str(fake.requests)
+
+
+def test_deploying_again_reuses_everything_and_sends_no_create(fake, tmp_path):
+    cfg = config(tmp_path)
+    first = deploy(client_for(fake), cfg)
+    writes = len([r for r in fake.requests if r[0] != "GET"])
+    second = deploy(client_for(fake), cfg)
+    assert second.action == "reused" and second.pod.id == first.pod.id
+    assert len([r for r in fake.requests if r[0] != "GET"]) == writes, "the second deploy changed something"
+
+
+def test_deploying_a_stopped_run_starts_its_pod_again(fake, tmp_path):
+    cfg = config(tmp_path)
+    first = deploy(client_for(fake), cfg)
+    fake.interrupt(first.pod.id)
+    again = deploy(client_for(fake), cfg)
+    assert again.action == "started" and fake.pods[first.pod.id]["desiredStatus"] == "RUNNING"
+    assert len(fake.pods) == 1
+
+
+def test_a_new_image_updates_the_template_in_place(fake, tmp_path):
+    deploy(client_for(fake), config(tmp_path))
+    (template_id,) = fake.templates
+    cfg = config(tmp_path, **{"env.extra": {"EXTRA": "1"}})
+    cfg.secrets = ["HF_TOKEN"]  # the template's env changes
+    deploy(client_for(fake), cfg)
+    assert [r[1] for r in fake.calls("PATCH")] == [f"/templates/{template_id}"]
+    assert list(fake.templates) == [template_id]
+
+
+def test_gpu_types_are_tried_in_the_configs_order(fake, tmp_path):
+    fake.no_capacity.add(GPUS[0])
+    done = deploy(client_for(fake), config(tmp_path))
+    assert done.pod.gpu_type_id == GPUS[1]
+
+
+def test_more_than_50_env_variables_are_refused_before_anything_is_sent(fake, tmp_path, capsys):
+    extra = {f"EXTRA_{i}": "x" for i in range(41)}  # 10 from the contract and secrets + 41 = 51
+    with pytest.raises(ConfigError, match=r"51 environment variables, RunPod allows at most 50; remove 1"):
+        pod_env(config(tmp_path, **{"env.extra": extra}))
+    code = cli.main(["deploy", str(write_config(tmp_path, **{"env.extra": extra}))])
+    assert code == 2 and fake.requests == []
+    assert "at most 50" in capsys.readouterr().out
+
+
+def test_exactly_50_env_variables_are_fine(tmp_path):
+    extra = {f"EXTRA_{i}": "x" for i in range(40)}
+    assert len(pod_env(config(tmp_path, **{"env.extra": extra}))) == 50
+
+
+def test_dry_run_prints_the_requests_and_sends_nothing(fake, tmp_path, capsys):
+    code = cli.main(["deploy", str(write_config(tmp_path)), "--dry-run", "--on-demand"])
+    out = capsys.readouterr().out
+    assert code == 0 and fake.requests == []
+    assert "POST /templates" in out and "POST /networkvolumes" in out and "POST /pods" in out
+    assert '"interruptible": false' in out, "--on-demand overrides the config's spot: true"
+
+
+def test_secret_values_from_the_shell_only_when_asked_and_masked_in_the_dry_run(
+    fake, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setenv("HF_TOKEN", "hf_realsecretvalue123")
+    monkeypatch.setenv("WANDB_API_KEY", "wandb_realsecret456")
+    path = str(write_config(tmp_path))
+    assert cli.main(["deploy", path, "--dry-run", "--secrets-from-env"]) == 0
+    out = capsys.readouterr().out
+    assert "hf_realsecretvalue123" not in out and '"HF_TOKEN": "***"' in out
+    assert cli.main(["deploy", path, "--secrets-from-env"]) == 0
+    (pod,) = fake.pods.values()
+    assert pod["env"]["HF_TOKEN"] == "hf_realsecretvalue123"
+    assert "hf_realsecretvalue123" not in capsys.readouterr().out
+
+
+def test_secrets_from_env_that_are_not_set_are_an_error(fake, tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    assert cli.main(["deploy", str(write_config(tmp_path)), "--secrets-from-env"]) == 2
+    assert "HF_TOKEN" in capsys.readouterr().out and fake.requests == []
+
+
+def test_stop_and_terminate_act_on_the_runs_pods_only(fake, tmp_path, capsys):
+    deploy(client_for(fake), config(tmp_path))
+    deploy(client_for(fake), config(tmp_path, run="other"))
+    assert cli.main(["stop", "tiny"]) == 0
+    status = {p["name"]: p["desiredStatus"] for p in fake.pods.values()}
+    assert status == {"tiny-pretrain": "EXITED", "other-pretrain": "RUNNING"}
+    assert cli.main(["stop", "tiny", "--terminate"]) == 0
+    assert [p["name"] for p in fake.pods.values()] == ["other-pretrain"]
+
+
+def test_status_shows_the_runs_pods_when_a_key_is_at_hand(fake, tmp_path, capsys):
+    deploy(client_for(fake), config(tmp_path))
+    assert cli.main(["status", "tiny", "--volume", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "tiny: 1 pod(s) on RunPod" in out
+    assert "RUNNING | 1 x NVIDIA H100 80GB HBM3 | $2.00/hr | spot" in out
+
+
+def test_a_bad_deploy_config_names_the_field_and_the_fix(tmp_path):
+    with pytest.raises(ConfigError) as caught:
+        config(tmp_path, **{"pod.gpu_types": [], "image.cuda_version": "10.1", "volume.size_gb": 5})
+    text = str(caught.value)
+    assert "pod.gpu_types is empty" in text or "image.cuda_version='10.1'" in text
+    assert "volume.size_gb = 5" in text
+
+
+@pytest.mark.parametrize("path", sorted(SHIPPED.glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_deploy_configs_load(path):
+    cfg = load_config(DeployConfig, path)
+    assert cfg.pod_name == f"{cfg.run}-{cfg.workload}" and cfg.pod.gpu_types

@@ -1,0 +1,109 @@
+"""Exact resume of finetuning: QLoRA and LoRA runs interrupted like a spot pod, then resumed, end
+with an adapter byte-identical to an uninterrupted run's (adapter, optimizer, schedule, RNG and the
+data position all restored)."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+from finetune_support import FINETUNE_RUN, adapter_bytes, finetune_args, latest_step, make_base_model
+
+from support import REPO, run_trainpod, signal_when_step_reached, start_trainpod, trainpod_cmd
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def base_volume(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    volume = tmp_path_factory.mktemp("finetune-base")
+    make_base_model(volume)
+    return volume
+
+
+def fresh_volume(base_volume: Path, tmp_path: Path) -> Path:
+    volume = tmp_path / "volume"
+    shutil.copytree(base_volume, volume)
+    return volume
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(base_volume: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
+    adapters = {}
+    for method in ("qlora", "lora"):
+        volume = tmp_path_factory.mktemp(f"uninterrupted-{method}")
+        shutil.copytree(base_volume, volume, dirs_exist_ok=True)
+        result = run_trainpod(*finetune_args(method=method), volume=volume)
+        assert result.returncode == 0, result.stdout + result.stderr
+        adapters[method] = adapter_bytes(volume)
+    return adapters
+
+
+def finish(volume: Path, method: str) -> str:
+    result = run_trainpod(*finetune_args(method=method), volume=volume)
+    assert result.returncode == 0, f"the resumed run failed:\n{result.stdout}\n{result.stderr}"
+    assert "resumed from step-" in result.stdout + result.stderr
+    return result.stdout + result.stderr
+
+
+@pytest.mark.parametrize(("method", "stop_at"), [("qlora", 7), ("qlora", 23), ("lora", 12)])
+def test_sigterm_then_resume_gives_the_same_adapter(base_volume, tmp_path, uninterrupted, method, stop_at):
+    volume = fresh_volume(base_volume, tmp_path)
+    proc = start_trainpod(*finetune_args(method=method), volume=volume)
+    out = signal_when_step_reached(proc, volume, stop_at, signal.SIGTERM, run=FINETUNE_RUN)
+    assert proc.returncode == 143, out
+    assert latest_step(volume) >= stop_at, "SIGTERM must commit the step it finished"
+    finish(volume, method)
+    assert adapter_bytes(volume) == uninterrupted[method]
+
+
+@pytest.mark.parametrize(("method", "kill_at"), [("qlora", 13), ("lora", 17)])
+def test_sigkill_between_checkpoints_then_resume_gives_the_same_adapter(
+    base_volume, tmp_path, uninterrupted, method, kill_at
+):
+    volume = fresh_volume(base_volume, tmp_path)
+    proc = start_trainpod(*finetune_args(method=method), volume=volume)
+    signal_when_step_reached(proc, volume, kill_at, signal.SIGKILL, run=FINETUNE_RUN)
+    assert proc.returncode == -signal.SIGKILL
+    assert latest_step(volume) == (kill_at // 10) * 10
+    finish(volume, method)
+    assert adapter_bytes(volume) == uninterrupted[method]
+
+
+@pytest.mark.parametrize("phase", ["writing", "before-latest"])
+def test_sigkill_during_a_commit_then_resume_gives_the_same_adapter(
+    base_volume, tmp_path, uninterrupted, phase
+):
+    volume = fresh_volume(base_volume, tmp_path)
+    driver = [
+        sys.executable,
+        str(REPO / "tests/crash_driver.py"),
+        phase,
+        "20",
+        "--",
+        *trainpod_cmd(*finetune_args(), volume=volume)[3:],
+    ]
+    proc = start_trainpod(volume=volume, cmd=driver)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == -signal.SIGKILL, out
+    assert latest_step(volume) == 10
+    finish(volume, "qlora")
+    assert adapter_bytes(volume) == uninterrupted["qlora"]
+
+
+def test_a_checkpoint_that_does_not_fit_the_model_is_refused_not_replaced_by_fresh_adapters(
+    base_volume, tmp_path
+):
+    volume = fresh_volume(base_volume, tmp_path)
+    proc = start_trainpod(*finetune_args(), volume=volume)
+    signal_when_step_reached(proc, volume, 12, signal.SIGTERM, run=FINETUNE_RUN)
+    assert proc.returncode == 143
+    result = run_trainpod(*finetune_args("--set", "lora.r=4"), volume=volume)
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output
+    assert "does not fit this model" in output
+    assert "other shapes" in output
+    assert latest_step(volume) == 12, "the refused start must leave the checkpoints as they were"

@@ -1,0 +1,115 @@
+"""The RunPod client against the fake API (the mock of RunPod): retries on 429/5xx only, with
+exponential backoff (sleep injected, never slept), no retry on 4xx, timeouts, and the key never in
+an error or a log line."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from fake_runpod import KEY, FakeRunPodServer, client_for
+
+from trainpod.errors import ExitCode
+from trainpod.runpod.client import (
+    RunPodAuthError,
+    RunPodClient,
+    RunPodError,
+    RunPodUnavailable,
+    api_key,
+)
+
+
+@pytest.fixture
+def fake():
+    with FakeRunPodServer() as fake:
+        yield fake
+    assert not fake.violations, f"requests RunPod would refuse: {fake.violations}"
+
+
+def test_429_and_5xx_are_retried_with_exponential_backoff(fake):
+    sleeps: list[float] = []
+    fake.fail_next(503, times=2)
+    fake.fail_next(429)
+    assert client_for(fake, sleeps).list_pods() == []
+    assert len(fake.requests) == 4
+    assert sleeps == [1.0, 2.0, 4.0], "backoff doubles from 1 s (jitter pinned at its top)"
+
+
+def test_retry_after_is_honoured(fake):
+    sleeps: list[float] = []
+    fake.fail_next(429, retry_after="7")
+    client_for(fake, sleeps).list_pods()
+    assert sleeps == [7.0]
+
+
+def test_backoff_is_capped_and_jittered(fake):
+    sleeps: list[float] = []
+    fake.fail_next(500, times=4)
+    client = RunPodClient(KEY, base_url=fake.url, sleep=sleeps.append, jitter=lambda: 0.0, max_backoff_s=3)
+    client.list_pods()
+    assert sleeps == [0.5, 1.0, 1.5, 1.5], "jitter takes up to half off; the cap holds"
+
+
+def test_a_4xx_other_than_429_is_not_retried(fake):
+    sleeps: list[float] = []
+    fake.fail_next(400)
+    with pytest.raises(RunPodError) as caught:
+        client_for(fake, sleeps).create_template({"name": "x", "imageName": "y"})
+    assert len(fake.requests) == 1 and sleeps == []
+    assert caught.value.exit_code == ExitCode.BAD_INPUT and "POST /templates (400)" in str(caught.value)
+
+
+def test_persistent_5xx_ends_in_a_temporary_error_without_key_or_body(fake, caplog):
+    fake.fail_next(502, times=5)
+    with caplog.at_level(logging.DEBUG), pytest.raises(RunPodUnavailable) as caught:
+        client_for(fake).list_pods(name="run-pretrain")
+    message = str(caught.value)
+    assert caught.value.exit_code == ExitCode.TEMPORARY
+    assert "GET /pods answered 502, 5 attempts in a row" in message
+    everything = message + caplog.text
+    assert KEY not in everything, "the key reached an error or a log line"
+    assert "forced by the test" not in everything, "a response body was echoed"
+    assert caplog.text.count("retry") == 4
+
+
+def test_a_rejected_key_is_a_clear_error_and_never_shown(fake, caplog, capsys):
+    client = RunPodClient("rpa_WRONGKEY_abcdef123456", base_url=fake.url, sleep=lambda s: None)
+    with caplog.at_level(logging.DEBUG), pytest.raises(RunPodAuthError) as caught:
+        client.list_pods()
+    assert "RUNPOD_API_KEY rejected: RunPod answered 401 to GET /pods" in str(caught.value)
+    assert len(fake.requests) == 1, "a 401 is not retried"
+    seen = str(caught.value) + caplog.text + capsys.readouterr().out + repr(client)
+    assert "WRONGKEY" not in seen
+
+
+def test_a_slow_api_times_out_and_is_retried_then_reported(fake):
+    fake.delay_s = 0.5
+    sleeps: list[float] = []
+    client = client_for(fake, sleeps, timeout_s=0.1, max_attempts=2)
+    with pytest.raises(RunPodUnavailable, match=r"GET /pods timed out after 0.1 s, 2 attempts"):
+        client.list_pods()
+    assert sleeps == [1.0]
+
+
+def test_a_missing_pod_is_none_not_an_error(fake):
+    assert client_for(fake).get_pod("nope") is None
+
+
+def test_key_comes_from_the_environment_first(tmp_path):
+    (tmp_path / ".runpod").mkdir()
+    (tmp_path / ".runpod/config.toml").write_text('[default]\napi_key = "from-file"\n')
+    assert api_key({"RUNPOD_API_KEY": "from-env"}, home=tmp_path) == "from-env"
+
+
+@pytest.mark.parametrize(
+    "text", ['[default]\napi_key = "rpa_FILE"\n', 'apikey = "rpa_FILE"\napiurl = "https://api.runpod.io"\n']
+)
+def test_key_comes_from_the_runpod_clis_config_file(tmp_path, text):
+    (tmp_path / ".runpod").mkdir()
+    (tmp_path / ".runpod/config.toml").write_text(text)
+    assert api_key({}, home=tmp_path) == "rpa_FILE"
+
+
+def test_no_key_anywhere_says_where_to_put_one(tmp_path):
+    with pytest.raises(RunPodAuthError, match=r"RUNPOD_API_KEY is unset.*export RUNPOD_API_KEY"):
+        api_key({}, home=tmp_path)

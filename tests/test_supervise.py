@@ -1,0 +1,208 @@
+"""Supervisor scenarios against the fake RunPod API (the mock of RunPod). The pod's work is
+simulated by writing what the workload writes (DONE, status.json, FAILED) into a tmp volume; an
+injected clock makes backoff and cost instant: no test sleeps."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+from fake_runpod import KEY, FakeRunPodServer, api_env, client_for
+
+from trainpod import atomic, cli
+from trainpod.config.deploy import DeployConfig
+from trainpod.runpod.deploy import deploy
+from trainpod.runpod.finish import FAILED_MARKER
+from trainpod.runpod.supervise import Supervisor
+from trainpod.volume import Volume
+
+GPUS = ["NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB"]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def fake():
+    with FakeRunPodServer() as fake:
+        yield fake
+    assert not fake.violations, f"requests RunPod would refuse: {fake.violations}"
+
+
+def deploy_config(**supervise) -> DeployConfig:
+    return DeployConfig.model_validate(
+        {
+            "run": "tiny",
+            "workload": "pretrain",
+            "config": "configs/pretrain/tiny.yaml",
+            "image": {"name": "ghcr.io/org/trainpod:0.1.0"},
+            "pod": {"gpu_types": GPUS},
+            "volume": {"name": "vol", "data_center": "EU-RO-1"},
+            "budget": {"budget_usd": 10},
+            "supervise": {"backoff_s": 30, "max_failed_starts": 3, **supervise},
+        }
+    )
+
+
+@pytest.fixture
+def volume(tmp_path: Path) -> Volume:
+    vol = Volume(tmp_path / "volume")
+    vol.run("tiny").create()
+    return vol
+
+
+def supervisor(fake, volume, clock=None, **policy) -> Supervisor:
+    cfg = deploy_config(**policy)
+    state = (volume.run("tiny").root if volume else volume_less_state()) / "supervise.json"
+    return Supervisor(client_for(fake), cfg, volume, state, clock=clock or Clock(), sleep=lambda s: None)
+
+
+def volume_less_state() -> Path:
+    import tempfile
+
+    return Path(tempfile.mkdtemp())
+
+
+def the_pod(fake) -> dict:
+    (pod,) = fake.pods_named("tiny-pretrain")
+    return pod
+
+
+def test_interrupted_twice_then_done(fake, volume, caplog):
+    deploy(client_for(fake), deploy_config())
+    sup = supervisor(fake, volume)
+    caplog.set_level(logging.INFO, "trainpod")
+    assert sup.step() is None and "is RUNNING (spent $0.00); nothing to do" in caplog.text
+    pod_id = the_pod(fake)["id"]
+    for restart in (1, 2):
+        fake.interrupt(pod_id)
+        assert sup.step() is None
+        assert the_pod(fake)["desiredStatus"] == "RUNNING" and the_pod(fake)["id"] == pod_id
+        assert f"pod EXITED and the run not DONE: started pod {pod_id} (restart {restart}/50)" in caplog.text
+    atomic.write_json(volume.run("tiny").done, {"step": 40})
+    assert sup.step() == 0
+    assert the_pod(fake)["desiredStatus"] == "EXITED", "a pod still running after DONE is stopped"
+    assert "run is DONE; supervising ends" in caplog.text
+    assert len(fake.calls("POST", "/pods/")) == 3  # two starts and the final stop
+
+
+def test_start_refused_then_a_new_pod_on_the_same_volume_with_the_same_env(fake, volume, caplog):
+    first = deploy(client_for(fake), deploy_config()).pod
+    fake.refuse_start.add(first.id)
+    fake.no_capacity.add(GPUS[0])
+    fake.interrupt(first.id)
+    caplog.set_level(logging.INFO, "trainpod")
+    assert supervisor(fake, volume).step() is None
+    new = the_pod(fake)
+    assert new["id"] != first.id and first.id not in fake.pods, "the replaced pod is terminated"
+    assert new["networkVolumeId"] == first.network_volume_id and new["env"] == first.env
+    assert new["gpu"]["id"] == GPUS[1], "the next GPU type in the config's order"
+    assert f"start of pod {first.id} refused (500)" in caplog.text and "created pod" in caplog.text
+
+
+def test_a_gone_pod_is_created_again(fake, volume):
+    first = deploy(client_for(fake), deploy_config()).pod
+    client_for(fake).terminate_pod(first.id)
+    assert supervisor(fake, volume).step() is None
+    assert the_pod(fake)["networkVolumeId"] == first.network_volume_id
+
+
+def test_the_runs_failure_marker_stops_supervising(fake, volume, caplog):
+    deploy(client_for(fake), deploy_config())
+    fake.interrupt(the_pod(fake)["id"])
+    atomic.write_json(volume.run("tiny").root / FAILED_MARKER, {"reason": "3 failed starts in a row"})
+    caplog.set_level(logging.INFO, "trainpod")
+    assert supervisor(fake, volume).step() == 2
+    assert the_pod(fake)["desiredStatus"] == "EXITED", "a FAILED run is not started again"
+    assert "run FAILED (3 failed starts in a row); not restarting" in caplog.text
+
+
+def test_failed_starts_back_off_exponentially_and_are_bounded(fake, volume, caplog):
+    deploy(client_for(fake), deploy_config())
+    pod_id = the_pod(fake)["id"]
+    fake.refuse_start.add(pod_id)
+    fake.no_capacity.update(GPUS)
+    fake.interrupt(pod_id)
+    clock = Clock()
+    sup = supervisor(fake, volume, clock)
+    caplog.set_level(logging.INFO, "trainpod")
+    assert sup.step() is None and "next attempt in 30 s" in caplog.text
+    clock.now += 10
+    creates = len(fake.calls("POST", "/pods"))
+    assert sup.step() is None and "next start attempt in 20 s" in caplog.text
+    assert len(fake.calls("POST", "/pods")) == creates, "no attempt during the backoff"
+    clock.now += 20
+    assert sup.step() is None and "next attempt in 60 s" in caplog.text
+    clock.now += 60
+    assert sup.step() == 75
+    assert "3 failed starts in a row" in caplog.text
+
+
+def test_restarts_are_bounded(fake, volume, caplog):
+    deploy(client_for(fake), deploy_config())
+    sup = supervisor(fake, volume, max_restarts=1)
+    fake.interrupt(the_pod(fake)["id"])
+    assert sup.step() is None
+    fake.interrupt(the_pod(fake)["id"])
+    assert sup.step() == 2
+
+
+def test_budget_spent_on_the_volume_stops_the_pod(fake, volume, caplog):
+    deploy(client_for(fake), deploy_config())
+    atomic.write_json(volume.run("tiny").status, {"step": 5, "cost_usd": 10.5})
+    caplog.set_level(logging.INFO, "trainpod")
+    assert supervisor(fake, volume).step() == 3
+    assert the_pod(fake)["desiredStatus"] == "EXITED"
+    assert "spent $10.50 of the $10.00 budget" in caplog.text
+
+
+def test_budget_from_the_api_alone_counts_the_running_pods_price(fake):
+    deploy(client_for(fake), deploy_config())
+    clock = Clock()
+    sup = supervisor(fake, None, clock)
+    assert sup.step() is None
+    clock.now += 4 * 3600  # 4 h at $2.00/hr: $8 of $10
+    assert sup.step() is None
+    clock.now += 1 * 3600 + 1
+    assert sup.step() == 3
+
+
+def test_without_the_volume_an_exited_pod_is_started_and_the_log_says_done_is_unknown(fake, caplog):
+    deploy(client_for(fake), deploy_config())
+    fake.interrupt(the_pod(fake)["id"])
+    caplog.set_level(logging.INFO, "trainpod")
+    assert supervisor(fake, None).step() is None
+    assert "the volume is not mounted here: DONE is unknown" in caplog.text
+
+
+def test_a_rejected_key_stops_with_a_clear_message(fake, volume, caplog):
+    deploy(client_for(fake), deploy_config())
+    sup = supervisor(fake, volume)
+    fake.key = "rpa_ROTATED_0000000000"  # the supervisor's key is no longer the account's
+    caplog.set_level(logging.INFO, "trainpod")
+    assert sup.step() == 2
+    assert "RUNPOD_API_KEY rejected" in caplog.text and KEY not in caplog.text
+
+
+def test_supervise_once_from_the_command_line(fake, volume, tmp_path, monkeypatch, capsys):
+    import yaml
+
+    deploy(client_for(fake), deploy_config())
+    fake.interrupt(the_pod(fake)["id"])
+    for name, value in api_env(fake).items():
+        monkeypatch.setenv(name, value)
+    path = tmp_path / "deploy.yaml"
+    path.write_text(yaml.safe_dump(deploy_config().model_dump(mode="json")))
+    args = ["supervise", "tiny", "--config", str(path), "--once", "--volume", str(volume.root)]
+    assert cli.main(args) == 0
+    assert the_pod(fake)["desiredStatus"] == "RUNNING"
+    assert "started pod" in capsys.readouterr().out
+    atomic.write_json(volume.run("tiny").done, {})
+    assert cli.main(args) == 0
+    assert (volume.run("tiny").root / "supervise.json").is_file(), "--once runs share their state"

@@ -1,0 +1,125 @@
+"""GitHub Actions workflows pass GitHub's workflow JSON schema and zizmor's offline audits.
+
+    .venv/bin/pytest -q tests/test_workflows.py
+
+The same two checkers run in `make lint`. Each is also shown a broken workflow, so a checker that
+silently passes everything (a wrong flag, an empty file list) fails here instead of reading as green.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+WORKFLOWS = sorted((REPO / ".github" / "workflows").glob("*.yml"))
+BIN = Path(sys.executable).parent  # check-jsonschema and zizmor come with the dev dependencies
+
+# Valid YAML, invalid workflow: `runs-on` missing and `steps` not a list.
+SCHEMA_BROKEN = """\
+name: broken
+on: push
+jobs:
+  build:
+    steps: "make test"
+"""
+# Schema-valid, insecure: an action by a movable tag, and a pull request's title pasted into a shell.
+AUDIT_BROKEN = """\
+name: insecure
+on: pull_request_target
+jobs:
+  greet:
+    runs-on: ubuntu-24.04
+    steps:
+      - uses: actions/checkout@v4
+      - run: echo "${{ github.event.pull_request.title }}"
+"""
+
+
+def check_jsonschema(*paths: Path) -> subprocess.CompletedProcess:
+    tool = BIN / "check-jsonschema"
+    assert tool.exists(), f"{tool} is missing: run `make setup` (check-jsonschema is a dev dependency)"
+    args = [str(tool), "--builtin-schema", "vendor.github-workflows", *map(str, paths)]
+    return subprocess.run(args, capture_output=True, text=True, timeout=120)
+
+
+def zizmor(*paths: Path) -> subprocess.CompletedProcess:
+    tool = BIN / "zizmor"
+    assert tool.exists(), f"{tool} is missing: run `make setup` (zizmor is a dev dependency)"
+    args = [str(tool), "--offline", "--no-progress", *map(str, paths)]
+    return subprocess.run(args, capture_output=True, text=True, timeout=120)
+
+
+def test_the_three_workflows_are_there():
+    assert {p.name for p in WORKFLOWS} >= {"test.yml", "images.yml", "supervise.yml"}
+
+
+def test_every_workflow_passes_the_github_workflow_schema():
+    result = check_jsonschema(*WORKFLOWS)
+    assert result.returncode == 0, (
+        f"fix the workflow against GitHub's schema:\n{result.stdout}{result.stderr}"
+    )
+
+
+def test_every_workflow_passes_zizmor_offline():
+    result = zizmor(*WORKFLOWS)
+    assert result.returncode == 0, (
+        "zizmor found problems; fix each one (the help link says how) rather than ignoring it:\n"
+        f"{result.stdout}{result.stderr}"
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "check", "expected"),
+    [
+        (SCHEMA_BROKEN, check_jsonschema, "runs-on"),
+        (AUDIT_BROKEN, zizmor, "template-injection"),
+        (AUDIT_BROKEN, zizmor, "unpinned-uses"),
+    ],
+    ids=["schema", "zizmor-injection", "zizmor-unpinned"],
+)
+def test_each_checker_fails_a_broken_workflow(tmp_path: Path, text: str, check, expected: str):
+    workflow = tmp_path / ".github" / "workflows" / "broken.yml"
+    workflow.parent.mkdir(parents=True)
+    workflow.write_text(text)
+    result = check(workflow)
+    assert result.returncode != 0, f"{check.__name__} passed a broken workflow:\n{result.stdout}"
+    assert expected in result.stdout + result.stderr
+
+
+def test_every_action_is_pinned_to_a_full_commit_sha():
+    """zizmor's policy, checked here too so the pin format stays exact: 40 hex digits and the tag."""
+    for path in WORKFLOWS:
+        for line in path.read_text().splitlines():
+            if match := re.search(r"uses:\s*(\S+)", line):
+                ref = match.group(1)
+                assert re.fullmatch(r"[\w.-]+/[\w./-]+@[0-9a-f]{40}", ref), (
+                    f"{path.name}: {ref} is not a sha pin"
+                )
+                assert re.search(r"#\s*v\d", line), f"{path.name}: say which release {ref} is (# vX.Y.Z)"
+
+
+def test_the_image_matrix_builds_every_dockerfile_target_from_its_lock():
+    images = yaml.safe_load((REPO / ".github/workflows/images.yml").read_text())
+    targets = {entry["target"] for entry in images["jobs"]["image"]["strategy"]["matrix"]["include"]}
+    dockerfile = (REPO / "docker" / "Dockerfile").read_text()
+    stages = set(re.findall(r"^FROM \S+ AS (\S+)$", dockerfile, re.M)) - {"wheelhouse-cpu", "wheelhouse-cuda"}
+    assert targets == stages == {"cpu", "cuda"}
+    for target in targets:
+        assert (REPO / "docker" / f"constraints-{target}.txt").is_file()
+
+
+def test_supervise_runs_once_with_the_key_from_a_secret():
+    text = (REPO / ".github/workflows/supervise.yml").read_text()
+    workflow = yaml.safe_load(text)
+    steps = workflow["jobs"]["supervise"]["steps"]
+    run = next(step for step in steps if "trainpod supervise" in step.get("run", ""))
+    assert run["run"].strip() == 'trainpod supervise "$RUN" --once'
+    assert run["env"]["RUNPOD_API_KEY"] == "${{ secrets.RUNPOD_API_KEY }}"
+    # PyYAML reads the `on:` key as True (YAML 1.1 boolean).
+    assert "schedule" in workflow[True]

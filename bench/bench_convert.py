@@ -6,9 +6,12 @@ PEFT -> MLX runs on a synthetic adapter shaped like a rank-64 LoRA of Llama-2-7B
 projections of 32 layers (hidden 4096, intermediate 11008; 160M fp32 parameters, 640 MB). The whole
 task is timed as `trainpod run convert` runs it: hashing the inputs, transposing, writing, hashing
 the outputs into manifest.json, fsync and rename. The merge runs on a smaller base (a 4-layer,
-1024-wide Llama with a 32000-token vocabulary, rank-64 adapter): loading the base, peft's merge in
-fp32, and writing the sharded model; its MB/s counts the base and adapter bytes read.
-Target for both: at least 0.5x the copy's MB/s.
+1024-wide Llama with a 32000-token vocabulary, rank-64 adapter): reading the base, the merge in
+fp32 (plain LoRA, so trainpod's tensor-level merge, which repeats peft's arithmetic), and writing
+the model; its MB/s counts the base and adapter bytes read.
+Target for both: at least 0.5x the copy's MB/s. Both conversions hash every input and output byte
+with sha256 (about 1.7 GB/s per core here), which the copy does not: on 2 cores that alone is about
+as long as the copy, so the figure depends on how many cores are free.
 """
 
 from __future__ import annotations
@@ -145,6 +148,7 @@ def _row(label: str, mb: float, copy_s: float, work_s: float, ratio: float) -> l
 
 
 def run(workdir: Path, quick: bool = False) -> str:
+    workdir = workdir.resolve()  # the merge task names its inputs by path; relative ones are volume-relative
     workdir.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(os.cpu_count() or 2)
     adapter_layers, base_layers, trials = (4, 1, 2) if quick else (32, 4, 4)

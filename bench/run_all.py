@@ -19,7 +19,15 @@ sys.path.insert(0, str(REPO / "bench"))
 sys.path.insert(
     0, str(REPO / "tests/container")
 )  # bench_image drives the engine through the test tier's helpers
-BENCHES = ["bench_datagen", "bench_pretrain", "bench_checkpoint", "bench_image"]
+BENCHES = [
+    "bench_datagen",
+    "bench_pretrain",
+    "bench_checkpoint",
+    "bench_finetune",
+    "bench_convert",
+    "bench_image",
+    "bench_supervise",
+]
 
 
 def machine() -> str:
@@ -58,7 +66,10 @@ def main() -> int:
     parser.add_argument(
         "--quick", action="store_true", help="smaller inputs (a smoke run, not for the report)"
     )
-    parser.add_argument("--only", help="comma-separated subset: datagen, pretrain, checkpoint, image")
+    parser.add_argument(
+        "--only",
+        help="comma-separated subset: datagen, pretrain, checkpoint, finetune, convert, image, supervise",
+    )
     parser.add_argument("--out", default=str(REPO / "BENCHMARKS.md"))
     args = parser.parse_args()
     names = [f"bench_{n}" for n in args.only.split(",")] if args.only else BENCHES

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
-from test_convert_support import convert_config
+from convert_support import convert_config
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trainpod.convert import run_convert

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
+from convert_support import INPUT_IDS, convert_config, load_base, make_adapter, make_base, peft_logits
 from peft import PeftModel
-from test_convert_support import INPUT_IDS, convert_config, load_base, make_adapter, make_base, peft_logits
 from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
 from trainpod.convert import run_convert

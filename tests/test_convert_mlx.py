@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from convert_support import INPUT_IDS, base_logits, convert_config, make_adapter, make_base, peft_logits
 from mlx_lm.utils import load as mlx_load
-from test_convert_support import INPUT_IDS, base_logits, convert_config, make_adapter, make_base, peft_logits
 
 from trainpod.convert import run_convert
 from trainpod.errors import ExitCode, InputError

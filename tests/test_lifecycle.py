@@ -129,7 +129,10 @@ def test_unwritable_volume_exits_2_before_writing_anything(volume):
 
 
 def test_second_writer_on_a_leased_run_is_refused_with_exit_75(volume):
-    first = start_trainpod(*PRETRAIN, "--set", "train.log_every=1", volume=volume)
+    # Long enough that the first run is still training whatever the machine's load.
+    first = start_trainpod(
+        *PRETRAIN, "--set", "train.log_every=1", "--set", "train.max_steps=100000", volume=volume
+    )
     try:
         while status_step(volume) < 3 and first.poll() is None:
             time.sleep(0.02)

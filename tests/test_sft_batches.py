@@ -60,9 +60,12 @@ def synthetic(count: int, seed: int = 0) -> list[SftExample]:
     return out
 
 
-def test_packed_loss_equals_unpacked_loss_on_the_same_samples(data):
+@pytest.mark.parametrize(("micro", "flatten"), [(1, True), (3, False)], ids=["flattened", "rows"])
+def test_packed_loss_equals_unpacked_loss_on_the_same_samples(data, micro, flatten):
     model = tiny_llama(400)
-    packed = SftBatches(data.train, 1, 64, True, seed=1, rank=0, world_size=1, pad_id=data.pad_id)
+    packed = SftBatches(
+        data.train, micro, 64, True, seed=1, rank=0, world_size=1, pad_id=data.pad_id, flatten_packed=flatten
+    )
     unpacked = SftBatches(
         data.train, len(data.train), 64, False, seed=1, rank=0, world_size=1, pad_id=data.pad_id
     )
@@ -82,11 +85,14 @@ def test_packed_loss_equals_unpacked_loss_on_the_same_samples(data):
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_no_sample_attends_across_its_boundary_in_a_packed_row(attn):
+@pytest.mark.parametrize("flatten", [True, False], ids=["flattened", "rows"])
+def test_no_sample_attends_across_its_boundary_in_a_packed_row(attn, flatten):
     examples = synthetic(3)
     model = tiny_llama(128, attn)
     width = sum(len(e.input_ids) for e in examples)
-    batches = SftBatches(examples, 1, width, True, seed=0, rank=0, world_size=1, pad_id=0)
+    batches = SftBatches(
+        examples, 1, width, True, seed=0, rank=0, world_size=1, pad_id=0, flatten_packed=flatten
+    )
     batch = batches.next_batch()
     order = [
         int(t) - 100 for t, p in zip(batch["input_ids"][0], batch["position_ids"][0], strict=True) if p == 0
@@ -109,6 +115,20 @@ def test_no_sample_attends_across_its_boundary_in_a_packed_row(attn):
         assert moved == (i == middle), (
             f"sample {i}: changing sample {middle} {'moved' if moved else 'kept'} it"
         )
+
+
+def test_packed_rows_are_padded_as_segments_of_their_own_with_ignored_labels():
+    examples = synthetic(12)
+    batches = SftBatches(examples, 3, 40, True, seed=0, rank=0, world_size=1, pad_id=0, flatten_packed=False)
+    batch = batches.next_batch()
+    rows = batches._rows[:3]
+    assert batch["input_ids"].shape[0] == 3
+    for r, row in enumerate(rows):
+        used = sum(len(examples[i].input_ids) for i in row)
+        assert (batch["labels"][r, used:] == IGNORE_INDEX).all()
+        if used < batch["input_ids"].shape[1]:
+            assert batch["position_ids"][r, used].item() == 0, "padding starts a segment of its own"
+        assert (batch["position_ids"][r] == 0).sum().item() == len(row) + (used < batch["input_ids"].shape[1])
 
 
 def test_packed_positions_restart_and_first_label_of_each_sample_is_ignored():

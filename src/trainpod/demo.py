@@ -5,7 +5,11 @@
 1. datagen: trains a byte-level BPE tokenizer on the embedded corpus and writes token shards;
 2. pretrain: a tiny Llama, interrupted by SIGTERM (a spot pod's warning) after a checkpoint;
 3. pretrain again with the same settings: it resumes from the newest checkpoint and finishes;
-4. transformers loads the exported model and generates a few words; a summary is printed.
+4. transformers loads the exported model and generates a few words;
+5. finetune: QLoRA (bitsandbytes NF4 on CPU) of that model on embedded instructions, interrupted
+   by SIGTERM after a checkpoint and resumed;
+6. convert: the adapter to mlx-lm's format and merged into the base as a plain HF model;
+7. peft loads the adapter, transformers the merged model; a summary is printed.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "configs"
 INTERRUPT_AFTER_STEP = 30  # SIGTERM once this step's checkpoint is committed (tiny: every 10 of 60)
+FINETUNE_INTERRUPT_AFTER_STEP = 10  # finetune tiny: a checkpoint every 10 of 30 steps
 
 
 def banner(text: str) -> None:
@@ -43,17 +48,24 @@ def latest_step(run_dir: Path) -> int:
         return -1
 
 
-def interrupt_after_checkpoint(args: list[str], volume: Path, run_dir: Path) -> tuple[int, int]:
-    """Start pretraining, SIGTERM it once step INTERRUPT_AFTER_STEP is committed; (exit code, step)."""
+def interrupt_after_checkpoint(
+    args: list[str], volume: Path, run_dir: Path, after_step: int = INTERRUPT_AFTER_STEP
+) -> tuple[int, int]:
+    """Start training, SIGTERM it once step `after_step` is committed; (exit code, newest checkpoint)."""
     proc = trainpod(args, volume)
-    while proc.poll() is None and latest_step(run_dir) < INTERRUPT_AFTER_STEP:
+    while proc.poll() is None and latest_step(run_dir) < after_step:
         time.sleep(0.05)
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
     return proc.wait(timeout=60), latest_step(run_dir)
 
 
-def generate_sample(export_dir: Path) -> str:
+def generate_sample(
+    export_dir: Path,
+    prompt: str = "Once upon a time",
+    adapter_dir: Path | None = None,
+    max_new_tokens: int = 30,
+) -> str:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as transformers_logging
@@ -61,12 +73,16 @@ def generate_sample(export_dir: Path) -> str:
     transformers_logging.disable_progress_bar()
     tokenizer = AutoTokenizer.from_pretrained(export_dir)
     model = AutoModelForCausalLM.from_pretrained(export_dir)
-    inputs = tokenizer("Once upon a time", return_tensors="pt")
+    if adapter_dir is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter_dir)
+    inputs = tokenizer(prompt, return_tensors="pt")
     torch.manual_seed(0)
     with torch.no_grad():
         out = model.generate(
             **inputs,
-            max_new_tokens=30,
+            max_new_tokens=max_new_tokens,
             do_sample=True,
             temperature=0.7,
             top_k=20,
@@ -83,14 +99,14 @@ def main(argv: list[str] | None = None) -> int:
     volume.mkdir(parents=True)
     started = time.monotonic()
 
-    banner("1/4 datagen: tokenizer + token shards from the embedded corpus")
+    banner("1/7 datagen: tokenizer + token shards from the embedded corpus")
     if run_to_end(["run", "datagen", "--config", str(CONFIGS / "datagen/tiny.yaml")], volume) != 0:
         return 1
     pretrain = ["run", "pretrain", "--config", str(CONFIGS / "pretrain/tiny.yaml")]
     run_dir = volume / "runs" / "tiny-pretrain"
 
     banner(
-        f"2/4 pretrain, interrupted by SIGTERM after the step-{INTERRUPT_AFTER_STEP} checkpoint (a spot warning)"
+        f"2/7 pretrain, interrupted by SIGTERM after the step-{INTERRUPT_AFTER_STEP} checkpoint (a spot warning)"
     )
     code, step = interrupt_after_checkpoint(pretrain, volume, run_dir)
     stopped_at = json.loads((run_dir / "status.json").read_text())["step"]
@@ -101,18 +117,44 @@ def main(argv: list[str] | None = None) -> int:
     if code not in (0, 143):
         return 1
 
-    banner("3/4 pretrain again with the same settings: resumes from the newest checkpoint")
+    banner("3/7 pretrain again with the same settings: resumes from the newest checkpoint")
     if run_to_end(pretrain, volume) != 0:
         return 1
 
-    banner("4/4 transformers loads the export and generates")
+    banner("4/7 transformers loads the export and generates")
     export_dir = run_dir / "export" / "hf"
     print(f"--> {generate_sample(export_dir)!r}")
-    print_summary(run_dir, export_dir, time.monotonic() - started)
+
+    finetune = ["run", "finetune", "--config", str(CONFIGS / "finetune/tiny.yaml")]
+    finetune_dir = volume / "runs" / "tiny-finetune"
+    banner(
+        f"5/7 finetune: QLoRA on embedded instructions, interrupted after the step-{FINETUNE_INTERRUPT_AFTER_STEP} "
+        "checkpoint, then resumed"
+    )
+    code, step = interrupt_after_checkpoint(finetune, volume, finetune_dir, FINETUNE_INTERRUPT_AFTER_STEP)
+    print(f"--> exit code {code}; newest checkpoint step-{step}; starting again")
+    if code not in (0, 143) or run_to_end(finetune, volume) != 0:
+        return 1
+
+    banner("6/7 convert: the adapter to MLX (mlx-lm) and merged into the base model")
+    if run_to_end(["run", "convert", "--config", str(CONFIGS / "convert/tiny.yaml")], volume) != 0:
+        return 1
+
+    banner("7/7 peft loads the adapter, transformers the merged model")
+    # The alpaca template the tiny SFT data was tokenized with (sft/templates.py), instruction + input.
+    prompt = (
+        "Below is an instruction that describes a task. Write a response that appropriately completes the "
+        "request.\n\n### Instruction:\nAdd the two numbers.\n12 + 30\n\n### Response:\n"
+    )
+    adapter_dir = finetune_dir / "export" / "adapter"
+    print(f"--> base + adapter: {generate_sample(export_dir, prompt, adapter_dir, 8)[len(prompt) :]!r}")
+    merged_dir = finetune_dir / "export" / "merged"
+    print(f"--> merged model:   {generate_sample(merged_dir, prompt, max_new_tokens=8)[len(prompt) :]!r}")
+    print_summary(run_dir, export_dir, finetune_dir, time.monotonic() - started)
     return 0
 
 
-def print_summary(run_dir: Path, export_dir: Path, seconds: float) -> None:
+def print_summary(run_dir: Path, export_dir: Path, finetune_dir: Path, seconds: float) -> None:
     done = json.loads((run_dir / "DONE").read_text())
     checkpoints = sorted(p.name for p in (run_dir / "checkpoints").glob("step-*"))
     banner("summary")
@@ -126,6 +168,13 @@ def print_summary(run_dir: Path, export_dir: Path, seconds: float) -> None:
     )
     print(f"exported model   {export_dir} ({', '.join(sorted(p.name for p in export_dir.iterdir()))})")
     print(f"loss curve       {run_dir / 'loss.png'}")
+    tuned = json.loads((finetune_dir / "DONE").read_text())
+    print(
+        f"finetune         {tuned['method']} {tuned['step']} steps, {tuned['trainable_parameters']:,} trainable "
+        f"parameters, eval loss {tuned['eval_loss']:.3f}, packing efficiency {tuned['packing_efficiency']:.0%}"
+    )
+    outputs = ", ".join(sorted(p.name for p in (finetune_dir / "export").iterdir()))
+    print(f"finetune outputs {finetune_dir / 'export'} ({outputs})")
     print(f"status           trainpod status --volume {run_dir.parents[1]}")
     print(f"demo took        {seconds:.0f} s")
 

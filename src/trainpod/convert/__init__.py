@@ -126,7 +126,7 @@ def _merge(task: MergeTask, sources: AdapterInputs, export_root: Path) -> Path:
         sources.adapter.files() | sources.base_files(),
         settings,
         lambda staging: merge.write_merged(
-            sources.adapter.folder,
+            sources.adapter,
             sources.base_dir,
             staging,
             dtype,

@@ -1,7 +1,8 @@
 """Adapter + base model -> one merged HF model, merged in float32 and cast afterwards.
 
-The merge is peft's own (`PeftModel.merge_and_unload`), so whatever peft can load it merges
-correctly: LoRA, rsLoRA, rank/alpha patterns, DoRA, modules_to_save, trained biases.
+Plain LoRA (rsLoRA, rank/alpha patterns included) is merged tensor by tensor with peft's own
+arithmetic (tensor_merge); everything else goes through peft's `PeftModel.merge_and_unload`, so
+whatever peft can load merges correctly: DoRA, modules_to_save, trained biases, embedding LoRA.
 
 For a QLoRA adapter the base can first be replaced by what training saw: every Linear layer that
 transformers quantizes (all but the output head) quantized to 4 bits with bitsandbytes and
@@ -12,6 +13,7 @@ and double quantization.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as transformers_logging
 
+from trainpod.convert import tensor_merge
+from trainpod.convert.adapter import PeftAdapter
 from trainpod.convert.output import Staging
 from trainpod.errors import InputError
 from trainpod.train.export import DTYPES
@@ -38,6 +42,20 @@ def nf4_roundtrip(model: torch.nn.Module, quantization: dict[str, Any]) -> list[
 
     Returns the names of the modules changed.
     """
+    round_trip = nf4_round_trip(quantization)
+    head = model.get_output_embeddings()
+    changed = []
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if not isinstance(module, torch.nn.Linear) or module is head:
+                continue
+            module.weight.data = round_trip(module.weight.data)
+            changed.append(name)
+    return changed
+
+
+def nf4_round_trip(quantization: dict[str, Any]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """weight -> the weight quantized to 4 bits from the training's load dtype and dequantized, as its dtype."""
     import bitsandbytes.functional as bnb
 
     load_dtype = quantization.get("load_dtype") or quantization.get("compute_dtype") or "bfloat16"
@@ -46,21 +64,17 @@ def nf4_roundtrip(model: torch.nn.Module, quantization: dict[str, Any]) -> list[
             f"training_summary.json: quantization load/compute dtype {load_dtype!r} is not one of "
             f"{', '.join(DTYPES)}; fix the summary or merge with qlora_base: original"
         )
-    head = model.get_output_embeddings()
-    changed = []
-    with torch.no_grad():
-        for name, module in model.named_modules():
-            if not isinstance(module, torch.nn.Linear) or module is head:
-                continue
-            packed, state = bnb.quantize_4bit(
-                module.weight.data.to(DTYPES[load_dtype]),
-                blocksize=int(quantization.get("blocksize") or BNB_DEFAULT_BLOCKSIZE),
-                compress_statistics=bool(quantization.get("double_quant", False)),
-                quant_type=quantization.get("quant_type", "nf4"),
-            )
-            module.weight.data = bnb.dequantize_4bit(packed, state).to(module.weight.dtype)
-            changed.append(name)
-    return changed
+
+    def round_trip(weight: torch.Tensor) -> torch.Tensor:
+        packed, state = bnb.quantize_4bit(
+            weight.to(DTYPES[load_dtype]),
+            blocksize=int(quantization.get("blocksize") or BNB_DEFAULT_BLOCKSIZE),
+            compress_statistics=bool(quantization.get("double_quant", False)),
+            quant_type=quantization.get("quant_type", "nf4"),
+        )
+        return bnb.dequantize_4bit(packed, state).to(weight.dtype)
+
+    return round_trip
 
 
 def load_base_fp32(base_dir: Path) -> torch.nn.Module:
@@ -83,7 +97,7 @@ def merged_model(
 
 
 def write_merged(
-    adapter_dir: Path,
+    adapter: PeftAdapter,
     base_dir: Path,
     staging: Staging,
     dtype: str,
@@ -91,18 +105,44 @@ def write_merged(
     qlora_base: str,
     max_shard_size: str,
 ) -> None:
-    tokenizer_source = next((d for d in (adapter_dir, base_dir) if _has_tokenizer(d)), None)
+    """The merged model (weights, config, tokenizer) into `staging.folder` (created here).
+
+    Plain LoRA is merged tensor by tensor (tensor_merge, the same arithmetic as peft's); the rest by peft.
+    """
+    tokenizer_source = next((d for d in (adapter.folder, base_dir) if _has_tokenizer(d)), None)
     if tokenizer_source is None:
         raise InputError(
-            f"no tokenizer in the adapter folder {adapter_dir} or the base model {base_dir}, and a merged "
+            f"no tokenizer in the adapter folder {adapter.folder} or the base model {base_dir}, and a merged "
             "model must carry one; copy the tokenizer files (tokenizer.json, tokenizer_config.json) into "
             "the adapter folder"
         )
+    dequantize = quantization is not None and qlora_base == "dequantized"
+    skeleton = tensor_merge.skeleton(base_dir)
+    why = tensor_merge.reason_for_peft(adapter, skeleton, base_dir)
+    if why is None:
+        round_trip = nf4_round_trip(quantization) if dequantize else None
+        tensor_merge.write_merged(adapter, base_dir, skeleton, staging, dtype, round_trip, max_shard_size)
+    else:
+        log.info("merging with peft's merge_and_unload: %s", why)
+        write_merged_with_peft(
+            adapter.folder, base_dir, staging.folder, dtype, quantization, qlora_base, max_shard_size
+        )
+    AutoTokenizer.from_pretrained(str(tokenizer_source)).save_pretrained(staging.folder)
+
+
+def write_merged_with_peft(
+    adapter_dir: Path,
+    base_dir: Path,
+    folder: Path,
+    dtype: str,
+    quantization: dict[str, Any] | None,
+    qlora_base: str,
+    max_shard_size: str,
+) -> None:
+    """Weights and configs of the merged model by peft's merge_and_unload and save_pretrained."""
     merged = merged_model(adapter_dir, base_dir, quantization, qlora_base).to(DTYPES[dtype])
-    folder = staging.folder
     folder.mkdir(parents=True)
     merged.save_pretrained(folder, safe_serialization=True, max_shard_size=max_shard_size)
-    AutoTokenizer.from_pretrained(str(tokenizer_source)).save_pretrained(folder)
 
 
 def _has_tokenizer(folder: Path) -> bool:

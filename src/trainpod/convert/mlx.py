@@ -113,14 +113,6 @@ def mlx_layout(adapter: PeftAdapter) -> tuple[tensorfile.TensorFile, dict[str, C
     return tensorfile.layout(specs, {"format": "mlx"}), fillers, rank, scale
 
 
-def mlx_file(adapter: PeftAdapter) -> tuple[tensorfile.TensorFile, int, float]:
-    """mlx_layout with every tensor filled in (for callers that want the whole file in memory)."""
-    file, fillers, rank, scale = mlx_layout(adapter)
-    for name, slot in file.slots.items():
-        fill(fillers[name], slot)
-    return file, rank, scale
-
-
 def fill(filler: Callable | torch.Tensor, slot: torch.Tensor) -> None:
     filler(slot) if callable(filler) else slot.copy_(filler)
 

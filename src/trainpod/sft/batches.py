@@ -92,6 +92,27 @@ def packed_batch(examples: Sequence, rows: Sequence[Sequence[int]], max_len: int
     }
 
 
+def packed_rows_batch(
+    examples: Sequence, rows: Sequence[Sequence[int]], max_len: int, pad_id: int
+) -> dict[str, torch.Tensor]:
+    """One row per packed row, shape (rows, longest row), position_ids restarting at 0 per sample.
+
+    For SDPA and eager attention, which find the sample boundaries in any shape: the attention
+    cost is rows x width^2 instead of (rows x width)^2 for the single flattened row. The padding
+    at a row's end restarts its positions at 0 too, so it is a segment of its own that no sample
+    attends to; its labels are ignored.
+    """
+    flat = [packed_batch(examples, [row], max_len) for row in rows]
+    width = max(b["input_ids"].shape[1] for b in flat)
+    out = {"input_ids": [], "labels": [], "position_ids": []}
+    for b in flat:
+        pad = width - b["input_ids"].shape[1]
+        out["input_ids"].append(torch.cat([b["input_ids"][0], torch.full((pad,), pad_id)]))
+        out["labels"].append(torch.cat([b["labels"][0], torch.full((pad,), IGNORE_INDEX)]))
+        out["position_ids"].append(torch.cat([b["position_ids"][0], torch.arange(pad)]))
+    return {key: torch.stack(values) for key, values in out.items()}
+
+
 class SftBatches:
     def __init__(
         self,
@@ -103,7 +124,11 @@ class SftBatches:
         rank: int,
         world_size: int,
         pad_id: int,
+        flatten_packed: bool = True,
     ):
+        """`flatten_packed`: packed micro batches as one (1, tokens) row, which flash-attention-2
+        needs; False gives one row per packed row (packed_rows_batch), far cheaper under SDPA/eager."""
+        self.flatten_packed = flatten_packed
         self.examples = examples
         self.micro_batch_size = micro_batch_size
         self.max_len = max_len
@@ -178,8 +203,10 @@ class SftBatches:
         start = self._step * self._global_rows + self.rank * self.micro_batch_size
         rows = self._rows[start : start + self.micro_batch_size]
         self._step += 1
-        if self.packing:
+        if self.packing and self.flatten_packed:
             batch = packed_batch(self.examples, rows, self.max_len)
+        elif self.packing:
+            batch = packed_rows_batch(self.examples, rows, self.max_len, self.pad_id)
         else:
             batch = unpacked_batch(self.examples, [row[0] for row in rows], self.max_len, self.pad_id)
         self.last_trained_tokens = int((batch["labels"] != IGNORE_INDEX).sum())

@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 import math
 import os
+import secrets
+import string
 from typing import Any
 
 from trainpod.volume import RunDir
@@ -21,13 +23,18 @@ def wandb_wanted() -> bool:
     return bool(os.environ.get("WANDB_API_KEY")) or os.environ.get("WANDB_MODE") == "offline"
 
 
+def new_run_id() -> str:
+    """Eight lowercase letters and digits, the shape of W&B's own run ids."""
+    return "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
+
+
 class WandbTracker:
     def __init__(
         self, run: RunDir, project: str, entity: str | None, run_id: str | None, config: dict[str, Any]
     ):
         import wandb
 
-        self.run_id = run_id or wandb.util.generate_id()
+        self.run_id = run_id or new_run_id()
         # resume="allow": the same id continues the existing W&B run, or creates it on the first start.
         # The key is read from the environment by wandb itself; it never passes through our code.
         self._run = wandb.init(

@@ -54,7 +54,9 @@ def resolve_base_model(cfg: BaseModelConfig, volume: Volume, download: bool = Tr
     for folder in candidates:
         if (folder / "config.json").is_file():
             return folder
-    if raw.is_absolute() or cfg.path.startswith(".") or cfg.path.count("/") != 1:
+    # "org/name" is a hub id unless "org" is a folder here (models/x on the volume is a path, not the hub).
+    looks_local = any((root / raw.parts[0]).is_dir() for root in (volume.root, Path.cwd()))
+    if raw.is_absolute() or cfg.path.startswith(".") or cfg.path.count("/") != 1 or looks_local:
         shown = " or ".join(str(c) for c in candidates)
         raise InputError(
             f"base_model.path={cfg.path!r}: no model folder (with config.json) at {shown}; point it at a "
@@ -124,6 +126,7 @@ class Finetuner(Trainer):
         self.improvement_threshold = t.early_stopping_min_delta
         self.tracker_run_id: str | None = None
         self.base_dir = self._on_main_first(lambda: resolve_base_model(config.base_model, ctx.volume))
+        self.attention = resolve_attention(config.base_model.attention, dist.device)
         self._setup_data()
         self._setup_model()
         steps_per_epoch = max(self.batches.steps_per_epoch // t.grad_accum_steps, 1)
@@ -159,6 +162,9 @@ class Finetuner(Trainer):
             self.dist.rank,
             self.dist.world_size,
             self.data.pad_id,
+            # flash-attention-2 reads packed samples from one flattened row; SDPA/eager from any shape,
+            # and rows keep their attention cost at rows x max_len^2.
+            flatten_packed=self.attention == "flash_attention_2",
         )
 
     def _check_same_tokenizer(self, folder: Path) -> None:
@@ -185,7 +191,7 @@ class Finetuner(Trainer):
         cfg, t, device = self.cfg, self.train_cfg, self.dist.device
         self.autocast_dtype = autocast_dtype(t.precision, device)
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.base_dir), local_files_only=True)
-        attention = resolve_attention(cfg.base_model.attention, device)
+        attention = self.attention
         # Frozen base weights in bf16 on a GPU that has it; trained weights (full) and adapters in fp32.
         base_dtype = torch.float32 if self.method == "full" or self.autocast_dtype is None else torch.bfloat16
         kwargs: dict[str, Any] = {
@@ -225,6 +231,7 @@ class Finetuner(Trainer):
                     model.enable_input_require_grads()  # checkpointed blocks need an input that wants grads
         model.config.use_cache = False  # the KV cache is for generation; training with it only costs memory
         self._check_vocabulary(model)
+        self._check_positions(model)
         if self.method != "full":
             lora = cfg.lora
             model = get_peft_model(
@@ -260,6 +267,16 @@ class Finetuner(Trainer):
         if name == "auto":
             return self.autocast_dtype or torch.float32
         return DTYPES[name]
+
+    def _check_positions(self, model: torch.nn.Module) -> None:
+        positions = getattr(model.config, "max_position_embeddings", None)
+        if positions and self.max_len > positions:
+            log.warning(
+                "cutoff_len %d exceeds the base model's max_position_embeddings %d: positions beyond it were never "
+                "trained; lower the SFT cutoff_len unless the model is meant to extrapolate (RoPE scaling)",
+                self.max_len,
+                positions,
+            )
 
     def _check_vocabulary(self, model: torch.nn.Module) -> None:
         rows = model.get_input_embeddings().num_embeddings

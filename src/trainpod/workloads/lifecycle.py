@@ -172,6 +172,10 @@ def _run_training(request: RunRequest, config: Any, watch: PreemptionWatch, rank
         run.create()
         ctx.lease = Lease(run.lease, config.checkpoint.lease_ttl_seconds)
         ctx.lease.acquire()
+        if run.done.exists():  # another writer finished the run while this one started
+            ctx.lease.release()
+            log.info("run %s is already DONE (%s); nothing to do", run.name, run.done)
+            return ExitCode.DONE
     setup_logging(
         run.logs / (f"{request.workload}.log" if rank == 0 else f"{request.workload}.rank{rank}.log"), rank
     )

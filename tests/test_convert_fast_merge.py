@@ -1,0 +1,174 @@
+"""The tensor-level merge of plain LoRA writes what peft's merge_and_unload + save_pretrained writes, and
+outputs hashed while being written carry the same sha256 as the files on disk.
+
+.venv/bin/pytest -q tests/test_convert_fast_merge.py
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+from convert_support import convert_config, make_adapter, make_base
+
+from trainpod.convert import adapter as peft_adapter
+from trainpod.convert import merge, output, run_convert, tensor_merge, tensorfile
+from trainpod.preemption import PreemptionWatch
+from trainpod.volume import Volume
+
+from support import tree_snapshot
+
+QLORA_SUMMARY = {
+    "method": "qlora",
+    "quantization": {"quant_type": "nf4", "double_quant": True, "compute_dtype": "bfloat16"},
+}
+
+
+@pytest.fixture
+def base(tmp_path: Path) -> Path:
+    return make_base(tmp_path / "base")
+
+
+def reason(adapter_dir: Path, base: Path) -> str | None:
+    adapter = peft_adapter.load_adapter(adapter_dir)
+    return tensor_merge.reason_for_peft(adapter, tensor_merge.skeleton(base), base)
+
+
+@pytest.mark.parametrize(
+    "lora",
+    [
+        pytest.param({}, id="lora"),
+        pytest.param(
+            {"use_rslora": True, "rank_pattern": {"q_proj": 8}, "alpha_pattern": {"v_proj": 3}}, id="rslora"
+        ),
+    ],
+)
+def test_plain_lora_takes_the_tensor_level_merge(base: Path, tmp_path: Path, lora: dict) -> None:
+    assert reason(make_adapter(base, tmp_path / "adapter", **lora), base) is None
+
+
+@pytest.mark.parametrize(
+    ("lora", "named"),
+    [
+        pytest.param({"use_dora": True}, "use_dora", id="dora"),
+        pytest.param({"modules_to_save": ["lm_head"]}, "modules_to_save", id="modules_to_save"),
+        pytest.param({"lora_bias": True}, "lora_bias", id="lora_bias"),
+        pytest.param({"bias": "all"}, "bias", id="bias"),
+        pytest.param({"target_modules": ["q_proj", "embed_tokens"]}, "embed_tokens", id="embedding-lora"),
+    ],
+)
+def test_everything_but_plain_lora_goes_through_peft(
+    base: Path, tmp_path: Path, lora: dict, named: str
+) -> None:
+    why = reason(make_adapter(base, tmp_path / "adapter", **lora), base)
+    assert why is not None and (named in why or "besides LoRA A/B" in why), why
+
+
+def test_a_base_with_tied_embeddings_goes_through_peft(tmp_path: Path) -> None:
+    tied = make_base(tmp_path / "tied", tie=True)
+    assert "ties" in reason(make_adapter(tied, tmp_path / "adapter"), tied)
+
+
+def write_both(base: Path, adapter_dir: Path, tmp_path: Path, **task) -> tuple[Path, Path]:
+    """The same merge by the tensor-level path and by peft's path, into two folders."""
+    adapter = peft_adapter.load_adapter(adapter_dir)
+    args = {"dtype": "float32", "quantization": adapter.quantization, "qlora_base": "dequantized"}
+    args |= {"max_shard_size": "5GB"} | task
+    fast, slow = tmp_path / "fast", tmp_path / "slow"
+    with ThreadPoolExecutor(2) as hashers:
+        round_trip = merge.nf4_round_trip(args["quantization"]) if args["quantization"] else None
+        skeleton = tensor_merge.skeleton(base)
+        staging = output.Staging(fast, hashers)
+        tensor_merge.write_merged(
+            adapter, base, skeleton, staging, args["dtype"], round_trip, args["max_shard_size"]
+        )
+    merge.write_merged_with_peft(adapter_dir, base, slow, **args)
+    return fast, slow
+
+
+@pytest.mark.parametrize(
+    ("summary", "task"),
+    [
+        pytest.param(None, {}, id="float32"),
+        pytest.param(None, {"dtype": "bfloat16", "max_shard_size": "100KB"}, id="bfloat16-sharded"),
+        pytest.param(QLORA_SUMMARY, {}, id="qlora-dequantized"),
+    ],
+)
+def test_tensor_level_merge_writes_what_peft_and_save_pretrained_write(
+    base: Path, tmp_path: Path, summary: dict | None, task: dict
+) -> None:
+    adapter_dir = make_adapter(base, tmp_path / "adapter", summary=summary)
+    fast, slow = write_both(base, adapter_dir, tmp_path, **task)
+    assert sorted(p.name for p in fast.iterdir()) == sorted(p.name for p in slow.iterdir())
+    for name in ("config.json", "generation_config.json", "model.safetensors.index.json"):
+        if (slow / name).exists():
+            assert json.loads((fast / name).read_text()) == json.loads((slow / name).read_text()), name
+    for path in slow.glob("*.safetensors"):
+        expected, got = safetensors.torch.load_file(path), safetensors.torch.load_file(fast / path.name)
+        assert set(got) == set(expected), path.name
+        for key in expected:
+            assert got[key].dtype == expected[key].dtype and torch.equal(got[key], expected[key]), (
+                f"{path.name}:{key} differs from peft's merge; the tensor-level merge must repeat peft's "
+                "arithmetic exactly (B @ A, times scale, plus W, in float32, then cast)"
+            )
+        assert safetensors.safe_open(fast / path.name, "pt").metadata() == {"format": "pt"}
+
+
+def file_pieces(path: Path) -> list[str]:
+    data = path.read_bytes()
+    return [
+        hashlib.sha256(data[i : i + output.PIECE_BYTES]).hexdigest()
+        for i in range(0, max(len(data), 1), output.PIECE_BYTES)
+    ]
+
+
+def test_files_hashed_while_written_carry_the_sha256_of_their_bytes_on_disk(tmp_path: Path) -> None:
+    # 34 MiB in tensors, one straddling the 32 MiB piece boundary, plus an empty file.
+    specs = {
+        "a": (torch.float32, (6 << 20,)),
+        "b": (torch.bfloat16, (5, 1 << 20)),
+        "c": (torch.float32, (7,)),
+    }
+    generator = torch.Generator().manual_seed(0)
+    with ThreadPoolExecutor(2) as hashers:
+        staging = output.Staging(tmp_path / "out", hashers)
+        staging.folder.mkdir()
+        staging.write_tensors(
+            "t.safetensors",
+            tensorfile.layout(specs, {"format": "pt"}),
+            lambda name, slot: slot.copy_(torch.randn(slot.shape, generator=generator)),
+        )
+        staging.write_file("empty", b"")
+        (staging.folder / "by-hand.txt").write_text("written without the staging's help")
+        (staging.folder / "empty-by-hand").write_bytes(b"")
+        digests = staging.file_digests()
+    for name in ("t.safetensors", "empty", "by-hand.txt", "empty-by-hand"):
+        path = tmp_path / "out" / name
+        assert digests[name] == {"bytes": path.stat().st_size, "sha256_pieces": file_pieces(path)}, name
+    assert len(digests["t.safetensors"]["sha256_pieces"]) == 2
+    loaded = safetensors.torch.load_file(tmp_path / "out" / "t.safetensors")
+    assert {k: (v.dtype, tuple(v.shape)) for k, v in loaded.items()} == specs
+
+
+def test_a_touched_but_unchanged_adapter_rewrites_nothing(tmp_path: Path, base: Path) -> None:
+    vol = Volume(tmp_path / "volume")
+    adapter_dir = make_adapter(base, vol.run("ft").export / "adapter")
+    config = convert_config(["mlx", {"kind": "merge", "dtype": "float32"}])
+    run_convert(config, vol, PreemptionWatch())
+    export = vol.run("ft").export
+    before = {name: tree_snapshot(export / name) for name in ("mlx", "merged")}
+    weights = adapter_dir / "adapter_model.safetensors"
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
+    run_convert(config, vol, PreemptionWatch())
+    assert {name: tree_snapshot(export / name) for name in ("mlx", "merged")} == before
+    assert not list(export.glob("*.tmp-*")), "the speculative write must be removed"
+    manifest = json.loads((export / "mlx" / "manifest.json").read_text())
+    assert manifest["files"]["adapters.safetensors"]["sha256_pieces"] == file_pieces(
+        export / "mlx" / "adapters.safetensors"
+    )

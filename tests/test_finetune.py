@@ -1,0 +1,195 @@
+"""The finetune workload as a user runs it: outputs that peft/transformers load, eval reports,
+early stopping, the budget, W&B (offline), bad input, and the kit's own pretrain export as base."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from finetune_support import BASE, FINETUNE_RUN, TINY_FINETUNE, finetune_args, latest_step, make_base_model
+
+from support import TINY_PRETRAIN, run_trainpod, signal_when_step_reached, start_trainpod, tree_snapshot
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def base_volume(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    volume = tmp_path_factory.mktemp("finetune-base")
+    make_base_model(volume)
+    return volume
+
+
+@pytest.fixture
+def volume(base_volume: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / "volume"
+    shutil.copytree(base_volume, copy)
+    return copy
+
+
+def run_dir(volume: Path) -> Path:
+    return volume / "runs" / FINETUNE_RUN
+
+
+def ok(result) -> str:
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    return output
+
+
+def test_qlora_adapter_loads_in_peft_with_the_tokenizer_summary_and_eval_reports(volume):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ok(run_trainpod(*finetune_args(), volume=volume))
+    adapter = run_dir(volume) / "export" / "adapter"
+    summary = json.loads((adapter / "training_summary.json").read_text())
+    assert summary["method"] == "qlora"
+    assert summary["base_model"] == BASE
+    assert summary["quantization"] == {"quant_type": "nf4", "double_quant": True, "compute_dtype": "float32"}
+    assert summary["results"]["step"] == 30
+
+    base = AutoModelForCausalLM.from_pretrained(volume / BASE)
+    tuned = PeftModel.from_pretrained(base, adapter)
+    tokenizer = AutoTokenizer.from_pretrained(adapter)
+    inputs = tokenizer("<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n", return_tensors="pt")
+    with torch.no_grad():
+        out = tuned.generate(**inputs, max_new_tokens=4, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    assert out.shape[1] == inputs["input_ids"].shape[1] + 4
+    lora_b = [p for n, p in tuned.named_parameters() if "lora_B" in n]
+    assert lora_b and all(p.abs().sum() > 0 for p in lora_b), "the exported adapter must hold trained weights"
+
+    worst = (run_dir(volume) / "eval" / "step-30.worst.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in worst]
+    assert len(records) == 5
+    assert [r["loss"] for r in records] == sorted((r["loss"] for r in records), reverse=True)
+    assert all(r["answer"] and "<|im_start|>assistant" in r["prompt"] for r in records)
+    assert list((run_dir(volume) / "tensorboard").glob("events.out.tfevents.*"))
+    done = json.loads((run_dir(volume) / "DONE").read_text())
+    assert done["eval_loss"] == pytest.approx(summary["results"]["eval_loss"])
+    assert 0 < done["packing_efficiency"] <= 1
+
+
+def test_lora_and_full_finetunes_export_what_peft_and_transformers_load(volume):
+    from peft import PeftConfig
+    from transformers import AutoModelForCausalLM
+
+    steps = ("--set", "train.max_steps=4", "--set", "train.eval_every=2")
+    ok(run_trainpod(*finetune_args(*steps, method="lora"), volume=volume))
+    config = PeftConfig.from_pretrained(run_dir(volume) / "export" / "adapter")
+    assert config.r == 8 and config.lora_alpha == 16
+
+    ok(run_trainpod(*finetune_args(*steps, "--run", "full-run", method="full"), volume=volume))
+    exported = volume / "runs" / "full-run" / "export" / "hf"
+    model = AutoModelForCausalLM.from_pretrained(exported)
+    base = AutoModelForCausalLM.from_pretrained(volume / BASE)
+    moved = [
+        name
+        for name, p in model.named_parameters()
+        if not torch.equal(p, dict(base.named_parameters())[name])
+    ]
+    assert len(moved) == len(list(model.parameters())), "a full finetune trains every weight"
+    assert json.loads((exported / "training_summary.json").read_text())["method"] == "full"
+
+
+def test_an_eval_plateau_stops_early_commits_and_exports(volume):
+    plateau = (
+        "--set",
+        "train.eval_every=5",
+        "--set",
+        "train.early_stopping_patience=2",
+        "--set",
+        "train.early_stopping_min_delta=100",  # no eval can beat the best by 100: every one is a plateau
+    )
+    output = ok(run_trainpod(*finetune_args(*plateau), volume=volume))
+    done = json.loads((run_dir(volume) / "DONE").read_text())
+    assert done["step"] == 15, "the first eval sets the best, two more without improvement stop"
+    assert "has not improved" in done["finished_early"]
+    assert "stopping early at step 15" in output
+    assert latest_step(volume) == 15
+    assert (run_dir(volume) / "export" / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_a_spent_budget_commits_and_exits_3_and_a_restart_does_not_train_on(volume):
+    budget = {"TRAINPOD_GPU_HOURLY_USD": "3600", "TRAINPOD_BUDGET_USD": "0.3"}  # $1 per second of training
+    result = run_trainpod(*finetune_args(), volume=volume, env=budget)
+    output = result.stdout + result.stderr
+    assert result.returncode == 3, output
+    assert "90% of TRAINPOD_BUDGET_USD spent" in output
+    step = latest_step(volume)
+    assert 0 < step < 30, "the budget stop commits the step it stopped at"
+    status = json.loads((run_dir(volume) / "status.json").read_text())
+    assert status["state"] == "stopped" and status["step"] == step
+    assert not (run_dir(volume) / "DONE").exists()
+    again = run_trainpod(*finetune_args(), volume=volume, env=budget)
+    assert again.returncode == 3, again.stdout + again.stderr
+    assert latest_step(volume) in (step, step + 1), "a spent budget allows at most the step in flight"
+
+
+def test_wandb_offline_resumed_run_keeps_its_run_id_and_the_key_stays_out_of_files(volume, tmp_path):
+    secret = "wandb-key-4f1c9e-must-not-leak"
+    env = {"WANDB_MODE": "offline", "WANDB_API_KEY": secret, "WANDB_SILENT": "true", "HOME": str(tmp_path)}
+    proc = start_trainpod(*finetune_args(), volume=volume, env=env)
+    first = signal_when_step_reached(proc, volume, 12, signal.SIGTERM, run=FINETUNE_RUN)
+    assert proc.returncode == 143, first
+    state = json.loads(
+        (run_dir(volume) / "checkpoints" / f"step-{latest_step(volume)}" / "trainer_state.json").read_text()
+    )
+    run_id = state["tracker"]["wandb_run_id"]
+    assert run_id
+    second = run_trainpod(*finetune_args(), volume=volume, env=env)
+    ok(second)
+    assert json.loads((run_dir(volume) / "DONE").read_text())["wandb_run_id"] == run_id
+    offline_runs = sorted((run_dir(volume) / "wandb").glob("offline-run-*"))
+    assert len(offline_runs) == 2 and all(p.name.endswith(run_id) for p in offline_runs)
+    assert secret not in first + second.stdout + second.stderr
+    for path in volume.rglob("*"):
+        if path.is_file():
+            assert secret.encode() not in path.read_bytes(), f"the W&B key leaked into {path}"
+
+
+def test_a_missing_base_model_is_exit_2_naming_the_field_and_nothing_is_written(volume):
+    before = tree_snapshot(volume)
+    result = run_trainpod(*finetune_args("--set", "base_model.path=models/nope"), volume=volume)
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output
+    assert "base_model.path='models/nope'" in output and "config.json" in output
+    assert tree_snapshot(volume) == before
+
+
+def test_both_or_neither_data_source_is_a_config_error(volume):
+    result = run_trainpod(*finetune_args("--set", "data.dataset=sft-tiny"), volume=volume)
+    assert result.returncode == 2
+    assert "give exactly one: dataset (made by datagen) or sft" in result.stdout + result.stderr
+
+
+def test_the_kits_own_pretrain_export_is_a_base_model(tiny_dataset_volume, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    volume = tmp_path / "volume"
+    for folder in ("datasets", "tokenizers"):
+        shutil.copytree(tiny_dataset_volume / folder, volume / folder)
+    pretrain = ("run", "pretrain", "--config", str(TINY_PRETRAIN), "--set", "train.max_steps=4")
+    ok(run_trainpod(*pretrain, "--set", "train.warmup_steps=1", volume=volume))
+    ok(
+        run_trainpod(
+            "run", "finetune", "--config", str(TINY_FINETUNE), "--set", "train.max_steps=3", volume=volume
+        )
+    )
+    base = AutoModelForCausalLM.from_pretrained(volume / "runs/tiny-pretrain/export/hf")
+    PeftModel.from_pretrained(base, volume / "runs/tiny-finetune/export/adapter")
+
+
+def test_an_unreachable_hub_model_is_a_temporary_failure_for_the_supervisor(volume):
+    offline = {"HF_HUB_OFFLINE": "1"}  # no hub here: the download fails the way an outage does
+    result = run_trainpod(
+        *finetune_args("--set", "base_model.path=someorg/somemodel"), volume=volume, env=offline
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 75, output
+    assert "downloading base_model.path='someorg/somemodel' failed" in output

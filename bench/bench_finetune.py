@@ -44,8 +44,9 @@ ROWS = "data/sft.jsonl"
 
 
 def make_inputs(volume: Path) -> None:
-    from sft_support import make_tiny_tokenizer, write_alpaca_jsonl
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from sft_support import make_tiny_tokenizer, write_alpaca_jsonl
 
     folder = make_tiny_tokenizer(volume / BASE)
     tokenizer = AutoTokenizer.from_pretrained(str(folder))

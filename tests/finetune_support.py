@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 
 import torch
-from sft_support import make_tiny_tokenizer, write_alpaca_jsonl
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+from sft_support import make_tiny_tokenizer, write_alpaca_jsonl
 from support import CONFIGS
 
 TINY_FINETUNE = CONFIGS / "finetune/tiny.yaml"

@@ -9,13 +9,13 @@ import subprocess
 import sys
 
 import pytest
-from fake_runpod import FakeRunPodServer, api_env, client_for
 
 from trainpod import atomic
 from trainpod import boot as boot_module
 from trainpod.runpod.finish import FAILED_MARKER, STARTS_FILE, after_workload
 from trainpod.volume import Volume
 
+from fake_runpod import FakeRunPodServer, api_env, client_for
 from support import TINY_DATAGEN, child_env
 
 

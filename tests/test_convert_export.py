@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
-from convert_support import convert_config
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trainpod.convert import run_convert
@@ -20,6 +19,7 @@ from trainpod.errors import ExitCode, InputError
 from trainpod.preemption import PreemptionWatch
 from trainpod.volume import Volume
 
+from convert_support import convert_config
 from support import RUN, TINY_PRETRAIN, run_trainpod, tree_snapshot
 
 

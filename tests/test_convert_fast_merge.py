@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
-from convert_support import convert_config, make_adapter, make_base
 
 from trainpod.convert import adapter as peft_adapter
 from trainpod.convert import merge, output, run_convert, tensor_merge, tensorfile
 from trainpod.preemption import PreemptionWatch
 from trainpod.volume import Volume
 
+from convert_support import convert_config, make_adapter, make_base
 from support import tree_snapshot
 
 QLORA_SUMMARY = {

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
-from convert_support import INPUT_IDS, convert_config, load_base, make_adapter, make_base, peft_logits
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
@@ -21,6 +20,7 @@ from trainpod.errors import ExitCode, InputError
 from trainpod.preemption import PreemptionWatch
 from trainpod.volume import Volume
 
+from convert_support import INPUT_IDS, convert_config, load_base, make_adapter, make_base, peft_logits
 from support import tree_snapshot
 
 QLORA_SUMMARY = {

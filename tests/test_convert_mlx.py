@@ -9,7 +9,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from convert_support import INPUT_IDS, base_logits, convert_config, make_adapter, make_base, peft_logits
 from mlx_lm.utils import load as mlx_load
 
 from trainpod.convert import run_convert
@@ -17,6 +16,7 @@ from trainpod.errors import ExitCode, InputError
 from trainpod.preemption import PreemptionWatch
 from trainpod.volume import Volume
 
+from convert_support import INPUT_IDS, base_logits, convert_config, make_adapter, make_base, peft_logits
 from support import tree_snapshot
 
 TOLERANCE = 1e-4

@@ -8,13 +8,14 @@ from pathlib import Path
 
 import pytest
 import yaml
-from fake_runpod import FakeRunPodServer, api_env, client_for
 
 from trainpod import cli
 from trainpod.config import load_config
 from trainpod.config.deploy import DeployConfig
 from trainpod.errors import ConfigError
 from trainpod.runpod.deploy import deploy, pod_env
+
+from fake_runpod import FakeRunPodServer, api_env, client_for
 
 SHIPPED = Path(__file__).resolve().parents[1] / "configs/deploy"
 GPUS = ["NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB"]

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from finetune_support import BASE, FINETUNE_RUN, TINY_FINETUNE, finetune_args, latest_step, make_base_model
 
+from finetune_support import BASE, FINETUNE_RUN, TINY_FINETUNE, finetune_args, latest_step, make_base_model
 from support import TINY_PRETRAIN, run_trainpod, signal_when_step_reached, start_trainpod, tree_snapshot
 
 pytestmark = pytest.mark.slow
@@ -193,3 +193,12 @@ def test_an_unreachable_hub_model_is_a_temporary_failure_for_the_supervisor(volu
     output = result.stdout + result.stderr
     assert result.returncode == 75, output
     assert "downloading base_model.path='someorg/somemodel' failed" in output
+
+
+def test_the_paged_8bit_optimizer_state_round_trips_through_a_checkpoint(volume):
+    paged = ("--set", "train.optimizer=paged_adamw_8bit", "--set", "checkpoint.every_steps=3")
+    ok(run_trainpod(*finetune_args(*paged, "--set", "train.max_steps=3"), volume=volume))
+    (run_dir(volume) / "DONE").unlink()  # as if the run had been stopped right after its step-3 commit
+    output = ok(run_trainpod(*finetune_args(*paged, "--set", "train.max_steps=6"), volume=volume))
+    assert "resumed from step-3" in output
+    assert latest_step(volume) == 6

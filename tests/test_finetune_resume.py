@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from finetune_support import FINETUNE_RUN, adapter_bytes, finetune_args, latest_step, make_base_model
 
+from finetune_support import FINETUNE_RUN, adapter_bytes, finetune_args, latest_step, make_base_model
 from support import REPO, run_trainpod, signal_when_step_reached, start_trainpod, trainpod_cmd
 
 pytestmark = pytest.mark.slow
@@ -101,9 +101,10 @@ def test_a_checkpoint_that_does_not_fit_the_model_is_refused_not_replaced_by_fre
     proc = start_trainpod(*finetune_args(), volume=volume)
     signal_when_step_reached(proc, volume, 12, signal.SIGTERM, run=FINETUNE_RUN)
     assert proc.returncode == 143
+    committed = latest_step(volume)
     result = run_trainpod(*finetune_args("--set", "lora.r=4"), volume=volume)
     output = result.stdout + result.stderr
     assert result.returncode == 2, output
     assert "does not fit this model" in output
     assert "other shapes" in output
-    assert latest_step(volume) == 12, "the refused start must leave the checkpoints as they were"
+    assert latest_step(volume) == committed, "the refused start must leave the checkpoints as they were"

@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 
 import pytest
-from fake_runpod import KEY, FakeRunPodServer, client_for
 
 from trainpod.errors import ExitCode
 from trainpod.runpod.client import (
@@ -17,6 +16,8 @@ from trainpod.runpod.client import (
     RunPodUnavailable,
     api_key,
 )
+
+from fake_runpod import KEY, FakeRunPodServer, client_for
 
 
 @pytest.fixture

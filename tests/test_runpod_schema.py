@@ -8,11 +8,12 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-from fake_runpod import OPENAPI, SCHEMA_FILE, derive_schema
 
 from trainpod.config import load_config
 from trainpod.config.deploy import CUDA_VERSIONS, DeployConfig
 from trainpod.runpod.deploy import pod_body, template_body
+
+from fake_runpod import OPENAPI, SCHEMA_FILE, derive_schema
 
 DEPLOY_CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs/deploy").glob("*.yaml"))
 

@@ -11,13 +11,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from sft_support import make_tiny_tokenizer, write_alpaca_jsonl
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from trainpod.config.loader import validate_tree
 from trainpod.config.sft import SftDataConfig
 from trainpod.errors import InputError
 from trainpod.sft import IGNORE_INDEX, SftBatches, SftExample, eval_batches, load_sft, prepare_sft
+
+from sft_support import make_tiny_tokenizer, write_alpaca_jsonl
 
 torch.set_num_threads(1)
 

@@ -14,7 +14,6 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from sft_support import CUSTOM_CHAT_TEMPLATE, make_tiny_tokenizer, write_alpaca_jsonl, write_messages_jsonl
 from transformers import AutoTokenizer
 
 from trainpod.config.loader import load_config, validate_tree
@@ -26,6 +25,7 @@ from trainpod.sft.demo_rows import demo_jsonl
 from trainpod.sft.sources import builtin_sft_tiny_path
 from trainpod.volume import Volume
 
+from sft_support import CUSTOM_CHAT_TEMPLATE, make_tiny_tokenizer, write_alpaca_jsonl, write_messages_jsonl
 from support import CONFIGS, tree_snapshot
 
 SYSTEM = "Be brief."

@@ -8,7 +8,6 @@ import logging
 from pathlib import Path
 
 import pytest
-from fake_runpod import KEY, FakeRunPodServer, api_env, client_for
 
 from trainpod import atomic, cli
 from trainpod.config.deploy import DeployConfig
@@ -16,6 +15,8 @@ from trainpod.runpod.deploy import deploy
 from trainpod.runpod.finish import FAILED_MARKER
 from trainpod.runpod.supervise import Supervisor
 from trainpod.volume import Volume
+
+from fake_runpod import KEY, FakeRunPodServer, api_env, client_for
 
 GPUS = ["NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB"]
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
 from engine import Engine, EngineError, docker, ensure_engine
 
 EXPORT = Path("runs/tiny-pretrain/export/hf/model.safetensors")

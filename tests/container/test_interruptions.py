@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from conftest import EXPORT, INTERRUPT_ENV, Container, Pods, unique, wait_for
+
 from engine import DOCKER, docker, docker_env
 
 pytestmark = pytest.mark.container

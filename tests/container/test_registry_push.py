@@ -31,6 +31,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from engine import (
     DOCKER,
     REPO,

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from conftest import DONE, PRETRAIN_ENV, Pods
+
 from engine import DOCKER, Engine, docker, docker_env
 
 pytestmark = pytest.mark.container

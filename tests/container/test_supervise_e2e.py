@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from conftest import EXPORT, INTERRUPT_ENV, unique, wait_for
+
 from engine import DOCKER, REPO, docker, docker_env
 
 pytestmark = pytest.mark.container
@@ -91,12 +92,12 @@ def test_supervisor_brings_interrupted_spot_pods_back_to_identical_weights(
     import sys
 
     sys.path.insert(0, str(REPO / "tests"))
-    from fake_runpod import Backend, FakeRunPodServer, client_for
-
     from trainpod.config.deploy import DeployConfig
     from trainpod.runpod.deploy import deploy
     from trainpod.runpod.supervise import Supervisor
     from trainpod.volume import Volume
+
+    from fake_runpod import Backend, FakeRunPodServer, client_for
 
     config = DeployConfig.model_validate(
         {

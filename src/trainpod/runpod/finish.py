@@ -88,7 +88,8 @@ def _decide(code: int, run: RunDir | None, environ: dict[str, str], workload: st
         reason = f"{STOP_AT_ONCE[ExitCode(code)]} (exit {code}); restarting cannot help"
         if run is not None and run.root.is_dir():
             _mark_failed(run, reason, code, failures=1)
-        log.error("stopping this pod: %s", reason)
+        # A warning: the error itself is already logged, as the one ERROR line a user looks for.
+        log.warning("stopping this pod: %s", reason)
         return "stop"
     if run is None:
         log.warning("exit %d before the run was known: not counted", code)

@@ -43,10 +43,27 @@ BASE = "models/base"
 ROWS = "data/sft.jsonl"
 
 
+def short_rows(count: int, seed: int) -> list[dict[str, str]]:
+    """Short instruction rows whose lengths vary as real ones do (log-normal: most a few words,
+    some a few dozen), e.g. "Repeat the words." with 1 to 80 words to repeat."""
+    import random
+
+    from sft_support import WORDS
+
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(count):
+        words = " ".join(
+            rng.choice(WORDS) for _ in range(min(80, max(1, round(rng.lognormvariate(1.6, 0.9)))))
+        )
+        rows.append({"instruction": "Repeat the words.", "input": words, "output": words})
+    return rows
+
+
 def make_inputs(volume: Path) -> None:
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from sft_support import make_tiny_tokenizer, write_alpaca_jsonl
+    from sft_support import make_tiny_tokenizer
 
     folder = make_tiny_tokenizer(volume / BASE)
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
@@ -63,7 +80,8 @@ def make_inputs(volume: Path) -> None:
     )
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(str(folder))
-    write_alpaca_jsonl(volume / ROWS, 3000, seed=1)
+    (volume / ROWS).parent.mkdir(parents=True, exist_ok=True)
+    (volume / ROWS).write_text("".join(json.dumps(row) + "\n" for row in short_rows(3000, seed=1)))
 
 
 def bench_config(steps: int, packing: bool) -> FinetuneConfig:
@@ -209,7 +227,7 @@ def run(workdir: Path, quick: bool = False) -> str:
             "## Finetune",
             "",
             f"Model: Llama 4 layers x 256 wide, LoRA r=8 on every linear layer, fp32 on CPU, 2 threads; 3000 short "
-            f"alpaca rows (chatml, cutoff {CUTOFF}), micro batch {MICRO_BATCH}, {steps} steps. Baseline: transformers' "
+            f"alpaca rows of varied length (1-80 words, log-normal; chatml, cutoff {CUTOFF}), micro batch {MICRO_BATCH}, {steps} steps. Baseline: transformers' "
             "Trainer + peft with DataCollatorForSeq2Seq (padding to the longest in the batch) on the same token ids. "
             f"Median over {pairs} back-to-back pairs in alternating order; tokens are real tokens (no padding).",
             "",

@@ -31,7 +31,7 @@ import jsonschema
 HERE = Path(__file__).resolve().parent
 SCHEMA_FILE = HERE / "runpod_schema.json"
 OPENAPI = HERE.parent.parent / "shared/reference/runpod-rest-openapi.json"
-KEY = "rpa_TESTKEY0123456789abcdef"
+KEY = "fake-runpod-key-for-tests"
 
 # What trainpod sends, as (method, OpenAPI path): the derived schema holds exactly these.
 OPERATIONS = [

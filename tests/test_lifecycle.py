@@ -158,7 +158,7 @@ def test_secrets_never_reach_logs_or_the_volume(volume):
     secrets = {
         "HF_TOKEN": "hf_secretvalue0123456789",
         "WANDB_API_KEY": "wandbsecret0123456789",
-        "RUNPOD_API_KEY": "rpa_secret0123456789",
+        "RUNPOD_API_KEY": "fake-runpod-secret-for-tests",
         "TRAINPOD_GIT_TOKEN": "ghp_gitsecret0123456789",
     }
     result = run_trainpod(*PRETRAIN, "--set", "train.max_steps=10", volume=volume, env=secrets)

@@ -23,11 +23,11 @@ def test_credentials_in_urls_are_masked_even_when_not_in_the_environment():
 
 
 def test_log_handlers_mask_secrets(monkeypatch, tmp_path, capsys):
-    monkeypatch.setenv("RUNPOD_API_KEY", "rpa_SECRETSECRET")
+    monkeypatch.setenv("RUNPOD_API_KEY", "fake-runpod-secret-for-tests")
     setup_logging(tmp_path / "run.log")
-    logging.getLogger("anything").info("request failed with key rpa_SECRETSECRET")
+    logging.getLogger("anything").info("request failed with key fake-runpod-secret-for-tests")
     for handler in logging.getLogger().handlers:
         handler.flush()
-    assert "rpa_SECRETSECRET" not in capsys.readouterr().out
-    assert "rpa_SECRETSECRET" not in (tmp_path / "run.log").read_text()
+    assert "fake-runpod-secret-for-tests" not in capsys.readouterr().out
+    assert "fake-runpod-secret-for-tests" not in (tmp_path / "run.log").read_text()
     assert "***" in (tmp_path / "run.log").read_text()

@@ -74,7 +74,7 @@ def test_persistent_5xx_ends_in_a_temporary_error_without_key_or_body(fake, capl
 
 
 def test_a_rejected_key_is_a_clear_error_and_never_shown(fake, caplog, capsys):
-    client = RunPodClient("rpa_WRONGKEY_abcdef123456", base_url=fake.url, sleep=lambda s: None)
+    client = RunPodClient("fake-wrong-key-for-tests", base_url=fake.url, sleep=lambda s: None)
     with caplog.at_level(logging.DEBUG), pytest.raises(RunPodAuthError) as caught:
         client.list_pods()
     assert "RUNPOD_API_KEY rejected: RunPod answered 401 to GET /pods" in str(caught.value)
@@ -103,12 +103,16 @@ def test_key_comes_from_the_environment_first(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "text", ['[default]\napi_key = "rpa_FILE"\n', 'apikey = "rpa_FILE"\napiurl = "https://api.runpod.io"\n']
+    "text",
+    [
+        '[default]\napi_key = "fake-key-from-file"\n',
+        'apikey = "fake-key-from-file"\napiurl = "https://api.runpod.io"\n',
+    ],
 )
 def test_key_comes_from_the_runpod_clis_config_file(tmp_path, text):
     (tmp_path / ".runpod").mkdir()
     (tmp_path / ".runpod/config.toml").write_text(text)
-    assert api_key({}, home=tmp_path) == "rpa_FILE"
+    assert api_key({}, home=tmp_path) == "fake-key-from-file"
 
 
 def test_no_key_anywhere_says_where_to_put_one(tmp_path):

@@ -185,7 +185,7 @@ def test_without_the_volume_an_exited_pod_is_started_and_the_log_says_done_is_un
 def test_a_rejected_key_stops_with_a_clear_message(fake, volume, caplog):
     deploy(client_for(fake), deploy_config())
     sup = supervisor(fake, volume)
-    fake.key = "rpa_ROTATED_0000000000"  # the supervisor's key is no longer the account's
+    fake.key = "fake-rotated-key-for-tests"  # the supervisor's key is no longer the account's
     caplog.set_level(logging.INFO, "trainpod")
     assert sup.step() == 2
     assert "RUNPOD_API_KEY rejected" in caplog.text and KEY not in caplog.text

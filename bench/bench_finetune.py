@@ -35,12 +35,12 @@ from trainpod.volume import Volume  # noqa: E402
 from trainpod.workloads.context import RunContext  # noqa: E402
 from trainpod.workloads.finetune import Finetuner  # noqa: E402
 
+from finetune_support import BASE, SFT_FILE, make_base_model  # noqa: E402
+
 UNPACKED_TARGET = 1.0
 PACKED_TARGET = 1.5
 MICRO_BATCH = 8
 CUTOFF = 512
-BASE = "models/base"
-ROWS = "data/sft.jsonl"
 
 
 def short_rows(count: int, seed: int) -> list[dict[str, str]]:
@@ -61,31 +61,15 @@ def short_rows(count: int, seed: int) -> list[dict[str, str]]:
 
 
 def make_inputs(volume: Path) -> None:
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    from sft_support import make_tiny_tokenizer
-
-    folder = make_tiny_tokenizer(volume / BASE)
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=256,
-        intermediate_size=704,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=CUTOFF,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+    """The tests' base model builder at benchmark size, and short rows of varied length as the data."""
+    make_base_model(
+        volume, hidden_size=256, intermediate_size=704, layers=4, kv_heads=4, max_positions=CUTOFF
     )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(str(folder))
-    (volume / ROWS).parent.mkdir(parents=True, exist_ok=True)
-    (volume / ROWS).write_text("".join(json.dumps(row) + "\n" for row in short_rows(3000, seed=1)))
+    (volume / SFT_FILE).write_text("".join(json.dumps(row) + "\n" for row in short_rows(3000, seed=1)))
 
 
 def bench_config(steps: int, packing: bool) -> FinetuneConfig:
-    datasets = json.dumps([{"path": ROWS, "format": "alpaca"}])
+    datasets = json.dumps([{"path": SFT_FILE, "format": "alpaca"}])
     overrides = [
         "name=bench-finetune",
         f"base_model.path={BASE}",

@@ -1,4 +1,5 @@
-"""Fixtures: a tiny dataset made once per session by the real datagen, copied into each test's volume."""
+"""Fixtures: a tiny dataset made once per session by the real datagen, copied into each test's volume;
+a tiny base model and SFT rows for the finetune tests, also made once."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from finetune_support import make_base_model
 from support import TINY_DATAGEN, run_trainpod
 
 
@@ -26,3 +28,11 @@ def volume(tmp_path: Path, tiny_dataset_volume: Path) -> Path:
     for folder in ("datasets", "tokenizers"):
         shutil.copytree(tiny_dataset_volume / folder, root / folder)
     return root
+
+
+@pytest.fixture(scope="session")
+def finetune_base_volume(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """models/base (a tiny Llama with the test tokenizer) and data/sft.jsonl; copy it before writing."""
+    volume = tmp_path_factory.mktemp("finetune-base")
+    make_base_model(volume)
+    return volume

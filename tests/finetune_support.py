@@ -17,18 +17,26 @@ BASE = "models/base"
 SFT_FILE = "data/sft.jsonl"
 
 
-def make_base_model(volume: Path) -> Path:
-    """A 2-layer Llama with the test tokenizer (chatml tokens included) at volume/models/base."""
+def make_base_model(
+    volume: Path,
+    hidden_size: int = 64,
+    intermediate_size: int = 128,
+    layers: int = 2,
+    kv_heads: int = 2,
+    max_positions: int = 256,
+) -> Path:
+    """A Llama (2 layers x 64 by default) with the test tokenizer (chatml tokens included) at
+    volume/models/base, and 240 short alpaca rows at volume/data/sft.jsonl."""
     folder = make_tiny_tokenizer(volume / BASE)
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     config = LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=layers,
         num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_positions,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

@@ -13,6 +13,8 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from trainpod.sft.demo_rows import WORDS as DEMO_WORDS
+
 EOS = "<|endoftext|>"
 PAD = "<|pad|>"
 CHATML_TOKENS = ["<|im_start|>", "<|im_end|>"]
@@ -36,20 +38,8 @@ SENTENCES = [
     "apple river stone cloud tiger lemon garden window rocket candle forest pencil",
     "0 1 2 3 4 5 6 7 8 9 10 11 12 42 100 plus minus equals",
 ]
-WORDS = [
-    "apple",
-    "river",
-    "stone",
-    "cloud",
-    "tiger",
-    "lemon",
-    "garden",
-    "window",
-    "rocket",
-    "candle",
-    "forest",
-    "pencil",
-]
+# The demo rows' first twelve words: the ones the test tokenizer's SENTENCES spell out.
+WORDS = DEMO_WORDS[:12]
 
 
 def make_tiny_tokenizer(

@@ -11,23 +11,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from finetune_support import BASE, FINETUNE_RUN, TINY_FINETUNE, finetune_args, latest_step, make_base_model
+from finetune_support import BASE, FINETUNE_RUN, TINY_FINETUNE, finetune_args, latest_step
 from support import TINY_PRETRAIN, run_trainpod, signal_when_step_reached, start_trainpod, tree_snapshot
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def base_volume(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    volume = tmp_path_factory.mktemp("finetune-base")
-    make_base_model(volume)
-    return volume
-
-
 @pytest.fixture
-def volume(base_volume: Path, tmp_path: Path) -> Path:
+def volume(finetune_base_volume: Path, tmp_path: Path) -> Path:
     copy = tmp_path / "volume"
-    shutil.copytree(base_volume, copy)
+    shutil.copytree(finetune_base_volume, copy)
     return copy
 
 

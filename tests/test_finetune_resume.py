@@ -11,31 +11,24 @@ from pathlib import Path
 
 import pytest
 
-from finetune_support import FINETUNE_RUN, adapter_bytes, finetune_args, latest_step, make_base_model
+from finetune_support import FINETUNE_RUN, adapter_bytes, finetune_args, latest_step
 from support import REPO, run_trainpod, signal_when_step_reached, start_trainpod, trainpod_cmd
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def base_volume(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    volume = tmp_path_factory.mktemp("finetune-base")
-    make_base_model(volume)
-    return volume
-
-
-def fresh_volume(base_volume: Path, tmp_path: Path) -> Path:
+def fresh_volume(finetune_base_volume: Path, tmp_path: Path) -> Path:
     volume = tmp_path / "volume"
-    shutil.copytree(base_volume, volume)
+    shutil.copytree(finetune_base_volume, volume)
     return volume
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(base_volume: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
+def uninterrupted(finetune_base_volume: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
     adapters = {}
     for method in ("qlora", "lora"):
         volume = tmp_path_factory.mktemp(f"uninterrupted-{method}")
-        shutil.copytree(base_volume, volume, dirs_exist_ok=True)
+        shutil.copytree(finetune_base_volume, volume, dirs_exist_ok=True)
         result = run_trainpod(*finetune_args(method=method), volume=volume)
         assert result.returncode == 0, result.stdout + result.stderr
         adapters[method] = adapter_bytes(volume)
@@ -50,8 +43,10 @@ def finish(volume: Path, method: str) -> str:
 
 
 @pytest.mark.parametrize(("method", "stop_at"), [("qlora", 7), ("qlora", 23), ("lora", 12)])
-def test_sigterm_then_resume_gives_the_same_adapter(base_volume, tmp_path, uninterrupted, method, stop_at):
-    volume = fresh_volume(base_volume, tmp_path)
+def test_sigterm_then_resume_gives_the_same_adapter(
+    finetune_base_volume, tmp_path, uninterrupted, method, stop_at
+):
+    volume = fresh_volume(finetune_base_volume, tmp_path)
     proc = start_trainpod(*finetune_args(method=method), volume=volume)
     out = signal_when_step_reached(proc, volume, stop_at, signal.SIGTERM, run=FINETUNE_RUN)
     assert proc.returncode == 143, out
@@ -62,9 +57,9 @@ def test_sigterm_then_resume_gives_the_same_adapter(base_volume, tmp_path, unint
 
 @pytest.mark.parametrize(("method", "kill_at"), [("qlora", 13), ("lora", 17)])
 def test_sigkill_between_checkpoints_then_resume_gives_the_same_adapter(
-    base_volume, tmp_path, uninterrupted, method, kill_at
+    finetune_base_volume, tmp_path, uninterrupted, method, kill_at
 ):
-    volume = fresh_volume(base_volume, tmp_path)
+    volume = fresh_volume(finetune_base_volume, tmp_path)
     proc = start_trainpod(*finetune_args(method=method), volume=volume)
     signal_when_step_reached(proc, volume, kill_at, signal.SIGKILL, run=FINETUNE_RUN)
     assert proc.returncode == -signal.SIGKILL
@@ -75,9 +70,9 @@ def test_sigkill_between_checkpoints_then_resume_gives_the_same_adapter(
 
 @pytest.mark.parametrize("phase", ["writing", "before-latest"])
 def test_sigkill_during_a_commit_then_resume_gives_the_same_adapter(
-    base_volume, tmp_path, uninterrupted, phase
+    finetune_base_volume, tmp_path, uninterrupted, phase
 ):
-    volume = fresh_volume(base_volume, tmp_path)
+    volume = fresh_volume(finetune_base_volume, tmp_path)
     driver = [
         sys.executable,
         str(REPO / "tests/crash_driver.py"),
@@ -95,9 +90,9 @@ def test_sigkill_during_a_commit_then_resume_gives_the_same_adapter(
 
 
 def test_a_checkpoint_that_does_not_fit_the_model_is_refused_not_replaced_by_fresh_adapters(
-    base_volume, tmp_path
+    finetune_base_volume, tmp_path
 ):
-    volume = fresh_volume(base_volume, tmp_path)
+    volume = fresh_volume(finetune_base_volume, tmp_path)
     proc = start_trainpod(*finetune_args(), volume=volume)
     signal_when_step_reached(proc, volume, 12, signal.SIGTERM, run=FINETUNE_RUN)
     assert proc.returncode == 143

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import uuid
 from collections.abc import Iterable
 from pathlib import Path
@@ -84,3 +85,18 @@ def publish_dir(tmp_dir: Path, target: Path) -> None:
         fsync_dir(path)
     os.rename(tmp_dir, target)
     fsync_dir(target.parent)
+
+
+def replace_dir(tmp_dir: Path, target: Path) -> None:
+    """Publish the finished `tmp_dir` as `target`; an older `target` is moved aside first, then deleted.
+
+    A kill between the two renames leaves the old folder under a .tmp-replaced- name and no
+    `target`; whoever made it writes it again (exports and conversions are made from committed inputs).
+    """
+    if target.exists():
+        old = target.with_name(f"{target.name}.tmp-replaced-{uuid.uuid4().hex[:8]}")
+        os.rename(target, old)
+        publish_dir(tmp_dir, target)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        publish_dir(tmp_dir, target)

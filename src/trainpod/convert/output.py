@@ -22,7 +22,6 @@ import mmap
 import os
 import shutil
 import time
-import uuid
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -266,21 +265,11 @@ def produce(
                 "versions": _versions(),
             }
             (staging.folder / MANIFEST).write_bytes(atomic.json_bytes(manifest))  # fsynced by publish_dir
-            _replace(staging.folder, target)
+            atomic.replace_dir(staging.folder, target)
         except BaseException:
             shutil.rmtree(staging.folder, ignore_errors=True)
             raise
     return True
-
-
-def _replace(staging: Path, target: Path) -> None:
-    if target.exists():
-        old = target.with_name(f"{target.name}.tmp-replaced-{uuid.uuid4().hex[:8]}")
-        os.rename(target, old)
-        atomic.publish_dir(staging, target)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        atomic.publish_dir(staging, target)
 
 
 def _versions() -> dict[str, str]:

@@ -108,11 +108,11 @@ def _existing_manifest(folder: Path, expected_hash: str) -> dict | None:
     if not path.is_file():
         return None
     manifest = read_json(path)
-    _refuse_other_config(folder, "a dataset", manifest.get("config_hash"), expected_hash)
+    refuse_other_config(folder, "a dataset", manifest.get("config_hash"), expected_hash)
     return manifest if manifest.get("complete") else None
 
 
-def _refuse_other_config(folder: Path, what: str, recorded_hash: str | None, expected_hash: str) -> None:
+def refuse_other_config(folder: Path, what: str, recorded_hash: str | None, expected_hash: str) -> None:
     """Nothing made from another config is ever overwritten: the user picks a name or deletes it."""
     if recorded_hash != expected_hash:
         raise InputError(
@@ -145,7 +145,7 @@ def _load_progress(
     progress = {split: SplitProgress() for split in config.splits}
     if path.is_file():
         recorded = read_json(path)
-        _refuse_other_config(folder, "a partly written dataset", recorded.get("config_hash"), expected_hash)
+        refuse_other_config(folder, "a partly written dataset", recorded.get("config_hash"), expected_hash)
         _check_same_tokenizer(path, recorded["tokenizer_sha256"], tokenizer)
         progress = {split: SplitProgress.from_json(recorded["splits"][split]) for split in config.splits}
         if not _shards_intact(folder, progress):

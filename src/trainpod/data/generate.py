@@ -57,6 +57,7 @@ from typing import Any
 
 from trainpod.atomic import read_json, write_bytes, write_json, write_parts
 from trainpod.config.generate import GeneratorDatagenConfig, exact_ratio
+from trainpod.data.datagen import refuse_other_config
 from trainpod.errors import ConfigError, InputError, Preempted, TemporaryError
 from trainpod.preemption import PreemptionWatch
 from trainpod.volume import Volume
@@ -396,18 +397,8 @@ def _is_complete(folder: Path, expected_hash: str) -> bool:
     if not path.is_file():
         return False
     metadata = read_json(path)
-    _refuse_other_config(folder, "a generated dataset", metadata.get("config_hash"), expected_hash)
+    refuse_other_config(folder, "a generated dataset", metadata.get("config_hash"), expected_hash)
     return bool(metadata.get("complete"))
-
-
-def _refuse_other_config(folder: Path, what: str, recorded_hash: str | None, expected_hash: str) -> None:
-    """Nothing made from another config is ever overwritten: the user picks a name or deletes it."""
-    if recorded_hash != expected_hash:
-        raise InputError(
-            f"{folder} holds {what} made from a different config (hash {recorded_hash}, this config "
-            f"{expected_hash}); it is not overwritten. Pick another dataset name, or delete the folder to "
-            "build it again"
-        )
 
 
 def _recorded_generation(folder: Path, expected_hash: str) -> dict | None:
@@ -415,7 +406,7 @@ def _recorded_generation(folder: Path, expected_hash: str) -> dict | None:
     path = folder / GENERATION_FILE
     if path.is_file():
         recorded = read_json(path)
-        _refuse_other_config(folder, "a partly generated dataset", recorded.get("config_hash"), expected_hash)
+        refuse_other_config(folder, "a partly generated dataset", recorded.get("config_hash"), expected_hash)
         return recorded
     others = sorted(p.name for p in folder.glob("*") if ".tmp-" not in p.name)
     if others:

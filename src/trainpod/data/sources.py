@@ -13,7 +13,7 @@ import importlib.resources
 import io
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from trainpod.config.datagen import BUILTIN_TINY_STORIES, SourceConfig
@@ -36,17 +36,24 @@ def builtin_corpus_path() -> Path:
     return Path(str(importlib.resources.files("trainpod") / "demo_corpus" / "tiny_stories.txt.gz"))
 
 
+def expand_path(raw: str, volume_root: Path, is_data_file: Callable[[Path], bool]) -> tuple[Path, list[Path]]:
+    """(the pattern, the sorted files it names): a file, a folder searched recursively for data files, or a
+    glob; relative to the volume root unless absolute."""
+    pattern = Path(raw).expanduser()
+    if not pattern.is_absolute():
+        pattern = volume_root / pattern
+    if pattern.is_dir():
+        return pattern, sorted(p for p in pattern.rglob("*") if p.is_file() and is_data_file(p))
+    return pattern, sorted(Path(p) for p in glob.glob(str(pattern), recursive=True) if Path(p).is_file())
+
+
 def resolve_files(source: SourceConfig, volume_root: Path) -> list[Path]:
     """The files a path/glob/folder source names, sorted; InputError when it names nothing."""
     if source.path == BUILTIN_TINY_STORIES:
         return [builtin_corpus_path()]
-    pattern = Path(source.path).expanduser()
-    if not pattern.is_absolute():
-        pattern = volume_root / pattern
-    if pattern.is_dir():
-        files = sorted(p for p in pattern.rglob("*") if p.is_file() and _format_of(p, "auto", strict=False))
-    else:
-        files = sorted(Path(p) for p in glob.glob(str(pattern), recursive=True) if Path(p).is_file())
+    pattern, files = expand_path(
+        source.path, volume_root, lambda p: bool(_format_of(p, "auto", strict=False))
+    )
     if not files:
         what = "folder holds no .txt/.jsonl/.parquet files" if pattern.is_dir() else "matches no file"
         raise InputError(

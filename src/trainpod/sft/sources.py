@@ -6,7 +6,6 @@ parquet), so a bad row's error can say exactly where to look.
 
 from __future__ import annotations
 
-import glob
 import gzip
 import hashlib
 import importlib.resources
@@ -17,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainpod.config.sft import BUILTIN_SFT_TINY, SftSourceConfig
+from trainpod.data.sources import expand_path
 from trainpod.errors import InputError
 
 SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -44,13 +44,7 @@ def resolve_files(source: SftSourceConfig, volume_root: Path) -> list[Path]:
     """The files a dataset's path names (a file, a folder searched recursively, or a glob), sorted."""
     if source.path == BUILTIN_SFT_TINY:
         return [builtin_sft_tiny_path()]
-    pattern = Path(source.path).expanduser()
-    if not pattern.is_absolute():
-        pattern = volume_root / pattern
-    if pattern.is_dir():
-        files = sorted(p for p in pattern.rglob("*") if p.is_file() and _data_suffix(p))
-    else:
-        files = sorted(Path(p) for p in glob.glob(str(pattern), recursive=True) if Path(p).is_file())
+    pattern, files = expand_path(source.path, volume_root, lambda p: _data_suffix(p) is not None)
     if not files:
         what = "folder holds no .json/.jsonl/.parquet files" if pattern.is_dir() else "matches no file"
         raise InputError(

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 import uuid
 from pathlib import Path
 from typing import Any
@@ -36,24 +34,9 @@ def export_hf(
     AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(tmp)
     for name, content in (extra_json or {}).items():
         atomic.write_json(tmp / name, content)
-    publish_replacing(tmp, target)
+    atomic.replace_dir(tmp, target)
     log.info("exported the model in HF format to %s", target)
     return target
-
-
-def publish_replacing(tmp: Path, target: Path) -> None:
-    """Publish the finished folder `tmp` as `target`; an older `target` is moved aside first, then deleted.
-
-    A kill between the two renames leaves the old folder under a .tmp-replaced- name and no
-    `target`; the next export writes it again (exports are made from committed checkpoints).
-    """
-    if target.exists():
-        old = target.with_name(f"{target.name}.tmp-replaced-{uuid.uuid4().hex[:8]}")
-        os.rename(target, old)
-        atomic.publish_dir(tmp, target)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        atomic.publish_dir(tmp, target)
 
 
 def _copy_as(model: PreTrainedModel, dtype: torch.dtype) -> PreTrainedModel:

@@ -142,6 +142,10 @@ class Trainer:
     def wrap_for_training(self) -> torch.nn.Module:
         return self.model
 
+    def export(self) -> Path | None:
+        """Write the final artifacts under export/ (rank 0); returns their folder."""
+        raise NotImplementedError
+
     # ------------------------------------------------------------------------------ resume
     def resume(self) -> int:
         """Load the newest valid checkpoint, if any; returns the step training continues after."""
@@ -391,3 +395,21 @@ class Trainer:
             "elapsed_s": self.progress.elapsed_s,
             "finished_early": self.finished_early,
         }
+
+
+def train_and_export(trainer_class: type[Trainer], ctx: RunContext, config: Any) -> dict[str, Any]:
+    """A workload's whole run on every rank: train to the end, export, and return the DONE summary."""
+    dist = D.init_distributed()
+    try:
+        if config.train.cpu_threads and dist.device.type == "cpu":
+            torch.set_num_threads(config.train.cpu_threads)
+        trainer = trainer_class(ctx, config, dist)
+        trainer.train()
+        exported = trainer.export()
+        D.barrier(dist)
+        return trainer.summary() | {
+            "export": str(exported) if exported else None,
+            "checkpoints": [c.path.name for c in trainer.store.committed()],
+        }
+    finally:
+        D.shutdown(dist)

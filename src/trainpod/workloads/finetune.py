@@ -23,6 +23,7 @@ import safetensors.torch
 import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trainpod import atomic
 from trainpod.checkpoint import PendingCheckpoint
@@ -30,12 +31,12 @@ from trainpod.config.finetune import BaseModelConfig, FinetuneConfig
 from trainpod.errors import InputError, TemporaryError
 from trainpod.sft import IGNORE_INDEX, SftBatches, eval_batches, load_sft, prepare_sft, sft_key
 from trainpod.train import distributed as D
-from trainpod.train.export import DTYPES, export_hf, publish_replacing
+from trainpod.train.export import DTYPES, export_hf
 from trainpod.train.model import autocast_dtype, resolve_attention
 from trainpod.train.reporting import RunReporter
 from trainpod.train.schedule import cosine_with_warmup
 from trainpod.train.tracking import WandbTracker, wandb_wanted
-from trainpod.train.trainer import StepResult, Trainer
+from trainpod.train.trainer import StepResult, Trainer, train_and_export
 from trainpod.volume import Volume
 from trainpod.workloads.context import RunContext
 
@@ -127,6 +128,7 @@ class Finetuner(Trainer):
         self.tracker_run_id: str | None = None
         self.base_dir = self._on_main_first(lambda: resolve_base_model(config.base_model, ctx.volume))
         self.attention = resolve_attention(config.base_model.attention, dist.device)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.base_dir), local_files_only=True)
         self._setup_data()
         self._setup_model()
         steps_per_epoch = max(self.batches.steps_per_epoch // t.grad_accum_steps, 1)
@@ -172,10 +174,8 @@ class Finetuner(Trainer):
 
         (Not the files' hash: the same tokenizer saved again, e.g. into an export, has other bytes.)
         """
-        from transformers import AutoTokenizer
-
         recorded = self.data.manifest["tokenizer"]
-        base = AutoTokenizer.from_pretrained(str(self.base_dir), local_files_only=True)
+        base = self.tokenizer
         if (recorded["vocab_size"], recorded["eos_id"]) != (len(base), base.eos_token_id):
             raise InputError(
                 f"the SFT dataset at {folder} was tokenized with the tokenizer at {recorded.get('path')} "
@@ -186,11 +186,9 @@ class Finetuner(Trainer):
 
     def _setup_model(self) -> None:
         from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
-        from transformers import AutoModelForCausalLM, AutoTokenizer
 
         cfg, t, device = self.cfg, self.train_cfg, self.dist.device
         self.autocast_dtype = autocast_dtype(t.precision, device)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(self.base_dir), local_files_only=True)
         attention = self.attention
         # Frozen base weights in bf16 on a GPU that has it; trained weights (full) and adapters in fp32.
         base_dtype = torch.float32 if self.method == "full" or self.autocast_dtype is None else torch.bfloat16
@@ -478,7 +476,7 @@ class Finetuner(Trainer):
         self.model.save_pretrained(str(tmp), safe_serialization=True)
         self.tokenizer.save_pretrained(str(tmp))
         atomic.write_json(tmp / "training_summary.json", self.training_summary())
-        publish_replacing(tmp, target)
+        atomic.replace_dir(tmp, target)
         log.info("exported the PEFT adapter to %s", target)
         return target
 
@@ -551,17 +549,4 @@ def _optimizer(params: list[torch.nn.Parameter], t: Any, device: torch.device) -
 
 def run(ctx: RunContext, config: FinetuneConfig) -> dict[str, Any]:
     """Train to the configured steps (or an eval plateau), export, and return the summary."""
-    dist = D.init_distributed()
-    try:
-        if config.train.cpu_threads and dist.device.type == "cpu":
-            torch.set_num_threads(config.train.cpu_threads)
-        trainer = Finetuner(ctx, config, dist)
-        trainer.train()
-        exported = trainer.export()
-        D.barrier(dist)
-        return trainer.summary() | {
-            "export": str(exported) if exported else None,
-            "checkpoints": [c.path.name for c in trainer.store.committed()],
-        }
-    finally:
-        D.shutdown(dist)
+    return train_and_export(Finetuner, ctx, config)

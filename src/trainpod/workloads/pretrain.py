@@ -38,7 +38,7 @@ from trainpod.train.model import (
 )
 from trainpod.train.schedule import cosine_with_warmup
 from trainpod.train.state import load_weights, weights_bytes
-from trainpod.train.trainer import StepResult, Trainer
+from trainpod.train.trainer import StepResult, Trainer, train_and_export
 from trainpod.workloads.context import RunContext
 
 log = logging.getLogger(__name__)
@@ -212,20 +212,7 @@ def preflight(ctx: RunContext, config: PretrainConfig) -> None:
 
 def run(ctx: RunContext, config: PretrainConfig) -> dict[str, Any]:
     """Train to `train.max_steps`, export, and return the summary; raises Preempted on SIGTERM."""
-    dist = D.init_distributed()
-    try:
-        if config.train.cpu_threads and dist.device.type == "cpu":
-            torch.set_num_threads(config.train.cpu_threads)
-        trainer = Pretrainer(ctx, config, dist)
-        trainer.train()
-        exported = trainer.export()
-        D.barrier(dist)
-        summary = trainer.summary() | {
-            "export": str(exported) if exported else None,
-            "checkpoints": [c.path.name for c in trainer.store.committed()],
-        }
-        if not math.isfinite(summary.get("loss") or 0.0):
-            log.warning("the final loss is not finite; check the learning rate and data")
-        return summary
-    finally:
-        D.shutdown(dist)
+    summary = train_and_export(Pretrainer, ctx, config)
+    if not math.isfinite(summary.get("loss") or 0.0):
+        log.warning("the final loss is not finite; check the learning rate and data")
+    return summary

@@ -9,9 +9,9 @@ the outputs into manifest.json, fsync and rename. The merge runs on a smaller ba
 1024-wide Llama with a 32000-token vocabulary, rank-64 adapter): reading the base, the merge in
 fp32 (plain LoRA, so trainpod's tensor-level merge, which repeats peft's arithmetic), and writing
 the model; its MB/s counts the base and adapter bytes read.
-Target for both: at least 0.5x the copy's MB/s. Both conversions hash every input and output byte
-with sha256 (about 1.7 GB/s per core here), which the copy does not: on 2 cores that alone is about
-as long as the copy, so the figure depends on how many cores are free.
+Target for both: at least 0.5x the copy's MB/s. Both conversions hash every output byte with
+sha256 (about 1.7 GB/s on one core here) while writing it, which the copy does not; inputs are known
+by path, size and mtime, not read twice.
 """
 
 from __future__ import annotations
@@ -195,8 +195,9 @@ def run(workdir: Path, quick: bool = False) -> str:
             "",
             f"PEFT -> MLX on a synthetic rank-64 adapter with Llama-7B's shapes ({adapter_layers} layers, "
             f"{adapter_mb:.0f} MB fp32); merge of a rank-64 adapter into a {base_layers}-layer 1024-wide Llama "
-            f"({merge_mb:.0f} MB of base + adapter read, fp32 output). Each task timed whole (input hashes, "
-            f"manifest, fsync, rename); median of {trials} back-to-back pairs in ABBA order, same disk.",
+            f"({merge_mb:.0f} MB of base + adapter read, fp32 output). Each task timed whole (reading, "
+            "converting, writing and hashing the output, manifest, fsync, rename); median of "
+            f"{trials} back-to-back pairs in ABBA order, same disk.",
             "",
             "| metric | measured | target | result |",
             "| --- | --- | --- | --- |",

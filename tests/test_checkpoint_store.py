@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from trainpod import atomic
 from trainpod.checkpoint import CheckpointStore
+from trainpod.checkpoint.store import PIECE_BYTES
 
 
 def commit(store: CheckpointStore, step: int, payload: bytes = b"", eval_loss: float | None = None):
@@ -130,3 +134,29 @@ def test_garbage_in_latest_is_treated_as_missing(tmp_path: Path):
     commit(store, 4)
     (tmp_path / "LATEST").write_bytes(b"\xff\xfe garbage")
     assert store.latest().step == 4
+
+
+def test_a_large_file_is_committed_whole_with_its_pieces_hashed(tmp_path):
+    # Written in 32 MiB slices with the disk flushing behind them: every byte arrives, every piece hashed.
+    payload = os.urandom(2 * PIECE_BYTES + 12345)
+    committed = commit(CheckpointStore(tmp_path), 1, payload)
+    assert (committed.path / "weights.bin").read_bytes() == payload
+    pieces = [
+        hashlib.sha256(payload[i : i + PIECE_BYTES]).hexdigest() for i in range(0, len(payload), PIECE_BYTES)
+    ]
+    assert committed.manifest["files"]["weights.bin"]["sha256_pieces"] == pieces
+
+
+def test_a_failed_write_back_fails_the_file_instead_of_going_unnoticed(tmp_path):
+    # Linux may report a write-back error to one fsync only: the one behind the writes must raise it.
+    # fdatasync on a pipe fails (EINVAL) as it would on a disk with an I/O error.
+    read_end, write_end = os.pipe()
+    try:
+        with atomic.WriteBehind(write_end) as flush, pytest.raises(OSError):
+            for _ in range(1000):
+                os.write(write_end, b"x")
+                flush.nudge()
+                time.sleep(0.001)
+    finally:
+        os.close(read_end)
+        os.close(write_end)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -18,11 +17,11 @@ import torch
 
 from trainpod.convert import adapter as peft_adapter
 from trainpod.convert import merge, output, run_convert, tensor_merge, tensorfile
+from trainpod.errors import TemporaryError
 from trainpod.preemption import PreemptionWatch
 from trainpod.volume import Volume
 
 from convert_support import convert_config, make_adapter, make_base
-from support import tree_snapshot
 
 QLORA_SUMMARY = {
     "method": "qlora",
@@ -81,13 +80,11 @@ def write_both(base: Path, adapter_dir: Path, tmp_path: Path, **task) -> tuple[P
     args = {"dtype": "float32", "quantization": adapter.quantization, "qlora_base": "dequantized"}
     args |= {"max_shard_size": "5GB"} | task
     fast, slow = tmp_path / "fast", tmp_path / "slow"
-    with ThreadPoolExecutor(2) as hashers:
-        round_trip = merge.nf4_round_trip(args["quantization"]) if args["quantization"] else None
-        skeleton = tensor_merge.skeleton(base)
-        staging = output.Staging(fast, hashers)
-        tensor_merge.write_merged(
-            adapter, base, skeleton, staging, args["dtype"], round_trip, args["max_shard_size"]
-        )
+    round_trip = merge.nf4_round_trip(args["quantization"]) if args["quantization"] else None
+    skeleton = tensor_merge.skeleton(base)
+    tensor_merge.write_merged(
+        adapter, base, skeleton, output.Staging(fast), args["dtype"], round_trip, args["max_shard_size"]
+    )
     merge.write_merged_with_peft(adapter_dir, base, slow, **args)
     return fast, slow
 
@@ -120,55 +117,83 @@ def test_tensor_level_merge_writes_what_peft_and_save_pretrained_write(
         assert safetensors.safe_open(fast / path.name, "pt").metadata() == {"format": "pt"}
 
 
-def file_pieces(path: Path) -> list[str]:
-    data = path.read_bytes()
-    return [
-        hashlib.sha256(data[i : i + output.PIECE_BYTES]).hexdigest()
-        for i in range(0, max(len(data), 1), output.PIECE_BYTES)
-    ]
+def sha256_of(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def test_files_hashed_while_written_carry_the_sha256_of_their_bytes_on_disk(tmp_path: Path) -> None:
-    # 34 MiB in tensors, one straddling the 32 MiB piece boundary, plus an empty file.
+    # Tensors spanning several chunks: one larger than a chunk, small ones that end a chunk early, and
+    # more chunks than buffers, so buffers are reused; files written by hand are hashed from the disk.
+    small = output.CHUNK_BYTES // 4 // 3  # three of them leave a quarter of a chunk: the next does not fit
     specs = {
-        "a": (torch.float32, (6 << 20,)),
-        "b": (torch.bfloat16, (5, 1 << 20)),
-        "c": (torch.float32, (7,)),
+        "big": (torch.float32, (output.CHUNK_BYTES // 4 + 5,)),
+        **{f"small{i}": (torch.float32, (small,)) for i in range(8)},
+        "odd": (torch.bfloat16, (3, 7)),
+        "scalar": (torch.int8, ()),
+        "nothing": (torch.float16, (0, 4)),
     }
     generator = torch.Generator().manual_seed(0)
-    with ThreadPoolExecutor(2) as hashers:
-        staging = output.Staging(tmp_path / "out", hashers)
-        staging.folder.mkdir()
-        staging.write_tensors(
-            "t.safetensors",
-            tensorfile.layout(specs, {"format": "pt"}),
-            lambda name, slot: slot.copy_(torch.randn(slot.shape, generator=generator)),
-        )
-        staging.write_file("empty", b"")
-        (staging.folder / "by-hand.txt").write_text("written without the staging's help")
-        (staging.folder / "empty-by-hand").write_bytes(b"")
-        digests = staging.file_digests()
-    for name in ("t.safetensors", "empty", "by-hand.txt", "empty-by-hand"):
+    expected = {
+        name: (torch.randn(shape, generator=generator) * 100).to(dtype)
+        for name, (dtype, shape) in specs.items()
+    }
+    staging = output.Staging(tmp_path / "out")
+    staging.folder.mkdir()
+    staging.write_tensors(
+        "t.safetensors",
+        tensorfile.layout(specs, {"format": "pt"}),
+        lambda name, slot: slot.copy_(expected[name]),
+    )
+    staging.write_tensors(
+        "again.safetensors", tensorfile.layout({"x": specs["odd"]}, {}), lambda _, s: s.fill_(1)
+    )
+    staging.write_file("empty", b"")
+    (staging.folder / "by-hand.txt").write_text("written without the staging's help")
+    (staging.folder / "empty-by-hand").write_bytes(b"")
+    digests = staging.file_digests()
+    for name in ("t.safetensors", "again.safetensors", "empty", "by-hand.txt", "empty-by-hand"):
         path = tmp_path / "out" / name
-        assert digests[name] == {"bytes": path.stat().st_size, "sha256_pieces": file_pieces(path)}, name
-    assert len(digests["t.safetensors"]["sha256_pieces"]) == 2
+        assert digests[name] == {"bytes": path.stat().st_size, "sha256": sha256_of(path)}, name
     loaded = safetensors.torch.load_file(tmp_path / "out" / "t.safetensors")
-    assert {k: (v.dtype, tuple(v.shape)) for k, v in loaded.items()} == specs
+    assert loaded.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(loaded[name], tensor), name
+    assert torch.equal(
+        safetensors.torch.load_file(tmp_path / "out" / "again.safetensors")["x"],
+        torch.ones(3, 7, dtype=torch.bfloat16),
+    )
 
 
-def test_a_touched_but_unchanged_adapter_rewrites_nothing(tmp_path: Path, base: Path) -> None:
+def test_a_rewritten_adapter_is_converted_again_to_the_same_bytes(tmp_path: Path, base: Path) -> None:
+    # Inputs are known by path, size and mtime, not read: a new mtime means converting again.
     vol = Volume(tmp_path / "volume")
     adapter_dir = make_adapter(base, vol.run("ft").export / "adapter")
     config = convert_config(["mlx", {"kind": "merge", "dtype": "float32"}])
     run_convert(config, vol, PreemptionWatch())
     export = vol.run("ft").export
-    before = {name: tree_snapshot(export / name) for name in ("mlx", "merged")}
+    first = {name: json.loads((export / name / "manifest.json").read_text()) for name in ("mlx", "merged")}
     weights = adapter_dir / "adapter_model.safetensors"
     os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
     run_convert(config, vol, PreemptionWatch())
-    assert {name: tree_snapshot(export / name) for name in ("mlx", "merged")} == before
-    assert not list(export.glob("*.tmp-*")), "the speculative write must be removed"
-    manifest = json.loads((export / "mlx" / "manifest.json").read_text())
-    assert manifest["files"]["adapters.safetensors"]["sha256_pieces"] == file_pieces(
-        export / "mlx" / "adapters.safetensors"
-    )
+    for name in ("mlx", "merged"):
+        manifest = json.loads((export / name / "manifest.json").read_text())
+        assert manifest["key"] != first[name]["key"], name
+        assert manifest["files"] == first[name]["files"], name
+        assert (
+            manifest["inputs"]["adapter/adapter_model.safetensors"]["mtime_ns"] == weights.stat().st_mtime_ns
+        )
+    assert not list(export.glob("*.tmp-*")), "no temp folder may stay behind"
+
+
+def test_an_input_changed_during_the_conversion_is_exit_75_and_nothing_is_published(tmp_path: Path) -> None:
+    source = tmp_path / "input.bin"
+    source.write_bytes(b"version 1")
+
+    def write_while_the_input_changes(staging: output.Staging) -> None:
+        staging.folder.mkdir()
+        staging.write_file("out.bin", source.read_bytes())
+        source.write_bytes(b"version 2, longer")
+
+    with pytest.raises(TemporaryError, match="input.bin changed while out was being made"):
+        output.produce(tmp_path / "out", {"in": source}, {}, write_while_the_input_changes)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["input.bin"]

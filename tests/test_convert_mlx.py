@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 
 import numpy as np
@@ -107,9 +109,16 @@ def test_converting_again_rewrites_nothing(vol: Volume, base: Path) -> None:
     before = tree_snapshot(out.parent)
     assert convert_to_mlx(vol) == out
     assert tree_snapshot(out.parent) == before
-    manifest = __import__("json").loads((out / "manifest.json").read_text())
-    assert manifest["inputs"]["adapter/adapter_model.safetensors"]["sha256_pieces"]
+    manifest = json.loads((out / "manifest.json").read_text())
+    weights = adapter_dir(vol) / "adapter_model.safetensors"
+    assert manifest["inputs"]["adapter/adapter_model.safetensors"] == {
+        "path": str(weights),
+        "bytes": weights.stat().st_size,
+        "mtime_ns": weights.stat().st_mtime_ns,
+    }
     assert set(manifest["files"]) == {"adapters.safetensors", "adapter_config.json", "README.md"}
+    for name, entry in manifest["files"].items():  # the whole file's sha256, as sha256sum prints it
+        assert entry["sha256"] == hashlib.sha256((out / name).read_bytes()).hexdigest(), name
 
 
 def test_a_changed_adapter_is_converted_again(vol: Volume, base: Path) -> None:

@@ -12,6 +12,7 @@ import os
 import shutil
 import uuid
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,47 @@ def fsync_file(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+class WriteBehind:
+    """Keeps the disk busy with what a large file has written so far, so its final fsync waits for the
+    last part only: a write + fsync of N bytes costs the write, then the whole flush; with the flush
+    started behind the writes (one fdatasync at a time, on a thread of its own) the two overlap.
+
+        with open(path, "wb", buffering=0) as f, WriteBehind(f.fileno()) as flush:
+            for part in parts:
+                f.write(part)
+                flush.nudge()  # from one thread at a time
+            flush.finish()     # raises the first write-back error; the file is durable after it
+    """
+
+    def __init__(self, fd: int):
+        self._fd = fd
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="write-behind")
+        self._flushing: Future | None = None
+
+    def nudge(self) -> None:
+        """Start flushing what was written so far, unless the previous flush is still running."""
+        if self._flushing is not None:
+            if not self._flushing.done():
+                return
+            # A failed flush must fail the file: Linux may report a write-back error to one fsync only.
+            self._flushing.result()
+        self._flushing = self._thread.submit(os.fdatasync, self._fd)
+
+    def finish(self) -> None:
+        if self._flushing is not None:
+            self._flushing.result()
+        os.fsync(self._fd)
+
+    def __enter__(self) -> WriteBehind:
+        return self
+
+    def close(self) -> None:
+        self._thread.shutdown()  # waits for a flush still running, so the fd outlives it
+
+    def __exit__(self, *_: Any) -> None:
+        self.close()
 
 
 def write_parts(target: Path, parts: Iterable[bytes | memoryview]) -> None:

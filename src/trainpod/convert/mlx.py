@@ -88,11 +88,11 @@ def relative_key(module: str) -> str:
     return match.group(2) if match else module
 
 
-def mlx_layout(adapter: PeftAdapter) -> tuple[tensorfile.TensorFile, dict[str, Callable], int, float]:
+def mlx_layout(adapter: PeftAdapter) -> tuple[tensorfile.TensorLayout, dict[str, Callable], int, float]:
     """adapters.safetensors laid out in memory, how to fill each tensor, the common rank and the common scale.
 
     Each transpose, zero-padding and scale fold is computed straight into the tensor's place in the
-    file's buffer: the adapter's bytes are copied once, on the way from the input to the output.
+    bytes being written: the adapter's bytes are copied once, on the way from the input to the output.
     """
     rank = max(m.rank for m in adapter.modules.values())
     scale = adapter.default_scale or 1.0

@@ -1,24 +1,27 @@
-"""Conversion outputs: written into a temp folder, hashed into manifest.json, fsynced, renamed into place.
+"""Conversion outputs: written into a temp folder, listed with their sha256 in manifest.json, renamed into place.
 
-An output whose manifest.json records the same key (a hash of every input's sha256 and of the task's
-settings) is finished: running the same conversion again rewrites nothing. Input hashes are reused
-from the previous manifest while a file's size and mtime are unchanged, so a rerun does not read a
-14 GB base model again to find out that nothing changed.
+An output whose manifest.json records the same key is finished: running the same conversion again
+rewrites nothing. The key is a hash of the task's settings and of every input's path, size and
+mtime (the identity datagen's manifests record for their sources too): the inputs are not read to
+decide, so a rerun does not read a 14 GB base model to find out that nothing changed. An input
+written again, even with the same bytes, makes the output be converted again (the safe direction).
+An input that changes while it is being converted fails the conversion (exit 75) instead of
+publishing an output made from two versions of it.
 
-Hashing is most of a conversion's work besides the writing (sha256 runs at about 1 GB/s per core,
-as fast as the disk), so none of it waits for anything else: the inputs that need hashing are hashed
-by a thread pool while the output is written (hashlib releases the GIL), and files written through
-`Staging.write_file` are hashed from memory while the same bytes go to the disk, never read back.
-When the inputs turn out unchanged after all (same contents, new mtime), the finished output stays
-and the staged one is dropped, so the result is as if the key had been known first.
+Every output file's sha256 is that of the whole file, as `sha256sum` and the Hugging Face hub (the
+LFS oid of an uploaded file) compute it. Files written through `Staging.write_tensors` are hashed
+from memory while the same bytes go to the disk, never read back: the caller fills each tensor
+into a reusable chunk buffer (memory already mapped: a fresh buffer per file costs a page fault
+per 4 KiB, as long as the copy itself), and each full chunk goes to a writer thread and a hashing
+thread at once (both release the GIL), so filling, writing and hashing overlap.
 """
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import logging
-import mmap
 import os
 import shutil
 import time
@@ -31,95 +34,72 @@ import torch
 
 import trainpod
 from trainpod import atomic
-from trainpod.convert.tensorfile import TensorFile
+from trainpod.convert.tensorfile import TensorLayout
+from trainpod.errors import TemporaryError
 
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
-FORMAT = "trainpod-convert/1"
-PIECE_BYTES = 32 << 20  # the checkpoint store's piece size: one manifest scheme across the kit
-
-
-def hash_pool() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=os.cpu_count() or 2, thread_name_prefix="convert-sha256")
-
-
-def _digest(piece: bytes | memoryview) -> str:
-    return hashlib.sha256(piece).hexdigest()
-
-
-def _file_piece_digest(job: tuple[Path, int]) -> str:
-    """sha256 of one piece of a file, hashed from the page cache through a mapping (a read() would copy it)."""
-    path, start = job
-    with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size == 0:
-            return _digest(b"")  # an empty file cannot be mapped
-        with (
-            mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped,
-            memoryview(mapped) as view,
-            view[start : start + PIECE_BYTES] as piece,
-        ):
-            return _digest(piece)
-
-
-def _submit_file(path: Path, hashers: ThreadPoolExecutor) -> list[Future]:
-    """Per-32 MiB-piece sha256 of a file on disk, each piece its own job so that all cores hash at once."""
-    starts = range(0, max(path.stat().st_size, 1), PIECE_BYTES)
-    return [hashers.submit(_file_piece_digest, (path, start)) for start in starts]
+FORMAT = "trainpod-convert/2"  # 1 hashed inputs' contents in 32 MiB pieces; its outputs are converted again
+CHUNK_BYTES = 32 << 20  # large enough that a chunk's write and hash dwarf the hand-over between threads
+CHUNK_BUFFERS = 3  # one being filled, one being written and hashed, one spare against uneven speeds
 
 
 class Staging:
     """The temp folder an output is written into (the writer creates it, as `folder.mkdir(parents=True)`).
 
-    Files written through `write_file`/`write_tensors` are hashed from memory on their way to the disk
-    and fsynced; any other file put into the folder (by save_pretrained, say) is hashed from the disk
-    when the manifest is made.
+    Files written through `write_file`/`write_tensors` are hashed on their way to the disk and fsynced;
+    any other file put into the folder (by save_pretrained, say) is hashed from the disk when the
+    manifest is made.
     """
 
-    def __init__(self, folder: Path, hashers: ThreadPoolExecutor):
+    def __init__(self, folder: Path):
         self.folder = folder
-        self._hashers = hashers
-        self._digests: dict[str, list[Future]] = {}
+        self._digests: dict[str, str] = {}
+        self._chunks = _ChunkBuffers()
 
-    def write_file(self, name: str, data: bytes | bytearray | memoryview) -> None:
-        """Write `data` (not changed until this returns) to folder/name."""
-        with _StreamedFile(self.folder / name, memoryview(data).cast("B"), self._hashers) as streamed:
-            streamed.ready(len(streamed.data))
-        self._digests[name] = streamed.digests
+    def write_file(self, name: str, data: bytes) -> None:
+        with open(self.folder / name, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        self._digests[name] = hashlib.sha256(data).hexdigest()
 
-    def write_tensors(self, name: str, file: TensorFile, fill: Callable[[str, torch.Tensor], None]) -> None:
+    def write_tensors(self, name: str, file: TensorLayout, fill: Callable[[str, torch.Tensor], None]) -> None:
         """Write a safetensors file laid out by tensorfile.layout, calling `fill(tensor name, slot)` for each
-        tensor in file order; every finished 32 MiB piece is hashed and written while later ones are filled."""
+        tensor in file order; `fill` must set every element of the slot."""
         threads = torch.get_num_threads()
-        # The fill runs on this thread while the hashers and the writer take the other cores; torch's own
+        # The fill runs on this thread while the writer and the hasher take the other cores; torch's own
         # thread pool would spin-wait against them (measured: a LoRA merge 2-3x slower on 2 cores).
         torch.set_num_threads(1)
         try:
-            self._write_tensors(name, file, fill)
+            with _StreamedFile(self.folder / name, self._chunks) as streamed:
+                streamed.reserve(len(file.header)).copy_(
+                    torch.frombuffer(bytearray(file.header), dtype=torch.uint8)
+                )
+                for entry in file.tensors:
+                    fill(entry.name, streamed.reserve(entry.nbytes).view(entry.dtype).view(entry.shape))
+            self._digests[name] = streamed.sha256
         finally:
             torch.set_num_threads(threads)
 
-    def _write_tensors(self, name: str, file: TensorFile, fill: Callable[[str, torch.Tensor], None]) -> None:
-        with _StreamedFile(self.folder / name, file.bytes(), self._hashers) as streamed:
-            for tensor_name, slot in file.slots.items():
-                fill(tensor_name, slot)
-                streamed.ready(file.end(tensor_name))
-            streamed.ready(len(streamed.data))
-        self._digests[name] = streamed.digests
-
     def file_digests(self) -> dict[str, dict[str, Any]]:
         files = sorted(p for p in self.folder.rglob("*") if p.is_file())
-        pending = {}
-        for path in files:
-            name = str(path.relative_to(self.folder))
-            pending[name] = self._digests.get(name) or _submit_file(path, self._hashers)
+        names = [str(path.relative_to(self.folder)) for path in files]
+        unhashed = [name for name in names if name not in self._digests]
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as hashers:
+            self._digests.update(
+                zip(unhashed, hashers.map(_file_sha256, [self.folder / n for n in unhashed]), strict=True)
+            )
         return {
-            name: {
-                "bytes": (self.folder / name).stat().st_size,
-                "sha256_pieces": [f.result() for f in futures],
-            }
-            for name, futures in pending.items()
+            name: {"bytes": (self.folder / name).stat().st_size, "sha256": self._digests[name]}
+            for name in names
         }
+
+
+def _file_sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _write_all(file: Any, data: memoryview) -> None:
@@ -127,74 +107,104 @@ def _write_all(file: Any, data: memoryview) -> None:
         data = data[file.write(data) :]  # an unbuffered write may take fewer bytes than offered
 
 
+class _ChunkBuffers:
+    """Chunk-sized uint8 buffers kept across the files of one output, so their pages are mapped once."""
+
+    def __init__(self) -> None:
+        self.free: list[torch.Tensor] = []
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        buffer = self.free.pop() if self.free else None
+        if buffer is None or len(buffer) < nbytes:  # a tensor larger than a chunk gets a buffer of its size
+            buffer = torch.empty(max(nbytes, CHUNK_BYTES), dtype=torch.uint8)
+        return buffer
+
+
 class _StreamedFile:
-    """A file written from one memory buffer as its bytes become final: each finished piece is handed to
-    the hashers and to a writer thread at once, so filling, hashing and writing overlap."""
+    """A file written chunk by chunk from reused buffers: the caller fills a chunk through `reserve`,
+    and each full chunk is handed to a writer thread and a hashing thread while the next one is filled.
 
-    def __init__(self, path: Path, data: memoryview, hashers: ThreadPoolExecutor):
-        self.data = data
-        self.digests: list[Future] = []
-        self._hashers = hashers
+    The disk flushes behind the writes (atomic.WriteBehind), so the fsync at the end waits for the last
+    chunks only, not the whole file.
+    """
+
+    def __init__(self, path: Path, buffers: _ChunkBuffers):
+        self.sha256 = ""
+        self._buffers = buffers
         self._file = open(path, "wb", buffering=0)  # noqa: SIM115 - closed in __exit__
+        self._digest = hashlib.sha256()
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="convert-write")
-        self._writes: list[Future] = []
-        self._handed = 0
+        self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="convert-sha256")
+        self._flush = atomic.WriteBehind(self._file.fileno())
+        self._in_flight: collections.deque[tuple[torch.Tensor, Future, Future]] = collections.deque()
+        self._buffer: torch.Tensor | None = None
+        self._used = 0
 
-    def ready(self, upto: int) -> None:
-        """Bytes [0, upto) of the buffer are final; hand on every whole piece among them (all at the end)."""
-        end = upto if upto == len(self.data) else upto - upto % PIECE_BYTES
-        for start in range(self._handed, end, PIECE_BYTES):
-            piece = self.data[start : min(start + PIECE_BYTES, end)]
-            self.digests.append(self._hashers.submit(_digest, piece))
-            self._writes.append(self._writer.submit(_write_all, self._file, piece))
-        self._handed = max(self._handed, end)
-        if not self.digests and upto == len(self.data):  # an empty file has one piece, as _submit_file says
-            self.digests.append(self._hashers.submit(_digest, b""))
+    def reserve(self, nbytes: int) -> torch.Tensor:
+        """The next `nbytes` of the file, as a uint8 tensor for the caller to fill before the next call.
+
+        A chunk ends before a tensor that does not fit, so every tensor is contiguous in one buffer and
+        starts at the same alignment relative to its buffer as in the file (tensorfile.layout)."""
+        if self._buffer is None or self._used + nbytes > len(self._buffer):
+            self._hand_on()
+            self._buffer = self._take(nbytes)
+        slot = self._buffer[self._used : self._used + nbytes]
+        self._used += nbytes
+        return slot
+
+    def _hand_on(self) -> None:
+        if self._buffer is not None and self._used:
+            chunk = memoryview(self._buffer.numpy())[: self._used]
+            written = self._writer.submit(self._write, chunk)
+            hashed = self._hasher.submit(self._digest.update, chunk)  # one thread: in file order
+            self._in_flight.append((self._buffer, written, hashed))
+        elif self._buffer is not None:
+            self._buffers.free.append(self._buffer)
+        self._buffer, self._used = None, 0
+
+    def _write(self, chunk: memoryview) -> None:
+        """On the writer thread, in file order."""
+        _write_all(self._file, chunk)
+        self._flush.nudge()
+
+    def _take(self, nbytes: int) -> torch.Tensor:
+        if len(self._in_flight) >= CHUNK_BUFFERS:
+            self._release_oldest()
+        return self._buffers.take(nbytes)
+
+    def _release_oldest(self) -> None:
+        buffer, written, hashed = self._in_flight.popleft()
+        written.result()  # re-raises a failed write (a full disk, say)
+        hashed.result()
+        self._buffers.free.append(buffer)
 
     def __enter__(self) -> _StreamedFile:
         return self
 
     def __exit__(self, exc_type: Any, *_: Any) -> None:
         try:
-            for write in self._writes:
-                write.result()  # re-raises a failed write (a full disk, say)
-            if exc_type is None:
-                os.fsync(self._file.fileno())  # the disk flushes while the hashers finish, not after them
-                for digest in self.digests:
-                    digest.result()  # the caller may reuse the buffer once the file is closed
+            self._hand_on()
+            # After the last write, on the writer thread: the disk flushes while the last chunks are hashed.
+            synced = self._writer.submit(self._flush.finish) if exc_type is None else None
+            while self._in_flight:
+                self._release_oldest()
+            if synced is not None:
+                synced.result()
+                self.sha256 = self._digest.hexdigest()
         finally:
             self._writer.shutdown()
+            self._hasher.shutdown()
+            self._flush.close()
             self._file.close()
 
 
-class InputHashes:
-    """Every input's {path, bytes, mtime_ns, sha256_pieces}: unchanged files' hashes reused from the previous
-    manifest, the others hashed in the background from construction on."""
-
-    def __init__(self, files: dict[str, Path], previous: dict[str, Any] | None, hashers: ThreadPoolExecutor):
-        known = (previous or {}).get("inputs", {})
-        self._described: dict[str, dict[str, Any]] = {}
-        self._pending: dict[str, list[Future]] = {}
-        for label, path in files.items():
-            stat = path.stat()
-            entry = {"path": str(path), "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns}
-            old = known.get(label, {})
-            if all(old.get(k) == entry[k] for k in entry) and old.get("sha256_pieces"):
-                entry["sha256_pieces"] = old["sha256_pieces"]
-            else:
-                self._pending[label] = _submit_file(path, hashers)
-            self._described[label] = entry
-
-    @property
-    def all_known(self) -> bool:
-        return not self._pending
-
-    def described(self) -> dict[str, dict[str, Any]]:
-        """Waits for the hashes still running."""
-        for label, futures in self._pending.items():
-            self._described[label]["sha256_pieces"] = [f.result() for f in futures]
-        self._pending = {}
-        return self._described
+def describe_inputs(files: dict[str, Path]) -> dict[str, dict[str, Any]]:
+    """{label: {path, bytes, mtime_ns}}: what identifies each input without reading it."""
+    described = {}
+    for label, path in files.items():
+        stat = path.stat()
+        described[label] = {"path": str(path), "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    return described
 
 
 def read_manifest(target: Path) -> dict[str, Any] | None:
@@ -206,9 +216,8 @@ def read_manifest(target: Path) -> dict[str, Any] | None:
 
 
 def output_key(inputs: dict[str, dict[str, Any]], settings: dict[str, Any]) -> str:
-    """What an output depends on: the inputs' contents (not their paths or times) and the settings."""
-    contents = {label: entry["sha256_pieces"] for label, entry in inputs.items()}
-    canonical = json.dumps({"inputs": contents, "settings": settings}, sort_keys=True, separators=(",", ":"))
+    """What an output depends on: its inputs (path, size, mtime) and the settings."""
+    canonical = json.dumps({"inputs": inputs, "settings": settings}, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
@@ -241,34 +250,34 @@ def produce(
     `.tmp-` folder, removed by the next run.
     """
     remove_leftovers(target)
-    previous = read_manifest(target)
-    with hash_pool() as hashers:
-        inputs = InputHashes(files, previous, hashers)
-        if inputs.all_known and is_finished(target, previous, output_key(inputs.described(), settings)):
-            return False
-        target.parent.mkdir(parents=True, exist_ok=True)
-        staging = Staging(atomic.temp_name(target), hashers)
-        try:
-            write(staging)
-            described = inputs.described()
-            key = output_key(described, settings)
-            if is_finished(target, previous, key):  # touched but unchanged inputs: keep what is there
-                shutil.rmtree(staging.folder)
-                return False
-            manifest = {
-                "format": FORMAT,
-                "key": key,
-                "settings": settings,
-                "inputs": described,
-                "files": staging.file_digests(),
-                "created_unix": time.time(),
-                "versions": _versions(),
-            }
-            (staging.folder / MANIFEST).write_bytes(atomic.json_bytes(manifest))  # fsynced by publish_dir
-            atomic.replace_dir(staging.folder, target)
-        except BaseException:
-            shutil.rmtree(staging.folder, ignore_errors=True)
-            raise
+    inputs = describe_inputs(files)
+    key = output_key(inputs, settings)
+    if is_finished(target, read_manifest(target), key):
+        return False
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Staging(atomic.temp_name(target))
+    try:
+        write(staging)
+        changed = [label for label, entry in describe_inputs(files).items() if entry != inputs[label]]
+        if changed:
+            raise TemporaryError(
+                f"{inputs[changed[0]]['path']} changed while {target.name} was being made from it, so the "
+                "result would mix two versions of it and is not kept; the next start converts it again"
+            )
+        manifest = {
+            "format": FORMAT,
+            "key": key,
+            "settings": settings,
+            "inputs": inputs,
+            "files": staging.file_digests(),
+            "created_unix": time.time(),
+            "versions": _versions(),
+        }
+        (staging.folder / MANIFEST).write_bytes(atomic.json_bytes(manifest))  # fsynced by publish_dir
+        atomic.replace_dir(staging.folder, target)
+    except BaseException:
+        shutil.rmtree(staging.folder, ignore_errors=True)
+        raise
     return True
 
 

@@ -1,11 +1,11 @@
-"""A safetensors file laid out in one memory buffer, so tensors are computed straight into their place.
+"""The layout of a safetensors file, so that tensors can be computed straight into the bytes being written.
 
 safetensors' own writers either write the file themselves (`save_file`: no chance to hash the bytes
 on the way, so they would be read back to be hashed) or return the whole file as a new `bytes`
-(`save`: one more copy of every tensor). The format is small enough to lay out here
-(https://huggingface.co/docs/safetensors: an 8-byte little-endian header length, a JSON header of
-dtype, shape and byte offsets per tensor, padded with spaces to 8 bytes, then the tensors' bytes),
-and the tests read every file written with safetensors itself, mlx-lm and transformers.
+(`save`: one more copy of every tensor, all of it in memory at once). The format is small enough to
+lay out here (https://huggingface.co/docs/safetensors: an 8-byte little-endian header length, a JSON
+header of dtype, shape and byte offsets per tensor, padded with spaces to 8 bytes, then the tensors'
+bytes), and the tests read every file written with safetensors itself, mlx-lm and transformers.
 """
 
 from __future__ import annotations
@@ -31,47 +31,49 @@ _NAMES = {
 }
 
 
-@dataclass
-class TensorFile:
-    buffer: torch.Tensor  # uint8: the whole file, header included
-    slots: dict[
-        str, torch.Tensor
-    ]  # views into `buffer` in file order, one per tensor, for the caller to fill
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
 
-    def bytes(self) -> memoryview:
-        return memoryview(self.buffer.numpy()).cast("B")
-
-    def end(self, name: str) -> int:
-        """Where the bytes of tensor `name` end in the file."""
-        slot = self.slots[name]
-        return slot.data_ptr() - self.buffer.data_ptr() + slot.nbytes
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
-def layout(specs: dict[str, tuple[torch.dtype, tuple[int, ...]]], metadata: dict[str, str]) -> TensorFile:
-    """Allocate a file for tensors named and shaped as in `specs` ({name: (dtype, shape)}); unfilled."""
+@dataclass(frozen=True)
+class TensorLayout:
+    header: bytes  # the 8-byte header length and the JSON header: the file's first bytes
+    tensors: list[Entry]  # in file order; their bytes follow the header back to back
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.header) + sum(entry.nbytes for entry in self.tensors)
+
+
+def layout(specs: dict[str, tuple[torch.dtype, tuple[int, ...]]], metadata: dict[str, str]) -> TensorLayout:
+    """The file for tensors named and shaped as in `specs` ({name: (dtype, shape)}).
+
+    Widest elements first (as safetensors orders them): every tensor then starts at an offset that is
+    a multiple of its element size, counted from the file's start or from any earlier tensor's start.
+    """
     for name, (dtype, _shape) in specs.items():
         if dtype not in _NAMES:
             raise ValueError(f"tensor {name}: dtype {dtype} is not written by trainpod's safetensors layout")
-    # Widest elements first (as safetensors orders them), so every tensor starts aligned to its size.
-    order = sorted(specs, key=lambda name: (-specs[name][0].itemsize, name))
+    entries = [
+        Entry(name, specs[name][0], tuple(specs[name][1]))
+        for name in sorted(specs, key=lambda name: (-specs[name][0].itemsize, name))
+    ]
     header: dict[str, object] = {"__metadata__": metadata}
-    offsets, end = {}, 0
-    for name in order:
-        dtype, shape = specs[name]
-        size = math.prod(shape) * dtype.itemsize
-        header[name] = {"dtype": _NAMES[dtype], "shape": list(shape), "data_offsets": [end, end + size]}
-        offsets[name] = end
-        end += size
+    end = 0
+    for entry in entries:
+        header[entry.name] = {
+            "dtype": _NAMES[entry.dtype],
+            "shape": list(entry.shape),
+            "data_offsets": [end, end + entry.nbytes],
+        }
+        end += entry.nbytes
     header_bytes = json.dumps(header, separators=(",", ":")).encode()
     header_bytes += b" " * (-len(header_bytes) % 8)
-    start = 8 + len(header_bytes)
-    buffer = torch.empty(start + end, dtype=torch.uint8)
-    buffer[:start] = torch.frombuffer(
-        bytearray(struct.pack("<Q", len(header_bytes)) + header_bytes), dtype=torch.uint8
-    )
-    slots = {}
-    for name in order:
-        dtype, shape = specs[name]
-        size = math.prod(shape) * dtype.itemsize
-        slots[name] = buffer[start + offsets[name] : start + offsets[name] + size].view(dtype).view(shape)
-    return TensorFile(buffer, slots)
+    return TensorLayout(struct.pack("<Q", len(header_bytes)) + header_bytes, entries)

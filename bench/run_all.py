@@ -2,6 +2,8 @@
 written to BENCHMARKS.md with the machine it ran on.
 
     python bench/run_all.py [--quick] [--only datagen,pretrain,checkpoint]
+
+With --only, the named benchmarks' sections of an existing BENCHMARKS.md are replaced and the others kept.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import datetime
 import importlib
 import os
 import platform
+import re
 import sys
 from pathlib import Path
 
@@ -92,9 +95,30 @@ def main() -> int:
         "",
     ]
     sections.append(gpu_section())
-    Path(args.out).write_text("\n".join(header + sections))
-    print(f"wrote {args.out}")
+    out = Path(args.out)
+    if args.only and out.exists():
+        # A subset rewrites its own sections and keeps the others, so one slow bench can be rerun alone.
+        sections = merge_sections(split_sections(out.read_text())[1], sections)
+    out.write_text("\n".join(header + sections))
+    print(f"wrote {out}")
     return 0
+
+
+def split_sections(text: str) -> tuple[str, list[str]]:
+    """(what precedes the first `## ` heading, each `## ` section with its text up to the next one)."""
+    parts = re.split(r"(?m)^(?=## )", text)
+    return parts[0], [part.rstrip("\n") + "\n" for part in parts[1:]]
+
+
+def _heading(section: str) -> str:
+    return section.split("\n", 1)[0]
+
+
+def merge_sections(existing: list[str], fresh: list[str]) -> list[str]:
+    """`existing` with each section of `fresh` in the place of the one of the same heading (new ones last)."""
+    by_heading = {_heading(section): section for section in fresh}
+    merged = [by_heading.pop(_heading(section), section) for section in existing]
+    return merged + list(by_heading.values())
 
 
 if __name__ == "__main__":

@@ -164,6 +164,20 @@ def test_files_hashed_while_written_carry_the_sha256_of_their_bytes_on_disk(tmp_
     )
 
 
+def test_a_fill_that_fails_is_the_error_reported(tmp_path: Path) -> None:
+    specs = {f"t{i}": (torch.float32, (output.CHUNK_BYTES // 8,)) for i in range(6)}  # several chunks
+
+    def fill(name: str, slot: torch.Tensor) -> None:
+        if name == "t4":
+            raise ValueError("no such tensor in the base")
+        slot.zero_()
+
+    staging = output.Staging(tmp_path / "out")
+    staging.folder.mkdir()
+    with pytest.raises(ValueError, match="no such tensor in the base"):
+        staging.write_tensors("t.safetensors", tensorfile.layout(specs, {}), fill)
+
+
 def test_a_rewritten_adapter_is_converted_again_to_the_same_bytes(tmp_path: Path, base: Path) -> None:
     # Inputs are known by path, size and mtime, not read: a new mtime means converting again.
     vol = Volume(tmp_path / "volume")

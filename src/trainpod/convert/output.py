@@ -183,14 +183,16 @@ class _StreamedFile:
 
     def __exit__(self, exc_type: Any, *_: Any) -> None:
         try:
-            self._hand_on()
-            # After the last write, on the writer thread: the disk flushes while the last chunks are hashed.
-            synced = self._writer.submit(self._flush.finish) if exc_type is None else None
-            while self._in_flight:
-                self._release_oldest()
-            if synced is not None:
+            if exc_type is None:
+                self._hand_on()
+                # After the last write, on the writer thread: the disk flushes while the last chunks are hashed.
+                synced = self._writer.submit(self._flush.finish)
+                while self._in_flight:
+                    self._release_oldest()
                 synced.result()
                 self.sha256 = self._digest.hexdigest()
+            # else the file is abandoned (its folder is removed): the threads finish what they hold, and
+            # the caller's exception is the one reported, not a second one from a write that followed it.
         finally:
             self._writer.shutdown()
             self._hasher.shutdown()

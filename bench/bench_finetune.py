@@ -33,7 +33,7 @@ from trainpod.sft import load_sft, sft_key  # noqa: E402
 from trainpod.train.distributed import init_distributed  # noqa: E402
 from trainpod.volume import Volume  # noqa: E402
 from trainpod.workloads.context import RunContext  # noqa: E402
-from trainpod.workloads.finetune import Finetuner  # noqa: E402
+from trainpod.workloads.finetune import Finetuner, peft_lora_config  # noqa: E402
 
 from finetune_support import BASE, SFT_FILE, make_base_model  # noqa: E402
 
@@ -112,7 +112,7 @@ def trainpod_run(volume: Path, steps: int, packing: bool) -> tuple[float, int, f
 def trainer_baseline(volume: Path, steps: int) -> tuple[float, int]:
     """What users write by hand: transformers' Trainer, peft LoRA, DataCollatorForSeq2Seq padding."""
     from datasets import Dataset
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
     from transformers import (
         AutoModelForCausalLM,
         AutoTokenizer,
@@ -132,17 +132,7 @@ def trainer_baseline(volume: Path, steps: int) -> tuple[float, int]:
     tokenizer = AutoTokenizer.from_pretrained(str(volume / BASE))
     torch.manual_seed(cfg.train.seed)
     model = AutoModelForCausalLM.from_pretrained(str(volume / BASE), dtype=torch.float32)
-    lora = cfg.lora
-    model = get_peft_model(
-        model,
-        LoraConfig(
-            r=lora.r,
-            lora_alpha=lora.alpha,
-            lora_dropout=lora.dropout,
-            target_modules=lora.target_modules,
-            task_type="CAUSAL_LM",
-        ),
-    )
+    model = get_peft_model(model, peft_lora_config(cfg.lora))  # the same adapters as trainpod's
     t = cfg.train
     args = TrainingArguments(
         output_dir=str(volume / "trainer-baseline"),

@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trainpod import atomic
 from trainpod.checkpoint import PendingCheckpoint
-from trainpod.config.finetune import BaseModelConfig, FinetuneConfig
+from trainpod.config.finetune import BaseModelConfig, FinetuneConfig, LoraSettings
 from trainpod.errors import InputError, TemporaryError
 from trainpod.sft import IGNORE_INDEX, SftBatches, eval_batches, load_sft, prepare_sft, sft_key
 from trainpod.train import distributed as D
@@ -185,7 +185,7 @@ class Finetuner(Trainer):
             )
 
     def _setup_model(self) -> None:
-        from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+        from peft import get_peft_model, prepare_model_for_kbit_training
 
         cfg, t, device = self.cfg, self.train_cfg, self.dist.device
         self.autocast_dtype = autocast_dtype(t.precision, device)
@@ -231,19 +231,7 @@ class Finetuner(Trainer):
         self._check_vocabulary(model)
         self._check_positions(model)
         if self.method != "full":
-            lora = cfg.lora
-            model = get_peft_model(
-                model,
-                LoraConfig(
-                    r=lora.r,
-                    lora_alpha=lora.alpha,
-                    lora_dropout=lora.dropout,
-                    target_modules=lora.target_modules,
-                    use_rslora=lora.use_rslora,
-                    bias="none",
-                    task_type="CAUSAL_LM",
-                ),
-            )
+            model = get_peft_model(model, peft_lora_config(cfg.lora))
         self.model = model
         self.trainable = {name: p for name, p in model.named_parameters() if p.requires_grad}
         self.n_trainable = sum(p.numel() for p in self.trainable.values())
@@ -517,6 +505,21 @@ class Finetuner(Trainer):
             "packing_efficiency": round(self.batches.packing_efficiency, 4),
             "wandb_run_id": self.tracker_run_id,
         }
+
+
+def peft_lora_config(lora: LoraSettings):
+    """peft's LoraConfig for the config's lora section (also the finetune benchmark's baseline's)."""
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=lora.target_modules,
+        use_rslora=lora.use_rslora,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
 
 
 def _keep_cpu_4bit_layout(model: torch.nn.Module) -> None:

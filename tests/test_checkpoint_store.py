@@ -152,10 +152,10 @@ def test_a_failed_write_back_fails_the_file_instead_of_going_unnoticed(tmp_path)
     # fdatasync on a pipe fails (EINVAL) as it would on a disk with an I/O error.
     read_end, write_end = os.pipe()
     try:
-        with atomic.WriteBehind(write_end) as flush, pytest.raises(OSError):
+        with atomic.WriteBehind(write_end, every_bytes=1) as flush, pytest.raises(OSError):
             for _ in range(1000):
                 os.write(write_end, b"x")
-                flush.nudge()
+                flush.nudge(1)
                 time.sleep(0.001)
     finally:
         os.close(read_end)

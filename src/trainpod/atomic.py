@@ -46,22 +46,29 @@ class WriteBehind:
         with open(path, "wb", buffering=0) as f, WriteBehind(f.fileno()) as flush:
             for part in parts:
                 f.write(part)
-                flush.nudge()  # from one thread at a time
-            flush.finish()     # raises the first write-back error; the file is durable after it
+                flush.nudge(len(part))  # from one thread at a time
+            flush.finish()              # raises the first write-back error; the file is durable after it
     """
 
-    def __init__(self, fd: int):
+    def __init__(self, fd: int, every_bytes: int = 32 << 20):
         self._fd = fd
+        self._every_bytes = every_bytes  # a flush per small write would only queue round trips to the disk
+        self._unflushed = 0
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="write-behind")
         self._flushing: Future | None = None
 
-    def nudge(self) -> None:
-        """Start flushing what was written so far, unless the previous flush is still running."""
+    def nudge(self, nbytes: int) -> None:
+        """`nbytes` more were written: once `every_bytes` have come since the last flush began, start
+        flushing everything written so far, unless that flush is still running."""
+        self._unflushed += nbytes
+        if self._unflushed < self._every_bytes:
+            return
         if self._flushing is not None:
             if not self._flushing.done():
                 return
             # A failed flush must fail the file: Linux may report a write-back error to one fsync only.
             self._flushing.result()
+        self._unflushed = 0
         self._flushing = self._thread.submit(os.fdatasync, self._fd)
 
     def finish(self) -> None:

@@ -99,8 +99,9 @@ class _HashingFile:
             self._digests.append(self._hashers.submit(_piece_digest, rest[start : start + PIECE_BYTES]))
         self._partial += rest[whole:]
         for start in range(0, len(view), PIECE_BYTES):
-            self._raw.write(view[start : start + PIECE_BYTES])
-            self._flush.nudge()
+            piece = view[start : start + PIECE_BYTES]
+            self._raw.write(piece)
+            self._flush.nudge(len(piece))
         self.size += len(view)
         return len(view)
 

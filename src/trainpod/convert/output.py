@@ -165,7 +165,7 @@ class _StreamedFile:
     def _write(self, chunk: memoryview) -> None:
         """On the writer thread, in file order."""
         _write_all(self._file, chunk)
-        self._flush.nudge()
+        self._flush.nudge(len(chunk))
 
     def _take(self, nbytes: int) -> torch.Tensor:
         if len(self._in_flight) >= CHUNK_BUFFERS:

@@ -157,7 +157,7 @@ def run(workdir: Path, quick: bool = False) -> str:
     workdir = workdir.resolve()  # the merge task names its inputs by path; relative ones are volume-relative
     workdir.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(os.cpu_count() or 2)
-    adapter_layers, base_layers, trials = (4, 1, 2) if quick else (32, 4, 6)
+    adapter_layers, base_layers, trials = (4, 1, 2) if quick else (32, 4, 10)
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
         volume = Volume(Path(tmp))
         adapter = volume.run("bench").export / "adapter"

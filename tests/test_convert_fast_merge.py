@@ -164,6 +164,32 @@ def test_files_hashed_while_written_carry_the_sha256_of_their_bytes_on_disk(tmp_
     )
 
 
+def test_tensors_read_from_their_offsets_equal_what_safetensors_loads(tmp_path: Path) -> None:
+    generator = torch.Generator().manual_seed(0)
+    tensors = {
+        "w": torch.randn(5, 3, generator=generator),
+        "half": torch.randn(7, generator=generator).to(torch.bfloat16),
+        "double": torch.randn(2, 2, generator=generator).double(),
+        "scalar": torch.tensor(3, dtype=torch.int8),
+        "nothing": torch.zeros(0, 4, dtype=torch.float16),
+    }
+    path = tmp_path / "model.safetensors"
+    safetensors.torch.save_file(tensors, path, metadata={"format": "pt"})
+    index = tensorfile.read_index(path)
+    assert index.keys() == tensors.keys()
+    with open(path, "rb") as f:
+        for name, expected in tensors.items():
+            stored = index[name]
+            assert (stored.dtype, stored.shape) == (expected.dtype, tuple(expected.shape)), name
+            out = torch.full(stored.shape, 9, dtype=stored.dtype)
+            tensorfile.read_into(f.fileno(), stored, out)
+            assert torch.equal(out, expected), name
+        # A file cut short after its header was read has changed under the conversion: exit 75.
+        os.truncate(path, index["w"].offset + 4)
+        with pytest.raises(TemporaryError, match="truncated while being converted"):
+            tensorfile.read_into(f.fileno(), index["w"], torch.empty(5, 3))
+
+
 def test_a_fill_that_fails_is_the_error_reported(tmp_path: Path) -> None:
     specs = {f"t{i}": (torch.float32, (output.CHUNK_BYTES // 8,)) for i in range(6)}  # several chunks
 

@@ -5,7 +5,8 @@ round trip for QLoRA's dequantized base), exactly the operations, in the same or
 peft's `LoraLayer.merge` (`get_delta_weight`, then `weight += delta`), so the result is the same as
 `merge_and_unload()`, bit for bit; every other tensor is cast as it is. Each tensor is computed
 straight into its place in the output shard's buffer, which is hashed and written while the next
-tensors are computed. Against peft's path (transformers builds the fp32 model, peft wraps every
+tensors are computed; a tensor kept as it is (the embeddings, the output head, the norms) is read from
+the base file straight into that place. Against peft's path (transformers builds the fp32 model, peft wraps every
 target in a LoraLayer, merges, save_pretrained writes, the manifest reads the files back) this skips
 the model construction, the adapter injection and one full read of the output.
 
@@ -23,7 +24,6 @@ from typing import Any
 
 import torch
 from huggingface_hub import split_torch_state_dict_into_shards
-from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
 from trainpod.convert import tensorfile
@@ -53,13 +53,11 @@ def skeleton(base_dir: Path) -> PreTrainedModel:
 _FLOATING = {"F64", "F32", "F16", "BF16"}  # safetensors' dtype names
 
 
-def base_tensors(base_dir: Path) -> dict[str, tuple[Path, str, tuple[int, ...]]]:
-    """{name: (file, safetensors dtype name, shape)} from the headers of the base's weight files."""
+def base_tensors(base_dir: Path) -> dict[str, tensorfile.StoredTensor]:
+    """Every tensor of the base's weight files, from their headers."""
     found = {}
     for path in sorted(base_dir.glob("*.safetensors")):
-        with safe_open(path, "pt") as f:
-            for key in f.keys():  # noqa: SIM118 - safe_open handles have keys(), not iteration
-                found[key] = (path, f.get_slice(key).get_dtype(), tuple(f.get_slice(key).get_shape()))
+        found.update(tensorfile.read_index(path))
     return found
 
 
@@ -76,7 +74,7 @@ def reason_for_peft(adapter: PeftAdapter, model: PreTrainedModel, base_dir: Path
     stored = base_tensors(base_dir)
     if set(stored) != set(model.state_dict()):
         return "the base model's stored weight names differ from its modules' (renamed on load)"
-    if any(dtype not in _FLOATING for _path, dtype, _shape in stored.values()):
+    if any(tensor.dtype_name not in _FLOATING for tensor in stored.values()):
         return "the base model stores tensors that are not floating point"
     modules = dict(model.named_modules())
     for module in adapter.modules.values():
@@ -101,7 +99,7 @@ def write_merged(
     """
     stored = base_tensors(base_dir)
     target = DTYPES[dtype]
-    shapes = {name: torch.empty(shape, dtype=target, device="meta") for name, (_, _, shape) in stored.items()}
+    shapes = {name: torch.empty(tensor.shape, dtype=target, device="meta") for name, tensor in stored.items()}
     split = split_torch_state_dict_into_shards(
         shapes, filename_pattern="model{suffix}.safetensors", max_shard_size=max_shard_size
     )
@@ -116,13 +114,20 @@ def write_merged(
     lora = {f"{m.name}.weight": m for m in adapter.modules.values()}
     staging.folder.mkdir(parents=True)
     with ExitStack() as stack:
-        handles = {
-            path: stack.enter_context(safe_open(path, "pt")) for path in {p for p, _, _ in stored.values()}
+        files = {
+            path: stack.enter_context(open(path, "rb", buffering=0))  # noqa: SIM115 - closed by the stack
+            for path in {tensor.path for tensor in stored.values()}
         }
+        scratch = _Scratch()
 
         def fill(name: str, slot: torch.Tensor) -> None:
-            weight = handles[stored[name][0]].get_tensor(name)
-            if name not in lora and name not in round_tripped:
+            source = stored[name]
+            kept = name not in lora and name not in round_tripped
+            if kept and source.dtype == slot.dtype:
+                tensorfile.read_into(files[source.path].fileno(), source, slot)
+                return
+            weight = scratch.read(files[source.path].fileno(), source)
+            if kept:
                 slot.copy_(weight)
                 return
             weight = weight.float()
@@ -141,7 +146,7 @@ def write_merged(
                 slot.copy_(merged)
 
         for shard, names in split.filename_to_tensors.items():
-            specs = {name: (target, stored[name][2]) for name in names}
+            specs = {name: (target, stored[name].shape) for name in names}
             staging.write_tensors(shard, tensorfile.layout(specs, {"format": "pt"}), fill)
     if split.is_sharded:
         index = {
@@ -152,6 +157,20 @@ def write_merged(
             "model.safetensors.index.json", (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
         )
     _write_configs(model, base_dir, staging.folder, dtype)
+
+
+class _Scratch:
+    """One buffer, grown to the largest tensor read through it, holding the base tensor being merged."""
+
+    def __init__(self) -> None:
+        self._buffer = torch.empty(0, dtype=torch.uint8)
+
+    def read(self, fd: int, tensor: tensorfile.StoredTensor) -> torch.Tensor:
+        if len(self._buffer) < tensor.nbytes:
+            self._buffer = torch.empty(tensor.nbytes, dtype=torch.uint8)
+        weight = self._buffer[: tensor.nbytes].view(tensor.dtype).view(tensor.shape)
+        tensorfile.read_into(fd, tensor, weight)
+        return weight
 
 
 def _write_configs(model: PreTrainedModel, base_dir: Path, folder: Path, dtype: str) -> None:

@@ -6,6 +6,7 @@ outputs hashed while being written carry the same sha256 as the files on disk.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -121,9 +122,65 @@ def sha256_of(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def test_files_hashed_while_written_carry_the_sha256_of_their_bytes_on_disk(tmp_path: Path) -> None:
+class DirectWrites:
+    """Counts the bytes written through O_DIRECT descriptors; `refuse_after` makes the filesystem refuse
+    direct writes (EINVAL) once that many calls went through, the last one only half written."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, mode: str):
+        self.direct_fds: set[int] = set()
+        self.direct_bytes = 0
+        self.calls = 0
+        self.refuse_after = 2 if mode == "direct refused mid-file" else None
+        open_direct, pwrite_all = output._open_direct, output._pwrite_all
+
+        def counting_open(path: Path) -> int | None:
+            fd = None if mode == "page cache only" else open_direct(path)
+            if fd is not None:
+                self.direct_fds.add(fd)
+            return fd
+
+        def counting_pwrite(fd: int, data: memoryview, offset: int) -> None:
+            if fd in self.direct_fds and len(data):
+                self.calls += 1
+                if self.refuse_after is not None and self.calls > self.refuse_after:
+                    pwrite_all(fd, data[: len(data) // 2 // 4096 * 4096], offset)
+                    self.direct_fds.discard(fd)  # closed by the writer; its number may be reused
+                    raise OSError(errno.EINVAL, "Invalid argument")
+                self.direct_bytes += len(data)
+            pwrite_all(fd, data, offset)
+
+        monkeypatch.setattr(output, "_open_direct", counting_open)
+        monkeypatch.setattr(output, "_pwrite_all", counting_pwrite)
+
+
+def direct_writes_work_in(folder: Path) -> bool:
+    probe = folder / "direct-probe"
+    probe.touch()
+    fd = output._open_direct(probe)
+    if fd is None:
+        return False
+    buffer = output._ChunkBuffers().take(4096)[:4096]
+    try:
+        os.pwrite(fd, memoryview(buffer.numpy()), 0)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+        probe.unlink()
+
+
+@pytest.mark.parametrize("mode", ["direct", "page cache only", "direct refused mid-file"])
+def test_files_hashed_while_written_carry_the_sha256_of_their_bytes_on_disk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
     # Tensors spanning several chunks: one larger than a chunk, small ones that end a chunk early, and
     # more chunks than buffers, so buffers are reused; files written by hand are hashed from the disk.
+    # Whole blocks go direct where the filesystem allows it, and every byte through the page cache where
+    # it does not, or stops allowing it mid-file.
+    if mode != "page cache only" and not direct_writes_work_in(tmp_path):
+        pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT writes")
+    direct = DirectWrites(monkeypatch, mode)
     small = output.CHUNK_BYTES // 4 // 3  # three of them leave a quarter of a chunk: the next does not fit
     specs = {
         "big": (torch.float32, (output.CHUNK_BYTES // 4 + 5,)),
@@ -162,6 +219,12 @@ def test_files_hashed_while_written_carry_the_sha256_of_their_bytes_on_disk(tmp_
         safetensors.torch.load_file(tmp_path / "out" / "again.safetensors")["x"],
         torch.ones(3, 7, dtype=torch.bfloat16),
     )
+    if mode == "direct":  # all but the partial blocks at the chunks' ends went direct
+        assert direct.direct_bytes > (tmp_path / "out" / "t.safetensors").stat().st_size - 10 * 4096
+    elif mode == "page cache only":
+        assert direct.direct_bytes == 0
+    else:
+        assert direct.calls > direct.refuse_after, "the refusal must have happened mid-file"
 
 
 def test_tensors_read_from_their_offsets_equal_what_safetensors_loads(tmp_path: Path) -> None:

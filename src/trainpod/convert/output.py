@@ -14,11 +14,19 @@ from memory while the same bytes go to the disk, never read back: the caller fil
 into a reusable chunk buffer (memory already mapped: a fresh buffer per file costs a page fault
 per 4 KiB, as long as the copy itself), and each full chunk goes to a writer thread and a hashing
 thread at once (both release the GIL), so filling, writing and hashing overlap.
+
+The writer sends the chunks' whole 4 KiB blocks to the disk with O_DIRECT, where the filesystem
+allows it, and only the partial blocks at their ends through the page cache. An output is read by
+another process or machine later, never by this one now, and a buffered write spends as much CPU as
+the hashing to put each page in the cache (measured on 2 cores: 0.1-1.3 s of kernel time per
+450 MB, swinging with the host, against 0.02 s for the same bytes written direct). Where O_DIRECT is
+refused (some FUSE mounts, tmpfs), every byte goes through the page cache, flushed behind the writes.
 """
 
 from __future__ import annotations
 
 import collections
+import errno
 import hashlib
 import json
 import logging
@@ -43,6 +51,9 @@ MANIFEST = "manifest.json"
 FORMAT = "trainpod-convert/2"  # 1 hashed inputs' contents in 32 MiB pieces; its outputs are converted again
 CHUNK_BYTES = 32 << 20  # large enough that a chunk's write and hash dwarf the hand-over between threads
 CHUNK_BUFFERS = 3  # one being filled, one being written and hashed, one spare against uneven speeds
+# O_DIRECT wants buffer addresses, file offsets and lengths in multiples of the device's logical block
+# size (512 B or 4 KiB); 4 KiB serves both.
+DIRECT_ALIGN = 4096
 
 
 class Staging:
@@ -102,11 +113,6 @@ def _file_sha256(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def _write_all(file: Any, data: memoryview) -> None:
-    while data:
-        data = data[file.write(data) :]  # an unbuffered write may take fewer bytes than offered
-
-
 class _ChunkBuffers:
     """Chunk-sized uint8 buffers kept across the files of one output, so their pages are mapped once."""
 
@@ -114,9 +120,14 @@ class _ChunkBuffers:
         self.free: list[torch.Tensor] = []
 
     def take(self, nbytes: int) -> torch.Tensor:
+        """A buffer starting at a DIRECT_ALIGN-aligned address with room for `nbytes` after up to
+        DIRECT_ALIGN bytes of lead-in; a tensor larger than a chunk gets a buffer of its size."""
         buffer = self.free.pop() if self.free else None
-        if buffer is None or len(buffer) < nbytes:  # a tensor larger than a chunk gets a buffer of its size
-            buffer = torch.empty(max(nbytes, CHUNK_BYTES), dtype=torch.uint8)
+        if buffer is None or len(buffer) < nbytes + DIRECT_ALIGN:
+            size = max(nbytes, CHUNK_BYTES) + DIRECT_ALIGN
+            raw = torch.empty(size + DIRECT_ALIGN, dtype=torch.uint8)
+            lead = -raw.data_ptr() % DIRECT_ALIGN
+            buffer = raw[lead : lead + size]
         return buffer
 
 
@@ -124,48 +135,79 @@ class _StreamedFile:
     """A file written chunk by chunk from reused buffers: the caller fills a chunk through `reserve`,
     and each full chunk is handed to a writer thread and a hashing thread while the next one is filled.
 
-    The disk flushes behind the writes (atomic.WriteBehind), so the fsync at the end waits for the last
-    chunks only, not the whole file.
+    A chunk's bytes start in their buffer at the same offset modulo DIRECT_ALIGN as in the file, so its
+    whole blocks can be written with O_DIRECT straight from the buffer. The partial blocks at the ends
+    of the chunks go through the page cache, flushed behind the writes (atomic.WriteBehind), and so does
+    everything where the filesystem refuses O_DIRECT; the fsync at the end makes all of it durable.
     """
 
     def __init__(self, path: Path, buffers: _ChunkBuffers):
         self.sha256 = ""
         self._buffers = buffers
         self._file = open(path, "wb", buffering=0)  # noqa: SIM115 - closed in __exit__
+        self._direct = _open_direct(path)
         self._digest = hashlib.sha256()
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="convert-write")
         self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="convert-sha256")
         self._flush = atomic.WriteBehind(self._file.fileno())
         self._in_flight: collections.deque[tuple[torch.Tensor, Future, Future]] = collections.deque()
         self._buffer: torch.Tensor | None = None
+        self._position = 0  # where in the file the current buffer's bytes go
+        self._lead = 0  # where in the current buffer its bytes start
         self._used = 0
 
     def reserve(self, nbytes: int) -> torch.Tensor:
         """The next `nbytes` of the file, as a uint8 tensor for the caller to fill before the next call.
 
-        A chunk ends before a tensor that does not fit, so every tensor is contiguous in one buffer and
-        starts at the same alignment relative to its buffer as in the file (tensorfile.layout)."""
-        if self._buffer is None or self._used + nbytes > len(self._buffer):
+        A chunk ends before a tensor that does not fit, so every tensor is contiguous in one buffer, at
+        an address with the alignment of its offset in the file (tensorfile.layout aligns those)."""
+        if self._buffer is None or self._lead + self._used + nbytes > len(self._buffer):
             self._hand_on()
             self._buffer = self._take(nbytes)
-        slot = self._buffer[self._used : self._used + nbytes]
+            self._lead = self._position % DIRECT_ALIGN
+        start = self._lead + self._used
         self._used += nbytes
-        return slot
+        return self._buffer[start : start + nbytes]
 
     def _hand_on(self) -> None:
         if self._buffer is not None and self._used:
-            chunk = memoryview(self._buffer.numpy())[: self._used]
-            written = self._writer.submit(self._write, chunk)
+            chunk = memoryview(self._buffer.numpy())[self._lead : self._lead + self._used]
+            written = self._writer.submit(self._write, self._position, chunk)
             hashed = self._hasher.submit(self._digest.update, chunk)  # one thread: in file order
             self._in_flight.append((self._buffer, written, hashed))
+            self._position += self._used
         elif self._buffer is not None:
             self._buffers.free.append(self._buffer)
         self._buffer, self._used = None, 0
 
-    def _write(self, chunk: memoryview) -> None:
-        """On the writer thread, in file order."""
-        _write_all(self._file, chunk)
-        self._flush.nudge(len(chunk))
+    def _write(self, offset: int, chunk: memoryview) -> None:
+        """On the writer thread, in file order: the whole blocks direct, the partial ones at the ends buffered."""
+        end = offset + len(chunk)
+        direct_start = min(-(-offset // DIRECT_ALIGN) * DIRECT_ALIGN, end)
+        direct_end = max(direct_start, end // DIRECT_ALIGN * DIRECT_ALIGN)
+        self._write_buffered(offset, chunk[: direct_start - offset])
+        self._write_direct(direct_start, chunk[direct_start - offset : direct_end - offset])
+        self._write_buffered(direct_end, chunk[direct_end - offset :])
+
+    def _write_buffered(self, offset: int, data: memoryview) -> None:
+        _pwrite_all(self._file.fileno(), data, offset)
+        self._flush.nudge(len(data))
+
+    def _write_direct(self, offset: int, data: memoryview) -> None:
+        if self._direct is None:
+            self._write_buffered(offset, data)
+            return
+        try:
+            _pwrite_all(self._direct, data, offset)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise  # a full disk, an I/O error: the file fails
+            # The filesystem took the O_DIRECT open but not the write: the page cache from here on.
+            # (A write refused with EINVAL has written nothing; a partial one is written again, whole.)
+            log.info("%s: direct writes refused (%s); writing through the page cache", self._file.name, exc)
+            os.close(self._direct)
+            self._direct = None
+            self._write_buffered(offset, data)
 
     def _take(self, nbytes: int) -> torch.Tensor:
         if len(self._in_flight) >= CHUNK_BUFFERS:
@@ -197,7 +239,25 @@ class _StreamedFile:
             self._writer.shutdown()
             self._hasher.shutdown()
             self._flush.close()
+            if self._direct is not None:
+                os.close(self._direct)
             self._file.close()
+
+
+def _open_direct(path: Path) -> int | None:
+    """A second descriptor of `path` for O_DIRECT writes; None where the platform or filesystem has none."""
+    if not hasattr(os, "O_DIRECT"):
+        return None
+    try:
+        return os.open(path, os.O_WRONLY | os.O_DIRECT)
+    except OSError:
+        return None
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while data:
+        written = os.pwrite(fd, data, offset)  # may take fewer bytes than offered
+        data, offset = data[written:], offset + written
 
 
 def describe_inputs(files: dict[str, Path]) -> dict[str, dict[str, Any]]:

@@ -35,7 +35,7 @@ VOCAB_SIZE = 8192
 TRAIN_SAMPLE_DOCUMENTS = 20_000
 FILES_PER_CORPUS = 5
 MEMORY_TOLERANCE = 0.10
-REPEATS = 3
+REPEATS = 5
 
 
 def make_corpus(folder: Path, megabytes: float) -> Path:

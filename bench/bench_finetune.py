@@ -3,7 +3,8 @@
     python bench/bench_finetune.py [--quick]
 
 Same tiny Llama, same tokenized SFT samples (short instruction rows), same LoRA settings, micro
-batch, optimizer, schedule and thread count. Tokens/s counts real (non-padding) tokens.
+batch, optimizer, schedule and thread count; the Trainer is fed trainpod's padded batches in
+trainpod's order. Tokens/s counts real (non-padding) tokens.
 1. trainpod without packing (padded batches, as the baseline) vs the Trainer: target >= 1.0x.
 2. trainpod with packing vs the same Trainer baseline: target >= 1.5x; packing efficiency reported.
 Both time their training loops only (model load and data preparation are outside both); trainpod's
@@ -30,7 +31,7 @@ import torch  # noqa: E402
 from trainpod.config import load_config  # noqa: E402
 from trainpod.config.finetune import FinetuneConfig  # noqa: E402
 from trainpod.preemption import PreemptionWatch  # noqa: E402
-from trainpod.sft import load_sft, sft_key  # noqa: E402
+from trainpod.sft import SftBatches, load_sft, sft_key  # noqa: E402
 from trainpod.train.distributed import init_distributed  # noqa: E402
 from trainpod.volume import Volume  # noqa: E402
 from trainpod.workloads.context import RunContext  # noqa: E402
@@ -110,10 +111,29 @@ def trainpod_run(volume: Path, steps: int, packing: bool) -> tuple[float, int, f
     return elapsed, trainer.progress.tokens_seen, trainer.batches.packing_efficiency
 
 
+def trainpod_padded_rows(volume: Path, steps: int) -> dict[str, list[list[int]]]:
+    """The rows of trainpod's first `steps` padded micro batches, in its order, padding removed."""
+    cfg = bench_config(steps, packing=False)
+    data = load_sft(volume / "cache" / "sft" / sft_key(cfg.data.sft, volume / BASE))
+    batches = SftBatches(data.train, MICRO_BATCH, CUTOFF, False, cfg.train.seed, 0, 1, data.pad_id)
+    rows: dict[str, list[list[int]]] = {"input_ids": [], "labels": []}
+    for _ in range(steps):
+        batch = batches.next_batch()
+        for ids, labels, mask in zip(
+            batch["input_ids"], batch["labels"], batch["attention_mask"], strict=True
+        ):
+            rows["input_ids"].append(ids[mask.bool()].tolist())
+            rows["labels"].append(labels[mask.bool()].tolist())
+    return rows
+
+
 def trainer_baseline(volume: Path, steps: int) -> tuple[float, int]:
-    """What users write by hand: transformers' Trainer, peft LoRA, DataCollatorForSeq2Seq padding."""
+    """What users write by hand: transformers' Trainer, peft LoRA, DataCollatorForSeq2Seq padding; fed
+    trainpod's padded batches in trainpod's order, so both sides compute the same batches (random draws
+    of their own differed by 2-4% in padding and real tokens, which the comparison should not measure)."""
     from datasets import Dataset
     from peft import get_peft_model
+    from torch.utils.data import SequentialSampler
     from transformers import (
         AutoModelForCausalLM,
         AutoTokenizer,
@@ -122,13 +142,12 @@ def trainer_baseline(volume: Path, steps: int) -> tuple[float, int]:
         TrainingArguments,
     )
 
+    class InOrderTrainer(Trainer):
+        def _get_train_sampler(self, *args: Any, **kwargs: Any) -> SequentialSampler:
+            return SequentialSampler(self.train_dataset)
+
     cfg = bench_config(steps, packing=False)
-    folder = volume / "cache" / "sft" / sft_key(cfg.data.sft, volume / BASE)
-    samples = load_sft(folder).train  # the very token ids trainpod trains on
-    rows = [samples[i] for i in range(len(samples))]
-    dataset = Dataset.from_dict(
-        {"input_ids": [r.input_ids.tolist() for r in rows], "labels": [r.labels.tolist() for r in rows]}
-    )
+    dataset = Dataset.from_dict(trainpod_padded_rows(volume, steps))
     tokenizer = AutoTokenizer.from_pretrained(str(volume / BASE))
     torch.manual_seed(cfg.train.seed)
     model = AutoModelForCausalLM.from_pretrained(str(volume / BASE), dtype=torch.float32)
@@ -154,7 +173,7 @@ def trainer_baseline(volume: Path, steps: int) -> tuple[float, int]:
         seed=t.seed,
     )
     collator = CountingCollator(DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100))
-    trainer = Trainer(model=model, args=args, train_dataset=dataset, data_collator=collator)
+    trainer = InOrderTrainer(model=model, args=args, train_dataset=dataset, data_collator=collator)
     started = time.perf_counter()
     trainer.train()
     elapsed = time.perf_counter() - started
@@ -162,9 +181,7 @@ def trainer_baseline(volume: Path, steps: int) -> tuple[float, int]:
 
 
 class CountingCollator:
-    """Counts the real (non-padding) tokens of the batches the Trainer drew, as trainpod counts its own
-    (its random batches are not trainpod's; an estimate from the mean row length happened to be within
-    0.1% of the count here)."""
+    """Counts the real (non-padding) tokens of the batches the Trainer trains on, as trainpod counts its own."""
 
     def __init__(self, collate: Any):
         self.collate = collate

@@ -342,7 +342,6 @@ class Finetuner(Trainer):
     def train_step(self, model: torch.nn.Module, step: int) -> StepResult:
         t = self.train_cfg
         self.set_lr(cosine_with_warmup(step - 1, self.max_steps, t.lr, self.warmup_steps, t.min_lr_ratio))
-        model.train()
         micro_batches, real_tokens = [], 0
         for _ in range(t.grad_accum_steps):
             micro_batches.append(self.batches.next_batch())

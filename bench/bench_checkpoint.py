@@ -9,6 +9,7 @@ the manifest, renames the folder, fsyncs directories and replaces LATEST. Target
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import shutil
 import statistics
@@ -18,6 +19,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from abba import paired  # noqa: E402
 
 from trainpod.checkpoint import CheckpointStore  # noqa: E402
 
@@ -79,23 +82,15 @@ PAIRS = 8
 def run(workdir: Path, quick: bool = False, total_mb: int | None = None) -> str:
     total_mb = total_mb or (512 if quick else preset_checkpoint_mb())
     payloads = _payloads(total_mb)
-    raw_times, commit_times = [], []
     workdir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
-        root = Path(tmp)
-        for trial in range(PAIRS):
-            # ABBA: the order alternates, so the disk's lagging work (freeing the last trial's blocks)
-            # lands on both kinds alike.
-            runs = [
-                ("raw", lambda: raw_write(root, payloads)),
-                ("commit", lambda step=trial: commit(root, payloads, step)),
-            ]
-            for kind, measure in runs if trial % 2 == 0 else reversed(runs):
-                (raw_times if kind == "raw" else commit_times).append(measure())
-                _drop(root)
-    # Judged on the best of each: the disk here swings a single raw write + fsync by 2-4x between
-    # back-to-back trials, and interference only ever adds time, so the fastest run of each is the
-    # closest to its own cost (timeit's reasoning). The median pair ratio is shown beside it.
+        root, steps = Path(tmp), itertools.count()
+        raw_times, commit_times = paired(
+            PAIRS,
+            lambda: raw_write(root, payloads),
+            lambda: commit(root, payloads, next(steps)),
+            lambda: _drop(root),
+        )
     ratio = min(commit_times) / min(raw_times)
     pair_ratio = statistics.median(c / r for c, r in zip(commit_times, raw_times, strict=True))
     mb = sum(len(d) for d in payloads.values()) / 1e6

@@ -24,13 +24,13 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import safetensors.torch  # noqa: E402
 import torch  # noqa: E402
+from abba import paired  # noqa: E402
 
 from trainpod.config.convert import ConvertConfig  # noqa: E402
 from trainpod.config.loader import validate_tree  # noqa: E402
@@ -125,22 +125,7 @@ def convert(volume: Volume, tree: dict) -> float:
     return time.perf_counter() - started
 
 
-def paired(
-    trials: int, baseline: Callable[[], float], measured: Callable[[], float], drop: Callable[[], None]
-) -> tuple[list[float], list[float]]:
-    """ABBA pairs: the order alternates so the disk's lagging work lands on both kinds alike."""
-    base_times, measured_times = [], []
-    for trial in range(trials):
-        runs = [(base_times, baseline), (measured_times, measured)]
-        for times, fn in runs if trial % 2 == 0 else reversed(runs):
-            times.append(fn())
-            drop()
-    return base_times, measured_times
-
-
 def _row(label: str, mb: float, copy_times: list[float], work_times: list[float]) -> list[str]:
-    # Judged on the best run of each, as the checkpoint benchmark is: the disk here swings a single
-    # copy + fsync by 2-4x between back-to-back trials, and interference only ever adds time.
     copy_s, work_s = min(copy_times), min(work_times)
     ratio = copy_s / work_s
     pair_ratio = statistics.median(c / w for c, w in zip(copy_times, work_times, strict=True))

@@ -27,6 +27,7 @@ sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(REPO / "tests"))  # the tiny tokenizer and instruction rows the tests build
 
 import torch  # noqa: E402
+from abba import paired  # noqa: E402
 
 from trainpod.config import load_config  # noqa: E402
 from trainpod.config.finetune import FinetuneConfig  # noqa: E402
@@ -193,26 +194,18 @@ class CountingCollator:
 
 
 def compare(volume: Path, steps: int, packing: bool, pairs: int) -> dict[str, float]:
-    """Tokens/s of the best run of each in ABBA order, as the checkpoint and convert benchmarks judge:
-    this machine's speed drifts by tens of percent between runs and interference only slows a run
-    down. The median of the pair ratios comes along."""
-    ratios, ours_rates, base_rates, efficiency = [], [], [], 0.0
-    for pair in range(pairs):
-        first_ours = pair % 2 == 0
-        if first_ours:
-            ours_s, ours_tokens, efficiency = trainpod_run(volume, steps, packing)
-        base_s, base_tokens = trainer_baseline(volume, steps)
-        if not first_ours:
-            ours_s, ours_tokens, efficiency = trainpod_run(volume, steps, packing)
-        ours_rates.append(ours_tokens / ours_s)
-        base_rates.append(base_tokens / base_s)
-        ratios.append(ours_rates[-1] / base_rates[-1])
+    """Tokens/s of the best run of each over `pairs` ABBA pairs (abba.py), the median pair ratio beside it."""
+    base_runs, ours_runs = paired(
+        pairs, lambda: trainer_baseline(volume, steps), lambda: trainpod_run(volume, steps, packing)
+    )
+    base_rates = [tokens / seconds for seconds, tokens in base_runs]
+    ours_rates = [tokens / seconds for seconds, tokens, _efficiency in ours_runs]
     return {
         "ours": max(ours_rates),
         "baseline": max(base_rates),
         "ratio": max(ours_rates) / max(base_rates),
-        "pair_ratio": statistics.median(ratios),
-        "efficiency": efficiency,
+        "pair_ratio": statistics.median(o / b for o, b in zip(ours_rates, base_rates, strict=True)),
+        "efficiency": ours_runs[-1][2],
     }
 
 

@@ -25,6 +25,7 @@ sys.path.insert(0, str(REPO / "src"))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from abba import paired  # noqa: E402
 
 from trainpod.config import load_config  # noqa: E402
 from trainpod.config.pretrain import PretrainConfig  # noqa: E402
@@ -120,24 +121,12 @@ def bare_loop_seconds(volume: Path, steps: int) -> float:
 
 
 def throughput(volume: Path, steps: int, pairs: int = 5) -> tuple[float, float, float]:
-    """(best bare seconds, best trainer seconds, median per-pair ratio) over `pairs` back-to-back pairs.
-
-    Judged on the best run of each, as the other benchmarks are: this machine's speed drifts by tens
-    of percent between runs and interference only slows a run down. The pairs run the two loops one
-    right after the other, so the median of their ratios is shown beside it.
-    """
+    """(best bare seconds, best trainer seconds, median per-pair ratio) over `pairs` ABBA pairs (abba.py)."""
     torch.set_num_threads(2)
-    bare, ours, ratios = [], [], []
-    for pair in range(pairs):
-        # ABBA: the order alternates, so a machine that drifts slower over time favours neither.
-        if pair % 2 == 0:
-            bare.append(bare_loop_seconds(volume, steps))
-            ours.append(trainer_seconds(volume, steps))
-        else:
-            ours.append(trainer_seconds(volume, steps))
-            bare.append(bare_loop_seconds(volume, steps))
-        ratios.append(bare[-1] / ours[-1])
-    return min(bare), min(ours), statistics.median(ratios)
+    bare, ours = paired(
+        pairs, lambda: bare_loop_seconds(volume, steps), lambda: trainer_seconds(volume, steps)
+    )
+    return min(bare), min(ours), statistics.median(b / o for b, o in zip(bare, ours, strict=True))
 
 
 MICRO_MODEL = [

@@ -330,7 +330,7 @@ def run(workdir: Path, quick: bool = False) -> str:
         "## datagen",
         "",
         f"{megabytes} MB of short stories in {FILES_PER_CORPUS} files, best of {REPEATS} runs each, {VOCAB_SIZE}-token byte-level BPE, "
-        f"{workers} workers, {SHARD_TOKENS:,}-token shards, {os.cpu_count()} CPUs.",
+        f"{workers} workers (datagen: encoder threads; baseline: pool processes), {SHARD_TOKENS:,}-token shards, {os.cpu_count()} CPUs.",
         "",
         "| metric | measured | target | result |",
         "| --- | --- | --- | --- |",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import struct
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from tokenizers import Tokenizer
 from trainpod.config.datagen import DatagenConfig
 from trainpod.config.loader import load_config, validate_tree
 from trainpod.data.datagen import dataset_shards, is_validation, load_dataset_manifest, run_datagen
+from trainpod.data.encoding import MAX_THREAD_ENCODERS, PARALLELISM_VARIABLE, BatchEncoder, encode_documents
 from trainpod.data.synthetic_corpus import stories
 from trainpod.errors import ConfigError, ExitCode, InputError
 from trainpod.preemption import PreemptionWatch
@@ -82,8 +84,9 @@ def expected_stream(tokenizer: Tokenizer, documents: list[str], want_val: bool |
     return np.array(ids)
 
 
-def test_shards_hold_exactly_the_tokenizer_ids_with_eot_before_each_document(volume):
-    folder = run(make_config(), volume)
+@pytest.mark.parametrize("workers", [2, MAX_THREAD_ENCODERS + 2], ids=["threads", "threads+processes"])
+def test_shards_hold_exactly_the_tokenizer_ids_with_eot_before_each_document(volume, workers):
+    folder = run(make_config(workers=workers), volume)
     manifest = json.loads((folder / "manifest.json").read_text())
     tokenizer = Tokenizer.from_file(str(volume.tokenizer("stories") / "tokenizer.json"))
     documents = corpus_documents()
@@ -100,6 +103,32 @@ def test_shards_hold_exactly_the_tokenizer_ids_with_eot_before_each_document(vol
     )
     assert manifest["total_tokens"] == sum(manifest["splits"][s]["tokens"] for s in ("train", "val"))
     assert sorted(p.name for p in folder.iterdir() if ".tmp-" in p.name) == []
+
+
+@pytest.mark.parametrize("workers, threads", [(2, 2), (2, 0), (3, 1)])
+def test_encoders_return_every_batch_in_order_whether_threads_or_processes(
+    volume, workers, threads, monkeypatch
+):
+    run(make_config(), volume)  # for its tokenizer
+    tokenizer_file = volume.tokenizer("stories") / "tokenizer.json"
+    tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    eot = tokenizer.token_to_id("<|endoftext|>")
+    documents = corpus_documents()
+    # uneven batch sizes, so that a batch returned out of order would show
+    batches = [
+        ("train", np.arange(start, start + size), documents[start : start + size])
+        for start, size in ((0, 5), (5, 120), (125, 1), (126, 200), (326, 274))
+    ]
+    monkeypatch.setenv(PARALLELISM_VARIABLE, "true")
+    with BatchEncoder(tokenizer_file, eot, np.uint16, workers, threads=threads) as encoder:
+        assert os.environ[PARALLELISM_VARIABLE] == "false", "each encoder runs its batch on its own thread"
+        results = list(encoder.map(iter(batches)))
+    assert os.environ[PARALLELISM_VARIABLE] == "true", "the setting is given back"
+    assert [list(r.doc_indices) for r in results] == [list(b[1]) for b in batches]
+    for result, (_, _, batch_documents) in zip(results, batches, strict=True):
+        tokens, lengths = encode_documents(tokenizer, batch_documents, eot, np.uint16)
+        assert np.array_equal(result.tokens, tokens) and np.array_equal(result.doc_lengths, lengths)
+        assert result.tokens.dtype == np.uint16
 
 
 def test_complete_dataset_is_reused_without_rewriting_anything(volume, caplog):

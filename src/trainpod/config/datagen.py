@@ -111,11 +111,15 @@ class DatagenConfig(Section):
         le=MAX_SHARD_TOKENS,
         description="Tokens per shard (the last one per split holds the rest).",
     )
-    workers: int | None = Field(None, ge=1, description="Encoding processes; default: the CPU count.")
+    workers: int | None = Field(
+        None,
+        ge=1,
+        description="Encoders: threads of the main process, worker processes beyond 4; default: the CPU count.",
+    )
     batch_documents: int = Field(
         1000,
         ge=1,
-        description="Documents per batch sent to a worker (tuning only: shards do not depend on it).",
+        description="Documents per batch sent to an encoder (tuning only: shards do not depend on it).",
     )
 
     @model_validator(mode="after")

@@ -17,7 +17,7 @@ from tokenizers import Tokenizer
 from trainpod.config.datagen import DatagenConfig
 from trainpod.config.loader import load_config, validate_tree
 from trainpod.data.datagen import dataset_shards, is_validation, load_dataset_manifest, run_datagen
-from trainpod.data.encoding import MAX_THREAD_ENCODERS, PARALLELISM_VARIABLE, BatchEncoder, encode_documents
+from trainpod.data.encoding import MAX_THREAD_ENCODERS, PARALLELISM_VARIABLE, BatchEncoder
 from trainpod.data.synthetic_corpus import stories
 from trainpod.errors import ConfigError, ExitCode, InputError
 from trainpod.preemption import PreemptionWatch
@@ -126,9 +126,10 @@ def test_encoders_return_every_batch_in_order_whether_threads_or_processes(
     assert os.environ[PARALLELISM_VARIABLE] == "true", "the setting is given back"
     assert [list(r.doc_indices) for r in results] == [list(b[1]) for b in batches]
     for result, (_, _, batch_documents) in zip(results, batches, strict=True):
-        tokens, lengths = encode_documents(tokenizer, batch_documents, eot, np.uint16)
-        assert np.array_equal(result.tokens, tokens) and np.array_equal(result.doc_lengths, lengths)
+        ids = [[eot] + tokenizer.encode(document).ids for document in batch_documents]
         assert result.tokens.dtype == np.uint16
+        assert result.tokens.tolist() == [token for document_ids in ids for token in document_ids]
+        assert result.doc_lengths.tolist() == [len(document_ids) for document_ids in ids]
 
 
 def test_complete_dataset_is_reused_without_rewriting_anything(volume, caplog):

@@ -39,9 +39,9 @@ MAX_THREAD_ENCODERS = 4
 # thread instead of the Rust thread pool. The encoders already fill the cores; more threads contend.
 PARALLELISM_VARIABLE = "TOKENIZERS_PARALLELISM"
 
-_worker_tokenizer = None
-_worker_eot_id = 0
-_worker_dtype = np.dtype("<u2")
+# Each encoder's tokenizer and settings, set by `_load_encoder` on the thread that encodes: an
+# encoder thread, or a worker process's main thread.
+_encoder = threading.local()
 
 
 @dataclass
@@ -66,22 +66,24 @@ def encode_documents(
     return np.fromiter(ids, dtype, int(lengths.sum())), lengths
 
 
-def _init_worker(tokenizer_file: str, eot_id: int, dtype: str) -> None:
-    global _worker_tokenizer, _worker_eot_id, _worker_dtype
+def _load_encoder(tokenizer_file: str, eot_id: int, dtype: str) -> None:
+    from tokenizers import Tokenizer
+
+    _encoder.tokenizer = Tokenizer.from_file(tokenizer_file)
+    _encoder.eot_id, _encoder.dtype = eot_id, np.dtype(dtype)
+
+
+def _start_worker_process(tokenizer_file: str, eot_id: int, dtype: str) -> None:
     os.environ[PARALLELISM_VARIABLE] = "false"
     os.environ["RAYON_NUM_THREADS"] = "1"
     # The main process decides when to stop (SIGTERM/SIGINT); a Ctrl-C in the terminal reaches the
     # whole process group and must not kill a worker mid-batch with a traceback.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    from tokenizers import Tokenizer
-
-    _worker_tokenizer = Tokenizer.from_file(tokenizer_file)
-    _worker_eot_id = eot_id
-    _worker_dtype = np.dtype(dtype)
+    _load_encoder(tokenizer_file, eot_id, dtype)
 
 
-def _encode_in_worker(split: str, doc_indices: np.ndarray, documents: list[str]) -> EncodedBatch:
-    tokens, lengths = encode_documents(_worker_tokenizer, documents, _worker_eot_id, _worker_dtype)
+def _encode(split: str, doc_indices: np.ndarray, documents: list[str]) -> EncodedBatch:
+    tokens, lengths = encode_documents(_encoder.tokenizer, documents, _encoder.eot_id, _encoder.dtype)
     return EncodedBatch(split, doc_indices, lengths, tokens)
 
 
@@ -89,24 +91,15 @@ class _ThreadEncoders:
     """Encoder threads in this process, each with a tokenizer of its own."""
 
     def __init__(self, tokenizer_file: Path, eot_id: int, dtype: np.dtype, threads: int):
-        from tokenizers import Tokenizer
-
-        self._local = threading.local()
-        self._eot_id, self._dtype = eot_id, np.dtype(dtype)
-
-        def load_tokenizer() -> None:
-            self._local.tokenizer = Tokenizer.from_file(str(tokenizer_file))
-
         self._executor = concurrent.futures.ThreadPoolExecutor(
-            threads, thread_name_prefix="encoder", initializer=load_tokenizer
+            threads,
+            thread_name_prefix="encoder",
+            initializer=_load_encoder,
+            initargs=(str(tokenizer_file), eot_id, np.dtype(dtype).str),
         )
 
     def submit(self, split: str, doc_indices: np.ndarray, documents: list[str]) -> Callable[[], EncodedBatch]:
-        return self._executor.submit(self._encode, split, doc_indices, documents).result
-
-    def _encode(self, split: str, doc_indices: np.ndarray, documents: list[str]) -> EncodedBatch:
-        tokens, lengths = encode_documents(self._local.tokenizer, documents, self._eot_id, self._dtype)
-        return EncodedBatch(split, doc_indices, lengths, tokens)
+        return self._executor.submit(_encode, split, doc_indices, documents).result
 
     def close(self) -> None:
         # A batch being encoded finishes (a fraction of a second); queued ones are dropped.
@@ -119,11 +112,13 @@ class _ProcessEncoders:
 
     def __init__(self, tokenizer_file: Path, eot_id: int, dtype: np.dtype, processes: int):
         self._pool = multiprocessing.get_context("spawn").Pool(
-            processes, initializer=_init_worker, initargs=(str(tokenizer_file), eot_id, np.dtype(dtype).str)
+            processes,
+            initializer=_start_worker_process,
+            initargs=(str(tokenizer_file), eot_id, np.dtype(dtype).str),
         )
 
     def submit(self, split: str, doc_indices: np.ndarray, documents: list[str]) -> Callable[[], EncodedBatch]:
-        return self._pool.apply_async(_encode_in_worker, (split, doc_indices, documents)).get
+        return self._pool.apply_async(_encode, (split, doc_indices, documents)).get
 
     def close(self) -> None:
         # terminate, not close: on a preemption the workers may hold batches nobody will read.

@@ -15,6 +15,8 @@ class ExitCode(enum.IntEnum):
     DONE = 0  # finished, DONE written: stop the pod
     BAD_INPUT = 2  # bad config or input: do not restart
     BUDGET_EXHAUSTED = 3  # checkpoint committed, budget spent: do not restart
+    MACHINE_UNFIT = 4  # no usable GPU, driver older than the image's CUDA: replace the pod, same volume
+    VOLUME_FULL = 5  # the network volume has no room for the next write: do not restart until it is freed
     TEMPORARY = 75  # network, hub, volume busy: restart with backoff (EX_TEMPFAIL)
     PREEMPTED = 143  # stopped by SIGTERM after committing: restart (128 + SIGTERM)
 
@@ -55,6 +57,21 @@ class BudgetExhausted(TrainpodError):
     """The run spent its TRAINPOD_BUDGET_USD; the newest state is committed."""
 
     exit_code = ExitCode.BUDGET_EXHAUSTED
+
+
+class MachineUnfit(TrainpodError):
+    """This machine cannot run the workload (no usable GPU, a driver older than the image's CUDA).
+
+    Starting the same pod again cannot help; a new pod on another machine, same volume, can.
+    """
+
+    exit_code = ExitCode.MACHINE_UNFIT
+
+
+class VolumeFull(TrainpodError):
+    """The volume has no room for the next write; nothing committed was lost."""
+
+    exit_code = ExitCode.VOLUME_FULL
 
 
 class Preempted(TrainpodError):

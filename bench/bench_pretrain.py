@@ -29,12 +29,12 @@ from abba import paired  # noqa: E402
 
 from trainpod.config import load_config  # noqa: E402
 from trainpod.config.pretrain import PretrainConfig  # noqa: E402
+from trainpod.context import RunContext  # noqa: E402
 from trainpod.preemption import PreemptionWatch  # noqa: E402
 from trainpod.train.distributed import init_distributed  # noqa: E402
 from trainpod.train.reporting import RunReporter  # noqa: E402
 from trainpod.train.schedule import cosine_with_warmup  # noqa: E402
 from trainpod.volume import Volume  # noqa: E402
-from trainpod.workloads.context import RunContext  # noqa: E402
 from trainpod.workloads.pretrain import Pretrainer, _adamw  # noqa: E402
 
 THROUGHPUT_TARGET = 0.95

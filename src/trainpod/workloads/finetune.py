@@ -28,6 +28,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from trainpod import atomic
 from trainpod.checkpoint import PendingCheckpoint
 from trainpod.config.finetune import BaseModelConfig, FinetuneConfig, LoraSettings
+from trainpod.context import RunContext
 from trainpod.errors import InputError, TemporaryError
 from trainpod.sft import IGNORE_INDEX, SftBatches, eval_batches, load_sft, prepare_sft, sft_key
 from trainpod.train import distributed as D
@@ -38,7 +39,6 @@ from trainpod.train.schedule import cosine_with_warmup
 from trainpod.train.tracking import WandbTracker, wandb_wanted
 from trainpod.train.trainer import StepResult, Trainer, train_and_export
 from trainpod.volume import Volume
-from trainpod.workloads.context import RunContext
 
 log = logging.getLogger(__name__)
 

@@ -28,11 +28,11 @@ from trainpod.config.generate import GeneratorDatagenConfig
 from trainpod.config.loader import ConfigT
 from trainpod.config.pretrain import PretrainConfig
 from trainpod.config.sft import SftDatagenConfig
+from trainpod.context import RunContext
 from trainpod.errors import ConfigError, ExitCode, TrainpodError
 from trainpod.log import setup_logging
 from trainpod.preemption import PreemptionWatch
 from trainpod.volume import Volume
-from trainpod.workloads.context import RunContext
 
 log = logging.getLogger("trainpod")
 

@@ -21,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from trainpod.checkpoint import PendingCheckpoint
 from trainpod.config.pretrain import PretrainConfig
+from trainpod.context import RunContext
 from trainpod.data.datagen import dataset_shards, load_dataset_manifest
 from trainpod.data.shards import open_shard
 from trainpod.errors import InputError
@@ -39,7 +40,6 @@ from trainpod.train.model import (
 from trainpod.train.schedule import cosine_with_warmup
 from trainpod.train.state import load_weights, weights_bytes
 from trainpod.train.trainer import StepResult, Trainer, train_and_export
-from trainpod.workloads.context import RunContext
 
 log = logging.getLogger(__name__)
 

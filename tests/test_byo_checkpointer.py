@@ -95,9 +95,12 @@ def test_retention_keeps_the_newest_k(tmp_path):
 
 
 def test_a_second_writer_on_the_same_run_is_refused_with_exit_75(tmp_path):
-    with Checkpointer(tmp_path / "run", watch_signals=False):
-        with pytest.raises(TemporaryError, match="leased by another writer"):
-            Checkpointer(tmp_path / "run", watch_signals=False).open()
+    second = Checkpointer(tmp_path / "run", watch_signals=False)
+    with (
+        Checkpointer(tmp_path / "run", watch_signals=False),
+        pytest.raises(TemporaryError, match="leased by another writer"),
+    ):
+        second.open()
 
 
 def test_under_the_command_workload_the_kit_holds_the_lease_for_the_program(tmp_path, monkeypatch):

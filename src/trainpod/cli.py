@@ -6,6 +6,7 @@ trainpod status RUN
 trainpod deploy configs/deploy/pretrain-spot.yaml [--dry-run]   (RunPod: template, volume, pod)
 trainpod supervise RUN --config configs/deploy/pretrain-spot.yaml [--once]
 trainpod stop RUN [--terminate]
+trainpod checkpoint latest|commit|verify RUN ...   (checkpoints for trainers in any language)
 """
 
 from __future__ import annotations
@@ -176,6 +177,57 @@ def stop(run_name: str, terminate: bool = False) -> int:
     return _reported(lambda: (stop_run(RunPodClient.from_env(), run_name, terminate), ExitCode.DONE)[1])
 
 
+def checkpoint(
+    action: str,
+    run_name: str,
+    step: int | None = None,
+    directory: str | None = None,
+    volume: str | None = None,
+    keep_source: bool = False,
+    keep_last: int | None = None,
+) -> int:
+    """Checkpoints for trainers in any language: latest, commit, verify (README, "Bring your own trainer").
+
+    latest RUN: print the newest checkpoint that verifies (older ones are tried in turn), or nothing.
+    commit RUN --step N DIR: publish DIR (moved into the store) as step-N atomically, with a manifest.
+    verify RUN [STEP]: check LATEST (or step N) against its manifest; exit 2 when it does not match.
+    RUN is a run name under the volume's runs/, or a run folder's path (e.g. "$TRAINPOD_RUN_DIR").
+    Log lines go to stderr, so `$(trainpod checkpoint latest RUN)` holds only the path.
+    """
+    import logging
+
+    from trainpod.checkpoint import CheckpointStore
+    from trainpod.checkpoint.directory import commit_directory, verify_committed
+    from trainpod.errors import InputError, TrainpodError
+    from trainpod.log import RedactingFormatter
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(RedactingFormatter("%(levelname)s [%(name)s] %(message)s"))
+    logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
+    vol = Volume(Path(volume)) if volume else Volume.from_env()
+    run_dir = Path(run_name) if "/" in run_name or run_name in (".", "..") else vol.run(run_name).root
+    keep = keep_last or int(os.environ.get("TRAINPOD_KEEP_LAST") or 2)
+    store = CheckpointStore(run_dir / "checkpoints", keep_last=keep)
+    try:
+        if action == "latest":
+            latest = store.latest() if store.root.parent.is_dir() else None
+            if latest is not None:
+                print(latest.path)
+        elif action == "commit":
+            if step is None or directory is None:
+                raise InputError("checkpoint commit needs --step N and the DIR your program wrote")
+            committed = commit_directory(store, step, Path(directory), {"writer": "trainpod checkpoint commit"},
+                                         keep_source=keep_source)  # fmt: skip
+            print(committed.path)
+        else:
+            path, manifest = verify_committed(store, step)
+            print(f"{path}: ok ({len(manifest['files'])} files verified)")
+        return ExitCode.DONE
+    except TrainpodError as exc:
+        logging.getLogger("trainpod").error("%s", exc)
+        return int(exc.exit_code)
+
+
 def _reported(act) -> int:
     """Run a RunPod verb: its log lines on stdout (secrets masked), an error as one message + exit code."""
     from trainpod.errors import TrainpodError
@@ -238,6 +290,26 @@ def _parser() -> argparse.ArgumentParser:
     p = verbs.add_parser("stop", help=_summary(stop), description=inspect.getdoc(stop))
     p.add_argument("run_name", metavar="RUN")
     p.add_argument("--terminate", action="store_true", help="terminate instead of stop (the pod is gone)")
+    p = verbs.add_parser("checkpoint", help=_summary(checkpoint), description=inspect.getdoc(checkpoint),
+                         formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    actions = p.add_subparsers(dest="action", required=True)
+    for action, action_help in (
+        ("latest", "print the newest valid checkpoint's path, or nothing"),
+        ("commit", "publish DIR as step N: moved into the store, hashed, manifest, LATEST"),
+        ("verify", "check LATEST (or STEP) against its manifest; exit 2 when it does not match"),
+    ):
+        a = actions.add_parser(action, help=action_help, description=action_help)
+        a.add_argument("run_name", metavar="RUN", help="run name under the volume, or a run folder's path")
+        if action == "commit":
+            a.add_argument("directory", metavar="DIR", help="the folder your program wrote the checkpoint to")
+            a.add_argument("--step", type=int, required=True, help="the training step DIR holds")
+            a.add_argument("--keep-source", action="store_true", help="copy DIR instead of moving it")
+            a.add_argument(
+                "--keep-last", type=int, help="checkpoints kept (default: $TRAINPOD_KEEP_LAST, else 2)"
+            )
+        if action == "verify":
+            a.add_argument("step", nargs="?", type=int, metavar="STEP", help="a step other than LATEST's")
+        a.add_argument("--volume", help="volume root (default: $TRAINPOD_VOLUME, else /workspace)")
     return parser
 
 
@@ -254,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         "deploy": deploy,
         "supervise": supervise,
         "stop": stop,
+        "checkpoint": checkpoint,
     }
     verb = verbs[args.pop("verb")]
     return int(verb(**args))

@@ -32,7 +32,7 @@ from trainpod.volume import RunDir, Volume
 log = logging.getLogger("trainpod.boot")
 
 TRAINING_WORKLOADS = ("pretrain", "finetune")  # one rank per GPU, several nodes through torchrun
-WORKLOADS = ("datagen", "pretrain", "finetune", "convert", "supervise")
+WORKLOADS = ("datagen", "pretrain", "finetune", "convert", "command", "supervise")
 VOLUME_FOLDERS = ("datasets", "tokenizers", "runs", "repos", "cache")
 # Bytes per parameter a training run keeps on the volume: fp32 weights + two AdamW moments.
 CHECKPOINT_BYTES_PER_PARAM = 12

@@ -32,7 +32,7 @@ def run(
     volume: str | None = None,
     nproc_per_node: int = 1,
 ) -> int:
-    """Run a workload (datagen, pretrain, finetune, convert) to its end; resumes from the newest checkpoint.
+    """Run a workload (datagen, pretrain, finetune, convert, command) to its end; resumes from the newest checkpoint.
 
     Flags override the environment: --config over TRAINPOD_CONFIG, --run over TRAINPOD_RUN,
     --volume over TRAINPOD_VOLUME; --set assignments apply after TRAINPOD_SET.
@@ -266,7 +266,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trainpod", description=__doc__.split("\n\n")[0])
     verbs = parser.add_subparsers(dest="verb", required=True)
     p = verbs.add_parser("run", help=_summary(run), description=inspect.getdoc(run))
-    p.add_argument("workload", choices=["datagen", "pretrain", "finetune", "convert"])
+    p.add_argument("workload", choices=["datagen", "pretrain", "finetune", "convert", "command"])
     p.add_argument("--config", help="YAML config (default: $TRAINPOD_CONFIG)")
     p.add_argument("--set", action="append", metavar="KEY.PATH=VALUE", help="config override (repeatable)")
     p.add_argument("--run", dest="run_name", help="run name (default: $TRAINPOD_RUN, else the config's name)")

@@ -21,6 +21,7 @@ import yaml
 from trainpod import atomic
 from trainpod.checkpoint import Lease
 from trainpod.config import dump_config, load_config
+from trainpod.config.command import CommandConfig
 from trainpod.config.convert import ConvertConfig
 from trainpod.config.datagen import DatagenConfig
 from trainpod.config.finetune import FinetuneConfig
@@ -41,8 +42,10 @@ CONFIG_TYPES = {
     "pretrain": PretrainConfig,
     "finetune": FinetuneConfig,
     "convert": ConvertConfig,
+    "command": CommandConfig,
 }
 TRAINING_WORKLOADS = ("pretrain", "finetune")
+RUN_WORKLOADS = (*TRAINING_WORKLOADS, "command")  # a run folder, a lease, DONE
 # datagen makes three kinds of dataset; the config's one distinctive top-level key says which.
 DATAGEN_VARIANTS = {"sft": SftDatagenConfig, "generator": GeneratorDatagenConfig}
 
@@ -118,7 +121,7 @@ def _execute(request: RunRequest, rank: int) -> int:
     request.volume.check_writable()
     watch = PreemptionWatch(getattr(getattr(config, "checkpoint", None), "preemption_window_seconds", 5.0))
     watch.install()
-    if request.workload in TRAINING_WORKLOADS:
+    if request.workload in RUN_WORKLOADS:
         return _run_training(request, config, watch, rank)
     if request.workload == "convert":
         return _run_convert(request, config, watch)

@@ -195,6 +195,7 @@ def checkpoint(
     Log lines go to stderr, so `$(trainpod checkpoint latest RUN)` holds only the path.
     """
     import logging
+    import signal
 
     from trainpod.checkpoint import CheckpointStore
     from trainpod.checkpoint.directory import commit_directory, verify_committed
@@ -214,6 +215,8 @@ def checkpoint(
             if latest is not None:
                 print(latest.path)
         elif action == "commit":
+            # The program's whole group gets SIGTERM; the commit it is making is what the window is for.
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
             if step is None or directory is None:
                 raise InputError("checkpoint commit needs --step N and the DIR your program wrote")
             committed = commit_directory(store, step, Path(directory), {"writer": "trainpod checkpoint commit"},

@@ -38,7 +38,7 @@ DEFAULT_LEASE_TTL_S = 90.0
 
 @dataclass
 class RunRequest:
-    """What the environment (or the CLI's flags, which win) asks for; DESIGN.md's env contract."""
+    """What the environment (or the CLI's flags, which win) asks for; docs/design.md, "The pod's environment"."""
 
     workload: str
     config_path: str | None
@@ -90,7 +90,7 @@ def run_name(request: RunRequest, config: Any) -> str:
 
 
 def execute(request: RunRequest) -> int:
-    """Run one workload start to its end and return DESIGN.md's exit code."""
+    """Run one workload start to its end and return its exit code (docs/design.md, "Exit codes")."""
     rank = int(os.environ.get("RANK", "0"))
     setup_logging(None, rank)
     try:

@@ -171,7 +171,7 @@ def test_a_spent_budget_stops_the_program_and_exits_3(tmp_path):
         ({"command": ["no-such-program-xyz"]}, "command[0]='no-such-program-xyz' is not on PATH"),
         ({"command": ["./missing.sh"]}, "does not exist"),
         ({"workdir": "/nonexistent/dir"}, "workdir /nonexistent/dir does not exist"),
-        ({"env": {"TRAINPOD_RUN_DIR": "/x"}}, "env.TRAINPOD_RUN_DIR: set by the kit"),
+        ({"env": {"TRAINPOD_RUN_DIR": "/x"}}, "env.TRAINPOD_RUN_DIR: TRAINPOD_ variables are set by the kit"),
     ],
 )
 def test_bad_input_exits_2_naming_the_field_and_writes_nothing(tmp_path, change, message):
@@ -215,3 +215,20 @@ def test_boot_runs_the_program_from_the_synced_git_repo_by_default(tmp_path):
     written = json.loads((volume / "repos/work/env.json").read_text())
     assert written["cwd"] == str(volume / "repos/work")
     assert (run_dir(volume) / "DONE").exists()
+
+
+def test_the_nanogpt_deploy_config_runs_the_example_from_the_synced_repo_as_a_command_pod():
+    from trainpod.config import load_config
+    from trainpod.config.command import CommandConfig
+    from trainpod.config.deploy import DeployConfig
+    from trainpod.runpod.deploy import pod_body, pod_env
+
+    deploy = load_config(DeployConfig, REPO / "configs/deploy/nanogpt-command.yaml")
+    env = pod_env(deploy)
+    assert (env["TRAINPOD_WORKLOAD"], env["TRAINPOD_GIT_REF"]) == ("command", "main")
+    assert env["TRAINPOD_GIT_REPO"].endswith(".git"), "the program comes from the synced git repo"
+    assert pod_body(deploy, "tpl", "vol")["dockerStartCmd"] == ["/opt/trainpod/entrypoints/command"]
+    assert (REPO / "entrypoints/command").is_file()
+    command = load_config(CommandConfig, REPO / deploy.config)
+    assert command.workdir is None, "the default workdir is the synced checkout"
+    assert (REPO / command.command[1]).is_file(), f"{command.command[1]} must exist in the repository"

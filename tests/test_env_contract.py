@@ -35,13 +35,28 @@ def test_readme_documents_exactly_the_variables_the_code_reads():
     assert in_readme - in_code == set(), f"in README but read nowhere: {in_readme - in_code}"
 
 
+def test_the_design_doc_documents_the_same_variables_as_the_readme():
+    in_design, in_readme = variables_in([REPO / "docs/design.md"]), variables_in([REPO / "README.md"])
+    assert in_design == in_readme, (
+        f"only in docs/design.md: {in_design - in_readme}; only in README: {in_readme - in_design}: "
+        "the pod's environment is one contract, keep both tables the same"
+    )
+
+
+def pod_variables() -> set[str]:
+    """README's variables less those the `command` workload gives its program: no pod sets those."""
+    from trainpod.config.command import PROGRAM_ENV
+
+    return variables_in([REPO / "README.md"]) - set(PROGRAM_ENV)
+
+
 def test_the_template_names_every_variable_of_the_contract():
     template_env = json.loads((INFRA / "template.json").read_text())["env"]
-    assert set(filter(VARIABLE.fullmatch, template_env)) == variables_in([REPO / "README.md"])
+    assert set(filter(VARIABLE.fullmatch, template_env)) == pod_variables()
 
 
 def test_infra_names_no_variable_outside_the_contract():
-    assert variables_in(infra_files()) <= variables_in([REPO / "README.md"])
+    assert variables_in(infra_files()) <= pod_variables()
 
 
 @pytest.mark.parametrize("path", infra_files(), ids=lambda p: p.name)
@@ -55,7 +70,7 @@ def test_secrets_in_infra_are_runpod_secret_references_never_values(path):
 def runpod_schema(name: str) -> dict:
     """RunPod's schema for `name`, with unknown keys refused (RunPod ignores them silently)."""
     assert OPENAPI.is_file(), (
-        f"{OPENAPI} is missing: the checkout needs shared/ beside it (DESIGN.md, reference/)"
+        f"{OPENAPI} is missing: the checkout needs shared/ beside it (shared/reference/)"
     )
     spec = json.loads(OPENAPI.read_text())
     schema = dict(spec["components"]["schemas"][name], additionalProperties=False)

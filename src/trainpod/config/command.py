@@ -12,9 +12,8 @@ from trainpod.config.checkpoint import CheckpointConfig
 from trainpod.config.deploy import ENV_NAME_PATTERN, NAME_PATTERN
 from trainpod.config.loader import Section
 
-# What the kit tells the program (README, "Bring your own trainer"); a config may not set these.
+# What the kit tells the program beyond the pod's own variables (README, "Bring your own trainer").
 PROGRAM_ENV = (
-    "TRAINPOD_RUN",
     "TRAINPOD_RUN_DIR",
     "TRAINPOD_CHECKPOINT_DIR",
     "TRAINPOD_PREEMPTION_WINDOW_S",
@@ -71,9 +70,9 @@ class CommandConfig(Section):
             if not re.fullmatch(ENV_NAME_PATTERN, name)
         ]
         problems += [
-            f"env.{name}: set by the kit for the program; remove it"
+            f"env.{name}: TRAINPOD_ variables are set by the kit (the program gets them all); remove it"
             for name in self.env
-            if name in PROGRAM_ENV
+            if name.startswith("TRAINPOD_")
         ]
         if problems:
             raise ValueError("; ".join(problems))

@@ -162,3 +162,27 @@ def test_the_manifest_records_the_writer_and_every_file(tmp_path):
     manifest = json.loads((committed.path / "manifest.json").read_text())
     assert manifest["metadata"]["writer"] == "trainpod.Checkpointer"
     assert set(manifest["files"]) == {"model.safetensors", "optimizer.pt", "rng.pt", "extra.json"}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_cuda_model_optimizer_and_cuda_rng_round_trip_exactly(tmp_path):
+    torch.manual_seed(0)
+    model = TiedModel().cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    model.head(model.embed(torch.tensor([1, 2, 3], device="cuda"))).sum().backward()
+    optimizer.step()
+    with Checkpointer(tmp_path / "run", watch_signals=False) as ckpt:
+        ckpt.commit(1, model=model, optimizer=optimizer)
+        expected = torch.rand(4, device="cuda")
+    fresh = TiedModel().cuda()
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=1e-2, fused=True)
+    with Checkpointer(tmp_path / "run", watch_signals=False) as ckpt:
+        restored = ckpt.restore()
+        restored.load("model", fresh)
+        restored.load("optimizer", fresh_optimizer)
+        restored.restore_rng()
+    assert torch.equal(torch.rand(4, device="cuda"), expected), "the CUDA generator continues where it was"
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[name], tensor), name
+    assert fresh.embed.weight.device.type == "cuda"

@@ -92,7 +92,9 @@ def _status_line(vol: Volume, name: str) -> str:
         return f"{name}: no status yet ({run.status} missing)"
     s = json.loads(run.status.read_text())
     state = "done" if run.done.exists() else s.get("state", "?")
-    parts = [f"{name}: {state}", f"step {s.get('step')}/{s.get('max_steps')}"]
+    # A command run's program decides its steps: its status has the newest checkpoint's step, no max.
+    total = f"/{s['max_steps']}" if s.get("max_steps") else ""
+    parts = [f"{name}: {state}", f"step {s.get('step')}{total}"]
     if s.get("loss") is not None:
         parts.append(f"loss {s['loss']:.4f}")
     if s.get("tokens_per_s"):
@@ -106,6 +108,8 @@ def _status_line(vol: Volume, name: str) -> str:
         parts.append(
             f"checkpoint step-{checkpoint['step']} ({time.time() - checkpoint['committed_unix']:.0f} s ago)"
         )
+    if s.get("last_log_line"):
+        parts.append(f"last line: {s['last_log_line'][:80]}")
     parts.append(f"updated {time.time() - s.get('updated_unix', time.time()):.0f} s ago")
     return " | ".join(parts)
 

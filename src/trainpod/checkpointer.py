@@ -26,6 +26,7 @@ alone, the Checkpointer takes it itself. One process commits (rank 0 under torch
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -169,6 +170,9 @@ class Checkpointer:
         if os.environ.get("TRAINPOD_LEASE_HELD") != "1" and self.lease is None:
             self.lease = Lease(self.run_dir / "LEASE")
             self.lease.acquire()
+            # Released at any exit Python sees (sys.exit, the end of the script); after a SIGKILL the
+            # next start takes the stale lease over (same host) or waits for its expiry (90 s).
+            atexit.register(self.close)
         return self
 
     def close(self) -> None:

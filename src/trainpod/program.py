@@ -57,6 +57,7 @@ class Program:
             self.argv,
             cwd=self.workdir,
             env=self.env,
+            stdin=subprocess.DEVNULL,  # a pod has no terminal; in a shell, a read would stop its group
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             preexec_fn=lambda: _in_own_group_dying_with_parent(parent),  # noqa: PLW1509

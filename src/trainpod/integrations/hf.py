@@ -103,9 +103,6 @@ class TrainpodCallback(TrainerCallback):
             self._exit(ExitCode.PREEMPTED)
         return control
 
-    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **_: Any):
-        self.ckpt.close()
-
     # ------------------------------------------------------------------------ helpers
     def _discard_staging(self, staging: Path | None = None) -> None:
         """checkpoint-* folders in staging were never committed: a kill came during HF's save."""

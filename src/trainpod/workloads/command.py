@@ -76,17 +76,7 @@ def run(ctx: RunContext, config: CommandConfig) -> dict[str, Any]:
         program = Program(argv, workdir, env, ctx.run.logs / "program.log")
         code, stopped_by = _supervise(program, ctx, config, status)
         status.write("exited", program)
-        if stopped_by == "budget":
-            raise BudgetExhausted(
-                f"TRAINPOD_BUDGET_USD is spent (${status.cost_usd():.2f}); the program was stopped (exit {code}). "
-                "Raise the budget and start again to continue from its newest checkpoint."
-            )
-        if stopped_by == "lease":
-            raise TemporaryError("another writer took over this run's lease; the program was stopped")
-        if stopped_by or code == 143:
-            raise Preempted(
-                f"stopped by {stopped_by or 'the program (exit 143)'}; newest checkpoint: {status.latest()}"
-            )
+        _raise_if_stopped(code, stopped_by, status)
         if code == 0:
             return {
                 "exit_code": 0,
@@ -102,6 +92,21 @@ def run(ctx: RunContext, config: CommandConfig) -> dict[str, Any]:
         restarts += 1
         log.warning(
             "%s exited with %d; starting it again (%d/%d)", argv[0], code, restarts, config.max_restarts
+        )
+
+
+def _raise_if_stopped(code: int, stopped_by: str | None, status: CommandStatus) -> None:
+    """A stop the kit made, or the program's own 143, as the exit-code table in the docstring says."""
+    if stopped_by == "budget":
+        raise BudgetExhausted(
+            f"TRAINPOD_BUDGET_USD is spent (${status.cost_usd():.2f}); the program was stopped (exit {code}). "
+            "Raise the budget and start again to continue from its newest checkpoint."
+        )
+    if stopped_by == "lease":
+        raise TemporaryError("another writer took over this run's lease; the program was stopped")
+    if stopped_by or code == 143:
+        raise Preempted(
+            f"stopped by {stopped_by or 'the program (exit 143)'}; newest checkpoint: {status.latest()}"
         )
 
 

@@ -107,7 +107,7 @@ def test_a_kill_inside_trainpod_checkpoint_commit_never_publishes_a_partial_chec
     tmp_path, uninterrupted, phase
 ):
     crashing_cli = f"{sys.executable} {REPO / 'tests/crash_driver.py'} {phase} 10 --"
-    config, volume = setup(tmp_path, TRAINPOD_CLI=crashing_cli)
+    config, volume = setup(tmp_path, CHECKPOINT_CLI=crashing_cli)
     result = run_trainpod("run", "command", "--config", str(config), volume=volume)
     assert result.returncode == 75, result.stdout + result.stderr
     assert latest_step(volume) == 5

@@ -8,7 +8,7 @@
 # damaged checkpoint would change the final state. The kit gives it TRAINPOD_RUN_DIR and forwards
 # SIGTERM; it commits the step it finished and exits 143. No `set -e`: the SIGTERM reaches `sleep`
 # too, and that is no failure.
-TRAINPOD=${TRAINPOD_CLI:-trainpod}
+TRAINPOD=${CHECKPOINT_CLI:-trainpod}  # tests put a crashing wrapper here
 MAX_STEPS=${MAX_STEPS:-20}
 COMMIT_EVERY=${COMMIT_EVERY:-5}
 run_dir=${TRAINPOD_RUN_DIR:?run me under the command workload, or set TRAINPOD_RUN_DIR}

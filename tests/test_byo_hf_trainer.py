@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -94,3 +95,28 @@ def test_a_half_written_hf_checkpoint_is_never_resumed(tmp_path, uninterrupted):
     assert f"resuming from {run_dir(volume)}/checkpoints/step-10" in out
     assert "discarding" in out and "checkpoint-15" in out
     assert final_weights(volume) == uninterrupted
+
+
+def test_run_alone_with_no_time_left_in_the_window_it_exits_143_without_a_save(tmp_path):
+    """Outside the command workload: the callback takes the lease itself and gets SIGTERM directly."""
+    from support import child_env
+
+    run = tmp_path / "runs" / RUN
+    env = child_env({"TRAINPOD_RUN_DIR": str(run), "TRAINPOD_PREEMPTION_WINDOW_S": "0.001"})
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), *ARGS],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    deadline = time.monotonic() + 300
+    while proc.poll() is None and not (run / "checkpoints/LATEST").exists():
+        assert time.monotonic() < deadline, "the first save never came"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 143, out
+    assert "exiting without one" in out
+    assert (run / "checkpoints/LATEST").read_text().strip() == "step-5"
+    assert not (run / "LEASE").exists(), "the lease is released on the way out"

@@ -6,11 +6,13 @@ trainpod status RUN
 trainpod deploy configs/deploy/pretrain-spot.yaml [--dry-run]   (RunPod: template, volume, pod)
 trainpod supervise RUN --config configs/deploy/pretrain-spot.yaml [--once]
 trainpod stop RUN [--terminate]
+trainpod logs RUN [-f] [--tail N]                 (the pod's logs through RunPod's API, from a laptop)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import json
 import os
@@ -176,6 +178,30 @@ def stop(run_name: str, terminate: bool = False) -> int:
     return _reported(lambda: (stop_run(RunPodClient.from_env(), run_name, terminate), ExitCode.DONE)[1])
 
 
+def logs(run_name: str, follow: bool = False, tail: int = 100) -> int:
+    """Print the last lines of the run's pod logs (-f: and follow them until Ctrl-C), secrets masked.
+
+    Reads RunPod's REST v2 log stream of the pod `<run>-<workload>` (RUNPOD_API_KEY); a dropped
+    connection is resumed from the last line printed, none lost or repeated. No SSH needed.
+    """
+    from trainpod.errors import ConfigError
+    from trainpod.runpod.client import RunPodClient
+    from trainpod.runpod.logs import MAX_TAIL, pod_for_logs, stream_logs
+
+    def act() -> int:
+        if not 0 <= tail <= MAX_TAIL:
+            raise ConfigError(
+                [f"--tail {tail}: RunPod backfills 0 to {MAX_TAIL} lines; pick one in that range"]
+            )
+        client = RunPodClient.from_env()
+        pod = pod_for_logs(client, run_name)
+        with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C is how -f ends
+            stream_logs(client, pod, tail, follow, emit=lambda line: print(line, flush=True))
+        return ExitCode.DONE
+
+    return _reported(act)
+
+
 def _reported(act) -> int:
     """Run a RunPod verb: its log lines on stdout (secrets masked), an error as one message + exit code."""
     from trainpod.errors import TrainpodError
@@ -238,6 +264,10 @@ def _parser() -> argparse.ArgumentParser:
     p = verbs.add_parser("stop", help=_summary(stop), description=inspect.getdoc(stop))
     p.add_argument("run_name", metavar="RUN")
     p.add_argument("--terminate", action="store_true", help="terminate instead of stop (the pod is gone)")
+    p = verbs.add_parser("logs", help=_summary(logs), description=inspect.getdoc(logs))
+    p.add_argument("run_name", metavar="RUN")
+    p.add_argument("-f", "--follow", action="store_true", help="keep printing new lines until Ctrl-C")
+    p.add_argument("--tail", type=int, default=100, metavar="N", help="lines of history first (0-5000)")
     return parser
 
 
@@ -254,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         "deploy": deploy,
         "supervise": supervise,
         "stop": stop,
+        "logs": logs,
     }
     verb = verbs[args.pop("verb")]
     return int(verb(**args))

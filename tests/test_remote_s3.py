@@ -25,7 +25,8 @@ from trainpod.log import redact
 from trainpod.remote.push import push
 from trainpod.remote.s3 import S3Target, VolumeS3
 
-from support import child_env
+from fake_runpod import FakeRunPodServer, api_env
+from support import REPO, child_env
 
 KEY_ID = "user_2f21CfO73Mm2Uq2lEGFiEF24IPw"
 SECRET = "rps_FAKESECRETFORTESTS0123456789"
@@ -291,6 +292,20 @@ def test_ls_reads_a_local_volume_the_same_way(tmp_path, tiny_dataset_volume):
     result = trainpod({}, "ls", "--volume", str(tiny_dataset_volume))
     assert result.returncode == 0, result.stdout + result.stderr
     assert "datasets/tiny-stories: tokens," in result.stdout and "tokenizers/tiny-stories-1k" in result.stdout
+
+
+def test_ls_finds_the_volume_of_a_deploy_config_by_name_through_runpods_api(bucket, tmp_path):
+    name, raw, env = bucket
+    make_run_on_volume(raw, name, tmp_path / "pod")
+    config = REPO / "configs/deploy/pretrain-spot.yaml"  # volume "trainpod" in EU-RO-1
+    with FakeRunPodServer() as fake:
+        fake.volumes["x"] = {"id": name, "name": "trainpod", "size": 100, "dataCenterId": DC}
+        fake.volumes["y"] = {"id": "other", "name": "trainpod", "size": 100, "dataCenterId": "US-KS-2"}
+        laptop = {k: v for k, v in env.items() if k not in ("TRAINPOD_S3_VOLUME", "TRAINPOD_S3_DATACENTER")}
+        result = trainpod(laptop | api_env(fake), "ls", "--config", str(config))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"volume {name} ({DC}) through S3" in result.stdout and "runs/r: running" in result.stdout
+    assert not fake.violations
 
 
 def test_a_wrong_volume_id_exits_2_naming_it(bucket):

@@ -31,12 +31,13 @@ from abba import paired  # noqa: E402
 
 from trainpod.config import load_config  # noqa: E402
 from trainpod.config.finetune import FinetuneConfig  # noqa: E402
+from trainpod.context import RunContext  # noqa: E402
 from trainpod.preemption import PreemptionWatch  # noqa: E402
 from trainpod.sft import SftBatches, load_sft, sft_key  # noqa: E402
 from trainpod.train.distributed import init_distributed  # noqa: E402
+from trainpod.train.lora import peft_lora_config  # noqa: E402
 from trainpod.volume import Volume  # noqa: E402
-from trainpod.workloads.context import RunContext  # noqa: E402
-from trainpod.workloads.finetune import Finetuner, peft_lora_config  # noqa: E402
+from trainpod.workloads.finetune import Finetuner  # noqa: E402
 
 from finetune_support import BASE, SFT_FILE, make_base_model  # noqa: E402
 

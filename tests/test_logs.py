@@ -12,6 +12,7 @@ import threading
 
 import pytest
 
+from trainpod.runpod.client import RunPodNotFound
 from trainpod.runpod.logs import parse_sse, stream_logs
 
 from fake_runpod import FakeRunPodServer, api_env, client_for
@@ -147,3 +148,25 @@ def test_parse_sse_drops_an_event_cut_off_by_the_end_of_the_stream():
         b"data: {",
     ]
     assert [e.line for e in parse_sse(stream)] == ["whole"]
+
+
+def test_opening_the_log_stream_retries_429_and_5xx_like_every_runpod_call(fake):
+    pod = a_pod(fake)
+    fake.add_logs(pod, "after the retries")
+    fake.fail_next(503)
+    fake.fail_next(429, retry_after="3")
+    sleeps: list[float] = []
+    client = client_for(fake, sleeps)
+    printed: list[str] = []
+    stream_logs(client, client.get_pod(pod), tail=1, follow=False, emit=printed.append)
+    assert printed == ["after the retries"] and sleeps == [1.0, 3.0]
+
+
+def test_a_pod_gone_before_its_logs_are_read_exits_2_naming_the_endpoint(fake):
+    pod = a_pod(fake)
+    client = client_for(fake)
+    gone = client.get_pod(pod)
+    del fake.pods[pod]
+    with pytest.raises(RunPodNotFound) as caught:
+        stream_logs(client, gone, tail=1, follow=False, emit=print)
+    assert caught.value.exit_code == 2 and f"GET /v2/pods/{pod}/logs: not found (404)" in str(caught.value)

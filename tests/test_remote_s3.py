@@ -92,6 +92,8 @@ def test_a_pushed_datagen_dataset_reads_on_the_volume_exactly_like_one_datagen_m
     local = tiny_dataset_volume / "datasets/tiny-stories"
     result = trainpod(env, "push", str(local), "datasets/tiny-stories")
     assert result.returncode == 0, result.stdout + result.stderr
+    tokenizer = tiny_dataset_volume / "tokenizers/tiny-stories-1k"
+    assert f"trainpod push {tokenizer} tokenizers/tiny-stories-1k" in result.stdout, "the tokenizer goes too"
     mirror = tmp_path / "volume/datasets/tiny-stories"  # what a pod sees at /workspace
     for key, data in objects(raw, name, "datasets/tiny-stories/").items():
         (mirror / key.removeprefix("datasets/tiny-stories/")).parent.mkdir(parents=True, exist_ok=True)
@@ -349,3 +351,19 @@ def test_a_key_from_an_aws_profile_file_is_masked_in_log_lines(bucket, tmp_path,
     monkeypatch.setenv("AWS_PROFILE", "runpod")
     volume_s3(name).list_files("runs/")
     assert redact("signed with user_fromprofile123 / rps_fromprofile456") == "signed with *** / ***"
+
+
+def test_without_boto3_the_s3_verbs_say_which_extra_to_install():
+    blocked = (
+        "import sys; sys.modules['boto3'] = None; from trainpod.cli import main; sys.exit(main(sys.argv[1:]))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", blocked, "ls", "--s3-volume", "v", "--datacenter", DC],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2 and "pip install 'trainpod[remote]'" in result.stdout, (
+        result.stdout + result.stderr
+    )

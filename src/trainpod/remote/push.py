@@ -14,6 +14,7 @@ before anything is sent.
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path, PurePosixPath
 
@@ -91,7 +92,21 @@ def push(s3: VolumeS3, source: Path, dest: str, echo=print) -> int:
     echo(
         f"{dest}: {len(files)} file(s) on volume {s3.bucket}, {sent} sent, {len(already)} were there already"
     )
+    _hint_tokenizer(s3, source, echo)
     return sent
+
+
+def _hint_tokenizer(s3: VolumeS3, source: Path, echo) -> None:
+    """A token dataset is read with its tokenizer (tokenizers/<name>/ on the volume): say so when it is missing."""
+    if not _is_datagen(source / "manifest.json"):
+        return
+    name = json.loads((source / "manifest.json").read_text()).get("tokenizer", {}).get("name")
+    if name and s3.head(f"tokenizers/{name}/tokenizer.json") is None:
+        local = source.parent.parent / "tokenizers" / name
+        echo(
+            f"pretrain reads this dataset with tokenizers/{name}/, not on the volume yet: "
+            f"trainpod push {local if local.is_dir() else '<its folder>'} tokenizers/{name}"
+        )
 
 
 def _already_there(s3: VolumeS3, files: dict[str, Path], remote: dict, dest: str) -> set[str]:

@@ -76,8 +76,10 @@ def test_follow_resumes_a_dropped_connection_from_the_last_event_with_no_line_lo
     seen += read_until(lines, "line 12")
     child.send_signal(signal.SIGINT)
     assert child.wait(timeout=60) == 0, "Ctrl-C ends -f quietly"
-    pod_lines = [line for line in seen if line.startswith("line ")]
-    assert pod_lines == [f"line {i}" for i in range(1, 13)], "every line once, in order"
+    assert seen == [f"line {i}" for i in range(1, 13)], (
+        "every line once, in order; trainpod's notes on stderr"
+    )
+    assert "reconnecting from event" in child.stderr.read()
     resumed = [h.get("Last-Event-ID") for h in fake.log_headers]
     assert resumed[0] is None and resumed[1] == fake.logs[pod][3]["ts"], "resumed after line 4, by its id"
 
@@ -108,13 +110,22 @@ def test_secrets_in_pod_log_lines_are_masked(fake):
     assert result.stdout.splitlines() == ["downloading with token ***", "cloning https://***@github.com/x/y"]
 
 
+def test_tail_0_without_follow_prints_nothing(fake):
+    pod = a_pod(fake)
+    fake.add_logs(pod, "old line")
+    result = subprocess.run(
+        logs_cmd(RUN, "--tail", "0"), env=child_env(api_env(fake)), capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0 and result.stdout == ""
+
+
 def test_a_run_without_a_pod_exits_2_with_a_clear_message(fake):
     a_pod(fake, name="other-run-pretrain")
     result = subprocess.run(
         logs_cmd(RUN), env=child_env(api_env(fake)), capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 2
-    assert f"run {RUN!r} has no pod on RunPod" in result.stdout and "trainpod deploy" in result.stdout
+    assert f"run {RUN!r} has no pod on RunPod" in result.stderr and "trainpod deploy" in result.stderr
     assert "Traceback" not in result.stdout + result.stderr
 
 

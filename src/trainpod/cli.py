@@ -347,6 +347,7 @@ def logs(run_name: str, follow: bool = False, tail: int = 100) -> int:
             raise ConfigError(
                 [f"--tail {tail}: RunPod backfills 0 to {MAX_TAIL} lines; pick one in that range"]
             )
+        _notes_to_stderr()  # stdout carries the pod's lines alone, e.g. into a file
         client = RunPodClient.from_env()
         pod = pod_for_logs(client, run_name)
         with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C is how -f ends
@@ -354,6 +355,14 @@ def logs(run_name: str, follow: bool = False, tail: int = 100) -> int:
         return ExitCode.DONE
 
     return _reported(act)
+
+
+def _notes_to_stderr() -> None:
+    import logging
+
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
+            handler.setStream(sys.stderr)
 
 
 def _reported(act) -> int:

@@ -117,6 +117,8 @@ def stream_logs(
 ) -> int:
     """Print the pod's last `tail` lines (masked), and with `follow` every new one, reconnecting
     after a dropped connection from the last event printed. Returns the number of lines printed."""
+    if tail == 0 and not follow:
+        return 0
     cursor, wait = _Cursor(), 1.0
     while True:
         fresh, dropped = _one_connection(client, pod, tail, follow, cursor, emit, idle_s)

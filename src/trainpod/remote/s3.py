@@ -123,8 +123,10 @@ def expected_etag(path: Path, part: int) -> str:
     """The ETag S3 gives this file uploaded by `upload_file`: plain MD5, or MD5 of the parts' MD5s."""
     size = path.stat().st_size
     digests = part_md5s(path, part)
-    if size <= part:
-        return digests[0].hex()
+    return digests[0].hex() if size <= part else multipart_etag(digests)
+
+
+def multipart_etag(digests: list[bytes]) -> str:
     return hashlib.md5(b"".join(digests), usedforsecurity=False).hexdigest() + f"-{len(digests)}"
 
 
@@ -274,7 +276,7 @@ class VolumeS3:
                 f"s3://{self.bucket}/{key}: {landed.size if landed else 'no'} bytes on the volume after the "
                 f"upload, {size} here; run the same push again"
             )
-        self._check_etag(key, landed.etag, expected_etag(path, part))
+        self._check_etag(key, landed.etag, multipart_etag(digests))  # not the file read again
         return len(kept)
 
     def _resume(self, key: str, digests: list[bytes], part: int, size: int) -> tuple[str, set[int]]:

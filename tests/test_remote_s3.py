@@ -12,6 +12,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -366,4 +367,37 @@ def test_without_boto3_the_s3_verbs_say_which_extra_to_install():
     )
     assert result.returncode == 2 and "pip install 'trainpod[remote]'" in result.stdout, (
         result.stdout + result.stderr
+    )
+
+
+def test_a_push_killed_mid_upload_is_finished_by_the_next_one_with_the_parts_already_sent(bucket, tmp_path):
+    name, raw, env = bucket
+    local = tmp_path / "big"
+    local.mkdir()
+    (local / "train.bin").write_bytes(os.urandom(20 * PART))  # 20 parts: seconds against moto on 2 cores
+    (local / "metadata.json").write_text("{}")
+    child = subprocess.Popen(
+        [sys.executable, "-m", "trainpod", "push", str(local), "datasets/big"],
+        env=child_env(env),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    parts: list = []
+    while child.poll() is None and len(parts) < 3:
+        time.sleep(0.05)
+        uploads = raw.list_multipart_uploads(Bucket=name).get("Uploads", [])
+        if uploads:
+            parts = raw.list_parts(Bucket=name, Key=uploads[0]["Key"], UploadId=uploads[0]["UploadId"]).get(
+                "Parts", []
+            )
+    child.kill()  # SIGKILL: no handler runs
+    child.wait()
+    assert len(parts) >= 3, "the push finished before it could be killed; make the file larger"
+    assert "datasets/big/metadata.json" not in objects(raw, name), "a killed push publishes no marker"
+    result = trainpod(env, "push", str(local), "datasets/big")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "part(s) kept from an interrupted push" in result.stdout
+    assert (
+        objects(raw, name, "datasets/big/train.bin")["datasets/big/train.bin"]
+        == (local / "train.bin").read_bytes()
     )

@@ -1,6 +1,6 @@
 """A fake RunPod REST API on 127.0.0.1: the mock of RunPod itself (the only thing these tests mock).
 
-    python tests/fake_runpod.py --derive    # rewrite tests/runpod_schema.json from RunPod's OpenAPI file
+    python tests/fake_runpod.py --derive    # rewrite runpod_schema.json, runpod_v2_schema.json from RunPod's files
 
 It holds account state (pods, templates, network volumes) in memory and validates every request
 (method, path, query names, JSON body: field names, types, enums, required fields) against
@@ -8,7 +8,10 @@ It holds account state (pods, templates, network volumes) in memory and validate
 `derive_schema` (tests/test_runpod_schema.py keeps the two equal). A request that does not validate
 gets a 400 like RunPod's and is recorded in `violations`; the `fake_runpod` fixtures fail the test
 when any is left. On demand it interrupts pods, refuses starts (no GPU free on the machine), has
-no capacity for GPU types, answers 429/5xx/401, or answers slowly (timeouts).
+no capacity for GPU types, answers 429/5xx/401, or answers slowly (timeouts). REST v2's GPU catalog
+(GET /v2/catalog/gpus: prices, stock per CUDA version) is served from `gpu_catalog` and `gpu_stock`,
+its query checked against `runpod_v2_schema.json` (derived from RunPod's v2 description by
+`derive_v2_schema`) and its answer against the same file's ListGpuTypesResponse.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ import jsonschema
 HERE = Path(__file__).resolve().parent
 SCHEMA_FILE = HERE / "runpod_schema.json"
 OPENAPI = HERE.parent.parent / "shared/reference/runpod-rest-openapi.json"
+OPENAPI_V2 = HERE.parent.parent / "shared/reference/runpod-rest-v2-openapi.json"
+SCHEMA_V2_FILE = HERE / "runpod_v2_schema.json"
 KEY = "fake-runpod-key-for-tests"
 
 # What trainpod sends, as (method, OpenAPI path): the derived schema holds exactly these.
@@ -89,6 +94,78 @@ def derive_schema(openapi: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+# What trainpod sends to REST v2, as (method, path) in RunPod's v2 OpenAPI.
+OPERATIONS_V2 = [("GET", "/v2/catalog/gpus")]
+
+
+def derive_v2_schema(openapi: dict[str, Any]) -> dict[str, Any]:
+    """The part of RunPod's v2 OpenAPI (3.1: its schemas are JSON Schema) that trainpod uses: each
+    operation's query parameters and response schema, and every component schema they reach."""
+    components = openapi["components"]
+    operations, wanted = {}, []
+    for method, path in OPERATIONS_V2:
+        op = openapi["paths"][path][method.lower()]
+        query = {}
+        for param in op.get("parameters", []):
+            if "$ref" in param:
+                param = components["parameters"][param["$ref"].rsplit("/", 1)[-1]]
+            if param["in"] == "query":
+                query[param["name"]] = param["schema"]
+        response = op["responses"]["200"]["content"]["application/json"]["schema"]["$ref"].rsplit("/", 1)[-1]
+        operations[f"{method} {path}"] = {
+            "operationId": op["operationId"],
+            "query": query,
+            "response": response,
+        }
+        wanted += [response, *_refs(query)]
+    schemas: dict[str, Any] = {}
+    while wanted:
+        name = wanted.pop()
+        if name not in schemas:
+            schemas[name] = components["schemas"][name]
+            wanted += _refs(schemas[name])
+    return {
+        "source": "RunPod's OpenAPI description of https://api.runpod.io/v2 "
+        "(shared/reference/runpod-rest-v2-openapi.json)",
+        "operations": operations,
+        "components": {"schemas": schemas},
+    }
+
+
+def _refs(node: Any) -> list[str]:
+    if isinstance(node, dict):
+        own = [node["$ref"].rsplit("/", 1)[-1]] if isinstance(node.get("$ref"), str) else []
+        return own + [ref for value in node.values() for ref in _refs(value)]
+    if isinstance(node, list):
+        return [ref for value in node for ref in _refs(value)]
+    return []
+
+
+def default_gpu_catalog() -> list[dict[str, Any]]:
+    """GPU types as v2's GET /catalog/gpus lists them (prices per GPU-hour: RunPod's list prices, 2026-08)."""
+
+    def gpu(gpu_id: str, name: str, memory: int, secure: float, community: float) -> dict[str, Any]:
+        return {
+            "id": gpu_id,
+            "name": name,
+            "pool": None,
+            "manufacturer": "NVIDIA",
+            "memory": memory,
+            "secure": True,
+            "community": True,
+            "price": {"secure": secure, "community": community},
+            "maxCount": {"secure": 8, "community": 8},
+        }
+
+    return [
+        gpu("NVIDIA H100 80GB HBM3", "H100 SXM", 80, 2.69, 2.39),
+        gpu("NVIDIA A100 80GB PCIe", "A100 PCIe", 80, 1.64, 1.19),
+        gpu("NVIDIA L40S", "L40S", 48, 0.86, 0.79),
+        gpu("NVIDIA RTX A6000", "RTX A6000", 48, 0.49, 0.33),
+        gpu("NVIDIA GeForce RTX 4090", "RTX 4090", 24, 0.69, 0.34),
+    ]
+
+
 @dataclass
 class Backend:
     """What happens to a pod's container; the e2e test replaces it with real `docker` commands."""
@@ -115,6 +192,14 @@ class FakeRunPod:
     no_capacity: set[str] = field(default_factory=set)  # GPU types with no free machine anywhere
     refuse_start: set[str] = field(default_factory=set)  # pod ids whose machine has no free GPU
     delay_s: float = 0.0
+    gpu_catalog: list[dict[str, Any]] = field(default_factory=default_gpu_catalog)
+    # (GPU type id, CUDA version) pairs with a free machine now; every other offered pair is full.
+    gpu_stock: set[tuple[str, str]] = field(
+        default_factory=lambda: {
+            (g["id"], v) for g in default_gpu_catalog() for v in ("12.8", "12.9", "13.0")
+        }
+    )
+    schema_v2: dict[str, Any] = field(default_factory=lambda: json.loads(SCHEMA_V2_FILE.read_text()))
     backend: Backend = field(default_factory=Backend)
     url: str = ""
     _ids: Any = field(default_factory=lambda: itertools.count(1))
@@ -142,6 +227,8 @@ class FakeRunPod:
         self, method: str, raw_path: str, headers: dict[str, str], raw_body: bytes
     ) -> tuple[int, Any, dict]:
         parts = urlsplit(raw_path)
+        if parts.path.startswith("/v2/"):
+            return self._handle_v2(method, parts.path, parts.query, headers)
         path = parts.path.removeprefix("/v1")
         body = json.loads(raw_body) if raw_body.strip() else None
         self.requests.append((method, path, body))
@@ -170,6 +257,86 @@ class FakeRunPod:
         with self._lock:
             status, result = getattr(self, "_" + op["operationId"])(body, query, **params)
         return (op["status"] if status is None else status), result, {}
+
+    # ------------------------------------------------------------------ REST v2
+    def _handle_v2(
+        self, method: str, path: str, raw_query: str, headers: dict[str, str]
+    ) -> tuple[int, Any, dict]:
+        """v2 routes, each request's query checked against the parameters RunPod's v2 OpenAPI declares."""
+        self.requests.append((method, path, None))
+        if headers.get("Authorization") != f"Bearer {self.key}":
+            return 401, {"message": "Unauthorized"}, {}
+        if self.forced:
+            status, retry_after = self.forced.pop(0)
+            return (
+                status,
+                {"error": "forced by the test"},
+                ({"Retry-After": retry_after} if retry_after else {}),
+            )
+        operation = self.schema_v2["operations"].get(f"{method} {path}")
+        if operation is None:
+            return self._invalid(f"{method} {path}: not served by this fake (or not in RunPod's v2 API)", 404)
+        query = {k: v[0] for k, v in parse_qs(raw_query).items()}
+        problem = self._v2_query_problem(operation["query"], query)
+        if problem:
+            return self._invalid(f"{method} {path}: {problem}")
+        answer = {"gpus": [self._catalog_entry(gpu, query) for gpu in self.gpu_catalog]}
+        schema_problem = self._v2_schema_problem(operation["response"], answer)
+        if schema_problem:  # the fake itself must answer as RunPod's description says
+            return self._invalid(
+                f"the fake's own answer does not fit ListGpuTypesResponse: {schema_problem}", 500
+            )
+        return 200, answer, {}
+
+    def _v2_query_problem(self, params: dict[str, Any], query: dict[str, str]) -> str | None:
+        unknown = sorted(set(query) - set(params))
+        if unknown:
+            return f"unknown query parameters {unknown}"
+        problems = []
+        for name, raw in query.items():
+            schema = params[name]
+            resolved = self._v2_resolve(schema)
+            if resolved.get("type") == "array":  # style form, explode false: comma-separated
+                value: Any = raw.split(",")
+            elif resolved.get("type") == "integer":
+                value = int(raw) if raw.lstrip("-").isdigit() else raw
+            else:
+                value = raw
+            problem = self._v2_schema_problem(None, value, schema)
+            if problem:
+                problems.append(f"{name}={raw!r}: {problem}")
+        # Rules the description states in words: include=AVAILABILITY needs product and vice versa.
+        if ("include" in query) != ("product" in query):
+            problems.append(
+                "include=AVAILABILITY and product= go together (RunPod answers 400 to either alone)"
+            )
+        if "cudaVersions" in query and "minCudaVersion" in query:
+            problems.append("cudaVersions and minCudaVersion are mutually exclusive")
+        return "; ".join(problems) or None
+
+    def _v2_resolve(self, schema: dict[str, Any]) -> dict[str, Any]:
+        while "$ref" in schema:
+            schema = self.schema_v2["components"]["schemas"][schema["$ref"].rsplit("/", 1)[-1]]
+        return schema
+
+    def _v2_schema_problem(
+        self, name: str | None, value: Any, schema: dict[str, Any] | None = None
+    ) -> str | None:
+        root = {"$ref": f"#/components/schemas/{name}"} if name else dict(schema or {})
+        root["components"] = self.schema_v2["components"]
+        errors = sorted(jsonschema.Draft202012Validator(root).iter_errors(value), key=str)
+        return "; ".join(e.message for e in errors) or None
+
+    def _catalog_entry(self, gpu: dict[str, Any], query: dict[str, str]) -> dict[str, Any]:
+        if query.get("include") != "AVAILABILITY":
+            return gpu
+        wanted = query["cudaVersions"].split(",") if "cudaVersions" in query else ["12.8", "12.9", "13.0"]
+        cuda = [{"version": v, "available": (gpu["id"], v) in self.gpu_stock} for v in wanted]
+        free = any(c["available"] for c in cuda)
+        entry = {**gpu, "availability": "HIGH" if free else "NONE", "cudaVersions": cuda}
+        if free:
+            entry["dataCenters"] = [{"id": "EU-RO-1", "name": "Europe Romania 1", "availability": "HIGH"}]
+        return entry
 
     def _invalid(self, problem: str, status: int = 400) -> tuple[int, Any, dict]:
         self.violations.append(problem)
@@ -345,3 +512,6 @@ if __name__ == "__main__" and sys.argv[1:] == ["--derive"]:
     derived = derive_schema(json.loads(OPENAPI.read_text()))
     SCHEMA_FILE.write_text(json.dumps(derived, indent=1, sort_keys=True) + "\n")
     print(f"wrote {SCHEMA_FILE} ({len(derived['operations'])} operations, {len(derived['schemas'])} schemas)")
+    derived = derive_v2_schema(json.loads(OPENAPI_V2.read_text()))
+    SCHEMA_V2_FILE.write_text(json.dumps(derived, indent=1, sort_keys=True) + "\n")
+    print(f"wrote {SCHEMA_V2_FILE} ({len(derived['operations'])} operations)")

@@ -2,6 +2,7 @@
 
     client = RunPodClient.from_env()          # RUNPOD_API_KEY, else the runpod CLI's ~/.runpod/config.toml
     client.list_pods(name="tiny-pretrain-pretrain")
+    client.catalog_gpus(["NVIDIA H100 80GB HBM3"])   # REST v2 (https://api.runpod.io/v2): prices, stock
 
 Timeouts on every call; retries with exponential backoff and jitter on 429 and 5xx only (a 4xx
 other than 429 is our mistake and is not retried), honouring Retry-After. Errors carry the status
@@ -32,6 +33,9 @@ log = logging.getLogger("trainpod.runpod")
 
 DEFAULT_API_URL = "https://rest.runpod.io/v1"
 API_URL_ENV = "TRAINPOD_RUNPOD_API_URL"
+# REST v2 (beta) has what v1 lacks (the GPU catalog with prices and stock); its paths start with /v2.
+DEFAULT_API_V2_URL = "https://api.runpod.io/v2"
+API_V2_URL_ENV = "TRAINPOD_RUNPOD_API_V2_URL"
 KEY_ENV = "RUNPOD_API_KEY"
 # Where the runpod CLIs keep the key: the Python CLI writes `[default] api_key = "..."` to
 # config.toml (older releases: credentials.toml); runpodctl writes a top-level `apikey = "..."`.
@@ -129,6 +133,44 @@ class NetworkVolume:
         )
 
 
+@dataclass(frozen=True)
+class GpuOffer:
+    """One GPU type in RunPod's v2 catalog: list prices per GPU-hour and, when asked, current stock."""
+
+    id: str
+    name: str
+    memory_gb: int
+    price_secure: float | None
+    price_community: float | None
+    availability: str | None = None  # NONE, LOW, MEDIUM, HIGH
+    cuda_versions: dict[str, bool] = field(default_factory=dict)  # version -> a machine on it is free now
+    data_centers: dict[str, str] = field(default_factory=dict)  # data center id -> availability
+
+    @classmethod
+    def from_api(cls, data: dict[str, Any]) -> GpuOffer:
+        price = data.get("price") or {}
+        return cls(
+            id=data["id"],
+            name=data.get("name") or data["id"],
+            memory_gb=int(data.get("memory") or 0),
+            price_secure=price.get("secure"),
+            price_community=price.get("community"),
+            availability=data.get("availability"),
+            cuda_versions={c["version"]: bool(c["available"]) for c in data.get("cudaVersions") or []},
+            data_centers={d["id"]: d.get("availability") or "" for d in data.get("dataCenters") or []},
+        )
+
+    def price(self, cloud: str) -> float | None:
+        return self.price_secure if cloud == "SECURE" else self.price_community
+
+
+def v2_url_beside(v1_url: str) -> str:
+    """The v2 base URL that goes with a v1 one: RunPod's own, or the same server's /v2 (the tests' fake)."""
+    if v1_url.rstrip("/") == DEFAULT_API_URL:
+        return DEFAULT_API_V2_URL
+    return re.sub(r"/v1/?$", "", v1_url.rstrip("/")) + "/v2"
+
+
 def _key_from_cli_config(home: Path | None = None) -> str | None:
     for raw in CLI_CONFIG_FILES:
         path = Path(raw.replace("~", str(home), 1)) if home else Path(raw).expanduser()
@@ -176,6 +218,7 @@ class RunPodClient:
         self,
         key: str,
         base_url: str = DEFAULT_API_URL,
+        v2_url: str | None = None,
         timeout_s: float = 30.0,
         max_attempts: int = 5,
         backoff_s: float = 1.0,
@@ -185,6 +228,7 @@ class RunPodClient:
     ):
         self._key = key
         self.base_url = base_url.rstrip("/")
+        self.v2_url = (v2_url or v2_url_beside(self.base_url)).rstrip("/")
         self.timeout_s = timeout_s
         self.max_attempts = max_attempts
         self.backoff_s = backoff_s
@@ -199,13 +243,18 @@ class RunPodClient:
     def from_env(cls, environ: dict[str, str] | None = None, **kwargs: Any) -> RunPodClient:
         environ = os.environ if environ is None else environ
         base_url = environ.get(API_URL_ENV) or DEFAULT_API_URL
-        return cls(api_key(environ), base_url=base_url, **kwargs)
+        v2_url = environ.get(API_V2_URL_ENV) or None
+        return cls(api_key(environ), base_url=base_url, v2_url=v2_url, **kwargs)
 
     # ---------------------------------------------------------------- the one request function
-    def request(self, method: str, path: str, body: Any = None, query: dict[str, Any] | None = None) -> Any:
-        """Send one call, retrying 429/5xx/timeouts; returns the decoded JSON (None when empty)."""
-        endpoint = f"{method} {path}"
-        url = self.base_url + path
+    def request(
+        self, method: str, path: str, body: Any = None, query: dict[str, Any] | None = None, api: str = "v1"
+    ) -> Any:
+        """Send one call, retrying 429/5xx/timeouts; returns the decoded JSON (None when empty).
+
+        `api="v2"` sends it to REST v2 (`path` without the /v2 prefix)."""
+        endpoint = f"{method} {'/v2' if api == 'v2' else ''}{path}"
+        url = (self.v2_url if api == "v2" else self.base_url) + path
         if query:
             url += "?" + urllib.parse.urlencode({k: v for k, v in query.items() if v is not None})
         data = json.dumps(body).encode() if body is not None else None
@@ -307,6 +356,21 @@ class RunPodClient:
         body = {"name": name, "size": size_gb, "dataCenterId": data_center_id}
         return NetworkVolume.from_api(self.request("POST", "/networkvolumes", body))
 
+    # ---------------------------------------------------------------- catalog (REST v2)
+    def catalog_gpus(
+        self, gpu_count: int = 1, cloud: str = "SECURE", cuda_versions: list[str] | None = None
+    ) -> list[GpuOffer]:
+        """Every GPU type with list prices, stock for pods of `gpu_count` GPUs and the CUDA versions offered."""
+        query = {
+            "include": "AVAILABILITY",
+            "product": "POD",
+            "count": gpu_count,
+            "cloud": cloud,
+            "cudaVersions": ",".join(cuda_versions) if cuda_versions else None,
+        }
+        answer = self.request("GET", "/catalog/gpus", query=query, api="v2") or {}
+        return [GpuOffer.from_api(gpu) for gpu in answer.get("gpus") or []]
+
 
 class DryRunClient(RunPodClient):
     """Prints each request (method, path, JSON body) and sends nothing, as if the account were empty."""
@@ -316,7 +380,9 @@ class DryRunClient(RunPodClient):
         self.echo = echo
         self.sent: list[tuple[str, str, Any]] = []
 
-    def request(self, method: str, path: str, body: Any = None, query: dict[str, Any] | None = None) -> Any:
+    def request(
+        self, method: str, path: str, body: Any = None, query: dict[str, Any] | None = None, api: str = "v1"
+    ) -> Any:
         if method == "GET":
             return [] if path.count("/") == 1 else None  # lists are empty, nothing exists yet
         self.sent.append((method, path, body))

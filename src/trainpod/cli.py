@@ -191,6 +191,51 @@ def _reported(act) -> int:
         return int(exc.exit_code)
 
 
+def estimate(
+    config: str,
+    gpu: str | None = None,
+    spot: bool | None = None,
+    mfu: float | None = None,
+    set: list[str] | None = None,
+    volume: str | None = None,
+) -> int:
+    """Estimate a training run before paying for it: tokens, FLOPs, hours, GPU memory, checkpoint, dollars.
+
+    CONFIG is a pretrain or finetune config, or a deploy config (its workload config is read from
+    the repo). Prices come from RunPod's catalog when RUNPOD_API_KEY is set, else from
+    TRAINPOD_GPU_HOURLY_USD. The MFU is the one the run last measured (--volume), else an assumption.
+    """
+    from trainpod import estimate as estimating
+
+    def act() -> int:
+        workload_config, deploy_config = estimating.load_target(config, list(set or []))
+        vol = Volume(Path(volume)) if volume else None
+        est = estimating.estimate(
+            workload_config, deploy_config, gpu, spot, mfu, _catalog(deploy_config, gpu), vol
+        )
+        print("\n".join(estimating.report(est)))
+        return ExitCode.DONE
+
+    return _reported(act)
+
+
+def _catalog(deploy_config, gpu: str | None = None) -> list:
+    """RunPod's GPU catalog (prices, stock) when a key is at hand; [] without one or when unreachable."""
+    from trainpod.runpod.client import RunPodAuthError, RunPodClient, RunPodError, api_key
+
+    try:
+        api_key()
+    except RunPodAuthError:
+        return []
+    count = deploy_config.pod.gpu_count if deploy_config else 1
+    cloud = deploy_config.pod.cloud if deploy_config else "SECURE"
+    try:
+        return RunPodClient.from_env(max_attempts=2).catalog_gpus(count, cloud)
+    except RunPodError as exc:
+        print(f"RunPod's catalog not read ({exc}); prices from TRAINPOD_GPU_HOURLY_USD")
+        return []
+
+
 def boot() -> int:
     """Run the workload the pod's environment names (TRAINPOD_WORKLOAD, TRAINPOD_CONFIG, ...)."""
     from trainpod.boot import boot as boot_from_env
@@ -230,6 +275,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--spot", dest="spot", action="store_true", default=None, help="an interruptible pod")
     p.add_argument("--on-demand", dest="spot", action="store_false", help="an on-demand pod")
     p.add_argument("--secrets-from-env", action="store_true", help="send this shell's secret values")
+    p = verbs.add_parser("estimate", help=_summary(estimate), description=inspect.getdoc(estimate))
+    p.add_argument("config", metavar="CONFIG", help="pretrain, finetune or deploy YAML")
+    p.add_argument("--gpu", help="RunPod GPU type id (default: the deploy config's first, else an H100)")
+    p.add_argument("--spot", dest="spot", action="store_true", default=None, help="price a spot pod")
+    p.add_argument("--on-demand", dest="spot", action="store_false", help="price an on-demand pod")
+    p.add_argument("--mfu", type=float, help="model FLOPs utilisation to assume, e.g. 0.4")
+    p.add_argument("--set", action="append", metavar="KEY.PATH=VALUE", help="workload config override")
+    p.add_argument("--volume", help="a volume holding runs/<run>/status.json (measured MFU) and datasets")
     p = verbs.add_parser("supervise", help=_summary(supervise), description=inspect.getdoc(supervise))
     p.add_argument("run_name", metavar="RUN")
     p.add_argument("--config", help="the run's deploy YAML (default: $TRAINPOD_CONFIG)")
@@ -252,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         "status": status,
         "boot": boot,
         "deploy": deploy,
+        "estimate": estimate,
         "supervise": supervise,
         "stop": stop,
     }

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import logging
 import os
 import sys
 import time
@@ -112,18 +113,27 @@ def _status_line(vol: Volume, name: str) -> str:
 
 
 def deploy(
-    config: str, dry_run: bool = False, spot: bool | None = None, secrets_from_env: bool = False
+    config: str,
+    dry_run: bool = False,
+    spot: bool | None = None,
+    secrets_from_env: bool = False,
+    force: bool = False,
+    then_supervise: bool = False,
 ) -> int:
     """Create or reuse the run's RunPod template, network volume and pod `<run>-<workload>`.
 
     Idempotent: deploying again updates the template only when it changed, reuses the volume and
-    a running pod, and starts an exited one again. --dry-run prints the requests and sends nothing.
+    a running pod, and starts an exited one again. First it checks the workload config, the image
+    and the secrets, prints the cost estimate (refused over TRAINPOD_BUDGET_USD or budget.budget_usd
+    unless --force) and the GPUs' live stock. --dry-run prints what it would create and sends nothing.
     Secrets go to the pod as {{ RUNPOD_SECRET_<name> }} references unless --secrets-from-env.
+    --supervise then brings the pod back after interruptions until the run is DONE.
     """
     from trainpod.config import load_config
     from trainpod.config.deploy import DeployConfig
     from trainpod.log import redact
     from trainpod.runpod import deploy as deploying
+    from trainpod.runpod import deploy_checks as checks
     from trainpod.runpod.client import DryRunClient, RunPodClient
 
     def act() -> int:
@@ -131,16 +141,31 @@ def deploy(
         if spot is not None:
             cfg.pod.spot = spot
         secrets = deploying.secrets_from_shell(cfg, dict(os.environ)) if secrets_from_env else None
-        if dry_run:
+        deploying.pod_env(cfg, secrets)  # a config RunPod would refuse sends nothing, not even a read
+        if dry_run:  # sends nothing, reads nothing: prices from TRAINPOD_GPU_HOURLY_USD / budget.hourly_usd
+            checks.run_checks(cfg, config, secrets_from_env, [], force)
             shown = sorted(secrets.values(), key=len, reverse=True) if secrets else []
+            logging.getLogger("trainpod.deploy").setLevel(logging.WARNING)  # "created" lines would mislead
             deploying.deploy(DryRunClient(echo=lambda text: print(redact(text, shown))), cfg, secrets)
             return ExitCode.DONE
-        done = deploying.deploy(RunPodClient.from_env(), cfg, secrets)
+        client = RunPodClient.from_env()
+        cuda = deploying.allowed_cuda_versions(cfg)
+        catalog = _catalog(cfg, cuda_versions=cuda) if cfg.image.flavour == "cuda" else []
+        checks.run_checks(cfg, config, secrets_from_env, catalog, force)
+        lines, free = checks.stock_lines(cfg, catalog, cuda)
+        for line in lines:
+            print(line)
+        if catalog and not free:
+            logging.getLogger("trainpod.deploy").warning("%s", checks.no_stock_warning(cfg, cuda))
+        done = deploying.deploy(client, cfg, secrets)
         print(f"pod {done.pod.name} ({done.pod.id}) {done.action}; supervise it with: "
               f"trainpod supervise {cfg.run} --config {config}")  # fmt: skip
         return ExitCode.DONE
 
-    return _reported(act)
+    code = _reported(act)
+    if code == ExitCode.DONE and then_supervise and not dry_run:
+        return supervise(load_config(DeployConfig, config).run, config)
+    return code
 
 
 def supervise(run_name: str, config: str | None = None, once: bool = False, volume: str | None = None) -> int:
@@ -211,7 +236,7 @@ def estimate(
         workload_config, deploy_config = estimating.load_target(config, list(set or []))
         vol = Volume(Path(volume)) if volume else None
         est = estimating.estimate(
-            workload_config, deploy_config, gpu, spot, mfu, _catalog(deploy_config, gpu), vol
+            workload_config, deploy_config, gpu, spot, mfu, _catalog(deploy_config), vol
         )
         print("\n".join(estimating.report(est)))
         return ExitCode.DONE
@@ -219,7 +244,7 @@ def estimate(
     return _reported(act)
 
 
-def _catalog(deploy_config, gpu: str | None = None) -> list:
+def _catalog(deploy_config, cuda_versions: list[str] | None = None) -> list:
     """RunPod's GPU catalog (prices, stock) when a key is at hand; [] without one or when unreachable."""
     from trainpod.runpod.client import RunPodAuthError, RunPodClient, RunPodError, api_key
 
@@ -230,7 +255,7 @@ def _catalog(deploy_config, gpu: str | None = None) -> list:
     count = deploy_config.pod.gpu_count if deploy_config else 1
     cloud = deploy_config.pod.cloud if deploy_config else "SECURE"
     try:
-        return RunPodClient.from_env(max_attempts=2).catalog_gpus(count, cloud)
+        return RunPodClient.from_env(max_attempts=2).catalog_gpus(count, cloud, cuda_versions)
     except RunPodError as exc:
         print(f"RunPod's catalog not read ({exc}); prices from TRAINPOD_GPU_HOURLY_USD")
         return []
@@ -275,6 +300,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--spot", dest="spot", action="store_true", default=None, help="an interruptible pod")
     p.add_argument("--on-demand", dest="spot", action="store_false", help="an on-demand pod")
     p.add_argument("--secrets-from-env", action="store_true", help="send this shell's secret values")
+    p.add_argument("--force", action="store_true", help="deploy even when the estimate exceeds the budget")
+    p.add_argument(
+        "--supervise", dest="then_supervise", action="store_true", help="then supervise the run until DONE"
+    )
     p = verbs.add_parser("estimate", help=_summary(estimate), description=inspect.getdoc(estimate))
     p.add_argument("config", metavar="CONFIG", help="pretrain, finetune or deploy YAML")
     p.add_argument("--gpu", help="RunPod GPU type id (default: the deploy config's first, else an H100)")

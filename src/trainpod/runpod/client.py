@@ -372,6 +372,9 @@ class RunPodClient:
         return [GpuOffer.from_api(gpu) for gpu in answer.get("gpus") or []]
 
 
+DRY_RUN_VERBS = {"POST": "create", "PATCH": "update", "DELETE": "terminate"}
+
+
 class DryRunClient(RunPodClient):
     """Prints each request (method, path, JSON body) and sends nothing, as if the account were empty."""
 
@@ -387,8 +390,9 @@ class DryRunClient(RunPodClient):
             return [] if path.count("/") == 1 else None  # lists are empty, nothing exists yet
         self.sent.append((method, path, body))
         shown = "" if body is None else "\n" + json.dumps(body, indent=2)
-        self.echo(f"{method} {path}{shown}")
         kind = path.strip("/").split("/")[0].rstrip("s")
+        what = (body or {}).get("name", "")
+        self.echo(f"would {DRY_RUN_VERBS.get(method, method)} {kind} {what}: {method} {path}{shown}")
         return {**(body or {}), "id": f"<new {kind} id>", "desiredStatus": "RUNNING"}
 
 

@@ -261,6 +261,71 @@ def _catalog(deploy_config, cuda_versions: list[str] | None = None) -> list:
         return []
 
 
+def generate(
+    run_name: str,
+    prompt: str,
+    volume: str | None = None,
+    export: str = "auto",
+    system: str | None = None,
+    max_new_tokens: int = 200,
+    temperature: float = 0.7,
+    seed: int = 0,
+) -> int:
+    """Answer one prompt with the run's export, streaming tokens (the chat template it trained with).
+
+    Loads export/merged, export/hf or base + export/adapter (--export picks one) from the volume
+    (--volume, else $TRAINPOD_VOLUME). --temperature 0 is greedy.
+    """
+    from trainpod import chat as chatting
+
+    def act() -> int:
+        vol = Volume(Path(volume)) if volume else Volume.from_env()
+        found = chatting.find_export(vol, run_name, export)
+        print(f"[{chatting.describe(found)}]", file=sys.stderr)
+        model, tokenizer = chatting.load(found)
+        conversation = chatting.Conversation(tokenizer, found.template, system)
+        chatting.stream_reply(
+            model, tokenizer, conversation, prompt, _write, max_new_tokens, temperature, seed
+        )
+        print()
+        return ExitCode.DONE
+
+    return _reported(act)
+
+
+def chat(
+    run_name: str,
+    volume: str | None = None,
+    export: str = "auto",
+    system: str | None = None,
+    max_new_tokens: int = 200,
+    temperature: float = 0.7,
+    seed: int = 0,
+) -> int:
+    """Chat with the run's export on stdin: one reply per line, streamed; an empty line or EOF ends.
+
+    The conversation so far is sent each turn, rendered with the template the run trained with.
+    """
+    from trainpod import chat as chatting
+
+    def act() -> int:
+        vol = Volume(Path(volume)) if volume else Volume.from_env()
+        found = chatting.find_export(vol, run_name, export)
+        print(f"[{chatting.describe(found)}; an empty line ends]", file=sys.stderr)
+        model, tokenizer = chatting.load(found)
+        conversation = chatting.Conversation(tokenizer, found.template, system)
+        generation = {"max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed}
+        chatting.chat_loop(model, tokenizer, conversation, sys.stdin, _write, **generation)
+        return ExitCode.DONE
+
+    return _reported(act)
+
+
+def _write(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
 def boot() -> int:
     """Run the workload the pod's environment names (TRAINPOD_WORKLOAD, TRAINPOD_CONFIG, ...)."""
     from trainpod.boot import boot as boot_from_env
@@ -312,6 +377,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--mfu", type=float, help="model FLOPs utilisation to assume, e.g. 0.4")
     p.add_argument("--set", action="append", metavar="KEY.PATH=VALUE", help="workload config override")
     p.add_argument("--volume", help="a volume holding runs/<run>/status.json (measured MFU) and datasets")
+    for verb in (generate, chat):
+        p = verbs.add_parser(verb.__name__, help=_summary(verb), description=inspect.getdoc(verb))
+        p.add_argument("run_name", metavar="RUN")
+        if verb is generate:
+            p.add_argument("--prompt", required=True, help="the user message (or text to continue)")
+        p.add_argument("--volume", help="volume root (default: $TRAINPOD_VOLUME, else /workspace)")
+        p.add_argument("--export", default="auto", choices=["auto", "merged", "hf", "adapter"])
+        p.add_argument("--system", help="a system message, for templates that have one")
+        p.add_argument("--max-new-tokens", type=int, default=200)
+        p.add_argument("--temperature", type=float, default=0.7, help="0: greedy")
+        p.add_argument("--seed", type=int, default=0, help="sampling seed (the same seed, the same answer)")
     p = verbs.add_parser("supervise", help=_summary(supervise), description=inspect.getdoc(supervise))
     p.add_argument("run_name", metavar="RUN")
     p.add_argument("--config", help="the run's deploy YAML (default: $TRAINPOD_CONFIG)")
@@ -335,6 +411,8 @@ def main(argv: list[str] | None = None) -> int:
         "boot": boot,
         "deploy": deploy,
         "estimate": estimate,
+        "generate": generate,
+        "chat": chat,
         "supervise": supervise,
         "stop": stop,
     }

@@ -63,6 +63,11 @@ def status(run_name: str | None = None, volume: str | None = None) -> int:
         return ExitCode.DONE
     for name in names:
         print(_status_line(vol, name))
+        run = vol.run(name)
+        if run.loss_plot.exists():
+            print(f"  loss curve  {run.loss_plot}")
+        if run.tensorboard.is_dir():
+            print(f"  tensorboard --logdir {run.tensorboard}")
     _print_pods(run_name, names)
     return ExitCode.DONE
 
@@ -95,12 +100,18 @@ def _status_line(vol: Volume, name: str) -> str:
     s = json.loads(run.status.read_text())
     state = "done" if run.done.exists() else s.get("state", "?")
     parts = [f"{name}: {state}", f"step {s.get('step')}/{s.get('max_steps')}"]
+    if s.get("step") is not None and s.get("max_steps"):
+        parts[-1] += f" ({s['step'] / s['max_steps']:.0%})"
     if s.get("loss") is not None:
         parts.append(f"loss {s['loss']:.4f}")
     if s.get("tokens_per_s"):
         parts.append(f"{s['tokens_per_s']:,.0f} tok/s")
+    if s.get("eval_loss") is not None:
+        parts.append(f"eval {s['eval_loss']:.4f}")
     if s.get("eta_s") is not None and state == "running":
-        parts.append(f"ETA {s['eta_s'] / 60:.1f} min")
+        from trainpod.train.reporting import hours_minutes
+
+        parts.append(f"ETA {hours_minutes(s['eta_s'])}")
     if s.get("cost_usd") is not None:
         parts.append(f"cost ${s['cost_usd']:.2f}")
     checkpoint = s.get("latest_checkpoint")
@@ -326,6 +337,27 @@ def _write(text: str) -> None:
     sys.stdout.flush()
 
 
+def config_fields(workload: str) -> int:
+    """List every field of a workload's config: dotted path, type, default and description."""
+    from trainpod.config.fields import field_rows, format_rows
+
+    types = _config_types()
+    if workload not in types:
+        print(f"no config type {workload!r}; use one of: {', '.join(sorted(types))}", file=sys.stderr)
+        return ExitCode.BAD_INPUT
+    print(format_rows(field_rows(types[workload])))
+    return ExitCode.DONE
+
+
+def _config_types() -> dict[str, type]:
+    """Config types by name: each workload's, datagen's variants (datagen-sft, ...) and deploy's."""
+    from trainpod.config.deploy import DeployConfig
+    from trainpod.workloads.lifecycle import CONFIG_TYPES, DATAGEN_VARIANTS
+
+    variants = {f"datagen-{key}": cls for key, cls in DATAGEN_VARIANTS.items()}
+    return {**CONFIG_TYPES, **variants, "deploy": DeployConfig}
+
+
 def boot() -> int:
     """Run the workload the pod's environment names (TRAINPOD_WORKLOAD, TRAINPOD_CONFIG, ...)."""
     from trainpod.boot import boot as boot_from_env
@@ -347,6 +379,7 @@ def _strip_nproc(argv: list[str]) -> list[str]:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trainpod", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=f"trainpod {_version()}")
     verbs = parser.add_subparsers(dest="verb", required=True)
     p = verbs.add_parser("run", help=_summary(run), description=inspect.getdoc(run))
     p.add_argument("workload", choices=["datagen", "pretrain", "finetune", "convert"])
@@ -388,6 +421,13 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--max-new-tokens", type=int, default=200)
         p.add_argument("--temperature", type=float, default=0.7, help="0: greedy")
         p.add_argument("--seed", type=int, default=0, help="sampling seed (the same seed, the same answer)")
+    p = verbs.add_parser("config", help="config fields WORKLOAD: " + _summary(config_fields))
+    fields = p.add_subparsers(dest="config_verb", required=True).add_parser(
+        "fields", help=_summary(config_fields), description=inspect.getdoc(config_fields)
+    )
+    fields.add_argument(
+        "workload", metavar="WORKLOAD", help="datagen, pretrain, finetune, convert, deploy, ..."
+    )
     p = verbs.add_parser("supervise", help=_summary(supervise), description=inspect.getdoc(supervise))
     p.add_argument("run_name", metavar="RUN")
     p.add_argument("--config", help="the run's deploy YAML (default: $TRAINPOD_CONFIG)")
@@ -397,6 +437,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("run_name", metavar="RUN")
     p.add_argument("--terminate", action="store_true", help="terminate instead of stop (the pod is gone)")
     return parser
+
+
+def _version() -> str:
+    import trainpod
+
+    return trainpod.__version__
 
 
 def _summary(fn: object) -> str:
@@ -416,8 +462,11 @@ def main(argv: list[str] | None = None) -> int:
         "supervise": supervise,
         "stop": stop,
     }
-    verb = verbs[args.pop("verb")]
-    return int(verb(**args))
+    name = args.pop("verb")
+    if name == "config":
+        args.pop("config_verb")  # one sub-verb today: fields
+        return int(config_fields(**args))
+    return int(verbs[name](**args))
 
 
 if __name__ == "__main__":

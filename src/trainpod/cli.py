@@ -6,6 +6,9 @@ trainpod status RUN
 trainpod deploy configs/deploy/pretrain-spot.yaml [--dry-run]   (RunPod: template, volume, pod)
 trainpod supervise RUN --config configs/deploy/pretrain-spot.yaml [--once]
 trainpod stop RUN [--terminate]
+trainpod estimate configs/deploy/pretrain-spot.yaml [--gpu TYPE] [--spot]   (tokens, hours, memory, dollars)
+trainpod generate RUN --prompt "..."  |  trainpod chat RUN                  (the run's export, streamed)
+trainpod config fields finetune  |  trainpod --version
 """
 
 from __future__ import annotations

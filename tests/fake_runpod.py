@@ -1,6 +1,6 @@
 """A fake RunPod REST API on 127.0.0.1: the mock of RunPod itself (the only thing these tests mock).
 
-    python tests/fake_runpod.py --derive    # rewrite runpod_schema.json, runpod_v2_schema.json from RunPod's files
+    python tests/fake_runpod.py --derive    # rewrite runpod_schema.json and runpod_v2_schema.json
 
 It holds account state (pods, templates, network volumes) in memory and validates every request
 (method, path, query names, JSON body: field names, types, enums, required fields) against

@@ -1,7 +1,7 @@
 """`trainpod chat RUN` and `trainpod generate RUN --prompt ...`: talk to what a run trained.
 
     trainpod generate tiny-finetune --prompt "Add the two numbers. 12 + 30" --volume demo-volume
-    trainpod chat tiny-finetune --volume demo-volume          # a conversation on stdin, empty line or EOF ends
+    trainpod chat tiny-finetune --volume demo-volume     # a conversation on stdin; empty line or EOF ends
 
 The run's export is loaded with transformers (and peft for an adapter): export/merged, export/hf,
 or the base model + export/adapter, in that order unless --export says which. A finetuned run's
@@ -55,9 +55,9 @@ def find_export(volume: Volume, run: str, which: str = "auto") -> Export:
             return Export(kind, base, folder, training_template(run_dir), summary.get("quantization"))
         if kind != "adapter" and (folder / "config.json").is_file():
             return Export(kind, folder, None, training_template(run_dir))
-    found = sorted(p.name for p in export.iterdir()) if export.is_dir() else []
+    found = ", ".join(sorted(p.name for p in export.iterdir())) if export.is_dir() else ""
     raise InputError(
-        f"run {run}: no {' or '.join(f'export/{k}' for k in kinds)} under {run_dir} (found: {', '.join(found) or 'nothing'}); "
+        f"run {run}: no {' or '.join(f'export/{k}' for k in kinds)} under {run_dir} (found: {found or 'nothing'}); "
         "finish the run (trainpod run ...) or convert it (trainpod run convert), or pass --volume where it lives"
     )
 

@@ -99,7 +99,8 @@ def load_target(path: str, overrides: list[str] | None = None) -> tuple[Any, Dep
         workload_path = find_workload_config(deploy.config, Path(path))
         if workload_path is None:
             raise InputError(
-                f"{path}: config={deploy.config!r} is not a file here (looked beside the deploy config and in "
+                f"{path}: config={deploy.config!r} is not a file here (looked beside the deploy config "
+                "and in "
                 "this repo); run the estimate on the workload config itself"
             )
         return load_config(_config_type(deploy.workload), workload_path, overrides or []), deploy
@@ -281,7 +282,8 @@ def _shape_from_name(config: FinetuneConfig, notes: list[str]) -> dict[str, int]
     match = re.search(r"(\d+(?:\.\d+)?)[bB]\b", config.base_model.path)
     if match is None:
         raise InputError(
-            f"base_model.path={config.base_model.path!r}: its config.json could not be read (no such folder here "
+            f"base_model.path={config.base_model.path!r}: its config.json could not be read "
+            "(no such folder here "
             "or on --volume, hub not reachable); pass --volume where the model lives, or estimate online"
         )
     n = int(float(match.group(1)) * 1e9)
@@ -312,7 +314,8 @@ def _steps_for_epochs(
         samples = sum(1 for source in sft.datasets for _ in iter_rows(source, root))
     except InputError as exc:
         raise InputError(
-            f"train.epochs needs the data's size: {exc}; or pass --set train.epochs=null --set train.max_steps=N"
+            f"train.epochs needs the data's size: {exc}; "
+            "or pass --set train.epochs=null --set train.max_steps=N"
         ) from None
     train_samples = samples * (1 - sft.val_ratio)
     notes.append(
@@ -414,23 +417,30 @@ def report(est: Estimate) -> list[str]:
     lines = [
         f"run {s.run}: {s.workload}, {s.parameters / 1e6:,.1f}M parameters"
         + (f" ({s.trainable / 1e6:,.2f}M trainable)" if s.trainable != s.parameters else ""),
-        f"tokens     {s.tokens:,} in {s.steps:,} steps; {s.flops:.3g} FLOPs ({s.flops_per_token:.3g} per token)",
-        f"time       {_hours(est.hours)} on {est.gpu_count} x {est.gpu} at {est.mfu:.0%} MFU, {est.mfu_source}",
+        f"tokens     {s.tokens:,} in {s.steps:,} steps; {s.flops:.3g} FLOPs "
+        f"({s.flops_per_token:.3g} per token)",
+        f"time       {_hours(est.hours)} on {est.gpu_count} x {est.gpu} at {est.mfu:.0%} MFU, "
+        f"{est.mfu_source}",
         "memory     " + _fit(memory, est.gpu_memory_gb) + " = "
         + " + ".join(f"{part} {value / 1e9:.1f}" for part, value in s.memory.items() if value >= 0.05e9),
-        f"checkpoint {s.checkpoint_bytes / 1e9:.2f} GB, commits in "
-        + "-".join(f"{0.5 + s.checkpoint_bytes / speed:.0f}" for speed in sorted(VOLUME_BYTES_PER_S, reverse=True))
-        + " s at 200-400 MB/s (network volume)",
+        f"checkpoint {s.checkpoint_bytes / 1e9:.2f} GB, commits in {_commit_seconds(s.checkpoint_bytes)} "
+        "at 200-400 MB/s (network volume)",
     ]  # fmt: skip
     if est.dollars is None:
         lines.append(f"cost       unknown: {est.price_source}")
     else:
         lines.append(f"cost       ${est.dollars:,.2f} at ${est.hourly_usd:.2f}/h ({est.price_source})")
     if est.budget_usd is not None:
-        verdict = "OVER" if est.over_budget else "within"
+        verdict = "not checked (no price)" if est.dollars is None else "OVER" if est.over_budget else "within"
         lines.append(f"budget     ${est.budget_usd:,.2f}: {verdict}")
     lines += [f"note       {note}" for note in s.notes]
     return lines
+
+
+def _commit_seconds(size: int) -> str:
+    """Seconds a commit takes at the fast and the slow volume speed, plus 0.5 s of fsyncs and renames."""
+    fast, slow = (0.5 + size / speed for speed in sorted(VOLUME_BYTES_PER_S, reverse=True))
+    return f"{fast:.1f}-{slow:.1f} s" if slow < 10 else f"{fast:.0f}-{slow:.0f} s"
 
 
 def _hours(hours: float) -> str:

@@ -35,13 +35,15 @@ def config_problems(config: DeployConfig, deploy_path: str, secrets_from_env: bo
     problems = []
     if PLACEHOLDER_IMAGE.search(config.image.name):
         problems.append(
-            f"image.name={config.image.name!r} is the shipped placeholder; set it to the image `make image push "
+            f"image.name={config.image.name!r} is the shipped placeholder; set it to the image "
+            "`make image push "
             "REGISTRY=...` pushed, e.g. ghcr.io/you/trainpod:0.1.0"
         )
     for name, value in config.env.extra.items():
         if SECRET_NAME.search(name) and not REFERENCE.match(value):
             problems.append(
-                f"env.extra.{name} holds a value, and its name says it is a secret: list {name} under `secrets` "
+                f"env.extra.{name} holds a value, and its name says it is a secret: list {name} "
+                "under `secrets` "
                 f"(sent as {{{{ RUNPOD_SECRET_{name} }}}}) and create the secret in RunPod's console"
             )
     problems += workload_config_problems(config, deploy_path)
@@ -83,7 +85,8 @@ def estimate_lines(config: DeployConfig, deploy_path: str, catalog: list, force:
     lines = estimating.report(est)
     if est.over_budget and not force:
         raise OverBudget(
-            f"the estimate (${est.dollars:,.2f}) exceeds the budget (${est.budget_usd:,.2f}, TRAINPOD_BUDGET_USD "
+            f"the estimate (${est.dollars:,.2f}) exceeds the budget (${est.budget_usd:,.2f}, "
+            "TRAINPOD_BUDGET_USD "
             "or budget.budget_usd): raise the budget, shorten the run, or deploy with --force\n"
             + "\n".join(lines)
         )
@@ -91,7 +94,8 @@ def estimate_lines(config: DeployConfig, deploy_path: str, catalog: list, force:
 
 
 def stock_lines(config: DeployConfig, catalog: list[Any], cuda_versions: list[str]) -> tuple[list[str], bool]:
-    """Per chosen GPU type: overall stock, the volume's data center, free CUDA versions; and whether any is free."""
+    """Per chosen GPU type: stock overall and in the volume's data center, the free CUDA versions;
+    and whether any type has a free machine."""
     if config.image.flavour != "cuda":
         return [], True
     by_id = {offer.id: offer for offer in catalog}
@@ -114,8 +118,9 @@ def stock_lines(config: DeployConfig, catalog: list[Any], cuda_versions: list[st
 
 def no_stock_warning(config: DeployConfig, cuda_versions: list[str]) -> str:
     return (
-        f"no machine is free now for {', '.join(config.pod.gpu_types)} with CUDA {', '.join(cuda_versions)} in "
-        f"{config.volume.data_center}: the pod may not start; add GPU types, lower image.cuda_version (a cu128 "
+        f"no machine is free now for {', '.join(config.pod.gpu_types)} with CUDA "
+        f"{', '.join(cuda_versions)} in {config.volume.data_center}: the pod may not start; add GPU types, "
+        "lower image.cuda_version (a cu128 "
         "image reaches more hosts) or wait"
     )
 

@@ -1,6 +1,6 @@
 """Every field of a config, from its pydantic models: dotted path, type, default, description.
 
-    trainpod config fields finetune     # or datagen, datagen-sft, datagen-generator, pretrain, convert, deploy
+    trainpod config fields finetune     # or pretrain, datagen, datagen-sft, convert, deploy, ...
 
 Nested sections are walked (`train.lr`); a list of sections shows its items as `path[].field`.
 """

@@ -58,8 +58,8 @@ def find_export(volume: Volume, run: str, which: str = "auto") -> Export:
     found = ", ".join(sorted(p.name for p in export.iterdir())) if export.is_dir() else ""
     raise InputError(
         f"run {run}: no {' or '.join(f'export/{k}' for k in kinds)} under {run_dir} "
-        f"(found: {found or 'nothing'}); finish the run (trainpod run ...) or convert it (trainpod run convert), "
-        "or pass --volume where it lives"
+        f"(found: {found or 'nothing'}); finish the run (trainpod run ...) or convert it "
+        "(trainpod run convert), or pass --volume where it lives"
     )
 
 

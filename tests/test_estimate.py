@@ -97,7 +97,7 @@ def test_finetune_estimate_counts_exactly_the_lora_parameters_peft_trains(finetu
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from trainpod.workloads.finetune import peft_lora_config
+    from trainpod.train.lora import peft_lora_config
 
     config = load_config(FinetuneConfig, TINY_FINETUNE, [f"base_model.path={BASE}"])
     sizing = size_finetune(config, 1, Volume(finetune_base_volume))

@@ -20,9 +20,9 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-from trainpod.config import parse_overrides
 from trainpod.errors import ExitCode
 from trainpod.volume import Volume
 
@@ -35,7 +35,7 @@ def run(
     volume: str | None = None,
     nproc_per_node: int = 1,
 ) -> int:
-    """Run a workload (datagen, pretrain, finetune, convert) to its end; resumes from the newest checkpoint.
+    """Run a workload to its end (WORKLOAD: one of the list below); resumes from the newest checkpoint.
 
     Flags override the environment: --config over TRAINPOD_CONFIG, --run over TRAINPOD_RUN,
     --volume over TRAINPOD_VOLUME; --set assignments apply after TRAINPOD_SET.
@@ -46,13 +46,11 @@ def run(
         from trainpod.launch import launch_local
 
         return launch_local(nproc_per_node, _strip_nproc(sys.argv[1:]))
-    request = RunRequest(
-        workload=workload,
-        config_path=config or os.environ.get("TRAINPOD_CONFIG"),
-        overrides=parse_overrides(os.environ.get("TRAINPOD_SET")) + list(set or []),
-        run_name=run_name or os.environ.get("TRAINPOD_RUN") or None,
-        volume=Volume(Path(volume)) if volume else Volume.from_env(),
-    )
+    request = RunRequest.from_env(workload)
+    request.config_path = config or request.config_path
+    request.overrides += list(set or [])
+    request.run_name = run_name or request.run_name
+    request.volume = Volume(Path(volume)) if volume else request.volume
     return execute(request)
 
 
@@ -143,6 +141,7 @@ def deploy(
     Secrets go to the pod as {{ RUNPOD_SECRET_<name> }} references unless --secrets-from-env.
     --supervise then brings the pod back after interruptions until the run is DONE.
     """
+    from trainpod import workloads
     from trainpod.config import load_config
     from trainpod.config.deploy import DeployConfig
     from trainpod.log import redact
@@ -152,6 +151,7 @@ def deploy(
 
     def act() -> int:
         cfg = load_config(DeployConfig, config)
+        workloads.deployable(cfg.workload)
         if spot is not None:
             cfg.pod.spot = spot
         secrets = deploying.secrets_from_shell(cfg, dict(os.environ)) if secrets_from_env else None
@@ -340,8 +340,8 @@ def _write(text: str) -> None:
     sys.stdout.flush()
 
 
-def config_fields(workload: str) -> int:
-    """List every field of a workload's config: dotted path, type, default and description."""
+def config_fields(what: str, workload: str) -> int:
+    """`config fields WORKLOAD`: every field of its config, with dotted path, type, default and description."""
     from trainpod.config.fields import field_rows, format_rows
 
     types = _config_types()
@@ -353,12 +353,21 @@ def config_fields(workload: str) -> int:
 
 
 def _config_types() -> dict[str, type]:
-    """Config types by name: each workload's, datagen's variants (datagen-sft, ...) and deploy's."""
+    """Config types by name, from the workload registry: datagen's kinds as datagen-<kind>, and deploy's."""
+    from trainpod import workloads
     from trainpod.config.deploy import DeployConfig
-    from trainpod.workloads.lifecycle import CONFIG_TYPES, DATAGEN_VARIANTS
+    from trainpod.workloads import datagen
 
-    variants = {f"datagen-{key}": cls for key, cls in DATAGEN_VARIANTS.items()}
-    return {**CONFIG_TYPES, **variants, "deploy": DeployConfig}
+    types: dict[str, type] = {}
+    for name, workload in workloads.REGISTRY.items():
+        if name == "datagen":
+            types |= {
+                "datagen" if kind == "tokens" else f"datagen-{kind}": cls
+                for kind, cls in datagen.KINDS.items()
+            }
+        else:
+            types[name] = workload.module().config_type({})
+    return types | {"deploy": DeployConfig}
 
 
 def boot() -> int:
@@ -380,22 +389,27 @@ def _strip_nproc(argv: list[str]) -> list[str]:
     return out
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="trainpod", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--version", action="version", version=f"trainpod {_version()}")
-    verbs = parser.add_subparsers(dest="verb", required=True)
-    p = verbs.add_parser("run", help=_summary(run), description=inspect.getdoc(run))
-    p.add_argument("workload", choices=["datagen", "pretrain", "finetune", "convert"])
+def _run_arguments(p: argparse.ArgumentParser) -> None:
+    from trainpod import workloads
+
+    p.add_argument(
+        "workload",
+        choices=list(workloads.REGISTRY),
+        help="; ".join(f"{w.name}: {w.summary}" for w in workloads.REGISTRY.values()),
+    )
     p.add_argument("--config", help="YAML config (default: $TRAINPOD_CONFIG)")
     p.add_argument("--set", action="append", metavar="KEY.PATH=VALUE", help="config override (repeatable)")
     p.add_argument("--run", dest="run_name", help="run name (default: $TRAINPOD_RUN, else the config's name)")
     p.add_argument("--volume", help="volume root (default: $TRAINPOD_VOLUME, else /workspace)")
     p.add_argument("--nproc-per-node", type=int, default=1, help="processes on this machine (one per GPU)")
-    verbs.add_parser("boot", help=_summary(boot), description=inspect.getdoc(boot))
-    p = verbs.add_parser("status", help=_summary(status), description=inspect.getdoc(status))
+
+
+def _status_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_name", nargs="?", metavar="RUN")
     p.add_argument("--volume")
-    p = verbs.add_parser("deploy", help=_summary(deploy), description=inspect.getdoc(deploy))
+
+
+def _deploy_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", metavar="CONFIG", help="deploy YAML, e.g. configs/deploy/pretrain-spot.yaml")
     p.add_argument("--dry-run", action="store_true", help="print the requests, send nothing")
     p.add_argument("--spot", dest="spot", action="store_true", default=None, help="an interruptible pod")
@@ -405,7 +419,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--supervise", dest="then_supervise", action="store_true", help="then supervise the run until DONE"
     )
-    p = verbs.add_parser("estimate", help=_summary(estimate), description=inspect.getdoc(estimate))
+
+
+def _estimate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", metavar="CONFIG", help="pretrain, finetune or deploy YAML")
     p.add_argument("--gpu", help="RunPod GPU type id (default: the deploy config's first, else an H100)")
     p.add_argument("--spot", dest="spot", action="store_true", default=None, help="price a spot pod")
@@ -413,32 +429,64 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--mfu", type=float, help="model FLOPs utilisation to assume, e.g. 0.4")
     p.add_argument("--set", action="append", metavar="KEY.PATH=VALUE", help="workload config override")
     p.add_argument("--volume", help="a volume holding runs/<run>/status.json (measured MFU) and datasets")
-    for verb in (generate, chat):
-        p = verbs.add_parser(verb.__name__, help=_summary(verb), description=inspect.getdoc(verb))
-        p.add_argument("run_name", metavar="RUN")
-        if verb is generate:
-            p.add_argument("--prompt", required=True, help="the user message (or text to continue)")
-        p.add_argument("--volume", help="volume root (default: $TRAINPOD_VOLUME, else /workspace)")
-        p.add_argument("--export", default="auto", choices=["auto", "merged", "hf", "adapter"])
-        p.add_argument("--system", help="a system message, for templates that have one")
-        p.add_argument("--max-new-tokens", type=int, default=200)
-        p.add_argument("--temperature", type=float, default=0.7, help="0: greedy")
-        p.add_argument("--seed", type=int, default=0, help="sampling seed (the same seed, the same answer)")
-    p = verbs.add_parser("config", help="config fields WORKLOAD: " + _summary(config_fields))
-    fields = p.add_subparsers(dest="config_verb", required=True).add_parser(
-        "fields", help=_summary(config_fields), description=inspect.getdoc(config_fields)
-    )
-    fields.add_argument(
-        "workload", metavar="WORKLOAD", help="datagen, pretrain, finetune, convert, deploy, ..."
-    )
-    p = verbs.add_parser("supervise", help=_summary(supervise), description=inspect.getdoc(supervise))
+
+
+def _chat_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_name", metavar="RUN")
+    p.add_argument("--volume", help="volume root (default: $TRAINPOD_VOLUME, else /workspace)")
+    p.add_argument("--export", default="auto", choices=["auto", "merged", "hf", "adapter"])
+    p.add_argument("--system", help="a system message, for templates that have one")
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.7, help="0: greedy")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (the same seed, the same answer)")
+
+
+def _generate_arguments(p: argparse.ArgumentParser) -> None:
+    _chat_arguments(p)
+    p.add_argument("--prompt", required=True, help="the user message (or text to continue)")
+
+
+def _config_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("what", choices=["fields"], help="fields: every field of WORKLOAD's config")
+    p.add_argument("workload", metavar="WORKLOAD", help="pretrain, finetune, datagen-sft, deploy, ...")
+
+
+def _supervise_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_name", metavar="RUN")
     p.add_argument("--config", help="the run's deploy YAML (default: $TRAINPOD_CONFIG)")
     p.add_argument("--once", action="store_true", help="one look and one decision, then exit")
     p.add_argument("--volume", help="the volume when mounted here (default: $TRAINPOD_VOLUME)")
-    p = verbs.add_parser("stop", help=_summary(stop), description=inspect.getdoc(stop))
+
+
+def _stop_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_name", metavar="RUN")
     p.add_argument("--terminate", action="store_true", help="terminate instead of stop (the pod is gone)")
+
+
+# The verbs: the one table the parser and the dispatch are built from. A new verb is a function
+# (its docstring is its help) and a line here, with the function that declares its arguments.
+VERBS: dict[str, tuple[Callable[..., int], Callable[[argparse.ArgumentParser], None] | None]] = {
+    "run": (run, _run_arguments),
+    "boot": (boot, None),
+    "status": (status, _status_arguments),
+    "deploy": (deploy, _deploy_arguments),
+    "supervise": (supervise, _supervise_arguments),
+    "stop": (stop, _stop_arguments),
+    "estimate": (estimate, _estimate_arguments),
+    "generate": (generate, _generate_arguments),
+    "chat": (chat, _chat_arguments),
+    "config": (config_fields, _config_arguments),
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="trainpod", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=f"trainpod {_version()}")
+    verbs = parser.add_subparsers(dest="verb", required=True)
+    for name, (function, arguments) in VERBS.items():
+        p = verbs.add_parser(name, help=_summary(function), description=inspect.getdoc(function))
+        if arguments is not None:
+            arguments(p)
     return parser
 
 
@@ -454,22 +502,8 @@ def _summary(fn: object) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = vars(_parser().parse_args(argv))
-    verbs = {
-        "run": run,
-        "status": status,
-        "boot": boot,
-        "deploy": deploy,
-        "estimate": estimate,
-        "generate": generate,
-        "chat": chat,
-        "supervise": supervise,
-        "stop": stop,
-    }
-    name = args.pop("verb")
-    if name == "config":
-        args.pop("config_verb")  # one sub-verb today: fields
-        return int(config_fields(**args))
-    return int(verbs[name](**args))
+    function, _ = VERBS[args.pop("verb")]
+    return int(function(**args))
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from trainpod.config.deploy import DeployConfig
 from trainpod.config.finetune import FinetuneConfig
 from trainpod.config.pretrain import PretrainConfig
 from trainpod.errors import ConfigError, InputError
-from trainpod.train.reporting import PEAK_BF16_FLOPS
+from trainpod.train.reporting import PEAK_BF16_FLOPS, peak_flops_of
 from trainpod.volume import Volume
 
 DEFAULT_GPU = "NVIDIA H100 80GB HBM3"
@@ -363,7 +363,7 @@ def estimate(
         config, gpu_count, volume
     )
     offer = next((o for o in catalog or [] if o.id == gpu), None)
-    peak = next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in gpu), None)
+    peak = peak_flops_of(gpu)
     if peak is None:
         raise InputError(
             f"--gpu {gpu!r}: no bf16 peak known for it; use a RunPod GPU type id containing one of "

@@ -52,15 +52,16 @@ def config_problems(config: DeployConfig, deploy_path: str, secrets_from_env: bo
 
 def workload_config_problems(config: DeployConfig, deploy_path: str) -> list[str]:
     """The workload config's own problems, when this repo holds the file the pod will read."""
-    from trainpod.config import load_config, parse_overrides
+    from trainpod import workloads
+    from trainpod.config import parse_overrides
     from trainpod.estimate import find_workload_config
-    from trainpod.workloads.lifecycle import config_class
+    from trainpod.workloads.lifecycle import load_workload_config
 
     path = find_workload_config(config.config, Path(deploy_path))
     if path is None:
         return []  # it may come from env.git_repo or the volume: the pod's boot checks it (exit 2)
     try:
-        load_config(config_class(config.workload, path), path, parse_overrides(config.env.set))
+        load_workload_config(workloads.get(config.workload), path, parse_overrides(config.env.set))
     except TrainpodError as exc:
         return [f"config={config.config!r} ({path}): {exc}"]
     return []

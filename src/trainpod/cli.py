@@ -141,12 +141,12 @@ def deploy(
     Secrets go to the pod as {{ RUNPOD_SECRET_<name> }} references unless --secrets-from-env.
     --supervise then brings the pod back after interruptions until the run is DONE.
     """
+    from trainpod import deploy_checks as checks
     from trainpod import workloads
     from trainpod.config import load_config
     from trainpod.config.deploy import DeployConfig
     from trainpod.log import redact
     from trainpod.runpod import deploy as deploying
-    from trainpod.runpod import deploy_checks as checks
     from trainpod.runpod.client import DryRunClient, RunPodClient
 
     def act() -> int:
@@ -159,8 +159,13 @@ def deploy(
         if dry_run:  # sends nothing, reads nothing: prices from TRAINPOD_GPU_HOURLY_USD / budget.hourly_usd
             checks.run_checks(cfg, config, secrets_from_env, [], force)
             shown = sorted(secrets.values(), key=len, reverse=True) if secrets else []
-            logging.getLogger("trainpod.deploy").setLevel(logging.WARNING)  # "created" lines would mislead
-            deploying.deploy(DryRunClient(echo=lambda text: print(redact(text, shown))), cfg, secrets)
+            deploy_log = logging.getLogger("trainpod.deploy")
+            level = deploy_log.level
+            deploy_log.setLevel(logging.WARNING)  # its "created" lines would mislead in a dry run
+            try:
+                deploying.deploy(DryRunClient(echo=lambda text: print(redact(text, shown))), cfg, secrets)
+            finally:
+                deploy_log.setLevel(level)
             return ExitCode.DONE
         client = RunPodClient.from_env()
         cuda = deploying.allowed_cuda_versions(cfg)

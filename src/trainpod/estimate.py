@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from trainpod import cost
+from trainpod import cost, workloads
 from trainpod.config import load_config
 from trainpod.config.deploy import DeployConfig
 from trainpod.config.finetune import FinetuneConfig
@@ -92,7 +92,7 @@ def load_target(path: str, overrides: list[str] | None = None) -> tuple[Any, Dep
     deploy = None
     if "workload" in tree and "image" in tree:
         deploy = load_config(DeployConfig, path)
-        if deploy.workload not in ("pretrain", "finetune"):
+        if workloads.get(deploy.workload).kind is not workloads.Kind.TRAINING:
             raise InputError(
                 f"{path}: workload {deploy.workload!r} trains nothing; estimate covers pretrain and finetune"
             )
@@ -124,7 +124,7 @@ def find_workload_config(raw: str, deploy_path: Path) -> Path | None:
 
 
 def _config_type(workload: str) -> type:
-    return {"pretrain": PretrainConfig, "finetune": FinetuneConfig}[workload]
+    return workloads.get(workload).module().config_type({})
 
 
 def _yaml(path: Path) -> dict:

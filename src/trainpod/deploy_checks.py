@@ -9,6 +9,7 @@
 - the estimate (trainpod.estimate) is printed and, over the budget, refused unless --force;
 - live stock of the chosen GPU types on the allowed CUDA versions (RunPod's v2 catalog) is shown,
   with a warning when none has a free machine.
+It sits above runpod/, estimate and workloads/ (it reads all three; runpod/ must not import workloads/).
 """
 
 from __future__ import annotations

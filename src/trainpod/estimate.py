@@ -152,7 +152,7 @@ def size_pretrain(config: PretrainConfig, gpu_count: int, volume: Volume | None)
     n = parameter_count(model_config)
     tokens = t.max_steps * t.tokens_per_step_per_rank * gpu_count
     per_token = flops_per_token(model_config, n, t.seq_len) * (4 / 3 if t.gradient_checkpointing else 1)
-    memory = simple_training_memory(
+    memory = preflight_memory(config, model_config.vocab_size, gpu_count) or simple_training_memory(
         weights=4 * n, trainable=n, optimizer_bytes_per_param=8, layers=config.model.num_layers,
         width=config.model.hidden_size, vocab=model_config.vocab_size, rows=t.micro_batch_size,
         seq_len=t.seq_len, recompute=t.gradient_checkpointing,
@@ -184,6 +184,17 @@ def size_finetune(config: FinetuneConfig, gpu_count: int, volume: Volume | None)
     )
 
 
+def preflight_memory(config: PretrainConfig, vocab: int, world_size: int) -> dict[str, float] | None:
+    """Pretraining's preflight estimate (train/memory.py's estimate_training_memory, by the `loss` work)
+    where this tree has it; None before it lands, and simple_training_memory stands in."""
+    try:
+        from trainpod.train.memory import estimate_training_memory
+    except ImportError:
+        return None
+    estimate = estimate_training_memory(config, vocab, world_size=world_size)
+    return {part: float(size) for part, size in estimate.parts.items()}
+
+
 def simple_training_memory(
     *,
     weights: float,
@@ -198,7 +209,7 @@ def simple_training_memory(
 ) -> dict[str, float]:
     """GPU bytes: weights + fp32 gradients + optimizer moments + activations + logits + CUDA context.
 
-    The simple estimate (train/memory.py, the preflight's, replaces it when it lands on main).
+    The simple estimate: finetuning's, and pretraining's until train/memory.py (preflight_memory) lands.
     Activations: 34 bytes x tokens x width per layer in bf16 with fused attention (Korthikanti et al.
     2022); with recomputation only each layer's input (2 bytes) stays, plus one layer's worth.
     """

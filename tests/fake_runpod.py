@@ -1,28 +1,36 @@
 """A fake RunPod REST API on 127.0.0.1: the mock of RunPod itself (the only thing these tests mock).
 
-    python tests/fake_runpod.py --derive    # rewrite runpod_schema.json and runpod_v2_schema.json
+    python tests/fake_runpod.py --derive    # rewrite tests/runpod_schema.json and runpod_v2_schema.json
+                                            # from RunPod's OpenAPI files
 
-It holds account state (pods, templates, network volumes) in memory and validates every request
-(method, path, query names, JSON body: field names, types, enums, required fields) against
+It holds account state (pods, templates, network volumes, pod logs) in memory and validates every
+request (method, path, query names, JSON body: field names, types, enums, required fields) against
 `runpod_schema.json`, a small schema derived from RunPod's own OpenAPI description by
-`derive_schema` (tests/test_runpod_schema.py keeps the two equal). A request that does not validate
+`derive_schema` (tests/test_runpod_schema.py keeps the two equal). Requests under /v2 are validated
+the same way against `runpod_v2_schema.json`, derived from RunPod's v2 description by
+`derive_schema_v2`: query parameters and headers by name, type, range, enum and date-time format.
+`GET /v2/pods/{id}/logs` serves the pod's log lines as Server-Sent Events, resumes after
+`Last-Event-ID` (exclusively), keeps the stream open for lines added later, and on demand cuts a
+connection in the middle of an event (`drop_after`). Event ids are the lines' timestamps, as v2's
+description says (its one example id carries a `/<sequence>` suffix, which its own date-time schema
+for Last-Event-ID would refuse; the fake follows the schema, with microsecond timestamps). A request that does not validate
 gets a 400 like RunPod's and is recorded in `violations`; the `fake_runpod` fixtures fail the test
 when any is left. On demand it interrupts pods, refuses starts (no GPU free on the machine), has
-no capacity for GPU types, answers 429/5xx/401, or answers slowly (timeouts). REST v2's GPU catalog
-(GET /v2/catalog/gpus: prices, stock per CUDA version) is served from `gpu_catalog` and `gpu_stock`,
-its query checked against `runpod_v2_schema.json` (derived from RunPod's v2 description by
-`derive_v2_schema`) and its answer against the same file's ListGpuTypesResponse.
+no capacity for GPU types, answers 429/5xx/401, or answers slowly (timeouts).
+`GET /v2/catalog/gpus` serves `gpu_catalog` with stock per CUDA version from `gpu_stock`; v2 answers
+with a JSON schema in RunPod's description are checked against it before they are sent.
 """
 
 from __future__ import annotations
 
+import datetime
 import itertools
 import json
 import re
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -33,9 +41,19 @@ import jsonschema
 
 HERE = Path(__file__).resolve().parent
 SCHEMA_FILE = HERE / "runpod_schema.json"
-OPENAPI = HERE.parent.parent / "shared/reference/runpod-rest-openapi.json"
-OPENAPI_V2 = HERE.parent.parent / "shared/reference/runpod-rest-v2-openapi.json"
 SCHEMA_V2_FILE = HERE / "runpod_v2_schema.json"
+
+
+def _reference_dir() -> Path:
+    """shared/reference beside the checkout (main: /work/shared; a worktree /work/wt/X: two levels up)."""
+    for parent in HERE.parents:
+        if (parent / "shared/reference").is_dir():
+            return parent / "shared/reference"
+    return HERE.parent.parent / "shared/reference"
+
+
+OPENAPI = _reference_dir() / "runpod-rest-openapi.json"
+OPENAPI_V2 = _reference_dir() / "runpod-rest-v2-openapi.json"
 KEY = "fake-runpod-key-for-tests"
 
 # What trainpod sends, as (method, OpenAPI path): the derived schema holds exactly these.
@@ -53,7 +71,10 @@ OPERATIONS = [
     ("GET", "/networkvolumes"),
     ("POST", "/networkvolumes"),
 ]
+# What trainpod sends to REST v2, as (method, OpenAPI path).
+OPERATIONS_V2 = [("GET", "/v2/pods/{id}/logs"), ("GET", "/v2/catalog/gpus")]
 _KEEP = ("type", "enum", "items", "minimum", "maximum", "required", "properties")
+_KEEP_V2 = ("type", "enum", "minimum", "maximum", "format", "items", "maxItems", "pattern")
 
 
 def _json_schema(node: dict[str, Any]) -> dict[str, Any]:
@@ -94,51 +115,89 @@ def derive_schema(openapi: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-# What trainpod sends to REST v2, as (method, path) in RunPod's v2 OpenAPI.
-OPERATIONS_V2 = [("GET", "/v2/catalog/gpus")]
-
-
-def derive_v2_schema(openapi: dict[str, Any]) -> dict[str, Any]:
-    """The part of RunPod's v2 OpenAPI (3.1: its schemas are JSON Schema) that trainpod uses: each
-    operation's query parameters and response schema, and every component schema they reach."""
-    components = openapi["components"]
-    operations, wanted = {}, []
+def derive_schema_v2(openapi: dict[str, Any]) -> dict[str, Any]:
+    """The part of RunPod's v2 OpenAPI that trainpod uses: each operation's query and header
+    parameters with their value schemas (references resolved), and its success status and type."""
+    operations = {}
     for method, path in OPERATIONS_V2:
-        op = openapi["paths"][path][method.lower()]
-        query = {}
-        for param in op.get("parameters", []):
-            if "$ref" in param:
-                param = components["parameters"][param["$ref"].rsplit("/", 1)[-1]]
-            if param["in"] == "query":
-                query[param["name"]] = param["schema"]
-        response = op["responses"]["200"]["content"]["application/json"]["schema"]["$ref"].rsplit("/", 1)[-1]
+        item = openapi["paths"][path]
+        op = item[method.lower()]
+        params = [_resolve(openapi, p) for p in [*item.get("parameters", []), *op.get("parameters", [])]]
+        success = min(code for code in op["responses"] if code.startswith("2"))
         operations[f"{method} {path}"] = {
             "operationId": op["operationId"],
-            "query": query,
-            "response": response,
+            **{
+                where: {p["name"]: _value_schema(openapi, p["schema"]) for p in params if p["in"] == kind}
+                for where, kind in (("query", "query"), ("headers", "header"))
+            },
+            "status": int(success),
+            "content": sorted(op["responses"][success].get("content", {})),
         }
-        wanted += [response, *_refs(query)]
-    schemas: dict[str, Any] = {}
-    while wanted:
-        name = wanted.pop()
-        if name not in schemas:
-            schemas[name] = components["schemas"][name]
-            wanted += _refs(schemas[name])
+        json_answer = op["responses"][success].get("content", {}).get("application/json")
+        if json_answer:  # the fake's own answers are checked against it
+            operations[f"{method} {path}"]["response"] = _inlined(openapi, json_answer["schema"])
     return {
         "source": "RunPod's OpenAPI description of https://api.runpod.io/v2 "
         "(shared/reference/runpod-rest-v2-openapi.json)",
         "operations": operations,
-        "components": {"schemas": schemas},
     }
 
 
-def _refs(node: Any) -> list[str]:
+def _resolve(openapi: dict[str, Any], node: dict[str, Any]) -> dict[str, Any]:
+    while "$ref" in node:
+        target: Any = openapi
+        for part in node["$ref"].removeprefix("#/").split("/"):
+            target = target[part]
+        node = target
+    return node
+
+
+def _value_schema(openapi: dict[str, Any], node: dict[str, Any]) -> dict[str, Any]:
+    kept = {k: v for k, v in _resolve(openapi, node).items() if k in _KEEP_V2}
+    if "items" in kept:  # an array parameter (style form, explode false): its items' schema, resolved
+        kept["items"] = _value_schema(openapi, kept["items"])
+    return kept
+
+
+def _inlined(openapi: dict[str, Any], node: Any) -> Any:
+    """A response schema with every $ref replaced by its target (v2's schemas are JSON Schema)."""
     if isinstance(node, dict):
-        own = [node["$ref"].rsplit("/", 1)[-1]] if isinstance(node.get("$ref"), str) else []
-        return own + [ref for value in node.values() for ref in _refs(value)]
+        return {k: _inlined(openapi, v) for k, v in _resolve(openapi, node).items()}
     if isinstance(node, list):
-        return [ref for value in node for ref in _refs(value)]
-    return []
+        return [_inlined(openapi, v) for v in node]
+    return node
+
+
+def _value_problem(name: str, raw: str, schema: dict[str, Any]) -> str | None:
+    """Why a query or header value does not fit its OpenAPI schema (None when it does)."""
+    value: Any = raw
+    if schema.get("type") == "array":  # style form, explode false: comma-separated
+        problems = [_value_problem(name, item, schema.get("items", {})) for item in raw.split(",")]
+        too_many = "maxItems" in schema and len(raw.split(",")) > schema["maxItems"]
+        return next((p for p in problems if p), f"{name}={raw!r}: too many items" if too_many else None)
+    if schema.get("type") == "integer":
+        try:
+            value = int(raw)
+        except ValueError:
+            return f"{name}={raw!r} is not an integer"
+    if schema.get("format") == "date-time":
+        try:
+            parsed = datetime.datetime.fromisoformat(raw.replace("Z", "+00:00"))
+        except ValueError:
+            return f"{name}={raw!r} is not an RFC 3339 date-time"
+        if parsed.tzinfo is None or "T" not in raw:
+            return f"{name}={raw!r} is not an RFC 3339 date-time (needs a T and a time zone)"
+    errors = list(
+        jsonschema.Draft7Validator({k: v for k, v in schema.items() if k != "format"}).iter_errors(value)
+    )
+    return f"{name}={raw!r}: {errors[0].message}" if errors else None
+
+
+@dataclass
+class LogStream:
+    """An open Server-Sent Events answer: the handler writes each chunk as it comes."""
+
+    chunks: Iterator[bytes]
 
 
 def default_gpu_catalog() -> list[dict[str, Any]]:
@@ -183,7 +242,12 @@ class FakeRunPod:
     key: str = KEY
     price_per_gpu_hr: float = 2.0
     schema: dict[str, Any] = field(default_factory=lambda: json.loads(SCHEMA_FILE.read_text()))
+    schema_v2: dict[str, Any] = field(default_factory=lambda: json.loads(SCHEMA_V2_FILE.read_text()))
     pods: dict[str, dict] = field(default_factory=dict)
+    logs: dict[str, list[dict]] = field(default_factory=dict)  # pod id -> {"ts", "source", "line"}
+    drop_after: list[int] = field(default_factory=list)  # per log connection: events before it is cut
+    log_headers: list[dict[str, str]] = field(default_factory=list)  # Last-Event-ID etc. of each log request
+    inclusive_cursor: bool = False  # resume at the Last-Event-ID's line rather than after it
     templates: dict[str, dict] = field(default_factory=dict)
     volumes: dict[str, dict] = field(default_factory=dict)
     requests: list[tuple[str, str, Any]] = field(default_factory=list)
@@ -192,18 +256,21 @@ class FakeRunPod:
     no_capacity: set[str] = field(default_factory=set)  # GPU types with no free machine anywhere
     refuse_start: set[str] = field(default_factory=set)  # pod ids whose machine has no free GPU
     delay_s: float = 0.0
-    gpu_catalog: list[dict[str, Any]] = field(default_factory=default_gpu_catalog)
+    gpu_catalog: list[dict[str, Any]] = field(default_factory=lambda: default_gpu_catalog())
     # (GPU type id, CUDA version) pairs with a free machine now; every other offered pair is full.
     gpu_stock: set[tuple[str, str]] = field(
         default_factory=lambda: {
             (g["id"], v) for g in default_gpu_catalog() for v in ("12.8", "12.9", "13.0")
         }
     )
-    schema_v2: dict[str, Any] = field(default_factory=lambda: json.loads(SCHEMA_V2_FILE.read_text()))
     backend: Backend = field(default_factory=Backend)
     url: str = ""
+    url_v2: str = ""
     _ids: Any = field(default_factory=lambda: itertools.count(1))
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _log_added: threading.Condition = field(default_factory=threading.Condition)
+    _log_clock: Any = field(default_factory=lambda: itertools.count(1))
+    closed: threading.Event = field(default_factory=threading.Event)
 
     # ------------------------------------------------------------------ controls
     def interrupt(self, pod_id: str) -> None:
@@ -215,6 +282,17 @@ class FakeRunPod:
 
     def fail_next(self, status: int, times: int = 1, retry_after: str | None = None) -> None:
         self.forced += [(status, retry_after)] * times
+
+    def add_logs(self, pod_id: str, *lines: str, source: str = "container") -> None:
+        """Lines the pod's container prints, each with its own microsecond timestamp (its event id)."""
+        with self._log_added:
+            for line in lines:
+                when = datetime.datetime(2026, 6, 1, 12, tzinfo=datetime.timezone.utc) + datetime.timedelta(
+                    microseconds=next(self._log_clock)
+                )
+                ts = when.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+                self.logs.setdefault(pod_id, []).append({"ts": ts, "source": source, "line": line})
+            self._log_added.notify_all()
 
     def pods_named(self, name: str) -> list[dict]:
         return [p for p in self.pods.values() if p["name"] == name]
@@ -258,74 +336,56 @@ class FakeRunPod:
             status, result = getattr(self, "_" + op["operationId"])(body, query, **params)
         return (op["status"] if status is None else status), result, {}
 
-    # ------------------------------------------------------------------ REST v2
     def _handle_v2(
         self, method: str, path: str, raw_query: str, headers: dict[str, str]
     ) -> tuple[int, Any, dict]:
-        """v2 routes, each request's query checked against the parameters RunPod's v2 OpenAPI declares."""
         self.requests.append((method, path, None))
         if headers.get("Authorization") != f"Bearer {self.key}":
-            return 401, {"message": "Unauthorized"}, {}
+            return 401, {"title": "Unauthorized", "status": 401}, {}
         if self.forced:
             status, retry_after = self.forced.pop(0)
             return (
                 status,
-                {"error": "forced by the test"},
+                {"title": "forced by the test"},
                 ({"Retry-After": retry_after} if retry_after else {}),
             )
-        operation = self.schema_v2["operations"].get(f"{method} {path}")
-        if operation is None:
-            return self._invalid(f"{method} {path}: not served by this fake (or not in RunPod's v2 API)", 404)
+        op_key, params = self._route_in(self.schema_v2["operations"], method, path)
+        if op_key is None:
+            return self._invalid(f"{method} {path}: no such operation in RunPod's v2 API", 404)
+        op = self.schema_v2["operations"][op_key]
         query = {k: v[0] for k, v in parse_qs(raw_query).items()}
-        problem = self._v2_query_problem(operation["query"], query)
-        if problem:
-            return self._invalid(f"{method} {path}: {problem}")
-        answer = {"gpus": [self._catalog_entry(gpu, query) for gpu in self.gpu_catalog]}
-        schema_problem = self._v2_schema_problem(operation["response"], answer)
-        if schema_problem:  # the fake itself must answer as RunPod's description says
-            return self._invalid(
-                f"the fake's own answer does not fit ListGpuTypesResponse: {schema_problem}", 500
-            )
-        return 200, answer, {}
-
-    def _v2_query_problem(self, params: dict[str, Any], query: dict[str, str]) -> str | None:
-        unknown = sorted(set(query) - set(params))
+        unknown = set(query) - set(op["query"])
         if unknown:
-            return f"unknown query parameters {unknown}"
-        problems = []
-        for name, raw in query.items():
-            schema = params[name]
-            resolved = self._v2_resolve(schema)
-            if resolved.get("type") == "array":  # style form, explode false: comma-separated
-                value: Any = raw.split(",")
-            elif resolved.get("type") == "integer":
-                value = int(raw) if raw.lstrip("-").isdigit() else raw
-            else:
-                value = raw
-            problem = self._v2_schema_problem(None, value, schema)
-            if problem:
-                problems.append(f"{name}={raw!r}: {problem}")
-        # Rules the description states in words: include=AVAILABILITY needs product and vice versa.
+            return self._invalid(f"{op_key}: unknown query parameters {sorted(unknown)}")
+        lowered = {k.lower(): v for k, v in headers.items()}  # HTTP header names are case-insensitive
+        given = {name: lowered[name.lower()] for name in op["headers"] if name.lower() in lowered}
+        problems = [_value_problem(n, v, op["query"][n]) for n, v in query.items()]
+        problems += [_value_problem(n, v, op["headers"][n]) for n, v in given.items()]
+        if any(problems):
+            return self._invalid(f"{op_key}: {'; '.join(p for p in problems if p)}")
+        status, answer, extra = getattr(self, "_" + op["operationId"])(query, given, **params)
+        problems = (
+            list(jsonschema.Draft202012Validator(op["response"]).iter_errors(answer))
+            if status == 200 and "response" in op
+            else []
+        )
+        if problems:  # the fake itself must answer as RunPod's description says
+            return self._invalid(
+                f"{op_key}: the fake's answer does not fit RunPod's schema: {problems[0].message}", 500
+            )
+        return status, answer, extra
+
+    def _listGpuTypes(self, query, headers):
+        # A rule v2's description states in words: include=AVAILABILITY and product= go together.
         if ("include" in query) != ("product" in query):
-            problems.append(
-                "include=AVAILABILITY and product= go together (RunPod answers 400 to either alone)"
+            return self._invalid(
+                "GET /v2/catalog/gpus: include=AVAILABILITY and product= go together (400 at RunPod)"
             )
         if "cudaVersions" in query and "minCudaVersion" in query:
-            problems.append("cudaVersions and minCudaVersion are mutually exclusive")
-        return "; ".join(problems) or None
-
-    def _v2_resolve(self, schema: dict[str, Any]) -> dict[str, Any]:
-        while "$ref" in schema:
-            schema = self.schema_v2["components"]["schemas"][schema["$ref"].rsplit("/", 1)[-1]]
-        return schema
-
-    def _v2_schema_problem(
-        self, name: str | None, value: Any, schema: dict[str, Any] | None = None
-    ) -> str | None:
-        root = {"$ref": f"#/components/schemas/{name}"} if name else dict(schema or {})
-        root["components"] = self.schema_v2["components"]
-        errors = sorted(jsonschema.Draft202012Validator(root).iter_errors(value), key=str)
-        return "; ".join(e.message for e in errors) or None
+            return self._invalid(
+                "GET /v2/catalog/gpus: cudaVersions and minCudaVersion are mutually exclusive"
+            )
+        return 200, {"gpus": [self._catalog_entry(gpu, query) for gpu in self.gpu_catalog]}, {}
 
     def _catalog_entry(self, gpu: dict[str, Any], query: dict[str, str]) -> dict[str, Any]:
         if query.get("include") != "AVAILABILITY":
@@ -338,12 +398,53 @@ class FakeRunPod:
             entry["dataCenters"] = [{"id": "EU-RO-1", "name": "Europe Romania 1", "availability": "HIGH"}]
         return entry
 
+    def _getPodLogs(self, query, headers, id):
+        self.log_headers.append(headers)
+        if id not in self.pods:
+            return 404, {"title": "Not Found", "status": 404, "detail": "pod not found"}, {}
+        drop = self.drop_after.pop(0) if self.drop_after else None
+        chunks = self._log_events(id, int(query.get("tail", 100)), headers.get("Last-Event-ID"), drop)
+        sse = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        return 200, LogStream(chunks), sse
+
+    def _log_events(self, pod_id: str, tail: int, after: str | None, drop: int | None) -> Iterator[bytes]:
+        lines = self.logs.setdefault(pod_id, [])
+        with self._log_added:
+            if after is not None:  # exclusive: the line with that id was delivered (unless inclusive_cursor)
+                index = next(
+                    (
+                        i
+                        for i, e in enumerate(lines)
+                        if e["ts"] > after or (self.inclusive_cursor and e["ts"] == after)
+                    ),
+                    len(lines),
+                )
+            else:
+                index = max(0, len(lines) - tail)
+        sent = 0
+        while not self.closed.is_set():
+            with self._log_added:
+                if index >= len(lines):
+                    self._log_added.wait(0.1)
+                    continue
+                entry = lines[index]
+            chunk = f"id: {entry['ts']}\ndata: {json.dumps(entry)}\n\n".encode()
+            if drop is not None and sent == drop:
+                yield chunk[: len(chunk) // 2]  # cut in the middle of an event, then the connection
+                return
+            yield chunk
+            index += 1
+            sent += 1
+
     def _invalid(self, problem: str, status: int = 400) -> tuple[int, Any, dict]:
         self.violations.append(problem)
         return status, {"error": problem}, {}
 
     def _route(self, method: str, path: str) -> tuple[str | None, dict[str, str]]:
-        for op_key in self.schema["operations"]:
+        return self._route_in(self.schema["operations"], method, path)
+
+    def _route_in(self, operations: dict, method: str, path: str) -> tuple[str | None, dict[str, str]]:
+        for op_key in operations:
             op_method, template = op_key.split(" ", 1)
             pattern = "^" + re.sub(r"\{(\w+)\}", r"(?P<\1>[^/]+)", template) + "$"
             match = re.match(pattern, path)
@@ -459,6 +560,9 @@ def _handler_for(fake: FakeRunPod) -> type[BaseHTTPRequestHandler]:
             status, result, extra = fake.handle(
                 self.command, self.path, dict(self.headers), self.rfile.read(length)
             )
+            if isinstance(result, LogStream):
+                self._stream(status, result, extra)
+                return
             payload = b"" if result is None else json.dumps(result).encode()
             self.send_response(status)
             for name, value in extra.items():
@@ -467,6 +571,19 @@ def _handler_for(fake: FakeRunPod) -> type[BaseHTTPRequestHandler]:
             self.send_header("Content-Length", str(len(payload)))
             self.end_headers()
             self.wfile.write(payload)
+
+        def _stream(self, status: int, stream: LogStream, headers: dict) -> None:
+            self.send_response(status)
+            for name, value in headers.items():
+                self.send_header(name, value)
+            self.end_headers()  # HTTP/1.0, no length: the body ends when the connection closes
+            try:
+                for chunk in stream.chunks:
+                    self.wfile.write(chunk)
+                    self.wfile.flush()
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the client went away
+            self.close_connection = True
 
         do_GET = do_POST = do_PATCH = do_DELETE = _serve
 
@@ -484,6 +601,7 @@ class FakeRunPodServer:
         self.httpd = ThreadingHTTPServer((host, 0), _handler_for(self.fake))
         self.httpd.daemon_threads = True
         self.fake.url = f"http://{host}:{self.httpd.server_address[1]}/v1"
+        self.fake.url_v2 = f"http://{host}:{self.httpd.server_address[1]}/v2"
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
 
     def __enter__(self) -> FakeRunPod:
@@ -491,6 +609,7 @@ class FakeRunPodServer:
         return self.fake
 
     def __exit__(self, *exc: object) -> None:
+        self.fake.closed.set()  # open log streams end
         self.httpd.shutdown()
         self.httpd.server_close()
 
@@ -500,18 +619,29 @@ def client_for(fake: FakeRunPod, sleeps: list[float] | None = None, **kwargs: An
     from trainpod.runpod.client import RunPodClient
 
     recorded = [] if sleeps is None else sleeps
-    return RunPodClient(fake.key, base_url=fake.url, sleep=recorded.append, jitter=lambda: 1.0, **kwargs)
+    return RunPodClient(
+        fake.key,
+        base_url=fake.url,
+        base_url_v2=fake.url_v2,
+        sleep=recorded.append,
+        jitter=lambda: 1.0,
+        **kwargs,
+    )
 
 
 def api_env(fake: FakeRunPod) -> dict[str, str]:
     """The environment that points trainpod's client at the fake."""
-    return {"TRAINPOD_RUNPOD_API_URL": fake.url, "RUNPOD_API_KEY": fake.key}
+    return {
+        "TRAINPOD_RUNPOD_API_URL": fake.url,
+        "TRAINPOD_RUNPOD_API_V2_URL": fake.url_v2,
+        "RUNPOD_API_KEY": fake.key,
+    }
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--derive"]:
     derived = derive_schema(json.loads(OPENAPI.read_text()))
     SCHEMA_FILE.write_text(json.dumps(derived, indent=1, sort_keys=True) + "\n")
     print(f"wrote {SCHEMA_FILE} ({len(derived['operations'])} operations, {len(derived['schemas'])} schemas)")
-    derived = derive_v2_schema(json.loads(OPENAPI_V2.read_text()))
-    SCHEMA_V2_FILE.write_text(json.dumps(derived, indent=1, sort_keys=True) + "\n")
-    print(f"wrote {SCHEMA_V2_FILE} ({len(derived['operations'])} operations)")
+    derived_v2 = derive_schema_v2(json.loads(OPENAPI_V2.read_text()))
+    SCHEMA_V2_FILE.write_text(json.dumps(derived_v2, indent=1, sort_keys=True) + "\n")
+    print(f"wrote {SCHEMA_V2_FILE} ({len(derived_v2['operations'])} operations)")

@@ -36,6 +36,7 @@ from trainpod.train.state import capture_rng, restore_rng
 log = logging.getLogger(__name__)
 
 ASSUMED_VOLUME_BYTES_PER_S = 200e6  # network volumes write 200-400 MB/s; used before a commit is measured
+PLOT_SECONDS_BEFORE_KILL = 2.5  # matplotlib's import and one draw take ~1 s on a busy CPU; keep a margin
 
 
 @dataclass
@@ -185,12 +186,21 @@ class Trainer:
         self.finished_early = self.should_stop_early()
         model = self.wrap_for_training()
         self.reporter = self.make_reporter(start_step)
+        self.reporter.last_eval_loss = self.progress.last_eval_loss  # log lines show it from the first one
         try:
             if not self.finished_early:
                 self._loop(model, start_step)
-            self.reporter.plot_loss()  # not on a stop: the seconds before SIGKILL are not for drawing
+            self.reporter.plot_loss()
+        except (Preempted, BudgetExhausted):
+            self._plot_if_time_left()
+            raise
         finally:
             self.reporter.close()
+
+    def _plot_if_time_left(self) -> None:
+        """Redraw loss.png on a stop only when SIGKILL is far enough off (drawing takes ~1 s on a CPU)."""
+        if self.dist.is_main and self.ctx.watch.seconds_left() > PLOT_SECONDS_BEFORE_KILL:
+            self.reporter.plot_loss()
 
     def make_reporter(self, start_step: int) -> RunReporter:
         return RunReporter(self.ctx.run, self.max_steps, start_step, enabled=self.dist.is_main)
@@ -219,6 +229,8 @@ class Trainer:
                 )
                 self.reporter.log_step(metrics)
                 self._write_status("running", metrics)
+                if "eval_loss" in metrics:
+                    self.reporter.plot_loss()  # every eval: the curve a person looks at stays current
                 window_start, window_tokens, window_steps = time.perf_counter(), 0, 0
                 loss_sum.zero_()
             self._after_step(step)

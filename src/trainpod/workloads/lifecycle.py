@@ -11,7 +11,6 @@ runs with the volume in view and returns its own exit code.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -168,7 +167,7 @@ def _run_in_run_folder(workload: Workload, ctx: RunContext, config: Any, rank: i
             summary["wall_s_this_start"] = time.monotonic() - started
             atomic.write_json(run.done, summary)
             _set_status_state(run.status, "done")
-            log.info("run %s DONE: %s", run.name, json.dumps(summary))
+            log.info("%s", done_line(run.name, summary, run.done))
         return ExitCode.DONE
     except TrainpodError as exc:
         if rank == 0:
@@ -181,6 +180,22 @@ def _run_in_run_folder(workload: Workload, ctx: RunContext, config: Any, rank: i
     finally:
         if ctx.lease is not None:
             ctx.lease.release()
+
+
+def done_line(name: str, summary: dict[str, Any], done_file: Path) -> str:
+    """`run x DONE: step 60, loss 2.3100 (eval 2.4012), 12m this start; export ...`; the JSON is in DONE."""
+    from trainpod.train.reporting import hours_minutes
+
+    parts = [f"step {summary.get('step')}"]
+    if summary.get("loss") is not None:
+        evaluated = summary.get("eval_loss")
+        parts.append(
+            f"loss {summary['loss']:.4f}" + (f" (eval {evaluated:.4f})" if evaluated is not None else "")
+        )
+    parts.append(f"{hours_minutes(summary.get('wall_s_this_start', 0.0))} this start")
+    if summary.get("export"):
+        parts.append(f"export {summary['export']}")
+    return f"run {name} DONE: {', '.join(parts)}; summary in {done_file}"
 
 
 def _write_resolved_config(path: Path, config: Any) -> None:

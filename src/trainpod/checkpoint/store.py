@@ -116,6 +116,8 @@ class _HashingFile:
         self._partial += rest[whole:]
         for start in range(0, len(view), PIECE_BYTES):
             if self._abandoned.is_set():  # checked per piece: an abandoned commit stops within ~0.1 s
+                for digest in self._digests:  # and its queued hashing too, which would delay the exit
+                    digest.cancel()
                 raise CommitAbandoned(f"{self._raw.name} was abandoned while being written")
             piece = view[start : start + PIECE_BYTES]
             self._raw.write(piece)

@@ -159,18 +159,10 @@ class Trainer:
             log.info("no checkpoint found; starting from step 0")
             return 0
         path = self.store.root / f"step-{step}"
-        state = json.loads((path / "trainer_state.json").read_text())
-        self.load_checkpoint(path, state)
-        rng = torch.load(path / "rng.pt", weights_only=True)
-        if len(rng) != self.dist.world_size:
-            raise InputError(
-                f"checkpoint {path.name} was written by {len(rng)} rank(s), this run has "
-                f"{self.dist.world_size}; resume with the same number of GPUs or start a new run"
-            )
-        restore_rng(rng[self.dist.rank])
-        self.load_data_state(state["data"])
-        self.progress = Progress(**state["progress"])
-        self.load_extra_state(state)
+        try:
+            state = self._load_committed(path)
+        except (FileNotFoundError, KeyError, TypeError, ValueError) as exc:
+            raise checkpoint_misfit(path, exc) from None
         self.last_committed_step = step
         if state.get("config_hash") != config_hash(self.cfg):
             log.warning("the config changed since %s was written; continuing with the new one", path.name)
@@ -178,6 +170,21 @@ class Trainer:
             "resumed from %s (step %d, %s tokens seen)", path.name, step, f"{self.progress.tokens_seen:,}"
         )
         return step
+
+    def _load_committed(self, path: Path) -> dict[str, Any]:
+        state = json.loads((path / "trainer_state.json").read_text())
+        self.load_checkpoint(path, state)
+        rng = torch.load(path / "rng.pt", weights_only=True)
+        if len(rng) != self.dist.world_size:
+            raise InputError(
+                f"checkpoint {path} was written by {len(rng)} rank(s), this run has "
+                f"{self.dist.world_size}; resume with the same number of GPUs or start a new run name"
+            )
+        restore_rng(rng[self.dist.rank])
+        self.load_data_state(state["data"])
+        self.progress = Progress(**state["progress"])
+        self.load_extra_state(state)
+        return state
 
     # ---------------------------------------------------------------------------- training
     def train(self) -> None:
@@ -400,6 +407,22 @@ class Trainer:
             "elapsed_s": self.progress.elapsed_s,
             "finished_early": self.finished_early,
         }
+
+
+def checkpoint_misfit(path: Path, exc: Exception) -> InputError:
+    """One line for a committed checkpoint this run cannot load (its settings changed since, or it was
+    written by another workload or version): which checkpoint, what does not fit, and the two fixes."""
+    if isinstance(exc, FileNotFoundError):
+        what = f"it has no {Path(exc.filename or '?').name}"
+    elif isinstance(exc, KeyError):
+        what = f"its trainer_state.json has no {exc}"
+    else:
+        what = str(exc)
+    return InputError(
+        f"checkpoint {path} does not fit this run: {what}. The config changed since it was written (or "
+        f"another workload or version wrote it): restore the old settings (the run's config.yaml holds "
+        f"them), or start a new run name (--run NAME or TRAINPOD_RUN) to train from scratch"
+    )
 
 
 def train_and_export(trainer_class: type[Trainer], ctx: RunContext, config: Any) -> dict[str, Any]:

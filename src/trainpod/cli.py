@@ -108,6 +108,8 @@ def _status_line(vol: Volume, name: str) -> str:
             f"checkpoint step-{checkpoint['step']} ({time.time() - checkpoint['committed_unix']:.0f} s ago)"
         )
     parts.append(f"updated {time.time() - s.get('updated_unix', time.time()):.0f} s ago")
+    if s.get("reason") and state not in ("running", "done"):
+        parts.append(f"reason: {s['reason']}")
     return " | ".join(parts)
 
 

@@ -7,7 +7,8 @@
 RunPod stops an interrupted spot pod and never starts it again. Each look: read the run's state on
 the volume when it is mounted here (DONE, FAILED, status.json), list the pods `<run>-<workload>`,
 then exactly one decision, logged in one line with its reason:
-  DONE -> stop a pod still running, exit 0;  FAILED marker -> exit 2;  budget spent -> stop, exit 3;
+  DONE -> stop a pod still running, exit 0;  FAILED marker (the pod's exit 2, 3 or 5, or a crash
+  loop; runpod/finish.py) -> exit 2, never a restart;  budget spent -> stop, exit 3;
   a pod RUNNING -> wait;  EXITED or gone -> start it again, or create a new pod on the same volume
   with the same env (GPU types in order); failed attempts back off exponentially and are bounded.
 Without the volume (a laptop) DONE is invisible: the pod stops itself after DONE and a restarted

@@ -57,13 +57,19 @@ def error_lines(output: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory: pytest.TempPathFactory, tiny_dataset_volume: Path) -> bytes:
+def finished(tmp_path_factory: pytest.TempPathFactory, tiny_dataset_volume: Path) -> Path:
+    """A volume with the pretrain run finished on a roomy disk; copy it before writing."""
     volume = tmp_path_factory.mktemp("roomy")
     for folder in ("datasets", "tokenizers"):
         shutil.copytree(tiny_dataset_volume / folder, volume / folder)
     result = run_trainpod(*PRETRAIN, volume=volume)
     assert result.returncode == 0, result.stdout + result.stderr
-    return exported_weights(volume)
+    return volume
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(finished: Path) -> bytes:
+    return exported_weights(finished)
 
 
 def test_pretrain_on_a_full_volume_exits_5_keeps_its_checkpoint_and_finishes_identically_after(
@@ -113,3 +119,23 @@ def test_datagen_on_a_full_volume_exits_5_publishes_nothing_half_written_and_res
         assert shards and shards == sorted(p.name for p in folder.glob("*.bin"))
         for name in shards:
             assert (folder / name).read_bytes() == (reference / name).read_bytes(), name
+
+
+def test_convert_on_a_full_volume_exits_5_publishes_nothing_and_converts_after(tmp_path, finished):
+    volume = tmp_path / "volume"
+    shutil.copytree(finished, volume)
+    config = tmp_path / "export.yaml"
+    config.write_text(f"name: {RUN}\ntask:\n  - kind: export\n    step: 20\n")
+    # The export of the tiny model is about 0.6 MiB of weights plus the tokenizer: 256 KiB cannot hold it.
+    with small_filesystem(volume / "runs" / RUN / "export", "256k") as export:
+        result = run_trainpod("run", "convert", "--config", str(config), volume=volume)
+        output = result.stdout + result.stderr
+        assert result.returncode == 5, output
+        assert "Traceback" not in output, output
+        (error,) = error_lines(output)
+        assert "no space left on the volume" in error and "are free" in error and "grow the network" in error
+        assert leftovers(export) == [] and not (export / "hf-step-20").exists()
+        grow(export, "64m")
+        again = run_trainpod("run", "convert", "--config", str(config), volume=volume)
+        assert again.returncode == 0, again.stdout + again.stderr
+        assert (export / "hf-step-20" / "manifest.json").is_file() and leftovers(export) == []

@@ -3,9 +3,11 @@
     with volume_full_as_exit_5(volume.root): run_datagen(...)       # ENOSPC anywhere -> VolumeFull
     warn_headroom(checkpoints_dir, next_checkpoint_bytes)            # fewer than 2 checkpoints fit
 
-ENOSPC reaches the caller in more than one shape: an OSError from a write or fsync, or another
-exception raised while handling one (torch.save wraps it in a RuntimeError "unexpected pos"), so
-the whole chain of causes is searched. EDQUOT (a quota, as on some network file systems) is the same.
+ENOSPC reaches the caller in more than one shape: an OSError from a write or fsync, another
+exception raised while handling one (torch.save wraps it in a RuntimeError "unexpected pos"), or a
+native library's own error carrying only the OS's text (safetensors: "I/O error: No space left on
+device (os error 28)"), so the whole chain of causes is searched, for the errno or the OS's message.
+EDQUOT (a quota, as on some network file systems) is the same.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +25,7 @@ from trainpod.errors import VolumeFull
 log = logging.getLogger(__name__)
 
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+DISK_FULL_MESSAGES = tuple(os.strerror(code) for code in DISK_FULL_ERRNOS)  # "No space left on device"
 WARN_BELOW_CHECKPOINTS = 2  # warn while a commit still works, before the one that does not
 FIX = (
     "free space on it (old runs, checkpoints, datasets, cache/) or grow the network volume, then start again"
@@ -34,6 +38,8 @@ def is_disk_full(exc: BaseException | None) -> bool:
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
         if isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS:
+            return True
+        if any(message in str(exc) for message in DISK_FULL_MESSAGES):
             return True
         exc = exc.__cause__ or exc.__context__
     return False

@@ -20,7 +20,7 @@ DEPLOY_CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs/deploy")
 
 def openapi() -> dict:
     assert OPENAPI.is_file(), (
-        f"{OPENAPI} is missing: the checkout needs shared/ beside it (DESIGN.md, reference/)"
+        f"{OPENAPI} is missing: the checkout needs shared/ beside it (shared/reference/)"
     )
     return json.loads(OPENAPI.read_text())
 

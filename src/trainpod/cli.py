@@ -16,9 +16,9 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-from trainpod.config import parse_overrides
 from trainpod.errors import ExitCode
 from trainpod.volume import Volume
 
@@ -31,7 +31,7 @@ def run(
     volume: str | None = None,
     nproc_per_node: int = 1,
 ) -> int:
-    """Run a workload (datagen, pretrain, finetune, convert) to its end; resumes from the newest checkpoint.
+    """Run a workload to its end (WORKLOAD: one of the list below); resumes from the newest checkpoint.
 
     Flags override the environment: --config over TRAINPOD_CONFIG, --run over TRAINPOD_RUN,
     --volume over TRAINPOD_VOLUME; --set assignments apply after TRAINPOD_SET.
@@ -42,13 +42,11 @@ def run(
         from trainpod.launch import launch_local
 
         return launch_local(nproc_per_node, _strip_nproc(sys.argv[1:]))
-    request = RunRequest(
-        workload=workload,
-        config_path=config or os.environ.get("TRAINPOD_CONFIG"),
-        overrides=parse_overrides(os.environ.get("TRAINPOD_SET")) + list(set or []),
-        run_name=run_name or os.environ.get("TRAINPOD_RUN") or None,
-        volume=Volume(Path(volume)) if volume else Volume.from_env(),
-    )
+    request = RunRequest.from_env(workload)
+    request.config_path = config or request.config_path
+    request.overrides += list(set or [])
+    request.run_name = run_name or request.run_name
+    request.volume = Volume(Path(volume)) if volume else request.volume
     return execute(request)
 
 
@@ -122,6 +120,7 @@ def deploy(
     a running pod, and starts an exited one again. --dry-run prints the requests and sends nothing.
     Secrets go to the pod as {{ RUNPOD_SECRET_<name> }} references unless --secrets-from-env.
     """
+    from trainpod import workloads
     from trainpod.config import load_config
     from trainpod.config.deploy import DeployConfig
     from trainpod.log import redact
@@ -130,6 +129,7 @@ def deploy(
 
     def act() -> int:
         cfg = load_config(DeployConfig, config)
+        workloads.deployable(cfg.workload)
         if spot is not None:
             cfg.pod.spot = spot
         secrets = deploying.secrets_from_shell(cfg, dict(os.environ)) if secrets_from_env else None
@@ -209,27 +209,35 @@ def _strip_nproc(argv: list[str]) -> list[str]:
     return out
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="trainpod", description=__doc__.split("\n\n")[0])
-    verbs = parser.add_subparsers(dest="verb", required=True)
-    p = verbs.add_parser("run", help=_summary(run), description=inspect.getdoc(run))
-    p.add_argument("workload", choices=["datagen", "pretrain", "finetune", "convert"])
+def _run_arguments(p: argparse.ArgumentParser) -> None:
+    from trainpod import workloads
+
+    p.add_argument(
+        "workload",
+        choices=list(workloads.REGISTRY),
+        help="; ".join(f"{w.name}: {w.summary}" for w in workloads.REGISTRY.values()),
+    )
     p.add_argument("--config", help="YAML config (default: $TRAINPOD_CONFIG)")
     p.add_argument("--set", action="append", metavar="KEY.PATH=VALUE", help="config override (repeatable)")
     p.add_argument("--run", dest="run_name", help="run name (default: $TRAINPOD_RUN, else the config's name)")
     p.add_argument("--volume", help="volume root (default: $TRAINPOD_VOLUME, else /workspace)")
     p.add_argument("--nproc-per-node", type=int, default=1, help="processes on this machine (one per GPU)")
-    verbs.add_parser("boot", help=_summary(boot), description=inspect.getdoc(boot))
-    p = verbs.add_parser("status", help=_summary(status), description=inspect.getdoc(status))
+
+
+def _status_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_name", nargs="?", metavar="RUN")
     p.add_argument("--volume")
-    p = verbs.add_parser("deploy", help=_summary(deploy), description=inspect.getdoc(deploy))
+
+
+def _deploy_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", metavar="CONFIG", help="deploy YAML, e.g. configs/deploy/pretrain-spot.yaml")
     p.add_argument("--dry-run", action="store_true", help="print the requests, send nothing")
     p.add_argument("--spot", dest="spot", action="store_true", default=None, help="an interruptible pod")
     p.add_argument("--on-demand", dest="spot", action="store_false", help="an on-demand pod")
     p.add_argument("--secrets-from-env", action="store_true", help="send this shell's secret values")
-    p = verbs.add_parser("supervise", help=_summary(supervise), description=inspect.getdoc(supervise))
+
+
+def _supervise_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_name", metavar="RUN")
     p.add_argument(
         "--config",
@@ -237,9 +245,32 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--once", action="store_true", help="one look and one decision, then exit")
     p.add_argument("--volume", help="the volume when mounted here (default: $TRAINPOD_VOLUME)")
-    p = verbs.add_parser("stop", help=_summary(stop), description=inspect.getdoc(stop))
+
+
+def _stop_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_name", metavar="RUN")
     p.add_argument("--terminate", action="store_true", help="terminate instead of stop (the pod is gone)")
+
+
+# The verbs: the one table the parser and the dispatch are built from. A new verb is a function
+# (its docstring is its help) and a line here, with the function that declares its arguments.
+VERBS: dict[str, tuple[Callable[..., int], Callable[[argparse.ArgumentParser], None] | None]] = {
+    "run": (run, _run_arguments),
+    "boot": (boot, None),
+    "status": (status, _status_arguments),
+    "deploy": (deploy, _deploy_arguments),
+    "supervise": (supervise, _supervise_arguments),
+    "stop": (stop, _stop_arguments),
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="trainpod", description=__doc__.split("\n\n")[0])
+    verbs = parser.add_subparsers(dest="verb", required=True)
+    for name, (function, arguments) in VERBS.items():
+        p = verbs.add_parser(name, help=_summary(function), description=inspect.getdoc(function))
+        if arguments is not None:
+            arguments(p)
     return parser
 
 
@@ -249,16 +280,8 @@ def _summary(fn: object) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = vars(_parser().parse_args(argv))
-    verbs = {
-        "run": run,
-        "status": status,
-        "boot": boot,
-        "deploy": deploy,
-        "supervise": supervise,
-        "stop": stop,
-    }
-    verb = verbs[args.pop("verb")]
-    return int(verb(**args))
+    function, _ = VERBS[args.pop("verb")]
+    return int(function(**args))
 
 
 if __name__ == "__main__":

@@ -27,12 +27,12 @@ import trainpod
 from trainpod.checkpoint import CheckpointStore, CommittedCheckpoint, PendingCheckpoint
 from trainpod.config import config_hash
 from trainpod.config.checkpoint import CheckpointConfig
+from trainpod.context import RunContext
 from trainpod.diskspace import check_headroom, is_disk_full, volume_full, volume_full_as_exit_5
 from trainpod.errors import BudgetExhausted, InputError, Preempted, TemporaryError, VolumeFull
 from trainpod.train import distributed as D
 from trainpod.train.reporting import RunReporter, peak_flops
 from trainpod.train.state import capture_rng, restore_rng
-from trainpod.workloads.context import RunContext
 
 log = logging.getLogger(__name__)
 

@@ -64,3 +64,10 @@ def test_headroom_refuses_a_start_where_no_checkpoint_fits_and_warns_below_two(t
     caplog.clear()
     diskspace.check_headroom(tmp_path, max(free // 4, 1))
     assert "checkpoint(s)" not in caplog.text
+
+
+def test_an_error_trainpod_reports_already_keeps_its_own_exit_code(tmp_path):
+    from trainpod.errors import InputError
+
+    with pytest.raises(InputError), diskspace.volume_full_as_exit_5(tmp_path):
+        raise InputError("the source quotes an old log: No space left on device")

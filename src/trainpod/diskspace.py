@@ -20,7 +20,7 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
-from trainpod.errors import VolumeFull
+from trainpod.errors import TrainpodError, VolumeFull
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ def volume_full_as_exit_5(where: Path, what: str = "the workload's output") -> I
     """Turn ENOSPC raised inside the block into VolumeFull (exit 5); other errors pass unchanged."""
     try:
         yield
-    except VolumeFull:
+    except TrainpodError:  # already one line with its own exit code
         raise
     except Exception as exc:
         if not is_disk_full(exc):

@@ -18,6 +18,7 @@ folder is left for the next start to remove.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -26,6 +27,7 @@ import shutil
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -290,6 +292,17 @@ class CheckpointStore:
         tmp = self.root / f"{step_dir_name(step)}.tmp-{uuid.uuid4().hex[:12]}"
         tmp.mkdir()
         return PendingCheckpoint(tmp, self._hashers, abandoned)
+
+    @contextlib.contextmanager
+    def writing(self, step: int, abandoned: threading.Event | None = None) -> Iterator[PendingCheckpoint]:
+        """`begin(step)`; when writing or committing fails, the temp folder goes at once (a full volume
+        gets its space back; a kill instead leaves it for the next start's `remove_leftovers`)."""
+        pending = self.begin(step, abandoned)
+        try:
+            yield pending
+        except BaseException:
+            shutil.rmtree(pending.dir, ignore_errors=True)
+            raise
 
     def commit(
         self,

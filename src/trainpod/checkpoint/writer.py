@@ -160,11 +160,11 @@ class CheckpointWriter:
         try:
             if job.copied is not None:
                 job.copied.synchronize()
-            pending = self.store.begin(job.step, job.abandoned)
-            for name, value in job.files.items():
-                _write_file(pending, name, value)
-            with self._commit_point:
-                job.result = self.store.publish(pending, job.step, job.metadata, job.eval_loss)
+            with self.store.writing(job.step, job.abandoned) as pending:
+                for name, value in job.files.items():
+                    _write_file(pending, name, value)
+                with self._commit_point:
+                    job.result = self.store.publish(pending, job.step, job.metadata, job.eval_loss)
             job.files = {}  # the bytes it serialized can go; the tensors are the reused buffers
             if not job.abandoned.is_set():
                 self.store.apply_retention()

@@ -18,9 +18,11 @@ the same for every workload:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,7 +35,8 @@ from trainpod.checkpoint.writer import CheckpointWriter
 from trainpod.config import config_hash
 from trainpod.config.checkpoint import CheckpointConfig
 from trainpod.context import RunContext
-from trainpod.errors import BudgetExhausted, InputError, Preempted, TemporaryError
+from trainpod.diskspace import check_headroom, is_disk_full, volume_full, volume_full_as_exit_5
+from trainpod.errors import BudgetExhausted, InputError, Preempted, TemporaryError, VolumeFull
 from trainpod.train import distributed as D
 from trainpod.train.reporting import RunReporter, peak_flops
 from trainpod.train.state import capture_rng, restore_rng
@@ -41,6 +44,7 @@ from trainpod.train.state import capture_rng, restore_rng
 log = logging.getLogger(__name__)
 
 ASSUMED_VOLUME_BYTES_PER_S = 200e6  # network volumes write 200-400 MB/s; used before a commit is measured
+PLOT_SECONDS_BEFORE_KILL = 2.5  # matplotlib's import and one draw take ~1 s on a busy CPU; keep a margin
 
 
 @dataclass
@@ -170,18 +174,10 @@ class Trainer:
             log.info("no checkpoint found; starting from step 0")
             return 0
         path = self.store.root / f"step-{step}"
-        state = json.loads((path / "trainer_state.json").read_text())
-        self.load_checkpoint(path, state)
-        rng = torch.load(path / "rng.pt", weights_only=True)
-        if len(rng) != self.dist.world_size:
-            raise InputError(
-                f"checkpoint {path.name} was written by {len(rng)} rank(s), this run has "
-                f"{self.dist.world_size}; resume with the same number of GPUs or start a new run"
-            )
-        restore_rng(rng[self.dist.rank])
-        self.load_data_state(state["data"])
-        self.progress = Progress(**state["progress"])
-        self.load_extra_state(state)
+        try:
+            state = self._load_committed(path)
+        except (FileNotFoundError, KeyError, TypeError, ValueError) as exc:
+            raise checkpoint_misfit(path, exc) from None
         self.last_committed_step = step
         self._committed_unix = json.loads((path / "manifest.json").read_text()).get("created_unix")
         if state.get("config_hash") != config_hash(self.cfg):
@@ -191,20 +187,46 @@ class Trainer:
         )
         return step
 
+    def _load_committed(self, path: Path) -> dict[str, Any]:
+        state = json.loads((path / "trainer_state.json").read_text())
+        self.load_checkpoint(path, state)
+        rng = torch.load(path / "rng.pt", weights_only=True)
+        if len(rng) != self.dist.world_size:
+            raise InputError(
+                f"checkpoint {path} was written by {len(rng)} rank(s), this run has "
+                f"{self.dist.world_size}; resume with the same number of GPUs or start a new run name"
+            )
+        restore_rng(rng[self.dist.rank])
+        self.load_data_state(state["data"])
+        self.progress = Progress(**state["progress"])
+        self.load_extra_state(state)
+        return state
+
     # ---------------------------------------------------------------------------- training
     def train(self) -> None:
         start_step = self.resume()
+        if self.dist.is_main:  # before any step: not one GPU hour on steps that cannot be committed
+            check_headroom(self.store.root, self._next_checkpoint_bytes(), first=True)
         self.finished_early = self.should_stop_early()
         model = self.wrap_for_training()
         self.reporter = self.make_reporter(start_step)
+        self.reporter.last_eval_loss = self.progress.last_eval_loss  # log lines show it from the first one
         try:
             if not self.finished_early:
                 self._loop(model, start_step)
             self._committed(self.writer.wait())
-            self.reporter.plot_loss()  # not on a stop: the seconds before SIGKILL are not for drawing
+            self.reporter.plot_loss()
+        except (Preempted, BudgetExhausted):
+            self._plot_if_time_left()
+            raise
         finally:
             self.writer.close()  # after an error: a commit still in flight is a valid one, let it land
             self.reporter.close()
+
+    def _plot_if_time_left(self) -> None:
+        """Redraw loss.png on a stop only when SIGKILL is far enough off (drawing takes ~1 s on a CPU)."""
+        if self.dist.is_main and self.ctx.watch.seconds_left() > PLOT_SECONDS_BEFORE_KILL:
+            self.reporter.plot_loss()
 
     def make_reporter(self, start_step: int) -> RunReporter:
         return RunReporter(self.ctx.run, self.max_steps, start_step, enabled=self.dist.is_main)
@@ -233,6 +255,8 @@ class Trainer:
                 )
                 self.reporter.log_step(metrics)
                 self._write_status("running", metrics)
+                if "eval_loss" in metrics:
+                    self.reporter.plot_loss()  # every eval: the curve a person looks at stays current
                 window_start, window_tokens, window_steps = time.perf_counter(), 0, 0
                 loss_sum.zero_()
             self._after_step(step)
@@ -281,7 +305,8 @@ class Trainer:
     def _after_step(self, step: int) -> None:
         """Agree across ranks on committing and stopping, then do it (one all-reduce per step)."""
         if self.dist.is_main:
-            self._committed(self.writer.poll())
+            with self._disk_full_is_exit_5(step):
+                self._committed(self.writer.poll())
         ck = self.checkpoint_cfg
         terminal = step == self.max_steps or self.finished_early is not None
         due = step % ck.every_steps == 0 or terminal
@@ -383,17 +408,40 @@ class Trainer:
             files |= {"rng.pt": rng_states, "trainer_state.json": self._trainer_state()}
             # Only a checkpoint evaluated at its own step competes for best-k retention.
             eval_loss = self.progress.last_eval_loss if self.progress.last_eval_step == step else None
-            committed = self.writer.commit(step, files, self._manifest_metadata(), eval_loss, background)
+            with self._disk_full_is_exit_5(step):
+                committed = self.writer.commit(step, files, self._manifest_metadata(), eval_loss, background)
             self._committed(committed)
         self._last_commit_time = snapshot_time
         if not background:
             D.barrier(self.dist)
         return committed
 
+    def _next_checkpoint_bytes(self) -> int:
+        """The newest committed checkpoint's size (the next one is as large), else the estimate."""
+        for checkpoint in self.store.committed()[:1]:
+            return sum(entry["bytes"] for entry in checkpoint.manifest.get("files", {}).values())
+        return self.checkpoint_bytes_estimate()
+
+    def _volume_full(self, step: int) -> VolumeFull:
+        kept = f"step-{self.last_committed_step}" if self.last_committed_step is not None else "none yet"
+        what = f"checkpoint step-{step} (the newest committed checkpoint, {kept}, is intact)"
+        return volume_full(self.store.root, what, self._next_checkpoint_bytes())
+
+    @contextlib.contextmanager
+    def _disk_full_is_exit_5(self, step: int) -> Iterator[None]:
+        """A writer call (which may surface a background commit's error) with ENOSPC made exit 5."""
+        try:
+            yield
+        except Exception as exc:
+            if not is_disk_full(exc):
+                raise
+            raise self._volume_full(step) from exc
+
     def _committed(self, checkpoint: CommittedCheckpoint | None) -> None:
         """Record a commit that finished (rank 0): the newest committed step, for stops and status.json."""
         if checkpoint is None:
             return
+        check_headroom(self.store.root, self._next_checkpoint_bytes())
         self.last_committed_step = checkpoint.step
         self._committed_unix = time.time()
         self._write_status("running", {})
@@ -442,6 +490,22 @@ class Trainer:
         }
 
 
+def checkpoint_misfit(path: Path, exc: Exception) -> InputError:
+    """One line for a committed checkpoint this run cannot load (its settings changed since, or it was
+    written by another workload or version): which checkpoint, what does not fit, and the two fixes."""
+    if isinstance(exc, FileNotFoundError):
+        what = f"it has no {Path(exc.filename or '?').name}"
+    elif isinstance(exc, KeyError):
+        what = f"its trainer_state.json has no {exc}"
+    else:
+        what = str(exc)
+    return InputError(
+        f"checkpoint {path} does not fit this run: {what}. The config changed since it was written (or "
+        f"another workload or version wrote it): restore the old settings (the run's config.yaml holds "
+        f"them), or start a new run name (--run NAME or TRAINPOD_RUN) to train from scratch"
+    )
+
+
 def train_and_export(trainer_class: type[Trainer], ctx: RunContext, config: Any) -> dict[str, Any]:
     """A workload's whole run on every rank: train to the end, export, and return the DONE summary."""
     dist = D.init_distributed()
@@ -450,7 +514,8 @@ def train_and_export(trainer_class: type[Trainer], ctx: RunContext, config: Any)
             torch.set_num_threads(config.train.cpu_threads)
         trainer = trainer_class(ctx, config, dist)
         trainer.train()
-        exported = trainer.export()
+        with volume_full_as_exit_5(ctx.run.root, "the export"):
+            exported = trainer.export()
         D.barrier(dist)
         return trainer.summary() | {
             "export": str(exported) if exported else None,

@@ -51,22 +51,22 @@ def restore_rng(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def weights_bytes(model: torch.nn.Module) -> tuple[bytes, list[str]]:
-    """The model's weights as safetensors bytes, each shared (tied) tensor stored once.
+def unique_weights(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """The model's weights (live tensors) for a safetensors file, each shared (tied) tensor once.
 
-    Returns the bytes and the names left out because they alias a stored tensor.
+    Returns the tensors by name and the names left out because they alias a kept tensor.
     """
-    stored: dict[str, torch.Tensor] = {}
-    seen: dict[int, str] = {}
+    kept: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
     aliases = []
     for name, tensor in model.state_dict().items():
         key = tensor.untyped_storage().data_ptr()
         if key in seen:
             aliases.append(name)
             continue
-        seen[key] = name
-        stored[name] = tensor.detach().to("cpu").contiguous()
-    return safetensors.torch.save(stored), aliases
+        seen.add(key)
+        kept[name] = tensor.detach()
+    return kept, aliases
 
 
 def load_weights(model: torch.nn.Module, data: bytes, aliases: list[str]) -> None:

@@ -26,7 +26,6 @@ from torch.nn.parallel import DistributedDataParallel
 from transformers import AutoTokenizer
 
 from trainpod import atomic
-from trainpod.checkpoint import PendingCheckpoint
 from trainpod.config.finetune import FinetuneConfig
 from trainpod.context import RunContext
 from trainpod.errors import InputError
@@ -243,12 +242,9 @@ class Finetuner(Trainer):
         )
 
     # ------------------------------------------------------------------------- checkpoints
-    def write_checkpoint(self, pending: PendingCheckpoint) -> None:
+    def checkpoint_files(self) -> dict[str, Any]:
         # Only what trains: the adapter (or, for full, every weight); the frozen base is on disk already.
-        tensors = {name: p.detach().to("cpu").contiguous() for name, p in self.trainable.items()}
-        pending.write_bytes("trainable.safetensors", safetensors.torch.save(tensors))
-        with pending.open("optimizer.pt") as f:
-            torch.save(self.optimizer.state_dict(), f)
+        return {"trainable.safetensors": dict(self.trainable), "optimizer.pt": self.optimizer.state_dict()}
 
     def load_checkpoint(self, path: Path, state: dict[str, Any]) -> None:
         tensors = safetensors.torch.load((path / "trainable.safetensors").read_bytes())

@@ -26,6 +26,7 @@ BENCHES = [
     "bench_datagen",
     "bench_pretrain",
     "bench_checkpoint",
+    "bench_checkpoint_async",
     "bench_finetune",
     "bench_convert",
     "bench_image",
@@ -67,7 +68,8 @@ def main() -> int:
     )
     parser.add_argument(
         "--only",
-        help="comma-separated subset: datagen, pretrain, checkpoint, finetune, convert, image, supervise",
+        help="comma-separated subset: datagen, pretrain, checkpoint, checkpoint_async, finetune, convert, image, "
+        "supervise",
     )
     parser.add_argument("--out", default=str(REPO / "BENCHMARKS.md"))
     args = parser.parse_args()

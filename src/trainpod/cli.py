@@ -282,6 +282,8 @@ def _status_line(vol: Volume, name: str) -> str:
     if s.get("last_log_line"):
         parts.append(f"last line: {s['last_log_line'][:80]}")
     parts.append(f"updated {time.time() - s.get('updated_unix', time.time()):.0f} s ago")
+    if s.get("reason") and state not in ("running", "done"):
+        parts.append(f"reason: {s['reason']}")
     return " | ".join(parts)
 
 
@@ -351,21 +353,18 @@ def deploy(
 def supervise(run_name: str, config: str | None = None, once: bool = False, volume: str | None = None) -> int:
     """Bring the run's interrupted spot pod back until it is DONE, FAILED or over budget.
 
-    Needs the run's deploy config (--config, else $TRAINPOD_CONFIG). Reads DONE, FAILED and
+    Needs the run's deploy config (--config, else $TRAINPOD_CONFIG, else the one YAML under
+    configs/deploy/ whose `run:` is RUN). Reads DONE, FAILED and
     status.json from the volume when it is mounted here (--volume, else $TRAINPOD_VOLUME), else
     works from the API alone. --once: one look and one decision (for cron or a CI schedule).
     """
     from trainpod.config import load_config
     from trainpod.config.deploy import DeployConfig
-    from trainpod.errors import ConfigError
+    from trainpod.runpod.supervise import find_deploy_config
     from trainpod.runpod.supervise import supervise as supervise_run
 
     def act() -> int:
-        path = config or os.environ.get("TRAINPOD_CONFIG")
-        if not path:
-            raise ConfigError(
-                ["supervise needs the run's deploy config: pass --config configs/deploy/X.yaml"]
-            )
+        path = config or os.environ.get("TRAINPOD_CONFIG") or find_deploy_config(run_name)
         cfg = load_config(DeployConfig, path)
         cfg.run = run_name
         return supervise_run(cfg, Volume(Path(volume)) if volume else Volume.from_env(), once=once)
@@ -707,7 +706,10 @@ def _config_arguments(p: argparse.ArgumentParser) -> None:
 
 def _supervise_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_name", metavar="RUN")
-    p.add_argument("--config", help="the run's deploy YAML (default: $TRAINPOD_CONFIG)")
+    p.add_argument(
+        "--config",
+        help="the run's deploy YAML (default: $TRAINPOD_CONFIG, else found by RUN in configs/deploy/)",
+    )
     p.add_argument("--once", action="store_true", help="one look and one decision, then exit")
     p.add_argument("--volume", help="the volume when mounted here (default: $TRAINPOD_VOLUME)")
 

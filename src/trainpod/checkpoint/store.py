@@ -10,17 +10,24 @@ Commit sequence:
 
 On start, leftover `*.tmp-*` are removed, LATEST is verified against its manifest, and on any
 mismatch the next older valid checkpoint is used. Steps are ordered by number, never by mtime.
+
+A pending checkpoint can be abandoned (checkpoint/writer.py does, when a background commit cannot
+finish before SIGKILL): its writes stop at the next 32 MiB piece with `CommitAbandoned`, and its temp
+folder is left for the next start to remove.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import re
 import shutil
+import threading
 import time
 import uuid
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +41,10 @@ MANIFEST = "manifest.json"
 LATEST = "LATEST"
 FORMAT = "trainpod-checkpoint/1"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+class CommitAbandoned(Exception):
+    """Raised inside a pending checkpoint's writes once it was abandoned; nothing of it is published."""
 
 
 def step_dir_name(step: int) -> str:
@@ -72,8 +83,15 @@ class _HashingFile:
     every core as well. Each piece is an ordinary sha256.
     """
 
-    def __init__(self, raw: BinaryIO, hashers: ThreadPoolExecutor, flush: atomic.WriteBehind):
+    def __init__(
+        self,
+        raw: BinaryIO,
+        hashers: ThreadPoolExecutor,
+        flush: atomic.WriteBehind,
+        abandoned: threading.Event,
+    ):
         self._raw = raw
+        self._abandoned = abandoned
         self._hashers = hashers
         self._flush = flush
         self._digests: list[Future] = []
@@ -99,6 +117,10 @@ class _HashingFile:
             self._digests.append(self._hashers.submit(_piece_digest, rest[start : start + PIECE_BYTES]))
         self._partial += rest[whole:]
         for start in range(0, len(view), PIECE_BYTES):
+            if self._abandoned.is_set():  # checked per piece: an abandoned commit stops within ~0.1 s
+                for digest in self._digests:  # and its queued hashing too, which would delay the exit
+                    digest.cancel()
+                raise CommitAbandoned(f"{self._raw.name} was abandoned while being written")
             piece = view[start : start + PIECE_BYTES]
             self._raw.write(piece)
             self._flush.nudge(len(piece))
@@ -118,10 +140,15 @@ class _HashingFile:
 class PendingCheckpoint:
     """A checkpoint being written into its temp directory; nothing here is visible until commit."""
 
-    def __init__(self, tmp_dir: Path, hashers: ThreadPoolExecutor):
+    def __init__(self, tmp_dir: Path, hashers: ThreadPoolExecutor, abandoned: threading.Event | None = None):
         self.dir = tmp_dir
         self.files: dict[str, dict[str, Any]] = {}
         self.hashers = hashers
+        self.abandoned = abandoned or threading.Event()
+
+    def abandon(self) -> None:
+        """Stop every write into this checkpoint at its next piece; it will never be published."""
+        self.abandoned.set()
 
     def write_bytes(self, name: str, data: bytes) -> None:
         with self.open(name) as f:
@@ -169,7 +196,7 @@ class _PendingFile:
         self._name = name
         self._raw = open(pending.dir / name, "wb")  # noqa: SIM115 - closed in __exit__
         self._flush = atomic.WriteBehind(self._raw.fileno())
-        self._hashing = _HashingFile(self._raw, pending.hashers, self._flush)
+        self._hashing = _HashingFile(self._raw, pending.hashers, self._flush, pending.abandoned)
 
     def __enter__(self) -> _HashingFile:
         return self._hashing
@@ -288,11 +315,23 @@ class CheckpointStore:
         return out
 
     # ----------------------------------------------------------------------------- writing
-    def begin(self, step: int) -> PendingCheckpoint:
+    def begin(self, step: int, abandoned: threading.Event | None = None) -> PendingCheckpoint:
+        """A new pending checkpoint; setting `abandoned` stops its writes and forbids its publication."""
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = self.root / f"{step_dir_name(step)}.tmp-{uuid.uuid4().hex[:12]}"
         tmp.mkdir()
-        return PendingCheckpoint(tmp, self._hashers)
+        return PendingCheckpoint(tmp, self._hashers, abandoned)
+
+    @contextlib.contextmanager
+    def writing(self, step: int, abandoned: threading.Event | None = None) -> Iterator[PendingCheckpoint]:
+        """`begin(step)`; when writing or committing fails, the temp folder goes at once (a full volume
+        gets its space back; a kill instead leaves it for the next start's `remove_leftovers`)."""
+        pending = self.begin(step, abandoned)
+        try:
+            yield pending
+        except BaseException:
+            shutil.rmtree(pending.dir, ignore_errors=True)
+            raise
 
     def commit(
         self,
@@ -303,7 +342,22 @@ class CheckpointStore:
         started: float | None = None,
     ) -> CommittedCheckpoint:
         """Publish `pending` as `step-<step>` and make it LATEST; then apply retention."""
+        committed = self.publish(pending, step, metadata, eval_loss, started)
+        self.apply_retention()
+        return committed
+
+    def publish(
+        self,
+        pending: PendingCheckpoint,
+        step: int,
+        metadata: dict[str, Any],
+        eval_loss: float | None = None,
+        started: float | None = None,
+    ) -> CommittedCheckpoint:
+        """Steps 2-4 of the protocol: the manifest, the rename and LATEST (the commit point)."""
         started = time.monotonic() if started is None else started
+        if pending.abandoned.is_set():
+            raise CommitAbandoned(f"{pending.dir.name} was abandoned before its manifest")
         manifest = {
             "format": FORMAT,
             "step": step,
@@ -329,9 +383,7 @@ class CheckpointStore:
             atomic.fsync_dir(self.root)
         atomic.write_text(self.root / LATEST, target.name + "\n")
         self.last_commit_seconds = time.monotonic() - started
-        committed = CommittedCheckpoint(step, target, atomic.read_json(target / MANIFEST))
-        self.apply_retention()
-        return committed
+        return CommittedCheckpoint(step, target, atomic.read_json(target / MANIFEST))
 
     def apply_retention(self) -> list[int]:
         """Delete checkpoints beyond the last k and best k; never the one LATEST names."""
@@ -371,7 +423,10 @@ class CheckpointStore:
 
     def _delete(self, path: Path) -> None:
         doomed = path.with_name(f"{path.name}.tmp-deleting-{uuid.uuid4().hex[:8]}")
-        os.rename(path, doomed)
+        try:
+            os.rename(path, doomed)
+        except FileNotFoundError:  # retention of an abandoned background commit got there first
+            return
         atomic.fsync_dir(self.root)
         shutil.rmtree(doomed, ignore_errors=True)
 

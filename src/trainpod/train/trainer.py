@@ -2,21 +2,27 @@
 
 A workload's trainer subclasses `Trainer` and supplies what differs: one optimizer step
 (`train_step`), an evaluation (`evaluate`), and what a checkpoint holds beyond the counters
-(`write_checkpoint` / `load_checkpoint`, `data_state` / `load_data_state`). Everything here is
+(`checkpoint_files` / `load_checkpoint`, `data_state` / `load_data_state`). Everything here is
 the same for every workload:
 
 - after each step the ranks agree (one small all-reduce) on committing, stopping and the budget;
-- SIGTERM finishes the step in flight, commits when the measured commit time fits the warning
-  window, and exits 143; a SIGTERM during a periodic commit stops right after it;
+- a periodic commit snapshots the state at that step and, with async commits (checkpoint.mode),
+  is written by a background thread while training goes on (checkpoint/writer.py); at most one
+  is in flight, the next snapshot waits for it;
+- SIGTERM finishes the step in flight; then the commit in flight is finished if its measured time
+  fits the warning window (else abandoned), the current step is committed if that fits too, and
+  the run exits 143; a SIGTERM during a periodic commit stops right after it;
 - a spent budget commits and exits 3; an eval plateau (when the workload asks for early stopping)
   commits and ends training as if max_steps were reached.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,11 +30,13 @@ from typing import Any
 import torch
 
 import trainpod
-from trainpod.checkpoint import CheckpointStore, CommittedCheckpoint, PendingCheckpoint
+from trainpod.checkpoint import CheckpointStore, CommittedCheckpoint
+from trainpod.checkpoint.writer import CheckpointWriter
 from trainpod.config import config_hash
 from trainpod.config.checkpoint import CheckpointConfig
 from trainpod.context import RunContext
-from trainpod.errors import BudgetExhausted, InputError, Preempted, TemporaryError
+from trainpod.diskspace import check_headroom, is_disk_full, volume_full, volume_full_as_exit_5
+from trainpod.errors import BudgetExhausted, InputError, Preempted, TemporaryError, VolumeFull
 from trainpod.train import distributed as D
 from trainpod.train.reporting import RunReporter, peak_flops
 from trainpod.train.state import capture_rng, restore_rng
@@ -88,9 +96,13 @@ class Trainer:
         self.store = CheckpointStore(
             ctx.run.checkpoints, checkpoint.keep_last, checkpoint.keep_best, checkpoint.verify
         )
-        self.last_committed_step: int | None = None
+        on_gpu = dist.device.type == "cuda"
+        self.writer = CheckpointWriter(self.store, pin_memory=on_gpu)
+        self.background_commits = checkpoint.background_commits(dist.device.type)
+        self.last_committed_step: int | None = None  # rank 0's knowledge; the others never read it
         self.finished_early: str | None = None  # the reason, when an eval plateau ended training
-        self._last_commit_time = time.monotonic()
+        self._last_commit_time = time.monotonic()  # when the newest commit's snapshot was taken
+        self._committed_unix: float | None = None
         self._last_metrics: dict[str, Any] = {}  # the newest logged metrics, for status.json and DONE
         self._lr = 0.0
         self._budget_warned = False
@@ -109,8 +121,10 @@ class Trainer:
     def has_eval_data(self) -> bool:
         raise NotImplementedError
 
-    def write_checkpoint(self, pending: PendingCheckpoint) -> None:
-        """Write the weights (or adapter) and optimizer files; rank 0 only."""
+    def checkpoint_files(self) -> dict[str, Any]:
+        """The weights (or adapter) and optimizer files of a checkpoint, by file name (rank 0 only):
+        a dict of tensors for `.safetensors`, a structure of tensors for `.pt` (checkpoint/writer.py).
+        Live tensors are fine: the writer snapshots them before training goes on."""
         raise NotImplementedError
 
     def load_checkpoint(self, path: Path, state: dict[str, Any]) -> None:
@@ -160,19 +174,12 @@ class Trainer:
             log.info("no checkpoint found; starting from step 0")
             return 0
         path = self.store.root / f"step-{step}"
-        state = json.loads((path / "trainer_state.json").read_text())
-        self.load_checkpoint(path, state)
-        rng = torch.load(path / "rng.pt", weights_only=True)
-        if len(rng) != self.dist.world_size:
-            raise InputError(
-                f"checkpoint {path.name} was written by {len(rng)} rank(s), this run has "
-                f"{self.dist.world_size}; resume with the same number of GPUs or start a new run"
-            )
-        restore_rng(rng[self.dist.rank])
-        self.load_data_state(state["data"])
-        self.progress = Progress(**state["progress"])
-        self.load_extra_state(state)
+        try:
+            state = self._load_committed(path)
+        except (FileNotFoundError, KeyError, TypeError, ValueError) as exc:
+            raise checkpoint_misfit(path, exc) from None
         self.last_committed_step = step
+        self._committed_unix = json.loads((path / "manifest.json").read_text()).get("created_unix")
         if state.get("config_hash") != config_hash(self.cfg):
             log.warning("the config changed since %s was written; continuing with the new one", path.name)
         log.info(
@@ -180,9 +187,26 @@ class Trainer:
         )
         return step
 
+    def _load_committed(self, path: Path) -> dict[str, Any]:
+        state = json.loads((path / "trainer_state.json").read_text())
+        self.load_checkpoint(path, state)
+        rng = torch.load(path / "rng.pt", weights_only=True)
+        if len(rng) != self.dist.world_size:
+            raise InputError(
+                f"checkpoint {path} was written by {len(rng)} rank(s), this run has "
+                f"{self.dist.world_size}; resume with the same number of GPUs or start a new run name"
+            )
+        restore_rng(rng[self.dist.rank])
+        self.load_data_state(state["data"])
+        self.progress = Progress(**state["progress"])
+        self.load_extra_state(state)
+        return state
+
     # ---------------------------------------------------------------------------- training
     def train(self) -> None:
         start_step = self.resume()
+        if self.dist.is_main:  # before any step: not one GPU hour on steps that cannot be committed
+            check_headroom(self.store.root, self._next_checkpoint_bytes(), first=True)
         self.finished_early = self.should_stop_early()
         model = self.wrap_for_training()
         self.reporter = self.make_reporter(start_step)
@@ -190,11 +214,13 @@ class Trainer:
         try:
             if not self.finished_early:
                 self._loop(model, start_step)
+            self._committed(self.writer.wait())
             self.reporter.plot_loss()
         except (Preempted, BudgetExhausted):
             self._plot_if_time_left()
             raise
         finally:
+            self.writer.close()  # after an error: a commit still in flight is a valid one, let it land
             self.reporter.close()
 
     def _plot_if_time_left(self) -> None:
@@ -278,8 +304,12 @@ class Trainer:
     # --------------------------------------------------------------------- commit and stop
     def _after_step(self, step: int) -> None:
         """Agree across ranks on committing and stopping, then do it (one all-reduce per step)."""
+        if self.dist.is_main:
+            with self._disk_full_is_exit_5(step):
+                self._committed(self.writer.poll())
         ck = self.checkpoint_cfg
-        due = step % ck.every_steps == 0 or step == self.max_steps or self.finished_early is not None
+        terminal = step == self.max_steps or self.finished_early is not None
+        due = step % ck.every_steps == 0 or terminal
         due_by_time = self.dist.is_main and time.monotonic() - self._last_commit_time >= ck.every_minutes * 60
         over_budget = self.dist.is_main and self._over_budget()
         # Only rank 0 holds the lease and the clock: every flag is agreed on, or ranks would part ways
@@ -289,49 +319,72 @@ class Trainer:
             bool(v) for v in D.all_reduce_max(self.dist, [float(f) for f in flags])
         )
         if lease_lost:
+            self.writer.abandon()  # the run is another process's now: nothing more of ours may land
             raise TemporaryError("another writer took over this run's lease; stopping without a commit")
         if stop:
-            self._commit_before_stop(step)
-            raise Preempted(
-                f"stopped by {self.ctx.watch.signal_name or 'signal'} at step {step}; "
-                f"newest checkpoint: step {self.last_committed_step}"
-            )
+            self._stop(step)
         if due or due_by_time or over_budget:
-            self.commit(step)
-            # A SIGTERM that came during the commit stops now, not after another step.
+            # The last commit of a run (end, plateau, budget) is waited for: the run exits right after it.
+            self.commit(step, background=self.background_commits and not (terminal or over_budget))
+            # A SIGTERM that came during the commit (or its snapshot) stops now, not after another step.
             if D.all_reduce_max(self.dist, [float(self.ctx.watch.requested)])[0]:
-                raise Preempted(
-                    f"stopped by {self.ctx.watch.signal_name or 'signal'} at step {step}, which is committed"
-                )
+                self._stop(step)
         if over_budget:
             raise BudgetExhausted(
                 f"TRAINPOD_BUDGET_USD is spent (${self.reporter.cost(self.progress.elapsed_s):.2f}); "
                 f"committed step {step}. Raise the budget and start again to continue."
             )
 
+    def _stop(self, step: int) -> None:
+        self._commit_before_stop(step)
+        raise Preempted(
+            f"stopped by {self.ctx.watch.signal_name or 'signal'} at step {step}; "
+            f"newest checkpoint: step {self.last_committed_step}"
+        )
+
     def _commit_before_stop(self, step: int) -> None:
-        if self.last_committed_step == step:
-            log.info("stop requested at step %d, which is already committed", step)
-            return
-        fits = 1.0
+        """Within the seconds before SIGKILL: finish the commit in flight if it fits (else abandon it),
+        then commit `step` if that fits too. Rank 0 decides; every rank takes part in the commit."""
+        commit_now = 0.0
         if self.dist.is_main:
-            needed = self._expected_commit_seconds() * self.checkpoint_cfg.commit_margin
-            left = self.ctx.watch.seconds_left()
-            fits = float(needed < left)
-            if not fits:
-                log.warning(
-                    "stop requested: a commit needs about %.1f s but only %.1f s are left before SIGKILL; "
-                    "exiting without one (losing the steps since %s)",
-                    needed,
-                    left,
-                    self.last_committed_step,
-                )
-        if D.broadcast_from_main(self.dist, fits):
+            self._finish_or_abandon_in_flight()
+            if self.last_committed_step == step:
+                log.info("stop requested at step %d, which is already committed", step)
+            else:
+                commit_now = float(self._fits("a commit", self._expected_commit_seconds()))
+        if D.broadcast_from_main(self.dist, commit_now):
             self.commit(step)
 
+    def _finish_or_abandon_in_flight(self) -> None:
+        in_flight = self.writer.in_flight_step
+        if in_flight is None:
+            return
+        remaining = max(self._expected_commit_seconds() - self.writer.in_flight_seconds(), 0.0)
+        if self._fits(f"finishing the commit of step {in_flight} in flight", remaining):
+            self._committed(self.writer.wait())
+        else:
+            self._committed(self.writer.abandon())
+            log.warning("abandoned the commit of step %d; its temp folder goes at the next start", in_flight)
+
+    def _fits(self, what: str, seconds: float) -> bool:
+        """Whether `seconds` of work, times the margin, fit before the expected SIGKILL (logged when not)."""
+        needed = seconds * self.checkpoint_cfg.commit_margin
+        left = self.ctx.watch.seconds_left()
+        if needed < left:
+            return True
+        log.warning(
+            "stop requested: %s needs about %.1f s but only %.1f s are left before SIGKILL; "
+            "exiting without one (losing the steps since %s)",
+            what,
+            needed,
+            left,
+            self.last_committed_step,
+        )
+        return False
+
     def _expected_commit_seconds(self) -> float:
-        if self.store.last_commit_seconds is not None:
-            return self.store.last_commit_seconds
+        if self.writer.last_commit_seconds is not None:
+            return self.writer.last_commit_seconds
         return 0.5 + self.checkpoint_bytes_estimate() / ASSUMED_VOLUME_BYTES_PER_S
 
     def _over_budget(self) -> bool:
@@ -344,28 +397,54 @@ class Trainer:
             self._budget_warned = True
         return cost >= budget
 
-    def commit(self, step: int) -> CommittedCheckpoint | None:
-        """Write a checkpoint of the state after `step` (rank 0 writes; every rank sends its RNG state)."""
-        started = time.monotonic()
+    def commit(self, step: int, background: bool = False) -> CommittedCheckpoint | None:
+        """Commit the state after `step`: every rank sends its RNG state, rank 0 snapshots everything and
+        writes it, in the foreground or (`background`) on the writer's thread while training goes on."""
+        snapshot_time = time.monotonic()
         rng_states = D.gather_to_main(self.dist, capture_rng())
         committed = None
         if self.dist.is_main:
-            pending = self.store.begin(step)
-            self.write_checkpoint(pending)
-            with pending.open("rng.pt") as f:
-                torch.save(rng_states, f)
-            pending.write_bytes("trainer_state.json", json.dumps(self._trainer_state(), indent=2).encode())
+            files = self.checkpoint_files()
+            files |= {"rng.pt": rng_states, "trainer_state.json": self._trainer_state()}
             # Only a checkpoint evaluated at its own step competes for best-k retention.
             eval_loss = self.progress.last_eval_loss if self.progress.last_eval_step == step else None
-            committed = self.store.commit(
-                pending, step, self._manifest_metadata(), eval_loss, started=started
-            )
-            log.info("committed checkpoint step-%d in %.2f s", step, self.store.last_commit_seconds)
-        self.last_committed_step = step
-        self._last_commit_time = time.monotonic()
-        self._write_status("running", {})
-        D.barrier(self.dist)
+            with self._disk_full_is_exit_5(step):
+                committed = self.writer.commit(step, files, self._manifest_metadata(), eval_loss, background)
+            self._committed(committed)
+        self._last_commit_time = snapshot_time
+        if not background:
+            D.barrier(self.dist)
         return committed
+
+    def _next_checkpoint_bytes(self) -> int:
+        """The newest committed checkpoint's size (the next one is as large), else the estimate."""
+        for checkpoint in self.store.committed()[:1]:
+            return sum(entry["bytes"] for entry in checkpoint.manifest.get("files", {}).values())
+        return self.checkpoint_bytes_estimate()
+
+    def _volume_full(self, step: int) -> VolumeFull:
+        kept = f"step-{self.last_committed_step}" if self.last_committed_step is not None else "none yet"
+        what = f"checkpoint step-{step} (the newest committed checkpoint, {kept}, is intact)"
+        return volume_full(self.store.root, what, self._next_checkpoint_bytes())
+
+    @contextlib.contextmanager
+    def _disk_full_is_exit_5(self, step: int) -> Iterator[None]:
+        """A writer call (which may surface a background commit's error) with ENOSPC made exit 5."""
+        try:
+            yield
+        except Exception as exc:
+            if not is_disk_full(exc):
+                raise
+            raise self._volume_full(step) from exc
+
+    def _committed(self, checkpoint: CommittedCheckpoint | None) -> None:
+        """Record a commit that finished (rank 0): the newest committed step, for stops and status.json."""
+        if checkpoint is None:
+            return
+        check_headroom(self.store.root, self._next_checkpoint_bytes())
+        self.last_committed_step = checkpoint.step
+        self._committed_unix = time.time()
+        self._write_status("running", {})
 
     def _trainer_state(self) -> dict[str, Any]:
         return {
@@ -389,10 +468,7 @@ class Trainer:
             return
         checkpoint = None
         if self.last_committed_step is not None:
-            checkpoint = {
-                "step": self.last_committed_step,
-                "committed_unix": time.time() - (time.monotonic() - self._last_commit_time),
-            }
+            checkpoint = {"step": self.last_committed_step, "committed_unix": self._committed_unix}
         self.reporter.write_status(
             state, self.progress.step, metrics or self._last_metrics, checkpoint, self.progress.elapsed_s
         )
@@ -414,6 +490,22 @@ class Trainer:
         }
 
 
+def checkpoint_misfit(path: Path, exc: Exception) -> InputError:
+    """One line for a committed checkpoint this run cannot load (its settings changed since, or it was
+    written by another workload or version): which checkpoint, what does not fit, and the two fixes."""
+    if isinstance(exc, FileNotFoundError):
+        what = f"it has no {Path(exc.filename or '?').name}"
+    elif isinstance(exc, KeyError):
+        what = f"its trainer_state.json has no {exc}"
+    else:
+        what = str(exc)
+    return InputError(
+        f"checkpoint {path} does not fit this run: {what}. The config changed since it was written (or "
+        f"another workload or version wrote it): restore the old settings (the run's config.yaml holds "
+        f"them), or start a new run name (--run NAME or TRAINPOD_RUN) to train from scratch"
+    )
+
+
 def train_and_export(trainer_class: type[Trainer], ctx: RunContext, config: Any) -> dict[str, Any]:
     """A workload's whole run on every rank: train to the end, export, and return the DONE summary."""
     dist = D.init_distributed()
@@ -422,7 +514,8 @@ def train_and_export(trainer_class: type[Trainer], ctx: RunContext, config: Any)
             torch.set_num_threads(config.train.cpu_threads)
         trainer = trainer_class(ctx, config, dist)
         trainer.train()
-        exported = trainer.export()
+        with volume_full_as_exit_5(ctx.run.root, "the export"):
+            exported = trainer.export()
         D.barrier(dist)
         return trainer.summary() | {
             "export": str(exported) if exported else None,

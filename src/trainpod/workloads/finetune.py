@@ -26,7 +26,6 @@ from torch.nn.parallel import DistributedDataParallel
 from transformers import AutoTokenizer
 
 from trainpod import atomic
-from trainpod.checkpoint import PendingCheckpoint
 from trainpod.config.finetune import FinetuneConfig
 from trainpod.context import RunContext
 from trainpod.errors import InputError
@@ -38,6 +37,7 @@ from trainpod.train.model import autocast_dtype, resolve_attention
 from trainpod.train.optim import build_optimizer
 from trainpod.train.reporting import RunReporter
 from trainpod.train.schedule import cosine_with_warmup
+from trainpod.train.state import load_optimizer_state
 from trainpod.train.tracking import WandbTracker, wandb_wanted
 from trainpod.train.trainer import StepResult, Trainer, train_and_export
 
@@ -242,12 +242,9 @@ class Finetuner(Trainer):
         )
 
     # ------------------------------------------------------------------------- checkpoints
-    def write_checkpoint(self, pending: PendingCheckpoint) -> None:
+    def checkpoint_files(self) -> dict[str, Any]:
         # Only what trains: the adapter (or, for full, every weight); the frozen base is on disk already.
-        tensors = {name: p.detach().to("cpu").contiguous() for name, p in self.trainable.items()}
-        pending.write_bytes("trainable.safetensors", safetensors.torch.save(tensors))
-        with pending.open("optimizer.pt") as f:
-            torch.save(self.optimizer.state_dict(), f)
+        return {"trainable.safetensors": dict(self.trainable), "optimizer.pt": self.optimizer.state_dict()}
 
     def load_checkpoint(self, path: Path, state: dict[str, Any]) -> None:
         tensors = safetensors.torch.load((path / "trainable.safetensors").read_bytes())
@@ -266,7 +263,7 @@ class Finetuner(Trainer):
             for name, param in self.trainable.items():
                 param.copy_(tensors[name])
         optimizer_state = torch.load(path / "optimizer.pt", map_location=self.dist.device, weights_only=True)
-        self.optimizer.load_state_dict(optimizer_state)
+        load_optimizer_state(self.optimizer, optimizer_state)
 
     def data_state(self) -> dict[str, Any]:
         return self.batches.state_dict()

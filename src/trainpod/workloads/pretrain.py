@@ -19,7 +19,6 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from trainpod.checkpoint import PendingCheckpoint
 from trainpod.config.pretrain import PretrainConfig
 from trainpod.context import RunContext
 from trainpod.data.datagen import dataset_shards, load_dataset_manifest
@@ -39,7 +38,7 @@ from trainpod.train.model import (
 )
 from trainpod.train.optim import build_optimizer, decay_groups
 from trainpod.train.schedule import cosine_with_warmup
-from trainpod.train.state import load_weights, weights_bytes
+from trainpod.train.state import load_optimizer_state, load_weights, unique_weights
 from trainpod.train.trainer import StepResult, Trainer, train_and_export
 
 log = logging.getLogger(__name__)
@@ -118,16 +117,14 @@ class Pretrainer(Trainer):
         return model
 
     # ------------------------------------------------------------------------- checkpoints
-    def write_checkpoint(self, pending: PendingCheckpoint) -> None:
-        weights, self._aliases = weights_bytes(self.model)
-        pending.write_bytes("model.safetensors", weights)
-        with pending.open("optimizer.pt") as f:
-            torch.save(self.optimizer.state_dict(), f)
+    def checkpoint_files(self) -> dict[str, Any]:
+        weights, self._aliases = unique_weights(self.model)
+        return {"model.safetensors": weights, "optimizer.pt": self.optimizer.state_dict()}
 
     def load_checkpoint(self, path: Path, state: dict[str, Any]) -> None:
         load_weights(self.model, (path / "model.safetensors").read_bytes(), state["aliased_weights"])
         optimizer_state = torch.load(path / "optimizer.pt", map_location=self.dist.device, weights_only=True)
-        self.optimizer.load_state_dict(optimizer_state)
+        load_optimizer_state(self.optimizer, optimizer_state)
 
     def extra_state(self) -> dict[str, Any]:
         return {"aliased_weights": self._aliases}

@@ -1,0 +1,229 @@
+"""One commit path for checkpoints: snapshot the state, then write it in the foreground or behind training.
+
+    writer = CheckpointWriter(store, pin_memory=torch.cuda.is_available())
+    files = {"model.safetensors": tensors, "optimizer.pt": optimizer.state_dict(), "state.json": {"step": 7}}
+    writer.commit(7, files, metadata={}, background=True)  # returns once the snapshot is taken
+    ...
+    done = writer.poll()   # at each step boundary: the checkpoint finished since, or None; raises its error
+    writer.wait()          # before a stop, at the end (commit() itself waits for the one in flight)
+
+torchtitan's `async_with_pinned_mem`, on the store's protocol: the snapshot copies every tensor
+into host buffers allocated once and reused by every commit (pinned on CUDA, so the copy runs at
+~25 GB/s and behind the compute on the same stream; plain memory on CPU, where training would
+otherwise change the tensors under the writer). A daemon thread then hashes, writes and publishes
+the files (checkpoint/store.py) while training goes on. At most one commit is in flight; the next
+snapshot waits for it, since it reuses its buffers. A commit that cannot finish before SIGKILL is
+abandoned: its writes stop at the next piece and it never becomes LATEST.
+
+What a file holds follows its name: `*.safetensors` a flat dict of tensors, `*.json` a JSON value,
+bytes as they are, anything else (`*.pt`) a structure of tensors and plain values for `torch.save`
+(loadable with `weights_only=True`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import safetensors.torch
+import torch
+
+from trainpod.checkpoint.store import (
+    CheckpointStore,
+    CommitAbandoned,
+    CommittedCheckpoint,
+    PendingCheckpoint,
+)
+
+log = logging.getLogger(__name__)
+
+
+class HostBuffers:
+    """Host copies of tensors, one buffer per place in the state, allocated once and reused."""
+
+    def __init__(self, pin_memory: bool):
+        self.pin_memory = pin_memory
+        self._buffers: dict[tuple, torch.Tensor] = {}
+        self.copied_from_device = False  # a device copy was queued: wait for it before reading
+
+    def copy(self, key: tuple, tensor: torch.Tensor) -> torch.Tensor:
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+            pin = self.pin_memory and tensor.device.type == "cuda"
+            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin)
+            self._buffers[key] = buffer
+        # From the GPU into pinned memory the copy is queued on the current stream and training's next
+        # kernels run after it; the writer waits for the event recorded behind it. On CPU it is done here.
+        buffer.copy_(tensor.detach(), non_blocking=buffer.is_pinned())
+        self.copied_from_device |= tensor.device.type != "cpu"
+        return buffer
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+
+def snapshot(value: Any, buffers: HostBuffers | None, key: tuple = ()) -> Any:
+    """`value` with every tensor replaced by a host copy (in `buffers`), or, without buffers, by a CPU
+    tensor that may be the live one (for a write that finishes before training goes on)."""
+    if isinstance(value, torch.Tensor):
+        if buffers is None:
+            return value.detach().to("cpu").contiguous()
+        return buffers.copy(key, value)
+    if isinstance(value, dict):
+        return {k: snapshot(v, buffers, (*key, k)) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(snapshot(v, buffers, (*key, i)) for i, v in enumerate(value))
+    return value  # numbers, strings, None: immutable, safe to share
+
+
+def _frozen(name: str, value: Any, buffers: HostBuffers | None) -> Any:
+    if name.endswith(".json"):
+        return json.dumps(value, indent=2).encode()  # serialized now: later changes to `value` do not leak in
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value)
+    return snapshot(value, buffers, (name,))
+
+
+def _write_file(pending: PendingCheckpoint, name: str, value: Any) -> None:
+    if isinstance(value, bytes):
+        pending.write_bytes(name, value)
+    elif name.endswith(".safetensors"):
+        pending.write_bytes(name, safetensors.torch.save(value))
+    else:
+        with pending.open(name) as f:
+            torch.save(value, f)
+
+
+@dataclass
+class _Commit:
+    """One snapshot on its way to the volume."""
+
+    step: int
+    files: dict[str, Any]
+    metadata: dict[str, Any]
+    eval_loss: float | None
+    snapshot_seconds: float
+    copied: torch.cuda.Event | None = None  # set when tensors were copied from a GPU without waiting
+    started: float = field(default_factory=time.monotonic)
+    background: bool = False
+    result: CommittedCheckpoint | None = None
+    error: BaseException | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+    abandoned: threading.Event = field(default_factory=threading.Event)
+
+
+class CheckpointWriter:
+    """Snapshots named state and commits it through `store`, in the foreground or on a background thread."""
+
+    def __init__(self, store: CheckpointStore, pin_memory: bool = False):
+        self.store = store
+        self.buffers = HostBuffers(pin_memory)
+        self.last_commit_seconds: float | None = None  # snapshot + write of the newest finished commit
+        self._in_flight: _Commit | None = None
+        self._commit_point = threading.Lock()  # an abandon and a publish never interleave
+
+    # ----------------------------------------------------------------------------- commit
+    def commit(
+        self,
+        step: int,
+        files: dict[str, Any],
+        metadata: dict[str, Any],
+        eval_loss: float | None = None,
+        background: bool = False,
+    ) -> CommittedCheckpoint | None:
+        """Snapshot `files` and commit them as `step-<step>`; with `background`, return once the snapshot
+        is taken (the result comes from `poll` or `wait`), else return the committed checkpoint."""
+        self.wait()  # one in flight at most, and its buffers are the ones the snapshot reuses
+        started = time.monotonic()
+        buffers = self.buffers if background else None
+        frozen = {name: _frozen(name, value, buffers) for name, value in files.items()}
+        copied = None
+        if background and self.buffers.copied_from_device:
+            copied = torch.cuda.Event()
+            copied.record()
+        job = _Commit(
+            step, frozen, metadata, eval_loss, time.monotonic() - started, copied, started, background
+        )
+        if not background:
+            self._write(job)
+            return self._finish(job)
+        self._in_flight = job
+        threading.Thread(target=self._write, args=(job,), name=f"checkpoint-step-{step}", daemon=True).start()
+        return None
+
+    def _write(self, job: _Commit) -> None:
+        try:
+            if job.copied is not None:
+                job.copied.synchronize()
+            with self.store.writing(job.step, job.abandoned) as pending:
+                for name, value in job.files.items():
+                    _write_file(pending, name, value)
+                with self._commit_point:
+                    job.result = self.store.publish(pending, job.step, job.metadata, job.eval_loss)
+            job.files = {}  # the bytes it serialized can go; the tensors are the reused buffers
+            if not job.abandoned.is_set():
+                self.store.apply_retention()
+            seconds = job.snapshot_seconds + time.monotonic() - job.started
+            self.last_commit_seconds = seconds
+            how = " in the background" if job.background else ""
+            log.info("committed checkpoint step-%d in %.2f s%s", job.step, seconds, how)
+        except BaseException as exc:  # handed to the training thread by poll() or wait()
+            job.error = exc
+        finally:
+            job.done.set()
+
+    def _finish(self, job: _Commit) -> CommittedCheckpoint | None:
+        if self._in_flight is job:
+            self._in_flight = None
+        if isinstance(job.error, CommitAbandoned):
+            return None
+        if job.error is not None:
+            raise job.error
+        return job.result
+
+    # ------------------------------------------------------------------------- in flight
+    @property
+    def in_flight_step(self) -> int | None:
+        return self._in_flight.step if self._in_flight else None
+
+    def in_flight_seconds(self) -> float:
+        """How long the commit in flight has been going (0 when none is)."""
+        return time.monotonic() - self._in_flight.started if self._in_flight else 0.0
+
+    def poll(self) -> CommittedCheckpoint | None:
+        """The checkpoint a background commit finished since the last call, or None; raises its error."""
+        job = self._in_flight
+        if job is None or not job.done.is_set():
+            return None
+        return self._finish(job)
+
+    def wait(self) -> CommittedCheckpoint | None:
+        """Wait for the commit in flight: the checkpoint it committed, or None (none, or abandoned)."""
+        job = self._in_flight
+        if job is None:
+            return None
+        job.done.wait()
+        return self._finish(job)
+
+    def abandon(self) -> CommittedCheckpoint | None:
+        """Give up the commit in flight: it stops writing at its next piece, is never published, and its
+        temp folder is removed at the next start. Returns the checkpoint when it had been published
+        already (it stays committed: LATEST only moves forward), else None."""
+        job, self._in_flight = self._in_flight, None
+        if job is None:
+            return None
+        with self._commit_point:
+            job.abandoned.set()
+            return job.result
+
+    def close(self) -> None:
+        """Wait for the commit in flight, logging (not raising) its error: for exits on another error."""
+        try:
+            self.wait()
+        except Exception as exc:
+            log.error("the checkpoint being written in the background failed: %s", exc)

@@ -1,0 +1,139 @@
+"""The checkpoint writer: snapshots that do not alias live tensors, background commits, abandon."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+
+from trainpod.checkpoint import CheckpointStore
+from trainpod.checkpoint.writer import CheckpointWriter
+
+
+class HeldStore(CheckpointStore):
+    """A real store whose `begin` waits until the test lets it go: a background commit held in flight."""
+
+    def __init__(self, root: Path):
+        super().__init__(root, keep_last=2)
+        self.go = threading.Event()
+        self.began = threading.Event()
+
+    def begin(self, step, abandoned=None):  # noqa: ANN001
+        self.began.set()
+        assert self.go.wait(30), "the test never let the commit go on"
+        return super().begin(step, abandoned)
+
+
+def state(weights: torch.Tensor, moment: torch.Tensor, step: int) -> dict:
+    return {
+        "model.safetensors": {"w": weights},
+        "optimizer.pt": {"state": {0: {"exp_avg": moment, "step": torch.tensor(float(step))}}, "lr": 0.1},
+        "trainer_state.json": {"step": step},
+        "note.bin": b"raw bytes",
+    }
+
+
+def read(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    weights = safetensors.torch.load((path / "model.safetensors").read_bytes())["w"]
+    moment = torch.load(path / "optimizer.pt", weights_only=True)["state"][0]["exp_avg"]
+    return weights, moment
+
+
+def test_a_background_commit_holds_the_state_at_its_step_while_training_changes_the_tensors(tmp_path):
+    store = HeldStore(tmp_path)
+    writer = CheckpointWriter(store)
+    weights, moment = torch.arange(6.0), torch.ones(3)
+    assert writer.commit(7, state(weights, moment, 7), {}, background=True) is None
+    weights.add_(100.0)  # the next optimizer steps, before the writer has read anything
+    moment.mul_(-1.0)
+    store.go.set()
+    committed = writer.wait()
+    assert committed.step == 7
+    saved_weights, saved_moment = read(committed.path)
+    assert torch.equal(saved_weights, torch.arange(6.0)), "the snapshot must not alias the live weights"
+    assert torch.equal(saved_moment, torch.ones(3)), "the snapshot must not alias the live optimizer state"
+    assert (committed.path / "trainer_state.json").read_text().count('"step": 7') == 1
+    assert (committed.path / "note.bin").read_bytes() == b"raw bytes"
+    assert store.latest().step == 7
+
+
+def test_sync_and_background_commits_write_the_same_checkpoint(tmp_path):
+    weights, moment = torch.randn(4, 4), torch.randn(4)
+    sync = CheckpointWriter(CheckpointStore(tmp_path / "sync")).commit(3, state(weights, moment, 3), {})
+    background = CheckpointWriter(CheckpointStore(tmp_path / "background"))
+    background.commit(3, state(weights, moment, 3), {}, background=True)
+    done = background.wait()
+    for a, b in zip(read(sync.path), read(done.path), strict=True):
+        assert torch.equal(a, b)
+    assert sync.manifest["files"]["model.safetensors"] == done.manifest["files"]["model.safetensors"]
+
+
+def test_snapshots_reuse_their_host_buffers_from_one_commit_to_the_next(tmp_path):
+    writer = CheckpointWriter(CheckpointStore(tmp_path))
+    weights, moment = torch.zeros(1000), torch.zeros(10)
+    writer.commit(1, state(weights, moment, 1), {}, background=True)
+    writer.wait()
+    allocated = writer.buffers.nbytes
+    pointers = {k: b.data_ptr() for k, b in writer.buffers._buffers.items()}
+    writer.commit(2, state(weights + 1, moment + 1, 2), {}, background=True)
+    assert read(writer.wait().path)[0][0].item() == 1.0
+    assert writer.buffers.nbytes == allocated
+    assert {k: b.data_ptr() for k, b in writer.buffers._buffers.items()} == pointers
+
+
+def test_the_next_commit_waits_for_the_one_in_flight(tmp_path):
+    store = HeldStore(tmp_path)
+    writer = CheckpointWriter(store)
+    writer.commit(1, state(torch.zeros(2), torch.zeros(2), 1), {}, background=True)
+    second = threading.Thread(target=writer.commit, args=(2, state(torch.ones(2), torch.ones(2), 2), {}))
+    second.start()
+    assert store.began.wait(30)
+    second.join(0.2)
+    assert second.is_alive(), "a second commit must not start while the first is in flight"
+    assert writer.in_flight_step == 1
+    store.go.set()
+    second.join(30)
+    assert [c.step for c in store.committed()] == [2, 1]
+
+
+def test_an_abandoned_commit_is_never_published_and_its_temp_folder_goes_at_the_next_start(tmp_path):
+    store = HeldStore(tmp_path)
+    store.go.set()
+    writer = CheckpointWriter(store)
+    writer.commit(10, state(torch.zeros(2), torch.zeros(2), 10), {})
+    store.go.clear()
+    store.began.clear()
+    writer.commit(20, state(torch.ones(2), torch.ones(2), 20), {}, background=True)
+    assert store.began.wait(30)
+    assert writer.abandon() is None, "abandoned before its commit point: nothing was published"
+    assert writer.in_flight_step is None
+    store.go.set()  # the thread goes on, finds itself abandoned and stops
+    for thread in threading.enumerate():
+        if thread.name == "checkpoint-step-20":
+            thread.join(30)
+    assert (tmp_path / "LATEST").read_text().strip() == "step-10"
+    assert not (tmp_path / "step-20").exists()
+    assert CheckpointStore(tmp_path).latest().step == 10
+    assert not list(tmp_path.glob("*.tmp-*")), "the next start removes what the abandoned commit wrote"
+
+
+def test_abandoning_a_commit_that_already_published_keeps_it_committed(tmp_path):
+    writer = CheckpointWriter(CheckpointStore(tmp_path))
+    writer.commit(5, state(torch.zeros(2), torch.zeros(2), 5), {}, background=True)
+    job = writer._in_flight
+    assert job.done.wait(30)
+    committed = writer.abandon()
+    assert committed is not None and committed.step == 5, "LATEST never moves backwards"
+    assert (tmp_path / "LATEST").read_text().strip() == "step-5"
+
+
+def test_a_background_commit_error_reaches_the_training_thread(tmp_path):
+    (tmp_path / "checkpoints").write_text("a file where the folder should be")
+    writer = CheckpointWriter(CheckpointStore(tmp_path / "checkpoints"))
+    writer.commit(1, state(torch.zeros(2), torch.zeros(2), 1), {}, background=True)
+    with pytest.raises(OSError):
+        writer.wait()
+    assert writer.in_flight_step is None

@@ -122,11 +122,36 @@ def test_committing_a_step_again_keeps_the_first_commit(tmp_path):
     assert not list(tmp_path.glob("*.tmp-*"))
 
 
-def test_reserved_and_nested_names_are_refused(tmp_path):
+def test_reserved_and_non_relative_names_are_refused(tmp_path):
     pending = CheckpointStore(tmp_path).begin(1)
-    for name in ("manifest.json", "LATEST", "a/b"):
+    for name in ("manifest.json", "LATEST", "../escape", "/abs", "a//b", "a/./b"):
         with pytest.raises(ValueError):
             pending.open(name)
+
+
+def test_nested_files_are_committed_and_verified_in_their_folders(tmp_path):
+    store = CheckpointStore(tmp_path / "checkpoints")
+    pending = store.begin(5)
+    pending.write_bytes("global_step5/shard-0.bin", b"rank zero" * 10)
+    committed = store.commit(pending, 5, {})
+    assert (committed.path / "global_step5/shard-0.bin").read_bytes() == b"rank zero" * 10
+    (committed.path / "global_step5/shard-0.bin").write_bytes(b"rank zer0" * 10)
+    assert store.verify(committed.path)[0] is None, "a changed nested file must fail verification"
+
+
+def test_an_adopted_file_is_moved_hashed_and_verified_like_a_written_one(tmp_path):
+    store = CheckpointStore(tmp_path / "checkpoints")
+    written = tmp_path / "program-output" / "weights.bin"
+    written.parent.mkdir()
+    written.write_bytes(os.urandom(PIECE_BYTES + 1000))  # two pieces
+    expected = written.read_bytes()
+    pending = store.begin(8)
+    pending.adopt("weights.bin", written)
+    committed = store.commit(pending, 8, {})
+    assert not written.exists(), "adopting moves the file: nothing is copied on the same filesystem"
+    assert (committed.path / "weights.bin").read_bytes() == expected
+    assert store.verify(committed.path)[0] is not None
+    assert len(committed.manifest["files"]["weights.bin"]["sha256_pieces"]) == 2
 
 
 def test_garbage_in_latest_is_treated_as_missing(tmp_path: Path):

@@ -6,6 +6,7 @@ trainpod status RUN
 trainpod deploy configs/deploy/pretrain-spot.yaml [--dry-run]   (RunPod: template, volume, pod)
 trainpod supervise RUN --config configs/deploy/pretrain-spot.yaml [--once]
 trainpod stop RUN [--terminate]
+trainpod checkpoint latest|commit|verify RUN ...   (checkpoints for trainers in any language)
 trainpod estimate configs/deploy/pretrain-spot.yaml [--gpu TYPE] [--spot]   (tokens, hours, memory, dollars)
 trainpod generate RUN --prompt "..."  |  trainpod chat RUN                  (the run's export, streamed)
 trainpod config fields finetune  |  trainpod --version
@@ -256,7 +257,9 @@ def _status_line(vol: Volume, name: str) -> str:
         return f"{name}: no status yet ({run.status} missing)"
     s = json.loads(run.status.read_text())
     state = "done" if run.done.exists() else s.get("state", "?")
-    parts = [f"{name}: {state}", f"step {s.get('step')}/{s.get('max_steps')}"]
+    # A command run's program decides its steps: its status has the newest checkpoint's step, no max.
+    total = f"/{s['max_steps']}" if s.get("max_steps") else ""
+    parts = [f"{name}: {state}", f"step {s.get('step')}{total}"]
     if s.get("step") is not None and s.get("max_steps"):
         parts[-1] += f" ({s['step'] / s['max_steps']:.0%})"
     if s.get("loss") is not None:
@@ -276,6 +279,8 @@ def _status_line(vol: Volume, name: str) -> str:
         parts.append(
             f"checkpoint step-{checkpoint['step']} ({time.time() - checkpoint['committed_unix']:.0f} s ago)"
         )
+    if s.get("last_log_line"):
+        parts.append(f"last line: {s['last_log_line'][:80]}")
     parts.append(f"updated {time.time() - s.get('updated_unix', time.time()):.0f} s ago")
     if s.get("reason") and state not in ("running", "done"):
         parts.append(f"reason: {s['reason']}")
@@ -373,6 +378,60 @@ def stop(run_name: str, terminate: bool = False) -> int:
     from trainpod.runpod.deploy import stop_run
 
     return _reported(lambda: (stop_run(RunPodClient.from_env(), run_name, terminate), ExitCode.DONE)[1])
+
+
+def checkpoint(
+    action: str,
+    run_name: str,
+    step: int | None = None,
+    directory: str | None = None,
+    volume: str | None = None,
+    keep_source: bool = False,
+    keep_last: int | None = None,
+) -> int:
+    """Checkpoints for trainers in any language: latest, commit, verify (README, "Bring your own trainer").
+
+    latest RUN: print the newest checkpoint that verifies (older ones are tried in turn), or nothing.
+    commit RUN --step N DIR: publish DIR (moved into the store) as step-N atomically, with a manifest.
+    verify RUN [STEP]: check LATEST (or step N) against its manifest; exit 2 when it does not match.
+    RUN is a run name under the volume's runs/, or a run folder's path (e.g. "$TRAINPOD_RUN_DIR").
+    Log lines go to stderr, so `$(trainpod checkpoint latest RUN)` holds only the path.
+    """
+    import logging
+    import signal
+
+    from trainpod.checkpoint import CheckpointStore
+    from trainpod.checkpoint.directory import commit_directory, verify_committed
+    from trainpod.errors import InputError, TrainpodError
+    from trainpod.log import RedactingFormatter
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(RedactingFormatter("%(levelname)s [%(name)s] %(message)s"))
+    logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
+    vol = Volume(Path(volume)) if volume else Volume.from_env()
+    run_dir = Path(run_name) if "/" in run_name or run_name in (".", "..") else vol.run(run_name).root
+    keep = keep_last or int(os.environ.get("TRAINPOD_KEEP_LAST") or 2)
+    store = CheckpointStore(run_dir / "checkpoints", keep_last=keep)
+    try:
+        if action == "latest":
+            latest = store.latest() if store.root.parent.is_dir() else None
+            if latest is not None:
+                print(latest.path)
+        elif action == "commit":
+            # The program's whole group gets SIGTERM; the commit it is making is what the window is for.
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            if step is None or directory is None:
+                raise InputError("checkpoint commit needs --step N and the DIR your program wrote")
+            committed = commit_directory(store, step, Path(directory), {"writer": "trainpod checkpoint commit"},
+                                         keep_source=keep_source)  # fmt: skip
+            print(committed.path)
+        else:
+            path, manifest = verify_committed(store, step)
+            print(f"{path}: ok ({len(manifest['files'])} files verified)")
+        return ExitCode.DONE
+    except TrainpodError as exc:
+        logging.getLogger("trainpod").error("%s", exc)
+        return int(exc.exit_code)
 
 
 def logs(run_name: str, follow: bool = False, tail: int = 100) -> int:
@@ -660,6 +719,28 @@ def _stop_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--terminate", action="store_true", help="terminate instead of stop (the pod is gone)")
 
 
+def _checkpoint_arguments(p: argparse.ArgumentParser) -> None:
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    actions = p.add_subparsers(dest="action", required=True)
+    for action, action_help in (
+        ("latest", "print the newest valid checkpoint's path, or nothing"),
+        ("commit", "publish DIR as step N: moved into the store, hashed, manifest, LATEST"),
+        ("verify", "check LATEST (or STEP) against its manifest; exit 2 when it does not match"),
+    ):
+        a = actions.add_parser(action, help=action_help, description=action_help)
+        a.add_argument("run_name", metavar="RUN", help="run name under the volume, or a run folder's path")
+        if action == "commit":
+            a.add_argument("directory", metavar="DIR", help="the folder your program wrote the checkpoint to")
+            a.add_argument("--step", type=int, required=True, help="the training step DIR holds")
+            a.add_argument("--keep-source", action="store_true", help="copy DIR instead of moving it")
+            a.add_argument(
+                "--keep-last", type=int, help="checkpoints kept (default: $TRAINPOD_KEEP_LAST, else 2)"
+            )
+        if action == "verify":
+            a.add_argument("step", nargs="?", type=int, metavar="STEP", help="a step other than LATEST's")
+        a.add_argument("--volume", help="volume root (default: $TRAINPOD_VOLUME, else /workspace)")
+
+
 def _logs_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_name", metavar="RUN")
     p.add_argument("-f", "--follow", action="store_true", help="keep printing new lines until Ctrl-C")
@@ -693,6 +774,7 @@ VERBS: dict[str, tuple[Callable[..., int], Callable[[argparse.ArgumentParser], N
     "deploy": (deploy, _deploy_arguments),
     "supervise": (supervise, _supervise_arguments),
     "stop": (stop, _stop_arguments),
+    "checkpoint": (checkpoint, _checkpoint_arguments),
     "estimate": (estimate, _estimate_arguments),
     "generate": (generate, _generate_arguments),
     "chat": (chat, _chat_arguments),

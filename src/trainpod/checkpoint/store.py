@@ -156,9 +156,38 @@ class PendingCheckpoint:
 
     def open(self, name: str) -> _PendingFile:
         """A file object for streaming writers (e.g. `torch.save(obj, pending.open("x.pt"))`)."""
-        if "/" in name or name in (MANIFEST, LATEST) or name in self.files:
-            raise ValueError(f"checkpoint file name {name!r} is reserved, nested or already written")
+        self._check_name(name)
         return _PendingFile(self, name)
+
+    def adopt(self, name: str, source: Path) -> None:
+        """Take a finished file into the checkpoint: renamed when on the same filesystem (no copy),
+        else copied; then fsynced and hashed like a file written through `open`.
+
+        For checkpoints another program wrote (`trainpod checkpoint commit`, the HF callback): the
+        source is gone afterwards, so a kill mid-commit leaves only this temp folder, removed at start.
+        """
+        self._check_name(name)
+        target = self.dir / name
+        try:
+            os.rename(source, target)
+        except OSError:  # another filesystem (EXDEV): copy, hashing while writing
+            with open(source, "rb") as src, self.open(name) as dst:
+                shutil.copyfileobj(src, dst, PIECE_BYTES)
+            os.unlink(source)
+            return
+        with open(target, "rb") as f:
+            os.fsync(f.fileno())  # the writer may never have synced it
+        size = target.stat().st_size
+        starts = range(0, size, PIECE_BYTES) if size else [0]
+        digests = self.hashers.map(lambda start: _piece_digest(_read_piece(target, start)), starts)
+        self.files[name] = {"bytes": size, "sha256_pieces": list(digests)}
+
+    def _check_name(self, name: str) -> None:
+        parts = name.split("/")
+        if name in (MANIFEST, LATEST) or name in self.files or any(p in ("", ".", "..") for p in parts):
+            raise ValueError(f"checkpoint file name {name!r} is reserved, not relative or already written")
+        if len(parts) > 1:  # nested files (e.g. an HF checkpoint's sub-folders) keep their layout
+            (self.dir / name).parent.mkdir(parents=True, exist_ok=True)
 
 
 class _PendingFile:
@@ -341,6 +370,8 @@ class CheckpointStore:
             f.write(atomic.json_bytes(manifest))
             f.flush()
             os.fsync(f.fileno())
+        for sub in sorted({(pending.dir / name).parent for name in pending.files} - {pending.dir}):
+            atomic.fsync_dir(sub)
         target = self.root / step_dir_name(step)
         if target.exists():
             # Same step written again (e.g. a resumed run preempted before its first new step):

@@ -1,0 +1,85 @@
+"""Publish a folder another program wrote as a committed checkpoint, through the store's one commit path.
+
+    trainpod checkpoint commit RUN --step N DIR      (cli.py; the HF callback calls it too)
+
+Every file under DIR is moved into the store's `step-<N>.tmp-<id>/` (copied when DIR is on another
+filesystem, or with keep_source), fsynced and hashed; then the manifest, the rename and LATEST, as
+for the stock trainers. A kill at any instant leaves either the previous LATEST or the new one.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+from trainpod.checkpoint.store import MANIFEST, CheckpointStore, CommittedCheckpoint, step_dir_name
+from trainpod.errors import InputError
+
+log = logging.getLogger(__name__)
+
+
+def files_to_publish(source: Path) -> list[str]:
+    """The relative names of every file under `source`; refuses what a checkpoint cannot hold."""
+    if not source.is_dir():
+        raise InputError(f"{source} is not a directory; pass the folder your program wrote its checkpoint to")
+    names, problems = [], []
+    for path in sorted(source.rglob("*")):
+        name = path.relative_to(source).as_posix()
+        if path.is_symlink():
+            problems.append(f"{name} is a symbolic link (write the file itself)")
+        elif path.is_file():
+            names.append(name)
+    if MANIFEST in names:
+        problems.append(f"{MANIFEST} is reserved for the manifest trainpod writes (rename yours)")
+    if not names:
+        problems.append("it holds no files")
+    if problems:
+        raise InputError(f"cannot commit {source} as a checkpoint: " + "; ".join(problems))
+    return names
+
+
+def commit_directory(
+    store: CheckpointStore,
+    step: int,
+    source: Path,
+    metadata: dict[str, Any],
+    keep_source: bool = False,
+    eval_loss: float | None = None,
+) -> CommittedCheckpoint:
+    """Publish `source` as `step-<step>` and make it LATEST; `source` is consumed unless keep_source."""
+    names = files_to_publish(source)
+    if (store.root / step_dir_name(step)).exists():
+        log.warning("step-%d is committed already; the committed one is kept, %s is discarded", step, source)
+    pending = store.begin(step)
+    for name in names:
+        if keep_source:
+            with open(source / name, "rb") as src, pending.open(name) as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
+        else:
+            pending.adopt(name, source / name)
+    committed = store.commit(pending, step, metadata, eval_loss)
+    if not keep_source:
+        _remove_empty_tree(source)
+    return committed
+
+
+def verify_committed(store: CheckpointStore, step: int | None = None) -> tuple[Path, dict[str, Any]]:
+    """Check step-<step> (default: the one LATEST names) against its manifest, changing nothing."""
+    name = step_dir_name(step) if step is not None else store._latest_name()
+    if name is None:
+        raise InputError(f"no committed checkpoint: {store.root}/LATEST is missing or unreadable")
+    manifest, reason = store.verify(store.root / name)
+    if manifest is None:
+        raise InputError(f"{store.root / name} is not a valid checkpoint: {reason}")
+    return store.root / name, manifest
+
+
+def _remove_empty_tree(root: Path) -> None:
+    folders = [root, *(p for p in root.rglob("*") if p.is_dir())]
+    for folder in sorted(folders, key=lambda p: -len(p.parts)):
+        try:
+            folder.rmdir()
+        except OSError:
+            return  # something new appeared in it: leave it for the program

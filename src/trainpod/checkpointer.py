@@ -1,0 +1,293 @@
+"""The checkpoint protocol as an API for your own training loop (README, "Bring your own trainer").
+
+    from trainpod import Checkpointer
+
+    with Checkpointer() as ckpt:              # run folder from TRAINPOD_RUN_DIR; lease; SIGTERM watch
+        step = 0
+        restored = ckpt.restore()             # the newest valid checkpoint (verified), or None
+        if restored:
+            step = restored.step
+            restored.load("model", model)
+            restored.load("optimizer", optimizer)
+            restored.restore_rng()
+        while step < max_steps:
+            train_one_step(model, optimizer, step)
+            step += 1
+            if step % 100 == 0 or (ckpt.stop_requested and ckpt.commit_fits()):
+                ckpt.commit(step, model=model, optimizer=optimizer, extra={"data_position": step})
+            if ckpt.stop_requested:
+                ckpt.exit_preempted()         # exit 143: the supervisor starts the pod again
+
+It writes through the same CheckpointStore (temp folder, hashes, manifest, rename, LATEST,
+retention) and the same Lease as the stock trainers: there is no second commit path. Under the
+`command` workload the kit holds the run's lease for the program (TRAINPOD_LEASE_HELD=1); run
+alone, the Checkpointer takes it itself. One process commits (rank 0 under torchrun).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import safetensors
+import safetensors.torch
+import torch
+
+import trainpod
+from trainpod.checkpoint import CheckpointStore, CommittedCheckpoint, Lease
+from trainpod.errors import ExitCode, InputError, TemporaryError
+from trainpod.preemption import PreemptionWatch
+from trainpod.train.state import capture_rng, restore_rng
+
+log = logging.getLogger(__name__)
+
+RNG_FILE = "rng.pt"
+EXTRA_FILE = "extra.json"
+ALIASES_KEY = "trainpod_aliases"  # safetensors metadata: tied tensors stored once, restored as one
+DEFAULT_WINDOW_S = 5.0  # RunPod spot: SIGKILL 5 s after SIGTERM
+COMMIT_MARGIN = 1.5  # on SIGTERM, commit only if the measured commit time x this fits the window
+ASSUMED_VOLUME_BYTES_PER_S = 200e6  # network volumes write 200-400 MB/s; before a commit is timed here
+
+
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    try:
+        return float(raw) if raw else default
+    except ValueError:
+        raise InputError(f"{name}={raw!r} is not a number of seconds; set it like {name}=5") from None
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw and not raw.isdigit():
+        raise InputError(f"{name}={raw!r} is not a whole number; set it like {name}=2")
+    return int(raw) if raw else default
+
+
+def run_dir_from_env() -> Path:
+    """TRAINPOD_RUN_DIR, else $TRAINPOD_VOLUME/runs/$TRAINPOD_RUN."""
+    if os.environ.get("TRAINPOD_RUN_DIR"):
+        return Path(os.environ["TRAINPOD_RUN_DIR"])
+    if os.environ.get("TRAINPOD_RUN"):
+        return Path(os.environ.get("TRAINPOD_VOLUME") or "/workspace") / "runs" / os.environ["TRAINPOD_RUN"]
+    raise InputError(
+        "no run folder: pass Checkpointer(run_dir=...), or set TRAINPOD_RUN_DIR (the command workload "
+        "sets it), or TRAINPOD_RUN with TRAINPOD_VOLUME"
+    )
+
+
+class Restored:
+    """A verified committed checkpoint, read back: named tensors, objects, extra state, RNG."""
+
+    def __init__(self, committed: CommittedCheckpoint):
+        self.step = committed.step
+        self.path = committed.path
+        self.manifest = committed.manifest
+        extra = self.path / EXTRA_FILE
+        self.extra: dict[str, Any] = json.loads(extra.read_text()) if extra.exists() else {}
+
+    @property
+    def names(self) -> list[str]:
+        """The names committed: tensor sets (`.safetensors`) and objects (`.pt`)."""
+        files = self.manifest.get("files", {})
+        return sorted(Path(f).stem for f in files if f.endswith((".safetensors", ".pt")) and f != RNG_FILE)
+
+    def tensors(self, name: str, device: str = "cpu") -> dict[str, torch.Tensor]:
+        """`<name>.safetensors` as a state dict; tensors that were tied are tied again."""
+        with safetensors.safe_open(self.path / f"{name}.safetensors", framework="pt", device=device) as f:
+            tensors = {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118 - safe_open has no __iter__
+            aliases = json.loads((f.metadata() or {}).get(ALIASES_KEY, "{}"))
+        return tensors | {alias: tensors[stored] for alias, stored in aliases.items()}
+
+    def object(self, name: str, map_location: str = "cpu") -> Any:
+        """`<name>.pt` (an optimizer or scheduler state dict) loaded with weights_only=True."""
+        return torch.load(self.path / f"{name}.pt", map_location=map_location, weights_only=True)
+
+    def load(self, name: str, target: Any) -> None:
+        """Load `name` into a module (strictly), an optimizer, a scheduler: anything with load_state_dict."""
+        if (self.path / f"{name}.safetensors").exists():
+            state = self.tensors(name)
+        elif (self.path / f"{name}.pt").exists():
+            state = self.object(name)
+        else:
+            raise InputError(
+                f"checkpoint {self.path.name} holds no state named {name!r} (it holds {self.names}); "
+                "commit it under that name, or load one of those"
+            )
+        target.load_state_dict(state)
+
+    def restore_rng(self) -> None:
+        """Python, numpy, torch (and CUDA) RNG states as they were at the commit."""
+        restore_rng(torch.load(self.path / RNG_FILE, weights_only=True))
+
+
+class Checkpointer:
+    """Restore, commit, stop: the kit's checkpoint protocol for a training loop it did not write."""
+
+    def __init__(
+        self,
+        run_dir: str | Path | None = None,
+        *,
+        keep_last: int | None = None,
+        keep_best: int | None = None,
+        window_seconds: float | None = None,
+        verify: str = "sha256",
+        watch_signals: bool = True,
+    ):
+        self.run_dir = Path(run_dir) if run_dir is not None else run_dir_from_env()
+        root = os.environ.get("TRAINPOD_CHECKPOINT_DIR") if run_dir is None else None
+        self.store = CheckpointStore(
+            Path(root) if root else self.run_dir / "checkpoints",
+            keep_last if keep_last is not None else _env_int("TRAINPOD_KEEP_LAST", 2),
+            keep_best if keep_best is not None else _env_int("TRAINPOD_KEEP_BEST", 0),
+            verify,
+        )
+        if window_seconds is None:
+            window_seconds = _env_float("TRAINPOD_PREEMPTION_WINDOW_S", DEFAULT_WINDOW_S)
+        self.watch = PreemptionWatch(window_seconds)
+        if watch_signals:
+            self.watch.install()
+        self.lease: Lease | None = None
+        self.last_committed_step: int | None = None
+
+    # ------------------------------------------------------------------------ lease
+    def __enter__(self) -> Checkpointer:
+        return self.open()
+
+    def __exit__(self, *_: Any) -> None:
+        self.close()
+
+    def open(self) -> Checkpointer:
+        """Take the run's lease, unless the kit holds it for this program (TRAINPOD_LEASE_HELD=1)."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if os.environ.get("TRAINPOD_LEASE_HELD") != "1" and self.lease is None:
+            self.lease = Lease(self.run_dir / "LEASE")
+            self.lease.acquire()
+            # Released at any exit Python sees (sys.exit, the end of the script); after a SIGKILL the
+            # next start takes the stale lease over (same host) or waits for its expiry (90 s).
+            atexit.register(self.close)
+        return self
+
+    def close(self) -> None:
+        if self.lease is not None:
+            self.lease.release()
+            self.lease = None
+
+    # ------------------------------------------------------------------------ restore
+    def restore(self) -> Restored | None:
+        """The newest checkpoint that verifies against its manifest; invalid ones are moved aside
+        and the next older valid one is used. None when there is none (start from step 0)."""
+        latest = self.store.latest()
+        if latest is None:
+            log.info("no checkpoint in %s; starting from scratch", self.store.root)
+            return None
+        self.last_committed_step = latest.step
+        log.info("resuming from %s", latest.path.name)
+        return Restored(latest)
+
+    # ------------------------------------------------------------------------ commit
+    def commit(
+        self,
+        step: int,
+        *,
+        extra: dict[str, Any] | None = None,
+        eval_loss: float | None = None,
+        rng: bool = True,
+        **states: Any,
+    ) -> CommittedCheckpoint:
+        """Commit the state after `step` atomically: nothing of it is visible until LATEST names it.
+
+        Each keyword is one named state: a module or a flat mapping of tensors goes to
+        `<name>.safetensors`; anything else with `state_dict()` (optimizer, scheduler, scaler), or a
+        plain dict, to `<name>.pt` (loadable with weights_only=True). `extra` must be JSON.
+        """
+        if self.lease is not None and self.lease.lost.is_set():
+            raise TemporaryError("another writer took over this run's lease; stopping without a commit")
+        started = time.monotonic()
+        pending = self.store.begin(step)
+        for name, state in states.items():
+            _write_state(pending, name, state)
+        if rng:
+            with pending.open(RNG_FILE) as f:
+                torch.save(capture_rng(), f)
+        pending.write_bytes(EXTRA_FILE, json.dumps(extra or {}, indent=2).encode())
+        metadata = {
+            "writer": "trainpod.Checkpointer",
+            "versions": {"trainpod": trainpod.__version__, "torch": torch.__version__},
+        }
+        committed = self.store.commit(pending, step, metadata, eval_loss, started=started)
+        self.last_committed_step = step
+        log.info("committed checkpoint step-%d in %.2f s", step, self.store.last_commit_seconds)
+        return committed
+
+    # ------------------------------------------------------------------------ stop
+    @property
+    def stop_requested(self) -> bool:
+        """SIGTERM (or SIGINT) arrived, or the lease was lost: commit if it fits, then exit."""
+        return self.watch.requested or (self.lease is not None and self.lease.lost.is_set())
+
+    def seconds_left(self) -> float:
+        """Seconds until the platform's SIGKILL is expected (infinite when no signal came)."""
+        return self.watch.seconds_left()
+
+    def expected_commit_seconds(self) -> float:
+        """The last commit's duration, else an estimate from the newest checkpoint's size."""
+        if self.store.last_commit_seconds is not None:
+            return self.store.last_commit_seconds
+        newest = self.store.committed()
+        size = sum(f["bytes"] for f in newest[0].manifest.get("files", {}).values()) if newest else 0
+        return 0.5 + size / ASSUMED_VOLUME_BYTES_PER_S
+
+    def commit_fits(self) -> bool:
+        """Whether a commit (timed x 1.5) ends before the SIGKILL the stop window promises."""
+        return self.expected_commit_seconds() * COMMIT_MARGIN < self.seconds_left()
+
+    def exit_preempted(self) -> None:
+        """Release the lease and exit 143, the code the supervisor restarts on."""
+        log.warning(
+            "stopped by %s; newest checkpoint: step %s", self.watch.signal_name, self.last_committed_step
+        )
+        self.close()
+        sys.exit(int(ExitCode.PREEMPTED))
+
+
+def _write_state(pending: Any, name: str, state: Any) -> None:
+    if isinstance(state, torch.nn.Module):
+        state = state.state_dict()
+    if isinstance(state, Mapping) and state and all(isinstance(v, torch.Tensor) for v in state.values()):
+        tensors, aliases = _stored_once(state)
+        data = safetensors.torch.save(tensors, metadata={ALIASES_KEY: json.dumps(aliases)})
+        pending.write_bytes(f"{name}.safetensors", data)
+        return
+    if hasattr(state, "state_dict"):
+        state = state.state_dict()
+    with pending.open(f"{name}.pt") as f:
+        torch.save(state, f)
+
+
+def _stored_once(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Tied tensors (same memory, shape and strides) stored once; views that only overlap are copied."""
+    stored: dict[str, torch.Tensor] = {}
+    seen: dict[tuple, str] = {}
+    aliases: dict[str, str] = {}
+    storages: set[int] = set()
+    for name, tensor in state.items():
+        tensor = tensor.detach()
+        key = (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
+        if key in seen:
+            aliases[name] = seen[key]
+            continue
+        seen[key] = name
+        storage = tensor.untyped_storage().data_ptr()
+        shared = storage in storages
+        storages.add(storage)
+        tensor = tensor.to("cpu")
+        stored[name] = tensor.clone() if shared or not tensor.is_contiguous() else tensor
+    return stored, aliases

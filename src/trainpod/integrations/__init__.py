@@ -1,0 +1,1 @@
+"""trainpod's checkpoint protocol inside other trainers: `trainpod.integrations.hf` (HF Trainer, TRL)."""

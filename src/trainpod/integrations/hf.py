@@ -1,0 +1,122 @@
+"""Hugging Face Trainer (and TRL's trainers, which are Trainers) on trainpod's checkpoint protocol.
+
+    from trainpod.integrations.hf import TrainpodCallback
+
+    callback = TrainpodCallback()                        # run folder from TRAINPOD_RUN_DIR; lease; SIGTERM
+    args = TrainingArguments(output_dir=callback.staging_dir, save_steps=100, ...)
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[callback])
+    trainer.train(resume_from_checkpoint=callback.resume_from_checkpoint())
+
+HF writes `checkpoint-<N>/` in place, file by file, and resumes from the newest folder by name: a
+pod killed mid-save resumes from a half-written checkpoint (transformers #35782, axolotl #1631).
+Here HF writes into a staging folder; once `on_save` says the folder is complete, its files are
+moved into the store's temp folder, hashed, given a manifest, renamed and named by LATEST, through
+the same commit path as every trainpod checkpoint. `resume_from_checkpoint()` returns the newest
+checkpoint that verifies (older ones are tried in turn) or None; anything left in staging is
+discarded. On SIGTERM the step in flight ends, a save is made when the last one's duration (x 1.5)
+fits the window, and the process exits 143.
+
+Not supported: `load_best_model_at_end` (it wants HF's own folder layout); use the store's keep_best.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+import trainpod
+from trainpod.checkpoint.directory import commit_directory
+from trainpod.checkpointer import COMMIT_MARGIN, Checkpointer
+from trainpod.errors import ExitCode
+
+log = logging.getLogger(__name__)
+
+
+class TrainpodCallback(TrainerCallback):
+    def __init__(self, checkpointer: Checkpointer | None = None):
+        self.ckpt = checkpointer or Checkpointer()
+        self.ckpt.open()
+        self.staging_dir = str(self.ckpt.run_dir / "hf-staging")  # on the volume: files move, never copy
+        self.save_seconds: float | None = None  # HF's save plus the commit, measured at each save
+        self._save_started: float | None = None
+        self._stopping = False
+
+    def resume_from_checkpoint(self) -> str | None:
+        """The newest committed checkpoint that verifies, for `trainer.train(resume_from_checkpoint=...)`."""
+        self._discard_staging()
+        restored = self.ckpt.restore()
+        return str(restored.path) if restored else None
+
+    # ------------------------------------------------------------------------ HF's events
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **_: Any):
+        if Path(args.output_dir).resolve() != Path(self.staging_dir).resolve():
+            log.warning(
+                "TrainingArguments.output_dir is %s, not callback.staging_dir (%s): checkpoints are copied "
+                "into the store instead of moved when it is on another filesystem",
+                args.output_dir,
+                self.staging_dir,
+            )
+        if state.is_world_process_zero:
+            self._discard_staging(Path(args.output_dir))
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **_: Any):
+        self._save_started = time.monotonic()
+        if not self.ckpt.stop_requested:
+            return control
+        if self.ckpt.lease is not None and self.ckpt.lease.lost.is_set():
+            log.error("another writer took over this run's lease; stopping without a save")
+            self._exit(ExitCode.TEMPORARY)
+        if state.global_step == self.ckpt.last_committed_step:
+            log.info("stop requested at step %d, which is committed", state.global_step)
+            self._exit(ExitCode.PREEMPTED)
+        needed = max(self.save_seconds or 0.0, self.ckpt.expected_commit_seconds()) * COMMIT_MARGIN
+        if needed >= self.ckpt.seconds_left():
+            log.warning(
+                "stop requested: a save needs about %.1f s, %.1f s are left; exiting without one (newest: step %s)",
+                needed,
+                self.ckpt.seconds_left(),
+                self.ckpt.last_committed_step,
+            )
+            self._exit(ExitCode.PREEMPTED)
+        control.should_save, control.should_evaluate, self._stopping = True, False, True
+        return control
+
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **_: Any):
+        folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        _barrier()  # every rank has written its part (rng_state_<rank>.pth) before rank 0 publishes
+        if state.is_world_process_zero:
+            metadata = {"writer": "trainpod.integrations.hf", "versions": {"trainpod": trainpod.__version__}}
+            commit_directory(self.ckpt.store, state.global_step, folder, metadata)
+            self.ckpt.last_committed_step = state.global_step
+            log.info("committed %s as step-%d", folder.name, state.global_step)
+        _barrier()
+        if self._save_started is not None:
+            self.save_seconds = time.monotonic() - self._save_started
+        if self._stopping:
+            self._exit(ExitCode.PREEMPTED)
+        return control
+
+    # ------------------------------------------------------------------------ helpers
+    def _discard_staging(self, staging: Path | None = None) -> None:
+        """checkpoint-* folders in staging were never committed: a kill came during HF's save."""
+        for folder in (staging or Path(self.staging_dir)).glob(f"{PREFIX_CHECKPOINT_DIR}-*"):
+            log.warning("discarding %s: HF was interrupted while writing it, it was never committed", folder)
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def _exit(self, code: ExitCode) -> None:
+        self.ckpt.close()
+        sys.exit(int(code))
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()

@@ -1,0 +1,112 @@
+"""A user's program as a child process the kit can stop: its own process group, dead with its parent,
+its output on the console and in a log file (secrets masked), its last line kept for status.json.
+
+The `command` workload (workloads/command.py) runs one with the run's lifecycle around it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import BinaryIO, TextIO
+
+from trainpod.log import redact
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None  # loaded before any fork
+_LINE_END = re.compile(rb"[\r\n]")
+
+
+def _in_own_group_dying_with_parent(parent: int) -> None:
+    """Runs in the child between fork and exec (no allocation-heavy work: other threads may hold locks)."""
+    os.setpgid(0, 0)  # SIGTERM goes to the program's whole group; the terminal's Ctrl-C does not
+    if _LIBC is not None:
+        # A SIGKILLed kit must not leave the program writing checkpoints with no lease held for it.
+        _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os._exit(137)
+
+
+def exit_code(returncode: int) -> int:
+    """A shell's view of the code: killed by signal N is 128 + N (SIGTERM: 143)."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+class Program:
+    def __init__(self, argv: list[str], workdir: Path, env: dict[str, str], log_path: Path):
+        self.argv = argv
+        self.workdir = workdir
+        self.env = env
+        self.log_path = log_path
+        self.last_line = ""
+        self.proc: subprocess.Popen | None = None
+        self._pumps: list[threading.Thread] = []
+        self._log_lock = threading.Lock()
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        parent = os.getpid()
+        self.proc = subprocess.Popen(
+            self.argv,
+            cwd=self.workdir,
+            env=self.env,
+            stdin=subprocess.DEVNULL,  # a pod has no terminal; in a shell, a read would stop its group
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            preexec_fn=lambda: _in_own_group_dying_with_parent(parent),  # noqa: PLW1509
+        )
+        with open(self.log_path, "ab") as log:
+            log.write(f"--- started {self.argv} in {self.workdir} (pid {self.proc.pid})\n".encode())
+        for pipe, console in ((self.proc.stdout, sys.stdout), (self.proc.stderr, sys.stderr)):
+            pump = threading.Thread(target=self._pump, args=(pipe, console), daemon=True)
+            pump.start()
+            self._pumps.append(pump)
+
+    def signal_group(self, signum: int) -> None:
+        with contextlib.suppress(ProcessLookupError):  # the program's group is gone already
+            os.killpg(self.proc.pid, signum)
+
+    def poll(self) -> int | None:
+        code = self.proc.poll()
+        if code is not None:
+            for pump in self._pumps:
+                pump.join(timeout=2)  # the rest of its output
+        return None if code is None else exit_code(code)
+
+    def _pump(self, pipe: BinaryIO, console: TextIO) -> None:
+        """Copy the program's output line by line ('\\r' ends a progress bar's line too), masked."""
+        pending = b""
+        for chunk in iter(lambda: os.read(pipe.fileno(), 65536), b""):
+            pending += chunk
+            *lines, pending = _split_keeping_ends(pending)
+            self._emit(b"".join(lines), console)
+        self._emit(pending, console)
+
+    def _emit(self, data: bytes, console: TextIO) -> None:
+        if not data:
+            return
+        text = redact(data.decode("utf-8", errors="replace"))
+        console.write(text)
+        console.flush()
+        with self._log_lock, open(self.log_path, "a", encoding="utf-8") as log:
+            log.write(text)
+        shown = [line.strip() for line in re.split(r"[\r\n]", text) if line.strip()]
+        if shown:
+            self.last_line = shown[-1][:300]
+
+
+def _split_keeping_ends(data: bytes) -> list[bytes]:
+    """b'a\\nb\\rc' -> [b'a\\n', b'b\\r', b'c']: complete lines, then the unfinished rest."""
+    parts, start = [], 0
+    for match in _LINE_END.finditer(data):
+        parts.append(data[start : match.end()])
+        start = match.end()
+    parts.append(data[start:])
+    return parts

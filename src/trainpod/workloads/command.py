@@ -1,0 +1,256 @@
+"""The `command` workload: your own training program under the same lifecycle as the stock workloads.
+
+    TRAINPOD_WORKLOAD=command TRAINPOD_CONFIG=examples/nanogpt/command.yaml trainpod boot
+    trainpod run command --config examples/nanogpt/command.yaml
+
+The kit holds the run's lease, starts the program in the config's workdir with TRAINPOD_RUN_DIR,
+TRAINPOD_CHECKPOINT_DIR and TRAINPOD_PREEMPTION_WINDOW_S in its environment, copies its output to
+the console and runs/<run>/logs/program.log, and keeps status.json alive (elapsed, cost, newest
+checkpoint, last log line). The program commits its own checkpoints (trainpod.Checkpointer, the HF
+callback, or `trainpod checkpoint commit`). How it ends:
+
+| the program | the kit exits |
+| --- | --- |
+| exits 0 | 0, DONE written |
+| exits 143, or anything after a SIGTERM the kit forwarded | 143 (the supervisor starts it again) |
+| is over TRAINPOD_BUDGET_USD: SIGTERM, the window, then SIGKILL | 3 |
+| loses the run's lease to another writer: same stop | 75 |
+| exits with anything else (1, 2, 3, killed, ...), after `max_restarts` tries | 75: a failed start, counted; FAILED after TRAINPOD_MAX_FAILED_STARTS in a row |
+
+A program's own exit 2 or 3 is not taken as "bad input" or "budget": the kit cannot know what a
+program means by them, and a failed start is bounded by the crash-loop limit anyway.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from trainpod import atomic, cost
+from trainpod.checkpoint import CheckpointStore
+from trainpod.config.command import CommandConfig
+from trainpod.config.loader import Section
+from trainpod.context import RunContext
+from trainpod.errors import BudgetExhausted, InputError, Preempted, TemporaryError
+from trainpod.gitsync import repo_name
+from trainpod.program import Program
+from trainpod.volume import Volume
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.05  # how often the kit looks at the program, its signals and the budget
+FORWARD_DELAY_S = 0.1  # the window the program is told is this much shorter: the kit forwards SIGTERM
+
+
+class ProgramFailed(TemporaryError):
+    """The program exited with a failure; a later start may not (a crash loop is bounded by finish.py)."""
+
+
+def config_type(tree: dict) -> type[Section]:
+    return CommandConfig
+
+
+def disk_estimate(config: CommandConfig) -> int | None:
+    return None  # the program decides what it writes
+
+
+def preflight(ctx: RunContext, config: CommandConfig) -> None:
+    """Exit 2, with nothing written, when the workdir or the program does not exist."""
+    workdir = resolve_workdir(config, ctx.volume)
+    resolve_program(config, workdir, program_path())
+
+
+def run(ctx: RunContext, config: CommandConfig) -> dict[str, Any]:
+    workdir = resolve_workdir(config, ctx.volume)
+    argv = [resolve_program(config, workdir, program_path()), *config.command[1:]]
+    env = program_env(ctx, config)
+    status = CommandStatus(ctx, config)
+    restarts = 0
+    while True:
+        program = Program(argv, workdir, env, ctx.run.logs / "program.log")
+        code, stopped_by = _supervise(program, ctx, config, status)
+        status.write("exited", program)
+        _raise_if_stopped(code, stopped_by, status)
+        if code == 0:
+            return {
+                "exit_code": 0,
+                "restarts": restarts,
+                "checkpoint": status.latest(),
+                "elapsed_s": status.elapsed(),
+            }
+        if restarts >= config.max_restarts:
+            raise ProgramFailed(
+                f"{argv[0]} exited with {code} (after {restarts} restart(s), max_restarts={config.max_restarts}); "
+                f"its output is in {ctx.run.logs / 'program.log'}"
+            )
+        restarts += 1
+        log.warning(
+            "%s exited with %d; starting it again (%d/%d)", argv[0], code, restarts, config.max_restarts
+        )
+
+
+def _raise_if_stopped(code: int, stopped_by: str | None, status: CommandStatus) -> None:
+    """A stop the kit made, or the program's own 143, as the exit-code table in the docstring says."""
+    if stopped_by == "budget":
+        raise BudgetExhausted(
+            f"TRAINPOD_BUDGET_USD is spent (${status.cost_usd():.2f}); the program was stopped (exit {code}). "
+            "Raise the budget and start again to continue from its newest checkpoint."
+        )
+    if stopped_by == "lease":
+        raise TemporaryError("another writer took over this run's lease; the program was stopped")
+    if stopped_by or code == 143:
+        raise Preempted(
+            f"stopped by {stopped_by or 'the program (exit 143)'}; newest checkpoint: {status.latest()}"
+        )
+
+
+def _supervise(
+    program: Program, ctx: RunContext, config: CommandConfig, status: CommandStatus
+) -> tuple[int, str | None]:
+    """Run the program to its end: (its exit code, what stopped it: a signal's name, budget, lease, or None)."""
+    program.start()
+    log.info("started %s (pid %d) in %s", " ".join(program.argv), program.proc.pid, program.workdir)
+    stopped_by, killed, next_status = None, False, 0.0
+    while (code := program.poll()) is None:
+        if stopped_by is None:
+            stopped_by = _stop_reason(ctx, status)
+            if stopped_by:
+                ctx.watch.request(stopped_by)  # starts the window's clock for budget and lease stops
+                log.warning("stopping the program (%s): SIGTERM to its process group", stopped_by)
+                program.signal_group(signal.SIGTERM)
+        elif not killed and ctx.watch.seconds_left() <= 0:
+            log.warning("the program is still running at the end of the stop window: SIGKILL")
+            program.signal_group(signal.SIGKILL)
+            killed = True
+        if time.monotonic() >= next_status:
+            status.write("running", program)
+            next_status = time.monotonic() + config.status_every_seconds
+        time.sleep(POLL_S)
+    log.info("the program exited with %d", code)
+    return code, stopped_by
+
+
+def _stop_reason(ctx: RunContext, status: CommandStatus) -> str | None:
+    if ctx.watch.requested:
+        return ctx.watch.signal_name or "signal"
+    if ctx.lease_lost():
+        return "lease"
+    budget = ctx.budget_usd
+    spent = status.cost_usd()
+    if budget is not None and spent is not None and spent >= budget:
+        return "budget"
+    return None
+
+
+# ------------------------------------------------------------------------ where and what it runs
+def default_workdir(volume: Volume, environ: dict[str, str] | None = None) -> Path:
+    environ = os.environ if environ is None else environ
+    repo = environ.get("TRAINPOD_GIT_REPO")
+    return volume.root / "repos" / repo_name(repo) if repo else Path.cwd()
+
+
+def resolve_workdir(config: CommandConfig, volume: Volume) -> Path:
+    base = default_workdir(volume)
+    workdir = base / config.workdir if config.workdir else base
+    if not workdir.is_dir():
+        raise InputError(
+            f"workdir {workdir} does not exist (workdir={config.workdir!r}, relative to {base}); "
+            "set workdir to a folder of your synced repo, or TRAINPOD_GIT_REPO to the repo holding it"
+        )
+    return workdir
+
+
+def program_path() -> str:
+    """PATH with the kit's own Python environment first: `python` and `trainpod` are the kit's."""
+    return os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", os.defpath)])
+
+
+def resolve_program(config: CommandConfig, workdir: Path, path: str) -> str:
+    name = config.command[0]
+    if "/" in name:
+        found = workdir / name
+        if found.is_file() and os.access(found, os.X_OK):
+            return str(found)
+        problem = "is not executable (chmod +x it)" if found.is_file() else "does not exist"
+        raise InputError(f"command[0]={name!r}: {found} {problem}; fix command or workdir")
+    found = shutil.which(name, path=path)
+    if found is None:
+        raise InputError(
+            f"command[0]={name!r} is not on PATH ({path}); install it in the image, or give a path "
+            "relative to workdir like ./train.sh"
+        )
+    return found
+
+
+def program_env(ctx: RunContext, config: CommandConfig) -> dict[str, str]:
+    window = max(ctx.watch.window_seconds - FORWARD_DELAY_S, 0.0)
+    return {
+        **os.environ,
+        **config.env,
+        "PATH": program_path(),
+        "PYTHONUNBUFFERED": "1",  # lines reach the log and status.json as they are printed
+        "TRAINPOD_RUN": ctx.run.name,
+        "TRAINPOD_RUN_DIR": str(ctx.run.root.absolute()),
+        "TRAINPOD_CHECKPOINT_DIR": str(ctx.run.checkpoints.absolute()),
+        "TRAINPOD_PREEMPTION_WINDOW_S": f"{window:g}",
+        "TRAINPOD_LEASE_HELD": "1",
+        "TRAINPOD_KEEP_LAST": str(config.checkpoint.keep_last),
+        "TRAINPOD_KEEP_BEST": str(config.checkpoint.keep_best),
+    }
+
+
+# ------------------------------------------------------------------------ status.json
+class CommandStatus:
+    """status.json for `trainpod status` and the supervisor: elapsed and cost across starts."""
+
+    def __init__(self, ctx: RunContext, config: CommandConfig):
+        self.ctx = ctx
+        self.store = CheckpointStore(ctx.run.checkpoints, config.checkpoint.keep_last)
+        self.hourly_usd = cost.hourly_usd()
+        self.started = time.monotonic()
+        try:
+            self.elapsed_before = float(atomic.read_json(ctx.run.status).get("elapsed_s") or 0.0)
+        except (FileNotFoundError, ValueError, AttributeError):
+            self.elapsed_before = 0.0
+
+    def elapsed(self) -> float:
+        return self.elapsed_before + time.monotonic() - self.started
+
+    def cost_usd(self) -> float | None:
+        return None if self.hourly_usd is None else self.elapsed() / 3600 * self.hourly_usd
+
+    def latest(self) -> int | None:
+        committed = self.store.committed()
+        return committed[0].step if committed else None
+
+    def write(self, state: str, program: Program) -> None:
+        committed = self.store.committed()
+        newest = committed[0] if committed else None
+        atomic.write_json(
+            self.ctx.run.status,
+            {
+                "run": self.ctx.run.name,
+                "workload": "command",
+                "state": state,
+                "step": newest.step if newest else None,
+                "max_steps": None,
+                "elapsed_s": self.elapsed(),
+                "cost_usd": self.cost_usd(),
+                "latest_checkpoint": {
+                    "step": newest.step,
+                    "committed_unix": newest.manifest.get("created_unix"),
+                }
+                if newest
+                else None,
+                "last_log_line": program.last_line,
+                "program_pid": program.proc.pid if program.proc else None,
+                "updated_unix": time.time(),
+                "pid": os.getpid(),
+            },
+        )

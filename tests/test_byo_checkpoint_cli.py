@@ -1,0 +1,109 @@
+"""`trainpod checkpoint latest/commit/verify`: the checkpoint protocol for trainers in any language."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from trainpod.cli import main
+
+
+@pytest.fixture(autouse=True)
+def sigterm_restored():
+    saved = signal.getsignal(signal.SIGTERM)
+    yield
+    signal.signal(signal.SIGTERM, saved)
+
+
+def written(tmp_path: Path, name: str = "out", **files: bytes) -> Path:
+    folder = tmp_path / name
+    for file, data in (files or {"weights.bin": b"w" * 100, "sub/state.txt": b"7"}).items():
+        (folder / file).parent.mkdir(parents=True, exist_ok=True)
+        (folder / file).write_bytes(data)
+    return folder
+
+
+def test_latest_prints_nothing_for_a_run_without_checkpoints(tmp_path, capsys):
+    assert main(["checkpoint", "latest", "fresh-run", "--volume", str(tmp_path)]) == 0
+    assert capsys.readouterr().out == ""
+    assert not (tmp_path / "runs").exists(), "asking for the latest checkpoint writes nothing"
+
+
+def test_commit_moves_the_folder_in_and_latest_prints_only_its_path(tmp_path, capsys):
+    run = str(tmp_path / "run")
+    assert main(["checkpoint", "commit", run, "--step", "4", str(written(tmp_path))]) == 0
+    assert not (tmp_path / "out").exists(), "the folder is moved into the store, not copied"
+    capsys.readouterr()
+    assert main(["checkpoint", "latest", run]) == 0
+    assert capsys.readouterr().out == f"{tmp_path}/run/checkpoints/step-4\n"
+    assert (tmp_path / "run/checkpoints/step-4/sub/state.txt").read_bytes() == b"7"
+
+
+def test_commit_with_keep_source_copies_and_leaves_the_folder(tmp_path):
+    source = written(tmp_path)
+    assert (
+        main(["checkpoint", "commit", str(tmp_path / "run"), "--step", "1", str(source), "--keep-source"])
+        == 0
+    )
+    assert (source / "weights.bin").exists()
+
+
+def test_latest_skips_a_damaged_newest_checkpoint_and_verify_names_the_damage(tmp_path, capsys):
+    run = str(tmp_path / "run")
+    main(["checkpoint", "commit", run, "--step", "1", str(written(tmp_path, "a"))])
+    main(["checkpoint", "commit", run, "--step", "2", str(written(tmp_path, "b"))])
+    (tmp_path / "run/checkpoints/step-2/weights.bin").write_bytes(b"x" * 100)
+    capsys.readouterr()
+    assert main(["checkpoint", "verify", run]) == 2
+    assert "weights.bin does not match its sha256" in capsys.readouterr().err
+    assert main(["checkpoint", "verify", run, "1"]) == 0
+    capsys.readouterr()
+    assert main(["checkpoint", "latest", run]) == 0
+    assert capsys.readouterr().out.strip() == f"{tmp_path}/run/checkpoints/step-1"
+
+
+@pytest.mark.parametrize(
+    ("files", "message"),
+    [
+        ({"manifest.json": b"{}"}, "manifest.json is reserved"),
+        ({}, "holds no files"),
+    ],
+)
+def test_commit_refuses_a_folder_it_cannot_publish_with_exit_2(tmp_path, capsys, files, message):
+    source = tmp_path / "out"
+    source.mkdir()
+    for name, data in files.items():
+        (source / name).write_bytes(data)
+    assert main(["checkpoint", "commit", str(tmp_path / "run"), "--step", "3", str(source)]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "run/checkpoints/LATEST").exists()
+
+
+def test_commit_refuses_symbolic_links(tmp_path, capsys):
+    source = written(tmp_path)
+    os.symlink(source / "weights.bin", source / "link.bin")
+    assert main(["checkpoint", "commit", str(tmp_path / "run"), "--step", "3", str(source)]) == 2
+    assert "link.bin is a symbolic link" in capsys.readouterr().err
+    assert (source / "weights.bin").exists(), "a refused folder is left as it was"
+
+
+def test_a_run_name_resolves_under_the_volume(tmp_path, capsys):
+    assert (
+        main(
+            [
+                "checkpoint",
+                "commit",
+                "my-run",
+                "--step",
+                "9",
+                str(written(tmp_path)),
+                "--volume",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
+    assert (tmp_path / "runs/my-run/checkpoints/LATEST").read_text().strip() == "step-9"

@@ -1,0 +1,188 @@
+"""The checkpoint API for custom loops (trainpod.Checkpointer): commit, verified restore, stop, lease."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+
+import pytest
+import torch
+
+from trainpod import Checkpointer
+from trainpod.errors import InputError, TemporaryError
+
+
+class TiedModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(11, 4)
+        self.head = torch.nn.Linear(4, 11, bias=False)
+        self.head.weight = self.embed.weight  # tied, as in GPT-2 and nanoGPT
+
+
+@pytest.fixture
+def signals_restored():
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    yield
+    for signum, handler in saved.items():
+        signal.signal(signum, handler)
+
+
+def trained_pair(seed: int = 0):
+    torch.manual_seed(seed)
+    model = TiedModel()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model.head(model.embed(torch.tensor([1, 2, 3]))).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def test_committed_state_restores_weights_optimizer_extra_and_rng_exactly(tmp_path):
+    model, optimizer = trained_pair()
+    with Checkpointer(tmp_path / "run", watch_signals=False) as ckpt:
+        random.seed(7)
+        ckpt.commit(5, model=model, optimizer=optimizer, extra={"data_position": 40})
+        expected_draw = (random.random(), torch.rand(3))
+    fresh, fresh_optimizer = trained_pair(seed=1)
+    with Checkpointer(tmp_path / "run", watch_signals=False) as ckpt:
+        restored = ckpt.restore()
+        assert restored.step == 5 and restored.extra == {"data_position": 40}
+        assert restored.names == ["model", "optimizer"]
+        restored.load("model", fresh)
+        restored.load("optimizer", fresh_optimizer)
+        restored.restore_rng()
+        assert random.random() == expected_draw[0]
+        assert torch.equal(torch.rand(3), expected_draw[1])
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[name], tensor), name
+    assert fresh.head.weight is fresh.embed.weight, "tied weights must stay tied after a restore"
+    assert str(fresh_optimizer.state_dict()) == str(optimizer.state_dict())
+
+
+def test_objects_load_with_weights_only_and_tied_tensors_are_stored_once(tmp_path):
+    model, optimizer = trained_pair()
+    with Checkpointer(tmp_path / "run", watch_signals=False) as ckpt:
+        committed = ckpt.commit(1, model=model, optimizer=optimizer)
+    torch.load(committed.path / "optimizer.pt", weights_only=True)  # raises if anything needs unpickling
+    import safetensors
+
+    with safetensors.safe_open(committed.path / "model.safetensors", framework="pt") as f:
+        assert len(list(f.keys())) == 1, "the tied head weight must not be written a second time"
+
+
+def test_restore_falls_back_to_the_older_checkpoint_when_the_newest_is_corrupt(tmp_path):
+    model, _ = trained_pair()
+    with Checkpointer(tmp_path / "run", keep_last=3, watch_signals=False) as ckpt:
+        ckpt.commit(1, model=model, extra={"at": 1})
+        newest = ckpt.commit(2, model=model, extra={"at": 2})
+    weights = newest.path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-3] + b"xyz")
+    with Checkpointer(tmp_path / "run", watch_signals=False) as ckpt:
+        restored = ckpt.restore()
+    assert (restored.step, restored.extra) == (1, {"at": 1})
+    assert (tmp_path / "run/checkpoints/LATEST").read_text().strip() == "step-1"
+
+
+def test_retention_keeps_the_newest_k(tmp_path):
+    model, _ = trained_pair()
+    with Checkpointer(tmp_path / "run", keep_last=2, watch_signals=False) as ckpt:
+        for step in (1, 2, 3, 4):
+            ckpt.commit(step, model=model)
+    kept = sorted(p.name for p in (tmp_path / "run/checkpoints").glob("step-*"))
+    assert kept == ["step-3", "step-4"]
+
+
+def test_a_second_writer_on_the_same_run_is_refused_with_exit_75(tmp_path):
+    second = Checkpointer(tmp_path / "run", watch_signals=False)
+    with (
+        Checkpointer(tmp_path / "run", watch_signals=False),
+        pytest.raises(TemporaryError, match="leased by another writer"),
+    ):
+        second.open()
+
+
+def test_under_the_command_workload_the_kit_holds_the_lease_for_the_program(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRAINPOD_LEASE_HELD", "1")
+    with Checkpointer(tmp_path / "run", watch_signals=False) as ckpt:
+        assert ckpt.lease is None
+        assert not (tmp_path / "run/LEASE").exists()
+
+
+def test_the_run_folder_and_window_come_from_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRAINPOD_RUN_DIR", str(tmp_path / "run"))
+    monkeypatch.setenv("TRAINPOD_CHECKPOINT_DIR", str(tmp_path / "elsewhere"))
+    monkeypatch.setenv("TRAINPOD_PREEMPTION_WINDOW_S", "2.5")
+    ckpt = Checkpointer(watch_signals=False)
+    assert ckpt.run_dir == tmp_path / "run"
+    assert ckpt.store.root == tmp_path / "elsewhere"
+    assert ckpt.watch.window_seconds == 2.5
+
+
+def test_without_a_run_folder_the_error_names_the_variables(monkeypatch):
+    for name in ("TRAINPOD_RUN_DIR", "TRAINPOD_RUN"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(InputError, match="TRAINPOD_RUN_DIR"):
+        Checkpointer(watch_signals=False)
+
+
+def test_sigterm_sets_stop_requested_and_the_window_decides_whether_a_commit_fits(tmp_path, signals_restored):
+    model, _ = trained_pair()
+    with Checkpointer(tmp_path / "run", window_seconds=30) as ckpt:
+        ckpt.commit(1, model=model)
+        assert not ckpt.stop_requested and ckpt.seconds_left() == float("inf")
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert ckpt.stop_requested
+        assert ckpt.commit_fits(), "a tiny commit fits in 30 s"
+        ckpt.watch.window_seconds = 0.0
+        assert not ckpt.commit_fits(), "no commit fits once the window has passed"
+
+
+def test_exit_preempted_releases_the_lease_and_exits_143(tmp_path):
+    ckpt = Checkpointer(tmp_path / "run", watch_signals=False).open()
+    with pytest.raises(SystemExit) as stopped:
+        ckpt.exit_preempted()
+    assert stopped.value.code == 143
+    assert not (tmp_path / "run/LEASE").exists()
+
+
+def test_loading_a_name_that_was_not_committed_names_what_the_checkpoint_holds(tmp_path):
+    model, _ = trained_pair()
+    with Checkpointer(tmp_path / "run", watch_signals=False) as ckpt:
+        ckpt.commit(3, model=model)
+        with pytest.raises(InputError, match=r"no state named 'ema'.*\['model'\]"):
+            ckpt.restore().load("ema", model)
+
+
+def test_the_manifest_records_the_writer_and_every_file(tmp_path):
+    model, optimizer = trained_pair()
+    with Checkpointer(tmp_path / "run", watch_signals=False) as ckpt:
+        committed = ckpt.commit(2, model=model, optimizer=optimizer)
+    manifest = json.loads((committed.path / "manifest.json").read_text())
+    assert manifest["metadata"]["writer"] == "trainpod.Checkpointer"
+    assert set(manifest["files"]) == {"model.safetensors", "optimizer.pt", "rng.pt", "extra.json"}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_cuda_model_optimizer_and_cuda_rng_round_trip_exactly(tmp_path):
+    torch.manual_seed(0)
+    model = TiedModel().cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    model.head(model.embed(torch.tensor([1, 2, 3], device="cuda"))).sum().backward()
+    optimizer.step()
+    with Checkpointer(tmp_path / "run", watch_signals=False) as ckpt:
+        ckpt.commit(1, model=model, optimizer=optimizer)
+        expected = torch.rand(4, device="cuda")
+    fresh = TiedModel().cuda()
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=1e-2, fused=True)
+    with Checkpointer(tmp_path / "run", watch_signals=False) as ckpt:
+        restored = ckpt.restore()
+        restored.load("model", fresh)
+        restored.load("optimizer", fresh_optimizer)
+        restored.restore_rng()
+    assert torch.equal(torch.rand(4, device="cuda"), expected), "the CUDA generator continues where it was"
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[name], tensor), name
+    assert fresh.embed.weight.device.type == "cuda"

@@ -1,0 +1,237 @@
+"""The `command` workload: a user's program under the kit's lifecycle, run as real processes.
+
+Each test writes a tiny Python program, runs `trainpod run command` (or `trainpod boot`) on a temp
+volume, and stops it the way a spot pod is stopped: SIGTERM, then SIGKILL.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from support import REPO, child_env, run_trainpod, start_trainpod
+
+pytestmark = pytest.mark.slow
+RUN = "byo-command"
+
+PROGRAM = """
+import json, os, signal, subprocess, sys, time
+mode = sys.argv[1]
+print("run dir", os.environ["TRAINPOD_RUN_DIR"], flush=True)
+print("secret", os.environ.get("HF_TOKEN", ""), flush=True)
+if mode == "ignore-term":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+if mode == "env":
+    keys = ["TRAINPOD_RUN_DIR", "TRAINPOD_CHECKPOINT_DIR", "TRAINPOD_PREEMPTION_WINDOW_S", "TRAINPOD_RUN",
+            "TRAINPOD_LEASE_HELD", "MY_SETTING"]
+    json.dump({k: os.environ.get(k) for k in keys} | {"cwd": os.getcwd()}, open("env.json", "w"))
+    print("to stderr", file=sys.stderr)
+    sys.exit(0)
+if mode == "fail":
+    open("starts.txt", "a").write("x")
+    sys.exit(7)
+if mode == "with-child":
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    open("child.pid", "w").write(str(child.pid))
+for i in range(100000):
+    print(f"working {i}", flush=True)
+    time.sleep(0.05)
+"""
+
+
+def write_setup(tmp_path: Path, mode: str, **config) -> tuple[Path, Path]:
+    workdir = tmp_path / "repo"
+    workdir.mkdir(exist_ok=True)
+    (workdir / "prog.py").write_text(PROGRAM)
+    cfg = {"name": RUN, "command": ["python", "prog.py", mode], "workdir": str(workdir), **config}
+    path = tmp_path / "command.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    volume = tmp_path / "volume"
+    volume.mkdir(exist_ok=True)
+    return path, volume
+
+
+def run_dir(volume: Path) -> Path:
+    return volume / "runs" / RUN
+
+
+def wait_for(predicate, proc: subprocess.Popen, what: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"{what} never happened; output:\n{proc.communicate()[0]}")
+        time.sleep(0.05)
+
+
+def program_log(volume: Path) -> str:
+    path = run_dir(volume) / "logs/program.log"
+    return path.read_text() if path.exists() else ""
+
+
+def test_a_program_that_exits_0_is_done_with_its_environment_and_output_captured(tmp_path):
+    config, volume = write_setup(tmp_path, "env", env={"MY_SETTING": "42"})
+    result = run_trainpod(
+        "run", "command", "--config", str(config), volume=volume, env={"HF_TOKEN": "hf_secret123"}
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    env = json.loads((tmp_path / "repo/env.json").read_text())
+    assert env["TRAINPOD_RUN_DIR"] == str(run_dir(volume))
+    assert env["TRAINPOD_CHECKPOINT_DIR"] == str(run_dir(volume) / "checkpoints")
+    assert env["TRAINPOD_PREEMPTION_WINDOW_S"] == "4.9" and env["TRAINPOD_LEASE_HELD"] == "1"
+    assert (env["TRAINPOD_RUN"], env["MY_SETTING"], env["cwd"]) == (RUN, "42", str(tmp_path / "repo"))
+    assert json.loads((run_dir(volume) / "DONE").read_text())["exit_code"] == 0
+    log = program_log(volume)
+    assert "run dir" in log and "to stderr" in log, "stdout and stderr both go to logs/program.log"
+    assert "run dir" in result.stdout and "to stderr" in result.stderr, "and are still shown on the console"
+    assert "hf_secret123" not in log + result.stdout, "secrets are masked in the captured output"
+    status = json.loads((run_dir(volume) / "status.json").read_text())
+    # stdout and stderr are read by two threads: either stream's last line may be the newest one seen.
+    assert status["state"] == "done" and status["last_log_line"] in ("to stderr", "secret ***")
+    shown = run_trainpod("status", RUN, volume=volume).stdout
+    assert f"{RUN}: done | step None |" in shown and f"last line: {status['last_log_line']}" in shown
+    again = run_trainpod("run", "command", "--config", str(config), volume=volume)
+    assert again.returncode == 0 and "already DONE" in again.stdout
+
+
+def test_sigterm_reaches_the_programs_whole_process_group_and_exits_143(tmp_path):
+    config, volume = write_setup(tmp_path, "with-child")
+    proc = start_trainpod("run", "command", "--config", str(config), volume=volume)
+    wait_for(lambda: "working 3" in program_log(volume), proc, "the program's fourth line")
+    grandchild = int((tmp_path / "repo/child.pid").read_text())
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 143, out
+    assert "SIGTERM to its process group" in out
+    assert json.loads((run_dir(volume) / "status.json").read_text())["state"] == "preempted"
+    assert not (run_dir(volume) / "DONE").exists()
+    assert (
+        not Path(f"/proc/{grandchild}").exists()
+        or "Z" in Path(f"/proc/{grandchild}/stat").read_text().split()[2]
+    )
+
+
+def test_a_program_that_ignores_sigterm_is_killed_when_the_window_ends(tmp_path):
+    config, volume = write_setup(tmp_path, "ignore-term", checkpoint={"preemption_window_seconds": 1.0})
+    proc = start_trainpod("run", "command", "--config", str(config), volume=volume)
+    wait_for(lambda: "working 2" in program_log(volume), proc, "the program's third line")
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 143, out
+    assert "end of the stop window: SIGKILL" in out
+
+
+def test_sigkill_of_the_kit_takes_the_program_down_with_it(tmp_path):
+    config, volume = write_setup(tmp_path, "ignore-term")
+    proc = start_trainpod("run", "command", "--config", str(config), volume=volume)
+    wait_for(lambda: "working 2" in program_log(volume), proc, "the program's third line")
+    program_pid = json.loads((run_dir(volume) / "status.json").read_text())["program_pid"]
+    proc.kill()
+    proc.communicate(timeout=60)
+    deadline = time.monotonic() + 10
+    while _alive(program_pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(program_pid), "an orphaned program would write checkpoints with no lease held for it"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_failing_program_is_restarted_max_restarts_times_then_the_start_fails_with_75(tmp_path):
+    config, volume = write_setup(tmp_path, "fail", max_restarts=2)
+    result = run_trainpod("run", "command", "--config", str(config), volume=volume)
+    assert result.returncode == 75, result.stdout
+    assert (tmp_path / "repo/starts.txt").read_text() == "xxx", "one start and two restarts"
+    assert "exited with 7 (after 2 restart(s)" in result.stdout
+    assert not (run_dir(volume) / "DONE").exists()
+
+
+def test_a_spent_budget_stops_the_program_and_exits_3(tmp_path):
+    config, volume = write_setup(tmp_path, "ignore-term", checkpoint={"preemption_window_seconds": 0.5})
+    budget = {"TRAINPOD_GPU_HOURLY_USD": "3600", "TRAINPOD_BUDGET_USD": "2"}  # $1 a second: spent after 2 s
+    result = run_trainpod("run", "command", "--config", str(config), volume=volume, env=budget)
+    assert result.returncode == 3, result.stdout
+    assert (
+        "stopping the program (budget)" in result.stdout and "TRAINPOD_BUDGET_USD is spent" in result.stdout
+    )
+    assert json.loads((run_dir(volume) / "status.json").read_text())["cost_usd"] >= 2
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"command": ["no-such-program-xyz"]}, "command[0]='no-such-program-xyz' is not on PATH"),
+        ({"command": ["./missing.sh"]}, "does not exist"),
+        ({"workdir": "/nonexistent/dir"}, "workdir /nonexistent/dir does not exist"),
+        ({"env": {"TRAINPOD_RUN_DIR": "/x"}}, "env.TRAINPOD_RUN_DIR: TRAINPOD_ variables are set by the kit"),
+    ],
+)
+def test_bad_input_exits_2_naming_the_field_and_writes_nothing(tmp_path, change, message):
+    config, volume = write_setup(tmp_path, "env", **change)
+    result = run_trainpod("run", "command", "--config", str(config), volume=volume)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert message in result.stdout + result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+    assert not (volume / "runs").exists()
+
+
+def test_boot_runs_the_program_from_the_synced_git_repo_by_default(tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "prog.py").write_text(PROGRAM)
+    (work / "command.yaml").write_text(yaml.safe_dump({"name": RUN, "command": ["python", "prog.py", "env"]}))
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(["git", "init", "-q", "-b", "main"], cwd=work, check=True)
+    subprocess.run([*git, "add", "."], cwd=work, check=True)
+    subprocess.run([*git, "commit", "-qm", "one"], cwd=work, check=True)
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    env = child_env(
+        {
+            "TRAINPOD_WORKLOAD": "command",
+            "TRAINPOD_CONFIG": "command.yaml",
+            "TRAINPOD_VOLUME": str(volume),
+            "TRAINPOD_GIT_REPO": f"file://{work}",
+            "TRAINPOD_GIT_REF": "main",
+        }
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "trainpod", "boot"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    written = json.loads((volume / "repos/work/env.json").read_text())
+    assert written["cwd"] == str(volume / "repos/work")
+    assert (run_dir(volume) / "DONE").exists()
+
+
+def test_the_nanogpt_deploy_config_runs_the_example_from_the_synced_repo_as_a_command_pod():
+    from trainpod.config import load_config
+    from trainpod.config.command import CommandConfig
+    from trainpod.config.deploy import DeployConfig
+    from trainpod.runpod.deploy import pod_body, pod_env
+
+    deploy = load_config(DeployConfig, REPO / "configs/deploy/nanogpt-command.yaml")
+    env = pod_env(deploy)
+    assert (env["TRAINPOD_WORKLOAD"], env["TRAINPOD_GIT_REF"]) == ("command", "main")
+    assert env["TRAINPOD_GIT_REPO"].endswith(".git"), "the program comes from the synced git repo"
+    assert pod_body(deploy, "tpl", "vol")["dockerStartCmd"] == ["/opt/trainpod/entrypoints/command"]
+    assert (REPO / "entrypoints/command").is_file()
+    command = load_config(CommandConfig, REPO / deploy.config)
+    assert command.workdir is None, "the default workdir is the synced checkout"
+    assert (REPO / command.command[1]).is_file(), f"{command.command[1]} must exist in the repository"

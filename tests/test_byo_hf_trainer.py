@@ -1,0 +1,122 @@
+"""examples/hf_trainer: HF's Trainer with trainpod's callback, run as a `command` pod and interrupted.
+
+Measured here: HF's own resume is exact on CPU (its RNG file, its sampler and its data skipping),
+so a run interrupted and resumed through the commit protocol ends with the same weights, byte for
+byte, as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from support import REPO, run_trainpod, start_trainpod
+
+pytestmark = pytest.mark.slow
+RUN = "hf-trainer"
+SCRIPT = REPO / "examples/hf_trainer/train.py"
+ARGS = ["--max-steps", "20", "--save-steps", "5", "--sleep-per-step", "0.1"]
+
+
+def setup(tmp_path: Path) -> tuple[Path, Path]:
+    config = tmp_path / "command.yaml"
+    config.write_text(
+        yaml.safe_dump({"name": RUN, "command": ["python", str(SCRIPT), *ARGS], "workdir": str(REPO)})
+    )
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    return config, volume
+
+
+def run_dir(volume: Path) -> Path:
+    return volume / "runs" / RUN
+
+
+def final_weights(volume: Path) -> bytes:
+    return (run_dir(volume) / "export/hf/model.safetensors").read_bytes()
+
+
+def latest_step(volume: Path) -> int:
+    return int((run_dir(volume) / "checkpoints/LATEST").read_text().strip().split("-")[1])
+
+
+def finish(volume: Path, config: Path) -> str:
+    result = run_trainpod("run", "command", "--config", str(config), volume=volume)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout + result.stderr  # the program's stderr (its warnings) stays on stderr
+
+
+def signal_at_step(proc: subprocess.Popen, volume: Path, step: int, signum: int) -> str:
+    """HF logs one loss line per step; the step-th one means `step` optimizer steps are done."""
+    log = run_dir(volume) / "logs/program.log"
+    deadline = time.monotonic() + 300
+    while proc.poll() is None and (not log.exists() or len(re.findall(r"'loss'", log.read_text())) < step):
+        assert time.monotonic() < deadline, f"step {step} was never reached"
+        time.sleep(0.02)
+    proc.send_signal(signum)
+    return proc.communicate(timeout=300)[0]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> bytes:
+    config, volume = setup(tmp_path_factory.mktemp("reference"))
+    finish(volume, config)
+    return final_weights(volume)
+
+
+def test_sigterm_saves_inside_the_window_and_the_resumed_run_matches_byte_for_byte(tmp_path, uninterrupted):
+    config, volume = setup(tmp_path)
+    proc = start_trainpod("run", "command", "--config", str(config), volume=volume)
+    out = signal_at_step(proc, volume, 7, signal.SIGTERM)
+    assert proc.returncode == 143, out
+    stopped_at = latest_step(volume)
+    assert 7 <= stopped_at < 20, "the step in flight is saved and committed, not only the last periodic save"
+    assert f"resuming from {run_dir(volume)}/checkpoints/step-{stopped_at}" in finish(volume, config)
+    assert final_weights(volume) == uninterrupted
+
+
+def test_a_half_written_hf_checkpoint_is_never_resumed(tmp_path, uninterrupted):
+    config, volume = setup(tmp_path)
+    proc = start_trainpod("run", "command", "--config", str(config), volume=volume)
+    signal_at_step(proc, volume, 13, signal.SIGKILL)
+    assert latest_step(volume) == 10
+    # What a kill during HF's own save of step 15 leaves: a folder HF's get_last_checkpoint would pick.
+    half = run_dir(volume) / "hf-staging/checkpoint-15"
+    half.mkdir(parents=True, exist_ok=True)
+    (half / "model.safetensors").write_bytes(b"\0" * 100)
+    out = finish(volume, config)
+    assert f"resuming from {run_dir(volume)}/checkpoints/step-10" in out
+    assert "discarding" in out and "checkpoint-15" in out
+    assert final_weights(volume) == uninterrupted
+
+
+def test_run_alone_with_no_time_left_in_the_window_it_exits_143_without_a_save(tmp_path):
+    """Outside the command workload: the callback takes the lease itself and gets SIGTERM directly."""
+    from support import child_env
+
+    run = tmp_path / "runs" / RUN
+    env = child_env({"TRAINPOD_RUN_DIR": str(run), "TRAINPOD_PREEMPTION_WINDOW_S": "0.001"})
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), *ARGS],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    deadline = time.monotonic() + 300
+    while proc.poll() is None and not (run / "checkpoints/LATEST").exists():
+        assert time.monotonic() < deadline, "the first save never came"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 143, out
+    assert "exiting without one" in out
+    assert (run / "checkpoints/LATEST").read_text().strip() == "step-5"
+    assert not (run / "LEASE").exists(), "the lease is released on the way out"

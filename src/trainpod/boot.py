@@ -5,7 +5,8 @@
 1. read the env contract (README, "The pod's environment");
 2. sync TRAINPOD_GIT_REPO at TRAINPOD_GIT_REF under repos/ (exit 75 when it keeps failing);
 3. preflight, each failure one line and exit 2 with nothing written: volume writable, config
-   valid, a GPU when the pod has one or the config needs one, free space for the checkpoints;
+   valid, a GPU when the config needs one, free space for the checkpoints; a GPU pod whose host
+   cannot run the image's CUDA (trainpod.host) exits 4 instead: the supervisor replaces the pod;
 4. create the volume's folders (datasets, tokenizers, runs, repos, cache) and point caches there;
 5. launch: one process, one per GPU (RUNPOD_GPU_COUNT or what torch sees), or torchrun across the
    nodes of a RunPod Instant Cluster (NUM_NODES, NODE_RANK, NUM_TRAINERS, PRIMARY_ADDR/PORT);
@@ -114,12 +115,9 @@ def _preflight(workload: str, volume: Volume, environ: dict[str, str]):
 def _check_gpu(config, environ: dict[str, str]) -> None:
     import torch
 
-    pod_gpus = int(environ.get("RUNPOD_GPU_COUNT") or 0)
-    if pod_gpus and not torch.cuda.is_available():
-        raise InputError(
-            f"the pod has {pod_gpus} GPU(s) (RUNPOD_GPU_COUNT) but CUDA is not usable in this container: the "
-            "host driver is probably older than the image's CUDA; restrict the pod with allowedCudaVersions"
-        )
+    from trainpod.host import check_host
+
+    check_host(environ)  # a GPU pod whose host cannot run the image's CUDA: exit 4, replace the pod
     if config.train.precision == "bf16" and not torch.cuda.is_available():
         raise InputError(
             "train.precision=bf16 needs a GPU and none is visible; use a GPU pod or precision=auto"

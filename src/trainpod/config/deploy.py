@@ -137,6 +137,12 @@ class SuperviseSettings(Section):
     max_failed_starts: int = Field(
         5, ge=1, description="Failed start attempts in a row (no GPU anywhere) before supervising stops."
     )
+    max_replacements: int = Field(
+        3,
+        ge=0,
+        description="New pods in a row made because a pod's machine could not run the image (exit 4, e.g. a "
+        "driver older than the image's CUDA) before supervising stops with exit 4.",
+    )
 
 
 class DeployConfig(Section):

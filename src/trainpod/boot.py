@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import sys
 
 from trainpod import cost
 from trainpod.errors import ConfigError, InputError, TrainpodError
@@ -171,7 +170,9 @@ def _gpu_count(environ: dict[str, str]) -> int:
 
 
 def _torchrun_cluster(workload: str, environ: dict[str, str]) -> int:
-    """RunPod Instant Cluster: torchrun with the cluster's own variables, as RunPod's examples do."""
+    """RunPod Instant Cluster: torchrun with the cluster's own variables, as a child (trainpod.launch)."""
+    from trainpod.launch import launch_cluster
+
     addr = environ.get("PRIMARY_ADDR") or environ.get("MASTER_ADDR")
     port = environ.get("PRIMARY_PORT") or environ.get("MASTER_PORT") or "29500"
     missing = [
@@ -184,26 +185,14 @@ def _torchrun_cluster(workload: str, environ: dict[str, str]) -> int:
                 "Cluster (or set them as torchrun's MASTER_ADDR/NODE_RANK)"
             ]
         )
-    per_node = environ.get("NUM_TRAINERS") or str(_gpu_count(environ))
-    argv = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes",
-        environ["NUM_NODES"],
-        "--node_rank",
-        environ["NODE_RANK"],
-        "--nproc_per_node",
+    per_node = int(environ.get("NUM_TRAINERS") or _gpu_count(environ) or 1)
+    nodes, node_rank = int(environ["NUM_NODES"]), int(environ["NODE_RANK"])
+    log.info(
+        "node %d of %d: torchrun with %d rank(s) per node, primary %s:%s",
+        node_rank,
+        nodes,
         per_node,
-        "--rdzv_backend",
-        "c10d",
-        "--rdzv_endpoint",
-        f"{addr}:{port}",
-        "-m",
-        "trainpod",
-        "run",
-        workload,
-    ]
-    log.info("launching %s", " ".join(argv[2:]))
-    os.execv(sys.executable, argv)  # torchrun becomes this process: tini's SIGTERM reaches it directly
-    return 0  # not reached
+        addr,
+        port,
+    )
+    return launch_cluster(nodes, node_rank, per_node, f"{addr}:{port}", ["run", workload])

@@ -67,7 +67,13 @@ def after_workload(
     workload: str,
     client_factory: Callable[[dict[str, str]], RunPodClient] = RunPodClient.from_env,
 ) -> int:
-    """Count, mark and stop the pod as the table above says; returns `code` unchanged."""
+    """Count, mark and stop the pod as the table above says; returns `code` unchanged.
+
+    On an Instant Cluster only node 0 (NODE_RANK 0, which holds global rank 0) acts for the run;
+    the other nodes return their code and leave markers, counters and pods alone.
+    """
+    if int(environ.get("NODE_RANK") or 0) != 0:
+        return code
     try:
         action = _decide(code, run, environ, workload)
     except (ConfigError, OSError) as exc:  # a bad setting or an unwritable volume must not hide `code`

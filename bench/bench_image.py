@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import ssl
 import subprocess
 import sys
@@ -79,22 +80,33 @@ CU128_PINS = [
     "nvidia-cufile-cu12==1.13.1.3",
     "triton==3.7.1",
 ]
-# Missing from the index reachable here: sized by the nearest release it has (named in the row).
-NEAREST = {"nvidia-nccl-cu13==2.29.7": "nvidia-nccl-cu13==2.32.3"}
 
 
-def resolve(pins: list[str], deps: bool) -> list[tuple[str, str, str]]:
-    """(name, version, url) of each wheel pip would install for cp312 linux, from the index's metadata."""
+def resolve(pin: str) -> dict | None:
+    """pip's report entry for one pin (cp312 linux, no dependencies) from the index's metadata; None
+    when the index reachable here does not have it."""
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.json"
-        cmd = [sys.executable, "-m", "pip", "install", "-q", "--dry-run", "--ignore-installed", "--only-binary=:all:",
-               *[arg for p in PLATFORMS for arg in ("--platform", p)], "--python-version", "3.12",
-               "--implementation", "cp", "--target", str(Path(tmp) / "t"), "--report", str(report), *pins]  # fmt: skip
-        if not deps:
-            cmd.append("--no-deps")
-        subprocess.run(cmd, check=True, capture_output=True, timeout=600)
-        items = json.loads(report.read_text())["install"]
-    return [(i["metadata"]["name"], i["metadata"]["version"], i["download_info"]["url"]) for i in items]
+        cmd = [sys.executable, "-m", "pip", "install", "-q", "--dry-run", "--no-deps", "--ignore-installed",
+               "--only-binary=:all:", *[arg for p in PLATFORMS for arg in ("--platform", p)],
+               "--python-version", "3.12", "--implementation", "cp", "--target", str(Path(tmp) / "t"),
+               "--report", str(report), pin]  # fmt: skip
+        if subprocess.run(cmd, capture_output=True, timeout=600).returncode != 0:
+            return None
+        (item,) = json.loads(report.read_text())["install"]
+    return item
+
+
+def components(item: dict) -> list[str]:
+    """A meta-package's pins for the extras it was asked with (cuda-toolkit[cublas,...] -> nvidia-cublas==...)."""
+    wanted = set(item.get("requested_extras") or [])
+    pins = []
+    for requirement in item["metadata"].get("requires_dist", []):
+        spec, _, marker = requirement.partition(";")
+        extra = re.search(r'extra == "([^"]+)"', marker)
+        if extra and extra.group(1) in wanted:
+            pins.append(spec.strip().replace(" ", ""))
+    return pins
 
 
 def file_size(url: str) -> int:
@@ -106,15 +118,23 @@ def file_size(url: str) -> int:
 
 
 def cuda_wheel_bytes(pins: list[str], notes: list[str]) -> int:
-    """Compressed size of every CUDA wheel of `pins` (with dependencies), from the index's file sizes."""
+    """Compressed size of every CUDA wheel of `pins`, from the index's file sizes; a pin the index
+    reachable here lacks is sized by the newest release of that package it has, and noted."""
     total = 0
     for pin in pins:
-        asked = NEAREST.get(pin, pin)
-        if asked != pin:
-            notes.append(f"{pin} is not on the index reachable here: sized as {asked}")
-        wheels = resolve([asked], deps=pin.startswith("cuda-toolkit"))
-        wanted = [w for w in wheels if w[0].startswith(("nvidia", "cuda", "torch", "triton"))]
-        total += sum(file_size(url) for _, _, url in wanted)
+        item = resolve(pin)
+        if item is None:
+            name = re.split(r"[\[=<>]", pin)[0]
+            item = resolve(name)
+            if item is None:
+                notes.append(f"{pin}: not on the index reachable here, not counted")
+                continue
+            notes.append(
+                f"{pin}: not on the index reachable here, sized as {name} {item['metadata']['version']}"
+            )
+        if item["metadata"].get("requires_dist") and item.get("requested_extras"):
+            total += cuda_wheel_bytes(components(item), notes)
+        total += file_size(item["download_info"]["url"])
     return total
 
 
@@ -147,7 +167,7 @@ def cuda_estimates() -> tuple[float, dict[str, float], list[str]]:
     for flavour, pins in (("cu130", CU130_PINS), ("cu128", CU128_PINS)):
         wheels = cuda_wheel_bytes(pins, notes)
         if flavour == "cu130":
-            torch_cu130 = file_size(next(u for n, _, u in resolve(["torch==2.13.0"], deps=False)))
+            torch_cu130 = file_size(resolve("torch==2.13.0")["download_info"]["url"])
         else:  # PyTorch's cu128 index is not reachable here: its torch wheel sized as PyPI's cu130 one
             wheels += torch_cu130
             notes.append(

@@ -8,8 +8,8 @@ wheelhouse, offline `cpu` build, the stand-in cuda build), then measures:
 - each cuda flavour's size, ESTIMATED (no CUDA wheel can be installed here): the stand-in cuda image
   (the cuda target built with CPU torch, tests/container/test_cuda_stand_in.py), minus the CPU torch
   it holds (measured in it), plus the CUDA wheels' file sizes read from the index (the URLs of
-  `pip install --dry-run --report`, their Content-Length) times the unpack ratio of torch's CPU
-  wheel, plus the nvidia/cuda base's extra over the local Debian base (published size). Where the
+  `pip install --dry-run --report`, their Content-Length) times the unpack ratio of one CUDA library
+  wheel (measured), plus the nvidia/cuda base's extra over the local Debian base (published size). Where the
   index cannot be read from here (PyTorch's cu128 index; a pin missing from the reachable PyPI), the
   row says which stand-in size it used. Target <= 7 GB per flavour;
 - cold start with `train.compile=true`: `docker run` to the first logged optimizer step on the tiny
@@ -103,10 +103,10 @@ def components(item: dict) -> list[str]:
     pins = []
     for requirement in item["metadata"].get("requires_dist", []):
         spec, _, marker = requirement.partition(";")
-        extra = re.search(r'extra == "([^"]+)"', marker)
+        extra = re.search(r"extra == ['\"]([^'\"]+)['\"]", marker)
         if extra and extra.group(1) in wanted:
             pins.append(spec.strip().replace(" ", ""))
-    return pins
+    return list(dict.fromkeys(pins))  # extras share components (cusolver needs cublas): each once
 
 
 def file_size(url: str) -> int:
@@ -139,10 +139,21 @@ def cuda_wheel_bytes(pins: list[str], notes: list[str]) -> int:
 
 
 def unpack_ratio() -> float:
-    """Installed / compressed bytes of torch's CPU wheel (the one torch wheel measurable here)."""
-    wheel = next((CACHE / "wheelhouse" / "cpu").glob("torch-*.whl"))
-    with zipfile.ZipFile(wheel) as zf:
-        return sum(i.file_size for i in zf.infolist()) / wheel.stat().st_size
+    """Installed / compressed bytes of one CUDA library wheel, downloaded once (88 MB, cached):
+    nvidia-cuda-nvrtc-cu12, a wheel of compiled CUDA code like the others (2.5 when measured)."""
+    out = CACHE / "measure"
+    out.mkdir(parents=True, exist_ok=True)
+    wheels = list(out.glob("nvidia_cuda_nvrtc_cu12-*.whl"))
+    if not wheels:
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "-d", str(out),
+             *[arg for p in PLATFORMS for arg in ("--platform", p)], "--platform", "manylinux_2_12_x86_64",
+             "--python-version", "3.12", "--implementation", "cp", "nvidia-cuda-nvrtc-cu12==12.8.93"],
+            check=True, capture_output=True, timeout=600,
+        )  # fmt: skip
+        wheels = list(out.glob("nvidia_cuda_nvrtc_cu12-*.whl"))
+    with zipfile.ZipFile(wheels[0]) as zf:
+        return sum(i.file_size for i in zf.infolist()) / wheels[0].stat().st_size
 
 
 def torch_in_image_bytes(image: str) -> int:
@@ -159,7 +170,8 @@ def cuda_estimates() -> tuple[float, dict[str, float], list[str]]:
     notes = [
         f"stand-in cuda image (measured): {stand_in / GB:.2f} GB, of which CPU torch {cpu_torch / GB:.2f} GB "
         f"and the local Debian base {local_base / GB:.2f} GB",
-        f"unpack ratio of torch's CPU wheel (measured): {ratio:.2f}; nvidia/cuda base (published, est.): "
+        f"unpack ratio of a CUDA library wheel (nvidia-cuda-nvrtc-cu12, measured): {ratio:.2f}, applied to every "
+        f"CUDA wheel (torch's own included); nvidia/cuda base (published, est.): "
         f"{CUDA_BASE_GB:.2f} GB",
     ]
     estimates = {}

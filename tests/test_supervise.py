@@ -258,3 +258,21 @@ def test_a_plain_interruption_between_two_exit_4s_resets_the_replacement_count(f
     assert sup.step() is None
     machine_unfit_in_the_pod(fake, volume, the_pod(fake)["id"])
     assert sup.step() is None, "one replacement in a row again, within the bound"
+
+
+@pytest.mark.parametrize("copies", [0, 2], ids=["none", "several"])
+def test_supervise_without_a_config_refuses_unless_exactly_one_deploy_config_has_the_run(
+    tmp_path, monkeypatch, capsys, copies
+):
+    import yaml
+
+    folder = tmp_path / "configs" / "deploy"
+    folder.mkdir(parents=True)
+    for index in range(copies):
+        (folder / f"tiny-{index}.yaml").write_text(yaml.safe_dump(deploy_config().model_dump(mode="json")))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("TRAINPOD_CONFIG", raising=False)
+    assert cli.main(["supervise", "tiny", "--once"]) == 2
+    out = capsys.readouterr().out
+    assert "pass --config configs/deploy/X.yaml" in out
+    assert ("no YAML under" in out) if copies == 0 else ("2 YAMLs under" in out and "tiny-1.yaml" in out)

@@ -6,7 +6,7 @@ RunPod starts a pod's container again whenever it exits, so the exit code alone 
 | --- | --- | --- |
 | 0 | DONE | failed-start count reset; TRAINPOD_ON_FINISH: stop (default), terminate or idle |
 | 143 | SIGTERM (spot interruption) | count reset: the start itself worked; RunPod stops the pod |
-| 2, 3 | bad input, budget spent | FAILED marker (when the run folder exists) and the pod stopped at once |
+| 2, 3, 5 | bad input, budget spent, volume full | FAILED marker (when the run folder exists) and the pod stopped at once |
 | 4 | this machine cannot run the image (trainpod.host) | MACHINE_UNFIT marker naming this pod, not counted as a failed start; the pod stopped: the supervisor replaces it with a new pod on another machine |
 | other (75, 1, ...) | temporary failure or crash | counted in runs/<run>/starts.json; at TRAINPOD_MAX_FAILED_STARTS in a row (default 3): FAILED marker, pod stopped |
 
@@ -33,7 +33,11 @@ UNFIT_MARKER = "MACHINE_UNFIT"  # {"pod_id", "unix"}: the supervisor replaces th
 STARTS_FILE = "starts.json"
 ON_FINISH = ("stop", "terminate", "idle")
 DEFAULT_MAX_FAILED_STARTS = 3
-STOP_AT_ONCE = {ExitCode.BAD_INPUT: "bad config or input", ExitCode.BUDGET_EXHAUSTED: "budget exhausted"}
+STOP_AT_ONCE = {
+    ExitCode.BAD_INPUT: "bad config or input",
+    ExitCode.BUDGET_EXHAUSTED: "budget exhausted",
+    ExitCode.VOLUME_FULL: "volume full",  # a restart fills the same volume again: free space first
+}
 START_WORKED = (ExitCode.DONE, ExitCode.PREEMPTED)
 
 

@@ -62,68 +62,104 @@ clean:
 	rm -rf $(VENV) demo-volume bench-out .pytest_cache
 
 # ---------------------------------------------------------------------------------------------
-# Images (docker/Dockerfile): make wheelhouse image push TARGET=cpu|cuda REGISTRY=ghcr.io/you
-#   wheelhouse: pip download every pin of docker/constraints-$(TARGET).txt into $(WHEELHOUSE)
+# Images (docker/Dockerfile): make wheelhouse image push TARGET=cu128|cu130|cpu REGISTRY=ghcr.io/you
+#   TARGET:     cu128 (default; hosts reporting CUDA 12.8, 12.9, 13.0: most of RunPod), cu130 (hosts
+#               with CUDA 13.0 only, driver >= 580), cpu (datagen/convert/supervise CPU pods); each has
+#               its lock docker/constraints-$(TARGET).txt; cu* build the Dockerfile's `cuda` target
+#   wheelhouse: pip download every pin of that lock into $(WHEELHOUSE) (+ FLASH_ATTN_WHEEL_URL, cu* only)
+#   wheelhouse-check: the same resolution as `pip install --dry-run --report`, downloading no wheel
 #   image:      build from that wheelhouse (pip offline; BUILD_NETWORK=none for apt too), tagged version, git sha,
-#               flavour (cu<cuda>-torch<torch> | cpu-torch<torch>) and latest (suffixed -cpu for cpu);
+#               flavour (cu128-torch<torch> | cu130-torch<torch> | cpu-torch<torch>) and latest; the
+#               tags of cu130 and cpu carry a suffix (-cu130, -cpu): `latest` and `0.1.0` are cu128;
 #               with SOURCE_IMAGE=<local image> it tags that already-built image instead of building
 #               (the container tier pushes the image its fixture built: a rebuild, even from cache,
 #               would be a new image ID)
 #   push:       pushes those four tags to $(REGISTRY) (docker/push.sh), logging in first when the
 #               environment has REGISTRY_USER + REGISTRY_PASSWORD, or GITHUB_TOKEN for ghcr.io;
 #               the password only ever goes through `docker login --password-stdin`
+#   image-refs, image-build-args: the tags and the build args, one per line (images.yml reads them)
 # Debian's client with BuildKit: another `docker` earlier on PATH may lack buildx.
 # ---------------------------------------------------------------------------------------------
-TARGET ?= cuda
+TARGET ?= cu128
 REGISTRY ?= trainpod
 DOCKER ?= /usr/bin/docker
 WHEELHOUSE ?= .cache/wheelhouse/$(TARGET)
+LOCK := docker/constraints-$(TARGET).txt
 IMAGE_VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 GIT_SHA := $(shell git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)
-TORCH_PIN := $(shell sed -n 's/^torch==//p' docker/constraints-$(TARGET).txt)
+TORCH_PIN := $(shell sed -n 's/^torch==//p' $(LOCK) 2>/dev/null)
 TORCH_RELEASE := $(firstword $(subst +, ,$(TORCH_PIN)))
-CUDA_VERSION ?= 13.0
+# Per flavour: the CUDA torch is built for, the nvidia/cuda base of that CUDA, and where pip finds
+# torch (cu128: PyTorch's index; cu130: PyPI's own torch is that build; cpu: PyTorch's CPU index).
+CUDA_cu128 := 12.8
+CUDA_cu130 := 13.0
+CUDA_BASE_cu128 := nvidia/cuda:12.8.1-base-ubuntu24.04
+CUDA_BASE_cu130 := nvidia/cuda:13.0.1-base-ubuntu24.04
+WHEEL_INDEX_cu128 := https://download.pytorch.org/whl/cu128
+WHEEL_INDEX_cu130 :=
+WHEEL_INDEX_cpu := https://download.pytorch.org/whl/cpu
 ifeq ($(TARGET),cpu)
+DOCKER_TARGET := cpu
 BASE_IMAGE ?= debian:bookworm-slim
 BASE_ARG := CPU_BASE_IMAGE
+TORCH_VERSION := $(TORCH_PIN)
 FLAVOUR := cpu-torch$(TORCH_RELEASE)
 SUFFIX := -cpu
 # The image's Python: pip downloads wheels for it, not for the host's.
 WHEEL_PYTHON ?= 3.11
-else
-BASE_IMAGE ?= nvidia/cuda:13.0.1-base-ubuntu24.04
+FLAVOUR_ARGS :=
+else ifneq ($(CUDA_$(TARGET)),)
+DOCKER_TARGET := cuda
+CUDA_VERSION := $(CUDA_$(TARGET))
+BASE_IMAGE ?= $(CUDA_BASE_$(TARGET))
 BASE_ARG := BASE_IMAGE
-FLAVOUR := cu$(subst .,,$(CUDA_VERSION))-torch$(TORCH_RELEASE)
-SUFFIX :=
+# torch.__version__ carries the CUDA build as a local version (2.13.0+cu130) even when the pin does not.
+TORCH_VERSION := $(if $(findstring +,$(TORCH_PIN)),$(TORCH_PIN),$(TORCH_PIN)+$(TARGET))
+FLAVOUR := $(TARGET)-torch$(TORCH_RELEASE)
+SUFFIX := $(if $(filter cu128,$(TARGET)),,-$(TARGET))
 WHEEL_PYTHON ?= 3.12
+FLAVOUR_ARGS := LOCK=$(LOCK) CUDA_VERSION=$(CUDA_VERSION) FLAVOUR=$(TARGET)
+else
+$(error TARGET=$(TARGET) is not a flavour: use cu128 (the default), cu130 or cpu)
 endif
+# TORCH_INDEX (the CPU wheels of `make setup`) wins where it is set, as in GitHub Actions' cpu job.
+WHEEL_INDEX ?= $(or $(TORCH_INDEX),$(WHEEL_INDEX_$(TARGET)))
 # Both bases have glibc >= 2.36; pip takes --platform literally, so every manylinux level that
 # wheels use is listed (bitsandbytes ships manylinux_2_24, grpcio manylinux_2_17).
 WHEEL_PLATFORMS ?= manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64
-# flash-attn is not on PyPI as a wheel: a prebuilt one matching torch/CUDA/Python (cuda target only).
+PIP_WHEEL_ARGS = --only-binary=:all: $(foreach p,$(WHEEL_PLATFORMS),--platform $(p)) \
+  --python-version $(WHEEL_PYTHON) --implementation cp $(if $(WHEEL_INDEX),--extra-index-url $(WHEEL_INDEX)) -r $(LOCK)
+# flash-attn is optional and not on PyPI as a wheel: a prebuilt one whose name's torch/CUDA/Python
+# tags fit the flavour (README, Images; the build checks them and imports it). cu* only.
 FLASH_ATTN_WHEEL_URL ?=
 TAG ?= $(IMAGE_VERSION)$(SUFFIX)
 IMAGE_TAGS := $(TAG) $(GIT_SHA)$(SUFFIX) $(FLAVOUR) latest$(SUFFIX)
+IMAGE_BUILD_ARGS := $(BASE_ARG)=$(BASE_IMAGE) WHEELHOUSE=$(WHEELHOUSE) TORCH_VERSION=$(TORCH_VERSION) \
+  $(FLAVOUR_ARGS) VERSION=$(IMAGE_VERSION) GIT_SHA=$(GIT_SHA)
 
 # RUN steps' network: the wheelhouse makes pip offline either way (--no-index), but the apt step
-# needs the network unless the base already has python3, git and tini (the CI base does):
+# needs the network unless the base already has every system package (the CI base does):
 # BUILD_NETWORK=none proves a build needs nothing from outside.
 BUILD_NETWORK ?= default
 
-.PHONY: wheelhouse image push image-refs
+.PHONY: wheelhouse wheelhouse-check image push image-refs image-build-args
 
 # Any pip will do (pip download fetches for the image's platform, not the host's): no venv needed.
-# With dependencies: the cuda lock pins cuda-toolkit[...] with extras, whose nvidia-* component
-# wheels only a resolver brings; for a complete lock (cpu) the resolver just re-checks the closure.
+# With dependencies: the cu130 lock pins cuda-toolkit[...] with extras and the cu128 lock pins torch
+# alone (its nvidia-*-cu12 pins are exact in torch's metadata): only a resolver brings those wheels.
 wheelhouse:
 	mkdir -p $(WHEELHOUSE)
-	# flash-attn comes from FLASH_ATTN_WHEEL_URL (no wheel on PyPI); every other pin from the index.
-	grep -v '^flash-attn==' docker/constraints-$(TARGET).txt > $(WHEELHOUSE)/.requirements.txt
-	$(PYTHON) -m pip download --only-binary=:all: -d $(WHEELHOUSE) \
-	  $(foreach p,$(WHEEL_PLATFORMS),--platform $(p)) --python-version $(WHEEL_PYTHON) --implementation cp \
-	  $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) \
-	  -r $(WHEELHOUSE)/.requirements.txt
-	$(if $(and $(filter cuda,$(TARGET)),$(FLASH_ATTN_WHEEL_URL)),cd $(WHEELHOUSE) && curl -fLO $(FLASH_ATTN_WHEEL_URL))
+	rm -f $(WHEELHOUSE)/flash_attn-*.whl
+	$(PYTHON) -m pip download -d $(WHEELHOUSE) $(PIP_WHEEL_ARGS)
+	$(if $(and $(filter cu%,$(TARGET)),$(FLASH_ATTN_WHEEL_URL)),cd $(WHEELHOUSE) && \
+	  curl -fL -o "$$(basename '$(FLASH_ATTN_WHEEL_URL)' | sed 's/%2B/+/g')" '$(FLASH_ATTN_WHEEL_URL)')
+
+# The wheelhouse's resolution without the downloads (index metadata only): what it would fetch, in
+# $(WHEELHOUSE)/report.json. Fails like `make wheelhouse` would on a pin the index lacks.
+wheelhouse-check:
+	mkdir -p $(WHEELHOUSE)
+	$(PYTHON) -m pip install --dry-run --ignore-installed --target $(WHEELHOUSE)/.dry-run \
+	  --report $(WHEELHOUSE)/report.json $(PIP_WHEEL_ARGS)
 
 SOURCE_IMAGE ?=
 # Docker's rule: the first part of a name is a registry host when it has a dot or a colon or is
@@ -135,9 +171,8 @@ image:
 ifneq ($(SOURCE_IMAGE),)
 	$(foreach t,$(IMAGE_TAGS),$(DOCKER) tag $(SOURCE_IMAGE) $(REGISTRY)/trainpod:$(t) &&) true
 else
-	DOCKER_BUILDKIT=1 $(DOCKER) build --network $(BUILD_NETWORK) -f docker/Dockerfile --target $(TARGET) \
-	  --build-arg $(BASE_ARG)=$(BASE_IMAGE) --build-arg WHEELHOUSE=$(WHEELHOUSE) \
-	  --build-arg VERSION=$(IMAGE_VERSION) --build-arg GIT_SHA=$(GIT_SHA) \
+	DOCKER_BUILDKIT=1 $(DOCKER) build --network $(BUILD_NETWORK) -f docker/Dockerfile --target $(DOCKER_TARGET) \
+	  $(foreach a,$(IMAGE_BUILD_ARGS),--build-arg $(a)) \
 	  $(foreach t,$(IMAGE_TAGS),-t $(REGISTRY)/trainpod:$(t)) .
 endif
 
@@ -147,3 +182,9 @@ push:
 # The references `make image push` makes, one per line (.github/workflows/images.yml tags with them).
 image-refs:
 	@$(foreach t,$(IMAGE_TAGS),echo $(REGISTRY)/trainpod:$(t);)
+
+# The Dockerfile target and its build args for this flavour, one NAME=VALUE per line after the first
+# line `target=<cpu|cuda>` (.github/workflows/images.yml hands them to docker/build-push-action).
+image-build-args:
+	@echo target=$(DOCKER_TARGET)
+	@$(foreach a,$(IMAGE_BUILD_ARGS),echo $(a);)

@@ -116,15 +116,19 @@ def test_repo_name_comes_from_the_url():
     assert repo_name("git@github.com:org/cfg") == "cfg"
 
 
-def test_pod_with_gpus_but_no_usable_cuda_exits_2(tmp_path):
+def test_pod_with_gpus_on_a_host_without_a_usable_gpu_exits_4_with_one_line(tmp_path):
+    """This machine has no GPU and no NVIDIA driver: exactly what a broken GPU host looks like."""
     result = boot_process(
         tmp_path,
         TRAINPOD_WORKLOAD="pretrain",
         TRAINPOD_CONFIG="configs/pretrain/tiny.yaml",
+        TRAINPOD_IMAGE_CUDA="12.8",
         RUNPOD_GPU_COUNT="1",
     )
-    assert result.returncode == 2, result.stdout + result.stderr
-    assert "CUDA is not usable" in result.stdout
+    assert result.returncode == 4, result.stdout + result.stderr
+    (line,) = [line for line in result.stdout.splitlines() if "ERROR" in line]
+    assert "no NVIDIA driver" in line and "CUDA 12.8" in line and "replace the pod" in line, line
+    assert "Traceback" not in result.stdout + result.stderr
 
 
 def test_not_enough_free_space_for_the_checkpoints_exits_5(tmp_path, monkeypatch, capsys):

@@ -15,6 +15,9 @@ OPENAPI = REPO.parent / "shared/reference/runpod-rest-openapi.json"
 INFRA = REPO / "infra/runpod"
 VARIABLE = re.compile(r"\bTRAINPOD_[A-Z_]+\b")
 SECRETS = ("HF_TOKEN", "WANDB_API_KEY")
+# Set by the kit itself, never by a user or a template: the image's CUDA (docker/Dockerfile) and the
+# folder where the ranks of a multi-node run report their exit codes (trainpod.launch).
+SET_BY_THE_KIT = {"TRAINPOD_IMAGE_CUDA", "TRAINPOD_RANK_EXIT_DIR"}
 
 
 def variables_in(paths: list[Path]) -> set[str]:
@@ -52,10 +55,11 @@ def test_the_design_doc_documents_the_same_variables_as_the_readme():
 
 
 def pod_variables() -> set[str]:
-    """README's variables less the laptop's and those the `command` workload gives its program."""
+    """README's variables less the laptop's, those the `command` workload gives its program, and those the
+    kit sets itself (the image's CUDA, the ranks' exit-code folder)."""
     from trainpod.config.command import PROGRAM_ENV
 
-    return variables_in([REPO / "README.md"]) - laptop_only_variables() - set(PROGRAM_ENV)
+    return variables_in([REPO / "README.md"]) - laptop_only_variables() - set(PROGRAM_ENV) - SET_BY_THE_KIT
 
 
 def test_the_template_names_every_variable_of_the_contract():

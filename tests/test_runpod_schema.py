@@ -62,3 +62,30 @@ def test_shipped_deploy_configs_build_bodies_runpod_accepts(path):
     ):
         errors = [e.message for e in jsonschema.Draft7Validator(schemas[name]).iter_errors(body)]
         assert not errors, f"{path.name}: the {name} it builds is refused: {errors}"
+
+
+def test_the_default_image_admits_every_cuda_version_runpod_lists_from_12_8_up(tmp_path):
+    """cu128 runs on hosts reporting 12.8, 12.9 and 13.0; RunPod matches the list exactly, so all belong in it."""
+    enum = openapi()["components"]["schemas"]["PodCreateInput"]["properties"]["allowedCudaVersions"]["items"][
+        "enum"
+    ]
+    at_least_12_8 = [v for v in enum if tuple(map(int, v.split("."))) >= (12, 8)]
+    path = tmp_path / "deploy.yaml"
+    path.write_text(
+        "run: r\nworkload: pretrain\nconfig: configs/pretrain/tiny.yaml\nimage: {name: ghcr.io/o/trainpod:latest}\n"
+        "pod: {gpu_types: [NVIDIA H100 80GB HBM3]}\nvolume: {data_center: EU-RO-1}\n"
+    )
+    body = pod_body(load_config(DeployConfig, path), "tpl1", "vol1")
+    assert sorted(body["allowedCudaVersions"]) == sorted(at_least_12_8) == ["12.8", "12.9", "13.0"]
+    schema = json.loads(SCHEMA_FILE.read_text())["schemas"]["PodCreateInput"]
+    assert not list(jsonschema.Draft7Validator(schema).iter_errors(body))
+
+
+def test_a_cu130_image_admits_only_hosts_reporting_13_0(tmp_path):
+    path = tmp_path / "deploy.yaml"
+    path.write_text(
+        "run: r\nworkload: pretrain\nconfig: configs/pretrain/tiny.yaml\n"
+        "image: {name: 'ghcr.io/o/trainpod:latest-cu130', cuda_version: '13.0'}\n"
+        "pod: {gpu_types: [NVIDIA H100 80GB HBM3]}\nvolume: {data_center: EU-RO-1}\n"
+    )
+    assert pod_body(load_config(DeployConfig, path), "tpl1", "vol1")["allowedCudaVersions"] == ["13.0"]

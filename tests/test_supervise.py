@@ -12,7 +12,7 @@ import pytest
 from trainpod import atomic, cli
 from trainpod.config.deploy import DeployConfig
 from trainpod.runpod.deploy import deploy
-from trainpod.runpod.finish import FAILED_MARKER
+from trainpod.runpod.finish import FAILED_MARKER, STARTS_FILE, UNFIT_MARKER, after_workload
 from trainpod.runpod.supervise import Supervisor
 from trainpod.volume import Volume
 
@@ -207,6 +207,57 @@ def test_supervise_once_from_the_command_line(fake, volume, tmp_path, monkeypatc
     atomic.write_json(volume.run("tiny").done, {})
     assert cli.main(args) == 0
     assert (volume.run("tiny").root / "supervise.json").is_file(), "--once runs share their state"
+
+
+def machine_unfit_in_the_pod(fake, volume, pod_id: str) -> None:
+    """What `trainpod boot` does after its host check exits 4: the in-pod finish hook, its own key."""
+    env = {**api_env(fake), "RUNPOD_POD_ID": pod_id}
+    assert after_workload(4, volume.run("tiny"), env, "pretrain") == 4
+
+
+def test_exit_4_stops_the_pod_and_the_supervisor_replaces_it_with_the_same_volume_env_and_gpu_order(
+    fake, volume, caplog
+):
+    first = deploy(client_for(fake), deploy_config()).pod
+    machine_unfit_in_the_pod(fake, volume, first.id)
+    assert fake.pods[first.id]["desiredStatus"] == "EXITED", (
+        "the pod stops itself: a restart is the same machine"
+    )
+    assert not (volume.run("tiny").root / STARTS_FILE).exists(), "exit 4 is no failed start of the run"
+    caplog.set_level(logging.INFO, "trainpod")
+    assert supervisor(fake, volume).step() is None
+    new = the_pod(fake)
+    assert new["id"] != first.id and first.id not in fake.pods, "replaced and the old pod terminated"
+    assert not fake.calls("POST", f"/pods/{first.id}/start"), "the unfit machine is never started again"
+    assert new["networkVolumeId"] == first.network_volume_id and new["env"] == first.env
+    (_, _, body) = fake.calls("POST", "/pods")[-1]
+    assert body["gpuTypeIds"] == GPUS and body["gpuTypePriority"] == "custom"
+    assert "on a machine that cannot run the image (exit 4) and the run not DONE: created pod" in caplog.text
+    assert not (volume.run("tiny").root / UNFIT_MARKER).exists()
+
+
+def test_replacements_in_a_row_are_bounded_and_end_with_exit_4(fake, volume, caplog):
+    deploy(client_for(fake), deploy_config())
+    sup = supervisor(fake, volume, max_replacements=1)
+    machine_unfit_in_the_pod(fake, volume, the_pod(fake)["id"])
+    assert sup.step() is None
+    machine_unfit_in_the_pod(fake, volume, the_pod(fake)["id"])
+    creates = len(fake.calls("POST", "/pods"))
+    caplog.set_level(logging.INFO, "trainpod")
+    assert sup.step() == 4
+    assert len(fake.calls("POST", "/pods")) == creates, "no third pod"
+    assert "1 new pods in a row landed on machines that cannot run the image" in caplog.text
+
+
+def test_a_plain_interruption_between_two_exit_4s_resets_the_replacement_count(fake, volume):
+    deploy(client_for(fake), deploy_config())
+    sup = supervisor(fake, volume, max_replacements=1)
+    machine_unfit_in_the_pod(fake, volume, the_pod(fake)["id"])
+    assert sup.step() is None
+    fake.interrupt(the_pod(fake)["id"])  # the replacement ran; then a spot interruption
+    assert sup.step() is None
+    machine_unfit_in_the_pod(fake, volume, the_pod(fake)["id"])
+    assert sup.step() is None, "one replacement in a row again, within the bound"
 
 
 @pytest.mark.parametrize("copies", [0, 2], ids=["none", "several"])

@@ -105,14 +105,54 @@ def test_every_action_is_pinned_to_a_full_commit_sha():
                 assert re.search(r"#\s*v\d", line), f"{path.name}: say which release {ref} is (# vX.Y.Z)"
 
 
-def test_the_image_matrix_builds_every_dockerfile_target_from_its_lock():
+def test_the_image_matrix_builds_cpu_cu128_and_cu130_each_from_its_own_lock():
     images = yaml.safe_load((REPO / ".github/workflows/images.yml").read_text())
-    targets = {entry["target"] for entry in images["jobs"]["image"]["strategy"]["matrix"]["include"]}
+    flavours = {entry["target"] for entry in images["jobs"]["image"]["strategy"]["matrix"]["include"]}
+    assert flavours == {"cpu", "cu128", "cu130"}
     dockerfile = (REPO / "docker" / "Dockerfile").read_text()
-    stages = set(re.findall(r"^FROM \S+ AS (\S+)$", dockerfile, re.M)) - {"wheelhouse-cpu", "wheelhouse-cuda"}
-    assert targets == stages == {"cpu", "cuda"}
-    for target in targets:
-        assert (REPO / "docker" / f"constraints-{target}.txt").is_file()
+    stages = set(re.findall(r"^FROM \S+ AS (\S+)$", dockerfile, re.M)) - {
+        "wheelhouse-cpu",
+        "wheelhouse-cuda",
+        "lock-cuda",
+    }
+    assert stages == {"cpu", "cuda"}
+    for flavour in flavours:
+        assert (REPO / "docker" / f"constraints-{flavour}.txt").is_file()
+        args = make_lines("image-build-args", flavour)
+        assert args[0] == f"target={'cpu' if flavour == 'cpu' else 'cuda'}", args
+        if flavour != "cpu":
+            assert f"LOCK=docker/constraints-{flavour}.txt" in args and f"FLAVOUR={flavour}" in args
+
+
+def make_lines(goal: str, flavour: str) -> list[str]:
+    result = subprocess.run(
+        ["make", "-s", goal, f"TARGET={flavour}"], cwd=REPO, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout.split()
+
+
+@pytest.mark.parametrize(
+    ("flavour", "tags"),
+    [
+        ("cu128", ["0.1.0", "cu128-torch2.13.0", "latest"]),
+        ("cu130", ["0.1.0-cu130", "cu130-torch2.13.0", "latest-cu130"]),
+        ("cpu", ["0.1.0-cpu", "cpu-torch2.13.0", "latest-cpu"]),
+    ],
+)
+def test_latest_and_the_bare_version_are_the_cu128_image(flavour: str, tags: list[str]):
+    refs = make_lines("image-refs", flavour)
+    named = [ref.split(":", 1)[1] for ref in refs]
+    assert [named[0], named[2], named[3]] == tags, refs
+
+
+def test_cuda_flavours_pin_torch_for_their_cuda_and_leave_flash_attn_optional():
+    cu128 = (REPO / "docker/constraints-cu128.txt").read_text()
+    cu130 = (REPO / "docker/constraints-cu130.txt").read_text()
+    assert "\ntorch==2.13.0+cu128\n" in cu128 and "nvidia-nccl-cu13" not in cu128
+    assert "\ntorch==2.13.0\n" in cu130 and "nvidia-nccl-cu13==" in cu130
+    for lock in (cu128, cu130):
+        assert "\nflash-attn" not in lock, "flash-attn is optional: it comes from FLASH_ATTN_WHEEL_URL only"
 
 
 def test_supervise_runs_once_with_the_key_from_a_secret():

@@ -5,12 +5,14 @@
 1. read the env contract (README, "The pod's environment");
 2. sync TRAINPOD_GIT_REPO at TRAINPOD_GIT_REF under repos/ (exit 75 when it keeps failing);
 3. preflight, each failure one line and exit 2 with nothing written: volume writable, config
-   valid, a GPU when the pod has one or the config needs one; free space for the checkpoints (exit 5);
+   valid, a GPU when the config needs one; free space for the checkpoints (exit 5); a GPU pod whose
+   host cannot run the image's CUDA (trainpod.host) exits 4: the supervisor replaces the pod;
 4. create the volume's folders (datasets, tokenizers, runs, repos, cache) and point caches there;
 5. launch: one process, one per GPU (RUNPOD_GPU_COUNT or what torch sees), or torchrun across the
    nodes of a RunPod Instant Cluster (NUM_NODES, NODE_RANK, NUM_TRAINERS, PRIMARY_ADDR/PORT);
    the exit code is the workload's;
-6. finish (runpod/finish.py): after DONE the pod stops itself (TRAINPOD_ON_FINISH); failed starts
+6. SSH: with PUBLIC_KEY set, a key-only sshd in the background from the start (trainpod.sshd);
+7. finish (runpod/finish.py): after DONE the pod stops itself (TRAINPOD_ON_FINISH); failed starts
    are counted on the volume and after TRAINPOD_MAX_FAILED_STARTS in a row the run is FAILED and
    the pod stopped. The `supervise` workload runs the spot supervisor with the volume in view.
 """
@@ -23,10 +25,11 @@ import shutil
 import sys
 
 from trainpod import cost, workloads
-from trainpod.errors import ConfigError, InputError, TrainpodError, VolumeFull
+from trainpod.errors import ConfigError, ExitCode, InputError, TrainpodError, VolumeFull
 from trainpod.log import attach_log_file, setup_logging
 from trainpod.runpod.finish import after_workload
 from trainpod.runpod.finish import check_environment as check_finish_environment
+from trainpod.sshd import start_sshd
 from trainpod.volume import RunDir, Volume
 from trainpod.workloads import Workload
 
@@ -43,6 +46,7 @@ def boot(environ: dict[str, str] | None = None) -> int:
     """
     environ = os.environ if environ is None else environ
     setup_logging(None, int(environ.get("RANK", "0")))
+    start_sshd(environ)  # only with PUBLIC_KEY: key-only, in the background; the workload stays this process
     workload_name, volume, config = environ.get("TRAINPOD_WORKLOAD", ""), Volume.from_env(environ), None
     try:
         workload = _workload(environ)
@@ -61,7 +65,25 @@ def boot(environ: dict[str, str] | None = None) -> int:
         _log_to_run(_run_dir(volume, config, environ))
         log.exception("the %s workload crashed", workload_name or "?")
         code = 1
-    return after_workload(code, _run_dir(volume, config, environ), environ, workload_name)
+    code = after_workload(code, _run_dir(volume, config, environ), environ, workload_name)
+    if environ is os.environ:  # the pod's own boot, not a test's call with its own environment
+        _exit_now_when_preempted(code)
+    return code
+
+
+def _exit_now_when_preempted(code: int) -> None:
+    """After SIGTERM everything is committed: exit at once, before SIGKILL comes 5 s after SIGTERM.
+
+    The interpreter's normal exit joins library threads and runs their atexit hooks; with
+    `train.compile=true` Inductor's compile-worker pool alone took over 5 s to shut down in the
+    container tier (exit 137 instead of 143). Logs are flushed first; nothing else is pending.
+    """
+    if code != ExitCode.PREEMPTED:
+        return
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _log_to_run(run: RunDir | None) -> None:
@@ -117,12 +139,9 @@ def _preflight(workload: Workload, volume: Volume, environ: dict[str, str]):
 def _check_gpu(config, environ: dict[str, str]) -> None:
     import torch
 
-    pod_gpus = int(environ.get("RUNPOD_GPU_COUNT") or 0)
-    if pod_gpus and not torch.cuda.is_available():
-        raise InputError(
-            f"the pod has {pod_gpus} GPU(s) (RUNPOD_GPU_COUNT) but CUDA is not usable in this container: the "
-            "host driver is probably older than the image's CUDA; restrict the pod with allowedCudaVersions"
-        )
+    from trainpod.host import check_host
+
+    check_host(environ)  # a GPU pod whose host cannot run the image's CUDA: exit 4, replace the pod
     if config.train.precision == "bf16" and not torch.cuda.is_available():
         raise InputError(
             "train.precision=bf16 needs a GPU and none is visible; use a GPU pod or precision=auto"
@@ -164,7 +183,9 @@ def _gpu_count(environ: dict[str, str]) -> int:
 
 
 def _torchrun_cluster(workload: str, environ: dict[str, str]) -> int:
-    """RunPod Instant Cluster: torchrun with the cluster's own variables, as RunPod's examples do."""
+    """RunPod Instant Cluster: torchrun with the cluster's own variables, as a child (trainpod.launch)."""
+    from trainpod.launch import launch_cluster
+
     addr = environ.get("PRIMARY_ADDR") or environ.get("MASTER_ADDR")
     port = environ.get("PRIMARY_PORT") or environ.get("MASTER_PORT") or "29500"
     missing = [
@@ -177,26 +198,14 @@ def _torchrun_cluster(workload: str, environ: dict[str, str]) -> int:
                 "Cluster (or set them as torchrun's MASTER_ADDR/NODE_RANK)"
             ]
         )
-    per_node = environ.get("NUM_TRAINERS") or str(_gpu_count(environ))
-    argv = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes",
-        environ["NUM_NODES"],
-        "--node_rank",
-        environ["NODE_RANK"],
-        "--nproc_per_node",
+    per_node = int(environ.get("NUM_TRAINERS") or _gpu_count(environ) or 1)
+    nodes, node_rank = int(environ["NUM_NODES"]), int(environ["NODE_RANK"])
+    log.info(
+        "node %d of %d: torchrun with %d rank(s) per node, primary %s:%s",
+        node_rank,
+        nodes,
         per_node,
-        "--rdzv_backend",
-        "c10d",
-        "--rdzv_endpoint",
-        f"{addr}:{port}",
-        "-m",
-        "trainpod",
-        "run",
-        workload,
-    ]
-    log.info("launching %s", " ".join(argv[2:]))
-    os.execv(sys.executable, argv)  # torchrun becomes this process: tini's SIGTERM reaches it directly
-    return 0  # not reached
+        addr,
+        port,
+    )
+    return launch_cluster(nodes, node_rank, per_node, f"{addr}:{port}", ["run", workload])

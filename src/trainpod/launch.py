@@ -1,19 +1,35 @@
-"""One process per GPU on this machine, with the two guarantees the pod contract needs.
+"""Launchers that keep the two guarantees the pod contract needs: signals reach every rank, and the
+exit code is the table's (143 preempted, 75 retry, 2 bad input, 3 budget, 4 machine unfit).
 
 torchrun's agent turns a worker's exit code into its own failure code, but the supervisor acts on
-the exact code (143 preempted, 75 retry, 2 bad input, 3 budget). This launcher starts the ranks
-with torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT), forwards SIGTERM
-and SIGINT to every rank, and returns the ranks' own code. Several nodes still use torchrun.
+the exact code.
+- `launch_local`: one process per GPU on this machine, with torchrun's environment (RANK,
+  LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT); SIGTERM and SIGINT go to every rank; the ranks' own code.
+- `launch_cluster`: one node of a RunPod Instant Cluster. torchrun runs as a CHILD (not exec'd), so
+  this process forwards SIGTERM/SIGINT to it, maps the outcome back to the table and `trainpod boot`
+  still runs its finish hook. Each rank reports its exit code into a folder of this node
+  (TRAINPOD_RANK_EXIT_DIR, written by `python -m trainpod.rank`); `cluster_outcome` reads them.
+
+    python -m trainpod boot      # with NUM_NODES, NODE_RANK, NUM_TRAINERS, PRIMARY_ADDR, PRIMARY_PORT
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
+
+RANK_EXIT_DIR_ENV = "TRAINPOD_RANK_EXIT_DIR"
+# When ranks disagree, the code the node exits with: a preemption anywhere means "start again"
+# (every rank committed or had nothing new), then the verdicts that stop a run, in this order.
+# Anything else (a crash, 75, a rank that never reported) is the failed-start path.
+CLUSTER_PRIORITY = (143, 3, 2, 4, 5)
 
 # If one rank fails, the others are blocked in a collective: give them this long to notice, then kill.
 _PEER_GRACE_S = 10.0
@@ -71,3 +87,78 @@ def _wait(procs: list[subprocess.Popen]) -> int:
     if first_failure is None:
         first_failure = next((c for c in codes if c != 0), 0)
     return first_failure
+
+
+def launch_cluster(nnodes: int, node_rank: int, nproc_per_node: int, master: str, argv: list[str]) -> int:
+    """This node's torchrun, as a child: signals forwarded, the ranks' codes mapped to one exit code.
+
+    Static rendezvous (torchrun's default backend): node_rank is honoured, so node 0 holds global
+    rank 0, the run's only checkpoint writer, and runs the finish hook. `master` is host:port.
+    """
+    with tempfile.TemporaryDirectory(prefix="trainpod-ranks-") as exit_dir:
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run",
+            "--nnodes", str(nnodes), "--node_rank", str(node_rank), "--nproc_per_node", str(nproc_per_node),
+            "--rdzv_endpoint", master,
+            "-m", "trainpod.rank", *argv,
+        ]  # fmt: skip
+        torchrun = subprocess.Popen(cmd, env=dict(os.environ, **{RANK_EXIT_DIR_ENV: exit_dir}))
+        signalled: list[int] = []
+
+        def forward(signum: int, _frame: object) -> None:
+            signalled.append(signum)
+            if torchrun.poll() is None:
+                torchrun.send_signal(signum)  # torchrun passes it on to its ranks
+
+        previous = {signum: signal.signal(signum, forward) for signum in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            returncode = _wait_child(torchrun)
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+        codes = rank_codes(Path(exit_dir))
+    return cluster_outcome(codes, nproc_per_node, _exit_code(returncode), preempted=bool(signalled))
+
+
+def _wait_child(proc: subprocess.Popen) -> int:
+    while True:
+        try:
+            return proc.wait()
+        except InterruptedError:  # a forwarded signal interrupted the wait: keep waiting
+            continue
+
+
+def report_rank_exit(code: int, environ: dict[str, str] | None = None) -> None:
+    """Called by each rank as it exits (trainpod.rank): its code, for its node's launcher."""
+    environ = os.environ if environ is None else environ
+    folder = environ.get(RANK_EXIT_DIR_ENV)
+    if not folder:
+        return
+    rank = environ.get("RANK", "0")
+    path = Path(folder) / f"rank-{rank}.json"
+    partial = path.with_suffix(".partial")
+    partial.write_text(json.dumps({"rank": int(rank), "code": int(code)}))
+    partial.replace(path)  # the launcher reads whole reports or none (a local temp folder, not the volume)
+
+
+def rank_codes(folder: Path) -> list[int]:
+    codes = []
+    for path in sorted(folder.glob("rank-*.json")):
+        try:
+            codes.append(int(json.loads(path.read_text())["code"]))
+        except (OSError, ValueError, KeyError):
+            continue
+    return codes
+
+
+def cluster_outcome(codes: list[int], expected: int, torchrun_code: int, preempted: bool = False) -> int:
+    """One exit code for this node from its ranks' reported codes (see CLUSTER_PRIORITY)."""
+    for code in CLUSTER_PRIORITY:
+        if code in codes:
+            return code
+    if len(codes) == expected and all(code == 0 for code in codes):
+        return 0
+    if preempted:  # SIGTERM reached us and no rank said otherwise: ranks died before their handler
+        return 143
+    failures = [code for code in codes if code != 0]
+    return failures[0] if failures else (torchrun_code or 1)

@@ -29,9 +29,24 @@ STATE = CACHE / "container"
 DOCKER = "/usr/bin/docker"
 DOCKERD = "/usr/sbin/dockerd"
 DEBOOTSTRAP = "/usr/sbin/debootstrap"
-BASE_PACKAGES = "python3,python3-venv,ca-certificates,git,tini"
-BASE_IMAGE = "trainpod-ci/bookworm-base:" + hashlib.sha256(BASE_PACKAGES.encode()).hexdigest()[:12]
+BASE_PACKAGES = "python3,python3-venv,python3-dev,ca-certificates,git,tini,gcc,g++,libc6-dev,openssh-server"
+# The tag changes with the packages and with how the rootfs is slimmed (slim_down).
+BASE_RECIPE = BASE_PACKAGES + ";slim-1"
+BASE_IMAGE = "trainpod-ci/bookworm-base:" + hashlib.sha256(BASE_RECIPE.encode()).hexdigest()[:12]
 CPU_IMAGE = "trainpod:ci-cpu"
+CUDA_STAND_IN_IMAGE = "trainpod:ci-cuda-stand-in"
+# The cuda target built here with stand-ins for what cannot be had offline (test_cuda_stand_in.py):
+# the local Debian base for nvidia/cuda:12.8.1-base-ubuntu24.04, the cpu wheelhouse and lock (CPU
+# torch) for the cu128 wheelhouse and lock (CUDA torch + nvidia-* wheels). Everything else is the
+# cu128 build's: its stage, system packages, venv, one pip step, bitsandbytes' CUDA 12.8 kernels,
+# compile smoke, kit, entrypoints and TRAINPOD_IMAGE_CUDA=12.8.
+CUDA_STAND_IN_ARGS = {
+    "LOCK": "docker/constraints-cpu.txt",
+    "TORCH_VERSION": "2.13.0+cpu",
+    "TORCH_CUDA": "none",
+    "CUDA_VERSION": "12.8",
+    "FLAVOUR": "cu128-stand-in",
+}
 DEBIAN_MIRROR = "http://deb.debian.org/debian"
 SYSTEM_REGISTRY = Path("/usr/bin/docker-registry")
 
@@ -161,11 +176,29 @@ def ensure_base_image() -> None:
             for item in (rootfs / junk).glob("*"):
                 if item.is_file():
                     item.unlink()
+        slim_down(rootfs)
         partial = tarball.with_suffix(".partial")
         sh(["tar", "-C", str(rootfs), "-cf", str(partial), "."], "pack the base rootfs")
         partial.rename(tarball)
         shutil.rmtree(rootfs, ignore_errors=True)
     docker("import", str(tarball), BASE_IMAGE, timeout=600)
+
+
+def slim_down(rootfs: Path) -> None:
+    """What debian:bookworm-slim (the real cpu base) leaves out by its dpkg path-excludes: docs but
+    their copyright files, man pages, info, locales (about 90 MB), so image sizes measured here are
+    the real base's."""
+    for folder in (
+        "usr/share/man",
+        "usr/share/info",
+        "usr/share/groff",
+        "usr/share/lintian",
+        "usr/share/locale",
+    ):
+        shutil.rmtree(rootfs / folder, ignore_errors=True)
+    for path in (rootfs / "usr/share/doc").rglob("*"):
+        if (path.is_file() or path.is_symlink()) and path.name != "copyright":
+            path.unlink()
 
 
 def lock_file(target: str) -> Path:
@@ -208,20 +241,29 @@ def git_sha() -> str:
     return res.stdout.strip() or "unknown"
 
 
-def build_image(target: str = "cpu", tag: str = CPU_IMAGE) -> str:
-    """Build a target offline (`--network none`) from the wheelhouse; returns the tag."""
-    wheelhouse = wheelhouse_dir(target).relative_to(REPO)
+def build_image(target: str = "cpu", tag: str = CPU_IMAGE, extra_args: dict[str, str] | None = None) -> str:
+    """Build a target offline (`--network none`) from the cpu wheelhouse; returns the tag."""
+    wheelhouse = wheelhouse_dir("cpu").relative_to(REPO)
     base_arg = "CPU_BASE_IMAGE" if target == "cpu" else "BASE_IMAGE"
+    args = {
+        base_arg: BASE_IMAGE,
+        "WHEELHOUSE": str(wheelhouse),
+        "VERSION": project_version(),
+        "GIT_SHA": git_sha(),
+        **(extra_args or {}),
+    }
+    build_args = [arg for name, value in args.items() for arg in ("--build-arg", f"{name}={value}")]
     docker(
-        "build", "--network", "none", "-f", "docker/Dockerfile", "--target", target,
-        "--build-arg", f"{base_arg}={BASE_IMAGE}",
-        "--build-arg", f"WHEELHOUSE={wheelhouse}",
-        "--build-arg", f"VERSION={project_version()}",
-        "--build-arg", f"GIT_SHA={git_sha()}",
-        "-t", tag, str(REPO),
-        timeout=1200,
+        "build", "--network", "none", "-f", str(REPO / "docker/Dockerfile"), "--target", target,
+        *build_args, "-t", tag, str(REPO),
+        timeout=1800,
     )  # fmt: skip
     return tag
+
+
+def build_cuda_stand_in() -> str:
+    """The cuda target's path with CPU torch standing in for the CUDA wheels (CUDA_STAND_IN_ARGS)."""
+    return build_image("cuda", CUDA_STAND_IN_IMAGE, CUDA_STAND_IN_ARGS)
 
 
 def ensure_engine() -> Engine:

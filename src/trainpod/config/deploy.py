@@ -33,6 +33,9 @@ CUDA_VERSIONS = (
     "12.0",
     "11.8",
 )
+# The cu128 image (docker/constraints-cu128.txt): hosts reporting 12.8, 12.9 or 13.0 run it, which is
+# most of RunPod's GPUs; CUDA 13.0 alone needs a driver >= 580, which few hosts have.
+DEFAULT_IMAGE_CUDA = "12.8"
 MAX_POD_ENV = 50  # RunPod's limit on environment variables per pod
 
 
@@ -44,9 +47,10 @@ class ImageSettings(Section):
         "cuda", description="cuda for GPU pods (pretrain, finetune), cpu for CPU pods (datagen, convert)."
     )
     cuda_version: str | None = Field(
-        "13.0",
-        description=f"The CUDA version the cuda image is built for; pods are limited to hosts whose driver "
-        f"supports it or newer (allowedCudaVersions). One of: {', '.join(CUDA_VERSIONS)}.",
+        DEFAULT_IMAGE_CUDA,
+        description="The CUDA version the cuda image is built for: 12.8 for the default cu128 image, 13.0 for "
+        "cu130. Pods are limited to hosts reporting it or any newer version (allowedCudaVersions): RunPod "
+        f"matches that list exactly. One of: {', '.join(CUDA_VERSIONS)}.",
     )
 
     @model_validator(mode="after")
@@ -132,6 +136,12 @@ class SuperviseSettings(Section):
     max_backoff_s: float = Field(900.0, ge=0, description="Longest wait between failed starts.")
     max_failed_starts: int = Field(
         5, ge=1, description="Failed start attempts in a row (no GPU anywhere) before supervising stops."
+    )
+    max_replacements: int = Field(
+        3,
+        ge=0,
+        description="New pods in a row made because a pod's machine could not run the image (exit 4, e.g. a "
+        "driver older than the image's CUDA) before supervising stops with exit 4.",
     )
 
 

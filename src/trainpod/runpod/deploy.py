@@ -200,13 +200,16 @@ def bring_back(
     template_id: str | None = None,
     volume_id: str | None = None,
     env: dict[str, str] | None = None,
+    replace: bool = False,
 ) -> tuple[Pod, str]:
-    """Start an EXITED pod again, or (start refused, or no pod) create one on the same volume.
+    """Start an EXITED pod again, or (start refused, no pod, or `replace`) create one on the same volume.
 
+    `replace`: never start `old` again (its machine cannot run the image): a new pod, which RunPod
+    places on a machine with a free GPU of the config's types, in the config's order.
     `env` (deploy: from the config) wins; without it a replacement keeps the old pod's env.
     Returns the pod and what was done ("started" or "created"); RunPodError when both fail.
     """
-    if old is not None:
+    if old is not None and not replace:
         try:
             client.start_pod(old.id)
             return old, "started"
@@ -216,6 +219,7 @@ def bring_back(
             log.info(
                 "start of pod %s refused (%s): creating a new pod on the same volume", old.id, exc.status
             )
+    if old is not None:
         template_id = old.template_id or template_id
         volume_id = old.network_volume_id or volume_id
     if template_id is None or volume_id is None:

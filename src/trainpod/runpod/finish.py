@@ -7,6 +7,7 @@ RunPod starts a pod's container again whenever it exits, so the exit code alone 
 | 0 | DONE | failed-start count reset; TRAINPOD_ON_FINISH: stop (default), terminate or idle |
 | 143 | SIGTERM (spot interruption) | count reset: the start itself worked; RunPod stops the pod |
 | 2, 3, 5 | bad input, budget spent, volume full | FAILED marker (when the run folder exists) and the pod stopped at once |
+| 4 | this machine cannot run the image (trainpod.host) | MACHINE_UNFIT marker naming this pod, not counted as a failed start; the pod stopped: the supervisor replaces it with a new pod on another machine |
 | other (75, 1, ...) | temporary failure or crash | counted in runs/<run>/starts.json; at TRAINPOD_MAX_FAILED_STARTS in a row (default 3): FAILED marker, pod stopped |
 
 Exit 2 writes no marker into a run folder that does not exist yet: bad input leaves the volume
@@ -28,6 +29,7 @@ from trainpod.volume import RunDir
 log = logging.getLogger("trainpod.finish")
 
 FAILED_MARKER = "FAILED"
+UNFIT_MARKER = "MACHINE_UNFIT"  # {"pod_id", "unix"}: the supervisor replaces that pod, never restarts it
 STARTS_FILE = "starts.json"
 ON_FINISH = ("stop", "terminate", "idle")
 DEFAULT_MAX_FAILED_STARTS = 3
@@ -69,7 +71,13 @@ def after_workload(
     workload: str,
     client_factory: Callable[[dict[str, str]], RunPodClient] = RunPodClient.from_env,
 ) -> int:
-    """Count, mark and stop the pod as the table above says; returns `code` unchanged."""
+    """Count, mark and stop the pod as the table above says; returns `code` unchanged.
+
+    On an Instant Cluster only node 0 (NODE_RANK 0, which holds global rank 0) acts for the run;
+    the other nodes return their code and leave markers, counters and pods alone.
+    """
+    if int(environ.get("NODE_RANK") or 0) != 0:
+        return code
     try:
         action = _decide(code, run, environ, workload)
     except (ConfigError, OSError) as exc:  # a bad setting or an unwritable volume must not hide `code`
@@ -88,6 +96,8 @@ def _decide(code: int, run: RunDir | None, environ: dict[str, str], workload: st
     if code in START_WORKED:
         _reset_failures(run)
         return on_finish(environ) if code == ExitCode.DONE else "idle"
+    if code == ExitCode.MACHINE_UNFIT:
+        return _machine_unfit(run, environ)
     if code in STOP_AT_ONCE:
         reason = f"{STOP_AT_ONCE[ExitCode(code)]} (exit {code}); restarting cannot help"
         if run is not None and run.root.is_dir():
@@ -106,6 +116,16 @@ def _decide(code: int, run: RunDir | None, environ: dict[str, str], workload: st
     reason = f"{failures} failed starts in a row, the last with exit {code}; look at runs/{run.name}/logs/"
     _mark_failed(run, reason, code, failures)
     log.error("crash loop: %s; stopping this pod (TRAINPOD_MAX_FAILED_STARTS=%d)", reason, limit)
+    return "stop"
+
+
+def _machine_unfit(run: RunDir | None, environ: dict[str, str]) -> str:
+    """Stop this pod (restarting it lands on the same machine) and tell the supervisor which one to replace."""
+    pod_id = environ.get("RUNPOD_POD_ID")
+    if run is not None and pod_id:
+        run.root.mkdir(parents=True, exist_ok=True)
+        atomic.write_json(run.root / UNFIT_MARKER, {"pod_id": pod_id, "unix": time.time()})
+    log.warning("stopping this pod: its machine cannot run the image (exit 4); the supervisor replaces it")
     return "stop"
 
 

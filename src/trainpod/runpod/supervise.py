@@ -10,8 +10,11 @@ then exactly one decision, logged in one line with its reason:
   DONE -> stop a pod still running, exit 0;  FAILED marker (the pod's exit 2, 3 or 5, or a crash
   loop; runpod/finish.py) -> exit 2, never a restart;  budget spent -> stop, exit 3;
   a pod RUNNING -> wait;  EXITED or gone -> start it again, or create a new pod on the same volume
-  with the same env (GPU types in order); failed attempts back off exponentially and are bounded.
-Without the volume (a laptop) DONE is invisible: the pod stops itself after DONE and a restarted
+  with the same env (GPU types in order); failed attempts back off exponentially and are bounded;
+  EXITED with a MACHINE_UNFIT marker naming it (exit 4: its machine cannot run the image) -> never
+  started again but replaced by a new pod, same volume, env and GPU-type priority (RunPod places it;
+  its API cannot exclude a machine), at most supervise.max_replacements times in a row, then exit 4.
+Without the volume (a laptop) DONE and MACHINE_UNFIT are invisible: the pod stops itself after DONE and a restarted
 one exits at once, so restarts are bounded by supervise.max_restarts. The recommended mode is the
 `supervise` workload in a cheap on-demand CPU pod with the same network volume.
 """
@@ -30,7 +33,7 @@ from trainpod.config.deploy import DeployConfig
 from trainpod.errors import ConfigError, ExitCode
 from trainpod.runpod.client import Pod, RunPodAuthError, RunPodClient, RunPodError, RunPodUnavailable
 from trainpod.runpod.deploy import bring_back
-from trainpod.runpod.finish import FAILED_MARKER
+from trainpod.runpod.finish import FAILED_MARKER, UNFIT_MARKER
 from trainpod.volume import Volume
 
 log = logging.getLogger("trainpod.supervise")
@@ -42,6 +45,7 @@ class SupervisorState:
 
     restarts: int = 0
     failed_starts: int = 0
+    replacements: int = 0  # pods replaced in a row because their machine could not run the image
     next_attempt_unix: float = 0.0
     observed_cost_usd: float = 0.0
     last_look_unix: float | None = None
@@ -66,6 +70,7 @@ class RunView:
     done: bool = False
     failed: str | None = None
     cost_usd: float | None = None
+    unfit_pod: str | None = None  # the pod whose machine could not run the image (MACHINE_UNFIT)
 
     @classmethod
     def read(cls, volume: Volume | None, run: str) -> RunView:
@@ -82,7 +87,13 @@ class RunView:
             cost = atomic.read_json(run_dir.status).get("cost_usd")
         except (FileNotFoundError, ValueError):
             cost = None
-        return cls(visible=True, done=run_dir.done.exists(), failed=failed, cost_usd=cost)
+        try:
+            unfit_pod = atomic.read_json(run_dir.root / UNFIT_MARKER).get("pod_id")
+        except (FileNotFoundError, ValueError, AttributeError):
+            unfit_pod = None
+        return cls(
+            visible=True, done=run_dir.done.exists(), failed=failed, cost_usd=cost, unfit_pod=unfit_pod
+        )
 
 
 def state_path(volume: Volume | None, run: str, environ: dict[str, str] | None = None) -> Path:
@@ -161,10 +172,15 @@ class Supervisor:
 
     def _restart(self, state: SupervisorState, pods: list[Pod], now: float, view: RunView) -> int | None:
         exited = next((p for p in pods if p.desired_status == "EXITED"), None)
-        why = "EXITED" if exited else "gone"
+        unfit = exited is not None and exited.id == view.unfit_pod
+        if unfit and state.replacements >= self.policy.max_replacements:
+            return self._end(ExitCode.MACHINE_UNFIT, f"{state.replacements} new pods in a row landed on machines "
+                             "that cannot run the image (exit 4); pick other GPU types, or the cu128 image "
+                             "(image.cuda_version 12.8) for older drivers")  # fmt: skip
+        why = "on a machine that cannot run the image (exit 4)" if unfit else "EXITED" if exited else "gone"
         unseen = "" if view.visible else " (the volume is not mounted here: DONE is unknown)"
         try:
-            pod, action = bring_back(self.client, self.config, exited)
+            pod, action = bring_back(self.client, self.config, exited, replace=unfit)
         except RunPodAuthError:
             raise
         except RunPodError as exc:
@@ -178,10 +194,19 @@ class Supervisor:
         state.restarts += 1
         state.failed_starts = 0
         state.next_attempt_unix = 0.0
+        state.replacements = state.replacements + 1 if unfit else 0
+        if unfit:
+            self._clear_unfit_marker()
         return self._say(
             f"pod {why} and the run not DONE{unseen}: {action} pod {pod.id} "
             f"(restart {state.restarts}/{self.policy.max_restarts})"
         )
+
+    def _clear_unfit_marker(self) -> None:
+        """The marker named the replaced pod; the new pod writes its own if its machine is unfit too."""
+        marker = self.volume.run(self.config.run).root / UNFIT_MARKER
+        marker.unlink(missing_ok=True)
+        atomic.fsync_dir(marker.parent)
 
     def _account(self, state: SupervisorState, running: list[Pod], now: float) -> None:
         """Cost of the pods seen running since the last look, at their hourly price."""

@@ -1,0 +1,114 @@
+"""Multi-node boot: torchrun runs as a child of `trainpod boot` (trainpod.launch.launch_cluster), so
+signals are forwarded, the exit code is the table's and node 0 runs the finish hook.
+
+Two "nodes" are two real `trainpod boot` processes on 127.0.0.1 with RunPod's Instant Cluster
+variables (NUM_NODES, NODE_RANK, NUM_TRAINERS, PRIMARY_ADDR/PORT), gloo on CPU, one shared volume,
+a tiny pretrain. RunPod itself is the fake API (the mock of RunPod).
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from trainpod.launch import cluster_outcome
+
+from fake_runpod import FakeRunPodServer, api_env, client_for
+from support import RUN, TINY_PRETRAIN, child_env, status_step
+
+SHORT = "train.max_steps=16 train.log_every=1 checkpoint.every_steps=4 train.eval_every=8"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_node(volume: Path, rank: int, port: int, pod_id: str, extra: dict[str, str]) -> subprocess.Popen:
+    env = child_env(
+        {
+            "TRAINPOD_WORKLOAD": "pretrain",
+            "TRAINPOD_CONFIG": str(TINY_PRETRAIN),
+            "TRAINPOD_VOLUME": str(volume),
+            "TRAINPOD_SET": SHORT,
+            "NUM_NODES": "2",
+            "NODE_RANK": str(rank),
+            "NUM_TRAINERS": "1",
+            "PRIMARY_ADDR": "127.0.0.1",
+            "PRIMARY_PORT": str(port),
+            "RUNPOD_POD_ID": pod_id,
+            **extra,
+        }
+    )
+    return subprocess.Popen(
+        [sys.executable, "-m", "trainpod", "boot"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+@pytest.fixture
+def fake():
+    with FakeRunPodServer() as fake:
+        yield fake
+    assert not fake.violations, f"requests RunPod would refuse: {fake.violations}"
+
+
+def cluster_pods(fake) -> list[str]:
+    body = {"name": "tiny-pretrain", "gpuTypeIds": ["NVIDIA H100 80GB HBM3"], "interruptible": True}
+    ids = [client_for(fake).create_pod(body).id for _ in range(2)]
+    fake.requests.clear()
+    return ids
+
+
+def test_two_nodes_finish_and_only_node_0_runs_the_finish_hook(volume, fake):
+    pods = cluster_pods(fake)
+    port = free_port()
+    nodes = [start_node(volume, rank, port, pods[rank], api_env(fake)) for rank in (0, 1)]
+    outputs = [node.communicate(timeout=300)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], "\n\n".join(outputs)
+    assert (volume / "runs" / RUN / "DONE").is_file()
+    assert "2 rank(s)" in outputs[0] + outputs[1], "both nodes joined one world of 2 ranks"
+    assert fake.pods[pods[0]]["desiredStatus"] == "EXITED", "node 0 stops its pod after DONE"
+    assert fake.pods[pods[1]]["desiredStatus"] == "RUNNING" and not fake.calls("POST", f"/pods/{pods[1]}")
+
+
+def test_sigterm_to_both_nodes_commits_and_each_exits_143(volume):
+    port = free_port()
+    nodes = [start_node(volume, rank, port, f"pod-{rank}", {}) for rank in (0, 1)]
+    deadline = time.monotonic() + 240
+    while status_step(volume) < 5 and all(node.poll() is None for node in nodes):
+        assert time.monotonic() < deadline, "the cluster never reached step 5"
+        time.sleep(0.05)
+    for node in nodes:  # RunPod stops every pod of an interrupted cluster, each with SIGTERM
+        node.send_signal(signal.SIGTERM)
+    outputs = [node.communicate(timeout=120)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [143, 143], "\n\n".join(outputs)
+    assert (volume / "runs" / RUN / "checkpoints" / "LATEST").is_file(), outputs[0]
+    assert not (volume / "runs" / RUN / "DONE").exists()
+
+
+@pytest.mark.parametrize(
+    ("codes", "expected", "torchrun", "preempted", "outcome", "why"),
+    [
+        ([0, 0], 2, 0, False, 0, "every rank finished"),
+        ([143, 1], 2, 1, True, 143, "any rank's 143: start again"),
+        ([0, 3], 2, 1, False, 3, "budget spent"),
+        ([2, 2], 2, 1, False, 2, "bad config"),
+        ([75, 0], 2, 1, False, 75, "a temporary failure: the failed-start path"),
+        ([], 2, 1, False, 1, "no rank reported (rendezvous failed): the failed-start path"),
+        ([0], 2, 0, False, 1, "a rank died without a report"),
+        ([], 2, 1, True, 143, "SIGTERM before any rank had a handler"),
+    ],
+)
+def test_the_nodes_exit_code_follows_the_table(codes, expected, torchrun, preempted, outcome, why):
+    assert cluster_outcome(codes, expected, torchrun, preempted=preempted) == outcome, why

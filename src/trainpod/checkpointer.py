@@ -31,7 +31,6 @@ import json
 import logging
 import os
 import sys
-import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -42,6 +41,7 @@ import torch
 
 import trainpod
 from trainpod.checkpoint import CheckpointStore, CommittedCheckpoint, Lease
+from trainpod.checkpoint.writer import CheckpointWriter
 from trainpod.errors import ExitCode, InputError, TemporaryError
 from trainpod.preemption import PreemptionWatch
 from trainpod.train.state import capture_rng, restore_rng
@@ -154,6 +154,8 @@ class Checkpointer:
         self.watch = PreemptionWatch(window_seconds)
         if watch_signals:
             self.watch.install()
+        # The stock trainers' engine (checkpoint/writer.py): the same files, manifest, rename and LATEST.
+        self.writer = CheckpointWriter(self.store)
         self.lease: Lease | None = None
         self.last_committed_step: int | None = None
 
@@ -210,21 +212,17 @@ class Checkpointer:
         """
         if self.lease is not None and self.lease.lost.is_set():
             raise TemporaryError("another writer took over this run's lease; stopping without a commit")
-        started = time.monotonic()
-        pending = self.store.begin(step)
-        for name, state in states.items():
-            _write_state(pending, name, state)
+        files = dict(_state_file(name, state) for name, state in states.items())
         if rng:
-            with pending.open(RNG_FILE) as f:
-                torch.save(capture_rng(), f)
-        pending.write_bytes(EXTRA_FILE, json.dumps(extra or {}, indent=2).encode())
+            files[RNG_FILE] = capture_rng()
+        files[EXTRA_FILE] = extra or {}
         metadata = {
             "writer": "trainpod.Checkpointer",
             "versions": {"trainpod": trainpod.__version__, "torch": torch.__version__},
         }
-        committed = self.store.commit(pending, step, metadata, eval_loss, started=started)
+        committed = self.writer.commit(step, files, metadata, eval_loss)
         self.last_committed_step = step
-        log.info("committed checkpoint step-%d in %.2f s", step, self.store.last_commit_seconds)
+        log.info("committed checkpoint step-%d in %.2f s", step, self.writer.last_commit_seconds)
         return committed
 
     # ------------------------------------------------------------------------ stop
@@ -239,8 +237,8 @@ class Checkpointer:
 
     def expected_commit_seconds(self) -> float:
         """The last commit's duration, else an estimate from the newest checkpoint's size."""
-        if self.store.last_commit_seconds is not None:
-            return self.store.last_commit_seconds
+        if self.writer.last_commit_seconds is not None:
+            return self.writer.last_commit_seconds
         newest = self.store.committed()
         size = sum(f["bytes"] for f in newest[0].manifest.get("files", {}).values()) if newest else 0
         return 0.5 + size / ASSUMED_VOLUME_BYTES_PER_S
@@ -258,18 +256,19 @@ class Checkpointer:
         sys.exit(int(ExitCode.PREEMPTED))
 
 
-def _write_state(pending: Any, name: str, state: Any) -> None:
+def _state_file(name: str, state: Any) -> tuple[str, Any]:
+    """The checkpoint file of one named state: tensors as safetensors bytes (tied ones stored once, the
+    aliases in its metadata), anything else as a structure for torch.save (loadable with weights_only)."""
     if isinstance(state, torch.nn.Module):
         state = state.state_dict()
     if isinstance(state, Mapping) and state and all(isinstance(v, torch.Tensor) for v in state.values()):
         tensors, aliases = _stored_once(state)
-        data = safetensors.torch.save(tensors, metadata={ALIASES_KEY: json.dumps(aliases)})
-        pending.write_bytes(f"{name}.safetensors", data)
-        return
+        return f"{name}.safetensors", safetensors.torch.save(
+            tensors, metadata={ALIASES_KEY: json.dumps(aliases)}
+        )
     if hasattr(state, "state_dict"):
         state = state.state_dict()
-    with pending.open(f"{name}.pt") as f:
-        torch.save(state, f)
+    return f"{name}.pt", state
 
 
 def _stored_once(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

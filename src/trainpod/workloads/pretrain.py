@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from trainpod.train import distributed as D
 from trainpod.train.batches import TokenBatches, eval_batches, to_device
 from trainpod.train.export import DTYPES, export_hf
 from trainpod.train.loss import CausalLMLoss
+from trainpod.train.memory import check_fits
 from trainpod.train.model import (
     autocast_dtype,
     build_model,
@@ -88,7 +90,7 @@ class Pretrainer(Trainer):
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.n_params = parameter_count(self.model_config)
         self.flops_per_token = flops_per_token(self.model_config, self.n_params, t.seq_len)
-        self.optimizer = _adamw(self.model, t, device)
+        self.optimizer = _optimizer(self.model, t, device)
         log.info(
             "model: %s parameters, attention %s, precision %s, device %s, %d rank(s)",
             f"{self.n_params:,}",
@@ -193,19 +195,27 @@ class Pretrainer(Trainer):
         return super().summary() | {"parameters": self.n_params}
 
 
-def _adamw(model: torch.nn.Module, t: Any, device: torch.device) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (not norms or biases); fused kernels on CUDA."""
+def _optimizer(model: torch.nn.Module, t: Any, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW (or bitsandbytes' 8-bit AdamW) with weight decay on matrices only, not norms or biases;
+    torch's fused kernels on CUDA."""
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(
-        groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, fused=device.type == "cuda"
-    )
+    kwargs = {"lr": t.lr, "betas": (t.beta1, t.beta2), "eps": t.eps}
+    if t.optimizer == "adamw":
+        return torch.optim.AdamW(groups, fused=device.type == "cuda", **kwargs)
+    import bitsandbytes as bnb
+
+    optimizer_class = {"adamw_8bit": bnb.optim.AdamW8bit, "paged_adamw_8bit": bnb.optim.PagedAdamW8bit}
+    return optimizer_class[t.optimizer](groups, **kwargs)
 
 
 def preflight(ctx: RunContext, config: PretrainConfig) -> None:
-    """Fail with exit 2 before anything is written: the dataset must exist."""
-    ctx.resolve_dataset(config.data.dataset)
+    """Fail with exit 2 before anything is written: the dataset must exist and, on a GPU, the
+    estimated peak memory (train/memory.py, logged on any machine) must fit it."""
+    manifest = load_dataset_manifest(ctx.resolve_dataset(config.data.dataset))
+    vocab = config.model.vocab_size or padded_vocab(manifest["tokenizer"]["vocab_size"])
+    check_fits(config, vocab, world_size=int(os.environ.get("WORLD_SIZE", "1")))
 
 
 def run(ctx: RunContext, config: PretrainConfig) -> dict[str, Any]:

@@ -127,7 +127,9 @@ class Finetuner(Trainer):
         self.improvement_threshold = t.early_stopping_min_delta
         self.tracker_run_id: str | None = None
         self.base_dir = self._on_main_first(lambda: resolve_base_model(config.base_model, ctx.volume))
-        self.attention = resolve_attention(config.base_model.attention, dist.device)
+        self.attention = resolve_attention(
+            config.base_model.attention, dist.device, packed=config.data.use_packing
+        )
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.base_dir), local_files_only=True)
         self._setup_data()
         self._setup_model()

@@ -31,6 +31,7 @@ from trainpod.config.finetune import BaseModelConfig, FinetuneConfig, LoraSettin
 from trainpod.errors import InputError, TemporaryError
 from trainpod.sft import IGNORE_INDEX, SftBatches, eval_batches, load_sft, prepare_sft, sft_key
 from trainpod.train import distributed as D
+from trainpod.train.batches import to_device
 from trainpod.train.export import DTYPES, export_hf
 from trainpod.train.model import autocast_dtype, resolve_attention
 from trainpod.train.reporting import RunReporter
@@ -169,6 +170,7 @@ class Finetuner(Trainer):
             # flash-attention-2 reads packed samples from one flattened row; SDPA/eager from any shape,
             # and rows keep their attention cost at rows x max_len^2.
             flatten_packed=self.attention == "flash_attention_2",
+            pin_memory=self.dist.device.type == "cuda",
         )
 
     def _check_same_tokenizer(self, folder: Path) -> None:
@@ -356,7 +358,7 @@ class Finetuner(Trainer):
         items = torch.tensor(max(global_items, 1.0), device=self.dist.device)
         total = torch.zeros((), device=self.dist.device)
         for i, batch in enumerate(micro_batches):
-            inputs = {k: batch[k].to(self.dist.device) for k in MODEL_INPUTS if k in batch}
+            inputs = {k: to_device(batch[k], self.dist.device) for k in MODEL_INPUTS if k in batch}
             last = i == len(micro_batches) - 1
             sync = contextlib.nullcontext() if last or not self.dist.distributed else model.no_sync()
             with sync, self._autocast():
@@ -391,10 +393,10 @@ class Finetuner(Trainer):
         for batch in batches[self.dist.rank :: self.dist.world_size]:
             with self._autocast():
                 logits = model(
-                    input_ids=batch["input_ids"].to(self.dist.device),
-                    attention_mask=batch["attention_mask"].to(self.dist.device),
+                    input_ids=to_device(batch["input_ids"], self.dist.device),
+                    attention_mask=to_device(batch["attention_mask"], self.dist.device),
                 ).logits
-            targets = batch["labels"][:, 1:].to(self.dist.device)
+            targets = to_device(batch["labels"][:, 1:], self.dist.device)
             token_loss = F.cross_entropy(
                 logits[:, :-1].float().transpose(1, 2), targets, ignore_index=IGNORE_INDEX, reduction="none"
             )

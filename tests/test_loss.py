@@ -12,7 +12,13 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from trainpod.train.loss import IGNORE_INDEX, CausalLMLoss, linear_cross_entropy, rows_per_chunk
+from trainpod.train.loss import (
+    IGNORE_INDEX,
+    CausalLMLoss,
+    fits_chunked_loss,
+    linear_cross_entropy,
+    rows_per_chunk,
+)
 
 torch.set_num_threads(1)
 
@@ -129,3 +135,41 @@ def test_model_and_loss_compile_into_one_graph_with_the_eager_loss_and_gradients
     torch.testing.assert_close(loss, eager, rtol=1e-5, atol=1e-7)
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, expected[name], rtol=1e-4, atol=1e-7, msg=f"grad of {name}")
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_chunked_loss_of_a_lora_model_equals_its_own_sft_loss_and_gradients(layout):
+    from peft import LoraConfig, get_peft_model
+
+    from trainpod.train.loss import shift_labels
+
+    model = get_peft_model(
+        tiny_llama(tie=False), LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False)
+    )
+    assert fits_chunked_loss(model)
+    ids = torch.randint(0, 300, (2, 20), generator=torch.Generator().manual_seed(3))
+    labels = ids.clone()
+    labels[:, :6] = IGNORE_INDEX  # the prompt
+    if layout == "padded":
+        inputs = {"attention_mask": torch.ones_like(ids)}
+        inputs["attention_mask"][1, 15:] = 0
+        labels[1, 15:] = IGNORE_INDEX
+    else:
+        inputs = {"position_ids": torch.tensor([list(range(12)) + list(range(8))] * 2)}
+        labels[:, 12] = IGNORE_INDEX  # a sample's first label, as stored
+    items = torch.tensor(float((labels[:, 1:] != IGNORE_INDEX).sum() + 5))  # other micro-batches count too
+    theirs = model(input_ids=ids, labels=labels, num_items_in_batch=items, **inputs).loss
+    theirs.backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad(set_to_none=True)
+    ours = CausalLMLoss(model)(ids, shift_labels(labels), items, **inputs)
+    ours.backward()
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7)
+    for name, grad in expected.items():
+        torch.testing.assert_close(model.get_parameter(name).grad, grad, rtol=1e-4, atol=1e-7, msg=name)
+
+
+def test_models_with_a_quantized_or_scaled_head_keep_their_own_loss():
+    model = tiny_llama(tie=False)
+    model.config.model_type = "gemma2"  # soft-capped logits: lm_head(hidden) is not its logits
+    assert not fits_chunked_loss(model)

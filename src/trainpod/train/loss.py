@@ -120,18 +120,49 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None, None
 
 
-class CausalLMLoss(torch.nn.Module):
-    """A causal LM (transformers' *ForCausalLM) and its chunked loss as one module.
+# Decoders whose logits are exactly lm_head(final hidden states): no soft-capping or logit scale
+# (Gemma, Cohere, Granite have one) and no auxiliary loss (mixture-of-experts models).
+PLAIN_HEAD_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
-    `forward(input_ids, targets)` returns the mean loss over the targets (already shifted, as the
-    pretraining batches are). One module, so torch.compile traces the model and the loss together
-    and DDP sees every parameter used; the wrapped model's weights are the ones that train.
+
+class CausalLMLoss(torch.nn.Module):
+    """A causal LM (transformers' *ForCausalLM, or a peft model around one) and its chunked loss as one
+    module.
+
+    `forward(input_ids, targets, divisor=None, **inputs)` returns the loss over `targets`, which are
+    already shifted (targets[:, i] is the token after input_ids[:, i], as the pretraining batches
+    are; `shift_labels` makes them from SFT labels): their mean, or their sum / `divisor`. One
+    module, so torch.compile traces the model and the loss together and DDP sees every parameter
+    used; the wrapped model's weights are the ones that train.
     """
 
     def __init__(self, model: torch.nn.Module):
         super().__init__()
         self.model = model
+        base = _base_model(model)
+        self._decoder, self._head = base.get_decoder(), base.get_output_embeddings()
 
-    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        hidden = self.model.get_decoder()(input_ids=input_ids).last_hidden_state
-        return linear_cross_entropy(hidden, self.model.get_output_embeddings().weight, targets)
+    def forward(
+        self, input_ids: torch.Tensor, targets: torch.Tensor, divisor: torch.Tensor | None = None, **inputs
+    ) -> torch.Tensor:
+        hidden = self._decoder(input_ids=input_ids, **inputs).last_hidden_state
+        return linear_cross_entropy(hidden, self._head.weight, targets, divisor)
+
+
+def _base_model(model: torch.nn.Module) -> torch.nn.Module:
+    get_base_model = getattr(model, "get_base_model", None)  # a peft model: LoRA layers sit inside it
+    return get_base_model() if get_base_model else model
+
+
+def fits_chunked_loss(model: torch.nn.Module) -> bool:
+    """Whether `CausalLMLoss` gives this model's own loss: a known decoder whose head is a plain bias-free
+    Linear (not quantized, not a LoRA layer)."""
+    base = _base_model(model)
+    head = base.get_output_embeddings()
+    model_type = getattr(base.config, "model_type", None)
+    return type(head) is torch.nn.Linear and head.bias is None and model_type in PLAIN_HEAD_MODEL_TYPES
+
+
+def shift_labels(labels: torch.Tensor) -> torch.Tensor:
+    """SFT labels (aligned with the inputs) as next-token targets, as transformers' loss shifts them."""
+    return torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)

@@ -33,6 +33,7 @@ from trainpod.sft import IGNORE_INDEX, SftBatches, eval_batches, load_sft, prepa
 from trainpod.train import distributed as D
 from trainpod.train.batches import to_device
 from trainpod.train.export import DTYPES, export_hf
+from trainpod.train.loss import CausalLMLoss, fits_chunked_loss, shift_labels
 from trainpod.train.model import autocast_dtype, resolve_attention
 from trainpod.train.reporting import RunReporter
 from trainpod.train.schedule import cosine_with_warmup
@@ -241,8 +242,10 @@ class Finetuner(Trainer):
         self.n_trainable = sum(p.numel() for p in self.trainable.values())
         self.n_params = sum(p.numel() for p in model.parameters())
         self.optimizer = _optimizer(list(self.trainable.values()), t, device)
+        self.chunked_loss = fits_chunked_loss(model)
         log.info(
-            "finetune: method %s, %s of %s parameters train, attention %s, precision %s, device %s, %d rank(s)",
+            "finetune: method %s, %s of %s parameters train, attention %s, precision %s, device %s, %d rank(s), "
+            "%s loss",
             self.method,
             f"{self.n_trainable:,}",
             f"{self.n_params:,}",
@@ -250,6 +253,7 @@ class Finetuner(Trainer):
             self.autocast_dtype or "fp32",
             device,
             self.dist.world_size,
+            "chunked" if self.chunked_loss else "the model's own",
         )
 
     def _compute_dtype(self) -> torch.dtype:
@@ -278,10 +282,13 @@ class Finetuner(Trainer):
             )
 
     def wrap_for_training(self) -> torch.nn.Module:
+        """The model with the chunked loss (train/loss.py) where it gives the model's own loss: a
+        known decoder with a plain head; else the model, whose loss upcasts every logit to fp32."""
+        model = CausalLMLoss(self.model) if self.chunked_loss else self.model
         if not self.dist.distributed:
-            return self.model
+            return model
         return DistributedDataParallel(
-            self.model, device_ids=[self.dist.local_rank] if self.dist.device.type == "cuda" else None
+            model, device_ids=[self.dist.local_rank] if self.dist.device.type == "cuda" else None
         )
 
     def make_reporter(self, start_step: int) -> RunReporter:
@@ -362,7 +369,10 @@ class Finetuner(Trainer):
             last = i == len(micro_batches) - 1
             sync = contextlib.nullcontext() if last or not self.dist.distributed else model.no_sync()
             with sync, self._autocast():
-                loss = model(**inputs, num_items_in_batch=items).loss
+                if self.chunked_loss:
+                    loss = model(inputs.pop("input_ids"), shift_labels(inputs.pop("labels")), items, **inputs)
+                else:
+                    loss = model(**inputs, num_items_in_batch=items).loss
                 (loss * self.dist.world_size).backward()
             total += loss.detach()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable.values(), t.grad_clip or float("inf"))
@@ -391,8 +401,8 @@ class Finetuner(Trainer):
         loss_sum = count = 0.0
         per_sample: list[tuple[float, int]] = []
         for batch in batches[self.dist.rank :: self.dist.world_size]:
-            with self._autocast():
-                logits = model(
+            with self._autocast():  # the bare model, not the training wrapper: per-sample losses need logits
+                logits = self.model(
                     input_ids=to_device(batch["input_ids"], self.dist.device),
                     attention_mask=to_device(batch["attention_mask"], self.dist.device),
                 ).logits

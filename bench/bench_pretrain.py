@@ -35,7 +35,7 @@ from trainpod.train.reporting import RunReporter  # noqa: E402
 from trainpod.train.schedule import cosine_with_warmup  # noqa: E402
 from trainpod.volume import Volume  # noqa: E402
 from trainpod.workloads.context import RunContext  # noqa: E402
-from trainpod.workloads.pretrain import Pretrainer, _adamw  # noqa: E402
+from trainpod.workloads.pretrain import Pretrainer, _optimizer  # noqa: E402
 
 THROUGHPUT_TARGET = 0.95
 RESUME_TARGET = 1.1
@@ -105,7 +105,7 @@ def bare_loop_seconds(volume: Path, steps: int) -> float:
     cfg = bench_config(steps)
     trainer = Pretrainer(RunContext(Volume(volume), run, PreemptionWatch()), cfg, init_distributed())
     model, batches, t = trainer.model, trainer.batches, cfg.train
-    optimizer = _adamw(model, t, torch.device("cpu"))
+    optimizer = _optimizer(model, t, torch.device("cpu"))
     started = time.perf_counter()
     for step in range(steps):
         for group in optimizer.param_groups:

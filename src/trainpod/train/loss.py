@@ -139,14 +139,13 @@ class CausalLMLoss(torch.nn.Module):
     def __init__(self, model: torch.nn.Module):
         super().__init__()
         self.model = model
-        base = _base_model(model)
-        self._decoder, self._head = base.get_decoder(), base.get_output_embeddings()
 
     def forward(
         self, input_ids: torch.Tensor, targets: torch.Tensor, divisor: torch.Tensor | None = None, **inputs
     ) -> torch.Tensor:
-        hidden = self._decoder(input_ids=input_ids, **inputs).last_hidden_state
-        return linear_cross_entropy(hidden, self._head.weight, targets, divisor)
+        base = _base_model(self.model)
+        hidden = base.get_decoder()(input_ids=input_ids, **inputs).last_hidden_state
+        return linear_cross_entropy(hidden, base.get_output_embeddings().weight, targets, divisor)
 
 
 def _base_model(model: torch.nn.Module) -> torch.nn.Module:

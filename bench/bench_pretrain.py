@@ -29,13 +29,14 @@ from abba import paired  # noqa: E402
 
 from trainpod.config import load_config  # noqa: E402
 from trainpod.config.pretrain import PretrainConfig  # noqa: E402
+from trainpod.context import RunContext  # noqa: E402
 from trainpod.preemption import PreemptionWatch  # noqa: E402
 from trainpod.train.distributed import init_distributed  # noqa: E402
+from trainpod.train.optim import build_optimizer, decay_groups  # noqa: E402
 from trainpod.train.reporting import RunReporter  # noqa: E402
 from trainpod.train.schedule import cosine_with_warmup  # noqa: E402
 from trainpod.volume import Volume  # noqa: E402
-from trainpod.workloads.context import RunContext  # noqa: E402
-from trainpod.workloads.pretrain import Pretrainer, _optimizer  # noqa: E402
+from trainpod.workloads.pretrain import Pretrainer  # noqa: E402
 
 THROUGHPUT_TARGET = 0.95
 RESUME_TARGET = 1.1
@@ -105,7 +106,14 @@ def bare_loop_seconds(volume: Path, steps: int) -> float:
     cfg = bench_config(steps)
     trainer = Pretrainer(RunContext(Volume(volume), run, PreemptionWatch()), cfg, init_distributed())
     model, batches, t = trainer.model, trainer.batches, cfg.train
-    optimizer = _optimizer(model, t, torch.device("cpu"))
+    optimizer = build_optimizer(
+        "adamw",
+        decay_groups(model, t.weight_decay),
+        lr=t.lr,
+        betas=(t.beta1, t.beta2),
+        eps=t.eps,
+        device=torch.device("cpu"),
+    )
     started = time.perf_counter()
     for step in range(steps):
         for group in optimizer.param_groups:

@@ -19,7 +19,7 @@ from trainpod.train.batches import TokenBatches, to_device
 from trainpod.train.loss import CausalLMLoss, linear_cross_entropy
 from trainpod.train.memory import estimate_training_memory
 from trainpod.train.model import build_model, causal_fast_path, llama_config
-from trainpod.workloads.pretrain import _optimizer
+from trainpod.train.optim import build_optimizer, decay_groups
 
 pytestmark = [
     pytest.mark.gpu,
@@ -28,6 +28,12 @@ pytestmark = [
     ),
 ]
 CUDA = torch.device("cuda")
+
+
+def optimizer_for(model, t, device):
+    """The optimizer pretraining builds for this train config."""
+    groups = decay_groups(model, t.weight_decay)
+    return build_optimizer(t.optimizer, groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, device=device)
 
 
 def peak_bytes(work) -> tuple[object, int]:
@@ -130,7 +136,7 @@ def test_memory_estimate_is_within_a_quarter_of_the_measured_peak():
     llama = llama_config(config.model, vocab, config.train.seq_len, causal_fast_path("sdpa"))
     torch.cuda.reset_peak_memory_stats()
     model = build_model(llama, seed=0, device=CUDA)
-    optimizer = _optimizer(model, config.train, CUDA)
+    optimizer = optimizer_for(model, config.train, CUDA)
     wrapped = CausalLMLoss(model)
     for _ in range(2):  # the second step holds gradients and optimizer states from the first
         for _ in range(2):

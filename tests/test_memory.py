@@ -20,9 +20,17 @@ from trainpod.config.pretrain import PretrainConfig
 from trainpod.errors import ExitCode, InputError
 from trainpod.train import memory
 from trainpod.train.model import build_model, llama_config
-from trainpod.workloads.pretrain import _optimizer
+from trainpod.train.optim import build_optimizer, decay_groups
 
 torch.set_num_threads(1)
+
+
+def optimizer_for(model, t, device):
+    """The optimizer pretraining builds for this train config."""
+    groups = decay_groups(model, t.weight_decay)
+    return build_optimizer(t.optimizer, groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, device=device)
+
+
 PRESETS = Path(__file__).resolve().parents[1] / "configs" / "pretrain"
 GPU_80GB = 79 * 2**30  # what torch reports for an 80 GB H100/A100
 
@@ -52,7 +60,7 @@ def test_weights_gradients_and_optimizer_states_are_estimated_to_the_byte(optimi
     config = tiny_config(optimizer=optimizer, micro_batch_size=2)
     vocab = 320
     model = build_model(llama_config(config.model, vocab, config.train.seq_len), seed=0)
-    opt = _optimizer(model, config.train, torch.device("cpu"))
+    opt = optimizer_for(model, config.train, torch.device("cpu"))
     ids = torch.randint(0, vocab, (2, 32))
     model(input_ids=ids, labels=ids).loss.backward()
     opt.step()

@@ -11,10 +11,11 @@ from trainpod.config.convert import ConvertConfig
 from trainpod.config.datagen import DatagenConfig
 from trainpod.config.deploy import DeployConfig
 from trainpod.config.finetune import FinetuneConfig
+from trainpod.config.loader import load_tree
 from trainpod.config.pretrain import PretrainConfig
 from trainpod.config.sft import SftDatagenConfig
 from trainpod.train.model import llama_config, padded_vocab, parameter_count
-from trainpod.workloads.lifecycle import config_class
+from trainpod.workloads import REGISTRY
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 TYPES = {
@@ -42,11 +43,19 @@ def test_shipped_config_loads_and_validates(path):
 
 
 def config_type(path: Path) -> type:
-    """datagen configs come in three kinds, told apart by their top-level key (as `trainpod run` does)."""
-    return config_class("datagen", path) if path.parent.name == "datagen" else TYPES[path.parent.name]
+    """The config class `trainpod run` picks: the registry's module for the folder's workload."""
+    workload = REGISTRY.get(path.parent.name)
+    return workload.module().config_type(load_tree(path)[0]) if workload else TYPES[path.parent.name]
 
 
-def test_the_datagen_kinds_are_told_apart_by_their_top_level_key():
+def test_every_shipped_datagen_config_names_its_kind(caplog):
+    for path in (p for p in shipped() if p.parent.name == "datagen"):
+        assert "kind" in load_tree(path)[0], f"{path.name}: add `kind: tokens|sft|generator` at the top"
+        config_type(path)
+    assert "deprecated" not in caplog.text
+
+
+def test_the_datagen_kinds_are_told_apart_by_their_kind_key():
     kinds = {p.name: config_type(p).__name__ for p in shipped() if p.parent.name == "datagen"}
     assert kinds["tiny.yaml"] == "DatagenConfig"
     assert kinds["sft-tiny.yaml"] == "SftDatagenConfig"

@@ -25,20 +25,17 @@ import shutil
 import sys
 from pathlib import Path
 
-from trainpod import cost
+from trainpod import cost, workloads
 from trainpod.errors import ConfigError, InputError, TrainpodError
 from trainpod.log import setup_logging
 from trainpod.runpod.finish import after_workload
 from trainpod.runpod.finish import check_environment as check_finish_environment
 from trainpod.volume import RunDir, Volume
+from trainpod.workloads import Workload
 
 log = logging.getLogger("trainpod.boot")
 
-TRAINING_WORKLOADS = ("pretrain", "finetune")  # one rank per GPU, several nodes through torchrun
-WORKLOADS = ("datagen", "pretrain", "finetune", "convert", "supervise")
 VOLUME_FOLDERS = ("datasets", "tokenizers", "runs", "repos", "cache")
-# Bytes per parameter a training run keeps on the volume: fp32 weights + two AdamW moments.
-CHECKPOINT_BYTES_PER_PARAM = 12
 
 
 def boot(environ: dict[str, str] | None = None) -> int:
@@ -49,7 +46,7 @@ def boot(environ: dict[str, str] | None = None) -> int:
     """
     environ = os.environ if environ is None else environ
     setup_logging(None, int(environ.get("RANK", "0")))
-    workload, volume, config = environ.get("TRAINPOD_WORKLOAD", ""), Volume.from_env(environ), None
+    workload_name, volume, config = environ.get("TRAINPOD_WORKLOAD", ""), Volume.from_env(environ), None
     try:
         workload = _workload(environ)
         volume.check_writable()
@@ -59,14 +56,14 @@ def boot(environ: dict[str, str] | None = None) -> int:
             sync(environ["TRAINPOD_GIT_REPO"], environ.get("TRAINPOD_GIT_REF"), volume.root / "repos")
         config = _preflight(workload, volume, environ)
         _prepare_volume(volume, environ)  # only after preflight: bad input leaves the volume untouched
-        code = _launch(workload, config, volume, environ)
+        code = _launch(workload, environ)
     except TrainpodError as exc:
         log.error("%s", exc)
         code = int(exc.exit_code)
     except Exception:  # a crash still counts as a failed start, or a crash loop would never end
-        log.exception("the %s workload crashed", workload or "?")
+        log.exception("the %s workload crashed", workload_name or "?")
         code = 1
-    return after_workload(code, _run_dir(volume, config, environ), environ, workload)
+    return after_workload(code, _run_dir(volume, config, environ), environ, workload_name)
 
 
 def _run_dir(volume: Volume, config, environ: dict[str, str]) -> RunDir | None:
@@ -75,12 +72,14 @@ def _run_dir(volume: Volume, config, environ: dict[str, str]) -> RunDir | None:
     return volume.run(name) if name else None
 
 
-def _workload(environ: dict[str, str]) -> str:
-    workload = environ.get("TRAINPOD_WORKLOAD", "")
-    if workload not in WORKLOADS:
-        shown = repr(workload) if workload else "unset"
-        raise ConfigError([f"TRAINPOD_WORKLOAD is {shown}; set it to one of: {', '.join(WORKLOADS)}"])
-    return workload
+def _workload(environ: dict[str, str]) -> Workload:
+    name = environ.get("TRAINPOD_WORKLOAD", "")
+    if name not in workloads.REGISTRY:
+        shown = repr(name) if name else "unset"
+        raise ConfigError(
+            [f"TRAINPOD_WORKLOAD is {shown}; set it to one of: {', '.join(workloads.REGISTRY)}"]
+        )
+    return workloads.get(name)
 
 
 def _prepare_volume(volume: Volume, environ: dict[str, str]) -> None:
@@ -97,21 +96,19 @@ def _prepare_volume(volume: Volume, environ: dict[str, str]) -> None:
         environ.setdefault(name, str(path))
 
 
-def _preflight(workload: str, volume: Volume, environ: dict[str, str]):
-    from trainpod.config import load_config, parse_overrides
-    from trainpod.config.deploy import DeployConfig
-    from trainpod.workloads.lifecycle import config_class, resolve_config_path
+def _preflight(workload: Workload, volume: Volume, environ: dict[str, str]):
+    from trainpod.config import parse_overrides
+    from trainpod.workloads.lifecycle import load_workload_config, resolve_config_path
 
     check_finish_environment(environ)
     cost.check_environment()
     config_path = resolve_config_path(environ.get("TRAINPOD_CONFIG"), volume)
-    config_type = DeployConfig if workload == "supervise" else config_class(workload, config_path)
-    config = load_config(config_type, config_path, parse_overrides(environ.get("TRAINPOD_SET")))
-    if workload in TRAINING_WORKLOADS:
+    config = load_workload_config(workload, config_path, parse_overrides(environ.get("TRAINPOD_SET")))
+    if workload.kind.rank_per_gpu:
         _check_gpu(config, environ)
-    if workload == "pretrain":
+    if workload.name == "pretrain":
         _check_gpu_memory(config, volume, environ)
-        _check_free_space(config, volume)
+    _check_free_space(workload.module().disk_estimate(config), volume)
     return config
 
 
@@ -150,42 +147,30 @@ def _dataset_vocab(config, volume: Volume) -> int | None:
         return None  # missing or unreadable: the workload's own preflight reports it
 
 
-def _check_free_space(config, volume: Volume) -> None:
-    from trainpod.train.model import llama_config, padded_vocab, parameter_count
-
-    vocab = config.model.vocab_size or padded_vocab(65536)  # before the tokenizer is read: a safe upper bound
-    params = parameter_count(llama_config(config.model, vocab, config.train.seq_len))
-    kept = config.checkpoint.keep_last + config.checkpoint.keep_best + 1  # +1: the one being written
-    needed = params * CHECKPOINT_BYTES_PER_PARAM * kept + params * 4  # + the fp32 export
+def _check_free_space(needed: int | None, volume: Volume) -> None:
+    """The workload's own estimate (workloads/<name>.py disk_estimate) against the volume's free bytes."""
     free = shutil.disk_usage(volume.root).free
-    if free < needed:
+    if needed is not None and free < needed:
         raise InputError(
             f"the volume at {volume.root} has {free / 2**30:.1f} GiB free; this run needs about "
-            f"{needed / 2**30:.1f} GiB ({params / 1e6:.0f}M parameters x {CHECKPOINT_BYTES_PER_PARAM} bytes x "
-            f"{kept} checkpoints + export); grow the network volume or lower checkpoint.keep_last/keep_best"
+            f"{needed / 2**30:.1f} GiB (its checkpoints and export); grow the network volume or lower "
+            "checkpoint.keep_last/keep_best"
         )
 
 
-def _launch(workload: str, config, volume: Volume, environ: dict[str, str]) -> int:
-    from trainpod.cli import run
-
-    if workload == "supervise":  # the recommended mode: it sees DONE, FAILED and status.json directly
-        from trainpod.runpod.supervise import supervise
-
-        if environ.get("TRAINPOD_RUN"):
-            config.run = environ["TRAINPOD_RUN"]
-        return supervise(config, volume)
+def _launch(workload: Workload, environ: dict[str, str]) -> int:
+    from trainpod.workloads.lifecycle import RunRequest, execute
 
     nodes = int(environ.get("NUM_NODES") or 1)
-    if workload in TRAINING_WORKLOADS and nodes > 1:
-        return _torchrun_cluster(workload, environ)
-    gpus = _gpu_count(environ) if workload in TRAINING_WORKLOADS else 1
+    if workload.kind.rank_per_gpu and nodes > 1:
+        return _torchrun_cluster(workload.name, environ)
+    gpus = _gpu_count(environ) if workload.kind.rank_per_gpu else 1
     if gpus > 1:
         log.info("launching %d ranks, one per GPU", gpus)
         from trainpod.launch import launch_local
 
-        return launch_local(gpus, ["run", workload])
-    return run(workload)
+        return launch_local(gpus, ["run", workload.name])
+    return execute(RunRequest.from_env(workload.name, environ))
 
 
 def _gpu_count(environ: dict[str, str]) -> int:

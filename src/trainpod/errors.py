@@ -1,4 +1,4 @@
-"""The one error hierarchy of trainpod and the exit codes the supervisor acts on (DESIGN.md).
+"""The one error hierarchy of trainpod and the exit codes the supervisor acts on (docs/design.md, "Exit codes").
 
 Every error a user can cause is a `TrainpodError` whose message says what is wrong, where, and
 what to do next; the CLI prints the message (never a traceback) and exits with `exit_code`.

@@ -1,4 +1,4 @@
-"""Where everything lives on the network volume (DESIGN.md, "The volume").
+"""Where everything lives on the network volume (docs/design.md, "The volume").
 
 $TRAINPOD_VOLUME/
   datasets/<name>/   tokenizers/<name>/   repos/<name>/   cache/

@@ -21,7 +21,7 @@ def test_run_started_again_after_done_exits_zero_quickly_and_changes_nothing(
     box = pods.run(volume, INTERRUPT_ENV, pod="pod-baseline", timeout=60)
     logs = box.logs()
     assert box.exit_code() == 0, f"exited {box.exit_code()} on a finished run:\n{logs[-2000:]}"
-    # No wall-clock assertion (DESIGN.md, Tests): it returned without training one step.
+    # No wall-clock assertion (docs/design.md, "Tests"): it returned without training one step.
     assert " step " not in logs and "committed checkpoint" not in logs, (
         f"a finished run trained again:\n{logs[-2000:]}"
     )

@@ -1,4 +1,4 @@
-"""The checkpoint protocol of DESIGN.md: a kill at any instant loses no committed checkpoint.
+"""The checkpoint protocol (docs/design.md, "Checkpoints"): a kill at any instant loses no committed checkpoint.
 
 Commit sequence:
   1. write every file into `step-<N>.tmp-<id>/`, hashing while writing, fsync each file;

@@ -89,6 +89,11 @@ class SourceConfig(Section):
 class DatagenConfig(Section):
     """Documents -> tokenizer -> llm.c-format token shards in $TRAINPOD_VOLUME/datasets/<name>/."""
 
+    kind: Literal["tokens"] = Field(
+        "tokens",
+        description="What datagen makes: 'tokens' (token shards), 'sft' (SFT samples) or 'generator' (your "
+        "generator's records).",
+    )
     name: str = Field(pattern=NAME_PATTERN, description="Dataset name: shards go to datasets/<name>/.")
     tokenizer: TokenizerSettings = TokenizerSettings()
     sources: list[SourceConfig] = Field(min_length=1, description="Inputs, read in this order.")
@@ -143,4 +148,4 @@ class DatagenConfig(Section):
 
     def output_settings(self) -> dict:
         """The settings the shards depend on (tuning knobs left out), hashed to recognise a dataset."""
-        return self.model_dump(mode="json", exclude={"workers", "batch_documents"})
+        return self.model_dump(mode="json", exclude={"kind", "workers", "batch_documents"})

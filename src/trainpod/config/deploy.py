@@ -139,8 +139,9 @@ class DeployConfig(Section):
     """One run on RunPod: the pod `<run>-<workload>` on a network volume, from a template for the image."""
 
     run: str = Field(pattern=NAME_PATTERN, description="Run name (TRAINPOD_RUN): runs/<run>/ on the volume.")
-    workload: Literal["datagen", "pretrain", "finetune", "convert"] = Field(
-        description="TRAINPOD_WORKLOAD: datagen, pretrain, finetune or convert."
+    workload: str = Field(
+        description="TRAINPOD_WORKLOAD: a workload of `trainpod run --help` (datagen, pretrain, finetune, convert, "
+        "...); checked against the registry (trainpod/workloads/) when deploying."
     )
     config: str = Field(
         description="TRAINPOD_CONFIG: the workload's YAML, as the pod sees it (a path in the image's configs/, "

@@ -2,8 +2,7 @@
 
     TRAINPOD_CONFIG=configs/datagen/generator-tiny.yaml trainpod run datagen
 
-A datagen YAML with a top-level `generator:` key is this config (`datagen_config_class` picks it);
-without one it is a token-shard `DatagenConfig`. What the function must look like, and what lands
+A datagen YAML with `kind: generator` is this config (workloads/datagen.py picks it). What the function must look like, and what lands
 in $TRAINPOD_VOLUME/datasets/<name>/, is documented in trainpod/data/generate.py.
 """
 
@@ -13,13 +12,11 @@ import json
 import math
 import re
 from fractions import Fraction
-from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-import yaml
 from pydantic import Field, field_validator, model_validator
 
-from trainpod.config.datagen import NAME_PATTERN, DatagenConfig
+from trainpod.config.datagen import NAME_PATTERN
 from trainpod.config.loader import Section
 
 # "package.module:function": dotted Python identifiers, one colon, one identifier after it.
@@ -59,6 +56,9 @@ class SplitRatios(Section):
 class GeneratorDatagenConfig(Section):
     """Run a user's generator function in parallel, crash-safely, into datasets/<name>/*.jsonl."""
 
+    kind: Literal["generator"] = Field(
+        "generator", description="'generator': this datagen config runs your generator."
+    )
     name: str = Field(
         pattern=NAME_PATTERN,
         description="Dataset name: the output goes to $TRAINPOD_VOLUME/datasets/<name>/.",
@@ -163,16 +163,4 @@ class GeneratorDatagenConfig(Section):
 
     def output_settings(self) -> dict:
         """What the records depend on (the worker count left out), hashed to recognise a dataset."""
-        return self.model_dump(mode="json", exclude={"workers"})
-
-
-def datagen_config_class(path: Path | str | None) -> type[Section]:
-    """GeneratorDatagenConfig when the YAML at `path` has a top-level `generator:` key, else DatagenConfig.
-
-    A missing or malformed file gives DatagenConfig, whose loading then reports the problem.
-    """
-    try:
-        tree = yaml.safe_load(Path(path).read_text(encoding="utf-8")) if path else None
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):
-        return DatagenConfig
-    return GeneratorDatagenConfig if isinstance(tree, dict) and "generator" in tree else DatagenConfig
+        return self.model_dump(mode="json", exclude={"kind", "workers"})

@@ -122,11 +122,10 @@ def validate_tree(model_cls: type[ConfigT], tree: Any, source: str | None = None
         raise ConfigError([_describe(model_cls, e) for e in exc.errors()], source) from None
 
 
-def load_config(model_cls: type[ConfigT], path: Path | str | None, overrides: list[str] = ()) -> ConfigT:
-    """Read `path` (YAML), apply `overrides` in order, validate, and return the typed config.
+def load_tree(path: Path | str | None, overrides: list[str] = ()) -> tuple[dict[str, Any], str]:
+    """Read `path` (YAML) and apply `overrides` in order: the raw tree, before validation, and its source.
 
-    Raises ConfigError (exit 2) listing every problem: YAML syntax, malformed overrides, unknown
-    keys, wrong types, failed checks.
+    Raises ConfigError (exit 2) for a missing file, YAML syntax and malformed overrides.
     """
     problems: list[str] = []
     source = str(path) if path is not None else "overrides"
@@ -160,6 +159,16 @@ def load_config(model_cls: type[ConfigT], path: Path | str | None, overrides: li
         _apply_override(tree, assignment, problems)
     if problems:
         raise ConfigError(problems, source)
+    return tree, source
+
+
+def load_config(model_cls: type[ConfigT], path: Path | str | None, overrides: list[str] = ()) -> ConfigT:
+    """Read `path` (YAML), apply `overrides` in order, validate, and return the typed config.
+
+    Raises ConfigError (exit 2) listing every problem: YAML syntax, malformed overrides, unknown
+    keys, wrong types, failed checks.
+    """
+    tree, source = load_tree(path, overrides)
     return validate_tree(model_cls, tree, source)
 
 

@@ -178,6 +178,7 @@ class SftDataConfig(Section):
 class SftDatagenConfig(Section):
     """`trainpod run datagen` for finetuning data: tokenized SFT samples in datasets/<name>/."""
 
+    kind: Literal["sft"] = Field("sft", description="'sft': this datagen config makes SFT samples.")
     name: str = Field(pattern=NAME_PATTERN, description="Dataset name: the result goes to datasets/<name>/.")
     tokenizer: str = Field(
         min_length=1,

@@ -16,6 +16,7 @@ from trainpod.checkpoint.store import LATEST, MANIFEST, step_dir_name
 from trainpod.config import load_config
 from trainpod.config.convert import ExportTask
 from trainpod.config.pretrain import PretrainConfig
+from trainpod.context import RunContext
 from trainpod.data.datagen import load_dataset_manifest
 from trainpod.errors import InputError
 from trainpod.preemption import PreemptionWatch
@@ -23,7 +24,6 @@ from trainpod.train.export import DTYPES, export_hf
 from trainpod.train.model import build_model, llama_config, padded_vocab
 from trainpod.train.state import load_weights
 from trainpod.volume import RunDir, Volume
-from trainpod.workloads.context import RunContext
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 RunPod starts a pod's container again whenever it exits, so the exit code alone is not enough:
 
-| exit | meaning (DESIGN.md) | here |
+| exit | meaning (docs/design.md, "Exit codes") | here |
 | --- | --- | --- |
 | 0 | DONE | failed-start count reset; TRAINPOD_ON_FINISH: stop (default), terminate or idle |
 | 143 | SIGTERM (spot interruption) | count reset: the start itself worked; RunPod stops the pod |

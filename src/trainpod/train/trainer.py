@@ -27,11 +27,11 @@ import trainpod
 from trainpod.checkpoint import CheckpointStore, CommittedCheckpoint, PendingCheckpoint
 from trainpod.config import config_hash
 from trainpod.config.checkpoint import CheckpointConfig
+from trainpod.context import RunContext
 from trainpod.errors import BudgetExhausted, InputError, Preempted, TemporaryError
 from trainpod.train import distributed as D
 from trainpod.train.reporting import RunReporter, peak_flops
 from trainpod.train.state import capture_rng, restore_rng
-from trainpod.workloads.context import RunContext
 
 log = logging.getLogger(__name__)
 

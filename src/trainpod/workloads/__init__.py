@@ -1,1 +1,100 @@
-"""One module per workload; each exposes `run(request)` called by the CLI's `trainpod run WORKLOAD`."""
+"""The one list of workloads. `trainpod run`, `trainpod boot`, the lifecycle and deploy all read it.
+
+    trainpod run pretrain --config configs/pretrain/tiny.yaml
+    TRAINPOD_WORKLOAD=finetune TRAINPOD_CONFIG=... trainpod boot
+
+Adding a workload is one module in this package plus one line in REGISTRY (docs/design.md,
+"Workloads"). The module provides the four functions of `WorkloadModule`; its `Kind` says which
+lifecycle wraps it (workloads/lifecycle.py): the run folder, the lease, DONE, ranks per GPU.
+Modules are imported only when their workload runs, so `trainpod --help` does not import torch.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from trainpod.errors import ConfigError
+
+
+class Kind(enum.Enum):
+    """What the lifecycle does around a workload's `run` (docs/design.md, "Workloads")."""
+
+    TRAINING = "training"  # one rank per GPU; run folder, lease, checkpoints, status, DONE
+    COMMAND = "command"  # the user's program under the training lifecycle, as one process
+    DATA = "data"  # writes datasets/ and tokenizers/, resuming from its own progress; no run folder
+    CONVERSION = "conversion"  # writes runs/<run>/export/ under the run's lease; never DONE
+    SERVICE = "service"  # watches other runs (supervise); its config is a deploy config
+
+    @property
+    def owns_run_folder(self) -> bool:
+        """Whether the workload's run gets runs/<run>/ with a lease, config.yaml, status.json and DONE."""
+        return self in (Kind.TRAINING, Kind.COMMAND)
+
+    @property
+    def rank_per_gpu(self) -> bool:
+        """Whether boot starts one process per GPU (and torchrun across the nodes of a cluster)."""
+        return self is Kind.TRAINING
+
+
+class WorkloadModule(Protocol):
+    """What a workload module defines (trainpod/workloads/<name>.py)."""
+
+    def config_type(self, tree: dict[str, Any]) -> type:
+        """The pydantic config class for this YAML tree (before validation)."""
+
+    def preflight(self, ctx: Any, config: Any) -> None:
+        """Check the inputs and raise a TrainpodError (exit 2) before anything is written."""
+
+    def run(self, ctx: Any, config: Any) -> Any:
+        """Do the work. TRAINING/COMMAND: the DONE summary (a dict); DATA/CONVERSION: the output folders;
+        SERVICE: its exit code. Stops raise TrainpodError subclasses (Preempted, BudgetExhausted, ...)."""
+
+    def disk_estimate(self, config: Any) -> int | None:
+        """Bytes the workload will need on the volume (boot refuses to start when they are not free)."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    kind: Kind
+    summary: str
+    module_name: str
+
+    def module(self) -> WorkloadModule:
+        return importlib.import_module(self.module_name)  # type: ignore[return-value]
+
+
+_WORKLOADS = (
+    Workload("datagen", Kind.DATA, "tokenizer + token shards, SFT data, or your generator's records", __name__ + ".datagen"),
+    Workload("pretrain", Kind.TRAINING, "a Llama decoder from scratch on token shards", __name__ + ".pretrain"),
+    Workload("finetune", Kind.TRAINING, "QLoRA, LoRA or full finetuning of an existing model", __name__ + ".finetune"),
+    Workload("convert", Kind.CONVERSION, "adapters to MLX, merged into their base; checkpoints to HF", __name__ + ".convert"),
+    Workload("supervise", Kind.SERVICE, "bring a run's interrupted spot pods back until it is done", __name__ + ".supervise"),
+)  # fmt: skip
+REGISTRY: dict[str, Workload] = {workload.name: workload for workload in _WORKLOADS}
+
+
+def get(name: str | None) -> Workload:
+    """The workload called `name`; a ConfigError (exit 2) listing the known ones otherwise."""
+    workload = REGISTRY.get(name or "")
+    if workload is None:
+        shown = repr(name) if name else "unset"
+        raise ConfigError([f"workload {shown} is not one of: {', '.join(REGISTRY)}"])
+    return workload
+
+
+def names(*kinds: Kind) -> list[str]:
+    """The workloads' names, of the given kinds only when any are given."""
+    return [name for name, workload in REGISTRY.items() if not kinds or workload.kind in kinds]
+
+
+def deployable(name: str) -> Workload:
+    """The workload a deploy config names: anything but a service, which watches pods instead of being one."""
+    workload = REGISTRY.get(name)
+    if workload is None or workload.kind is Kind.SERVICE:
+        choices = ", ".join(names(*(k for k in Kind if k is not Kind.SERVICE)))
+        raise ConfigError([f"workload = {name!r}: not a workload a pod can run; set it to one of: {choices}"])
+    return workload

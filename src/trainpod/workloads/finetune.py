@@ -23,83 +23,37 @@ import safetensors.torch
 import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from trainpod import atomic
 from trainpod.checkpoint import PendingCheckpoint
-from trainpod.config.finetune import BaseModelConfig, FinetuneConfig, LoraSettings
-from trainpod.errors import InputError, TemporaryError
+from trainpod.config.finetune import FinetuneConfig
+from trainpod.context import RunContext
+from trainpod.errors import InputError
 from trainpod.sft import IGNORE_INDEX, SftBatches, eval_batches, load_sft, prepare_sft, sft_key
 from trainpod.train import distributed as D
+from trainpod.train.base_model import load_4bit, load_model, resolve_base_model
 from trainpod.train.batches import to_device
 from trainpod.train.export import DTYPES, export_hf
 from trainpod.train.loss import CausalLMLoss, fits_chunked_loss, shift_labels
 from trainpod.train.model import autocast_dtype, resolve_attention
+from trainpod.train.optim import build_optimizer
 from trainpod.train.reporting import RunReporter
 from trainpod.train.schedule import cosine_with_warmup
 from trainpod.train.tracking import WandbTracker, wandb_wanted
 from trainpod.train.trainer import StepResult, Trainer, train_and_export
-from trainpod.volume import Volume
-from trainpod.workloads.context import RunContext
 
 log = logging.getLogger(__name__)
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "labels")
-# What a model folder needs from the hub: weights, configs, tokenizer (no pickles, no other formats).
-HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.py"]
 
 
-# ----------------------------------------------------------------------------- base model
-def resolve_base_model(cfg: BaseModelConfig, volume: Volume, download: bool = True) -> Path:
-    """The base model's local folder: given as a folder, or downloaded from the hub into cache/hf."""
-    raw = Path(cfg.path).expanduser()
-    candidates = [raw] if raw.is_absolute() else [volume.root / raw, Path.cwd() / raw]
-    for folder in candidates:
-        if (folder / "config.json").is_file():
-            return folder
-    # "org/name" is a hub id unless "org" is a folder here (models/x on the volume is a path, not the hub).
-    looks_local = any((root / raw.parts[0]).is_dir() for root in (volume.root, Path.cwd()))
-    if raw.is_absolute() or cfg.path.startswith(".") or cfg.path.count("/") != 1 or looks_local:
-        shown = " or ".join(str(c) for c in candidates)
-        raise InputError(
-            f"base_model.path={cfg.path!r}: no model folder (with config.json) at {shown}; point it at a "
-            "folder saved with save_pretrained (relative paths start at the volume root), or give a hub id "
-            "such as Qwen/Qwen2.5-0.5B"
-        )
-    if not download:
-        return volume.cache() / "hf"  # preflight: a hub id is checked when it is downloaded
-    return _download(cfg, volume)
+def config_type(tree: dict[str, Any]) -> type:
+    return FinetuneConfig
 
 
-def _download(cfg: BaseModelConfig, volume: Volume) -> Path:
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
-
-    log.info("downloading %s from the hub into %s", cfg.path, volume.cache() / "hf")
-    try:
-        return Path(
-            snapshot_download(
-                cfg.path,
-                revision=cfg.revision,
-                cache_dir=volume.cache() / "hf",
-                allow_patterns=HUB_PATTERNS,
-                token=os.environ.get("HF_TOKEN") or None,
-            )
-        )
-    except GatedRepoError:
-        raise InputError(
-            f"base_model.path={cfg.path!r} is gated: accept its licence on the hub and set HF_TOKEN to a token "
-            "of that account"
-        ) from None
-    except (RepositoryNotFoundError, RevisionNotFoundError):
-        raise InputError(
-            f"base_model.path={cfg.path!r} (revision {cfg.revision or 'main'}) is not on the hub, or is private "
-            "and HF_TOKEN is missing; fix the id, or set HF_TOKEN"
-        ) from None
-    except Exception as exc:  # network and hub outages: the supervisor starts us again later
-        raise TemporaryError(
-            f"downloading base_model.path={cfg.path!r} failed ({type(exc).__name__}); will retry on the next start"
-        ) from None
+def disk_estimate(config: FinetuneConfig) -> int | None:
+    return None  # the base model's size is known only once it is resolved (it may still be on the hub)
 
 
 def preflight(ctx: RunContext, config: FinetuneConfig) -> None:
@@ -192,42 +146,26 @@ class Finetuner(Trainer):
     def _setup_model(self) -> None:
         from peft import get_peft_model, prepare_model_for_kbit_training
 
+        from trainpod.train.lora import peft_lora_config
+
         cfg, t, device = self.cfg, self.train_cfg, self.dist.device
         self.autocast_dtype = autocast_dtype(t.precision, device)
         attention = self.attention
         # Frozen base weights in bf16 on a GPU that has it; trained weights (full) and adapters in fp32.
         base_dtype = torch.float32 if self.method == "full" or self.autocast_dtype is None else torch.bfloat16
-        kwargs: dict[str, Any] = {
-            "attn_implementation": attention,
-            "trust_remote_code": cfg.base_model.trust_remote_code,
-            "local_files_only": True,
-        }
         torch.manual_seed(t.seed)  # the LoRA init and everything after it follow the seed
         if self.method == "qlora":
-            from transformers import BitsAndBytesConfig
-
             self.compute_dtype = self._compute_dtype()
-            kwargs |= {
-                "quantization_config": BitsAndBytesConfig(
-                    load_in_4bit=True,
-                    bnb_4bit_quant_type=cfg.quantization.quant_type,
-                    bnb_4bit_use_double_quant=cfg.quantization.double_quant,
-                    bnb_4bit_compute_dtype=self.compute_dtype,
-                ),
-                "device_map": {"": device},
-                "dtype": self.compute_dtype,
-            }
-            model = AutoModelForCausalLM.from_pretrained(str(self.base_dir), **kwargs)
+            model = load_4bit(
+                self.base_dir, cfg.base_model, cfg.quantization, self.compute_dtype, attention, device
+            )
             model = prepare_model_for_kbit_training(
                 model,
                 use_gradient_checkpointing=t.gradient_checkpointing,
                 gradient_checkpointing_kwargs={"use_reentrant": False},
             )
-            _keep_cpu_4bit_layout(model)
         else:
-            model = AutoModelForCausalLM.from_pretrained(str(self.base_dir), dtype=base_dtype, **kwargs).to(
-                device
-            )
+            model = load_model(self.base_dir, cfg.base_model, base_dtype, attention, device)
             if t.gradient_checkpointing:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
                 if self.method == "lora":
@@ -241,7 +179,14 @@ class Finetuner(Trainer):
         self.trainable = {name: p for name, p in model.named_parameters() if p.requires_grad}
         self.n_trainable = sum(p.numel() for p in self.trainable.values())
         self.n_params = sum(p.numel() for p in model.parameters())
-        self.optimizer = _optimizer(list(self.trainable.values()), t, device)
+        self.optimizer = build_optimizer(
+            t.optimizer,
+            [{"params": list(self.trainable.values()), "weight_decay": t.weight_decay}],
+            lr=t.lr,
+            betas=(t.beta1, t.beta2),
+            eps=t.eps,
+            device=device,
+        )
         self.chunked_loss = fits_chunked_loss(model)
         log.info(
             "finetune: method %s, %s of %s parameters train, attention %s, precision %s, device %s, %d rank(s), "
@@ -518,49 +463,6 @@ class Finetuner(Trainer):
             "packing_efficiency": round(self.batches.packing_efficiency, 4),
             "wandb_run_id": self.tracker_run_id,
         }
-
-
-def peft_lora_config(lora: LoraSettings):
-    """peft's LoraConfig for the config's lora section (also the finetune benchmark's baseline's)."""
-    from peft import LoraConfig
-
-    return LoraConfig(
-        r=lora.r,
-        lora_alpha=lora.alpha,
-        lora_dropout=lora.dropout,
-        target_modules=lora.target_modules,
-        use_rslora=lora.use_rslora,
-        bias="none",
-        task_type="CAUSAL_LM",
-    )
-
-
-def _keep_cpu_4bit_layout(model: torch.nn.Module) -> None:
-    """Evaluate 4-bit layers on CPU with the same kernels as training.
-
-    On CPUs with AVX512-BF16, bitsandbytes repacks a Linear4bit's weights in place for an
-    inference kernel the first time it runs without grad (our evals). That kernel needs output
-    sizes divisible by 32, and the repacked layout would then be what training continues on.
-    """
-    import bitsandbytes as bnb
-
-    for module in model.modules():
-        if isinstance(module, bnb.nn.Linear4bit) and hasattr(module, "support_avx512bf16_for_cpu"):
-            module.support_avx512bf16_for_cpu = False
-
-
-def _optimizer(params: list[torch.nn.Parameter], t: Any, device: torch.device) -> torch.optim.Optimizer:
-    kwargs = {"lr": t.lr, "betas": (t.beta1, t.beta2), "eps": t.eps, "weight_decay": t.weight_decay}
-    if t.optimizer == "adamw":
-        return torch.optim.AdamW(params, fused=device.type == "cuda", **kwargs)
-    import bitsandbytes as bnb
-
-    optimizer_class = {
-        "adamw_8bit": bnb.optim.AdamW8bit,
-        "paged_adamw_8bit": bnb.optim.PagedAdamW8bit,
-        "paged_adamw_32bit": bnb.optim.PagedAdamW32bit,
-    }[t.optimizer]
-    return optimizer_class(params, **kwargs)
 
 
 def run(ctx: RunContext, config: FinetuneConfig) -> dict[str, Any]:

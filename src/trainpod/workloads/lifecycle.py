@@ -1,13 +1,16 @@
-"""The life of one workload start, the same for every workload:
+"""The life of one workload start, the same for every workload of a kind (docs/design.md, "Workloads"):
 
 load and validate the config (exit 2, nothing written)  ->  check the volume (exit 2)
 -> a DONE run exits 0 at once, changing nothing  ->  preflight inputs (exit 2, nothing written)
 -> run folder, lease, resolved config.yaml  ->  the workload  ->  DONE, or the error's exit code.
+
+Data workloads (datagen) get no run folder: they resume from their own progress under datasets/.
+Conversions write into a finished run's export/ under its lease, never its DONE. The supervisor
+runs with the volume in view and returns its own exit code.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 import os
@@ -16,46 +19,44 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from trainpod import atomic
+from trainpod import atomic, workloads
 from trainpod.checkpoint import Lease
-from trainpod.config import dump_config, load_config
-from trainpod.config.convert import ConvertConfig
-from trainpod.config.datagen import DatagenConfig
-from trainpod.config.finetune import FinetuneConfig
-from trainpod.config.generate import GeneratorDatagenConfig
-from trainpod.config.loader import ConfigT
-from trainpod.config.pretrain import PretrainConfig
-from trainpod.config.sft import SftDatagenConfig
+from trainpod.config import dump_config, parse_overrides
+from trainpod.config.loader import load_tree, validate_tree
+from trainpod.context import RunContext
 from trainpod.errors import ConfigError, ExitCode, TrainpodError
 from trainpod.log import setup_logging
 from trainpod.preemption import PreemptionWatch
 from trainpod.volume import Volume
-from trainpod.workloads.context import RunContext
+from trainpod.workloads import Kind, Workload
 
 log = logging.getLogger("trainpod")
 
-CONFIG_TYPES = {
-    "datagen": DatagenConfig,
-    "pretrain": PretrainConfig,
-    "finetune": FinetuneConfig,
-    "convert": ConvertConfig,
-}
-TRAINING_WORKLOADS = ("pretrain", "finetune")
-# datagen makes three kinds of dataset; the config's one distinctive top-level key says which.
-DATAGEN_VARIANTS = {"sft": SftDatagenConfig, "generator": GeneratorDatagenConfig}
+CONVERSION_LEASE_TTL_S = 300.0
+DEFAULT_LEASE_TTL_S = 90.0
 
 
 @dataclass
 class RunRequest:
-    """What the environment (or the CLI's flags, which win) asks for; DESIGN.md's env contract."""
+    """What the environment (or the CLI's flags, which win) asks for; docs/design.md, "The pod's environment"."""
 
     workload: str
     config_path: str | None
     overrides: list[str] = field(default_factory=list)
     run_name: str | None = None
     volume: Volume = field(default_factory=Volume.from_env)
+
+    @classmethod
+    def from_env(cls, workload: str, environ: dict[str, str] | None = None) -> RunRequest:
+        """The request the pod's environment makes (docs/design.md, "The pod's environment")."""
+        environ = os.environ if environ is None else environ
+        return cls(
+            workload=workload,
+            config_path=environ.get("TRAINPOD_CONFIG"),
+            overrides=parse_overrides(environ.get("TRAINPOD_SET")),
+            run_name=environ.get("TRAINPOD_RUN") or None,
+            volume=Volume.from_env(environ),
+        )
 
 
 def resolve_config_path(raw: str | None, volume: Volume) -> Path:
@@ -77,27 +78,19 @@ def resolve_config_path(raw: str | None, volume: Volume) -> Path:
     return next((c for c in candidates if c.is_file()), candidates[0])
 
 
-def config_class(workload: str, path: Path) -> type:
-    """The config type of `workload`; for datagen, by the YAML's top-level keys (sft:, generator:)."""
-    config_cls = CONFIG_TYPES.get(workload)
-    if config_cls is None:
-        raise ConfigError([f"unknown workload {workload!r}; use one of: {', '.join(CONFIG_TYPES)}"])
-    if workload == "datagen":
-        try:
-            tree = yaml.safe_load(path.read_text(encoding="utf-8"))
-        except (OSError, yaml.YAMLError, UnicodeDecodeError):
-            tree = None  # load_config reports a missing or malformed file properly
-        if isinstance(tree, dict):
-            config_cls = next((cls for key, cls in DATAGEN_VARIANTS.items() if key in tree), config_cls)
-    return config_cls
+def load_workload_config(workload: Workload, config_path: Path, overrides: list[str]) -> Any:
+    """The workload's typed config: the YAML and overrides, validated as the class its module picks."""
+    tree, source = load_tree(config_path, overrides)
+    return validate_tree(workload.module().config_type(tree), tree, source)
 
 
-def load_workload_config(workload: str, config_path: Path, overrides: list[str]) -> ConfigT:
-    return load_config(config_class(workload, config_path), config_path, overrides)
+def run_name(request: RunRequest, config: Any) -> str:
+    """TRAINPOD_RUN (or --run), else the config's name (a deploy config's `run`)."""
+    return request.run_name or getattr(config, "name", None) or config.run
 
 
 def execute(request: RunRequest) -> int:
-    """Run one workload start to its end and return DESIGN.md's exit code."""
+    """Run one workload start to its end and return its exit code (docs/design.md, "Exit codes")."""
     rank = int(os.environ.get("RANK", "0"))
     setup_logging(None, rank)
     try:
@@ -111,73 +104,60 @@ def execute(request: RunRequest) -> int:
 
 
 def _execute(request: RunRequest, rank: int) -> int:
-    if request.workload not in CONFIG_TYPES:
-        raise ConfigError([f"unknown workload {request.workload!r}; use one of: {', '.join(CONFIG_TYPES)}"])
+    workload = workloads.get(request.workload)
     config_path = resolve_config_path(request.config_path, request.volume)
-    config = load_workload_config(request.workload, config_path, request.overrides)
+    config = load_workload_config(workload, config_path, request.overrides)
     request.volume.check_writable()
     watch = PreemptionWatch(getattr(getattr(config, "checkpoint", None), "preemption_window_seconds", 5.0))
     watch.install()
-    if request.workload in TRAINING_WORKLOADS:
-        return _run_training(request, config, watch, rank)
-    if request.workload == "convert":
-        return _run_convert(request, config, watch)
-    for output in _run_data_workload(config, request.volume, watch):
-        log.info("%s ready at %s", request.workload, output)
+    ctx = RunContext(request.volume, request.volume.run(run_name(request, config)), watch)
+    if workload.kind.owns_run_folder:
+        return _run_in_run_folder(workload, ctx, config, rank)
+    if workload.kind is Kind.CONVERSION:
+        return _run_conversion(workload, ctx, config)
+    if workload.kind is Kind.SERVICE:
+        return int(workload.module().run(ctx, config))
+    workload.module().preflight(ctx, config)
+    for output in workload.module().run(ctx, config):
+        log.info("%s ready at %s", workload.name, output)
     return ExitCode.DONE
 
 
-def _run_data_workload(config: Any, volume: Volume, watch: PreemptionWatch) -> list[Path]:
-    """datagen (token shards, SFT data, generated records) and convert: outputs, no training run."""
-    if isinstance(config, SftDatagenConfig):
-        from trainpod.sft import run_sft_datagen
-
-        return [run_sft_datagen(config, volume, watch)]
-    if isinstance(config, GeneratorDatagenConfig):
-        from trainpod.data.generate import run_generator
-
-        return [run_generator(config, volume, watch)]
-    from trainpod.data.datagen import run_datagen
-
-    return [run_datagen(config, volume, watch)]
-
-
-def _run_convert(request: RunRequest, config: ConvertConfig, watch: PreemptionWatch) -> int:
+def _run_conversion(workload: Workload, ctx: RunContext, config: Any) -> int:
     """Conversions write into runs/<run>/export/ under the run's lease, but never its DONE:
     the run they convert is finished already (and convert reruns skip what is done)."""
-    from trainpod.convert import run_convert
-
-    run = request.volume.run(request.run_name or config.name)
-    run.export.mkdir(parents=True, exist_ok=True)
-    lease = Lease(run.lease, 300.0)
-    lease.acquire()
+    module = workload.module()
+    module.preflight(ctx, config)
+    ctx.run.export.mkdir(parents=True, exist_ok=True)
+    ctx.lease = Lease(ctx.run.lease, CONVERSION_LEASE_TTL_S)
+    ctx.lease.acquire()
     try:
-        outputs = run_convert(config.model_copy(update={"name": run.name}), request.volume, watch)
+        outputs = module.run(ctx, config)
     finally:
-        lease.release()
+        ctx.lease.release()
     for output in outputs:
-        log.info("convert output ready at %s", output)
+        log.info("%s output ready at %s", workload.name, output)
     return ExitCode.DONE
 
 
-def _run_training(request: RunRequest, config: Any, watch: PreemptionWatch, rank: int) -> int:
-    run = request.volume.run(request.run_name or config.name)
+def _run_in_run_folder(workload: Workload, ctx: RunContext, config: Any, rank: int) -> int:
+    run = ctx.run
     if run.done.exists():
         log.info("run %s is already DONE (%s); nothing to do", run.name, run.done)
         return ExitCode.DONE
-    ctx = RunContext(request.volume, run, watch)
-    module = _workload_module(request.workload)
+    module = workload.module()
     module.preflight(ctx, config)  # fail before anything is written
     if rank == 0:
         run.create()
-        ctx.lease = Lease(run.lease, config.checkpoint.lease_ttl_seconds)
+        checkpoint = getattr(config, "checkpoint", None)
+        ctx.lease = Lease(run.lease, getattr(checkpoint, "lease_ttl_seconds", DEFAULT_LEASE_TTL_S))
         ctx.lease.acquire()
         if run.done.exists():  # another writer finished the run while this one started
             ctx.lease.release()
             log.info("run %s is already DONE (%s); nothing to do", run.name, run.done)
             return ExitCode.DONE
     setup_logging(
-        run.logs / (f"{request.workload}.log" if rank == 0 else f"{request.workload}.rank{rank}.log"), rank
+        run.logs / (f"{workload.name}.log" if rank == 0 else f"{workload.name}.rank{rank}.log"), rank
     )
     try:
         if rank == 0:
@@ -201,10 +181,6 @@ def _run_training(request: RunRequest, config: Any, watch: PreemptionWatch, rank
     finally:
         if ctx.lease is not None:
             ctx.lease.release()
-
-
-def _workload_module(name: str) -> Any:
-    return importlib.import_module(f"trainpod.workloads.{name}")
 
 
 def _write_resolved_config(path: Path, config: Any) -> None:

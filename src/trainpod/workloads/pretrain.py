@@ -21,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from trainpod.checkpoint import PendingCheckpoint
 from trainpod.config.pretrain import PretrainConfig
+from trainpod.context import RunContext
 from trainpod.data.datagen import dataset_shards, load_dataset_manifest
 from trainpod.data.shards import open_shard
 from trainpod.errors import InputError
@@ -39,12 +40,15 @@ from trainpod.train.model import (
     parameter_count,
     resolve_attention,
 )
+from trainpod.train.optim import build_optimizer, decay_groups
 from trainpod.train.schedule import cosine_with_warmup
 from trainpod.train.state import load_weights, weights_bytes
 from trainpod.train.trainer import StepResult, Trainer, train_and_export
-from trainpod.workloads.context import RunContext
 
 log = logging.getLogger(__name__)
+
+# Bytes per parameter a checkpoint holds: fp32 weights + two AdamW moments.
+CHECKPOINT_BYTES_PER_PARAM = 12
 
 
 class Pretrainer(Trainer):
@@ -90,7 +94,14 @@ class Pretrainer(Trainer):
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.n_params = parameter_count(self.model_config)
         self.flops_per_token = flops_per_token(self.model_config, self.n_params, t.seq_len)
-        self.optimizer = _optimizer(self.model, t, device)
+        self.optimizer = build_optimizer(
+            t.optimizer,
+            decay_groups(self.model, t.weight_decay),
+            lr=t.lr,
+            betas=(t.beta1, t.beta2),
+            eps=t.eps,
+            device=device,
+        )
         log.info(
             "model: %s parameters, attention %s, precision %s, device %s, %d rank(s)",
             f"{self.n_params:,}",
@@ -134,7 +145,7 @@ class Pretrainer(Trainer):
         self.batches.load_state_dict(state)
 
     def checkpoint_bytes_estimate(self) -> int:
-        return self.n_params * 4 * 3  # fp32 weights + two AdamW moments
+        return self.n_params * CHECKPOINT_BYTES_PER_PARAM
 
     # ---------------------------------------------------------------------------- training
     def train_step(self, model: torch.nn.Module, step: int) -> StepResult:
@@ -195,19 +206,16 @@ class Pretrainer(Trainer):
         return super().summary() | {"parameters": self.n_params}
 
 
-def _optimizer(model: torch.nn.Module, t: Any, device: torch.device) -> torch.optim.Optimizer:
-    """AdamW (or bitsandbytes' 8-bit AdamW) with weight decay on matrices only, not norms or biases;
-    torch's fused kernels on CUDA."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    kwargs = {"lr": t.lr, "betas": (t.beta1, t.beta2), "eps": t.eps}
-    if t.optimizer == "adamw":
-        return torch.optim.AdamW(groups, fused=device.type == "cuda", **kwargs)
-    import bitsandbytes as bnb
+def config_type(tree: dict[str, Any]) -> type:
+    return PretrainConfig
 
-    optimizer_class = {"adamw_8bit": bnb.optim.AdamW8bit, "paged_adamw_8bit": bnb.optim.PagedAdamW8bit}
-    return optimizer_class[t.optimizer](groups, **kwargs)
+
+def disk_estimate(config: PretrainConfig) -> int:
+    """The checkpoints retention keeps, the one being written, and the fp32 export."""
+    vocab = config.model.vocab_size or padded_vocab(65536)  # before the tokenizer is read: a safe upper bound
+    params = parameter_count(llama_config(config.model, vocab, config.train.seq_len))
+    kept = config.checkpoint.keep_last + config.checkpoint.keep_best + 1
+    return params * CHECKPOINT_BYTES_PER_PARAM * kept + params * 4
 
 
 def preflight(ctx: RunContext, config: PretrainConfig) -> None:

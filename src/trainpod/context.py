@@ -1,4 +1,7 @@
-"""What a workload gets from the lifecycle: the volume, its run folder, the stop flag, the lease."""
+"""What a workload gets from the lifecycle: the volume, its run folder, the stop flag, the lease.
+
+Below train/, convert/ and workloads/: each of them receives a RunContext; none imports another to get it.
+"""
 
 from __future__ import annotations
 

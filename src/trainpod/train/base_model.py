@@ -1,0 +1,138 @@
+"""The base model a finetune starts from: found on the volume or downloaded from the hub once into
+cache/hf (HF_TOKEN for gated models; a hub outage is exit 75), and loaded in 16/32 bit or 4-bit NF4.
+
+Shared by the finetune workload and whatever else loads an existing model (convert, chat, the
+benchmarks), so the hub rules and the quantization settings live in one place.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainpod.config.finetune import BaseModelConfig, QuantizationSettings
+from trainpod.errors import InputError, TemporaryError
+from trainpod.volume import Volume
+
+log = logging.getLogger(__name__)
+
+# What a model folder needs from the hub: weights, configs, tokenizer (no pickles, no other formats).
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.py"]
+
+
+def resolve_base_model(cfg: BaseModelConfig, volume: Volume, download: bool = True) -> Path:
+    """The base model's local folder: given as a folder, or downloaded from the hub into cache/hf."""
+    raw = Path(cfg.path).expanduser()
+    candidates = [raw] if raw.is_absolute() else [volume.root / raw, Path.cwd() / raw]
+    for folder in candidates:
+        if (folder / "config.json").is_file():
+            return folder
+    # "org/name" is a hub id unless "org" is a folder here (models/x on the volume is a path, not the hub).
+    looks_local = any((root / raw.parts[0]).is_dir() for root in (volume.root, Path.cwd()))
+    if raw.is_absolute() or cfg.path.startswith(".") or cfg.path.count("/") != 1 or looks_local:
+        shown = " or ".join(str(c) for c in candidates)
+        raise InputError(
+            f"base_model.path={cfg.path!r}: no model folder (with config.json) at {shown}; point it at a "
+            "folder saved with save_pretrained (relative paths start at the volume root), or give a hub id "
+            "such as Qwen/Qwen2.5-0.5B"
+        )
+    if not download:
+        return volume.cache() / "hf"  # preflight: a hub id is checked when it is downloaded
+    return _download(cfg, volume)
+
+
+def _download(cfg: BaseModelConfig, volume: Volume) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
+
+    log.info("downloading %s from the hub into %s", cfg.path, volume.cache() / "hf")
+    try:
+        return Path(
+            snapshot_download(
+                cfg.path,
+                revision=cfg.revision,
+                cache_dir=volume.cache() / "hf",
+                allow_patterns=HUB_PATTERNS,
+                token=os.environ.get("HF_TOKEN") or None,
+            )
+        )
+    except GatedRepoError:
+        raise InputError(
+            f"base_model.path={cfg.path!r} is gated: accept its licence on the hub and set HF_TOKEN to a token "
+            "of that account"
+        ) from None
+    except (RepositoryNotFoundError, RevisionNotFoundError):
+        raise InputError(
+            f"base_model.path={cfg.path!r} (revision {cfg.revision or 'main'}) is not on the hub, or is private "
+            "and HF_TOKEN is missing; fix the id, or set HF_TOKEN"
+        ) from None
+    except Exception as exc:  # network and hub outages: the supervisor starts us again later
+        raise TemporaryError(
+            f"downloading base_model.path={cfg.path!r} failed ({type(exc).__name__}); will retry on the next start"
+        ) from None
+
+
+def _from_pretrained_kwargs(cfg: BaseModelConfig, attention: str) -> dict[str, Any]:
+    return {
+        "attn_implementation": attention,
+        "trust_remote_code": cfg.trust_remote_code,
+        "local_files_only": True,
+    }
+
+
+def load_model(
+    folder: Path, cfg: BaseModelConfig, dtype: torch.dtype, attention: str, device: torch.device
+) -> torch.nn.Module:
+    """The model at `folder` in `dtype` on `device`."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(folder), dtype=dtype, **_from_pretrained_kwargs(cfg, attention)
+    )
+    return model.to(device)
+
+
+def load_4bit(
+    folder: Path,
+    cfg: BaseModelConfig,
+    quantization: QuantizationSettings,
+    compute_dtype: torch.dtype,
+    attention: str,
+    device: torch.device,
+) -> torch.nn.Module:
+    """The model at `folder` with bitsandbytes 4-bit linear layers (QLoRA's frozen base)."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    quantization_config = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=quantization.quant_type,
+        bnb_4bit_use_double_quant=quantization.double_quant,
+        bnb_4bit_compute_dtype=compute_dtype,
+    )
+    model = AutoModelForCausalLM.from_pretrained(
+        str(folder),
+        quantization_config=quantization_config,
+        device_map={"": device},
+        dtype=compute_dtype,
+        **_from_pretrained_kwargs(cfg, attention),
+    )
+    _keep_cpu_4bit_layout(model)
+    return model
+
+
+def _keep_cpu_4bit_layout(model: torch.nn.Module) -> None:
+    """Evaluate 4-bit layers on CPU with the same kernels as training.
+
+    On CPUs with AVX512-BF16, bitsandbytes repacks a Linear4bit's weights in place for an
+    inference kernel the first time it runs without grad (our evals). That kernel needs output
+    sizes divisible by 32, and the repacked layout would then be what training continues on.
+    """
+    import bitsandbytes as bnb
+
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit) and hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False

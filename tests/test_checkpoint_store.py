@@ -160,3 +160,13 @@ def test_a_failed_write_back_fails_the_file_instead_of_going_unnoticed(tmp_path)
     finally:
         os.close(read_end)
         os.close(write_end)
+
+
+def test_a_write_that_fails_removes_its_temp_folder_at_once_and_latest_stays(tmp_path):
+    store = CheckpointStore(tmp_path)
+    commit(store, 10)
+    with pytest.raises(OSError, match="No space left"), store.writing(20) as pending:
+        pending.write_bytes("weights.bin", b"part of the weights")
+        raise OSError(28, "No space left on device")  # what a full volume's write raises (errno ENOSPC)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["LATEST", "step-10"]
+    assert store.latest().step == 10

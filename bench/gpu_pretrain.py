@@ -207,8 +207,8 @@ def preflight_estimate(config: PretrainConfig, trainer: Pretrainer) -> int | Non
     except ImportError:
         return None
     vocab = config.model.vocab_size or 32768
-    estimate = memory.estimate_training_memory(config, vocab, trainer.dist.world_size)
-    return int(getattr(estimate, "total_bytes", estimate))
+    estimate = memory.estimate_training_memory(config, vocab, world_size=trainer.dist.world_size)
+    return estimate.allocated  # what max_memory_allocated sees: no CUDA context, no fragmentation
 
 
 def checkpoint_cost(volume: Path, preset: str, dry: bool) -> dict[str, Any]:

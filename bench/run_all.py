@@ -25,6 +25,7 @@ sys.path.insert(
 BENCHES = [
     "bench_datagen",
     "bench_pretrain",
+    "bench_loss",
     "bench_checkpoint",
     "bench_checkpoint_async",
     "bench_finetune",
@@ -68,8 +69,8 @@ def main() -> int:
     )
     parser.add_argument(
         "--only",
-        help="comma-separated subset: datagen, pretrain, checkpoint, checkpoint_async, finetune, convert, image, "
-        "supervise",
+        help="comma-separated subset: datagen, pretrain, loss, checkpoint, checkpoint_async, finetune, convert, "
+        "image, supervise",
     )
     parser.add_argument("--out", default=str(REPO / "BENCHMARKS.md"))
     args = parser.parse_args()

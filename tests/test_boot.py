@@ -180,3 +180,20 @@ def test_malformed_price_exits_2_at_boot_not_hours_into_the_run(tmp_path):
         in result.stdout
     )
     assert list(tmp_path.iterdir()) == []
+
+
+def test_pretrain_config_too_big_for_the_gpu_exits_2_at_boot_naming_the_knobs(tmp_path, monkeypatch, capsys):
+    # No GPU here: the GPU's size is the one thing faked (a 24 GB card), the estimate is real.
+    from trainpod.train import memory
+
+    monkeypatch.setattr(memory, "visible_gpu_bytes", lambda: 24 * 2**30)
+    environ = {
+        "TRAINPOD_VOLUME": str(tmp_path),
+        "TRAINPOD_WORKLOAD": "pretrain",
+        "TRAINPOD_CONFIG": str(Path(__file__).parents[1] / "configs/pretrain/2b.yaml"),
+    }
+    assert boot_module.boot(environ) == 2
+    out = capsys.readouterr().out
+    assert "more than this GPU's 24.0 GiB" in out and "train.micro_batch_size" in out
+    assert "Traceback" not in out
+    assert not (tmp_path / "runs").exists(), "a refused config must leave the volume as it was"

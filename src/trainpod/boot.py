@@ -5,8 +5,9 @@
 1. read the env contract (README, "The pod's environment");
 2. sync TRAINPOD_GIT_REPO at TRAINPOD_GIT_REF under repos/ (exit 75 when it keeps failing);
 3. preflight, each failure one line and exit 2 with nothing written: volume writable, config
-   valid, a GPU when the config needs one; free space for the checkpoints (exit 5); a GPU pod whose
-   host cannot run the image's CUDA (trainpod.host) exits 4: the supervisor replaces the pod;
+   valid, a GPU when the config needs one, pretraining's estimated peak GPU memory within the GPU's
+   (logged always); free space for the checkpoints (exit 5); a GPU pod whose host cannot run the
+   image's CUDA (trainpod.host) exits 4: the supervisor replaces the pod;
 4. create the volume's folders (datasets, tokenizers, runs, repos, cache) and point caches there;
 5. launch: one process, one per GPU (RUNPOD_GPU_COUNT or what torch sees), or torchrun across the
    nodes of a RunPod Instant Cluster (NUM_NODES, NODE_RANK, NUM_TRAINERS, PRIMARY_ADDR/PORT);
@@ -19,10 +20,12 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
 import sys
+from pathlib import Path
 
 from trainpod import cost, workloads
 from trainpod.errors import ConfigError, ExitCode, InputError, TrainpodError, VolumeFull
@@ -132,6 +135,8 @@ def _preflight(workload: Workload, volume: Volume, environ: dict[str, str]):
     config = load_workload_config(workload, config_path, parse_overrides(environ.get("TRAINPOD_SET")))
     if workload.kind.rank_per_gpu:
         _check_gpu(config, environ)
+    if workload.name == "pretrain":
+        _check_gpu_memory(config, volume, environ)
     _check_free_space(workload.module().disk_estimate(config), volume)
     return config
 
@@ -146,6 +151,26 @@ def _check_gpu(config, environ: dict[str, str]) -> None:
         raise InputError(
             "train.precision=bf16 needs a GPU and none is visible; use a GPU pod or precision=auto"
         )
+
+
+def _check_gpu_memory(config, volume: Volume, environ: dict[str, str]) -> None:
+    """The estimated peak GPU memory (train/memory.py) is logged; on a GPU it must fit (exit 2 naming the knobs)."""
+    from trainpod.train.memory import check_fits
+    from trainpod.train.model import padded_vocab
+
+    vocab = config.model.vocab_size or padded_vocab(_dataset_vocab(config, volume) or 65536)
+    ranks = _gpu_count(environ) * int(environ.get("NUM_NODES") or 1)
+    check_fits(config, vocab, world_size=max(ranks, 1))
+
+
+def _dataset_vocab(config, volume: Volume) -> int | None:
+    """The tokenizer's vocabulary from the dataset's manifest, when the dataset is there already."""
+    name = config.data.dataset
+    manifest = (Path(name) if os.path.isabs(name) else volume.dataset(name)) / "manifest.json"
+    try:
+        return int(json.loads(manifest.read_text())["tokenizer"]["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # missing or unreadable: the workload's own preflight reports it
 
 
 def _check_free_space(needed: int | None, volume: Volume) -> None:

@@ -77,6 +77,12 @@ class TrainConfig(Section):
     beta2: float = Field(0.95, gt=0, lt=1, description="AdamW beta2.")
     eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
     grad_clip: float = Field(1.0, ge=0, description="Clip the global gradient norm to this (0 disables).")
+    optimizer: Literal["adamw", "adamw_8bit", "paged_adamw_8bit"] = Field(
+        "adamw",
+        description="'adamw': torch AdamW (fused on CUDA), 8 bytes of state per parameter; 'adamw_8bit': "
+        "bitsandbytes' blockwise 8-bit AdamW, 2 bytes (what lets the 4b preset fit one 80 GB GPU); "
+        "'paged_adamw_8bit': the same in unified memory that spills to the host under pressure.",
+    )
     precision: Literal["auto", "bf16", "fp32"] = Field(
         "auto", description="'auto' is bf16 autocast on a GPU that supports it, fp32 on CPU."
     )

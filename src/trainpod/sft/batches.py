@@ -125,10 +125,14 @@ class SftBatches:
         world_size: int,
         pad_id: int,
         flatten_packed: bool = True,
+        pin_memory: bool = False,
     ):
         """`flatten_packed`: packed micro batches as one (1, tokens) row, which flash-attention-2
-        needs; False gives one row per packed row (packed_rows_batch), far cheaper under SDPA/eager."""
+        needs; False gives one row per packed row (packed_rows_batch), far cheaper under SDPA/eager.
+        `pin_memory`: batches in page-locked memory, for non-blocking copies to a GPU
+        (train.batches.to_device); CUDA only."""
         self.flatten_packed = flatten_packed
+        self.pin_memory = pin_memory
         self.examples = examples
         self.micro_batch_size = micro_batch_size
         self.max_len = max_len
@@ -211,6 +215,8 @@ class SftBatches:
             batch = unpacked_batch(self.examples, [row[0] for row in rows], self.max_len, self.pad_id)
         self.last_trained_tokens = int((batch["labels"] != IGNORE_INDEX).sum())
         self.last_real_tokens = int(sum(self.lengths[row].sum() for row in rows))
+        if self.pin_memory:
+            batch = {key: value.pin_memory() for key, value in batch.items()}
         return batch
 
     def state_dict(self) -> dict[str, int]:

@@ -1,4 +1,5 @@
-"""The pretraining model: transformers' LlamaForCausalLM built from `ModelConfig`, randomly initialised."""
+"""The pretraining model: transformers' LlamaForCausalLM built from `ModelConfig`, randomly initialised,
+and the attention kernels both training workloads choose from."""
 
 from __future__ import annotations
 
@@ -11,19 +12,38 @@ from trainpod.config.pretrain import ModelConfig
 from trainpod.errors import InputError
 
 VOCAB_MULTIPLE = 64  # embedding rows padded to a multiple of 64 keep the lm_head matmul on fast paths
+# SDPA with is_causal=True and no mask, for sequences that are neither padded nor packed (pretraining).
+# transformers builds a dense mask for "sdpa" under torch.compile (its packed-sequence check cannot
+# run while tracing), and a mask makes SDPA leave its flash kernel; a name its mask table does not
+# know makes create_causal_mask return None, and its sdpa function then passes is_causal=True.
+CAUSAL_SDPA = "sdpa_causal"
 
 
 def padded_vocab(tokenizer_vocab: int) -> int:
     return -(-tokenizer_vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
 
 
-def resolve_attention(requested: str, device: torch.device) -> str:
-    """flash-attn 2 on a GPU where it is installed, else PyTorch SDPA (which picks its own flash kernel)."""
+def resolve_attention(requested: str, device: torch.device, packed: bool = False) -> str:
+    """flash-attn 2 on a GPU where it is installed; else, for packed rows on a GPU, flex attention (its
+    block mask skips the blocks across sample boundaries, where SDPA would get a dense mask); else SDPA."""
     if requested != "auto":
         return requested
     if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
         return "flash_attention_2"
+    if device.type == "cuda" and packed:
+        return "flex_attention"
     return "sdpa"
+
+
+def causal_fast_path(attention: str) -> str:
+    """The attention to use for whole, unpadded sequences: `attention`, with "sdpa" made mask-free."""
+    if attention != "sdpa":
+        return attention  # flash-attn needs no mask without padding; eager is the reference
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    AttentionInterface.register(CAUSAL_SDPA, sdpa_attention_forward)
+    return CAUSAL_SDPA
 
 
 def llama_config(model: ModelConfig, vocab_size: int, seq_len: int, attention: str = "sdpa") -> LlamaConfig:

@@ -32,7 +32,9 @@ from trainpod.errors import InputError
 from trainpod.sft import IGNORE_INDEX, SftBatches, eval_batches, load_sft, prepare_sft, sft_key
 from trainpod.train import distributed as D
 from trainpod.train.base_model import load_4bit, load_model, resolve_base_model
+from trainpod.train.batches import to_device
 from trainpod.train.export import DTYPES, export_hf
+from trainpod.train.loss import CausalLMLoss, fits_chunked_loss, shift_labels
 from trainpod.train.model import autocast_dtype, resolve_attention
 from trainpod.train.optim import build_optimizer
 from trainpod.train.reporting import RunReporter
@@ -81,7 +83,9 @@ class Finetuner(Trainer):
         self.improvement_threshold = t.early_stopping_min_delta
         self.tracker_run_id: str | None = None
         self.base_dir = self._on_main_first(lambda: resolve_base_model(config.base_model, ctx.volume))
-        self.attention = resolve_attention(config.base_model.attention, dist.device)
+        self.attention = resolve_attention(
+            config.base_model.attention, dist.device, packed=config.data.use_packing
+        )
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.base_dir), local_files_only=True)
         self._setup_data()
         self._setup_model()
@@ -121,6 +125,7 @@ class Finetuner(Trainer):
             # flash-attention-2 reads packed samples from one flattened row; SDPA/eager from any shape,
             # and rows keep their attention cost at rows x max_len^2.
             flatten_packed=self.attention == "flash_attention_2",
+            pin_memory=self.dist.device.type == "cuda",
         )
 
     def _check_same_tokenizer(self, folder: Path) -> None:
@@ -182,8 +187,10 @@ class Finetuner(Trainer):
             eps=t.eps,
             device=device,
         )
+        self.chunked_loss = fits_chunked_loss(model)
         log.info(
-            "finetune: method %s, %s of %s parameters train, attention %s, precision %s, device %s, %d rank(s)",
+            "finetune: method %s, %s of %s parameters train, attention %s, precision %s, device %s, %d rank(s), "
+            "%s loss",
             self.method,
             f"{self.n_trainable:,}",
             f"{self.n_params:,}",
@@ -191,6 +198,7 @@ class Finetuner(Trainer):
             self.autocast_dtype or "fp32",
             device,
             self.dist.world_size,
+            "chunked" if self.chunked_loss else "the model's own",
         )
 
     def _compute_dtype(self) -> torch.dtype:
@@ -219,10 +227,13 @@ class Finetuner(Trainer):
             )
 
     def wrap_for_training(self) -> torch.nn.Module:
+        """The model with the chunked loss (train/loss.py) where it gives the model's own loss: a
+        known decoder with a plain head; else the model, whose loss upcasts every logit to fp32."""
+        model = CausalLMLoss(self.model) if self.chunked_loss else self.model
         if not self.dist.distributed:
-            return self.model
+            return model
         return DistributedDataParallel(
-            self.model, device_ids=[self.dist.local_rank] if self.dist.device.type == "cuda" else None
+            model, device_ids=[self.dist.local_rank] if self.dist.device.type == "cuda" else None
         )
 
     def make_reporter(self, start_step: int) -> RunReporter:
@@ -296,11 +307,14 @@ class Finetuner(Trainer):
         items = torch.tensor(max(global_items, 1.0), device=self.dist.device)
         total = torch.zeros((), device=self.dist.device)
         for i, batch in enumerate(micro_batches):
-            inputs = {k: batch[k].to(self.dist.device) for k in MODEL_INPUTS if k in batch}
+            inputs = {k: to_device(batch[k], self.dist.device) for k in MODEL_INPUTS if k in batch}
             last = i == len(micro_batches) - 1
             sync = contextlib.nullcontext() if last or not self.dist.distributed else model.no_sync()
             with sync, self._autocast():
-                loss = model(**inputs, num_items_in_batch=items).loss
+                if self.chunked_loss:
+                    loss = model(inputs.pop("input_ids"), shift_labels(inputs.pop("labels")), items, **inputs)
+                else:
+                    loss = model(**inputs, num_items_in_batch=items).loss
                 (loss * self.dist.world_size).backward()
             total += loss.detach()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable.values(), t.grad_clip or float("inf"))
@@ -329,12 +343,12 @@ class Finetuner(Trainer):
         loss_sum = count = 0.0
         per_sample: list[tuple[float, int]] = []
         for batch in batches[self.dist.rank :: self.dist.world_size]:
-            with self._autocast():
-                logits = model(
-                    input_ids=batch["input_ids"].to(self.dist.device),
-                    attention_mask=batch["attention_mask"].to(self.dist.device),
+            with self._autocast():  # the bare model, not the training wrapper: per-sample losses need logits
+                logits = self.model(
+                    input_ids=to_device(batch["input_ids"], self.dist.device),
+                    attention_mask=to_device(batch["attention_mask"], self.dist.device),
                 ).logits
-            targets = batch["labels"][:, 1:].to(self.dist.device)
+            targets = to_device(batch["labels"][:, 1:], self.dist.device)
             token_loss = F.cross_entropy(
                 logits[:, :-1].float().transpose(1, 2), targets, ignore_index=IGNORE_INDEX, reduction="none"
             )

@@ -12,11 +12,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from trainpod.config.pretrain import PretrainConfig
@@ -25,11 +25,14 @@ from trainpod.data.datagen import dataset_shards, load_dataset_manifest
 from trainpod.data.shards import open_shard
 from trainpod.errors import InputError
 from trainpod.train import distributed as D
-from trainpod.train.batches import TokenBatches, eval_batches
+from trainpod.train.batches import TokenBatches, eval_batches, to_device
 from trainpod.train.export import DTYPES, export_hf
+from trainpod.train.loss import CausalLMLoss
+from trainpod.train.memory import check_fits
 from trainpod.train.model import (
     autocast_dtype,
     build_model,
+    causal_fast_path,
     flops_per_token,
     llama_config,
     padded_vocab,
@@ -71,6 +74,7 @@ class Pretrainer(Trainer):
             self.dist.rank,
             self.dist.world_size,
             t.seed,
+            pin_memory=self.dist.device.type == "cuda",
         )
 
     def _setup_model(self) -> None:
@@ -82,7 +86,7 @@ class Pretrainer(Trainer):
                 f"({self.tokenizer_vocab}); raise model.vocab_size or leave it unset"
             )
         self.autocast_dtype = autocast_dtype(t.precision, device)
-        attention = resolve_attention(t.attention, device)
+        attention = causal_fast_path(resolve_attention(t.attention, device))  # whole sequences, never padded
         self.model_config = llama_config(self.cfg.model, vocab, t.seq_len, attention)
         self.model = build_model(self.model_config, t.seed, device)
         if t.gradient_checkpointing:
@@ -90,7 +94,7 @@ class Pretrainer(Trainer):
         self.n_params = parameter_count(self.model_config)
         self.flops_per_token = flops_per_token(self.model_config, self.n_params, t.seq_len)
         self.optimizer = build_optimizer(
-            "adamw",
+            t.optimizer,
             decay_groups(self.model, t.weight_decay),
             lr=t.lr,
             betas=(t.beta1, t.beta2),
@@ -107,7 +111,9 @@ class Pretrainer(Trainer):
         )
 
     def wrap_for_training(self) -> torch.nn.Module:
-        model: torch.nn.Module = self.model
+        """The model with its chunked loss (train/loss.py) as one module: `model(inputs, targets)` is
+        the mean loss, and DDP and torch.compile each wrap model and loss together."""
+        model: torch.nn.Module = CausalLMLoss(self.model)
         if self.dist.distributed:
             model = DistributedDataParallel(
                 model, device_ids=[self.dist.local_rank] if self.dist.device.type == "cuda" else None
@@ -144,13 +150,11 @@ class Pretrainer(Trainer):
         self.set_lr(cosine_with_warmup(step - 1, t.max_steps, t.lr, t.warmup_steps, t.min_lr_ratio))
         total = torch.zeros((), device=self.dist.device)
         for micro in range(t.grad_accum_steps):
-            inputs, targets = self.batches.next_batch()
-            inputs, targets = inputs.to(self.dist.device, non_blocking=True), targets.to(self.dist.device)
+            inputs, targets = (to_device(x, self.dist.device) for x in self.batches.next_batch())
             last = micro == t.grad_accum_steps - 1
             sync = contextlib.nullcontext() if last or not self.dist.distributed else model.no_sync()
             with sync, self._autocast():
-                logits = model(input_ids=inputs).logits
-                loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
+                loss = model(inputs, targets)
                 (loss / t.grad_accum_steps).backward()
             total += loss.detach() / t.grad_accum_steps
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip or float("inf"))
@@ -183,10 +187,7 @@ class Pretrainer(Trainer):
         total = torch.zeros((), device=self.dist.device)
         for inputs, targets in batches:
             with self._autocast():
-                logits = model(input_ids=inputs.to(self.dist.device)).logits
-            total += F.cross_entropy(
-                logits.float().view(-1, logits.size(-1)), targets.to(self.dist.device).view(-1)
-            )
+                total += model(to_device(inputs, self.dist.device), to_device(targets, self.dist.device))
         return D.all_reduce_mean(self.dist, total / max(len(batches), 1)).item()
 
     # ------------------------------------------------------------------------------ finish
@@ -215,8 +216,11 @@ def disk_estimate(config: PretrainConfig) -> int:
 
 
 def preflight(ctx: RunContext, config: PretrainConfig) -> None:
-    """Fail with exit 2 before anything is written: the dataset must exist."""
-    ctx.resolve_dataset(config.data.dataset)
+    """Fail with exit 2 before anything is written: the dataset must exist and, on a GPU, the
+    estimated peak memory (train/memory.py, logged on any machine) must fit it."""
+    manifest = load_dataset_manifest(ctx.resolve_dataset(config.data.dataset))
+    vocab = config.model.vocab_size or padded_vocab(manifest["tokenizer"]["vocab_size"])
+    check_fits(config, vocab, world_size=int(os.environ.get("WORLD_SIZE", "1")))
 
 
 def run(ctx: RunContext, config: PretrainConfig) -> dict[str, Any]:

@@ -1,0 +1,110 @@
+"""Attention fast paths: mask-free causal SDPA for pretraining, flex attention for packed SFT rows.
+
+CPU, fp32, a tiny Llama built here. Both must give the outputs of the masked eager reference. The
+compiled graph is inspected with a dynamo backend that records the SDPA calls (no C++ compile), and
+flex attention runs forward only (its CPU kernel has no backward; tests/test_gpu_training_paths.py
+checks the backward on a GPU).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from trainpod.train.model import CAUSAL_SDPA, causal_fast_path, resolve_attention
+
+torch.set_num_threads(1)
+
+
+def tiny_llama(attn: str) -> LlamaForCausalLM:
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        use_cache=False,
+    )
+    config._attn_implementation = attn
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).eval()
+
+
+def sdpa_calls_in_compiled_graph(model: LlamaForCausalLM, ids: torch.Tensor) -> list[tuple[bool, bool]]:
+    """(an attention mask was passed, is_causal) for each SDPA call dynamo traced."""
+    calls = []
+
+    def recording_backend(graph_module, example_inputs):
+        for node in graph_module.graph.nodes:
+            if node.target is torch._C._nn.scaled_dot_product_attention:
+                calls.append((node.kwargs.get("attn_mask") is not None, node.kwargs.get("is_causal")))
+        return graph_module.forward
+
+    torch._dynamo.reset()
+    torch.compile(model, backend=recording_backend)(input_ids=ids)
+    return calls
+
+
+def test_compiled_pretraining_model_calls_sdpa_causal_without_a_mask():
+    ids = torch.randint(0, 256, (2, 16))
+    assert sdpa_calls_in_compiled_graph(tiny_llama(causal_fast_path("sdpa")), ids) == [(False, True)] * 2
+
+
+def test_plain_sdpa_under_compile_gets_a_dense_mask_which_is_why_the_fast_path_exists():
+    ids = torch.randint(0, 256, (2, 16))
+    assert sdpa_calls_in_compiled_graph(tiny_llama("sdpa"), ids) == [(True, False)] * 2, (
+        "transformers now skips the mask under compile by itself; causal_fast_path may be unnecessary"
+    )
+
+
+def test_causal_fast_path_gives_the_masked_eager_outputs():
+    ids = torch.randint(0, 256, (3, 24))
+    with torch.no_grad():
+        reference = tiny_llama("eager")(input_ids=ids).logits
+        fast = tiny_llama(causal_fast_path("sdpa"))(input_ids=ids).logits
+    torch.testing.assert_close(fast, reference, rtol=1e-5, atol=1e-6)
+
+
+def test_causal_fast_path_leaves_flash_attention_and_eager_alone():
+    assert causal_fast_path("sdpa") == CAUSAL_SDPA
+    assert causal_fast_path("flash_attention_2") == "flash_attention_2"
+    assert causal_fast_path("eager") == "eager"
+
+
+def test_packed_rows_on_a_gpu_without_flash_attn_use_flex_attention(monkeypatch):
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(  # stands in for an image without flash-attn (this machine has no GPU to ask)
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "flash_attn" else real_find_spec(name, *a),
+    )
+    cuda = torch.device("cuda")
+    assert resolve_attention("auto", cuda, packed=True) == "flex_attention"
+    assert resolve_attention("auto", cuda, packed=False) == "sdpa"
+    assert resolve_attention("auto", torch.device("cpu"), packed=True) == "sdpa"
+    assert resolve_attention("eager", cuda, packed=True) == "eager"
+
+
+def test_flex_attention_on_packed_rows_equals_the_masked_reference_and_each_sample_alone():
+    ids = torch.randint(0, 256, (2, 24))
+    positions = torch.tensor(
+        [list(range(10)) + list(range(14)), list(range(5)) + list(range(12)) + list(range(7))]
+    )
+    with torch.no_grad():
+        reference = tiny_llama("eager")(input_ids=ids, position_ids=positions).logits
+        alone = tiny_llama("eager")(input_ids=ids[1:, 5:17]).logits
+        flex = tiny_llama("flex_attention")(input_ids=ids, position_ids=positions).logits
+    torch.testing.assert_close(flex, reference, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(flex[1, 5:17], alone[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("attn", [CAUSAL_SDPA])
+def test_a_model_trained_on_the_fast_path_saves_a_config_that_loads_anywhere(attn, tmp_path):
+    causal_fast_path("sdpa")
+    tiny_llama(attn).save_pretrained(tmp_path)
+    assert CAUSAL_SDPA not in (tmp_path / "config.json").read_text()
+    LlamaForCausalLM.from_pretrained(tmp_path)

@@ -1,0 +1,153 @@
+"""The peak-memory estimate (train/memory.py) against what a tiny model really holds on CPU, the
+shipped presets against one 80 GB GPU, and the preflight refusal.
+
+On CPU the parameter, gradient and optimizer bytes are counted exactly (every tensor's storage, once);
+the activations are what autograd saves for the backward (saved_tensors_hooks), within 10%.
+No GPU here: the refusal test stands in a GPU size for torch's (the one thing mocked), and
+tests/test_gpu_memory.py checks the estimate against torch.cuda.max_memory_allocated on a GPU.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainpod.config import load_config
+from trainpod.config.loader import validate_tree
+from trainpod.config.pretrain import PretrainConfig
+from trainpod.errors import ExitCode, InputError
+from trainpod.train import memory
+from trainpod.train.model import build_model, llama_config
+from trainpod.train.optim import build_optimizer, decay_groups
+
+torch.set_num_threads(1)
+
+
+def optimizer_for(model, t, device):
+    """The optimizer pretraining builds for this train config."""
+    groups = decay_groups(model, t.weight_decay)
+    return build_optimizer(t.optimizer, groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, device=device)
+
+
+PRESETS = Path(__file__).resolve().parents[1] / "configs" / "pretrain"
+GPU_80GB = 79 * 2**30  # what torch reports for an 80 GB H100/A100
+
+
+def tiny_config(**train) -> PretrainConfig:
+    model = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 160}
+    return validate_tree(
+        PretrainConfig,
+        {
+            "name": "t",
+            "data": {"dataset": "d"},
+            "model": model,
+            "train": {"max_steps": 1, "warmup_steps": 0, "seq_len": 32} | train,
+        },
+    )
+
+
+def storage_bytes(tensors) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors:
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw_8bit"])
+def test_weights_gradients_and_optimizer_states_are_estimated_to_the_byte(optimizer):
+    config = tiny_config(optimizer=optimizer, micro_batch_size=2)
+    vocab = 320
+    model = build_model(llama_config(config.model, vocab, config.train.seq_len), seed=0)
+    opt = optimizer_for(model, config.train, torch.device("cpu"))
+    ids = torch.randint(0, vocab, (2, 32))
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    params = list(model.parameters())
+    states = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    estimate = memory.estimate_training_memory(config, vocab, bf16=False).parts
+    assert estimate["weights (fp32)"] == storage_bytes(params)
+    assert estimate["gradients (fp32)"] == storage_bytes(p.grad for p in params)
+    assert estimate[f"optimizer states ({optimizer})"] == storage_bytes(states), (
+        "the optimizer's state layout changed; update memory.optimizer_bytes"
+    )
+
+
+def saved_activation_bytes(model, ids, bf16: bool) -> int:
+    """Bytes of the distinct tensors autograd saves in one decoder layer's forward, without the weights
+    and their bf16 casts (the estimate counts those apart)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    weight_shapes = {tuple(p.shape) for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params and tuple(t.shape) not in weight_shapes:
+            saved[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    decoder = model.get_decoder()
+    embedded = decoder.embed_tokens(ids)
+    rotary = decoder.rotary_emb(embedded, torch.arange(ids.shape[1])[None])
+    saving = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+    with saving, torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        decoder.layers[0](embedded, position_embeddings=rotary, attention_mask=None)
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_a_layers_saved_activations_match_the_estimate_within_ten_percent(bf16):
+    config = tiny_config(micro_batch_size=4)
+    vocab = 320
+    model = build_model(llama_config(config.model, vocab, config.train.seq_len), seed=0)
+    ids = torch.randint(0, vocab, (4, 32))
+    measured = saved_activation_bytes(model, ids, bf16)
+    shape = memory.model_shape(config, vocab)
+    estimated = memory.layer_activation_bytes(shape, bf16) * ids.numel()
+    assert estimated == pytest.approx(measured, rel=0.10), f"estimated {estimated}, autograd saved {measured}"
+
+
+def test_shipped_presets_fit_one_80gb_gpu_as_documented():
+    estimates = {
+        name: memory.estimate_training_memory(
+            load_config(PretrainConfig, PRESETS / f"{name}.yaml"), 32768, GPU_80GB
+        )
+        for name in ("125m", "1b", "2b", "4b")
+    }
+    assert all(e.fits for e in estimates.values()), {n: e.report() for n, e in estimates.items()}
+    assert estimates["2b"].settings["gradient_checkpointing"] is False
+    assert estimates["4b"].settings["optimizer"] == "adamw_8bit"
+    assert estimates["125m"].settings["micro_batch_size"] > 16
+
+
+def test_preflight_refuses_a_config_too_big_for_the_gpu_naming_the_knobs(monkeypatch):
+    monkeypatch.setattr(memory, "visible_gpu_bytes", lambda: 24 * 2**30)  # stands in for a 24 GB GPU
+    config = load_config(PretrainConfig, PRESETS / "2b.yaml")
+    with pytest.raises(InputError) as refused:
+        memory.check_fits(config, 32768)
+    assert refused.value.exit_code == ExitCode.BAD_INPUT
+    for knob in (
+        "train.micro_batch_size",
+        "train.seq_len",
+        "train.gradient_checkpointing",
+        "train.optimizer",
+    ):
+        assert knob in str(refused.value)
+    assert "weights (fp32)" in str(refused.value)  # the breakdown comes with it
+
+
+def test_without_a_gpu_preflight_only_logs_the_estimate(caplog):
+    config = load_config(
+        PretrainConfig, PRESETS / "4b.yaml", ["train.optimizer=adamw", "train.micro_batch_size=64"]
+    )
+    with caplog.at_level("INFO", logger="trainpod.train.memory"):
+        estimate = memory.check_fits(config, 32768)
+    assert estimate.gpu_bytes is None and estimate.total > GPU_80GB
+    assert "estimated peak GPU memory" in caplog.text
+
+
+def test_the_estimate_is_readable_by_part():
+    report = memory.estimate_training_memory(tiny_config(), 320, GPU_80GB).report()
+    for part in ("weights", "gradients", "optimizer states", "activations", "loss", "CUDA context"):
+        assert part in report

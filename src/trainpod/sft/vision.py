@@ -165,6 +165,7 @@ class VisionSample:
     system: str | None
     pairs: tuple[tuple[tuple[str | int, ...], str], ...]  # (user parts: text or an image number, answer)
     images: tuple[str, ...]  # references, in the order the parts number them
+    sizes: tuple[tuple[int, int], ...]  # each image's (width, height), checked to open
     where: str
 
     def messages(self) -> list[dict[str, Any]]:
@@ -199,7 +200,8 @@ class VisionRowReader:
             raise self._bad(where, self.source.turns, turns, "a non-empty list of turns")
         listed = self._listed_images(record, where, base, hf_row)
         role_key, content_key, user, assistant, system_role = self._tags(turns)
-        system, parsed, images = None, [], list(listed)
+        column = self.source.images_column
+        system, parsed, images = None, [], [(ref, column) for ref in listed]
         used = 0
         for number, turn in enumerate(turns):
             field = f"{self.source.turns}[{number}]"
@@ -220,8 +222,9 @@ class VisionRowReader:
                 content, where, f"{field}.{content_key}", base, images, used, listed
             )
             parsed.append(("user", parts))
-        self._check_counts(where, used, listed, images)
-        return VisionSample(system, self._pairs(where, parsed), tuple(images), where)
+        sizes = self._check_images(where, used, listed, images)
+        refs = tuple(ref for ref, _ in images)
+        return VisionSample(system, self._pairs(where, parsed), refs, sizes, where)
 
     def _tags(self, turns: list) -> tuple[str, str, str, str, str]:
         first = turns[0] if isinstance(turns[0], dict) else {}
@@ -241,9 +244,16 @@ class VisionRowReader:
         return [self._path(v, where, column, base) for v in value]
 
     def _user_parts(
-        self, content, where: str, field: str, base: Path, images: list[str], used: int, listed: list[str]
+        self,
+        content,
+        where: str,
+        field: str,
+        base: Path,
+        images: list[tuple[str, str]],
+        used: int,
+        listed: list[str],
     ) -> tuple[tuple[str | int, ...], int]:
-        """The parts of a user turn; an image part is its number in `images`."""
+        """The parts of a user turn; an image part is its number in `images` ((reference, field) pairs)."""
         if isinstance(content, str):
             pieces = content.split(PLACEHOLDER)
             parts: list[str | int] = []
@@ -273,7 +283,7 @@ class VisionRowReader:
                     continue
                 if not isinstance(ref, str):
                     raise self._bad(where, f"{field}[{k}].image", ref, "an image path")
-                images.append(self._path(ref, where, f"{field}[{k}].image", base))
+                images.append((self._path(ref, where, f"{field}[{k}].image", base), f"{field}[{k}].image"))
                 parts.append(len(images) - 1)
             else:
                 raise self._bad(
@@ -281,7 +291,10 @@ class VisionRowReader:
                 )
         return tuple(parts), used
 
-    def _check_counts(self, where: str, used: int, listed: list[str], images: list[str]) -> None:
+    def _check_images(
+        self, where: str, used: int, listed: list[str], images: list[tuple[str, str]]
+    ) -> tuple[tuple[int, int], ...]:
+        """Placeholders match the listed images, at most max_images, each opens: their sizes."""
         column = self.source.images_column
         if used != len(listed):
             raise InputError(
@@ -293,9 +306,7 @@ class VisionRowReader:
                 f"{where}: {len(images)} images, more than data.max_images={self.max_images}; raise "
                 "data.max_images (each image costs its tokens of cutoff_len) or split the row"
             )
-        for number, ref in enumerate(images):
-            if not HF_IMAGE_REF.match(ref):
-                check_image(ref, where, column if number < len(listed) else self.source.turns)
+        return tuple(check_image(ref, where, field) for ref, field in images)
 
     def _path(self, raw: str, where: str, field: str, base: Path) -> str:
         if raw.startswith(("http://", "https://")):
@@ -369,7 +380,7 @@ def encode_sample(
 ) -> EncodedVision | None:
     """Ids with each image's pad token repeated to its token count; None when over cutoff_len."""
     segments = template.segments(sample)  # type: ignore[arg-type]
-    counts = iter(processor.image_tokens(*check_image(ref, sample.where, "images")) for ref in sample.images)
+    counts = iter(processor.image_tokens(*size) for size in sample.sizes)
     pad = processor.image_token
     texts = [segments.prefix]
     for prompt, answer in segments.pairs:

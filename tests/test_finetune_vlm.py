@@ -136,3 +136,39 @@ def test_a_row_with_a_missing_image_exits_2_naming_the_file_line_and_field(vlm_b
     assert f"{volume / OCR_FILE}, line 3" in result.stderr
     assert "messages[0].content[0].image" in result.stderr and "gone.png" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_merging_the_adapter_gives_a_model_transformers_loads_with_its_processor(finished, tmp_path):
+    """The language model's adapted weights change; the vision tower (kept unquantized in training) is the
+    base's, bit for bit, even with qlora_base: dequantized."""
+    import torch
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+
+    volume = fresh(finished, tmp_path / "volume")
+    config = tmp_path / "convert.yaml"
+    config.write_text(
+        f"name: {VLM_RUN}\nadapter: run:{VLM_RUN}\nbase_model: {VLM_BASE}\n"
+        "task:\n  - kind: merge\n    dtype: float32\n    qlora_base: dequantized\n"
+    )
+    result = run_trainpod("run", "convert", "--config", str(config), volume=volume, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    merged_dir = volume / "runs" / VLM_RUN / "export/merged"
+    merged = AutoModelForImageTextToText.from_pretrained(str(merged_dir)).state_dict()
+    base = AutoModelForImageTextToText.from_pretrained(str(volume / VLM_BASE)).state_dict()
+    vision = [k for k in base if ".visual." in f".{k}"]
+    assert vision and all(torch.equal(merged[k], base[k]) for k in vision)
+    adapted = "model.language_model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(merged[adapted], base[adapted])
+    assert AutoImageProcessor.from_pretrained(str(merged_dir)).merge_size == 2
+    assert AutoTokenizer.from_pretrained(str(merged_dir)).chat_template
+
+
+def test_an_mlx_conversion_of_a_vlm_adapter_is_refused_with_the_merge_route(finished, tmp_path):
+    volume = fresh(finished, tmp_path / "volume")
+    config = tmp_path / "convert.yaml"
+    config.write_text(
+        f"name: {VLM_RUN}\nadapter: run:{VLM_RUN}\nbase_model: {VLM_BASE}\ntask:\n  - kind: mlx\n"
+    )
+    result = run_trainpod("run", "convert", "--config", str(config), volume=volume)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "vision-language adapter" in result.stderr and "kind: merge" in result.stderr

@@ -20,10 +20,10 @@ from pathlib import Path
 
 
 def child(n: int, root: Path) -> None:
-    from vlm_support import VLM_BASE, make_tiny_vlm, write_ocr_jsonl
-
     from trainpod.config.finetune_vlm import VisionDataConfig
     from trainpod.sft.vision import VisionBatches, VisionProcessor, load_vision, prepare_vision
+
+    from vlm_support import VLM_BASE, make_tiny_vlm, write_ocr_jsonl
 
     if not (root / VLM_BASE).is_dir():
         make_tiny_vlm(root / VLM_BASE)
@@ -42,7 +42,16 @@ def child(n: int, root: Path) -> None:
     for _ in range(50):
         batches.next_batch()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(json.dumps({"rows": n, "prepare_s": round(seconds, 1), "peak_rss_mib": round(peak), "rss_before_mib": round(before)}))
+    print(
+        json.dumps(
+            {
+                "rows": n,
+                "prepare_s": round(seconds, 1),
+                "peak_rss_mib": round(peak),
+                "rss_before_mib": round(before),
+            }
+        )
+    )
 
 
 def main() -> None:

@@ -132,10 +132,11 @@ def test_a_row_with_a_missing_image_exits_2_naming_the_file_line_and_field(vlm_b
     rows[2] = json.dumps(bad)
     (volume / OCR_FILE).write_text("\n".join(rows) + "\n")
     result = run_trainpod(*vlm_args(), volume=volume)
-    assert result.returncode == 2, result.stdout + result.stderr
-    assert f"{volume / OCR_FILE}, line 3" in result.stderr
-    assert "messages[0].content[0].image" in result.stderr and "gone.png" in result.stderr
-    assert "Traceback" not in result.stderr
+    out = result.stdout + result.stderr
+    assert result.returncode == 2, out
+    assert f"{volume / OCR_FILE}, line 3" in out
+    assert "messages[0].content[0].image" in out and "gone.png" in out
+    assert "Traceback" not in out
 
 
 def test_merging_the_adapter_gives_a_model_transformers_loads_with_its_processor(finished, tmp_path):
@@ -170,5 +171,6 @@ def test_an_mlx_conversion_of_a_vlm_adapter_is_refused_with_the_merge_route(fini
         f"name: {VLM_RUN}\nadapter: run:{VLM_RUN}\nbase_model: {VLM_BASE}\ntask:\n  - kind: mlx\n"
     )
     result = run_trainpod("run", "convert", "--config", str(config), volume=volume)
-    assert result.returncode == 2, result.stdout + result.stderr
-    assert "vision-language adapter" in result.stderr and "kind: merge" in result.stderr
+    out = result.stdout + result.stderr
+    assert result.returncode == 2, out
+    assert "vision-language adapter" in out and "kind: merge" in out

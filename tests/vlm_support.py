@@ -113,6 +113,7 @@ def make_tiny_vlm(folder: Path) -> Path:
             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
             "eos_token_id": ids["<|im_end|>"],
             "pad_token_id": ids["<|endoftext|>"],
+            "bos_token_id": None,
         },
         vision_config={
             "depth": 1,
@@ -130,6 +131,7 @@ def make_tiny_vlm(folder: Path) -> Path:
         vision_end_token_id=ids["<|vision_end|>"],
         eos_token_id=ids["<|im_end|>"],
         pad_token_id=ids["<|endoftext|>"],
+        bos_token_id=None,
     )
     torch.manual_seed(0)
     Qwen2VLForConditionalGeneration(config).save_pretrained(str(folder))

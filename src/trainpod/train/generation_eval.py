@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -112,7 +113,7 @@ def generate_and_score(
     autocast: Callable[[], Any],
 ) -> dict[str, float]:
     """Answer every prompt, write the predictions (and the worst by CER), return eval_<metric> values."""
-    records = []
+    records, started = [], time.perf_counter()
     for prompt in prompts:
         with autocast():
             prediction = greedy_answer(model, prompt, tokenizer, max_new_tokens, device)
@@ -132,9 +133,10 @@ def generate_and_score(
     ranked = sorted(records, key=lambda r: (-r["scores"]["cer"], r["val_index"]))
     _write_jsonl(eval_dir / f"step-{step}.worst-cer.jsonl", ranked[:worst])
     log.info(
-        "generation eval at step %d on %d samples: %s",
+        "generation eval at step %d on %d samples in %.1f s: %s",
         step,
         len(records),
+        time.perf_counter() - started,
         ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()),
     )
     return {f"eval_{k}": v for k, v in metrics.items()}

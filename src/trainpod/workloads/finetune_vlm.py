@@ -19,6 +19,7 @@ Finetuner; this subclass changes only what images change:
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -198,7 +199,7 @@ class VlmFinetuner(Finetuner):
             prompts.append(
                 Prompt(
                     inputs,
-                    self.tokenizer.decode(example.input_ids[:start].tolist()),
+                    self._shown_prompt(example.input_ids[:start].tolist()),
                     self.tokenizer.decode(
                         example.input_ids[start:end].tolist(), skip_special_tokens=True
                     ).strip(),
@@ -207,6 +208,12 @@ class VlmFinetuner(Finetuner):
                 )
             )
         return prompts
+
+    def _shown_prompt(self, ids: list[int]) -> str:
+        """The prompt decoded, each image's run of pad tokens shown once with its count (a page is ~1,000)."""
+        token = self.processor.image_token
+        text = self.tokenizer.decode(ids)
+        return re.sub(f"(?:{re.escape(token)})+", lambda m: f"{token}x{len(m[0]) // len(token)}", text)
 
     # ----------------------------------------------------------------------------- export
     def save_processor(self, folder: Path) -> None:

@@ -11,7 +11,7 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup demo demo-vlm test test-container bench lint clean
+.PHONY: setup demo demo-vlm test test-container bench lint clean gpu-wheels gpu-check
 
 setup: $(VENV)/.installed
 
@@ -45,6 +45,20 @@ test-container: setup
 
 bench: setup
 	$(PY) bench/run_all.py
+
+# The GPU proof (bench/gpu_check.py): on a CUDA machine with torch, transformers, peft and accelerate, no
+# internet needed. `make gpu-wheels` (where the package index is) fetches what such a machine lacks into
+# .whl/; gpu-check installs those offline first. GPU_CHECK_ARGS: e.g. --part pretrain, --dry on CPU.
+GPU_PYTHON ?= python3
+GPU_SITE ?= /tmp/trainpod-gpu-site
+GPU_CHECK_ARGS ?=
+gpu-wheels: setup
+	$(PY) bench/gpu_wheels.py
+
+gpu-check:
+	if ls .whl/*.whl >/dev/null 2>&1; then $(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile \
+	  --no-cache-dir --upgrade --target $(GPU_SITE) .whl/*.whl; fi
+	PYTHONPATH=$(GPU_SITE):$(CURDIR)/src $(GPU_PYTHON) bench/gpu_check.py $(GPU_CHECK_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check src tests bench entrypoints examples

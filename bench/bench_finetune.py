@@ -19,6 +19,7 @@ import shutil
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +73,8 @@ def make_inputs(volume: Path) -> None:
     (volume / SFT_FILE).write_text("".join(json.dumps(row) + "\n" for row in short_rows(3000, seed=1)))
 
 
-def bench_config(steps: int, packing: bool) -> FinetuneConfig:
+def bench_config(steps: int, packing: bool, extra: Sequence[str] = ()) -> FinetuneConfig:
+    """The benchmark's finetune config; `extra` overrides come last (the GPU check's QLoRA on a bigger model)."""
     datasets = json.dumps([{"path": SFT_FILE, "format": "alpaca"}])
     overrides = [
         "name=bench-finetune",
@@ -91,33 +93,41 @@ def bench_config(steps: int, packing: bool) -> FinetuneConfig:
         "train.gradient_checkpointing=false",
         "train.cpu_threads=2",
         "checkpoint.every_steps=100",  # finetune's default interval
+        *extra,
     ]
     return load_config(FinetuneConfig, REPO / "configs/finetune/tiny.yaml", overrides)
 
 
-def trainpod_run(volume: Path, steps: int, packing: bool) -> tuple[float, int, float]:
+def trainpod_run(
+    volume: Path, steps: int, packing: bool, extra: Sequence[str] = ()
+) -> tuple[float, int, float]:
     """(seconds, real tokens, packing efficiency) of trainpod's finetune loop, commits included."""
     run = Volume(volume).run("bench-finetune")
     shutil.rmtree(run.root, ignore_errors=True)
     run.create()
     trainer = Finetuner(
-        RunContext(Volume(volume), run, PreemptionWatch()), bench_config(steps, packing), init_distributed()
+        RunContext(Volume(volume), run, PreemptionWatch()),
+        bench_config(steps, packing, extra),
+        init_distributed(),
     )
     trainer.resume()
     trainer.reporter = trainer.make_reporter(0)
     model = trainer.wrap_for_training()
+    _sync()
     started = time.perf_counter()
     trainer._loop(model, 0)
+    _sync()
     elapsed = time.perf_counter() - started
     trainer.reporter.close()
     return elapsed, trainer.progress.tokens_seen, trainer.batches.packing_efficiency
 
 
-def trainpod_padded_rows(volume: Path, steps: int) -> dict[str, list[list[int]]]:
+def trainpod_padded_rows(volume: Path, steps: int, extra: Sequence[str] = ()) -> dict[str, list[list[int]]]:
     """The rows of trainpod's first `steps` padded micro batches, in its order, padding removed."""
-    cfg = bench_config(steps, packing=False)
-    data = load_sft(volume / "cache" / "sft" / sft_key(cfg.data.sft, volume / BASE))
-    batches = SftBatches(data.train, MICRO_BATCH, CUTOFF, False, cfg.train.seed, 0, 1, data.pad_id)
+    cfg = bench_config(steps, packing=False, extra=extra)
+    data = load_sft(volume / "cache" / "sft" / sft_key(cfg.data.sft, volume / cfg.base_model.path))
+    t, cutoff = cfg.train, cfg.data.sft.cutoff_len
+    batches = SftBatches(data.train, t.micro_batch_size, cutoff, False, t.seed, 0, 1, data.pad_id)
     rows: dict[str, list[list[int]]] = {"input_ids": [], "labels": []}
     for _ in range(steps):
         batch = batches.next_batch()
@@ -129,7 +139,7 @@ def trainpod_padded_rows(volume: Path, steps: int) -> dict[str, list[list[int]]]
     return rows
 
 
-def trainer_baseline(volume: Path, steps: int) -> tuple[float, int]:
+def trainer_baseline(volume: Path, steps: int, extra: Sequence[str] = ()) -> tuple[float, int]:
     """What users write by hand: transformers' Trainer, peft LoRA, DataCollatorForSeq2Seq padding; fed
     trainpod's padded batches in trainpod's order, so both sides compute the same batches (random draws
     of their own differed by 2-4% in padding and real tokens, which the comparison should not measure)."""
@@ -148,16 +158,18 @@ def trainer_baseline(volume: Path, steps: int) -> tuple[float, int]:
         def _get_train_sampler(self, *args: Any, **kwargs: Any) -> SequentialSampler:
             return SequentialSampler(self.train_dataset)
 
-    cfg = bench_config(steps, packing=False)
-    dataset = Dataset.from_dict(trainpod_padded_rows(volume, steps))
-    tokenizer = AutoTokenizer.from_pretrained(str(volume / BASE))
+    cfg = bench_config(steps, packing=False, extra=extra)
+    dataset = Dataset.from_dict(trainpod_padded_rows(volume, steps, extra))
+    base = str(volume / cfg.base_model.path)
+    tokenizer = AutoTokenizer.from_pretrained(base)
     torch.manual_seed(cfg.train.seed)
-    model = AutoModelForCausalLM.from_pretrained(str(volume / BASE), dtype=torch.float32)
+    gpu = torch.cuda.is_available()
+    model = baseline_model(base, cfg, gpu, AutoModelForCausalLM)
     model = get_peft_model(model, peft_lora_config(cfg.lora))  # the same adapters as trainpod's
     t = cfg.train
     args = TrainingArguments(
         output_dir=str(volume / "trainer-baseline"),
-        per_device_train_batch_size=MICRO_BATCH,
+        per_device_train_batch_size=t.micro_batch_size,
         gradient_accumulation_steps=1,
         max_steps=steps,
         learning_rate=t.lr,
@@ -165,21 +177,57 @@ def trainer_baseline(volume: Path, steps: int) -> tuple[float, int]:
         warmup_steps=round(t.warmup_ratio * steps),  # as trainpod rounds warmup_ratio
         weight_decay=t.weight_decay,
         max_grad_norm=t.grad_clip,
-        optim="adamw_torch",
+        optim="adamw_torch_fused" if gpu else "adamw_torch",  # as trainpod's adamw: fused on CUDA
+        bf16=gpu and cfg.train.precision != "fp32",
+        gradient_checkpointing=t.gradient_checkpointing,
+        gradient_checkpointing_kwargs={"use_reentrant": False},
         logging_steps=10,
         save_strategy="no",
         report_to=[],
-        use_cpu=True,
+        use_cpu=not gpu,
         dataloader_num_workers=0,
         disable_tqdm=True,
         seed=t.seed,
     )
     collator = CountingCollator(DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100))
     trainer = InOrderTrainer(model=model, args=args, train_dataset=dataset, data_collator=collator)
+    _sync()
     started = time.perf_counter()
     trainer.train()
+    _sync()
     elapsed = time.perf_counter() - started
     return elapsed, collator.real_tokens
+
+
+def baseline_model(folder: str, cfg: FinetuneConfig, gpu: bool, auto_model: Any) -> Any:
+    """The baseline's base model as a user's script loads it: fp32 on CPU, bf16 on a GPU, 4-bit for QLoRA."""
+    if cfg.method != "qlora":
+        dtype = torch.bfloat16 if gpu else torch.float32
+        return auto_model.from_pretrained(folder, dtype=dtype).to("cuda" if gpu else "cpu")
+    from peft import prepare_model_for_kbit_training
+    from transformers import BitsAndBytesConfig
+
+    compute = torch.bfloat16 if gpu else torch.float32
+    quantization = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=compute,
+    )
+    model = auto_model.from_pretrained(
+        folder, quantization_config=quantization, dtype=compute, device_map={"": 0 if gpu else "cpu"}
+    )
+    return prepare_model_for_kbit_training(
+        model,
+        use_gradient_checkpointing=cfg.train.gradient_checkpointing,
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+    )
+
+
+def _sync() -> None:
+    """Drain the GPU before reading a clock (kernels run asynchronously); nothing on CPU."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 class CountingCollator:
@@ -194,10 +242,14 @@ class CountingCollator:
         return self.collate(features)
 
 
-def compare(volume: Path, steps: int, packing: bool, pairs: int) -> dict[str, float]:
+def compare(
+    volume: Path, steps: int, packing: bool, pairs: int, extra: Sequence[str] = ()
+) -> dict[str, float]:
     """Tokens/s of the best run of each over `pairs` ABBA pairs (abba.py), the median pair ratio beside it."""
     base_runs, ours_runs = paired(
-        pairs, lambda: trainer_baseline(volume, steps), lambda: trainpod_run(volume, steps, packing)
+        pairs,
+        lambda: trainer_baseline(volume, steps, extra),
+        lambda: trainpod_run(volume, steps, packing, extra),
     )
     base_rates = [tokens / seconds for seconds, tokens in base_runs]
     ours_rates = [tokens / seconds for seconds, tokens, _efficiency in ours_runs]

@@ -1,11 +1,19 @@
 """A fake RunPod REST API on 127.0.0.1: the mock of RunPod itself (the only thing these tests mock).
 
-    python tests/fake_runpod.py --derive    # rewrite tests/runpod_schema.json from RunPod's OpenAPI file
+    python tests/fake_runpod.py --derive    # rewrite tests/runpod_schema.json and runpod_v2_schema.json
+                                            # from RunPod's OpenAPI files
 
-It holds account state (pods, templates, network volumes) in memory and validates every request
-(method, path, query names, JSON body: field names, types, enums, required fields) against
+It holds account state (pods, templates, network volumes, pod logs) in memory and validates every
+request (method, path, query names, JSON body: field names, types, enums, required fields) against
 `runpod_schema.json`, a small schema derived from RunPod's own OpenAPI description by
-`derive_schema` (tests/test_runpod_schema.py keeps the two equal). A request that does not validate
+`derive_schema` (tests/test_runpod_schema.py keeps the two equal). Requests under /v2 are validated
+the same way against `runpod_v2_schema.json`, derived from RunPod's v2 description by
+`derive_schema_v2`: query parameters and headers by name, type, range, enum and date-time format.
+`GET /v2/pods/{id}/logs` serves the pod's log lines as Server-Sent Events, resumes after
+`Last-Event-ID` (exclusively), keeps the stream open for lines added later, and on demand cuts a
+connection in the middle of an event (`drop_after`). Event ids are the lines' timestamps, as v2's
+description says (its one example id carries a `/<sequence>` suffix, which its own date-time schema
+for Last-Event-ID would refuse; the fake follows the schema, with microsecond timestamps). A request that does not validate
 gets a 400 like RunPod's and is recorded in `violations`; the `fake_runpod` fixtures fail the test
 when any is left. On demand it interrupts pods, refuses starts (no GPU free on the machine), has
 no capacity for GPU types, answers 429/5xx/401, or answers slowly (timeouts).
@@ -13,13 +21,14 @@ no capacity for GPU types, answers 429/5xx/401, or answers slowly (timeouts).
 
 from __future__ import annotations
 
+import datetime
 import itertools
 import json
 import re
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -30,7 +39,19 @@ import jsonschema
 
 HERE = Path(__file__).resolve().parent
 SCHEMA_FILE = HERE / "runpod_schema.json"
-OPENAPI = HERE.parent.parent / "shared/reference/runpod-rest-openapi.json"
+SCHEMA_V2_FILE = HERE / "runpod_v2_schema.json"
+
+
+def _reference_dir() -> Path:
+    """shared/reference beside the checkout (main: /work/shared; a worktree /work/wt/X: two levels up)."""
+    for parent in HERE.parents:
+        if (parent / "shared/reference").is_dir():
+            return parent / "shared/reference"
+    return HERE.parent.parent / "shared/reference"
+
+
+OPENAPI = _reference_dir() / "runpod-rest-openapi.json"
+OPENAPI_V2 = _reference_dir() / "runpod-rest-v2-openapi.json"
 KEY = "fake-runpod-key-for-tests"
 
 # What trainpod sends, as (method, OpenAPI path): the derived schema holds exactly these.
@@ -48,7 +69,10 @@ OPERATIONS = [
     ("GET", "/networkvolumes"),
     ("POST", "/networkvolumes"),
 ]
+# What trainpod sends to REST v2, as (method, OpenAPI path).
+OPERATIONS_V2 = [("GET", "/v2/pods/{id}/logs")]
 _KEEP = ("type", "enum", "items", "minimum", "maximum", "required", "properties")
+_KEEP_V2 = ("type", "enum", "minimum", "maximum", "format")
 
 
 def _json_schema(node: dict[str, Any]) -> dict[str, Any]:
@@ -89,6 +113,72 @@ def derive_schema(openapi: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def derive_schema_v2(openapi: dict[str, Any]) -> dict[str, Any]:
+    """The part of RunPod's v2 OpenAPI that trainpod uses: each operation's query and header
+    parameters with their value schemas (references resolved), and its success status and type."""
+    operations = {}
+    for method, path in OPERATIONS_V2:
+        item = openapi["paths"][path]
+        op = item[method.lower()]
+        params = [_resolve(openapi, p) for p in [*item.get("parameters", []), *op.get("parameters", [])]]
+        success = min(code for code in op["responses"] if code.startswith("2"))
+        operations[f"{method} {path}"] = {
+            "operationId": op["operationId"],
+            **{
+                where: {p["name"]: _value_schema(openapi, p["schema"]) for p in params if p["in"] == kind}
+                for where, kind in (("query", "query"), ("headers", "header"))
+            },
+            "status": int(success),
+            "content": sorted(op["responses"][success].get("content", {})),
+        }
+    return {
+        "source": "RunPod's OpenAPI description of https://api.runpod.io/v2 "
+        "(shared/reference/runpod-rest-v2-openapi.json)",
+        "operations": operations,
+    }
+
+
+def _resolve(openapi: dict[str, Any], node: dict[str, Any]) -> dict[str, Any]:
+    while "$ref" in node:
+        target: Any = openapi
+        for part in node["$ref"].removeprefix("#/").split("/"):
+            target = target[part]
+        node = target
+    return node
+
+
+def _value_schema(openapi: dict[str, Any], node: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in _resolve(openapi, node).items() if k in _KEEP_V2}
+
+
+def _value_problem(name: str, raw: str, schema: dict[str, Any]) -> str | None:
+    """Why a query or header value does not fit its OpenAPI schema (None when it does)."""
+    value: Any = raw
+    if schema.get("type") == "integer":
+        try:
+            value = int(raw)
+        except ValueError:
+            return f"{name}={raw!r} is not an integer"
+    if schema.get("format") == "date-time":
+        try:
+            parsed = datetime.datetime.fromisoformat(raw.replace("Z", "+00:00"))
+        except ValueError:
+            return f"{name}={raw!r} is not an RFC 3339 date-time"
+        if parsed.tzinfo is None or "T" not in raw:
+            return f"{name}={raw!r} is not an RFC 3339 date-time (needs a T and a time zone)"
+    errors = list(
+        jsonschema.Draft7Validator({k: v for k, v in schema.items() if k != "format"}).iter_errors(value)
+    )
+    return f"{name}={raw!r}: {errors[0].message}" if errors else None
+
+
+@dataclass
+class LogStream:
+    """An open Server-Sent Events answer: the handler writes each chunk as it comes."""
+
+    chunks: Iterator[bytes]
+
+
 @dataclass
 class Backend:
     """What happens to a pod's container; the e2e test replaces it with real `docker` commands."""
@@ -106,7 +196,12 @@ class FakeRunPod:
     key: str = KEY
     price_per_gpu_hr: float = 2.0
     schema: dict[str, Any] = field(default_factory=lambda: json.loads(SCHEMA_FILE.read_text()))
+    schema_v2: dict[str, Any] = field(default_factory=lambda: json.loads(SCHEMA_V2_FILE.read_text()))
     pods: dict[str, dict] = field(default_factory=dict)
+    logs: dict[str, list[dict]] = field(default_factory=dict)  # pod id -> {"ts", "source", "line"}
+    drop_after: list[int] = field(default_factory=list)  # per log connection: events before it is cut
+    log_headers: list[dict[str, str]] = field(default_factory=list)  # Last-Event-ID etc. of each log request
+    inclusive_cursor: bool = False  # resume at the Last-Event-ID's line rather than after it
     templates: dict[str, dict] = field(default_factory=dict)
     volumes: dict[str, dict] = field(default_factory=dict)
     requests: list[tuple[str, str, Any]] = field(default_factory=list)
@@ -117,8 +212,12 @@ class FakeRunPod:
     delay_s: float = 0.0
     backend: Backend = field(default_factory=Backend)
     url: str = ""
+    url_v2: str = ""
     _ids: Any = field(default_factory=lambda: itertools.count(1))
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _log_added: threading.Condition = field(default_factory=threading.Condition)
+    _log_clock: Any = field(default_factory=lambda: itertools.count(1))
+    closed: threading.Event = field(default_factory=threading.Event)
 
     # ------------------------------------------------------------------ controls
     def interrupt(self, pod_id: str) -> None:
@@ -131,6 +230,17 @@ class FakeRunPod:
     def fail_next(self, status: int, times: int = 1, retry_after: str | None = None) -> None:
         self.forced += [(status, retry_after)] * times
 
+    def add_logs(self, pod_id: str, *lines: str, source: str = "container") -> None:
+        """Lines the pod's container prints, each with its own microsecond timestamp (its event id)."""
+        with self._log_added:
+            for line in lines:
+                when = datetime.datetime(2026, 6, 1, 12, tzinfo=datetime.timezone.utc) + datetime.timedelta(
+                    microseconds=next(self._log_clock)
+                )
+                ts = when.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+                self.logs.setdefault(pod_id, []).append({"ts": ts, "source": source, "line": line})
+            self._log_added.notify_all()
+
     def pods_named(self, name: str) -> list[dict]:
         return [p for p in self.pods.values() if p["name"] == name]
 
@@ -142,6 +252,8 @@ class FakeRunPod:
         self, method: str, raw_path: str, headers: dict[str, str], raw_body: bytes
     ) -> tuple[int, Any, dict]:
         parts = urlsplit(raw_path)
+        if parts.path.startswith("/v2/"):
+            return self._handle_v2(method, parts.path, parts.query, headers)
         path = parts.path.removeprefix("/v1")
         body = json.loads(raw_body) if raw_body.strip() else None
         self.requests.append((method, path, body))
@@ -171,12 +283,82 @@ class FakeRunPod:
             status, result = getattr(self, "_" + op["operationId"])(body, query, **params)
         return (op["status"] if status is None else status), result, {}
 
+    def _handle_v2(
+        self, method: str, path: str, raw_query: str, headers: dict[str, str]
+    ) -> tuple[int, Any, dict]:
+        self.requests.append((method, path, None))
+        if headers.get("Authorization") != f"Bearer {self.key}":
+            return 401, {"title": "Unauthorized", "status": 401}, {}
+        if self.forced:
+            status, retry_after = self.forced.pop(0)
+            return (
+                status,
+                {"title": "forced by the test"},
+                ({"Retry-After": retry_after} if retry_after else {}),
+            )
+        op_key, params = self._route_in(self.schema_v2["operations"], method, path)
+        if op_key is None:
+            return self._invalid(f"{method} {path}: no such operation in RunPod's v2 API", 404)
+        op = self.schema_v2["operations"][op_key]
+        query = {k: v[0] for k, v in parse_qs(raw_query).items()}
+        unknown = set(query) - set(op["query"])
+        if unknown:
+            return self._invalid(f"{op_key}: unknown query parameters {sorted(unknown)}")
+        lowered = {k.lower(): v for k, v in headers.items()}  # HTTP header names are case-insensitive
+        given = {name: lowered[name.lower()] for name in op["headers"] if name.lower() in lowered}
+        problems = [_value_problem(n, v, op["query"][n]) for n, v in query.items()]
+        problems += [_value_problem(n, v, op["headers"][n]) for n, v in given.items()]
+        if any(problems):
+            return self._invalid(f"{op_key}: {'; '.join(p for p in problems if p)}")
+        return getattr(self, "_" + op["operationId"])(query, given, **params)
+
+    def _getPodLogs(self, query, headers, id):
+        self.log_headers.append(headers)
+        if id not in self.pods:
+            return 404, {"title": "Not Found", "status": 404, "detail": "pod not found"}, {}
+        drop = self.drop_after.pop(0) if self.drop_after else None
+        chunks = self._log_events(id, int(query.get("tail", 100)), headers.get("Last-Event-ID"), drop)
+        sse = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        return 200, LogStream(chunks), sse
+
+    def _log_events(self, pod_id: str, tail: int, after: str | None, drop: int | None) -> Iterator[bytes]:
+        lines = self.logs.setdefault(pod_id, [])
+        with self._log_added:
+            if after is not None:  # exclusive: the line with that id was delivered (unless inclusive_cursor)
+                index = next(
+                    (
+                        i
+                        for i, e in enumerate(lines)
+                        if e["ts"] > after or (self.inclusive_cursor and e["ts"] == after)
+                    ),
+                    len(lines),
+                )
+            else:
+                index = max(0, len(lines) - tail)
+        sent = 0
+        while not self.closed.is_set():
+            with self._log_added:
+                if index >= len(lines):
+                    self._log_added.wait(0.1)
+                    continue
+                entry = lines[index]
+            chunk = f"id: {entry['ts']}\ndata: {json.dumps(entry)}\n\n".encode()
+            if drop is not None and sent == drop:
+                yield chunk[: len(chunk) // 2]  # cut in the middle of an event, then the connection
+                return
+            yield chunk
+            index += 1
+            sent += 1
+
     def _invalid(self, problem: str, status: int = 400) -> tuple[int, Any, dict]:
         self.violations.append(problem)
         return status, {"error": problem}, {}
 
     def _route(self, method: str, path: str) -> tuple[str | None, dict[str, str]]:
-        for op_key in self.schema["operations"]:
+        return self._route_in(self.schema["operations"], method, path)
+
+    def _route_in(self, operations: dict, method: str, path: str) -> tuple[str | None, dict[str, str]]:
+        for op_key in operations:
             op_method, template = op_key.split(" ", 1)
             pattern = "^" + re.sub(r"\{(\w+)\}", r"(?P<\1>[^/]+)", template) + "$"
             match = re.match(pattern, path)
@@ -292,6 +474,9 @@ def _handler_for(fake: FakeRunPod) -> type[BaseHTTPRequestHandler]:
             status, result, extra = fake.handle(
                 self.command, self.path, dict(self.headers), self.rfile.read(length)
             )
+            if isinstance(result, LogStream):
+                self._stream(status, result, extra)
+                return
             payload = b"" if result is None else json.dumps(result).encode()
             self.send_response(status)
             for name, value in extra.items():
@@ -300,6 +485,19 @@ def _handler_for(fake: FakeRunPod) -> type[BaseHTTPRequestHandler]:
             self.send_header("Content-Length", str(len(payload)))
             self.end_headers()
             self.wfile.write(payload)
+
+        def _stream(self, status: int, stream: LogStream, headers: dict) -> None:
+            self.send_response(status)
+            for name, value in headers.items():
+                self.send_header(name, value)
+            self.end_headers()  # HTTP/1.0, no length: the body ends when the connection closes
+            try:
+                for chunk in stream.chunks:
+                    self.wfile.write(chunk)
+                    self.wfile.flush()
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the client went away
+            self.close_connection = True
 
         do_GET = do_POST = do_PATCH = do_DELETE = _serve
 
@@ -317,6 +515,7 @@ class FakeRunPodServer:
         self.httpd = ThreadingHTTPServer((host, 0), _handler_for(self.fake))
         self.httpd.daemon_threads = True
         self.fake.url = f"http://{host}:{self.httpd.server_address[1]}/v1"
+        self.fake.url_v2 = f"http://{host}:{self.httpd.server_address[1]}/v2"
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
 
     def __enter__(self) -> FakeRunPod:
@@ -324,6 +523,7 @@ class FakeRunPodServer:
         return self.fake
 
     def __exit__(self, *exc: object) -> None:
+        self.fake.closed.set()  # open log streams end
         self.httpd.shutdown()
         self.httpd.server_close()
 
@@ -333,15 +533,29 @@ def client_for(fake: FakeRunPod, sleeps: list[float] | None = None, **kwargs: An
     from trainpod.runpod.client import RunPodClient
 
     recorded = [] if sleeps is None else sleeps
-    return RunPodClient(fake.key, base_url=fake.url, sleep=recorded.append, jitter=lambda: 1.0, **kwargs)
+    return RunPodClient(
+        fake.key,
+        base_url=fake.url,
+        base_url_v2=fake.url_v2,
+        sleep=recorded.append,
+        jitter=lambda: 1.0,
+        **kwargs,
+    )
 
 
 def api_env(fake: FakeRunPod) -> dict[str, str]:
     """The environment that points trainpod's client at the fake."""
-    return {"TRAINPOD_RUNPOD_API_URL": fake.url, "RUNPOD_API_KEY": fake.key}
+    return {
+        "TRAINPOD_RUNPOD_API_URL": fake.url,
+        "TRAINPOD_RUNPOD_API_V2_URL": fake.url_v2,
+        "RUNPOD_API_KEY": fake.key,
+    }
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--derive"]:
     derived = derive_schema(json.loads(OPENAPI.read_text()))
     SCHEMA_FILE.write_text(json.dumps(derived, indent=1, sort_keys=True) + "\n")
     print(f"wrote {SCHEMA_FILE} ({len(derived['operations'])} operations, {len(derived['schemas'])} schemas)")
+    derived_v2 = derive_schema_v2(json.loads(OPENAPI_V2.read_text()))
+    SCHEMA_V2_FILE.write_text(json.dumps(derived_v2, indent=1, sort_keys=True) + "\n")
+    print(f"wrote {SCHEMA_V2_FILE} ({len(derived_v2['operations'])} operations)")

@@ -13,7 +13,7 @@ from trainpod.config import load_config
 from trainpod.config.deploy import CUDA_VERSIONS, DeployConfig
 from trainpod.runpod.deploy import pod_body, template_body
 
-from fake_runpod import OPENAPI, SCHEMA_FILE, derive_schema
+from fake_runpod import OPENAPI, OPENAPI_V2, SCHEMA_FILE, SCHEMA_V2_FILE, derive_schema, derive_schema_v2
 
 DEPLOY_CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs/deploy").glob("*.yaml"))
 
@@ -28,6 +28,13 @@ def openapi() -> dict:
 def test_derived_schema_equals_what_runpods_openapi_says_today():
     assert derive_schema(openapi()) == json.loads(SCHEMA_FILE.read_text()), (
         f"{SCHEMA_FILE.name} is out of date with RunPod's OpenAPI; run `python tests/fake_runpod.py --derive`"
+    )
+
+
+def test_derived_v2_schema_equals_what_runpods_v2_openapi_says_today():
+    assert OPENAPI_V2.is_file(), f"{OPENAPI_V2} is missing: the checkout needs shared/ beside it"
+    assert derive_schema_v2(json.loads(OPENAPI_V2.read_text())) == json.loads(SCHEMA_V2_FILE.read_text()), (
+        f"{SCHEMA_V2_FILE.name} is out of date with RunPod's v2 OpenAPI; run `python tests/fake_runpod.py --derive`"
     )
 
 

@@ -6,11 +6,16 @@ trainpod status RUN
 trainpod deploy configs/deploy/pretrain-spot.yaml [--dry-run]   (RunPod: template, volume, pod)
 trainpod supervise RUN --config configs/deploy/pretrain-spot.yaml [--once]
 trainpod stop RUN [--terminate]
+trainpod logs RUN [-f] [--tail N]                 (the pod's logs through RunPod's API, from a laptop)
+trainpod push LOCAL_PATH datasets/NAME --s3-volume VOL --datacenter DC   (the volume through its S3 API)
+trainpod pull RUN [export|checkpoint|all] [DEST] --s3-volume VOL --datacenter DC
+trainpod ls [--volume DIR | --s3-volume VOL --datacenter DC | --config DEPLOY.yaml]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import json
 import os
@@ -50,8 +55,21 @@ def run(
     return execute(request)
 
 
-def status(run_name: str | None = None, volume: str | None = None) -> int:
-    """Show a run's step, loss, tokens/s, ETA, cost and newest checkpoint (all runs when RUN is omitted)."""
+def status(
+    run_name: str | None = None,
+    volume: str | None = None,
+    s3_volume: str | None = None,
+    datacenter: str | None = None,
+    config: str | None = None,
+) -> int:
+    """Show a run's step, loss, tokens/s, ETA, cost and newest checkpoint (all runs when RUN is omitted).
+
+    Reads the volume mounted here (--volume, else $TRAINPOD_VOLUME), or from a laptop the network
+    volume through RunPod's S3 API (--s3-volume and --datacenter, or --config DEPLOY.yaml, else
+    $TRAINPOD_S3_VOLUME and $TRAINPOD_S3_DATACENTER).
+    """
+    if _wants_s3(volume, s3_volume, config):
+        return _reported(lambda: _status_via_s3(run_name, s3_volume, datacenter, config))
     vol = Volume(Path(volume)) if volume else Volume.from_env()
     runs_root = vol.root / "runs"
     names = [run_name] if run_name else sorted(p.name for p in runs_root.glob("*") if p.is_dir())
@@ -62,6 +80,144 @@ def status(run_name: str | None = None, volume: str | None = None) -> int:
         print(_status_line(vol, name))
     _print_pods(run_name, names)
     return ExitCode.DONE
+
+
+def _status_via_s3(
+    run_name: str | None, s3_volume: str | None, datacenter: str | None, config: str | None
+) -> int:
+    import tempfile
+
+    from trainpod.remote.listing import snapshot_runs
+
+    s3 = _volume_s3(s3_volume, datacenter, config)
+    with tempfile.TemporaryDirectory(prefix="trainpod-status-") as snapshot:
+        snapshot_runs(s3, [run_name] if run_name else None, Path(snapshot))
+        print(f"volume {s3.bucket} ({s3.target.datacenter}) through S3:")
+        return status(run_name, volume=snapshot)
+
+
+def _wants_s3(volume: str | None, s3_volume: str | None, config: str | None) -> bool:
+    """S3 when a flag names it; a local --volume or $TRAINPOD_VOLUME wins over $TRAINPOD_S3_VOLUME."""
+    from trainpod.remote.s3 import VOLUME_ENV
+
+    if volume:
+        return False
+    return bool(s3_volume or config) or (
+        not os.environ.get("TRAINPOD_VOLUME") and bool(os.environ.get(VOLUME_ENV))
+    )
+
+
+def _volume_s3(s3_volume: str | None, datacenter: str | None, config: str | None):
+    """The network volume's S3 API from the flags, the deploy config (its volume found by name through
+    RunPod's REST API), or $TRAINPOD_S3_VOLUME / $TRAINPOD_S3_DATACENTER."""
+    from trainpod.remote.s3 import VolumeS3, target_from
+
+    if config:
+        from trainpod.config import load_config
+        from trainpod.config.deploy import DeployConfig
+
+        cfg = load_config(DeployConfig, config)
+        datacenter = datacenter or cfg.volume.data_center
+        s3_volume = s3_volume or _volume_id(cfg.volume.name, cfg.volume.data_center, config)
+    return VolumeS3(target_from(s3_volume, datacenter))
+
+
+def _volume_id(name: str, datacenter: str, config: str) -> str:
+    from trainpod.errors import InputError
+    from trainpod.runpod.client import RunPodClient
+
+    for volume in RunPodClient.from_env().list_network_volumes():
+        if volume.name == name and volume.data_center_id == datacenter:
+            return volume.id
+    raise InputError(
+        f"{config}: no network volume named {name!r} in {datacenter} on RunPod; `trainpod deploy {config}` creates "
+        "it, or pass --s3-volume VOLUME_ID"
+    )
+
+
+def push(
+    local_path: str,
+    destination: str,
+    s3_volume: str | None = None,
+    datacenter: str | None = None,
+    config: str | None = None,
+) -> int:
+    """Upload a file or folder to the network volume (e.g. datasets/NAME) through RunPod's S3 API, no pod.
+
+    Multipart and resumable (run it again after an interruption: the parts already sent are kept),
+    each file checked by size and checksum, and published like datagen publishes: data files first,
+    manifest.json / metadata.json last, so pretrain and finetune see the dataset only once it is
+    whole. Nothing on the volume is ever replaced. Key: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY.
+    """
+    from trainpod.remote.push import push as push_files
+
+    def act() -> int:
+        push_files(_volume_s3(s3_volume, datacenter, config), Path(local_path), destination)
+        return ExitCode.DONE
+
+    return _reported(act)
+
+
+def pull(
+    run_name: str,
+    what: str = "export",
+    destination: str | None = None,
+    s3_volume: str | None = None,
+    datacenter: str | None = None,
+    config: str | None = None,
+) -> int:
+    """Download a run's export, newest checkpoint or whole folder from the network volume through S3.
+
+    Into DEST (default ./RUN), resuming an interrupted download, every file checked against its
+    manifest's sha256 (a checkpoint's 32 MiB pieces, an output's whole files) before it is renamed
+    into place; manifests and checkpoints/LATEST are written last.
+    """
+    from trainpod.remote.pull import pull as pull_files
+
+    def act() -> int:
+        pull_files(_volume_s3(s3_volume, datacenter, config), run_name, what, Path(destination or run_name))
+        return ExitCode.DONE
+
+    return _reported(act)
+
+
+def ls(
+    volume: str | None = None,
+    s3_volume: str | None = None,
+    datacenter: str | None = None,
+    config: str | None = None,
+) -> int:
+    """List the volume's datasets, tokenizers and runs (state, newest checkpoint, exports).
+
+    The volume mounted here (--volume, else $TRAINPOD_VOLUME), or the network volume through
+    RunPod's S3 API (--s3-volume and --datacenter, --config DEPLOY.yaml, or $TRAINPOD_S3_VOLUME).
+    """
+    from trainpod.remote.listing import LocalFiles, volume_lines
+
+    def act() -> int:
+        if _wants_s3(volume, s3_volume, config):
+            files = _volume_s3(s3_volume, datacenter, config)
+            where = f"volume {files.bucket} ({files.target.datacenter}) through S3"
+        else:
+            files = LocalFiles((Volume(Path(volume)) if volume else Volume.from_env()).root)
+            where = str(files.root)
+        lines = volume_lines(files)
+        print(f"{where}:" + ("" if lines else " empty (no datasets, tokenizers or runs)"))
+        for line in lines:
+            print("  " + line)
+        return ExitCode.DONE
+
+    return _reported(act)
+
+
+def _s3_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--s3-volume", metavar="VOLUME_ID", help="network volume id (default: $TRAINPOD_S3_VOLUME)"
+    )
+    p.add_argument(
+        "--datacenter", metavar="DC", help="its data center, e.g. EU-RO-1 ($TRAINPOD_S3_DATACENTER)"
+    )
+    p.add_argument("--config", help="a deploy YAML: its volume and data center (the id looked up by name)")
 
 
 def _print_pods(run_name: str | None, names: list[str]) -> None:
@@ -185,6 +341,39 @@ def stop(run_name: str, terminate: bool = False) -> int:
     return _reported(lambda: (stop_run(RunPodClient.from_env(), run_name, terminate), ExitCode.DONE)[1])
 
 
+def logs(run_name: str, follow: bool = False, tail: int = 100) -> int:
+    """Print the last lines of the run's pod logs (-f: and follow them until Ctrl-C), secrets masked.
+
+    Reads RunPod's REST v2 log stream of the pod `<run>-<workload>` (RUNPOD_API_KEY); a dropped
+    connection is resumed from the last line printed, none lost or repeated. No SSH needed.
+    """
+    from trainpod.errors import ConfigError
+    from trainpod.runpod.client import RunPodClient
+    from trainpod.runpod.logs import MAX_TAIL, pod_for_logs, stream_logs
+
+    def act() -> int:
+        if not 0 <= tail <= MAX_TAIL:
+            raise ConfigError(
+                [f"--tail {tail}: RunPod backfills 0 to {MAX_TAIL} lines; pick one in that range"]
+            )
+        _notes_to_stderr()  # stdout carries the pod's lines alone, e.g. into a file
+        client = RunPodClient.from_env()
+        pod = pod_for_logs(client, run_name)
+        with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C is how -f ends
+            stream_logs(client, pod, tail, follow, emit=lambda line: print(line, flush=True))
+        return ExitCode.DONE
+
+    return _reported(act)
+
+
+def _notes_to_stderr() -> None:
+    import logging
+
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
+            handler.setStream(sys.stderr)
+
+
 def _reported(act) -> int:
     """Run a RunPod verb: its log lines on stdout (secrets masked), an error as one message + exit code."""
     from trainpod.errors import TrainpodError
@@ -237,6 +426,7 @@ def _run_arguments(p: argparse.ArgumentParser) -> None:
 def _status_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_name", nargs="?", metavar="RUN")
     p.add_argument("--volume")
+    _s3_flags(p)
 
 
 def _deploy_arguments(p: argparse.ArgumentParser) -> None:
@@ -259,6 +449,30 @@ def _stop_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--terminate", action="store_true", help="terminate instead of stop (the pod is gone)")
 
 
+def _logs_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_name", metavar="RUN")
+    p.add_argument("-f", "--follow", action="store_true", help="keep printing new lines until Ctrl-C")
+    p.add_argument("--tail", type=int, default=100, metavar="N", help="lines of history first (0-5000)")
+
+
+def _push_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("local_path", metavar="LOCAL_PATH")
+    p.add_argument("destination", metavar="DEST", help="folder on the volume, e.g. datasets/NAME")
+    _s3_flags(p)
+
+
+def _pull_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_name", metavar="RUN")
+    p.add_argument("what", nargs="?", default="export", choices=["export", "checkpoint", "all"])
+    p.add_argument("destination", nargs="?", metavar="DEST", help="local folder (default: ./RUN)")
+    _s3_flags(p)
+
+
+def _ls_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--volume", help="a volume mounted here (default: $TRAINPOD_VOLUME)")
+    _s3_flags(p)
+
+
 # The verbs: the one table the parser and the dispatch are built from. A new verb is a function
 # (its docstring is its help) and a line here, with the function that declares its arguments.
 VERBS: dict[str, tuple[Callable[..., int], Callable[[argparse.ArgumentParser], None] | None]] = {
@@ -268,6 +482,10 @@ VERBS: dict[str, tuple[Callable[..., int], Callable[[argparse.ArgumentParser], N
     "deploy": (deploy, _deploy_arguments),
     "supervise": (supervise, _supervise_arguments),
     "stop": (stop, _stop_arguments),
+    "logs": (logs, _logs_arguments),
+    "push": (push, _push_arguments),
+    "pull": (pull, _pull_arguments),
+    "ls": (ls, _ls_arguments),
 }
 
 

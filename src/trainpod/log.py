@@ -1,7 +1,9 @@
 """Logging to stdout and the run's log file, with every secret's value masked on the way out.
 
-Secrets (HF_TOKEN, WANDB_API_KEY, RUNPOD_API_KEY, git tokens) must never reach a log line, even
-when a library prints a URL with a token in it, so the mask sits on the handlers, not the callers.
+Secrets (HF_TOKEN, WANDB_API_KEY, RUNPOD_API_KEY, git tokens, the S3 API key) must never reach a log
+line, even when a library prints a URL with a token in it, so the mask sits on the handlers, not the
+callers. A secret that comes from somewhere else than these variables (the S3 key from an AWS
+profile file, say) is masked once `register_secret` has been told its value.
 """
 
 from __future__ import annotations
@@ -20,16 +22,27 @@ SECRET_ENV_VARS = (
     "GIT_TOKEN",
     "TRAINPOD_GIT_TOKEN",
     "GITHUB_TOKEN",
+    "AWS_ACCESS_KEY_ID",  # RunPod's S3 API key: the user_... id and its rps_... secret
+    "AWS_SECRET_ACCESS_KEY",
 )
 # Credentials embedded in URLs (https://user:token@host/...), whatever variable they came from.
 _URL_CREDENTIALS = re.compile(r"(https?://)[^/\s:@]+(:[^/\s@]+)?@")
 _MIN_SECRET_LENGTH = 6  # shorter values would mask ordinary words
 
 
+_REGISTERED: set[str] = set()
+
+
+def register_secret(value: str | None) -> None:
+    """Mask `value` in every log line and redacted text from now on (this process)."""
+    if value and len(value) >= _MIN_SECRET_LENGTH:
+        _REGISTERED.add(value)
+
+
 def secret_values(environ: dict[str, str] | None = None) -> list[str]:
     environ = os.environ if environ is None else environ
     values = {environ[name] for name in SECRET_ENV_VARS if len(environ.get(name, "")) >= _MIN_SECRET_LENGTH}
-    return sorted(values, key=len, reverse=True)
+    return sorted(values | _REGISTERED, key=len, reverse=True)
 
 
 def redact(text: str, secrets: list[str] | None = None) -> str:

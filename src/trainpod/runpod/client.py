@@ -1,7 +1,9 @@
-"""The one way trainpod reaches RunPod's REST API (https://rest.runpod.io/v1), through `request`.
+"""The one way trainpod reaches RunPod's REST API (https://rest.runpod.io/v1, and v2 at
+https://api.runpod.io/v2 for what only v2 has), through `request`.
 
     client = RunPodClient.from_env()          # RUNPOD_API_KEY, else the runpod CLI's ~/.runpod/config.toml
     client.list_pods(name="tiny-pretrain-pretrain")
+    client.request("GET", "/pods/ID/logs", api="v2", stream=True)   # an open response (Server-Sent Events)
 
 Timeouts on every call; retries with exponential backoff and jitter on 429 and 5xx only (a 4xx
 other than 429 is our mistake and is not retried), honouring Retry-After. Errors carry the status
@@ -32,6 +34,8 @@ log = logging.getLogger("trainpod.runpod")
 
 DEFAULT_API_URL = "https://rest.runpod.io/v1"
 API_URL_ENV = "TRAINPOD_RUNPOD_API_URL"
+DEFAULT_API_V2_URL = "https://api.runpod.io/v2"  # v2 (beta) lives on another host than v1
+API_V2_URL_ENV = "TRAINPOD_RUNPOD_API_V2_URL"
 KEY_ENV = "RUNPOD_API_KEY"
 # Where the runpod CLIs keep the key: the Python CLI writes `[default] api_key = "..."` to
 # config.toml (older releases: credentials.toml); runpodctl writes a top-level `apikey = "..."`.
@@ -176,6 +180,7 @@ class RunPodClient:
         self,
         key: str,
         base_url: str = DEFAULT_API_URL,
+        base_url_v2: str = DEFAULT_API_V2_URL,
         timeout_s: float = 30.0,
         max_attempts: int = 5,
         backoff_s: float = 1.0,
@@ -185,6 +190,7 @@ class RunPodClient:
     ):
         self._key = key
         self.base_url = base_url.rstrip("/")
+        self.base_url_v2 = base_url_v2.rstrip("/")
         self.timeout_s = timeout_s
         self.max_attempts = max_attempts
         self.backoff_s = backoff_s
@@ -199,19 +205,35 @@ class RunPodClient:
     def from_env(cls, environ: dict[str, str] | None = None, **kwargs: Any) -> RunPodClient:
         environ = os.environ if environ is None else environ
         base_url = environ.get(API_URL_ENV) or DEFAULT_API_URL
-        return cls(api_key(environ), base_url=base_url, **kwargs)
+        base_url_v2 = environ.get(API_V2_URL_ENV) or DEFAULT_API_V2_URL
+        return cls(api_key(environ), base_url=base_url, base_url_v2=base_url_v2, **kwargs)
 
     # ---------------------------------------------------------------- the one request function
-    def request(self, method: str, path: str, body: Any = None, query: dict[str, Any] | None = None) -> Any:
-        """Send one call, retrying 429/5xx/timeouts; returns the decoded JSON (None when empty)."""
-        endpoint = f"{method} {path}"
-        url = self.base_url + path
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        query: dict[str, Any] | None = None,
+        *,
+        api: str = "v1",
+        headers: dict[str, str] | None = None,
+        stream: bool = False,
+        timeout_s: float | None = None,
+    ) -> Any:
+        """Send one call, retrying 429/5xx/timeouts; returns the decoded JSON (None when empty).
+
+        `api="v2"` sends it to the v2 base URL. `stream=True` returns the open response once its
+        status is 200 (the caller reads and closes it: Server-Sent Events); only opening is retried.
+        """
+        endpoint = f"{method} {'/v2' if api == 'v2' else ''}{path}"
+        url = (self.base_url_v2 if api == "v2" else self.base_url) + path
         if query:
             url += "?" + urllib.parse.urlencode({k: v for k, v in query.items() if v is not None})
         data = json.dumps(body).encode() if body is not None else None
         for attempt in range(1, self.max_attempts + 1):
             try:
-                return self._send(method, url, data)
+                return self._send(method, url, data, headers or {}, stream, timeout_s or self.timeout_s)
             except urllib.error.HTTPError as exc:
                 retry_after = exc.headers.get("Retry-After") if exc.headers else None
                 exc.close()
@@ -221,7 +243,7 @@ class RunPodClient:
             except TimeoutError:
                 status, problem, wait = (
                     None,
-                    f"timed out after {self.timeout_s:g} s",
+                    f"timed out after {timeout_s or self.timeout_s:g} s",
                     self._delay(attempt, None),
                 )
             except urllib.error.URLError as exc:
@@ -242,12 +264,18 @@ class RunPodClient:
             self.sleep(wait)
         raise AssertionError("not reached")
 
-    def _send(self, method: str, url: str, data: bytes | None) -> Any:
-        headers = {"Authorization": f"Bearer {self._key}", "Accept": "application/json"}
+    def _send(
+        self, method: str, url: str, data: bytes | None, extra: dict[str, str], stream: bool, timeout_s: float
+    ) -> Any:
+        accept = "text/event-stream" if stream else "application/json"
+        headers = {**extra, "Authorization": f"Bearer {self._key}", "Accept": accept}
         if data is not None:
             headers["Content-Type"] = "application/json"
         req = urllib.request.Request(url, data=data, method=method, headers=headers)
-        with urllib.request.urlopen(req, timeout=self.timeout_s) as response:  # noqa: S310 - https/our fake
+        response = urllib.request.urlopen(req, timeout=timeout_s)  # noqa: S310 - https/our fake
+        if stream:
+            return response
+        with response:
             raw = response.read()
         return json.loads(raw) if raw.strip() else None
 
@@ -283,6 +311,21 @@ class RunPodClient:
     def terminate_pod(self, pod_id: str) -> None:
         self.request("DELETE", f"/pods/{_segment(pod_id)}")
 
+    def open_pod_logs(
+        self, pod_id: str, tail: int | None, last_event_id: str | None, read_timeout_s: float
+    ) -> Any:
+        """v2's log stream of a pod (Server-Sent Events), open: from `last_event_id` when given
+        (RunPod then ignores `tail`), else the last `tail` lines first. The caller closes it."""
+        return self.request(
+            "GET",
+            f"/pods/{_segment(pod_id)}/logs",
+            query=None if last_event_id else {"tail": tail},
+            api="v2",
+            headers={"Last-Event-ID": last_event_id} if last_event_id else None,
+            stream=True,
+            timeout_s=read_timeout_s,
+        )
+
     # ---------------------------------------------------------------- templates
     def list_templates(self) -> list[Template]:
         return [Template.from_api(t) for t in self.request("GET", "/templates") or []]
@@ -316,7 +359,9 @@ class DryRunClient(RunPodClient):
         self.echo = echo
         self.sent: list[tuple[str, str, Any]] = []
 
-    def request(self, method: str, path: str, body: Any = None, query: dict[str, Any] | None = None) -> Any:
+    def request(
+        self, method: str, path: str, body: Any = None, query: dict[str, Any] | None = None, **_: Any
+    ) -> Any:
         if method == "GET":
             return [] if path.count("/") == 1 else None  # lists are empty, nothing exists yet
         self.sent.append((method, path, body))

@@ -20,10 +20,14 @@ from trainpod.volume import RunDir
 
 log = logging.getLogger(__name__)
 
-# Dense bf16 peak FLOP/s per GPU, for MFU (vendor datasheets, without sparsity).
+# Dense bf16 tensor-core peak FLOP/s per GPU, for MFU (NVIDIA's datasheets, without sparsity), matched
+# against torch's device name in this order: the first key found in it wins, so a chip's variants come
+# before its plain name (an H100 PCIe peaks 24% below the SXM part).
 PEAK_BF16_FLOPS = {
     "H200": 989e12,
-    "H100": 989e12,
+    "H100 PCIe": 756e12,
+    "H100 NVL": 835e12,
+    "H100": 989e12,  # SXM5, e.g. "NVIDIA H100 80GB HBM3"
     "A100": 312e12,
     "L40S": 362e12,
     "L40": 181e12,
@@ -37,8 +41,12 @@ PEAK_BF16_FLOPS = {
 def peak_flops(device: torch.device) -> float | None:
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
+    return peak_flops_of(torch.cuda.get_device_name(device))
+
+
+def peak_flops_of(device_name: str) -> float | None:
+    """The dense bf16 peak of the GPU torch calls `device_name`, or None for one not in the table."""
+    return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in device_name), None)
 
 
 class RunReporter:

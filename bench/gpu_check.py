@@ -1,0 +1,243 @@
+"""`make gpu-check`: every GPU claim of trainpod measured on the machine it runs on, written as a dated
+GPU section of BENCHMARKS.md, the raw results and logs kept under bench/results/gpu-<date>/.
+
+    python bench/gpu_check.py                      # every part, then the report (a CUDA machine)
+    python bench/gpu_check.py --part pretrain      # one part (each fits a 10-minute call)
+    python bench/gpu_check.py --report-only        # the report from the results already there
+    python bench/gpu_check.py --dry                # on CPU: tiny sizes, GPU-only steps skipped
+
+A bare GPU machine with no internet has a CUDA torch, transformers, peft and accelerate but not
+bitsandbytes or pydantic: `make gpu-wheels` (on a machine with the package index) downloads those
+wheels into .whl/, and `make gpu-check` installs them offline (--no-index) before it runs.
+
+Each unit (a part, for one preset where it has presets) runs in a process of its own, so one unit's
+memory does not count in another's peak and a crash in one leaves the others' results; each writes
+<results>/<unit>.json and <unit>.log. --dry runs the same code on CPU with a tiny model, so the unit
+tier (tests/test_gpu_check.py) keeps this harness working between GPU runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+sys.path.insert(0, str(REPO / "bench"))
+
+UNIT_TIMEOUT_S = 540  # under the 10 minutes one call to a lent GPU machine may take
+TARGETS = {
+    "mfu_125m": 0.45,
+    "mfu_1b": 0.50,
+    "qlora_vs_trainer": 1.5,
+    "qlora_32b_peak_gb": 65.0,
+    "estimate_error": 0.15,
+    "async_5min": 0.99,
+}
+
+
+def _env_part(volume: Path, preset: str | None, dry: bool) -> dict[str, Any]:
+    import torch
+
+    info: dict[str, Any] = {"torch": torch.__version__, "cuda": torch.version.cuda, "dry": dry}
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info |= {
+            "gpu": props.name,
+            "gpu_memory_bytes": props.total_memory,
+            "capability": [props.major, props.minor],
+        }
+    smi = subprocess.run(
+        ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+        capture_output=True,
+        text=True,
+        check=False,
+    ) if _has("nvidia-smi") else None  # fmt: skip
+    info["nvidia_smi"] = smi.stdout.strip() if smi is not None else None
+    info |= _bitsandbytes()
+    from trainpod.train.reporting import peak_flops
+
+    info["peak_bf16_flops"] = peak_flops(torch.device("cuda", 0)) if torch.cuda.is_available() else None
+    return info
+
+
+def _bitsandbytes() -> dict[str, Any]:
+    try:
+        import bitsandbytes as bnb
+        import torch
+    except ImportError as exc:
+        return {"bitsandbytes": None, "bitsandbytes_error": str(exc)}
+    loaded = None
+    if torch.cuda.is_available():  # a 4-bit round trip on the GPU proves the CUDA library loaded
+        try:
+            from bitsandbytes.functional import dequantize_4bit, quantize_4bit
+
+            weight = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
+            packed, state = quantize_4bit(weight, quant_type="nf4")
+            loaded = bool((dequantize_4bit(packed, state) - weight).abs().max() < 0.5)
+        except Exception as exc:  # the report shows why the CUDA kernels are unusable
+            loaded = f"failed: {type(exc).__name__}: {exc}"
+    return {"bitsandbytes": bnb.__version__, "bitsandbytes_cuda": loaded}
+
+
+def _has(program: str) -> bool:
+    return any((Path(p) / program).exists() for p in os.environ.get("PATH", "").split(os.pathsep))
+
+
+def _gpu_tests_part(volume: Path, preset: str | None, dry: bool) -> dict[str, Any]:
+    """`pytest -m gpu`; in --dry mode only collected (the tests need CUDA)."""
+    junit = volume / "gpu-tests.xml"
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}"]
+    if dry:
+        cmd.append("--collect-only")
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=False)
+    print(result.stdout[-6000:], result.stderr[-3000:])
+    summary = next((line for line in reversed(result.stdout.splitlines()) if line.strip()), "")
+    return {"exit_code": result.returncode, "summary": summary, "collected_only": dry}
+
+
+def _pretrain_part(volume: Path, preset: str | None, dry: bool) -> dict[str, Any]:
+    from gpu_pretrain import throughput
+
+    return throughput(volume, preset or "125m", dry)
+
+
+def _memory_part(volume: Path, preset: str | None, dry: bool) -> dict[str, Any]:
+    from gpu_pretrain import preset_memory
+
+    return preset_memory(volume, preset or "125m", dry)
+
+
+def _checkpoint_part(volume: Path, preset: str | None, dry: bool) -> dict[str, Any]:
+    from gpu_pretrain import checkpoint_cost
+
+    return checkpoint_cost(volume, preset or "125m", dry)
+
+
+def _qlora_32b_part(volume: Path, preset: str | None, dry: bool) -> dict[str, Any]:
+    from gpu_finetune import qlora_32b_memory
+
+    return qlora_32b_memory(volume, dry)
+
+
+def _qlora_speed_part(volume: Path, preset: str | None, dry: bool) -> dict[str, Any]:
+    from gpu_finetune import qlora_speed
+
+    return qlora_speed(volume, dry)
+
+
+Part = Callable[[Path, "str | None", bool], dict[str, Any]]
+# part -> (function, presets on a GPU, presets in --dry mode); None: the part has no presets.
+PARTS: dict[str, tuple[Part, list[str] | None, list[str] | None]] = {
+    "env": (_env_part, None, None),
+    "gpu-tests": (_gpu_tests_part, None, None),
+    "pretrain": (_pretrain_part, ["125m", "1b"], ["125m"]),
+    "memory": (_memory_part, ["125m", "1b", "2b", "4b"], ["125m"]),
+    "checkpoint": (_checkpoint_part, ["125m"], ["125m"]),
+    "qlora-32b": (_qlora_32b_part, None, None),
+    "qlora-speed": (_qlora_speed_part, None, None),
+}
+
+
+def units(parts: list[str], dry: bool) -> list[tuple[str, str | None]]:
+    out = []
+    for part in parts:
+        _, presets, dry_presets = PARTS[part]
+        out += [(part, preset) for preset in ((dry_presets if dry else presets) or [None])]
+    return out
+
+
+def unit_name(part: str, preset: str | None) -> str:
+    return f"{part}-{preset}" if preset else part
+
+
+def run_unit(part: str, preset: str | None, results: Path, dry: bool) -> dict[str, Any]:
+    """One unit in this process: its result (or the error that ended it) as <results>/<unit>.json."""
+    name = unit_name(part, preset)
+    volume = results / "work" / name
+    volume.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    try:
+        result = {"ok": True, **PARTS[part][0](volume, preset, dry)}
+    except Exception as exc:
+        traceback.print_exc()
+        result = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    result |= {"unit": name, "dry": dry, "seconds": time.perf_counter() - started}
+    (results / f"{name}.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    return result
+
+
+def run_units(todo: list[tuple[str, str | None]], results: Path, dry: bool) -> int:
+    failures = 0
+    for part, preset in todo:
+        name = unit_name(part, preset)
+        print(f"gpu-check: {name} ...", flush=True)
+        cmd = [sys.executable, __file__, "--unit", f"{part}:{preset or ''}", "--results", str(results)]
+        with open(results / f"{name}.log", "w") as log:
+            try:
+                code = subprocess.run(
+                    cmd + (["--dry"] if dry else []),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    timeout=UNIT_TIMEOUT_S,
+                ).returncode
+            except subprocess.TimeoutExpired:
+                code = "timeout"
+                (results / f"{name}.json").write_text(
+                    json.dumps({"unit": name, "ok": False, "error": "timeout"})
+                )
+        outcome = _load(results, name)
+        ok = code == 0 and outcome.get("ok")
+        failures += not ok
+        print(f"gpu-check: {name} {'ok' if ok else 'FAILED: ' + str(outcome.get('error', code))}", flush=True)
+    return failures
+
+
+def _load(results: Path, name: str) -> dict[str, Any]:
+    try:
+        return json.loads((results / f"{name}.json").read_text())
+    except (FileNotFoundError, ValueError):
+        return {}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--part", action="append", choices=list(PARTS), help="run only these parts (repeatable)"
+    )
+    parser.add_argument("--dry", action="store_true", help="CPU, tiny sizes: exercises the harness")
+    parser.add_argument("--results", help="results folder (default bench/results/gpu-<date>/)")
+    parser.add_argument(
+        "--benchmarks", help="the report goes into this file's GPU section (default BENCHMARKS.md)"
+    )
+    parser.add_argument("--report-only", action="store_true", help="write the report from existing results")
+    parser.add_argument("--unit", help=argparse.SUPPRESS)  # part:preset, run in this process
+    args = parser.parse_args(argv)
+    today = datetime.date.today().isoformat()
+    results = Path(args.results or REPO / "bench/results" / f"gpu-{today}")
+    results.mkdir(parents=True, exist_ok=True)
+    if args.unit:
+        part, _, preset = args.unit.partition(":")
+        return 0 if run_unit(part, preset or None, results, args.dry)["ok"] else 1
+    failures = 0
+    if not args.report_only:
+        failures = run_units(units(args.part or list(PARTS), args.dry), results, args.dry)
+    from gpu_report import write_report
+
+    # A dry run's report stays beside its results unless a file is named: it measures nothing.
+    target = Path(args.benchmarks) if args.benchmarks else (None if args.dry else REPO / "BENCHMARKS.md")
+    write_report(results, target, TARGETS, units(list(PARTS), args.dry))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

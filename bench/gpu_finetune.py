@@ -1,0 +1,174 @@
+"""The finetuning parts of `make gpu-check` (bench/gpu_check.py): what QLoRA of a 32B model costs, and
+QLoRA tokens/s against transformers' Trainer + peft.
+
+No hub: the models are random, built here with the layer shapes of the real ones and the tests' small
+tokenizer (its ids fit any larger embedding). Memory and step time of QLoRA are linear in the number of
+decoder layers (each layer adds its NF4 weights, its adapters and their optimizer states, and one
+checkpointed activation), so a model with Qwen2.5-32B's layer shapes and 2 and 4 layers gives the slope
+and the intercept, extrapolated to the real model's 64 layers.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))  # the tiny tokenizer the tests build
+
+from bench_finetune import compare, short_rows, trainpod_run  # noqa: E402
+
+from sft_support import make_tiny_tokenizer  # noqa: E402
+
+QWEN25_32B = {  # config.json of Qwen/Qwen2.5-32B-Instruct
+    "hidden_size": 5120,
+    "intermediate_size": 27648,
+    "num_attention_heads": 40,
+    "num_key_value_heads": 8,
+    "vocab_size": 152064,
+    "num_hidden_layers": 64,
+    "max_position_embeddings": 32768,
+    "rope_theta": 1000000.0,
+}
+QWEN25_05B = {  # config.json of Qwen/Qwen2.5-0.5B-Instruct
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "vocab_size": 151936,
+    "num_hidden_layers": 24,
+    "max_position_embeddings": 32768,
+    "rope_theta": 1000000.0,
+    "tie_word_embeddings": True,
+}
+DRY_SHAPES = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 1024,
+    "max_position_embeddings": 512,
+}
+SFT_FILE = "data/gpu-check.jsonl"
+
+
+def random_qwen2(volume: Path, name: str, shapes: dict[str, Any], layers: int) -> str:
+    """A random Qwen2 with `shapes` and `layers` decoder layers, saved with the tests' tokenizer; its path."""
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    folder = make_tiny_tokenizer(volume / "models" / name)
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    config = Qwen2Config(
+        **{**shapes, "num_hidden_layers": layers},
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    device = (
+        "cuda" if torch.cuda.is_available() else "cpu"
+    )  # a 32B-wide layer initialises in seconds on a GPU
+    with torch.device(device):
+        model = Qwen2ForCausalLM(config).to(torch.bfloat16 if device == "cuda" else torch.float32)
+    model.save_pretrained(str(folder))
+    del model
+    _free()
+    return f"models/{name}"
+
+
+def sft_rows(volume: Path, count: int) -> None:
+    path = volume / SFT_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(row) + "\n" for row in short_rows(count, seed=7)))
+
+
+def _free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def qlora_overrides(base: str, dry: bool) -> list[str]:
+    """The shipped 32B profile (r64, NF4, paged 8-bit AdamW, checkpointing, packed 4k rows), on our data."""
+    datasets = json.dumps([{"path": SFT_FILE, "format": "alpaca"}])
+    cutoff = 256 if dry else 4096
+    return [
+        f"base_model.path={base}",
+        "method=qlora",
+        "lora.r=64",
+        "lora.alpha=128",
+        "quantization.compute_dtype=auto",
+        "train.optimizer=paged_adamw_8bit" if torch.cuda.is_available() else "train.optimizer=adamw",
+        "train.gradient_checkpointing=true",
+        f"data.sft.datasets={datasets}",
+        f"data.sft.cutoff_len={cutoff}",
+        "train.micro_batch_size=1",
+        "train.cpu_threads=null",
+    ]
+
+
+def qlora_32b_memory(volume: Path, dry: bool) -> dict[str, Any]:
+    """Peak GPU memory and step time of QLoRA r64 at 2 and 4 layers of Qwen2.5-32B's shapes, and at 64."""
+    shapes = DRY_SHAPES if dry else QWEN25_32B
+    layer_counts, steps = ((1, 2), 2) if dry else ((2, 4), 4)
+    sft_rows(volume, 3000)
+    measured = {}
+    for layers in layer_counts:
+        base = random_qwen2(volume, f"qwen2.5-32b-shaped-{layers}l", shapes, layers)
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        seconds, tokens, _ = trainpod_run(volume, steps, True, qlora_overrides(base, dry))
+        measured[layers] = {
+            "peak_allocated_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None,
+            "step_s": seconds / steps,
+            "tokens_per_step": tokens / steps,
+        }
+        _free()
+    low, high = layer_counts
+    target_layers = QWEN25_32B["num_hidden_layers"]
+    out: dict[str, Any] = {"shapes": shapes, "measured": measured, "target_layers": target_layers}
+    for key in ("peak_allocated_bytes", "step_s"):
+        if measured[low][key] is None:
+            out[f"extrapolated_{key}"] = None
+            continue
+        slope = (measured[high][key] - measured[low][key]) / (high - low)
+        out[f"extrapolated_{key}"] = measured[low][key] + slope * (target_layers - low)
+        out[f"per_layer_{key}"] = slope
+    return out
+
+
+def qlora_speed(volume: Path, dry: bool) -> dict[str, Any]:
+    """trainpod QLoRA (padded, and packed) against Trainer + peft QLoRA on the same batches (bench_finetune)."""
+    shapes = DRY_SHAPES if dry else QWEN25_05B
+    base = random_qwen2(volume, "qwen2.5-0.5b-shaped", shapes, 2 if dry else shapes["num_hidden_layers"])
+    sft_rows(volume, 3000)
+    steps, pairs = (3, 1) if dry else (30, 2)
+    extra = [
+        *qlora_overrides(base, dry),
+        "lora.r=16",
+        "lora.alpha=16",
+        "train.optimizer=adamw",
+        "train.gradient_checkpointing=false",
+        f"train.micro_batch_size={2 if dry else 8}",
+        f"data.sft.cutoff_len={256 if dry else 1024}",
+    ]
+    trainpod_run(volume, 1, False, extra)  # tokenizes and caches the samples both sides read
+    started = time.perf_counter()
+    padded = compare(volume, steps, packing=False, pairs=pairs, extra=extra)
+    packed = compare(volume, steps, packing=True, pairs=pairs, extra=extra)
+    return {
+        "shapes": shapes,
+        "steps": steps,
+        "pairs": pairs,
+        "padded": padded,
+        "packed": packed,
+        "wall_s": time.perf_counter() - started,
+        "median_pair_ratio": statistics.median([padded["pair_ratio"], packed["pair_ratio"]]),
+    }

@@ -1,0 +1,177 @@
+"""The GPU section of BENCHMARKS.md, written from the results `bench/gpu_check.py` leaves in its folder.
+
+Each target row says what was measured, on which GPU, and pass or FAIL; a unit that did not run or
+failed shows as such, never as a number. The same section goes to <results>/report.md beside the raw
+results, and into the GPU section of BENCHMARKS.md when a target file is given.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+GB = 1e9
+
+
+def _load(results: Path, name: str) -> dict[str, Any] | None:
+    try:
+        data = json.loads((results / f"{name}.json").read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+    return data if data.get("ok") else {"error": data.get("error", "failed")}
+
+
+def _verdict(ok: bool | None) -> str:
+    return "—" if ok is None else ("pass" if ok else "FAIL")
+
+
+def _missing(unit: dict[str, Any] | None) -> str | None:
+    if unit is None:
+        return "not run"
+    if "error" in unit:
+        return f"failed ({unit['error'][:80]})"
+    return None
+
+
+def target_rows(results: Path, targets: dict[str, float], memory_presets: list[str], dry: bool) -> list[str]:
+    """One row per target; a dry run's figures come from a tiny model on a CPU, so it judges none."""
+    rows = ["| measure | measured | target | result |", "| --- | --- | --- | --- |"]
+
+    def row(measure: str, unit: dict[str, Any] | None, value: Any, target: str, ok: bool | None) -> None:
+        shown = _missing(unit) or value
+        rows.append(f"| {measure} | {shown} | {target} | {_verdict(None if _missing(unit) or dry else ok)} |")
+
+    for preset, key in (("125m", "mfu_125m"), ("1b", "mfu_1b")):
+        unit = _load(results, f"pretrain-{preset}")
+        mfu = (unit or {}).get("mfu")
+        shown = (
+            f"{mfu:.1%} ({unit['tokens_per_s']:,.0f} tokens/s)"
+            if mfu
+            else "no peak FLOPs known for this device"
+        )
+        row(
+            f"{preset} MFU, compile on, steady state",
+            unit,
+            shown,
+            f">= {targets[key]:.0%}",
+            mfu and mfu >= targets[key],
+        )
+    speed = _load(results, "qlora-speed")
+    if speed and "packed" in speed:
+        ratio = speed["packed"]["ratio"]
+        shown = f"{ratio:.2f}x packed (padded {speed['padded']['ratio']:.2f}x; median pair {speed['median_pair_ratio']:.2f}x)"
+    else:
+        ratio, shown = None, ""
+    row(
+        "QLoRA tokens/s vs Trainer + peft (0.5B-shaped)",
+        speed,
+        shown,
+        f">= {targets['qlora_vs_trainer']}x",
+        ratio and ratio >= targets["qlora_vs_trainer"],
+    )
+    big = _load(results, "qlora-32b")
+    peak = (big or {}).get("extrapolated_peak_allocated_bytes")
+    shown = f"{peak / GB:.1f} GB at 64 layers" if peak else "no GPU memory measured"
+    row(
+        "32B-shaped QLoRA r64 peak, extrapolated",
+        big,
+        shown,
+        f"<= {targets['qlora_32b_peak_gb']:.0f} GB",
+        peak and peak / GB <= targets["qlora_32b_peak_gb"],
+    )
+    for preset in memory_presets:
+        unit = _load(results, f"memory-{preset}")
+        measured, estimate = (unit or {}).get("peak_allocated_bytes"), (unit or {}).get("estimate_bytes")
+        if measured and estimate:
+            error = abs(estimate - measured) / measured
+            shown, ok = (
+                f"estimate {estimate / GB:.1f} GB vs peak {measured / GB:.1f} GB ({error:.0%} off)",
+                error <= targets["estimate_error"],
+            )
+        else:
+            shown, ok = (
+                f"peak {measured / GB:.1f} GB, estimate {'none' if not estimate else f'{estimate / GB:.1f} GB'}"
+                if measured
+                else "no GPU memory measured",
+                None,
+            )
+        row(
+            f"{preset}: preflight memory estimate vs measured peak",
+            unit,
+            shown,
+            f"within {targets['estimate_error']:.0%}",
+            ok,
+        )
+    ckpt = _load(results, "checkpoint-125m")
+    ratio = (ckpt or {}).get("throughput_ratio_5min")
+    shown = (
+        f"{ratio:.4f}x ({ckpt['stall_per_commit_s']:.2f} s stall per commit, mode {ckpt['mode']})"
+        if ratio
+        else ""
+    )
+    row(
+        "throughput with commits every 5 min vs none (125m)",
+        ckpt,
+        shown,
+        f">= {targets['async_5min']}x",
+        ratio and ratio >= targets["async_5min"],
+    )
+    return rows
+
+
+def detail_lines(results: Path, units: list[tuple[str, str | None]]) -> list[str]:
+    lines = []
+    for part, preset in units:
+        if part != "pretrain":
+            continue
+        unit = _load(results, f"pretrain-{preset}")
+        if unit and "steady_step_s" in unit:
+            steady = unit["steady_step_s"]
+            lines.append(
+                f"- pretrain {preset}: {unit['parameters'] / 1e6:,.1f}M parameters, attention {unit['attention']}, "
+                f"{len(steady)} steady steps (median {sorted(steady)[len(steady) // 2]:.3f} s, min {min(steady):.3f} s); "
+                f"first step (compile) {unit['first_step_s']:.1f} s; one eval {unit['eval_s']:.2f} s; one commit "
+                f"{unit['commit_s']:.2f} s; peak {unit['peak_flops'] or 0:.3g} FLOP/s used for MFU"
+            )
+    tests = _load(results, "gpu-tests")
+    if tests and "summary" in tests:
+        lines.append(f"- `pytest -m gpu`: {tests['summary']} (exit {tests['exit_code']})")
+    return lines
+
+
+def section(results: Path, targets: dict[str, float], units: list[tuple[str, str | None]]) -> str:
+    env = _load(results, "env") or {}
+    device = env.get("gpu") or "no GPU (dry run)"
+    dry = " (dry run on CPU: the harness's check, no GPU figures)" if env.get("dry") else ""
+    memory_presets = [preset for part, preset in units if part == "memory" and preset]
+    lines = [
+        "## GPU",
+        "",
+        f"Written by `make gpu-check`{dry} from `{results.name}/` on {device}; driver and versions: "
+        f"{env.get('nvidia_smi') or '-'}, torch {env.get('torch')}, CUDA {env.get('cuda')}, bitsandbytes "
+        f"{env.get('bitsandbytes')} (CUDA kernels: {env.get('bitsandbytes_cuda')}). Raw results and logs: "
+        f"bench/results/{results.name}/.",
+        "",
+        *target_rows(results, targets, memory_presets, bool(env.get("dry"))),
+        "",
+        *detail_lines(results, units),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def write_report(
+    results: Path, benchmarks: Path | None, targets: dict[str, float], units: list[tuple[str, str | None]]
+) -> str:
+    text = section(results, targets, units)
+    (results / "report.md").write_text(text)
+    if benchmarks is not None:
+        from run_all import merge_sections, split_sections
+
+        head, sections = (
+            split_sections(benchmarks.read_text()) if benchmarks.exists() else ("# Benchmarks\n\n", [])
+        )
+        benchmarks.write_text(head + "".join(merge_sections(sections, [text])))
+    print(text)
+    return text

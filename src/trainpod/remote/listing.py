@@ -1,0 +1,123 @@
+"""`trainpod ls` and the S3 view of `trainpod status`: what a volume holds, read from its small files.
+
+    trainpod ls --volume ./demo-volume                               # a volume mounted here
+    trainpod ls --s3-volume VOL --datacenter EU-RO-1                 # the same, from a laptop via S3
+    trainpod status tiny-pretrain --s3-volume VOL --datacenter EU-RO-1
+
+Both read only manifests, markers and status.json (never a shard or a checkpoint), through a
+`VolumeFiles`: a folder on this machine or the volume's S3 API. `status` copies each run's top-level
+files (status.json, DONE, FAILED, ...) into a temp folder and reports from it with the local code, so
+the two views cannot differ.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Protocol
+
+from trainpod.checkpoint.store import LATEST
+from trainpod.volume import Volume
+
+SNAPSHOT_MAX_BYTES = 1 << 20  # status.json, markers and loss.png are far below; never a checkpoint
+
+
+class VolumeFiles(Protocol):
+    """Read access to a volume by path (`runs/x/status.json`); folders end without a slash."""
+
+    def folders(self, prefix: str) -> list[str]: ...
+
+    def files(self, prefix: str) -> dict[str, int]: ...
+
+    def read(self, key: str) -> bytes | None: ...
+
+
+class LocalFiles:
+    """A volume mounted (or copied) on this machine."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+
+    def folders(self, prefix: str) -> list[str]:
+        folder = self.root / prefix
+        return sorted(p.name for p in folder.iterdir() if p.is_dir()) if folder.is_dir() else []
+
+    def files(self, prefix: str) -> dict[str, int]:
+        folder = self.root / prefix
+        return {p.name: p.stat().st_size for p in folder.iterdir() if p.is_file()} if folder.is_dir() else {}
+
+    def read(self, key: str) -> bytes | None:
+        try:
+            return (self.root / key).read_bytes()
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            return None
+
+
+def _json(files: VolumeFiles, key: str) -> dict | None:
+    raw = files.read(key)
+    if raw is None:
+        return None
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _visible(name: str) -> bool:
+    return ".tmp-" not in name and ".invalid-" not in name
+
+
+def dataset_line(files: VolumeFiles, name: str) -> str:
+    base = f"datasets/{name}"
+    manifest = _json(files, f"{base}/manifest.json")
+    if manifest and manifest.get("format", "").startswith("trainpod-datagen/") and manifest.get("complete"):
+        shards = sum(len(s.get("shards", [])) for s in manifest.get("splits", {}).values())
+        return f"{base}: tokens, {manifest.get('total_tokens', 0):,} in {shards} shard(s)"
+    if manifest:
+        counts = manifest.get("counts")
+        return f"{base}: {manifest.get('format', 'data')}" + (f", {counts}" if counts else "")
+    metadata = _json(files, f"{base}/metadata.json")
+    if metadata:
+        return f"{base}: generated records, {metadata.get('counts', {})}"
+    present = files.files(f"{base}/")
+    return f"{base}: {len(present)} file(s), no manifest.json or metadata.json (being written or pushed, or plain files)"
+
+
+def run_line(files: VolumeFiles, name: str) -> str:
+    base = f"runs/{name}"
+    top = files.files(f"{base}/")
+    status = _json(files, f"{base}/status.json") or {}
+    state = "done" if "DONE" in top else "failed" if "FAILED" in top else status.get("state", "no status yet")
+    parts = [f"{base}: {state}"]
+    if status.get("step") is not None:
+        parts.append(f"step {status.get('step')}/{status.get('max_steps')}")
+    latest = files.read(f"{base}/checkpoints/{LATEST}")
+    if latest:
+        parts.append(f"checkpoint {latest.decode().strip()}")
+    exports = [e for e in files.folders(f"{base}/export/") if _visible(e)]
+    if exports:
+        parts.append("export " + ", ".join(exports))
+    return " | ".join(parts)
+
+
+def volume_lines(files: VolumeFiles) -> list[str]:
+    lines = [dataset_line(files, n) for n in files.folders("datasets/") if _visible(n)]
+    lines += [f"tokenizers/{n}" for n in files.folders("tokenizers/") if _visible(n)]
+    lines += [run_line(files, n) for n in files.folders("runs/") if _visible(n)]
+    return lines
+
+
+def snapshot_runs(files: VolumeFiles, names: list[str] | None, into: Path) -> Volume:
+    """Copy each run's top-level small files (and checkpoints/LATEST) into `into`, as a local volume."""
+    for name in names if names else files.folders("runs/"):
+        base = f"runs/{name}/"
+        wanted = [n for n, size in files.files(base).items() if size <= SNAPSHOT_MAX_BYTES]
+        for rel in [*wanted, f"checkpoints/{LATEST}"]:
+            data = files.read(base + rel)
+            if data is not None:
+                target = into / "runs" / name / rel
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(data)
+        (into / "runs" / name).mkdir(parents=True, exist_ok=True)
+    return Volume(into)

@@ -1,0 +1,192 @@
+"""`trainpod pull RUN [export|checkpoint|all] [DEST]`: a run's results off the network volume via S3.
+
+    trainpod pull tiny-pretrain export ./tiny-pretrain --s3-volume VOL --datacenter EU-RO-1
+    trainpod pull tiny-pretrain checkpoint        # the newest committed checkpoint, resumable locally
+
+DEST (default `./RUN`) mirrors the run folder: `export/...`, `checkpoints/step-N/...`. Each file is
+downloaded into `<name>.tmp-pull` (an interrupted pull continues it with a ranged GET), checked,
+then renamed into place; files already there and intact are kept. The checks are the manifests':
+a checkpoint's per-piece sha256 (32 MiB pieces, checkpoint/store.py), a conversion output's and a
+dataset's whole-file sha256; a file no manifest covers (export/hf, export/adapter) is checked by
+size and, where the volume gives a plain MD5 ETag, by MD5. Manifests are written after the files
+they cover, and checkpoints/LATEST last, as the workloads write them. Temp and quarantined folders
+(`*.tmp-*`, `*.invalid-*`) and LEASE are never pulled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import posixpath
+from dataclasses import dataclass
+from pathlib import Path
+
+from trainpod import atomic
+from trainpod.checkpoint.store import LATEST, PIECE_BYTES
+from trainpod.errors import InputError, TemporaryError
+from trainpod.remote.s3 import RemoteObject, VolumeS3
+
+log = logging.getLogger("trainpod.pull")
+
+WHAT = ("export", "checkpoint", "all")
+PARTIAL = ".tmp-pull"
+MANIFEST = "manifest.json"
+
+
+@dataclass(frozen=True)
+class Expected:
+    size: int
+    sha256: str | None = None
+    pieces: tuple[str, ...] | None = None
+    md5: str | None = None
+
+    def matches(self, path: Path) -> bool:
+        if path.stat().st_size != self.size:
+            return False
+        if self.pieces is not None:
+            return tuple(_piece_digests(path)) == self.pieces
+        if self.sha256 is not None:
+            return _digest(path, "sha256") == self.sha256
+        return self.md5 is None or _digest(path, "md5") == self.md5
+
+
+def _digest(path: Path, algorithm: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, algorithm).hexdigest()
+
+
+def _piece_digests(path: Path) -> list[str]:
+    """sha256 of each 32 MiB piece, as checkpoint/store.py records them (one piece for an empty file)."""
+    digests = []
+    with open(path, "rb") as f:
+        while piece := f.read(PIECE_BYTES):
+            digests.append(hashlib.sha256(piece).hexdigest())
+    return digests or [hashlib.sha256(b"").hexdigest()]
+
+
+def manifest_expectations(manifest_path: str, manifest: dict) -> dict[str, Expected]:
+    """What a manifest says its folder's files are, by their path beside the manifest's."""
+    folder = posixpath.dirname(manifest_path)
+    fmt = str(manifest.get("format", ""))
+    entries: dict[str, Expected] = {}
+    if fmt.startswith("trainpod-checkpoint/"):
+        for name, e in manifest.get("files", {}).items():
+            entries[name] = Expected(int(e["bytes"]), pieces=tuple(e["sha256_pieces"]))
+    elif fmt.startswith("trainpod-convert/"):
+        for name, e in manifest.get("files", {}).items():
+            entries[name] = Expected(int(e["bytes"]), sha256=e["sha256"])
+    elif fmt.startswith("trainpod-datagen/"):
+        for split in manifest.get("splits", {}).values():
+            for shard in split.get("shards", []):
+                entries[shard["file"]] = Expected(int(shard["bytes"]), sha256=shard["sha256"])
+    return {posixpath.join(folder, name): e for name, e in entries.items()}
+
+
+def _pulled(path: str) -> bool:
+    parts = path.split("/")
+    return path != "LEASE" and not any(".tmp-" in p or ".invalid-" in p for p in parts)
+
+
+def select(objects: dict[str, RemoteObject], what: str, latest: str | None) -> list[str]:
+    if what == "export":
+        chosen = [p for p in objects if p.startswith("export/")]
+    elif what == "checkpoint":
+        chosen = [p for p in objects if latest and p.startswith(f"checkpoints/{latest}/")]
+    else:
+        chosen = list(objects)
+    return [p for p in chosen if _pulled(p) and p != f"checkpoints/{LATEST}"]
+
+
+def pull(s3: VolumeS3, run: str, what: str, dest: Path, echo=print) -> int:
+    """Download `what` of `run` into `dest`; returns the number of files downloaded (0: all were there)."""
+    prefix = f"runs/{run}/"
+    objects = s3.list_files(prefix)
+    if not objects:
+        raise InputError(
+            f"no run {run!r} on volume {s3.bucket} (nothing under {prefix}); `trainpod ls` lists the runs"
+        )
+    latest_raw = s3.read(prefix + f"checkpoints/{LATEST}")
+    latest = latest_raw.decode().strip() if latest_raw else None
+    chosen = select(objects, what, latest)
+    if not chosen:
+        hint = "no committed checkpoint yet" if what == "checkpoint" else f"nothing under {prefix}{what}/ yet"
+        raise InputError(f"pull {run} {what}: {hint}; `trainpod status {run}` shows how far the run is")
+    manifests = {p: s3.read(prefix + p) or b"{}" for p in chosen if posixpath.basename(p) == MANIFEST}
+    expected = {}
+    for path, raw in manifests.items():
+        expected.update(manifest_expectations(path, _parsed(raw)))
+    missing = sorted(p for p in expected if p not in objects)
+    if missing:
+        raise TemporaryError(
+            f"{prefix}{missing[0]} is listed in its manifest but not on the volume ({len(missing)} such); the run "
+            "may be replacing it right now: run the same pull again later"
+        )
+    files = [p for p in chosen if p not in manifests]
+    downloaded = sum(_fetch(s3, prefix, p, objects[p], expected, dest) for p in files)
+    for path, raw in manifests.items():  # after the files they describe, as the workloads write them
+        (dest / path).parent.mkdir(parents=True, exist_ok=True)
+        atomic.write_bytes(dest / path, raw)
+    if what != "export" and latest:
+        atomic.write_text(dest / "checkpoints" / LATEST, latest + "\n")
+    checked = sum(1 for p in files if p in expected)
+    echo(
+        f"pulled {run} {what} into {dest}: {len(files)} file(s), {downloaded} downloaded, "
+        f"{len(files) - downloaded} already there; {checked} checked against their manifest's sha256"
+    )
+    return downloaded
+
+
+def _fetch(s3: VolumeS3, prefix: str, path: str, remote: RemoteObject, expected: dict, dest: Path) -> int:
+    """Make dest/path the volume's file, verified; returns 1 when it was downloaded, 0 when it was there."""
+    want = expected.get(path) or Expected(remote.size, md5=remote.etag if _plain_md5(remote.etag) else None)
+    if remote.size != want.size:
+        raise TemporaryError(
+            f"{prefix}{path} has {remote.size} bytes on the volume, its manifest says {want.size}; it is being "
+            "rewritten or damaged: run the same pull again later"
+        )
+    final = dest / path
+    if final.is_file() and want.matches(final):
+        return 0
+    final.parent.mkdir(parents=True, exist_ok=True)
+    partial = final.with_name(final.name + PARTIAL)
+    kept = _download(s3, prefix + path, partial, want.size)
+    if kept:
+        log.info("%s%s: continued an interrupted download after %s bytes", prefix, path, f"{kept:,}")
+    if not want.matches(partial):
+        partial.unlink()
+        if kept:  # the bytes kept from an interrupted pull were of an older version: once more, whole
+            _download(s3, prefix + path, partial, want.size)
+        if not kept or not want.matches(partial):
+            partial.unlink(missing_ok=True)
+            raise TemporaryError(
+                f"{prefix}{path} does not match its checksum after a whole download; the volume's copy is being "
+                "rewritten or damaged: run the same pull again later"
+            )
+    os.replace(partial, final)
+    atomic.fsync_dir(final.parent)
+    return 1
+
+
+def _download(s3: VolumeS3, key: str, partial: Path, size: int) -> int:
+    """Complete `partial` from the volume; returns how many bytes an interrupted pull had left in it."""
+    try:
+        return s3.download(key, partial, size)
+    except FileNotFoundError:
+        raise TemporaryError(
+            f"{key} disappeared from the volume while being pulled (a training run deletes old checkpoints as "
+            "it commits new ones); run the same pull again"
+        ) from None
+
+
+def _parsed(raw: bytes) -> dict:
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        return {}  # not a trainpod manifest: its folder's files are checked by size and ETag
+    return data if isinstance(data, dict) else {}
+
+
+def _plain_md5(etag: str) -> bool:
+    return len(etag) == 32 and all(c in "0123456789abcdef" for c in etag)

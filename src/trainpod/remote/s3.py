@@ -1,0 +1,469 @@
+"""The one place trainpod talks S3: RunPod's S3-compatible API to a network volume, with no pod running.
+
+    export AWS_ACCESS_KEY_ID=user_... AWS_SECRET_ACCESS_KEY=rps_...   # an "S3 API key" from RunPod's console
+    trainpod ls --s3-volume VOLUME_ID --datacenter EU-RO-1              # or TRAINPOD_S3_VOLUME/_DATACENTER,
+    trainpod ls --config configs/deploy/pretrain-spot.yaml              # or the deploy config's volume
+
+The bucket is the network volume's id and a key is a path on the volume (`/workspace/a/b` is
+`s3://VOLUME_ID/a/b`); the endpoint is `https://s3api-<data center, lower case>.runpod.io/` and the
+region the data center id (TRAINPOD_S3_ENDPOINT_URL replaces the endpoint: tests point it at a
+local S3 server). Credentials come from boto3's usual chain (AWS_* variables, AWS_PROFILE, the
+files of `aws configure`); both halves are registered with trainpod.log's mask, so neither reaches
+a log line or an error, and nothing here writes them anywhere.
+
+Uploads are multipart and resumable without local state: the parts of an unfinished upload are
+listed from the server, and a part whose size and MD5 (its ETag) match the local bytes is kept. Each
+part is sent with Content-MD5 and its returned ETag compared; the finished object's size and its
+multipart ETag (the MD5 of the parts' MD5s) are checked against the local file. An object appears
+only when its upload completes, so no reader ever sees half of one. Downloads append to a
+`.tmp-pull` file with ranged GETs, so an interrupted one continues where it stopped.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import logging
+import os
+import re
+from collections.abc import Callable, Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from trainpod.errors import InputError, TemporaryError
+from trainpod.log import register_secret
+
+log = logging.getLogger("trainpod.s3")
+
+ENDPOINT_ENV = "TRAINPOD_S3_ENDPOINT_URL"
+VOLUME_ENV = "TRAINPOD_S3_VOLUME"
+DATACENTER_ENV = "TRAINPOD_S3_DATACENTER"
+PART_MB_ENV = "TRAINPOD_S3_PART_MB"
+# Data centers whose volumes RunPod serves over S3 (its storage/s3-api page, 2026-08).
+S3_DATACENTERS = (
+    "EU-CZ-1", "EU-RO-1", "EUR-IS-1", "EUR-NO-1", "US-CA-2", "US-GA-2", "US-IL-1", "US-KS-2",
+    "US-MD-1", "US-MO-1", "US-MO-2", "US-NC-1", "US-NC-2", "US-NE-1", "US-WA-1",
+)  # fmt: skip
+DEFAULT_PART_MB = 64  # 10,000 parts (S3's limit) of 64 MiB: 640 GB files; larger files get larger parts
+MIN_PART_MB = 5  # S3's smallest part but the last
+MAX_PARTS = 10_000
+PARALLEL_PARTS = 4  # one TCP stream rarely fills a link to another continent; 4 parts in flight usually do
+READ_CHUNK = 8 << 20
+_MD5_ETAG = re.compile(r"^[0-9a-f]{32}(-\d+)?$")
+
+
+@dataclass(frozen=True)
+class S3Target:
+    volume_id: str
+    datacenter: str
+    endpoint_url: str
+
+
+@dataclass(frozen=True)
+class RemoteObject:
+    size: int
+    etag: str  # without quotes; an MD5 (or MD5-of-MD5s-N) on S3 proper, maybe something else elsewhere
+
+
+def endpoint_for(datacenter: str, environ: dict[str, str] | None = None) -> str:
+    environ = os.environ if environ is None else environ
+    return environ.get(ENDPOINT_ENV) or f"https://s3api-{datacenter.lower()}.runpod.io/"
+
+
+def target_from(
+    volume_id: str | None, datacenter: str | None, environ: dict[str, str] | None = None
+) -> S3Target:
+    """The volume and data center, each from its flag, else TRAINPOD_S3_VOLUME / TRAINPOD_S3_DATACENTER."""
+    environ = os.environ if environ is None else environ
+    volume_id = volume_id or environ.get(VOLUME_ENV)
+    datacenter = datacenter or environ.get(DATACENTER_ENV)
+    problems = []
+    if not volume_id:
+        problems.append(f"which network volume: pass --s3-volume VOLUME_ID or set {VOLUME_ENV}")
+    if not datacenter:
+        problems.append(f"its data center: pass --datacenter DC (e.g. EU-RO-1) or set {DATACENTER_ENV}")
+    elif datacenter not in S3_DATACENTERS and not environ.get(ENDPOINT_ENV):
+        problems.append(
+            f"--datacenter {datacenter}: RunPod serves S3 only in {', '.join(S3_DATACENTERS)}; "
+            "a volume elsewhere is reachable through a pod only"
+        )
+    if problems:
+        raise InputError("the S3 API needs " + "; and ".join(problems))
+    return S3Target(volume_id, datacenter, endpoint_for(datacenter, environ))
+
+
+def _boto3() -> Any:
+    try:
+        import boto3
+    except ModuleNotFoundError:
+        raise InputError(
+            "push, pull and the S3 views of ls/status need boto3: pip install 'trainpod[remote]' "
+            "(or pip install boto3)"
+        ) from None
+    return boto3
+
+
+def part_size(size: int, part_bytes: int) -> int:
+    """The part size for a file: `part_bytes`, grown (in whole MiB) when the file needs more than 10,000."""
+    needed = -(-size // MAX_PARTS)
+    return max(part_bytes, -(-needed // (1 << 20)) << 20)
+
+
+def part_md5s(path: Path, part: int) -> list[bytes]:
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        return [
+            hashlib.md5(f.read(part), usedforsecurity=False).digest() for _ in range(max(1, -(-size // part)))
+        ]
+
+
+def expected_etag(path: Path, part: int) -> str:
+    """The ETag S3 gives this file uploaded by `upload_file`: plain MD5, or MD5 of the parts' MD5s."""
+    size = path.stat().st_size
+    digests = part_md5s(path, part)
+    return digests[0].hex() if size <= part else multipart_etag(digests)
+
+
+def multipart_etag(digests: list[bytes]) -> str:
+    return hashlib.md5(b"".join(digests), usedforsecurity=False).hexdigest() + f"-{len(digests)}"
+
+
+def etag_agrees(remote: str, expected: str) -> bool:
+    """False only when the server's ETag is an MD5 form and differs; another form proves nothing."""
+    return remote == expected or not _MD5_ETAG.match(remote)
+
+
+class VolumeS3:
+    """A network volume through the S3 API; every call translates S3's errors into trainpod's."""
+
+    def __init__(
+        self,
+        target: S3Target,
+        environ: dict[str, str] | None = None,
+        part_bytes: int | None = None,
+        max_attempts: int = 10,
+    ):
+        environ = os.environ if environ is None else environ
+        self.target = target
+        self.bucket = target.volume_id
+        mb = int(environ.get(PART_MB_ENV) or DEFAULT_PART_MB)
+        self.part_bytes = part_bytes or max(mb, MIN_PART_MB) << 20
+        self._client = _make_client(target, max_attempts)
+
+    def __repr__(self) -> str:  # never the credentials, not even in a traceback's locals
+        return f"VolumeS3({self.bucket} in {self.target.datacenter})"
+
+    # ------------------------------------------------------------------ reading
+    def list_files(self, prefix: str) -> dict[str, RemoteObject]:
+        """Every object under `prefix` (a folder path ending in /), by its path relative to it."""
+        found = {}
+        for page in self._pages(Prefix=prefix):
+            for item in page.get("Contents", []):
+                if not item["Key"].endswith("/"):  # RunPod lists folders as objects too
+                    found[item["Key"][len(prefix) :]] = RemoteObject(item["Size"], _etag(item["ETag"]))
+        return found
+
+    def folders(self, prefix: str) -> list[str]:
+        return sorted(
+            {
+                p["Prefix"][len(prefix) :].rstrip("/")
+                for page in self._pages(Prefix=prefix, Delimiter="/")
+                for p in page.get("CommonPrefixes", [])
+            }
+            - {""}
+        )
+
+    def files(self, prefix: str) -> dict[str, int]:
+        return {
+            item["Key"][len(prefix) :]: item["Size"]
+            for page in self._pages(Prefix=prefix, Delimiter="/")
+            for item in page.get("Contents", [])
+            if not item["Key"].endswith("/")
+        }
+
+    def read(self, key: str) -> bytes | None:
+        try:
+            answer = self._call("read", key, self._client.get_object, Bucket=self.bucket, Key=key)
+        except FileNotFoundError:
+            return None
+        return answer["Body"].read()
+
+    def head(self, key: str) -> RemoteObject | None:
+        try:
+            answer = self._call("look at", key, self._client.head_object, Bucket=self.bucket, Key=key)
+        except FileNotFoundError:
+            return None
+        return RemoteObject(answer["ContentLength"], _etag(answer["ETag"]))
+
+    def _pages(self, **kwargs: Any) -> Iterator[dict]:
+        token = None
+        while True:
+            extra = {"ContinuationToken": token} if token else {}
+            page = self._call(
+                "list", kwargs["Prefix"], self._client.list_objects_v2, Bucket=self.bucket, **kwargs, **extra
+            )
+            yield page
+            token = page.get("NextContinuationToken")
+            if not page.get("IsTruncated") or not token:
+                return
+
+    # ------------------------------------------------------------------ downloading
+    def download(
+        self, key: str, partial: Path, size: int, on_bytes: Callable[[int], None] | None = None
+    ) -> int:
+        """Append the rest of `key` to `partial` (ranged GET from its length) and fsync it; returns the
+        bytes that were already there."""
+        had = partial.stat().st_size if partial.exists() else 0
+        if had > size:
+            partial.unlink()
+            had = 0
+        if had < size:
+            ranged = {"Range": f"bytes={had}-"} if had else {}
+            answer = self._call(
+                "download", key, self._client.get_object, Bucket=self.bucket, Key=key, **ranged
+            )
+            with open(partial, "ab") as f:
+                for chunk in answer["Body"].iter_chunks(READ_CHUNK):
+                    f.write(chunk)
+                    if on_bytes:
+                        on_bytes(len(chunk))
+                f.flush()
+                os.fsync(f.fileno())
+        return had
+
+    # ------------------------------------------------------------------ uploading
+    def put_bytes(self, key: str, data: bytes) -> None:
+        digest = hashlib.md5(data, usedforsecurity=False)
+        answer = self._call(
+            "upload",
+            key,
+            self._client.put_object,
+            Bucket=self.bucket,
+            Key=key,
+            Body=data,
+            ContentMD5=base64.b64encode(digest.digest()).decode(),
+        )
+        self._check_etag(key, _etag(answer["ETag"]), digest.hexdigest())
+
+    def upload_file(self, path: Path, key: str, on_part: Callable[[int, int], None] | None = None) -> int:
+        """Upload `path` to `key` (multipart beyond one part, resuming an unfinished upload of it) and
+        verify the object's size and ETag; returns how many parts an earlier attempt had uploaded."""
+        size = path.stat().st_size
+        part = part_size(size, self.part_bytes)
+        if size <= part:
+            self.put_bytes(key, path.read_bytes())
+            return 0
+        digests = part_md5s(path, part)
+        upload_id, kept = self._resume(key, digests, part, size)
+        self._send_parts(
+            path, key, upload_id, digests, part, sorted(set(range(1, len(digests) + 1)) - kept), on_part
+        )
+        parts = [{"PartNumber": n, "ETag": f'"{d.hex()}"'} for n, d in enumerate(digests, 1)]
+        self._call(
+            "complete the upload of",
+            key,
+            self._client.complete_multipart_upload,
+            Bucket=self.bucket,
+            Key=key,
+            UploadId=upload_id,
+            MultipartUpload={"Parts": parts},
+        )
+        landed = self.head(key)
+        if landed is None or landed.size != size:
+            raise TemporaryError(
+                f"s3://{self.bucket}/{key}: {landed.size if landed else 'no'} bytes on the volume after the "
+                f"upload, {size} here; run the same push again"
+            )
+        self._check_etag(key, landed.etag, multipart_etag(digests))  # not the file read again
+        return len(kept)
+
+    def _resume(self, key: str, digests: list[bytes], part: int, size: int) -> tuple[str, set[int]]:
+        """An unfinished upload of `key` and its parts that match the local bytes, else a new upload."""
+        listed = self._call(
+            "list the uploads of", key, self._client.list_multipart_uploads, Bucket=self.bucket, Prefix=key
+        )
+        uploads = sorted(
+            (u for u in listed.get("Uploads", []) if u["Key"] == key), key=lambda u: u["Initiated"]
+        )
+        for stale in uploads[:-1]:  # older attempts: their parts are never completed
+            self._call(
+                "abort an old upload of",
+                key,
+                self._client.abort_multipart_upload,
+                Bucket=self.bucket,
+                Key=key,
+                UploadId=stale["UploadId"],
+            )
+        if not uploads:
+            created = self._call(
+                "start the upload of", key, self._client.create_multipart_upload, Bucket=self.bucket, Key=key
+            )
+            return created["UploadId"], set()
+        upload_id = uploads[-1]["UploadId"]
+        kept = set()
+        for number, etag, part_bytes in self._parts(key, upload_id):
+            want = min(part, size - (number - 1) * part)
+            if number <= len(digests) and part_bytes == want and etag == digests[number - 1].hex():
+                kept.add(number)
+        log.info(
+            "resuming the upload of %s: %d of %d parts are on the volume already",
+            key,
+            len(kept),
+            len(digests),
+        )
+        return upload_id, kept
+
+    def _parts(self, key: str, upload_id: str) -> Iterator[tuple[int, str, int]]:
+        marker = 0
+        while True:
+            page = self._call(
+                "list the parts of",
+                key,
+                self._client.list_parts,
+                Bucket=self.bucket,
+                Key=key,
+                UploadId=upload_id,
+                PartNumberMarker=marker,
+            )
+            for p in page.get("Parts", []):
+                yield p["PartNumber"], _etag(p["ETag"]), p["Size"]
+            if not page.get("IsTruncated"):
+                return
+            marker = page["NextPartNumberMarker"]
+
+    def _send_parts(
+        self,
+        path: Path,
+        key: str,
+        upload_id: str,
+        digests: list[bytes],
+        part: int,
+        numbers: list[int],
+        on_part: Callable[[int, int], None] | None,
+    ) -> None:
+        """Upload the parts `numbers`, PARALLEL_PARTS at a time; `on_part(done, total)` after each (it may
+        raise, e.g. KeyboardInterrupt: the parts already sent stay for the next attempt)."""
+        fd = os.open(path, os.O_RDONLY)
+        pool = ThreadPoolExecutor(max_workers=PARALLEL_PARTS, thread_name_prefix="s3-part")
+        try:
+            pending: set[Future] = set()
+            queue = list(numbers)
+            done = len(digests) - len(numbers)
+            while queue or pending:
+                while queue and len(pending) < PARALLEL_PARTS:
+                    number = queue.pop(0)
+                    pending.add(
+                        pool.submit(self._send_part, fd, key, upload_id, number, part, digests[number - 1])
+                    )
+                finished, pending = wait(pending, return_when=FIRST_COMPLETED)
+                for future in finished:
+                    future.result()
+                    done += 1
+                    if on_part:
+                        on_part(done, len(digests))
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+            os.close(fd)
+
+    def _send_part(self, fd: int, key: str, upload_id: str, number: int, part: int, digest: bytes) -> None:
+        data = os.pread(fd, part, (number - 1) * part)
+        answer = self._call(
+            "upload a part of",
+            key,
+            self._client.upload_part,
+            Bucket=self.bucket,
+            Key=key,
+            UploadId=upload_id,
+            PartNumber=number,
+            Body=data,
+            ContentMD5=base64.b64encode(digest).decode(),
+        )
+        self._check_etag(key, _etag(answer["ETag"]), digest.hex())
+
+    def _check_etag(self, key: str, remote: str, expected: str) -> None:
+        if not etag_agrees(remote, expected):
+            raise TemporaryError(
+                f"s3://{self.bucket}/{key}: the volume's checksum {remote} differs from this file's {expected} "
+                "(corrupted on the way); run the same command again"
+            )
+
+    # ------------------------------------------------------------------ errors
+    def _call(self, doing: str, key: str, operation: Callable[..., Any], **kwargs: Any) -> Any:
+        """One S3 call: a missing key is FileNotFoundError; anything else a TrainpodError that names the
+        volume, the key and what to do, never the credentials or the server's body."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        where = f"s3://{self.bucket}/{key} ({self.target.endpoint_url})"
+        try:
+            return operation(**kwargs)
+        except ClientError as exc:
+            code = str(exc.response.get("Error", {}).get("Code", ""))
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+            if code in ("NoSuchKey", "404", "NotFound"):
+                raise FileNotFoundError(key) from None
+            raise _client_error(code, status, doing, where, self.target) from None
+        except BotoCoreError as exc:
+            raise TemporaryError(
+                f"could not {doing} {where}: {type(exc).__name__}; the network or RunPod's S3 API is having "
+                "trouble: run the same command again"
+            ) from None
+
+
+def _client_error(code: str, status: int, doing: str, where: str, target: S3Target) -> Exception:
+    if code == "NoSuchBucket":
+        return InputError(
+            f"could not {doing} {where}: no network volume {target.volume_id} in {target.datacenter}; check "
+            "--s3-volume (the volume's id, not its name) and --datacenter in RunPod's console (Storage)"
+        )
+    if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403") or status in (401, 403):
+        return InputError(
+            f"could not {doing} {where}: the S3 API key was refused ({code or status}); export the RunPod S3 API "
+            "key as AWS_ACCESS_KEY_ID (user_...) and AWS_SECRET_ACCESS_KEY (rps_...): console, Settings, S3 API Keys"
+        )
+    if status >= 500 or code in ("SlowDown", "RequestTimeout", "ServiceUnavailable", "InternalError"):
+        return TemporaryError(
+            f"could not {doing} {where}: RunPod's S3 API answered {code or status} after retries; run the same "
+            "command again later (it resumes)"
+        )
+    return InputError(f"could not {doing} {where}: S3 answered {code or status}")
+
+
+def _etag(raw: str) -> str:
+    return raw.strip('"')
+
+
+def _make_client(target: S3Target, max_attempts: int) -> Any:
+    boto3 = _boto3()
+    from botocore.config import Config
+
+    logging.getLogger("botocore").setLevel(logging.WARNING)  # "Found credentials in ..." on every command
+    session = boto3.session.Session()
+    credentials = session.get_credentials()
+    if credentials is None:
+        raise InputError(
+            "no S3 API key: export AWS_ACCESS_KEY_ID=user_... and AWS_SECRET_ACCESS_KEY=rps_... (RunPod console, "
+            "Settings, S3 API Keys; or AWS_PROFILE naming a profile that holds them)"
+        )
+    frozen = credentials.get_frozen_credentials()
+    register_secret(frozen.access_key)
+    register_secret(frozen.secret_key)
+    config = Config(
+        region_name=target.datacenter,
+        retries={"mode": "standard", "max_attempts": max_attempts},  # RunPod advises retrying its 502s
+        # Only the checksums S3-compatible servers all accept (Content-MD5, sent by us); boto3 >= 1.36
+        # adds CRC32 trailers by default, which some of them refuse.
+        request_checksum_calculation="when_required",
+        response_checksum_validation="when_required",
+        s3={"addressing_style": "path"},
+        connect_timeout=10,
+        read_timeout=120,
+    )
+    return session.client(
+        "s3",
+        endpoint_url=target.endpoint_url,
+        aws_access_key_id=frozen.access_key,
+        aws_secret_access_key=frozen.secret_key,
+        config=config,
+    )

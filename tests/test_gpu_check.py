@@ -1,0 +1,97 @@
+"""`make gpu-check` (bench/gpu_check.py) keeps working between GPU runs: its --dry mode runs every part on
+CPU with tiny sizes (no GPU here: the GPU figures themselves come from a lent GPU machine), and the report
+shows each target row, never a number for a part that failed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+
+from gpu_check import PARTS, TARGETS, unit_name, units  # noqa: E402
+from gpu_report import section, write_report  # noqa: E402
+
+from trainpod.train.reporting import peak_flops_of  # noqa: E402
+
+TARGET_ROWS = (
+    "125m MFU",
+    "1b MFU",
+    "QLoRA tokens/s vs Trainer + peft",
+    "32B-shaped QLoRA r64 peak, extrapolated",
+    "preflight memory estimate vs measured peak",
+    "throughput with commits every 5 min vs none",
+)
+
+
+@pytest.fixture(scope="module")
+def dry_results(tmp_path_factory) -> Path:
+    results = tmp_path_factory.mktemp("gpu-check")
+    benchmarks = results / "BENCHMARKS.md"
+    benchmarks.write_text("# Benchmarks\n\n## Datagen\n\nkept\n\n## GPU\n\nold placeholder\n")
+    env = os.environ | {"PYTHONPATH": str(REPO / "src")}
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "bench/gpu_check.py"),
+            "--dry",
+            "--results",
+            str(results),
+            "--benchmarks",
+            str(benchmarks),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    return results
+
+
+def test_dry_mode_runs_every_part_and_records_its_result(dry_results):
+    for part, preset in units(list(PARTS), dry=True):
+        name = unit_name(part, preset)
+        outcome = json.loads((dry_results / f"{name}.json").read_text())
+        assert outcome["ok"] and outcome["dry"], f"{name}: {outcome.get('error')} (see {name}.log)"
+        assert (dry_results / f"{name}.log").exists()
+    pretrain = json.loads((dry_results / "pretrain-125m.json").read_text())
+    assert pretrain["tokens_per_s"] > 0 and len(pretrain["steady_step_s"]) == 3 and pretrain["mfu"] is None
+    checkpoint = json.loads((dry_results / "checkpoint-125m.json").read_text())
+    assert checkpoint["runs"]["every_k"]["commits"] == checkpoint["runs"]["none"]["commits"] + 2
+    big = json.loads((dry_results / "qlora-32b.json").read_text())
+    assert set(big["measured"]) == {"1", "2"} and big["extrapolated_step_s"] > 0
+    speed = json.loads((dry_results / "qlora-speed.json").read_text())
+    assert speed["packed"]["ours"] > 0 and speed["padded"]["baseline"] > 0
+
+
+def test_the_report_replaces_only_the_gpu_section_and_shows_every_target(dry_results):
+    text = (dry_results / "BENCHMARKS.md").read_text()
+    assert "## Datagen\n\nkept" in text and "old placeholder" not in text
+    gpu = text[text.index("## GPU") :]
+    assert "dry run on CPU" in gpu
+    for row in TARGET_ROWS:
+        assert row in gpu, f"the GPU section lacks the {row!r} row"
+
+
+def test_a_failed_or_missing_unit_is_reported_as_such_never_as_a_number(tmp_path):
+    (tmp_path / "env.json").write_text(json.dumps({"ok": True, "gpu": "NVIDIA H100 80GB HBM3", "dry": False}))
+    (tmp_path / "pretrain-125m.json").write_text(json.dumps({"ok": False, "error": "CUDA out of memory"}))
+    text = write_report(tmp_path, None, TARGETS, units(list(PARTS), dry=False))
+    assert "| 125m MFU, compile on, steady state | failed (CUDA out of memory) |" in text
+    assert "| 1b MFU, compile on, steady state | not run |" in text
+    assert "pass" not in section(tmp_path, TARGETS, units(list(PARTS), dry=False))
+
+
+def test_mfu_uses_the_peak_of_the_exact_h100_variant():
+    assert peak_flops_of("NVIDIA H100 80GB HBM3") == 989e12
+    assert peak_flops_of("NVIDIA H100 PCIe") == 756e12
+    assert peak_flops_of("NVIDIA H100 NVL") == 835e12
+    assert peak_flops_of("NVIDIA H200") == 989e12
+    assert peak_flops_of("Some Unknown GPU") is None

@@ -1,0 +1,403 @@
+"""push, pull, ls and status through the S3 API, against a real S3 server on 127.0.0.1 (moto's server
+mode, standing in for RunPod's S3-compatible API, which cannot be reached here); boto3 is never mocked.
+The trainpod side runs as a user runs it: `python -m trainpod ...` subprocesses with the S3 settings
+in their environment, and the push interruption in-process (an exception from the progress line)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import boto3
+import pytest
+from moto.server import ThreadedMotoServer
+
+from trainpod.checkpoint.store import CheckpointStore
+from trainpod.data.datagen import load_dataset_manifest
+from trainpod.log import redact
+from trainpod.remote.push import push
+from trainpod.remote.s3 import S3Target, VolumeS3
+
+from fake_runpod import FakeRunPodServer, api_env
+from support import REPO, child_env
+
+KEY_ID = "user_2f21CfO73Mm2Uq2lEGFiEF24IPw"
+SECRET = "rps_FAKESECRETFORTESTS0123456789"
+DC = "EU-RO-1"
+PART = 5 << 20  # S3's smallest part, so a few MiB make a multipart upload
+
+
+@pytest.fixture(scope="module")
+def s3_server():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    yield f"http://127.0.0.1:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def bucket(s3_server, monkeypatch):
+    """A fresh network volume (bucket) and this process's environment pointed at it."""
+    name = f"vol{uuid.uuid4().hex[:10]}"
+    env = {
+        "TRAINPOD_S3_ENDPOINT_URL": s3_server,
+        "TRAINPOD_S3_VOLUME": name,
+        "TRAINPOD_S3_DATACENTER": DC,
+        "TRAINPOD_S3_PART_MB": "5",
+        "AWS_ACCESS_KEY_ID": KEY_ID,
+        "AWS_SECRET_ACCESS_KEY": SECRET,
+    }
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    raw = boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1")
+    raw.create_bucket(Bucket=name)
+    return name, raw, env
+
+
+def trainpod(env: dict, *args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "trainpod", *args],
+        env=child_env(env),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=cwd,
+    )
+
+
+def objects(raw, bucket: str, prefix: str = "") -> dict[str, bytes]:
+    listed = raw.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", [])
+    return {o["Key"]: raw.get_object(Bucket=bucket, Key=o["Key"])["Body"].read() for o in listed}
+
+
+def volume_s3(name: str) -> VolumeS3:
+    return VolumeS3(S3Target(name, DC, os.environ["TRAINPOD_S3_ENDPOINT_URL"]), part_bytes=PART)
+
+
+# ---------------------------------------------------------------------------------------------- push
+def test_a_pushed_datagen_dataset_reads_on_the_volume_exactly_like_one_datagen_made_there(
+    bucket, tiny_dataset_volume, tmp_path
+):
+    name, raw, env = bucket
+    local = tiny_dataset_volume / "datasets/tiny-stories"
+    result = trainpod(env, "push", str(local), "datasets/tiny-stories")
+    assert result.returncode == 0, result.stdout + result.stderr
+    tokenizer = tiny_dataset_volume / "tokenizers/tiny-stories-1k"
+    assert f"trainpod push {tokenizer} tokenizers/tiny-stories-1k" in result.stdout, "the tokenizer goes too"
+    mirror = tmp_path / "volume/datasets/tiny-stories"  # what a pod sees at /workspace
+    for key, data in objects(raw, name, "datasets/tiny-stories/").items():
+        (mirror / key.removeprefix("datasets/tiny-stories/")).parent.mkdir(parents=True, exist_ok=True)
+        (mirror / key.removeprefix("datasets/tiny-stories/")).write_bytes(data)
+    assert load_dataset_manifest(mirror)["complete"], "pretrain reads it through load_dataset_manifest"
+    for path in local.rglob("*"):
+        if path.is_file():
+            assert (mirror / path.relative_to(local)).read_bytes() == path.read_bytes(), path.name
+    again = trainpod(env, "push", str(local), "datasets/tiny-stories")
+    assert again.returncode == 0 and " 0 sent" in again.stdout, "pushing again sends nothing"
+
+
+def test_an_interrupted_push_keeps_its_parts_and_publishes_the_marker_only_once_complete(bucket, tmp_path):
+    name, raw, _ = bucket
+    local = tmp_path / "generated"
+    local.mkdir()
+    (local / "train.bin").write_bytes(os.urandom(4 * PART + 12345))  # 5 parts
+    (local / "metadata.json").write_text(json.dumps({"counts": {"train": 1}}))
+
+    def interrupt_after_two_parts(line: str) -> None:
+        if "part 2/5" in line:
+            raise KeyboardInterrupt  # Ctrl-C, or a laptop closing its lid
+
+    with pytest.raises(KeyboardInterrupt):
+        push(volume_s3(name), local, "datasets/generated", echo=interrupt_after_two_parts)
+    assert objects(raw, name) == {}, "nothing is published by an interrupted push, the marker least of all"
+    uploads = raw.list_multipart_uploads(Bucket=name).get("Uploads", [])
+    assert len(uploads) == 1
+    kept = raw.list_parts(Bucket=name, Key=uploads[0]["Key"], UploadId=uploads[0]["UploadId"])["Parts"]
+    assert len(kept) >= 2
+
+    lines: list[str] = []
+    push(volume_s3(name), local, "datasets/generated", echo=lines.append)
+    assert any(f"{len(kept)} part(s) kept from an interrupted push" in line for line in lines), lines
+    published = objects(raw, name)
+    assert published["datasets/generated/train.bin"] == (local / "train.bin").read_bytes()
+    assert published["datasets/generated/metadata.json"] == (local / "metadata.json").read_bytes()
+    assert lines.index(next(x for x in lines if "metadata.json" in x)) > lines.index(
+        next(x for x in lines if "uploaded datasets/generated/train.bin" in x)
+    ), "the marker goes last"
+    assert raw.list_multipart_uploads(Bucket=name).get("Uploads", []) == []
+
+
+def test_push_refuses_to_replace_other_data_on_the_volume(bucket, tmp_path):
+    name, raw, env = bucket
+    raw.put_object(Bucket=name, Key="datasets/sft/train.jsonl", Body=b'{"other": 1}\n')
+    local = tmp_path / "sft"
+    local.mkdir()
+    (local / "train.jsonl").write_text('{"mine": 1}\n')
+    result = trainpod(env, "push", str(local), "datasets/sft")
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "already holds other data: train.jsonl (other content)" in result.stdout
+    assert objects(raw, name)["datasets/sft/train.jsonl"] == b'{"other": 1}\n', "nothing replaced"
+
+
+def test_push_refuses_an_unfinished_datagen_dataset_and_a_destination_under_runs(
+    bucket, tiny_dataset_volume, tmp_path
+):
+    _, _, env = bucket
+    unfinished = tmp_path / "tiny"
+    shutil.copytree(tiny_dataset_volume / "datasets/tiny-stories", unfinished)
+    next(unfinished.glob("train_*.bin")).unlink()
+    result = trainpod(env, "push", str(unfinished), "datasets/tiny")
+    assert result.returncode == 2 and "is listed in" in result.stdout, result.stdout
+    result = trainpod(env, "push", str(tiny_dataset_volume / "datasets/tiny-stories"), "runs/x")
+    assert result.returncode == 2 and "not under runs or cache/" in result.stdout, result.stdout
+
+
+# ---------------------------------------------------------------------------------------------- pull
+def make_run_on_volume(raw, name: str, root: Path) -> Path:
+    """A run folder as the workloads leave it: a committed checkpoint (the real store), a conversion
+    output with its manifest, an HF export with none, status.json, and leftovers never to be pulled."""
+    run = root / "runs/r"
+    store = CheckpointStore(run / "checkpoints")
+    pending = store.begin(10)
+    pending.write_bytes("model.safetensors", os.urandom(3 * (1 << 20) + 7))
+    pending.write_bytes("optimizer.pt", os.urandom(1000))
+    store.commit(pending, 10, {"world_size": 1})
+    merged = run / "export/merged"
+    merged.mkdir(parents=True)
+    files = {"model.safetensors": os.urandom(6 * (1 << 20) + 3), "config.json": b'{"model_type": "llama"}'}
+    for file, data in files.items():
+        (merged / file).write_bytes(data)
+    manifest = {n: {"bytes": len(d), "sha256": hashlib.sha256(d).hexdigest()} for n, d in files.items()}
+    (merged / "manifest.json").write_text(json.dumps({"format": "trainpod-convert/2", "files": manifest}))
+    (run / "export/hf").mkdir()
+    (run / "export/hf/model.safetensors").write_bytes(os.urandom(2000))
+    (run / "export/mlx.tmp-0123abcd").mkdir()
+    (run / "export/mlx.tmp-0123abcd/half.safetensors").write_bytes(b"half")
+    (run / "status.json").write_text(
+        json.dumps({"state": "running", "step": 10, "max_steps": 100, "loss": 2.5})
+    )
+    (run / "LEASE").write_text("{}")
+    for path in run.rglob("*"):
+        if path.is_file():
+            raw.upload_file(str(path), name, str(path.relative_to(root)))
+    return run
+
+
+def test_pull_export_checks_the_manifests_and_leaves_temp_folders_behind(bucket, tmp_path):
+    name, raw, env = bucket
+    run = make_run_on_volume(raw, name, tmp_path / "pod")
+    dest = tmp_path / "laptop"
+    result = trainpod(env, "pull", "r", "export", str(dest))
+    assert result.returncode == 0, result.stdout + result.stderr
+    for rel in (
+        "merged/model.safetensors",
+        "merged/config.json",
+        "merged/manifest.json",
+        "hf/model.safetensors",
+    ):
+        assert (dest / "export" / rel).read_bytes() == (run / "export" / rel).read_bytes(), rel
+    assert (
+        not list(dest.rglob("*.tmp-*"))
+        and not (dest / "LEASE").exists()
+        and not (dest / "checkpoints").exists()
+    )
+    assert "2 checked against their manifest's sha256" in result.stdout
+
+
+def test_pull_resumes_an_interrupted_download_and_discards_bytes_of_another_version(bucket, tmp_path):
+    name, raw, env = bucket
+    run = make_run_on_volume(raw, name, tmp_path / "pod")
+    dest = tmp_path / "laptop"
+    target = dest / "export/merged/model.safetensors"
+    target.parent.mkdir(parents=True)
+    whole = (run / "export/merged/model.safetensors").read_bytes()
+    partial = target.with_name(target.name + ".tmp-pull")
+    partial.write_bytes(whole[: 2 << 20])  # an interrupted pull: the first 2 MiB
+    stale = dest / "export/hf/model.safetensors.tmp-pull"
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"x" * 500)  # bytes of an older export of the same name
+    result = trainpod(env, "pull", "r", "export", str(dest))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert target.read_bytes() == whole
+    assert (
+        "merged/model.safetensors: continued an interrupted download after 2,097,152 bytes" in result.stdout
+    )
+    assert (dest / "export/hf/model.safetensors").read_bytes() == (
+        run / "export/hf/model.safetensors"
+    ).read_bytes()
+    assert not partial.exists() and not stale.exists()
+
+
+def test_pull_refuses_a_file_that_does_not_match_its_manifest(bucket, tmp_path):
+    name, raw, env = bucket
+    run = make_run_on_volume(raw, name, tmp_path / "pod")
+    size = (run / "export/merged/model.safetensors").stat().st_size
+    raw.put_object(Bucket=name, Key="runs/r/export/merged/model.safetensors", Body=b"\0" * size)  # bit rot
+    dest = tmp_path / "laptop"
+    result = trainpod(env, "pull", "r", "export", str(dest))
+    assert result.returncode == 75, result.stdout + result.stderr
+    assert "does not match its checksum" in result.stdout
+    assert not (dest / "export/merged/model.safetensors").exists()
+    assert not (dest / "export/merged/manifest.json").exists(), "no manifest for an output that is not whole"
+
+
+def test_a_pulled_checkpoint_is_one_the_checkpoint_store_resumes_from(bucket, tmp_path):
+    name, raw, env = bucket
+    make_run_on_volume(raw, name, tmp_path / "pod")
+    dest = tmp_path / "laptop"
+    result = trainpod(env, "pull", "r", "checkpoint", str(dest))
+    assert result.returncode == 0, result.stdout + result.stderr
+    latest = CheckpointStore(dest / "checkpoints").latest()  # verifies every 32 MiB piece's sha256
+    assert latest is not None and latest.step == 10
+    assert not (dest / "export").exists()
+
+
+def test_pull_of_an_unknown_run_exits_2(bucket, tmp_path):
+    _, _, env = bucket
+    result = trainpod(env, "pull", "nope", "export", str(tmp_path / "x"))
+    assert result.returncode == 2 and "no run 'nope' on volume" in result.stdout, result.stdout
+
+
+# ---------------------------------------------------------------------------------------------- ls and status
+def test_status_and_ls_read_the_volume_through_s3_from_a_laptop(bucket, tmp_path, tiny_dataset_volume):
+    name, raw, env = bucket
+    make_run_on_volume(raw, name, tmp_path / "pod")
+    assert (
+        trainpod(
+            env, "push", str(tiny_dataset_volume / "datasets/tiny-stories"), "datasets/tiny-stories"
+        ).returncode
+        == 0
+    )
+    raw.put_object(Bucket=name, Key="datasets/half/train_000000.bin", Body=b"123")
+    status = trainpod(env, "status", "r")
+    assert status.returncode == 0, status.stdout + status.stderr
+    assert f"volume {name} ({DC}) through S3" in status.stdout
+    assert "r: running | step 10/100 | loss 2.5000" in status.stdout
+    listing = trainpod(env, "ls")
+    assert listing.returncode == 0, listing.stdout + listing.stderr
+    assert "datasets/tiny-stories: tokens," in listing.stdout
+    assert "datasets/half: 1 file(s), no manifest.json" in listing.stdout
+    assert "runs/r: running | step 10/100 | checkpoint step-10 | export hf, merged" in listing.stdout
+
+
+def test_ls_reads_a_local_volume_the_same_way(tmp_path, tiny_dataset_volume):
+    result = trainpod({}, "ls", "--volume", str(tiny_dataset_volume))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "datasets/tiny-stories: tokens," in result.stdout and "tokenizers/tiny-stories-1k" in result.stdout
+
+
+def test_ls_finds_the_volume_of_a_deploy_config_by_name_through_runpods_api(bucket, tmp_path):
+    name, raw, env = bucket
+    make_run_on_volume(raw, name, tmp_path / "pod")
+    config = REPO / "configs/deploy/pretrain-spot.yaml"  # volume "trainpod" in EU-RO-1
+    with FakeRunPodServer() as fake:
+        fake.volumes["x"] = {"id": name, "name": "trainpod", "size": 100, "dataCenterId": DC}
+        fake.volumes["y"] = {"id": "other", "name": "trainpod", "size": 100, "dataCenterId": "US-KS-2"}
+        laptop = {k: v for k, v in env.items() if k not in ("TRAINPOD_S3_VOLUME", "TRAINPOD_S3_DATACENTER")}
+        result = trainpod(laptop | api_env(fake), "ls", "--config", str(config))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"volume {name} ({DC}) through S3" in result.stdout and "runs/r: running" in result.stdout
+    assert not fake.violations
+
+
+def test_a_wrong_volume_id_exits_2_naming_it(bucket):
+    _, _, env = bucket
+    result = trainpod(env, "ls", "--s3-volume", "no-such-volume")
+    assert result.returncode == 2 and "no network volume no-such-volume in EU-RO-1" in result.stdout, (
+        result.stdout
+    )
+
+
+# ---------------------------------------------------------------------------------------------- secrets
+def test_the_s3_key_and_secret_never_reach_the_output_or_the_volume(bucket, tmp_path):
+    name, raw, env = bucket
+    make_run_on_volume(raw, name, tmp_path / "pod")
+    local = tmp_path / "data"
+    local.mkdir()
+    (local / "train.jsonl").write_text("{}\n")
+    outputs = [
+        trainpod(env, "push", str(local), "datasets/d"),
+        trainpod(env, "pull", "r", "all", str(tmp_path / "laptop")),
+        trainpod(env, "status"),
+        trainpod(env, "ls", "--s3-volume", "no-such-volume"),
+    ]
+    for result in outputs:
+        assert KEY_ID not in result.stdout + result.stderr and SECRET not in result.stdout + result.stderr
+    for key, data in objects(raw, name).items():
+        assert KEY_ID.encode() not in data and SECRET.encode() not in data, key
+    for path in (tmp_path / "laptop").rglob("*"):
+        assert not path.is_file() or SECRET.encode() not in path.read_bytes()
+
+
+def test_a_key_from_an_aws_profile_file_is_masked_in_log_lines(bucket, tmp_path, monkeypatch):
+    name, _, _ = bucket
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    credentials = tmp_path / "credentials"
+    credentials.write_text(
+        "[runpod]\naws_access_key_id = user_fromprofile123\naws_secret_access_key = rps_fromprofile456\n"
+    )
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(credentials))
+    monkeypatch.setenv("AWS_PROFILE", "runpod")
+    volume_s3(name).list_files("runs/")
+    assert redact("signed with user_fromprofile123 / rps_fromprofile456") == "signed with *** / ***"
+
+
+def test_without_boto3_the_s3_verbs_say_which_extra_to_install():
+    blocked = (
+        "import sys; sys.modules['boto3'] = None; from trainpod.cli import main; sys.exit(main(sys.argv[1:]))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", blocked, "ls", "--s3-volume", "v", "--datacenter", DC],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2 and "pip install 'trainpod[remote]'" in result.stdout, (
+        result.stdout + result.stderr
+    )
+
+
+def test_a_push_killed_mid_upload_is_finished_by_the_next_one_with_the_parts_already_sent(bucket, tmp_path):
+    name, raw, env = bucket
+    local = tmp_path / "big"
+    local.mkdir()
+    (local / "train.bin").write_bytes(os.urandom(20 * PART))  # 20 parts: seconds against moto on 2 cores
+    (local / "metadata.json").write_text("{}")
+    child = subprocess.Popen(
+        [sys.executable, "-m", "trainpod", "push", str(local), "datasets/big"],
+        env=child_env(env),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    parts: list = []
+    while child.poll() is None and len(parts) < 3:
+        time.sleep(0.05)
+        uploads = raw.list_multipart_uploads(Bucket=name).get("Uploads", [])
+        if uploads:
+            parts = raw.list_parts(Bucket=name, Key=uploads[0]["Key"], UploadId=uploads[0]["UploadId"]).get(
+                "Parts", []
+            )
+    child.kill()  # SIGKILL: no handler runs
+    child.wait()
+    assert len(parts) >= 3, "the push finished before it could be killed; make the file larger"
+    assert "datasets/big/metadata.json" not in objects(raw, name), "a killed push publishes no marker"
+    result = trainpod(env, "push", str(local), "datasets/big")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "part(s) kept from an interrupted push" in result.stdout
+    assert (
+        objects(raw, name, "datasets/big/train.bin")["datasets/big/train.bin"]
+        == (local / "train.bin").read_bytes()
+    )

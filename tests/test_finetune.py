@@ -208,6 +208,7 @@ def test_a_text_finetune_is_evaluated_by_generation_and_keeps_its_best_checkpoin
                 "--set", "train.early_stopping_metric=cer",
             ),
             volume=volume,
+            timeout=900,
         )
     )  # fmt: skip
     records = [

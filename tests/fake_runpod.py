@@ -17,6 +17,8 @@ for Last-Event-ID would refuse; the fake follows the schema, with microsecond ti
 gets a 400 like RunPod's and is recorded in `violations`; the `fake_runpod` fixtures fail the test
 when any is left. On demand it interrupts pods, refuses starts (no GPU free on the machine), has
 no capacity for GPU types, answers 429/5xx/401, or answers slowly (timeouts).
+`GET /v2/catalog/gpus` serves `gpu_catalog` with stock per CUDA version from `gpu_stock`; v2 answers
+with a JSON schema in RunPod's description are checked against it before they are sent.
 """
 
 from __future__ import annotations
@@ -70,9 +72,9 @@ OPERATIONS = [
     ("POST", "/networkvolumes"),
 ]
 # What trainpod sends to REST v2, as (method, OpenAPI path).
-OPERATIONS_V2 = [("GET", "/v2/pods/{id}/logs")]
+OPERATIONS_V2 = [("GET", "/v2/pods/{id}/logs"), ("GET", "/v2/catalog/gpus")]
 _KEEP = ("type", "enum", "items", "minimum", "maximum", "required", "properties")
-_KEEP_V2 = ("type", "enum", "minimum", "maximum", "format")
+_KEEP_V2 = ("type", "enum", "minimum", "maximum", "format", "items", "maxItems", "pattern")
 
 
 def _json_schema(node: dict[str, Any]) -> dict[str, Any]:
@@ -131,6 +133,9 @@ def derive_schema_v2(openapi: dict[str, Any]) -> dict[str, Any]:
             "status": int(success),
             "content": sorted(op["responses"][success].get("content", {})),
         }
+        json_answer = op["responses"][success].get("content", {}).get("application/json")
+        if json_answer:  # the fake's own answers are checked against it
+            operations[f"{method} {path}"]["response"] = _inlined(openapi, json_answer["schema"])
     return {
         "source": "RunPod's OpenAPI description of https://api.runpod.io/v2 "
         "(shared/reference/runpod-rest-v2-openapi.json)",
@@ -148,12 +153,28 @@ def _resolve(openapi: dict[str, Any], node: dict[str, Any]) -> dict[str, Any]:
 
 
 def _value_schema(openapi: dict[str, Any], node: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in _resolve(openapi, node).items() if k in _KEEP_V2}
+    kept = {k: v for k, v in _resolve(openapi, node).items() if k in _KEEP_V2}
+    if "items" in kept:  # an array parameter (style form, explode false): its items' schema, resolved
+        kept["items"] = _value_schema(openapi, kept["items"])
+    return kept
+
+
+def _inlined(openapi: dict[str, Any], node: Any) -> Any:
+    """A response schema with every $ref replaced by its target (v2's schemas are JSON Schema)."""
+    if isinstance(node, dict):
+        return {k: _inlined(openapi, v) for k, v in _resolve(openapi, node).items()}
+    if isinstance(node, list):
+        return [_inlined(openapi, v) for v in node]
+    return node
 
 
 def _value_problem(name: str, raw: str, schema: dict[str, Any]) -> str | None:
     """Why a query or header value does not fit its OpenAPI schema (None when it does)."""
     value: Any = raw
+    if schema.get("type") == "array":  # style form, explode false: comma-separated
+        problems = [_value_problem(name, item, schema.get("items", {})) for item in raw.split(",")]
+        too_many = "maxItems" in schema and len(raw.split(",")) > schema["maxItems"]
+        return next((p for p in problems if p), f"{name}={raw!r}: too many items" if too_many else None)
     if schema.get("type") == "integer":
         try:
             value = int(raw)
@@ -177,6 +198,31 @@ class LogStream:
     """An open Server-Sent Events answer: the handler writes each chunk as it comes."""
 
     chunks: Iterator[bytes]
+
+
+def default_gpu_catalog() -> list[dict[str, Any]]:
+    """GPU types as v2's GET /catalog/gpus lists them (prices per GPU-hour: RunPod's list prices, 2026-08)."""
+
+    def gpu(gpu_id: str, name: str, memory: int, secure: float, community: float) -> dict[str, Any]:
+        return {
+            "id": gpu_id,
+            "name": name,
+            "pool": None,
+            "manufacturer": "NVIDIA",
+            "memory": memory,
+            "secure": True,
+            "community": True,
+            "price": {"secure": secure, "community": community},
+            "maxCount": {"secure": 8, "community": 8},
+        }
+
+    return [
+        gpu("NVIDIA H100 80GB HBM3", "H100 SXM", 80, 2.69, 2.39),
+        gpu("NVIDIA A100 80GB PCIe", "A100 PCIe", 80, 1.64, 1.19),
+        gpu("NVIDIA L40S", "L40S", 48, 0.86, 0.79),
+        gpu("NVIDIA RTX A6000", "RTX A6000", 48, 0.49, 0.33),
+        gpu("NVIDIA GeForce RTX 4090", "RTX 4090", 24, 0.69, 0.34),
+    ]
 
 
 @dataclass
@@ -210,6 +256,13 @@ class FakeRunPod:
     no_capacity: set[str] = field(default_factory=set)  # GPU types with no free machine anywhere
     refuse_start: set[str] = field(default_factory=set)  # pod ids whose machine has no free GPU
     delay_s: float = 0.0
+    gpu_catalog: list[dict[str, Any]] = field(default_factory=lambda: default_gpu_catalog())
+    # (GPU type id, CUDA version) pairs with a free machine now; every other offered pair is full.
+    gpu_stock: set[tuple[str, str]] = field(
+        default_factory=lambda: {
+            (g["id"], v) for g in default_gpu_catalog() for v in ("12.8", "12.9", "13.0")
+        }
+    )
     backend: Backend = field(default_factory=Backend)
     url: str = ""
     url_v2: str = ""
@@ -310,7 +363,40 @@ class FakeRunPod:
         problems += [_value_problem(n, v, op["headers"][n]) for n, v in given.items()]
         if any(problems):
             return self._invalid(f"{op_key}: {'; '.join(p for p in problems if p)}")
-        return getattr(self, "_" + op["operationId"])(query, given, **params)
+        status, answer, extra = getattr(self, "_" + op["operationId"])(query, given, **params)
+        problems = (
+            list(jsonschema.Draft202012Validator(op["response"]).iter_errors(answer))
+            if status == 200 and "response" in op
+            else []
+        )
+        if problems:  # the fake itself must answer as RunPod's description says
+            return self._invalid(
+                f"{op_key}: the fake's answer does not fit RunPod's schema: {problems[0].message}", 500
+            )
+        return status, answer, extra
+
+    def _listGpuTypes(self, query, headers):
+        # A rule v2's description states in words: include=AVAILABILITY and product= go together.
+        if ("include" in query) != ("product" in query):
+            return self._invalid(
+                "GET /v2/catalog/gpus: include=AVAILABILITY and product= go together (400 at RunPod)"
+            )
+        if "cudaVersions" in query and "minCudaVersion" in query:
+            return self._invalid(
+                "GET /v2/catalog/gpus: cudaVersions and minCudaVersion are mutually exclusive"
+            )
+        return 200, {"gpus": [self._catalog_entry(gpu, query) for gpu in self.gpu_catalog]}, {}
+
+    def _catalog_entry(self, gpu: dict[str, Any], query: dict[str, str]) -> dict[str, Any]:
+        if query.get("include") != "AVAILABILITY":
+            return gpu
+        wanted = query["cudaVersions"].split(",") if "cudaVersions" in query else ["12.8", "12.9", "13.0"]
+        cuda = [{"version": v, "available": (gpu["id"], v) in self.gpu_stock} for v in wanted]
+        free = any(c["available"] for c in cuda)
+        entry = {**gpu, "availability": "HIGH" if free else "NONE", "cudaVersions": cuda}
+        if free:
+            entry["dataCenters"] = [{"id": "EU-RO-1", "name": "Europe Romania 1", "availability": "HIGH"}]
+        return entry
 
     def _getPodLogs(self, query, headers, id):
         self.log_headers.append(headers)

@@ -127,7 +127,7 @@ def test_pod_with_gpus_but_no_usable_cuda_exits_2(tmp_path):
     assert "CUDA is not usable" in result.stdout
 
 
-def test_not_enough_free_space_for_the_checkpoints_exits_2(tmp_path, monkeypatch, capsys):
+def test_not_enough_free_space_for_the_checkpoints_exits_5(tmp_path, monkeypatch, capsys):
     # A volume this small cannot be made here without a mount; the measurement itself is faked.
     monkeypatch.setattr(boot_module.shutil, "disk_usage", lambda _: type("U", (), {"free": 2**30})())
     environ = {
@@ -135,7 +135,7 @@ def test_not_enough_free_space_for_the_checkpoints_exits_2(tmp_path, monkeypatch
         "TRAINPOD_WORKLOAD": "pretrain",
         "TRAINPOD_CONFIG": str(Path(__file__).parents[1] / "configs/pretrain/1b.yaml"),
     }
-    assert boot_module.boot(environ) == 2
+    assert boot_module.boot(environ) == 5
     out = capsys.readouterr().out
     assert "has 1.0 GiB free; this run needs about" in out and "grow the network volume" in out
 

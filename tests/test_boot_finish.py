@@ -110,6 +110,13 @@ def test_bad_input_stops_the_pod_at_once_and_marks_an_existing_run(fake, pod, ru
     assert fake.pods[pod["id"]]["desiredStatus"] == "EXITED"
 
 
+def test_a_full_volume_stops_the_pod_at_once_instead_of_a_restart_loop(fake, pod, run):
+    assert after_workload(5, run, pod_env(fake, pod), "pretrain") == 5
+    assert "volume full (exit 5)" in atomic.read_json(run.root / FAILED_MARKER)["reason"]
+    assert fake.pods[pod["id"]]["desiredStatus"] == "EXITED"
+    assert not (run.root / STARTS_FILE).exists(), "not counted as a failed start: it is final at once"
+
+
 def test_bad_input_leaves_a_volume_without_the_run_untouched(fake, pod, tmp_path):
     after_workload(2, Volume(tmp_path).run("new"), pod_env(fake, pod), "pretrain")
     assert list(tmp_path.iterdir()) == []

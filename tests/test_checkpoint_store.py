@@ -185,3 +185,13 @@ def test_manifests_without_a_score_are_ranked_by_their_eval_loss(tmp_path):
         commit(store, step, eval_loss=loss)
     assert (tmp_path / "step-10").is_dir()
     assert store.committed()[-1].score == 0.5
+
+
+def test_a_write_that_fails_removes_its_temp_folder_at_once_and_latest_stays(tmp_path):
+    store = CheckpointStore(tmp_path)
+    commit(store, 10)
+    with pytest.raises(OSError, match="No space left"), store.writing(20) as pending:
+        pending.write_bytes("weights.bin", b"part of the weights")
+        raise OSError(28, "No space left on device")  # what a full volume's write raises (errno ENOSPC)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["LATEST", "step-10"]
+    assert store.latest().step == 10

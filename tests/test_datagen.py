@@ -202,6 +202,54 @@ def test_jsonl_gz_parquet_and_txt_gz_by_glob_give_the_same_shards_as_one_text_fi
     ]
 
 
+def decoded_documents(tokenizer: Tokenizer, stream: np.ndarray) -> list[str]:
+    """The documents of a token stream: split at each end-of-text token, each piece decoded."""
+    eot = tokenizer.token_to_id("<|endoftext|>")
+    pieces, current = [], None
+    for token in stream.tolist():
+        if token == eot:
+            current = []
+            pieces.append(current)
+        else:
+            current.append(token)
+    return [tokenizer.decode(ids, skip_special_tokens=False) for ids in pieces]
+
+
+VERBATIM = ["def f(x):\n    return x\n", "  indented line and trailing spaces   ", "plain\n\n"]
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_structured_documents_round_trip_through_the_shards_verbatim(volume, fmt):
+    run(make_config(), volume)  # a tokenizer trained on the stories, reused below
+    data = volume.root / "structured"
+    data.mkdir()
+    if fmt == "jsonl":
+        (data / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in VERBATIM))
+    else:
+        pq.write_table(pa.table({"text": VERBATIM}), data / "docs.parquet")
+    config = make_config(
+        name=f"verbatim-{fmt}", mode="full", tokenizer={"path": "tokenizers/stories"},
+        sources=[{"path": f"structured/docs.{fmt}"}],
+    )  # fmt: skip
+    folder = run(config, volume)
+    manifest = load_dataset_manifest(folder)
+    tokenizer = Tokenizer.from_file(str(volume.tokenizer("stories") / "tokenizer.json"))
+    assert decoded_documents(tokenizer, split_stream(folder, manifest, "train")) == VERBATIM
+
+
+def test_plain_text_documents_split_on_blank_lines_are_stripped(volume):
+    (volume.root / "corpus" / "padded.txt").write_text("  first story.  \n\n\tsecond story.\n")
+    run(make_config(), volume)
+    config = make_config(
+        name="padded", mode="full", tokenizer={"path": "tokenizers/stories"},
+        sources=[{"path": "corpus/padded.txt"}],
+    )  # fmt: skip
+    folder = run(config, volume)
+    tokenizer = Tokenizer.from_file(str(volume.tokenizer("stories") / "tokenizer.json"))
+    stream = split_stream(folder, load_dataset_manifest(folder), "train")
+    assert decoded_documents(tokenizer, stream) == ["first story.", "second story."]
+
+
 def test_reused_tokenizer_folder_is_used_as_it_is(volume):
     run(make_config(), volume)
     shared = volume.tokenizer("stories")

@@ -91,3 +91,41 @@ def test_infra_definitions_validate_against_runpods_openapi(path):
     assert not errors, f"{path.name} is not a valid {kind}: " + "; ".join(
         f"{'.'.join(map(str, e.path)) or '(top)'}: {e.message}" for e in errors
     )
+
+
+# A path in the repository (configs/..., entrypoints/..., examples/...) or in the image, where the
+# Dockerfile copies those folders under /opt/trainpod; a sentence's full stop is not part of it.
+NAMED_PATH = re.compile(r"(?:/opt/trainpod/)?\b(?:configs|entrypoints|examples|infra|docker)/[\w./<>-]*[\w>]")
+
+
+def image_folders() -> set[str]:
+    """The repository folders the Dockerfile copies into the image's /opt/trainpod."""
+    dockerfile = (REPO / "docker/Dockerfile").read_text()
+    return set(re.findall(r"^COPY (\w+) /opt/trainpod/\1$", dockerfile, re.M))
+
+
+def named_paths() -> list[tuple[str, str]]:
+    """(file, path) for every path named in infra/ and configs/deploy/ (JSON, YAML, README)."""
+    files = sorted([*(REPO / "infra").rglob("*"), *(REPO / "configs/deploy").rglob("*")])
+    return [
+        (str(f.relative_to(REPO)), path)
+        for f in files
+        if f.is_file()
+        for path in dict.fromkeys(NAMED_PATH.findall(f.read_text(encoding="utf-8")))
+        if "<" not in path  # a pattern such as entrypoints/<workload>, not a path
+    ]
+
+
+def test_infra_and_deploy_configs_name_paths():
+    assert len(named_paths()) >= 10, "the scan below found too few paths: its pattern is broken"
+
+
+@pytest.mark.parametrize(("source", "path"), named_paths(), ids=lambda v: v)
+def test_every_path_named_in_infra_and_deploy_configs_exists(source, path):
+    in_repo = path.removeprefix("/opt/trainpod/")
+    assert (REPO / in_repo).exists(), f"{source} names {path}, which is not in the repository; fix the name"
+    if path.startswith("/opt/trainpod/"):
+        folder = in_repo.split("/")[0]
+        assert folder in image_folders(), (
+            f"{source} names {path}, but docker/Dockerfile does not copy {folder}/ into /opt/trainpod"
+        )

@@ -202,6 +202,6 @@ def test_status_shows_step_loss_throughput_and_newest_checkpoint(volume):
     assert run_trainpod(*PRETRAIN, "--set", "train.max_steps=10", volume=volume).returncode == 0
     result = run_trainpod("status", volume=volume)
     assert result.returncode == 0
-    line = result.stdout.strip()
-    assert line.startswith("tiny-pretrain: done | step 10/10 | loss ")
+    line = result.stdout.splitlines()[0]
+    assert line.startswith("tiny-pretrain: done | step 10/10 (100%) | loss ")
     assert "tok/s" in line and "checkpoint step-10" in line

@@ -207,3 +207,21 @@ def test_supervise_once_from_the_command_line(fake, volume, tmp_path, monkeypatc
     atomic.write_json(volume.run("tiny").done, {})
     assert cli.main(args) == 0
     assert (volume.run("tiny").root / "supervise.json").is_file(), "--once runs share their state"
+
+
+@pytest.mark.parametrize("copies", [0, 2], ids=["none", "several"])
+def test_supervise_without_a_config_refuses_unless_exactly_one_deploy_config_has_the_run(
+    tmp_path, monkeypatch, capsys, copies
+):
+    import yaml
+
+    folder = tmp_path / "configs" / "deploy"
+    folder.mkdir(parents=True)
+    for index in range(copies):
+        (folder / f"tiny-{index}.yaml").write_text(yaml.safe_dump(deploy_config().model_dump(mode="json")))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("TRAINPOD_CONFIG", raising=False)
+    assert cli.main(["supervise", "tiny", "--once"]) == 2
+    out = capsys.readouterr().out
+    assert "pass --config configs/deploy/X.yaml" in out
+    assert ("no YAML under" in out) if copies == 0 else ("2 YAMLs under" in out and "tiny-1.yaml" in out)

@@ -8,6 +8,7 @@ silently passes everything (a wrong flag, an empty file list) fails here instead
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -123,3 +124,61 @@ def test_supervise_runs_once_with_the_key_from_a_secret():
     assert run["env"]["RUNPOD_API_KEY"] == "${{ secrets.RUNPOD_API_KEY }}"
     # PyYAML reads the `on:` key as True (YAML 1.1 boolean).
     assert "schedule" in workflow[True]
+
+
+def workflow_step_env(
+    env: dict[str, str], secrets: dict[str, str], variables: dict[str, str]
+) -> dict[str, str]:
+    """A step's `env:` as GitHub fills it: `${{ secrets.X }}` and `${{ vars.X }}`, empty when not set."""
+    lookup = {"secrets": secrets, "vars": variables}
+
+    def fill(match: re.Match) -> str:
+        return lookup[match.group(1)].get(match.group(2), "")
+
+    return {
+        name: re.sub(r"\$\{\{\s*(secrets|vars)\.(\w+)\s*\}\}", fill, value) for name, value in env.items()
+    }
+
+
+@pytest.fixture
+def fake_runpod():
+    from fake_runpod import FakeRunPodServer
+
+    with FakeRunPodServer() as fake:
+        yield fake
+    assert not fake.violations, f"requests RunPod would refuse: {fake.violations}"
+
+
+@pytest.mark.parametrize("config_variable", ["", "configs/deploy/pretrain-spot.yaml"], ids=["found", "named"])
+def test_the_scheduled_supervisor_restarts_an_interrupted_pod(tmp_path: Path, fake_runpod, config_variable):
+    """The workflow's own command line and step env, run in a checkout (this repository) as the runner
+    would run it, against the fake RunPod API: SUPERVISE_CONFIG unset (the run's deploy config is
+    found under configs/deploy/) or naming it."""
+    from trainpod.config import load_config
+    from trainpod.config.deploy import DeployConfig
+    from trainpod.runpod.deploy import deploy
+
+    from fake_runpod import client_for
+
+    deployed = deploy(
+        client_for(fake_runpod), load_config(DeployConfig, REPO / "configs/deploy/pretrain-spot.yaml")
+    )
+    fake_runpod.interrupt(deployed.pod.id)
+    workflow = yaml.safe_load((REPO / ".github/workflows/supervise.yml").read_text())
+    step = next(s for s in workflow["jobs"]["supervise"]["steps"] if "trainpod supervise" in s.get("run", ""))
+    variables = {"SUPERVISE_RUN": "pretrain-125m", "SUPERVISE_CONFIG": config_variable}
+    env = workflow_step_env(step["env"], {"RUNPOD_API_KEY": fake_runpod.key}, variables)
+    shim = tmp_path / "bin" / "trainpod"  # what `pip install .` puts on the runner's PATH
+    shim.parent.mkdir()
+    shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m trainpod "$@"\n')
+    shim.chmod(0o755)
+    runner = {k: v for k, v in os.environ.items() if not k.startswith(("TRAINPOD_", "RUNPOD_"))}
+    runner |= {"PATH": f"{shim.parent}:{runner['PATH']}", "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    runner |= {"TRAINPOD_RUNPOD_API_URL": fake_runpod.url}  # the one difference from GitHub's runner
+    result = subprocess.run(
+        ["bash", "--noprofile", "--norc", "-eo", "pipefail", "-c", step["run"]],
+        cwd=REPO, env=runner | env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, f"the scheduled supervisor failed:\n{result.stdout}{result.stderr}"
+    assert fake_runpod.pods[deployed.pod.id]["desiredStatus"] == "RUNNING", result.stdout
+    assert "restart 1/50" in result.stdout

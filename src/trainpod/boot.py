@@ -5,7 +5,7 @@
 1. read the env contract (README, "The pod's environment");
 2. sync TRAINPOD_GIT_REPO at TRAINPOD_GIT_REF under repos/ (exit 75 when it keeps failing);
 3. preflight, each failure one line and exit 2 with nothing written: volume writable, config
-   valid, a GPU when the pod has one or the config needs one, free space for the checkpoints;
+   valid, a GPU when the pod has one or the config needs one; free space for the checkpoints (exit 5);
 4. create the volume's folders (datasets, tokenizers, runs, repos, cache) and point caches there;
 5. launch: one process, one per GPU (RUNPOD_GPU_COUNT or what torch sees), or torchrun across the
    nodes of a RunPod Instant Cluster (NUM_NODES, NODE_RANK, NUM_TRAINERS, PRIMARY_ADDR/PORT);
@@ -23,8 +23,8 @@ import shutil
 import sys
 
 from trainpod import cost, workloads
-from trainpod.errors import ConfigError, InputError, TrainpodError
-from trainpod.log import setup_logging
+from trainpod.errors import ConfigError, InputError, TrainpodError, VolumeFull
+from trainpod.log import attach_log_file, setup_logging
 from trainpod.runpod.finish import after_workload
 from trainpod.runpod.finish import check_environment as check_finish_environment
 from trainpod.volume import RunDir, Volume
@@ -58,9 +58,16 @@ def boot(environ: dict[str, str] | None = None) -> int:
         log.error("%s", exc)
         code = int(exc.exit_code)
     except Exception:  # a crash still counts as a failed start, or a crash loop would never end
+        _log_to_run(_run_dir(volume, config, environ))
         log.exception("the %s workload crashed", workload_name or "?")
         code = 1
     return after_workload(code, _run_dir(volume, config, environ), environ, workload_name)
+
+
+def _log_to_run(run: RunDir | None) -> None:
+    """Boot's log lines (a crash's traceback) go to runs/<run>/logs/boot.log too, when the run folder exists."""
+    if run is not None and run.root.is_dir():
+        attach_log_file(run.logs / "boot.log")
 
 
 def _run_dir(volume: Volume, config, environ: dict[str, str]) -> RunDir | None:
@@ -126,7 +133,7 @@ def _check_free_space(needed: int | None, volume: Volume) -> None:
     """The workload's own estimate (workloads/<name>.py disk_estimate) against the volume's free bytes."""
     free = shutil.disk_usage(volume.root).free
     if needed is not None and free < needed:
-        raise InputError(
+        raise VolumeFull(
             f"the volume at {volume.root} has {free / 2**30:.1f} GiB free; this run needs about "
             f"{needed / 2**30:.1f} GiB (its checkpoints and export); grow the network volume or lower "
             "checkpoint.keep_last/keep_best"

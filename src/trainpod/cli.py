@@ -6,6 +6,9 @@ trainpod status RUN
 trainpod deploy configs/deploy/pretrain-spot.yaml [--dry-run]   (RunPod: template, volume, pod)
 trainpod supervise RUN --config configs/deploy/pretrain-spot.yaml [--once]
 trainpod stop RUN [--terminate]
+trainpod estimate configs/deploy/pretrain-spot.yaml [--gpu TYPE] [--spot]   (tokens, hours, memory, dollars)
+trainpod generate RUN --prompt "..."  |  trainpod chat RUN                  (the run's export, streamed)
+trainpod config fields finetune  |  trainpod --version
 trainpod logs RUN [-f] [--tail N]                 (the pod's logs through RunPod's API, from a laptop)
 trainpod push LOCAL_PATH datasets/NAME --s3-volume VOL --datacenter DC   (the volume through its S3 API)
 trainpod pull RUN [export|checkpoint|all] [DEST] --s3-volume VOL --datacenter DC
@@ -18,6 +21,7 @@ import argparse
 import contextlib
 import inspect
 import json
+import logging
 import os
 import sys
 import time
@@ -78,6 +82,11 @@ def status(
         return ExitCode.DONE
     for name in names:
         print(_status_line(vol, name))
+        run = vol.run(name)
+        if run.loss_plot.exists():
+            print(f"  loss curve  {run.loss_plot}")
+        if run.tensorboard.is_dir():
+            print(f"  tensorboard --logdir {run.tensorboard}")
     _print_pods(run_name, names)
     return ExitCode.DONE
 
@@ -248,12 +257,18 @@ def _status_line(vol: Volume, name: str) -> str:
     s = json.loads(run.status.read_text())
     state = "done" if run.done.exists() else s.get("state", "?")
     parts = [f"{name}: {state}", f"step {s.get('step')}/{s.get('max_steps')}"]
+    if s.get("step") is not None and s.get("max_steps"):
+        parts[-1] += f" ({s['step'] / s['max_steps']:.0%})"
     if s.get("loss") is not None:
         parts.append(f"loss {s['loss']:.4f}")
     if s.get("tokens_per_s"):
         parts.append(f"{s['tokens_per_s']:,.0f} tok/s")
+    if s.get("eval_loss") is not None:
+        parts.append(f"eval {s['eval_loss']:.4f}")
     if s.get("eta_s") is not None and state == "running":
-        parts.append(f"ETA {s['eta_s'] / 60:.1f} min")
+        from trainpod.train.reporting import hours_minutes
+
+        parts.append(f"ETA {hours_minutes(s['eta_s'])}")
     if s.get("cost_usd") is not None:
         parts.append(f"cost ${s['cost_usd']:.2f}")
     evals = dict(s.get("eval_metrics") or {})
@@ -271,18 +286,29 @@ def _status_line(vol: Volume, name: str) -> str:
             f"checkpoint step-{checkpoint['step']} ({time.time() - checkpoint['committed_unix']:.0f} s ago)"
         )
     parts.append(f"updated {time.time() - s.get('updated_unix', time.time()):.0f} s ago")
+    if s.get("reason") and state not in ("running", "done"):
+        parts.append(f"reason: {s['reason']}")
     return " | ".join(parts)
 
 
 def deploy(
-    config: str, dry_run: bool = False, spot: bool | None = None, secrets_from_env: bool = False
+    config: str,
+    dry_run: bool = False,
+    spot: bool | None = None,
+    secrets_from_env: bool = False,
+    force: bool = False,
+    then_supervise: bool = False,
 ) -> int:
     """Create or reuse the run's RunPod template, network volume and pod `<run>-<workload>`.
 
     Idempotent: deploying again updates the template only when it changed, reuses the volume and
-    a running pod, and starts an exited one again. --dry-run prints the requests and sends nothing.
+    a running pod, and starts an exited one again. First it checks the workload config, the image
+    and the secrets, prints the cost estimate (refused over TRAINPOD_BUDGET_USD or budget.budget_usd
+    unless --force) and the GPUs' live stock. --dry-run prints what it would create and sends nothing.
     Secrets go to the pod as {{ RUNPOD_SECRET_<name> }} references unless --secrets-from-env.
+    --supervise then brings the pod back after interruptions until the run is DONE.
     """
+    from trainpod import deploy_checks as checks
     from trainpod import workloads
     from trainpod.config import load_config
     from trainpod.config.deploy import DeployConfig
@@ -296,36 +322,53 @@ def deploy(
         if spot is not None:
             cfg.pod.spot = spot
         secrets = deploying.secrets_from_shell(cfg, dict(os.environ)) if secrets_from_env else None
-        if dry_run:
+        deploying.pod_env(cfg, secrets)  # a config RunPod would refuse sends nothing, not even a read
+        if dry_run:  # sends nothing, reads nothing: prices from TRAINPOD_GPU_HOURLY_USD / budget.hourly_usd
+            checks.run_checks(cfg, config, secrets_from_env, [], force)
             shown = sorted(secrets.values(), key=len, reverse=True) if secrets else []
-            deploying.deploy(DryRunClient(echo=lambda text: print(redact(text, shown))), cfg, secrets)
+            deploy_log = logging.getLogger("trainpod.deploy")
+            level = deploy_log.level
+            deploy_log.setLevel(logging.WARNING)  # its "created" lines would mislead in a dry run
+            try:
+                deploying.deploy(DryRunClient(echo=lambda text: print(redact(text, shown))), cfg, secrets)
+            finally:
+                deploy_log.setLevel(level)
             return ExitCode.DONE
-        done = deploying.deploy(RunPodClient.from_env(), cfg, secrets)
+        client = RunPodClient.from_env()
+        cuda = deploying.allowed_cuda_versions(cfg)
+        catalog = _catalog(cfg, cuda_versions=cuda) if cfg.image.flavour == "cuda" else []
+        checks.run_checks(cfg, config, secrets_from_env, catalog, force)
+        lines, free = checks.stock_lines(cfg, catalog, cuda)
+        for line in lines:
+            print(line)
+        if catalog and not free:
+            logging.getLogger("trainpod.deploy").warning("%s", checks.no_stock_warning(cfg, cuda))
+        done = deploying.deploy(client, cfg, secrets)
         print(f"pod {done.pod.name} ({done.pod.id}) {done.action}; supervise it with: "
               f"trainpod supervise {cfg.run} --config {config}")  # fmt: skip
         return ExitCode.DONE
 
-    return _reported(act)
+    code = _reported(act)
+    if code == ExitCode.DONE and then_supervise and not dry_run:
+        return supervise(load_config(DeployConfig, config).run, config)
+    return code
 
 
 def supervise(run_name: str, config: str | None = None, once: bool = False, volume: str | None = None) -> int:
     """Bring the run's interrupted spot pod back until it is DONE, FAILED or over budget.
 
-    Needs the run's deploy config (--config, else $TRAINPOD_CONFIG). Reads DONE, FAILED and
+    Needs the run's deploy config (--config, else $TRAINPOD_CONFIG, else the one YAML under
+    configs/deploy/ whose `run:` is RUN). Reads DONE, FAILED and
     status.json from the volume when it is mounted here (--volume, else $TRAINPOD_VOLUME), else
     works from the API alone. --once: one look and one decision (for cron or a CI schedule).
     """
     from trainpod.config import load_config
     from trainpod.config.deploy import DeployConfig
-    from trainpod.errors import ConfigError
+    from trainpod.runpod.supervise import find_deploy_config
     from trainpod.runpod.supervise import supervise as supervise_run
 
     def act() -> int:
-        path = config or os.environ.get("TRAINPOD_CONFIG")
-        if not path:
-            raise ConfigError(
-                ["supervise needs the run's deploy config: pass --config configs/deploy/X.yaml"]
-            )
+        path = config or os.environ.get("TRAINPOD_CONFIG") or find_deploy_config(run_name)
         cfg = load_config(DeployConfig, path)
         cfg.run = run_name
         return supervise_run(cfg, Volume(Path(volume)) if volume else Volume.from_env(), once=once)
@@ -389,6 +432,146 @@ def _reported(act) -> int:
         return int(exc.exit_code)
 
 
+def estimate(
+    config: str,
+    gpu: str | None = None,
+    spot: bool | None = None,
+    mfu: float | None = None,
+    set: list[str] | None = None,
+    volume: str | None = None,
+) -> int:
+    """Estimate a training run before paying for it: tokens, FLOPs, hours, GPU memory, checkpoint, dollars.
+
+    CONFIG is a pretrain or finetune config, or a deploy config (its workload config is read from
+    the repo). Prices come from RunPod's catalog when RUNPOD_API_KEY is set, else from
+    TRAINPOD_GPU_HOURLY_USD. The MFU is the one the run last measured (--volume), else an assumption.
+    """
+    from trainpod import estimate as estimating
+
+    def act() -> int:
+        workload_config, deploy_config = estimating.load_target(config, list(set or []))
+        vol = Volume(Path(volume)) if volume else None
+        est = estimating.estimate(
+            workload_config, deploy_config, gpu, spot, mfu, _catalog(deploy_config), vol
+        )
+        print("\n".join(estimating.report(est)))
+        return ExitCode.DONE
+
+    return _reported(act)
+
+
+def _catalog(deploy_config, cuda_versions: list[str] | None = None) -> list:
+    """RunPod's GPU catalog (prices, stock) when a key is at hand; [] without one or when unreachable."""
+    from trainpod.runpod.client import RunPodAuthError, RunPodClient, RunPodError, api_key
+
+    try:
+        api_key()
+    except RunPodAuthError:
+        return []
+    count = deploy_config.pod.gpu_count if deploy_config else 1
+    cloud = deploy_config.pod.cloud if deploy_config else "SECURE"
+    try:
+        return RunPodClient.from_env(max_attempts=2).catalog_gpus(count, cloud, cuda_versions)
+    except RunPodError as exc:
+        print(f"RunPod's catalog not read ({exc}); prices from TRAINPOD_GPU_HOURLY_USD")
+        return []
+
+
+def generate(
+    run_name: str,
+    prompt: str,
+    volume: str | None = None,
+    export: str = "auto",
+    system: str | None = None,
+    max_new_tokens: int = 200,
+    temperature: float = 0.7,
+    seed: int = 0,
+) -> int:
+    """Answer one prompt with the run's export, streaming tokens (the chat template it trained with).
+
+    Loads export/merged, export/hf or base + export/adapter (--export picks one) from the volume
+    (--volume, else $TRAINPOD_VOLUME). --temperature 0 is greedy.
+    """
+    from trainpod import chat as chatting
+
+    def act() -> int:
+        vol = Volume(Path(volume)) if volume else Volume.from_env()
+        found = chatting.find_export(vol, run_name, export)
+        print(f"[{chatting.describe(found)}]", file=sys.stderr)
+        model, tokenizer = chatting.load(found)
+        conversation = chatting.Conversation(tokenizer, found.template, system)
+        chatting.stream_reply(
+            model, tokenizer, conversation, prompt, _write, max_new_tokens, temperature, seed
+        )
+        print()
+        return ExitCode.DONE
+
+    return _reported(act)
+
+
+def chat(
+    run_name: str,
+    volume: str | None = None,
+    export: str = "auto",
+    system: str | None = None,
+    max_new_tokens: int = 200,
+    temperature: float = 0.7,
+    seed: int = 0,
+) -> int:
+    """Chat with the run's export on stdin: one reply per line, streamed; an empty line or EOF ends.
+
+    The conversation so far is sent each turn, rendered with the template the run trained with.
+    """
+    from trainpod import chat as chatting
+
+    def act() -> int:
+        vol = Volume(Path(volume)) if volume else Volume.from_env()
+        found = chatting.find_export(vol, run_name, export)
+        print(f"[{chatting.describe(found)}; an empty line ends]", file=sys.stderr)
+        model, tokenizer = chatting.load(found)
+        conversation = chatting.Conversation(tokenizer, found.template, system)
+        generation = {"max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed}
+        chatting.chat_loop(model, tokenizer, conversation, sys.stdin, _write, **generation)
+        return ExitCode.DONE
+
+    return _reported(act)
+
+
+def _write(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def config_fields(what: str, workload: str) -> int:
+    """`config fields WORKLOAD`: every field of its config, with dotted path, type, default and description."""
+    from trainpod.config.fields import field_rows, format_rows
+
+    types = _config_types()
+    if workload not in types:
+        print(f"no config type {workload!r}; use one of: {', '.join(sorted(types))}", file=sys.stderr)
+        return ExitCode.BAD_INPUT
+    print(format_rows(field_rows(types[workload])))
+    return ExitCode.DONE
+
+
+def _config_types() -> dict[str, type]:
+    """Config types by name, from the workload registry: datagen's kinds as datagen-<kind>, and deploy's."""
+    from trainpod import workloads
+    from trainpod.config.deploy import DeployConfig
+    from trainpod.workloads import datagen
+
+    types: dict[str, type] = {}
+    for name, workload in workloads.REGISTRY.items():
+        if name == "datagen":
+            types |= {
+                "datagen" if kind == "tokens" else f"datagen-{kind}": cls
+                for kind, cls in datagen.KINDS.items()
+            }
+        else:
+            types[name] = workload.module().config_type({})
+    return types | {"deploy": DeployConfig}
+
+
 def boot() -> int:
     """Run the workload the pod's environment names (TRAINPOD_WORKLOAD, TRAINPOD_CONFIG, ...)."""
     from trainpod.boot import boot as boot_from_env
@@ -435,11 +618,48 @@ def _deploy_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spot", dest="spot", action="store_true", default=None, help="an interruptible pod")
     p.add_argument("--on-demand", dest="spot", action="store_false", help="an on-demand pod")
     p.add_argument("--secrets-from-env", action="store_true", help="send this shell's secret values")
+    p.add_argument("--force", action="store_true", help="deploy even when the estimate exceeds the budget")
+    p.add_argument(
+        "--supervise", dest="then_supervise", action="store_true", help="then supervise the run until DONE"
+    )
+
+
+def _estimate_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", metavar="CONFIG", help="pretrain, finetune or deploy YAML")
+    p.add_argument("--gpu", help="RunPod GPU type id (default: the deploy config's first, else an H100)")
+    p.add_argument("--spot", dest="spot", action="store_true", default=None, help="price a spot pod")
+    p.add_argument("--on-demand", dest="spot", action="store_false", help="price an on-demand pod")
+    p.add_argument("--mfu", type=float, help="model FLOPs utilisation to assume, e.g. 0.4")
+    p.add_argument("--set", action="append", metavar="KEY.PATH=VALUE", help="workload config override")
+    p.add_argument("--volume", help="a volume holding runs/<run>/status.json (measured MFU) and datasets")
+
+
+def _chat_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_name", metavar="RUN")
+    p.add_argument("--volume", help="volume root (default: $TRAINPOD_VOLUME, else /workspace)")
+    p.add_argument("--export", default="auto", choices=["auto", "merged", "hf", "adapter"])
+    p.add_argument("--system", help="a system message, for templates that have one")
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.7, help="0: greedy")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (the same seed, the same answer)")
+
+
+def _generate_arguments(p: argparse.ArgumentParser) -> None:
+    _chat_arguments(p)
+    p.add_argument("--prompt", required=True, help="the user message (or text to continue)")
+
+
+def _config_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("what", choices=["fields"], help="fields: every field of WORKLOAD's config")
+    p.add_argument("workload", metavar="WORKLOAD", help="pretrain, finetune, datagen-sft, deploy, ...")
 
 
 def _supervise_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_name", metavar="RUN")
-    p.add_argument("--config", help="the run's deploy YAML (default: $TRAINPOD_CONFIG)")
+    p.add_argument(
+        "--config",
+        help="the run's deploy YAML (default: $TRAINPOD_CONFIG, else found by RUN in configs/deploy/)",
+    )
     p.add_argument("--once", action="store_true", help="one look and one decision, then exit")
     p.add_argument("--volume", help="the volume when mounted here (default: $TRAINPOD_VOLUME)")
 
@@ -482,6 +702,10 @@ VERBS: dict[str, tuple[Callable[..., int], Callable[[argparse.ArgumentParser], N
     "deploy": (deploy, _deploy_arguments),
     "supervise": (supervise, _supervise_arguments),
     "stop": (stop, _stop_arguments),
+    "estimate": (estimate, _estimate_arguments),
+    "generate": (generate, _generate_arguments),
+    "chat": (chat, _chat_arguments),
+    "config": (config_fields, _config_arguments),
     "logs": (logs, _logs_arguments),
     "push": (push, _push_arguments),
     "pull": (pull, _pull_arguments),
@@ -491,12 +715,19 @@ VERBS: dict[str, tuple[Callable[..., int], Callable[[argparse.ArgumentParser], N
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trainpod", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=f"trainpod {_version()}")
     verbs = parser.add_subparsers(dest="verb", required=True)
     for name, (function, arguments) in VERBS.items():
         p = verbs.add_parser(name, help=_summary(function), description=inspect.getdoc(function))
         if arguments is not None:
             arguments(p)
     return parser
+
+
+def _version() -> str:
+    import trainpod
+
+    return trainpod.__version__
 
 
 def _summary(fn: object) -> str:

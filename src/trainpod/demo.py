@@ -9,7 +9,9 @@
 5. finetune: QLoRA (bitsandbytes NF4 on CPU) of that model on embedded instructions, interrupted
    by SIGTERM after a checkpoint and resumed;
 6. convert: the adapter to mlx-lm's format and merged into the base as a plain HF model;
-7. peft loads the adapter, transformers the merged model; a summary is printed.
+7. `trainpod generate` answers with base + adapter in the template it trained with, transformers
+   loads the merged model; a summary is printed.
+Before pretraining, `trainpod estimate` says what the run will take.
 """
 
 from __future__ import annotations
@@ -104,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     pretrain = ["run", "pretrain", "--config", str(CONFIGS / "pretrain/tiny.yaml")]
     run_dir = volume / "runs" / "tiny-pretrain"
+    banner("trainpod estimate: what the pretrain run will take (here on an H100; the demo runs on CPU)")
+    run_to_end(["estimate", str(CONFIGS / "pretrain/tiny.yaml")], volume)
 
     banner(
         f"2/7 pretrain, interrupted by SIGTERM after the step-{INTERRUPT_AFTER_STEP} checkpoint (a spot warning)"
@@ -140,14 +144,26 @@ def main(argv: list[str] | None = None) -> int:
     if run_to_end(["run", "convert", "--config", str(CONFIGS / "convert/tiny.yaml")], volume) != 0:
         return 1
 
-    banner("7/7 peft loads the adapter, transformers the merged model")
+    banner("7/7 trainpod generate (base + adapter, the alpaca template it trained with); the merged model")
+    question = "Add the two numbers.\n12 + 30"
+    print(f"$ trainpod generate tiny-finetune --export adapter --prompt {question!r}", flush=True)
+    generate = [
+        "generate",
+        "tiny-finetune",
+        "--export",
+        "adapter",
+        "--prompt",
+        question,
+        "--max-new-tokens",
+        "8",
+    ]
+    if run_to_end(generate, volume) != 0:
+        return 1
     # The alpaca template the tiny SFT data was tokenized with (sft/templates.py), instruction + input.
     prompt = (
         "Below is an instruction that describes a task. Write a response that appropriately completes the "
-        "request.\n\n### Instruction:\nAdd the two numbers.\n12 + 30\n\n### Response:\n"
+        f"request.\n\n### Instruction:\n{question}\n\n### Response:\n"
     )
-    adapter_dir = finetune_dir / "export" / "adapter"
-    print(f"--> base + adapter: {generate_sample(export_dir, prompt, adapter_dir, 8)[len(prompt) :]!r}")
     merged_dir = finetune_dir / "export" / "merged"
     print(f"--> merged model:   {generate_sample(merged_dir, prompt, max_new_tokens=8)[len(prompt) :]!r}")
     print_summary(run_dir, export_dir, finetune_dir, time.monotonic() - started)
@@ -176,6 +192,7 @@ def print_summary(run_dir: Path, export_dir: Path, finetune_dir: Path, seconds: 
     outputs = ", ".join(sorted(p.name for p in (finetune_dir / "export").iterdir()))
     print(f"finetune outputs {finetune_dir / 'export'} ({outputs})")
     print(f"status           trainpod status --volume {run_dir.parents[1]}")
+    print(f"chat             trainpod chat tiny-finetune --volume {run_dir.parents[1]}")
     print(f"demo took        {seconds:.0f} s")
 
 

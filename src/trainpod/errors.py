@@ -78,3 +78,26 @@ class Preempted(TrainpodError):
     """SIGTERM or SIGINT arrived; whatever could be committed in the warning window was committed."""
 
     exit_code = ExitCode.PREEMPTED
+
+
+# What `trainpod status` says stopped a run, by exit code (a crash has none of these codes).
+STOP_REASONS = {
+    ExitCode.PREEMPTED: "preempted",
+    ExitCode.BUDGET_EXHAUSTED: "budget spent",
+    ExitCode.VOLUME_FULL: "disk full",
+    ExitCode.BAD_INPUT: "bad config or input",
+    ExitCode.MACHINE_UNFIT: "machine unfit",
+    ExitCode.TEMPORARY: "temporary failure",
+}
+_REASON_CHARS = 400  # status.json keeps a summary; the whole message and traceback are in the run's log
+
+
+def stop_reason(exc: BaseException) -> str:
+    """One line for status.json: what kind of stop, its exit code, and the first line of the message."""
+    first_line = (str(exc).strip().splitlines() or [""])[0]
+    if isinstance(exc, TrainpodError):
+        label = STOP_REASONS.get(exc.exit_code, "stopped")
+        reason = f"{label} (exit {int(exc.exit_code)}): {first_line}"
+    else:
+        reason = f"crash: {type(exc).__name__}: {first_line}".rstrip(": ")
+    return reason[:_REASON_CHARS]

@@ -78,3 +78,16 @@ def setup_logging(log_file: Path | None = None, rank: int = 0) -> None:
         root.addHandler(file_handler)
     for noisy in ("urllib3", "filelock", "matplotlib", "PIL", "httpx"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def attach_log_file(log_file: Path) -> None:
+    """Also write every record to `log_file` (secrets masked), unless a handler writes there already:
+    a crash before the run's log was set up still leaves its traceback on the volume."""
+    root = logging.getLogger()
+    target = str(log_file.resolve())
+    if any(getattr(handler, "baseFilename", None) == target for handler in root.handlers):
+        return
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(log_file, encoding="utf-8")
+    handler.setFormatter(RedactingFormatter(_FORMAT, datefmt="%Y-%m-%d %H:%M:%S"))
+    root.addHandler(handler)

@@ -14,6 +14,7 @@ mismatch the next older valid checkpoint is used. Steps are ordered by number, n
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -21,6 +22,7 @@ import re
 import shutil
 import time
 import uuid
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -271,6 +273,17 @@ class CheckpointStore:
         tmp = self.root / f"{step_dir_name(step)}.tmp-{uuid.uuid4().hex[:12]}"
         tmp.mkdir()
         return PendingCheckpoint(tmp, self._hashers)
+
+    @contextlib.contextmanager
+    def writing(self, step: int) -> Iterator[PendingCheckpoint]:
+        """`begin(step)`; when writing or committing fails, the temp folder goes at once (a full volume
+        gets its space back; a kill instead leaves it for the next start's `remove_leftovers`)."""
+        pending = self.begin(step)
+        try:
+            yield pending
+        except BaseException:
+            shutil.rmtree(pending.dir, ignore_errors=True)
+            raise
 
     def commit(
         self,

@@ -154,13 +154,24 @@ def _hf_documents(source: SourceConfig) -> Iterator[str]:
 
 
 def iter_source(source: SourceConfig, volume_root: Path) -> Iterator[str]:
-    """Every non-empty document of one source, stripped of surrounding whitespace."""
+    """Every non-empty document of one source.
+
+    A record of a structured source (JSONL, parquet, a hub dataset) is kept verbatim: a trailing
+    newline or indentation is part of the text (it matters for code). Only plain text split on blank
+    lines or lines is stripped, since there the whitespace around a piece is the separator's.
+    """
     if source.hf is not None:
         raw: Iterator[str] = _hf_documents(source)
     else:
         raw = _iter_files(source, resolve_files(source, volume_root))
     for document in raw:
-        if document and (document := document.strip()):
+        if document:
+            yield document
+
+
+def _stripped(documents: Iterator[str]) -> Iterator[str]:
+    for document in documents:
+        if document := document.strip():
             yield document
 
 
@@ -168,7 +179,7 @@ def _iter_files(source: SourceConfig, files: list[Path]) -> Iterator[str]:
     for path in files:
         fmt = _format_of(path, "text" if source.path == BUILTIN_TINY_STORIES else source.format)
         if fmt == "text":
-            yield from _text_documents(path, source.separator)
+            yield from _stripped(_text_documents(path, source.separator))
         elif fmt == "jsonl":
             yield from _jsonl_documents(path, source.text_field)
         else:

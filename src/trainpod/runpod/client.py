@@ -133,6 +133,37 @@ class NetworkVolume:
         )
 
 
+@dataclass(frozen=True)
+class GpuOffer:
+    """One GPU type in RunPod's v2 catalog: list prices per GPU-hour and, when asked, current stock."""
+
+    id: str
+    name: str
+    memory_gb: int
+    price_secure: float | None
+    price_community: float | None
+    availability: str | None = None  # NONE, LOW, MEDIUM, HIGH
+    cuda_versions: dict[str, bool] = field(default_factory=dict)  # version -> a machine on it is free now
+    data_centers: dict[str, str] = field(default_factory=dict)  # data center id -> availability
+
+    @classmethod
+    def from_api(cls, data: dict[str, Any]) -> GpuOffer:
+        price = data.get("price") or {}
+        return cls(
+            id=data["id"],
+            name=data.get("name") or data["id"],
+            memory_gb=int(data.get("memory") or 0),
+            price_secure=price.get("secure"),
+            price_community=price.get("community"),
+            availability=data.get("availability"),
+            cuda_versions={c["version"]: bool(c["available"]) for c in data.get("cudaVersions") or []},
+            data_centers={d["id"]: d.get("availability") or "" for d in data.get("dataCenters") or []},
+        )
+
+    def price(self, cloud: str) -> float | None:
+        return self.price_secure if cloud == "SECURE" else self.price_community
+
+
 def _key_from_cli_config(home: Path | None = None) -> str | None:
     for raw in CLI_CONFIG_FILES:
         path = Path(raw.replace("~", str(home), 1)) if home else Path(raw).expanduser()
@@ -326,6 +357,21 @@ class RunPodClient:
             timeout_s=read_timeout_s,
         )
 
+    # ---------------------------------------------------------------- catalog (REST v2)
+    def catalog_gpus(
+        self, gpu_count: int = 1, cloud: str = "SECURE", cuda_versions: list[str] | None = None
+    ) -> list[GpuOffer]:
+        """Every GPU type with list prices, stock for pods of `gpu_count` GPUs and the CUDA versions offered."""
+        query = {
+            "include": "AVAILABILITY",
+            "product": "POD",
+            "count": gpu_count,
+            "cloud": cloud,
+            "cudaVersions": ",".join(cuda_versions) if cuda_versions else None,
+        }
+        answer = self.request("GET", "/catalog/gpus", query=query, api="v2") or {}
+        return [GpuOffer.from_api(gpu) for gpu in answer.get("gpus") or []]
+
     # ---------------------------------------------------------------- templates
     def list_templates(self) -> list[Template]:
         return [Template.from_api(t) for t in self.request("GET", "/templates") or []]
@@ -351,6 +397,9 @@ class RunPodClient:
         return NetworkVolume.from_api(self.request("POST", "/networkvolumes", body))
 
 
+DRY_RUN_VERBS = {"POST": "create", "PATCH": "update", "DELETE": "terminate"}
+
+
 class DryRunClient(RunPodClient):
     """Prints each request (method, path, JSON body) and sends nothing, as if the account were empty."""
 
@@ -366,8 +415,9 @@ class DryRunClient(RunPodClient):
             return [] if path.count("/") == 1 else None  # lists are empty, nothing exists yet
         self.sent.append((method, path, body))
         shown = "" if body is None else "\n" + json.dumps(body, indent=2)
-        self.echo(f"{method} {path}{shown}")
         kind = path.strip("/").split("/")[0].rstrip("s")
+        what = (body or {}).get("name", "")
+        self.echo(f"would {DRY_RUN_VERBS.get(method, method)} {kind} {what}: {method} {path}{shown}")
         return {**(body or {}), "id": f"<new {kind} id>", "desiredStatus": "RUNNING"}
 
 

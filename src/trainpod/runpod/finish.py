@@ -6,7 +6,7 @@ RunPod starts a pod's container again whenever it exits, so the exit code alone 
 | --- | --- | --- |
 | 0 | DONE | failed-start count reset; TRAINPOD_ON_FINISH: stop (default), terminate or idle |
 | 143 | SIGTERM (spot interruption) | count reset: the start itself worked; RunPod stops the pod |
-| 2, 3 | bad input, budget spent | FAILED marker (when the run folder exists) and the pod stopped at once |
+| 2, 3, 5 | bad input, budget spent, volume full | FAILED marker (when the run folder exists) and the pod stopped at once |
 | other (75, 1, ...) | temporary failure or crash | counted in runs/<run>/starts.json; at TRAINPOD_MAX_FAILED_STARTS in a row (default 3): FAILED marker, pod stopped |
 
 Exit 2 writes no marker into a run folder that does not exist yet: bad input leaves the volume
@@ -31,7 +31,11 @@ FAILED_MARKER = "FAILED"
 STARTS_FILE = "starts.json"
 ON_FINISH = ("stop", "terminate", "idle")
 DEFAULT_MAX_FAILED_STARTS = 3
-STOP_AT_ONCE = {ExitCode.BAD_INPUT: "bad config or input", ExitCode.BUDGET_EXHAUSTED: "budget exhausted"}
+STOP_AT_ONCE = {
+    ExitCode.BAD_INPUT: "bad config or input",
+    ExitCode.BUDGET_EXHAUSTED: "budget exhausted",
+    ExitCode.VOLUME_FULL: "volume full",  # a restart fills the same volume again: free space first
+}
 START_WORKED = (ExitCode.DONE, ExitCode.PREEMPTED)
 
 

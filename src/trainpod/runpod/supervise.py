@@ -2,11 +2,13 @@
 
     trainpod supervise tiny --config configs/deploy/pretrain-spot.yaml            # a loop
     trainpod supervise tiny --config configs/deploy/pretrain-spot.yaml --once     # one look (cron, CI)
+    trainpod supervise pretrain-125m --once   # the config: the one under configs/deploy/ with that run
 
 RunPod stops an interrupted spot pod and never starts it again. Each look: read the run's state on
 the volume when it is mounted here (DONE, FAILED, status.json), list the pods `<run>-<workload>`,
 then exactly one decision, logged in one line with its reason:
-  DONE -> stop a pod still running, exit 0;  FAILED marker -> exit 2;  budget spent -> stop, exit 3;
+  DONE -> stop a pod still running, exit 0;  FAILED marker (the pod's exit 2, 3 or 5, or a crash
+  loop; runpod/finish.py) -> exit 2, never a restart;  budget spent -> stop, exit 3;
   a pod RUNNING -> wait;  EXITED or gone -> start it again, or create a new pod on the same volume
   with the same env (GPU types in order); failed attempts back off exponentially and are bounded.
 Without the volume (a laptop) DONE is invisible: the pod stops itself after DONE and a restarted
@@ -25,7 +27,7 @@ from pathlib import Path
 
 from trainpod import atomic
 from trainpod.config.deploy import DeployConfig
-from trainpod.errors import ExitCode
+from trainpod.errors import ConfigError, ExitCode
 from trainpod.runpod.client import Pod, RunPodAuthError, RunPodClient, RunPodError, RunPodUnavailable
 from trainpod.runpod.deploy import bring_back
 from trainpod.runpod.finish import FAILED_MARKER
@@ -203,6 +205,34 @@ class Supervisor:
     def _end(self, code: int, decision: str) -> int:
         self._say(decision)
         return int(code)
+
+
+DEPLOY_CONFIGS = Path("configs/deploy")  # where deploy configs live in a checkout of the repository
+
+
+def find_deploy_config(run: str, folder: Path = DEPLOY_CONFIGS) -> Path:
+    """The one deploy config under `folder` whose `run:` is `run` (a scheduled job has no other way
+    to know it); ConfigError when none or several name the run, so a guess never picks the wrong pod."""
+    import yaml
+
+    matches = []
+    for path in sorted(folder.glob("*.y*ml")):
+        try:
+            tree = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except (OSError, yaml.YAMLError, UnicodeDecodeError):
+            continue  # not a deploy config this search can read; naming it with --config reports why
+        if isinstance(tree, dict) and tree.get("run") == run:
+            matches.append(path)
+    if len(matches) == 1:
+        log.info("supervise %s: using %s, the deploy config whose run is %s", run, matches[0], run)
+        return matches[0]
+    found = f"{len(matches)} YAMLs under {folder}/ have run: {run} ({', '.join(map(str, matches))})"
+    if not matches:
+        found = f"no YAML under {folder.resolve()}/ has run: {run}"
+    raise ConfigError(
+        [f"supervise needs the run's deploy config and {found}; pass --config configs/deploy/X.yaml "
+         "(or set TRAINPOD_CONFIG; in GitHub Actions the repository variable SUPERVISE_CONFIG)"]
+    )  # fmt: skip
 
 
 def supervise(

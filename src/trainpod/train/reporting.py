@@ -1,7 +1,10 @@
 """What a run shows while it trains: log lines, TensorBoard, status.json, metrics.jsonl, loss.png.
 
 `trainpod status RUN` and the supervisor read `status.json`; everything here is written by rank 0
-only, atomically where a reader may look at the same time.
+only, atomically where a reader may look at the same time. A log line reads
+`step 120/5000 (2.4%) | loss 3.2100 | eval 3.3050 | ... | ETA 3h12m`; loss.png is redrawn at every
+eval and when the run ends or stops, with a dashed line at each step a start resumed from
+(logs/resumes.json).
 """
 
 from __future__ import annotations
@@ -11,12 +14,13 @@ import logging
 import math
 import os
 import time
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from trainpod import atomic, cost
 from trainpod.volume import RunDir
+
+if TYPE_CHECKING:  # torch is imported where it is used: `trainpod status` and estimate read this module fast
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +37,7 @@ PEAK_BF16_FLOPS = {
     "L40": 181e12,
     "A6000": 155e12,
     "4090": 165e12,
+    "6000 Ada": 364e12,
     "A40": 150e12,
     "L4": 121e12,
 }
@@ -41,6 +46,8 @@ PEAK_BF16_FLOPS = {
 def peak_flops(device: torch.device) -> float | None:
     if device.type != "cuda":
         return None
+    import torch
+
     return peak_flops_of(torch.cuda.get_device_name(device))
 
 
@@ -59,10 +66,13 @@ class RunReporter:
         self.enabled = enabled
         self.hourly_usd = cost.hourly_usd()
         self.metrics_path = run.logs / "metrics.jsonl"
+        self.resumes_path = run.logs / "resumes.json"
+        self.last_eval_loss: float | None = None
         self._tb = None
         self._eval_metrics: dict[str, Any] = {}
         if enabled:
             self._truncate_metrics(resumed_step)
+            self._record_resume(resumed_step)
             from torch.utils.tensorboard import SummaryWriter
 
             # purge_step hides events a previous attempt logged after the checkpoint we resumed from.
@@ -81,22 +91,28 @@ class RunReporter:
         ]
         atomic.write_text(self.metrics_path, "".join(line + "\n" for line in kept))
 
+    def _record_resume(self, resumed_step: int) -> None:
+        """Steps this run resumed from, for loss.png; later ones were trained again and are dropped."""
+        steps = self.resume_steps()
+        kept = [s for s in steps if s <= resumed_step]
+        if resumed_step and resumed_step not in kept:
+            kept.append(resumed_step)
+        if kept != steps:
+            atomic.write_json(self.resumes_path, kept)
+
+    def resume_steps(self) -> list[int]:
+        try:
+            return [int(step) for step in atomic.read_json(self.resumes_path)]
+        except (FileNotFoundError, ValueError, TypeError):
+            return []
+
     def log_step(self, metrics: dict[str, Any]) -> None:
         if not self.enabled:
             return
         step = metrics["step"]
-        parts = [f"step {step}/{self.max_steps}"]
-        for key, fmt in (
-            ("loss", ".4f"),
-            ("lr", ".2e"),
-            ("grad_norm", ".3f"),
-            ("tokens_per_s", ",.0f"),
-            ("mfu", ".1%"),
-            ("cost_usd", ".2f"),
-        ):
-            if metrics.get(key) is not None:
-                parts.append(f"{key} {metrics[key]:{fmt}}")
-        log.info(" | ".join(parts))
+        if metrics.get("eval_loss") is not None:
+            self.last_eval_loss = metrics["eval_loss"]
+        log.info(self.progress_line(metrics))
         with open(self.metrics_path, "a", encoding="utf-8") as f:
             f.write(json.dumps(metrics) + "\n")
         for key, value in metrics.items():
@@ -112,6 +128,24 @@ class RunReporter:
         if measured:
             self._eval_metrics = {"step": step, **measured}
         return self._eval_metrics
+
+    def progress_line(self, metrics: dict[str, Any]) -> str:
+        """`step 120/5000 (2.4%) | loss 3.2100 | eval 3.3050 | lr ... | ETA 3h12m`: what a person reads."""
+        step = metrics["step"]
+        parts = [f"step {step}/{self.max_steps} ({step / self.max_steps:.1%})"]
+        if metrics.get("loss") is not None:
+            parts.append(f"loss {metrics['loss']:.4f}")
+        if self.last_eval_loss is not None:
+            parts.append(f"eval {self.last_eval_loss:.4f}")
+        for key, fmt in (("lr", ".2e"), ("grad_norm", ".3f"), ("tokens_per_s", ",.0f"), ("mfu", ".1%")):
+            if metrics.get(key) is not None:
+                parts.append(f"{key} {metrics[key]:{fmt}}")
+        if metrics.get("cost_usd") is not None:
+            parts.append(f"${metrics['cost_usd']:.2f}")
+        rate = metrics.get("steps_per_s")
+        if rate:
+            parts.append(f"ETA {hours_minutes((self.max_steps - step) / rate)}")
+        return " | ".join(parts)
 
     def write_status(
         self,
@@ -158,6 +192,7 @@ class RunReporter:
         evals = [(r["step"], r["eval_loss"]) for r in rows if r.get("eval_loss") is not None]
         if not train and not evals:
             return
+        resumes = self.resume_steps()
         import matplotlib
 
         matplotlib.use("Agg")
@@ -168,6 +203,10 @@ class RunReporter:
             ax.plot(*zip(*train, strict=True), label="train loss")
         if evals:
             ax.plot(*zip(*evals, strict=True), "o-", label="eval loss")
+        for number, step in enumerate(resumes):
+            ax.axvline(
+                step, color="gray", linestyle="--", linewidth=1, label="resumed" if number == 0 else None
+            )
         ax.set_xlabel("step")
         ax.set_ylabel("loss")
         ax.set_title(self.run.name)
@@ -188,3 +227,11 @@ class RunReporter:
 def _tensorboard_tag(key: str) -> str:
     """eval_loss -> eval/loss, eval_cer -> eval/cer; everything else under train/."""
     return f"eval/{key.removeprefix('eval_')}" if key.startswith("eval_") else f"train/{key}"
+
+
+def hours_minutes(seconds: float) -> str:
+    """4h05m, 12m, <1m: durations as a person reads them."""
+    minutes = round(seconds / 60)
+    if minutes < 1:
+        return "<1m"
+    return f"{minutes // 60}h{minutes % 60:02d}m" if minutes >= 60 else f"{minutes}m"

@@ -70,10 +70,51 @@ def weights_bytes(model: torch.nn.Module) -> tuple[bytes, list[str]]:
 
 
 def load_weights(model: torch.nn.Module, data: bytes, aliases: list[str]) -> None:
+    """Load safetensors `data` into `model`; ValueError saying what does not fit, before anything is loaded."""
     tensors = safetensors.torch.load(data)
-    missing, unexpected = model.load_state_dict(tensors, strict=False)
-    if set(missing) != set(aliases) or unexpected:
-        raise ValueError(
-            f"checkpoint weights do not fit this model (missing {sorted(set(missing) - set(aliases))}, "
-            f"unexpected {sorted(unexpected)}); the model config changed since the checkpoint was written"
+    problem = weights_misfit(model.state_dict(), tensors, aliases)
+    if problem:
+        raise ValueError(problem)
+    model.load_state_dict(tensors, strict=False)
+
+
+def weights_misfit(
+    expected: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor], aliases: list[str]
+) -> str:
+    """What keeps `tensors` (a checkpoint's) from loading into a model whose state dict is `expected`."""
+    reshaped = [name for name in expected if name in tensors and tensors[name].shape != expected[name].shape]
+    if reshaped:
+        name, more = reshaped[0], f" (and {len(reshaped) - 1} more tensors)" if len(reshaped) > 1 else ""
+        return (
+            f"{name} is {list(tensors[name].shape)} in the checkpoint and {list(expected[name].shape)} "
+            f"in this model{more}"
         )
+    missing = set(expected) - set(tensors)
+    unexpected = sorted(set(tensors) - set(expected))
+    if missing != set(aliases) or unexpected:
+        return f"tensors missing {sorted(missing ^ set(aliases))[:3]}, unexpected {unexpected[:3]}"
+    return ""
+
+
+# AdamW's per-parameter moments; other optimizers (8-bit ones) keep quantized state of other shapes.
+PARAMETER_SHAPED_STATE = ("exp_avg", "exp_avg_sq")
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """Load `state` into `optimizer`; ValueError when it belongs to other parameters.
+
+    torch refuses other group sizes itself but loads moments of another shape silently, and the first
+    step then fails deep inside AdamW: both are checked here, before training.
+    """
+    try:
+        optimizer.load_state_dict(state)
+    except ValueError as exc:
+        raise ValueError(f"the optimizer state does not fit: {exc}") from None
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            for key, value in optimizer.state.get(param, {}).items():
+                if key in PARAMETER_SHAPED_STATE and value.shape != param.shape:
+                    raise ValueError(
+                        f"optimizer state {key} is {list(value.shape)} in the checkpoint and "
+                        f"{list(param.shape)} here"
+                    )

@@ -28,7 +28,8 @@ from trainpod.checkpoint import CheckpointStore, CommittedCheckpoint, PendingChe
 from trainpod.config import config_hash
 from trainpod.config.checkpoint import CheckpointConfig
 from trainpod.context import RunContext
-from trainpod.errors import BudgetExhausted, InputError, Preempted, TemporaryError
+from trainpod.diskspace import check_headroom, is_disk_full, volume_full, volume_full_as_exit_5
+from trainpod.errors import BudgetExhausted, InputError, Preempted, TemporaryError, VolumeFull
 from trainpod.train import distributed as D
 from trainpod.train.reporting import RunReporter, peak_flops
 from trainpod.train.state import capture_rng, restore_rng
@@ -36,6 +37,7 @@ from trainpod.train.state import capture_rng, restore_rng
 log = logging.getLogger(__name__)
 
 ASSUMED_VOLUME_BYTES_PER_S = 200e6  # network volumes write 200-400 MB/s; used before a commit is measured
+PLOT_SECONDS_BEFORE_KILL = 2.5  # matplotlib's import and one draw take ~1 s on a busy CPU; keep a margin
 
 
 @dataclass
@@ -166,20 +168,10 @@ class Trainer:
             log.info("no checkpoint found; starting from step 0")
             return 0
         path = self.store.root / f"step-{step}"
-        state = json.loads((path / "trainer_state.json").read_text())
-        self.load_checkpoint(path, state)
-        rng = torch.load(path / "rng.pt", weights_only=True)
-        if len(rng) != self.dist.world_size:
-            raise InputError(
-                f"checkpoint {path.name} was written by {len(rng)} rank(s), this run has "
-                f"{self.dist.world_size}; resume with the same number of GPUs or start a new run"
-            )
-        restore_rng(rng[self.dist.rank])
-        self.load_data_state(state["data"])
-        self.progress = Progress(**state["progress"])
-        if self.progress.best_score is None and self.ranked_metric == "eval_loss":
-            self.progress.best_score = self.progress.best_eval_loss  # a checkpoint from before scores
-        self.load_extra_state(state)
+        try:
+            state = self._load_committed(path)
+        except (FileNotFoundError, KeyError, TypeError, ValueError) as exc:
+            raise checkpoint_misfit(path, exc) from None
         self.last_committed_step = step
         if state.get("config_hash") != config_hash(self.cfg):
             log.warning("the config changed since %s was written; continuing with the new one", path.name)
@@ -188,18 +180,46 @@ class Trainer:
         )
         return step
 
+    def _load_committed(self, path: Path) -> dict[str, Any]:
+        state = json.loads((path / "trainer_state.json").read_text())
+        self.load_checkpoint(path, state)
+        rng = torch.load(path / "rng.pt", weights_only=True)
+        if len(rng) != self.dist.world_size:
+            raise InputError(
+                f"checkpoint {path} was written by {len(rng)} rank(s), this run has "
+                f"{self.dist.world_size}; resume with the same number of GPUs or start a new run name"
+            )
+        restore_rng(rng[self.dist.rank])
+        self.load_data_state(state["data"])
+        self.progress = Progress(**state["progress"])
+        if self.progress.best_score is None and self.ranked_metric == "eval_loss":
+            self.progress.best_score = self.progress.best_eval_loss  # a checkpoint from before scores
+        self.load_extra_state(state)
+        return state
+
     # ---------------------------------------------------------------------------- training
     def train(self) -> None:
         start_step = self.resume()
+        if self.dist.is_main:  # before any step: not one GPU hour on steps that cannot be committed
+            check_headroom(self.store.root, self._next_checkpoint_bytes(), first=True)
         self.finished_early = self.should_stop_early()
         model = self.wrap_for_training()
         self.reporter = self.make_reporter(start_step)
+        self.reporter.last_eval_loss = self.progress.last_eval_loss  # log lines show it from the first one
         try:
             if not self.finished_early:
                 self._loop(model, start_step)
-            self.reporter.plot_loss()  # not on a stop: the seconds before SIGKILL are not for drawing
+            self.reporter.plot_loss()
+        except (Preempted, BudgetExhausted):
+            self._plot_if_time_left()
+            raise
         finally:
             self.reporter.close()
+
+    def _plot_if_time_left(self) -> None:
+        """Redraw loss.png on a stop only when SIGKILL is far enough off (drawing takes ~1 s on a CPU)."""
+        if self.dist.is_main and self.ctx.watch.seconds_left() > PLOT_SECONDS_BEFORE_KILL:
+            self.reporter.plot_loss()
 
     def make_reporter(self, start_step: int) -> RunReporter:
         return RunReporter(self.ctx.run, self.max_steps, start_step, enabled=self.dist.is_main)
@@ -229,6 +249,8 @@ class Trainer:
                 )
                 self.reporter.log_step(metrics)
                 self._write_status("running", metrics)
+                if "eval_loss" in metrics:
+                    self.reporter.plot_loss()  # every eval: the curve a person looks at stays current
                 window_start, window_tokens, window_steps = time.perf_counter(), 0, 0
                 loss_sum.zero_()
             self._after_step(step)
@@ -353,7 +375,22 @@ class Trainer:
         rng_states = D.gather_to_main(self.dist, capture_rng())
         committed = None
         if self.dist.is_main:
-            pending = self.store.begin(step)
+            try:
+                committed = self._write_and_commit(step, rng_states, started)
+            except Exception as exc:
+                if not is_disk_full(exc):
+                    raise
+                raise self._volume_full(step) from exc
+            log.info("committed checkpoint step-%d in %.2f s", step, self.store.last_commit_seconds)
+            check_headroom(self.store.root, self._next_checkpoint_bytes())
+        self.last_committed_step = step
+        self._last_commit_time = time.monotonic()
+        self._write_status("running", {})
+        D.barrier(self.dist)
+        return committed
+
+    def _write_and_commit(self, step: int, rng_states: list, started: float) -> CommittedCheckpoint:
+        with self.store.writing(step) as pending:
             self.write_checkpoint(pending)
             with pending.open("rng.pt") as f:
                 torch.save(rng_states, f)
@@ -362,15 +399,20 @@ class Trainer:
             p = self.progress
             eval_loss = p.last_eval_loss if p.last_eval_step == step else None
             score = (self.ranked_metric, p.last_score) if p.last_score_step == step else None
-            committed = self.store.commit(
+            return self.store.commit(
                 pending, step, self._manifest_metadata(), eval_loss, started=started, score=score
             )
-            log.info("committed checkpoint step-%d in %.2f s", step, self.store.last_commit_seconds)
-        self.last_committed_step = step
-        self._last_commit_time = time.monotonic()
-        self._write_status("running", {})
-        D.barrier(self.dist)
-        return committed
+
+    def _next_checkpoint_bytes(self) -> int:
+        """The newest committed checkpoint's size (the next one is as large), else the estimate."""
+        for checkpoint in self.store.committed()[:1]:
+            return sum(entry["bytes"] for entry in checkpoint.manifest.get("files", {}).values())
+        return self.checkpoint_bytes_estimate()
+
+    def _volume_full(self, step: int) -> VolumeFull:
+        kept = f"step-{self.last_committed_step}" if self.last_committed_step is not None else "none yet"
+        what = f"checkpoint step-{step} (the newest committed checkpoint, {kept}, is intact)"
+        return volume_full(self.store.root, what, self._next_checkpoint_bytes())
 
     def _trainer_state(self) -> dict[str, Any]:
         return {
@@ -419,6 +461,22 @@ class Trainer:
         }
 
 
+def checkpoint_misfit(path: Path, exc: Exception) -> InputError:
+    """One line for a committed checkpoint this run cannot load (its settings changed since, or it was
+    written by another workload or version): which checkpoint, what does not fit, and the two fixes."""
+    if isinstance(exc, FileNotFoundError):
+        what = f"it has no {Path(exc.filename or '?').name}"
+    elif isinstance(exc, KeyError):
+        what = f"its trainer_state.json has no {exc}"
+    else:
+        what = str(exc)
+    return InputError(
+        f"checkpoint {path} does not fit this run: {what}. The config changed since it was written (or "
+        f"another workload or version wrote it): restore the old settings (the run's config.yaml holds "
+        f"them), or start a new run name (--run NAME or TRAINPOD_RUN) to train from scratch"
+    )
+
+
 def train_and_export(trainer_class: type[Trainer], ctx: RunContext, config: Any) -> dict[str, Any]:
     """A workload's whole run on every rank: train to the end, export, and return the DONE summary."""
     dist = D.init_distributed()
@@ -427,7 +485,8 @@ def train_and_export(trainer_class: type[Trainer], ctx: RunContext, config: Any)
             torch.set_num_threads(config.train.cpu_threads)
         trainer = trainer_class(ctx, config, dist)
         trainer.train()
-        exported = trainer.export()
+        with volume_full_as_exit_5(ctx.run.root, "the export"):
+            exported = trainer.export()
         D.barrier(dist)
         return trainer.summary() | {
             "export": str(exported) if exported else None,

@@ -38,6 +38,7 @@ from trainpod.train.model import autocast_dtype, resolve_attention
 from trainpod.train.optim import build_optimizer
 from trainpod.train.reporting import RunReporter
 from trainpod.train.schedule import cosine_with_warmup
+from trainpod.train.state import load_optimizer_state
 from trainpod.train.tracking import WandbTracker, wandb_wanted
 from trainpod.train.trainer import StepResult, Trainer, train_and_export
 
@@ -284,7 +285,7 @@ class Finetuner(Trainer):
             for name, param in self.trainable.items():
                 param.copy_(tensors[name])
         optimizer_state = torch.load(path / "optimizer.pt", map_location=self.dist.device, weights_only=True)
-        self.optimizer.load_state_dict(optimizer_state)
+        load_optimizer_state(self.optimizer, optimizer_state)
 
     def data_state(self) -> dict[str, Any]:
         return self.batches.state_dict()

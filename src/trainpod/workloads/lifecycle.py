@@ -11,7 +11,6 @@ runs with the volume in view and returns its own exit code.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -24,8 +23,9 @@ from trainpod.checkpoint import Lease
 from trainpod.config import dump_config, parse_overrides
 from trainpod.config.loader import load_tree, validate_tree
 from trainpod.context import RunContext
-from trainpod.errors import ConfigError, ExitCode, TrainpodError
-from trainpod.log import setup_logging
+from trainpod.diskspace import volume_full_as_exit_5
+from trainpod.errors import ConfigError, ExitCode, TrainpodError, stop_reason
+from trainpod.log import attach_log_file, setup_logging
 from trainpod.preemption import PreemptionWatch
 from trainpod.volume import Volume
 from trainpod.workloads import Kind, Workload
@@ -94,19 +94,35 @@ def execute(request: RunRequest) -> int:
     rank = int(os.environ.get("RANK", "0"))
     setup_logging(None, rank)
     try:
-        return _execute(request, rank)
+        with volume_full_as_exit_5(request.volume.root):
+            return _execute(request, rank)
     except TrainpodError as exc:
         if exc.exit_code == ExitCode.PREEMPTED:
             log.warning("%s", exc)  # a stop the supervisor expects, not an error
         else:
             log.error("%s", exc)
         return int(exc.exit_code)
+    except Exception:  # a crash: its traceback goes to the run's log too, not only the console
+        return _log_crash(request, rank)
+
+
+CRASHED = 1  # what Python exits with on an uncaught exception; finish.py counts it as a failed start
+
+
+def _log_crash(request: RunRequest, rank: int) -> int:
+    run = request.volume.run(request.run_name) if request.run_name else None
+    if run is not None and run.root.is_dir():
+        suffix = "" if rank == 0 else f".rank{rank}"
+        attach_log_file(run.logs / f"{request.workload}{suffix}.log")
+    log.exception("the %s workload crashed", request.workload)
+    return CRASHED
 
 
 def _execute(request: RunRequest, rank: int) -> int:
     workload = workloads.get(request.workload)
     config_path = resolve_config_path(request.config_path, request.volume)
     config = load_workload_config(workload, config_path, request.overrides)
+    request.run_name = run_name(request, config)  # where a crash is logged
     request.volume.check_writable()
     watch = PreemptionWatch(getattr(getattr(config, "checkpoint", None), "preemption_window_seconds", 5.0))
     watch.install()
@@ -163,24 +179,42 @@ def _run_in_run_folder(workload: Workload, ctx: RunContext, config: Any, rank: i
         if rank == 0:
             _write_resolved_config(run.config, config)
         started = time.monotonic()
-        summary = module.run(ctx, config)
+        with volume_full_as_exit_5(run.root, "the run's files"):
+            summary = module.run(ctx, config)
         if rank == 0:
             summary["wall_s_this_start"] = time.monotonic() - started
             atomic.write_json(run.done, summary)
             _set_status_state(run.status, "done")
-            log.info("run %s DONE: %s", run.name, json.dumps(summary))
+            log.info("%s", done_line(run.name, summary, run.done))
         return ExitCode.DONE
     except TrainpodError as exc:
         if rank == 0:
-            _set_status_state(run.status, "preempted" if exc.exit_code == ExitCode.PREEMPTED else "stopped")
+            state = "preempted" if exc.exit_code == ExitCode.PREEMPTED else "stopped"
+            _set_status_state(run.status, state, stop_reason(exc))
         raise
-    except BaseException:
+    except BaseException as exc:
         if rank == 0:
-            _set_status_state(run.status, "failed")
+            _set_status_state(run.status, "failed", stop_reason(exc))
         raise
     finally:
         if ctx.lease is not None:
             ctx.lease.release()
+
+
+def done_line(name: str, summary: dict[str, Any], done_file: Path) -> str:
+    """`run x DONE: step 60, loss 2.3100 (eval 2.4012), 12m this start; export ...`; the JSON is in DONE."""
+    from trainpod.train.reporting import hours_minutes
+
+    parts = [f"step {summary.get('step')}"]
+    if summary.get("loss") is not None:
+        evaluated = summary.get("eval_loss")
+        parts.append(
+            f"loss {summary['loss']:.4f}" + (f" (eval {evaluated:.4f})" if evaluated is not None else "")
+        )
+    parts.append(f"{hours_minutes(summary.get('wall_s_this_start', 0.0))} this start")
+    if summary.get("export"):
+        parts.append(f"export {summary['export']}")
+    return f"run {name} DONE: {', '.join(parts)}; summary in {done_file}"
 
 
 def _write_resolved_config(path: Path, config: Any) -> None:
@@ -195,10 +229,17 @@ def _write_resolved_config(path: Path, config: Any) -> None:
         )
 
 
-def _set_status_state(path: Path, state: str) -> None:
+def _set_status_state(path: Path, state: str, reason: str | None = None) -> None:
+    """The run's state in status.json, with the reason behind a stop or failure (`trainpod status`)."""
     try:
         status = atomic.read_json(path)
     except (FileNotFoundError, ValueError):
         status = {}
     status.update(state=state, updated_unix=time.time())
-    atomic.write_json(path, status)
+    status.pop("reason", None)
+    if reason:
+        status["reason"] = reason
+    try:
+        atomic.write_json(path, status)
+    except OSError as exc:  # a full volume must not hide the error that ended the run
+        log.warning("could not record state %r in %s: %s", state, path, exc)

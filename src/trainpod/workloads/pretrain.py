@@ -39,7 +39,7 @@ from trainpod.train.model import (
 )
 from trainpod.train.optim import build_optimizer, decay_groups
 from trainpod.train.schedule import cosine_with_warmup
-from trainpod.train.state import load_weights, weights_bytes
+from trainpod.train.state import load_optimizer_state, load_weights, weights_bytes
 from trainpod.train.trainer import StepResult, Trainer, train_and_export
 
 log = logging.getLogger(__name__)
@@ -127,7 +127,7 @@ class Pretrainer(Trainer):
     def load_checkpoint(self, path: Path, state: dict[str, Any]) -> None:
         load_weights(self.model, (path / "model.safetensors").read_bytes(), state["aliased_weights"])
         optimizer_state = torch.load(path / "optimizer.pt", map_location=self.dist.device, weights_only=True)
-        self.optimizer.load_state_dict(optimizer_state)
+        load_optimizer_state(self.optimizer, optimizer_state)
 
     def extra_state(self) -> dict[str, Any]:
         return {"aliased_weights": self._aliases}

@@ -1,0 +1,244 @@
+"""`trainpod chat RUN` and `trainpod generate RUN --prompt ...`: talk to what a run trained.
+
+    trainpod generate tiny-finetune --prompt "Add the two numbers. 12 + 30" --volume demo-volume
+    trainpod chat tiny-finetune --volume demo-volume     # a conversation on stdin; empty line or EOF ends
+
+The run's export is loaded with transformers (and peft for an adapter): export/merged, export/hf,
+or the base model + export/adapter, in that order unless --export says which. A finetuned run's
+prompts are built with the chat template it trained with (sft/templates.py; recorded in the
+adapter's training_summary.json, else in the run's config.yaml), tokenized segment by segment as
+training did, and generation stops at the template's end-of-turn token. A pretrained model gets
+the prompt as plain text to continue. Tokens are printed as they come (transformers' TextStreamer).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from trainpod.errors import InputError
+from trainpod.volume import Volume
+
+log = logging.getLogger(__name__)
+
+EXPORT_ORDER = ("merged", "hf", "adapter")
+SUMMARY = "training_summary.json"
+
+
+@dataclass(frozen=True)
+class Export:
+    """One loadable export of a run: a model folder, with an adapter on top for `adapter`."""
+
+    kind: str  # merged, hf or adapter
+    model_dir: Path | str  # a folder, or a hub id for an adapter's base
+    adapter_dir: Path | None
+    template: str | None  # the SFT template (alpaca, chatml, qwen, llama3, tokenizer); None: plain text
+    quantization: dict | None = None  # QLoRA's 4-bit settings, from training_summary.json
+
+
+def find_export(volume: Volume, run: str, which: str = "auto") -> Export:
+    """The run's export to load: `which` (merged, hf, adapter), or the first of them that exists."""
+    run_dir = volume.run(run).root
+    export = run_dir / "export"
+    kinds = EXPORT_ORDER if which == "auto" else (which,)
+    for kind in kinds:
+        folder = export / kind
+        if kind == "adapter" and (folder / "adapter_config.json").is_file():
+            summary = _summary(folder)
+            base = _adapter_base(folder, summary, volume)
+            return Export(kind, base, folder, training_template(run_dir), summary.get("quantization"))
+        if kind != "adapter" and (folder / "config.json").is_file():
+            return Export(kind, folder, None, training_template(run_dir))
+    found = ", ".join(sorted(p.name for p in export.iterdir())) if export.is_dir() else ""
+    raise InputError(
+        f"run {run}: no {' or '.join(f'export/{k}' for k in kinds)} under {run_dir} "
+        f"(found: {found or 'nothing'}); finish the run (trainpod run ...) or convert it "
+        "(trainpod run convert), or pass --volume where it lives"
+    )
+
+
+def training_template(run_dir: Path) -> str | None:
+    """The SFT template the run trained with: training_summary.json, else the run's config.yaml."""
+    for folder in ("adapter", "hf", "merged"):
+        template = (_summary(run_dir / "export" / folder).get("data") or {}).get("template")
+        if template:
+            return template
+    try:
+        config = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return None
+    sft = (config.get("data") or {}).get("sft") or {}
+    return sft.get("template")
+
+
+def _summary(folder: Path) -> dict:
+    try:
+        return json.loads((folder / SUMMARY).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _adapter_base(adapter: Path, summary: dict, volume: Volume) -> Path | str:
+    """The adapter's base model: the folder it trained on, the same path on this volume, or a hub id."""
+    recorded = summary.get("base_model_folder")
+    if recorded and (Path(recorded) / "config.json").is_file():
+        return Path(recorded)
+    named = summary.get("base_model")
+    if not named:
+        named = json.loads((adapter / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    if not named:
+        raise InputError(f"{adapter}: neither {SUMMARY} nor adapter_config.json names the base model")
+    on_volume = volume.root / named
+    return on_volume if (on_volume / "config.json").is_file() else named
+
+
+# ------------------------------------------------------------------------------ loading
+def load(export: Export) -> tuple[Any, Any]:
+    """(model, tokenizer) on the GPU when there is one (bf16), else on the CPU (fp32), in eval mode."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
+    cuda = torch.cuda.is_available()
+    kwargs: dict[str, Any] = {"dtype": torch.bfloat16 if cuda else torch.float32}
+    if (
+        export.quantization and cuda
+    ):  # as it trained; on CPU 4-bit matmuls are slow, the 16/32-bit base is used
+        from transformers import BitsAndBytesConfig
+
+        q = export.quantization
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type=q.get("quant_type", "nf4"),
+            bnb_4bit_use_double_quant=q.get("double_quant", True),
+            bnb_4bit_compute_dtype=torch.bfloat16,
+        )
+    tokenizer = AutoTokenizer.from_pretrained(str(export.adapter_dir or export.model_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(export.model_dir), **kwargs)
+    if export.adapter_dir is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(export.adapter_dir))
+    if cuda and not export.quantization:
+        model = model.to("cuda")
+    return model.eval(), tokenizer
+
+
+# ----------------------------------------------------------------------------- prompting
+@dataclass
+class Conversation:
+    """Turns so far and the template that renders them exactly as training did."""
+
+    tokenizer: Any
+    template_name: str | None
+    system: str | None = None
+    history: list[tuple[str, str]] = field(default_factory=list)
+
+    def prompt_ids(self, user: str) -> list[int]:
+        """Token ids of the conversation so far plus `user`, ending where the answer begins."""
+        if self.template_name is None:  # a pretrained model continues text
+            return self.tokenizer("".join(u + a for u, a in self.history) + user)["input_ids"]
+        from trainpod.sft.formats import Sample
+
+        sample = Sample(self.system, (*self.history, (user, "")))
+        if self.template_name in ("tokenizer", "auto"):
+            return self.tokenizer.apply_chat_template(sample.messages()[:-1], add_generation_prompt=True)
+        from trainpod.sft.templates import build_template
+
+        segments = build_template(self.template_name, self.tokenizer).segments(sample)
+        # Segment by segment, as training tokenized them (sft/encode.py): the same ids at every boundary.
+        texts = [segments.prefix] + [text for pair in segments.pairs for text in pair][:-1]
+        return [i for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"] for i in ids]
+
+    def stop_ids(self) -> list[int]:
+        """eos and the template's end-of-turn token (<|im_end|>, <|eot_id|>), where the answer ends."""
+        ids = {self.tokenizer.eos_token_id} - {None}
+        if self.template_name not in (None, "tokenizer", "auto"):
+            from trainpod.sft.templates import build_template
+
+            template = build_template(self.template_name, self.tokenizer)
+            end = template.assistant.replace("{content}", "").strip()
+            if end:
+                ids |= set(self.tokenizer.convert_tokens_to_ids([end])) - {self.tokenizer.unk_token_id}
+        vocab = self.tokenizer.get_vocab()
+        ids |= {vocab[t] for t in ("<|im_end|>", "<|eot_id|>") if t in vocab and self.template_name}
+        return sorted(ids)
+
+
+def stream_reply(
+    model: Any,
+    tokenizer: Any,
+    conversation: Conversation,
+    user: str,
+    write: Callable[[str], None],
+    max_new_tokens: int = 200,
+    temperature: float = 0.7,
+    seed: int = 0,
+) -> str:
+    """Generate the answer to `user`, writing text as it comes; returns it (also kept in the history)."""
+    import torch
+    from transformers import TextStreamer
+
+    class Streamer(TextStreamer):
+        def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
+            parts.append(text)
+            write(text)
+
+    parts: list[str] = []
+    ids = torch.tensor([conversation.prompt_ids(user)], device=model.device)
+    sampling = (
+        {"do_sample": True, "temperature": temperature, "top_k": 50}
+        if temperature > 0
+        else {"do_sample": False}
+    )
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            eos_token_id=conversation.stop_ids(),
+            pad_token_id=tokenizer.pad_token_id
+            if tokenizer.pad_token_id is not None
+            else tokenizer.eos_token_id,
+            streamer=Streamer(tokenizer, skip_prompt=True, skip_special_tokens=True),
+            **sampling,
+        )
+    reply = "".join(parts)
+    conversation.history.append((user, reply))
+    return reply
+
+
+def chat_loop(
+    model: Any,
+    tokenizer: Any,
+    conversation: Conversation,
+    lines: Iterable[str],
+    write: Callable[[str], None],
+    **generation: Any,
+) -> int:
+    """One reply per input line until an empty line or the end of input; returns the turns taken."""
+    write("> ")
+    for line in lines:
+        user = line.rstrip("\n")
+        if not user.strip():
+            break
+        stream_reply(model, tokenizer, conversation, user, write, **generation)
+        write("\n> ")
+    write("\n")
+    return len(conversation.history)
+
+
+def describe(export: Export) -> str:
+    what = (
+        f"{export.model_dir} + adapter {export.adapter_dir}" if export.adapter_dir else str(export.model_dir)
+    )
+    template = f"template {export.template}" if export.template else "plain text (no chat template)"
+    return f"{export.kind}: {what}; {template}"

@@ -1,0 +1,89 @@
+"""Every field of a config, from its pydantic models: dotted path, type, default, description.
+
+    trainpod config fields finetune     # or pretrain, datagen, datagen-sft, convert, deploy, ...
+
+Nested sections are walked (`train.lr`); a list of sections shows its items as `path[].field`.
+"""
+
+from __future__ import annotations
+
+import enum
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel
+from pydantic_core import PydanticUndefined
+
+
+@dataclass(frozen=True)
+class FieldRow:
+    path: str
+    type: str
+    default: str
+    description: str
+
+
+def field_rows(model: type[BaseModel], prefix: str = "") -> list[FieldRow]:
+    """One row per field, depth first in declaration order; a section's own row comes before its fields."""
+    rows = []
+    for name, info in model.model_fields.items():
+        path = prefix + name
+        rows.append(FieldRow(path, type_name(info.annotation), _default(info), info.description or ""))
+        for nested, suffix in _sections(info.annotation):
+            rows += field_rows(nested, f"{path}{suffix}.")
+    return rows
+
+
+def _sections(annotation: Any) -> list[tuple[type[BaseModel], str]]:
+    """Config sections inside a field's type: itself, Optional[...] or list[...] of one."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [(annotation, "")]
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is list and args:
+        return [(model, "[]") for model, _ in _sections(args[0])]
+    if origin in (typing.Union, types.UnionType):
+        return [found for arg in args for found in _sections(arg)]
+    return []
+
+
+def type_name(annotation: Any) -> str:
+    """`int`, `str | None`, `list[str]`, `one of: nf4, fp4`: types as a config writer reads them."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Literal:
+        return "one of: " + ", ".join(str(a) for a in args)
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(type_name(a) for a in args)
+    if origin is not None:
+        inner = ", ".join(type_name(a) for a in args)
+        return f"{getattr(origin, '__name__', str(origin))}[{inner}]"
+    if annotation is type(None):
+        return "None"
+    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        return "one of: " + ", ".join(str(m.value) for m in annotation)
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def _default(info: Any) -> str:
+    if info.default_factory is not None:
+        value = info.default_factory()
+    elif info.default is PydanticUndefined:
+        return "(required)"
+    else:
+        value = info.default
+    if isinstance(value, BaseModel):
+        return "(section)"
+    return repr(value)
+
+
+def format_rows(rows: list[FieldRow]) -> str:
+    """Aligned columns: path, type, default; the description on the next line, indented."""
+    width_path = max(len(r.path) for r in rows)
+    width_type = min(max(len(r.type) for r in rows), 40)
+    lines = []
+    for row in rows:
+        lines.append(f"{row.path:<{width_path}}  {row.type:<{width_type}}  default {row.default}")
+        if row.description:
+            lines.append(f"    {row.description}")
+    return "\n".join(lines)

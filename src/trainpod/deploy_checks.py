@@ -1,0 +1,144 @@
+"""What `trainpod deploy` checks before it rents anything: config, image, secrets, cost, stock.
+
+    trainpod deploy configs/deploy/finetune-spot.yaml --dry-run    # the checks, then "would create ..."
+
+- the workload config the deploy config names is loaded and validated when this repo holds it;
+- the image is not the shipped placeholder (ghcr.io/YOUR_ORG/...), which no registry serves;
+- secrets reach the pod as {{ RUNPOD_SECRET_<name> }} references, and env.extra holds no value that
+  looks like a secret;
+- the estimate (trainpod.estimate) is printed and, over the budget, refused unless --force;
+- live stock of the chosen GPU types on the allowed CUDA versions (RunPod's v2 catalog) is shown,
+  with a warning when none has a free machine.
+It sits above runpod/, estimate and workloads/ (it reads all three; runpod/ must not import workloads/).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from trainpod.config.deploy import DeployConfig
+from trainpod.errors import ConfigError, InputError, TrainpodError
+
+PLACEHOLDER_IMAGE = re.compile(r"YOUR_ORG|YOUR_REGISTRY|<[^>]*>")  # what the shipped configs and infra/ carry
+SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSWORD|API_KEY|ACCESS_KEY|PRIVATE_KEY", re.I)
+REFERENCE = re.compile(r"^\{\{\s*RUNPOD_SECRET_[A-Za-z0-9_]+\s*\}\}$")
+
+
+class OverBudget(InputError):
+    """The estimate exceeds the budget: nothing is rented (exit 2); --force deploys anyway."""
+
+
+def config_problems(config: DeployConfig, deploy_path: str, secrets_from_env: bool) -> list[str]:
+    """Everything wrong with the deploy config that RunPod would not catch before billing."""
+    problems = []
+    if PLACEHOLDER_IMAGE.search(config.image.name):
+        problems.append(
+            f"image.name={config.image.name!r} is the shipped placeholder; set it to the image "
+            "`make image push "
+            "REGISTRY=...` pushed, e.g. ghcr.io/you/trainpod:0.1.0"
+        )
+    for name, value in config.env.extra.items():
+        if SECRET_NAME.search(name) and not REFERENCE.match(value):
+            problems.append(
+                f"env.extra.{name} holds a value, and its name says it is a secret: list {name} "
+                "under `secrets` "
+                f"(sent as {{{{ RUNPOD_SECRET_{name} }}}}) and create the secret in RunPod's console"
+            )
+    problems += workload_config_problems(config, deploy_path)
+    return problems
+
+
+def workload_config_problems(config: DeployConfig, deploy_path: str) -> list[str]:
+    """The workload config's own problems, when this repo holds the file the pod will read."""
+    from trainpod import workloads
+    from trainpod.config import parse_overrides
+    from trainpod.estimate import find_workload_config
+    from trainpod.workloads.lifecycle import load_workload_config
+
+    path = find_workload_config(config.config, Path(deploy_path))
+    if path is None:
+        return []  # it may come from env.git_repo or the volume: the pod's boot checks it (exit 2)
+    try:
+        load_workload_config(workloads.get(config.workload), path, parse_overrides(config.env.set))
+    except TrainpodError as exc:
+        return [f"config={config.config!r} ({path}): {exc}"]
+    return []
+
+
+def secrets_line(config: DeployConfig, secrets_from_env: bool) -> str:
+    if not config.secrets:
+        return "secrets    none"
+    how = "values from this shell (--secrets-from-env)" if secrets_from_env else "RunPod secret references"
+    return f"secrets    {', '.join(config.secrets)} as {how}"
+
+
+def estimate_lines(config: DeployConfig, deploy_path: str, catalog: list, force: bool) -> list[str]:
+    """The run's estimate as lines; OverBudget when it exceeds the budget and not `force`."""
+    from trainpod import estimate as estimating
+
+    try:
+        workload_config, _ = estimating.load_target(deploy_path)
+        est = estimating.estimate(workload_config, config, catalog=catalog)
+    except TrainpodError as exc:
+        return [f"estimate   not made: {exc}"]
+    lines = estimating.report(est)
+    if est.over_budget and not force:
+        raise OverBudget(
+            f"the estimate (${est.dollars:,.2f}) exceeds the budget (${est.budget_usd:,.2f}, "
+            "TRAINPOD_BUDGET_USD "
+            "or budget.budget_usd): raise the budget, shorten the run, or deploy with --force\n"
+            + "\n".join(lines)
+        )
+    return lines
+
+
+def stock_lines(config: DeployConfig, catalog: list[Any], cuda_versions: list[str]) -> tuple[list[str], bool]:
+    """Per chosen GPU type: stock overall and in the volume's data center, the free CUDA versions;
+    and whether any type has a free machine."""
+    if config.image.flavour != "cuda":
+        return [], True
+    by_id = {offer.id: offer for offer in catalog}
+    lines, free = [], False
+    data_center = config.volume.data_center
+    for gpu in config.pod.gpu_types:
+        offer = by_id.get(gpu)
+        if offer is None:
+            lines.append(f"stock      {gpu}: not in RunPod's catalog (check the GPU type id)")
+            continue
+        cuda = [v for v in cuda_versions if offer.cuda_versions.get(v)]
+        here = offer.data_centers.get(data_center, "NONE")
+        free = free or (bool(cuda) and here != "NONE")
+        lines.append(
+            f"stock      {gpu}: {offer.availability or '?'} overall, {here} in {data_center}; CUDA "
+            + (", ".join(cuda) + " free" if cuda else f"{', '.join(cuda_versions)}: none free")
+        )
+    return lines, free
+
+
+def no_stock_warning(config: DeployConfig, cuda_versions: list[str]) -> str:
+    return (
+        f"no machine is free now for {', '.join(config.pod.gpu_types)} with CUDA "
+        f"{', '.join(cuda_versions)} in {config.volume.data_center}: the pod may not start; add GPU types, "
+        "lower image.cuda_version (a cu128 "
+        "image reaches more hosts) or wait"
+    )
+
+
+def run_checks(
+    config: DeployConfig,
+    deploy_path: str,
+    secrets_from_env: bool,
+    catalog: list,
+    force: bool,
+    echo: Callable[[str], None] = print,
+) -> None:
+    """Print the checks' results; raise ConfigError (all problems at once) or OverBudget."""
+    problems = config_problems(config, deploy_path, secrets_from_env)
+    if problems:
+        raise ConfigError(problems)
+    echo(secrets_line(config, secrets_from_env))
+    for line in estimate_lines(config, deploy_path, catalog, force):
+        echo(line)

@@ -1,0 +1,466 @@
+"""`trainpod estimate CONFIG`: what a training run will take before any money is spent.
+
+    trainpod estimate configs/pretrain/1b.yaml --gpu "NVIDIA H100 80GB HBM3"
+    trainpod estimate configs/deploy/finetune-spot.yaml --spot
+
+CONFIG is a workload config (pretrain, finetune) or a deploy config (its workload config is read
+from the repo). The estimate gives tokens and FLOPs, hours at an MFU (measured by a previous run of
+the same name on the volume, else assumed: the assumption is printed), the GPU memory fit, the
+checkpoint's size and commit time at network-volume speed (200-400 MB/s), and dollars from RunPod's
+v2 catalog (GET /v2/catalog/gpus) when a RunPod key is at hand, else from TRAINPOD_GPU_HOURLY_USD.
+`trainpod deploy` prints the same estimate and refuses one over the budget unless --force.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from trainpod import cost, workloads
+from trainpod.config import load_config
+from trainpod.config.deploy import DeployConfig
+from trainpod.config.finetune import FinetuneConfig
+from trainpod.config.pretrain import PretrainConfig
+from trainpod.errors import ConfigError, InputError
+from trainpod.train.reporting import PEAK_BF16_FLOPS, peak_flops_of
+from trainpod.volume import Volume
+
+DEFAULT_GPU = "NVIDIA H100 80GB HBM3"
+VOLUME_BYTES_PER_S = (200e6, 400e6)  # network volumes write 200-400 MB/s (runpod-platform.md)
+# Hardware FLOPs executed / peak, for runs with no measurement yet. bf16 Llama pretraining with
+# torch.compile reaches 40-50% on H100 (torchtitan, nanoGPT reports); LoRA runs are smaller matmuls
+# plus adapter overhead; QLoRA also dequantizes every 4-bit weight on each use (~30% slower than LoRA).
+ASSUMED_MFU = {"pretrain": 0.40, "full": 0.35, "lora": 0.30, "qlora": 0.22}
+# GPU memory in GB by a part of the type id, for when the catalog cannot be asked.
+GPU_MEMORY_GB = {"H200": 141, "H100": 80, "A100 80GB": 80, "A100": 40, "L40": 48, "A6000": 48, "6000 Ada": 48,
+                 "A40": 48, "4090": 24, "A5000": 24, "L4": 24, "3090": 24}  # fmt: skip
+HUB_TIMEOUT_S = 5.0
+CUDA_CONTEXT_BYTES = 1.0e9  # CUDA context, cuBLAS workspaces and the allocator's fragmentation
+
+
+@dataclass
+class Sizing:
+    """What a run trains: parameters, tokens and the FLOPs a GPU executes for them."""
+
+    workload: str  # pretrain, or the finetune method (qlora, lora, full)
+    run: str
+    parameters: int
+    trainable: int
+    steps: int
+    tokens: int
+    flops_per_token: float
+    checkpoint_bytes: int
+    memory: dict[str, float]  # bytes per GPU, by part
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def flops(self) -> float:
+        return self.flops_per_token * self.tokens
+
+
+@dataclass
+class Estimate:
+    sizing: Sizing
+    gpu: str
+    gpu_count: int
+    gpu_memory_gb: float | None
+    mfu: float
+    mfu_source: str
+    hours: float
+    hourly_usd: float | None
+    price_source: str
+    budget_usd: float | None = None
+
+    @property
+    def dollars(self) -> float | None:
+        return None if self.hourly_usd is None else self.hours * self.hourly_usd
+
+    @property
+    def over_budget(self) -> bool:
+        return self.budget_usd is not None and self.dollars is not None and self.dollars > self.budget_usd
+
+
+# ---------------------------------------------------------------------------------- configs
+def load_target(path: str, overrides: list[str] | None = None) -> tuple[Any, DeployConfig | None]:
+    """The workload config CONFIG names (directly, or through a deploy config) and the deploy config."""
+    tree = _yaml(Path(path))
+    deploy = None
+    if "workload" in tree and "image" in tree:
+        deploy = load_config(DeployConfig, path)
+        if workloads.get(deploy.workload).kind is not workloads.Kind.TRAINING:
+            raise InputError(
+                f"{path}: workload {deploy.workload!r} trains nothing; estimate covers pretrain and finetune"
+            )
+        workload_path = find_workload_config(deploy.config, Path(path))
+        if workload_path is None:
+            raise InputError(
+                f"{path}: config={deploy.config!r} is not a file here (looked beside the deploy config "
+                "and in "
+                "this repo); run the estimate on the workload config itself"
+            )
+        return load_config(_config_type(deploy.workload), workload_path, overrides or []), deploy
+    workload = (
+        "finetune" if "base_model" in tree else "pretrain" if "model" in tree or "train" in tree else None
+    )
+    if workload is None:
+        raise InputError(
+            f"{path}: neither a pretrain, a finetune nor a deploy config; estimate needs one of them"
+        )
+    return load_config(_config_type(workload), path, overrides or []), None
+
+
+def find_workload_config(raw: str, deploy_path: Path) -> Path | None:
+    """A deploy config's workload config as the repo holds it (the pod sees the same path in the image)."""
+    relative = Path(raw)
+    if relative.is_absolute():
+        return relative if relative.is_file() else None
+    roots = [Path.cwd(), *deploy_path.resolve().parents]
+    return next((root / relative for root in roots if (root / relative).is_file()), None)
+
+
+def _config_type(workload: str) -> type:
+    return workloads.get(workload).module().config_type({})
+
+
+def _yaml(path: Path) -> dict:
+    try:
+        tree = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise InputError(
+            f"{path}: no such file; give a configs/pretrain, configs/finetune or configs/deploy YAML"
+        ) from None
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError([f"{path}: not readable YAML ({type(exc).__name__})"]) from None
+    return tree if isinstance(tree, dict) else {}
+
+
+# ------------------------------------------------------------------------------- sizing
+def size_pretrain(config: PretrainConfig, gpu_count: int, volume: Volume | None) -> Sizing:
+    from trainpod.train.model import flops_per_token, llama_config, padded_vocab, parameter_count
+
+    t, notes = config.train, []
+    vocab = config.model.vocab_size or _dataset_vocab(config, volume)
+    if vocab is None:
+        vocab = 32768
+        notes.append("vocabulary assumed 32768 (set model.vocab_size, or have the dataset on the volume)")
+    model_config = llama_config(config.model, padded_vocab(vocab), t.seq_len)
+    n = parameter_count(model_config)
+    tokens = t.max_steps * t.tokens_per_step_per_rank * gpu_count
+    per_token = flops_per_token(model_config, n, t.seq_len) * (4 / 3 if t.gradient_checkpointing else 1)
+    memory = preflight_memory(config, model_config.vocab_size, gpu_count) or simple_training_memory(
+        weights=4 * n, trainable=n, optimizer_bytes_per_param=8, layers=config.model.num_layers,
+        width=config.model.hidden_size, vocab=model_config.vocab_size, rows=t.micro_batch_size,
+        seq_len=t.seq_len, recompute=t.gradient_checkpointing,
+    )  # fmt: skip
+    return Sizing("pretrain", config.name, n, n, t.max_steps, tokens, per_token, 12 * n, memory, notes)
+
+
+def size_finetune(config: FinetuneConfig, gpu_count: int, volume: Volume | None) -> Sizing:
+    t, notes = config.train, []
+    shape = base_model_shape(config, volume, notes)
+    n, width, layers, vocab = shape["parameters"], shape["width"], shape["layers"], shape["vocab"]
+    trainable = n if config.method == "full" else shape["lora_parameters"]
+    cutoff = config.data.sft.cutoff_len if config.data.sft else 2048
+    rows_per_step = t.micro_batch_size * t.grad_accum_steps * gpu_count
+    steps = t.max_steps or _steps_for_epochs(config, rows_per_step, volume, notes)
+    tokens = steps * rows_per_step * cutoff
+    notes.append(f"tokens counted as full rows of {cutoff} (an upper bound: unpacked rows are shorter)")
+    # Forward 2N; backward 2N for activation gradients, plus 2N weight gradients only when every
+    # weight trains; gradient checkpointing runs the forward twice.
+    per_token = (2 + 2 + (2 if config.method == "full" else 0) + (2 if t.gradient_checkpointing else 0)) * n
+    weights = {"qlora": 0.52 * n, "lora": 2 * n, "full": 4 * n}[config.method]  # NF4 + double quant: 4.15 bit
+    optimizer = 2 if "8bit" in t.optimizer else 8
+    memory = simple_training_memory(
+        weights=weights, trainable=trainable, optimizer_bytes_per_param=optimizer, layers=layers, width=width,
+        vocab=vocab, rows=t.micro_batch_size, seq_len=cutoff, recompute=t.gradient_checkpointing,
+    )  # fmt: skip
+    return Sizing(
+        config.method, config.name, n, trainable, steps, tokens, per_token, 12 * trainable, memory, notes
+    )
+
+
+def preflight_memory(config: PretrainConfig, vocab: int, world_size: int) -> dict[str, float] | None:
+    """Pretraining's preflight estimate (train/memory.py's estimate_training_memory, by the `loss` work)
+    where this tree has it; None before it lands, and simple_training_memory stands in."""
+    try:
+        from trainpod.train.memory import estimate_training_memory
+    except ImportError:
+        return None
+    estimate = estimate_training_memory(config, vocab, world_size=world_size)
+    return {part: float(size) for part, size in estimate.parts.items()}
+
+
+def simple_training_memory(
+    *,
+    weights: float,
+    trainable: int,
+    optimizer_bytes_per_param: int,
+    layers: int,
+    width: int,
+    vocab: int,
+    rows: int,
+    seq_len: int,
+    recompute: bool,
+) -> dict[str, float]:
+    """GPU bytes: weights + fp32 gradients + optimizer moments + activations + logits + CUDA context.
+
+    The simple estimate: finetuning's, and pretraining's until train/memory.py (preflight_memory) lands.
+    Activations: 34 bytes x tokens x width per layer in bf16 with fused attention (Korthikanti et al.
+    2022); with recomputation only each layer's input (2 bytes) stays, plus one layer's worth.
+    """
+    tokens = rows * seq_len
+    per_layer = 34 * tokens * width
+    activations = layers * 2 * tokens * width + per_layer if recompute else layers * per_layer
+    return {
+        "weights": weights,
+        "gradients": 4.0 * trainable,
+        "optimizer": float(optimizer_bytes_per_param * trainable),
+        "activations": float(activations),
+        "logits": 3.0 * 4 * tokens * vocab,  # fp32 logits, their softmax and gradient
+        "cuda": CUDA_CONTEXT_BYTES,
+    }
+
+
+def base_model_shape(config: FinetuneConfig, volume: Volume | None, notes: list[str]) -> dict[str, int]:
+    """Parameters, width, layers, vocabulary and LoRA parameters of the base model, on the meta device."""
+    model_config = _base_model_config(config, volume)
+    if model_config is None:
+        return _shape_from_name(config, notes)
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config)
+    targets = config.lora.target_modules
+    lora = 0
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear) or name.endswith("lm_head"):
+            continue
+        if targets == "all-linear" or name.rsplit(".", 1)[-1] in targets:
+            lora += config.lora.r * (module.in_features + module.out_features)
+    return {
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "width": model_config.hidden_size,
+        "layers": model_config.num_hidden_layers,
+        "vocab": model_config.vocab_size,
+        "lora_parameters": lora,
+    }
+
+
+def _base_model_config(config: FinetuneConfig, volume: Volume | None) -> Any:
+    """The base model's transformers config: from its folder, or config.json alone from the hub."""
+    from transformers import AutoConfig
+
+    raw = Path(config.base_model.path).expanduser()
+    folders = [raw] if raw.is_absolute() else [Path.cwd() / raw] + ([volume.root / raw] if volume else [])
+    for folder in folders:
+        if (folder / "config.json").is_file():
+            return AutoConfig.from_pretrained(
+                str(folder), trust_remote_code=config.base_model.trust_remote_code
+            )
+    if config.base_model.path.count("/") != 1:
+        return None
+    return _hub_config(config.base_model.path, config.base_model.revision or "main")
+
+
+def _hub_config(repo: str, revision: str) -> Any:
+    """config.json alone from the hub, one request with a short timeout (no weights, no retries)."""
+    import os
+    import urllib.parse
+    import urllib.request
+
+    from transformers import AutoConfig
+
+    url = f"https://huggingface.co/{repo}/resolve/{urllib.parse.quote(revision, safe='')}/config.json"
+    token = os.environ.get("HF_TOKEN")
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(request, timeout=HUB_TIMEOUT_S) as response:  # noqa: S310 - https
+            data = json.loads(response.read())
+        return AutoConfig.for_model(**data)
+    except Exception:  # offline, gated, not on the hub, or an architecture transformers lacks: use the name
+        return None
+
+
+def _shape_from_name(config: FinetuneConfig, notes: list[str]) -> dict[str, int]:
+    import re
+
+    match = re.search(r"(\d+(?:\.\d+)?)[bB]\b", config.base_model.path)
+    if match is None:
+        raise InputError(
+            f"base_model.path={config.base_model.path!r}: its config.json could not be read "
+            "(no such folder here "
+            "or on --volume, hub not reachable); pass --volume where the model lives, or estimate online"
+        )
+    n = int(float(match.group(1)) * 1e9)
+    notes.append(
+        f"{config.base_model.path}: config.json not reachable; {n / 1e9:g}B parameters read from the name"
+    )
+    # Llama-like shapes: n ~ 12 x layers x width^2 with layers ~ width / 128.
+    width = max(128 * round((n * 128 / 12) ** (1 / 3) / 128), 128)
+    layers = max(n // (12 * width * width), 1)
+    # All-linear LoRA r16 on Llama/Qwen-like 7B models: 0.53% of the parameters, linear in r.
+    return {"parameters": n, "width": width, "layers": layers, "vocab": 150000,
+            "lora_parameters": int(n * 0.0053 * config.lora.r / 16)}  # fmt: skip
+
+
+def _steps_for_epochs(
+    config: FinetuneConfig, rows_per_step: int, volume: Volume | None, notes: list[str]
+) -> int:
+    from trainpod.sft.sources import iter_rows
+
+    sft = config.data.sft
+    if sft is None:
+        raise InputError(
+            f"train.epochs={config.train.epochs} with data.dataset: estimate cannot count its samples; "
+            "pass --set train.epochs=null --set train.max_steps=N"
+        )
+    root = volume.root if volume else Path.cwd()
+    try:
+        samples = sum(1 for source in sft.datasets for _ in iter_rows(source, root))
+    except InputError as exc:
+        raise InputError(
+            f"train.epochs needs the data's size: {exc}; "
+            "or pass --set train.epochs=null --set train.max_steps=N"
+        ) from None
+    train_samples = samples * (1 - sft.val_ratio)
+    notes.append(
+        f"{samples:,} samples counted, {train_samples:,.0f} train one row each (packing fits more per row)"
+    )
+    return max(math.ceil(config.train.epochs * train_samples / rows_per_step), 1)
+
+
+def _dataset_vocab(config: PretrainConfig, volume: Volume | None) -> int | None:
+    if volume is None:
+        return None
+    manifest = volume.root / "datasets" / config.data.dataset / "manifest.json"
+    if not manifest.is_file():
+        return None
+    return int(json.loads(manifest.read_text())["tokenizer"]["vocab_size"])
+
+
+# -------------------------------------------------------------------------------- estimate
+def measured_mfu(run: str, volume: Volume | None) -> float | None:
+    """The MFU a run of this name last reported (status.json on the volume), if any."""
+    if volume is None:
+        return None
+    try:
+        value = json.loads(volume.run(run).status.read_text()).get("mfu")
+    except (OSError, ValueError):
+        return None
+    return float(value) if value else None
+
+
+def estimate(
+    config: Any,
+    deploy: DeployConfig | None = None,
+    gpu: str | None = None,
+    spot: bool | None = None,
+    mfu: float | None = None,
+    catalog: list | None = None,
+    volume: Volume | None = None,
+) -> Estimate:
+    """The estimate for `config`; `catalog` (RunPodClient.catalog_gpus) gives prices and memory."""
+    gpu = gpu or (deploy.pod.gpu_types[0] if deploy and deploy.pod.gpu_types else DEFAULT_GPU)
+    gpu_count = deploy.pod.gpu_count if deploy else 1
+    spot = spot if spot is not None else (deploy.pod.spot if deploy else False)
+    cloud = deploy.pod.cloud if deploy else "SECURE"
+    sizing = (size_pretrain if isinstance(config, PretrainConfig) else size_finetune)(
+        config, gpu_count, volume
+    )
+    offer = next((o for o in catalog or [] if o.id == gpu), None)
+    peak = peak_flops_of(gpu)
+    if peak is None:
+        raise InputError(
+            f"--gpu {gpu!r}: no bf16 peak known for it; use a RunPod GPU type id containing one of "
+            f"{', '.join(PEAK_BF16_FLOPS)}"
+        )
+    measured = measured_mfu(sizing.run, volume)
+    if mfu is not None:
+        mfu_source = "given with --mfu"
+    elif measured:
+        mfu, mfu_source = measured, f"measured by run {sizing.run} (status.json)"
+    else:
+        mfu = ASSUMED_MFU[sizing.workload]
+        mfu_source = f"assumed for {sizing.workload} (no run measured it yet; --mfu to change)"
+    hours = sizing.flops / (peak * mfu * gpu_count) / 3600
+    hourly, source = _hourly_price(offer, gpu_count, cloud, spot, deploy)
+    budget = cost.budget_usd()
+    if budget is None and deploy is not None:
+        budget = deploy.budget.budget_usd
+    memory_gb = offer.memory_gb if offer else next((gb for k, gb in GPU_MEMORY_GB.items() if k in gpu), None)
+    return Estimate(sizing, gpu, gpu_count, memory_gb, mfu, mfu_source, hours, hourly, source, budget)
+
+
+def _hourly_price(
+    offer: Any, gpu_count: int, cloud: str, spot: bool, deploy: DeployConfig | None
+) -> tuple[float | None, str]:
+    """$/hour of the pod: the catalog's list price, else TRAINPOD_GPU_HOURLY_USD (or the deploy config's)."""
+    configured = cost.hourly_usd()
+    if configured is None and deploy is not None:
+        configured = deploy.budget.hourly_usd
+    listed = offer.price(cloud) if offer else None
+    if spot and configured is not None:
+        return (
+            configured,
+            "TRAINPOD_GPU_HOURLY_USD / budget.hourly_usd (RunPod's catalog lists no spot price)",
+        )
+    if listed is not None:
+        why = f"RunPod catalog, {cloud.lower()} cloud on-demand list price"
+        if spot:
+            why += " (the catalog lists no spot price: an upper bound; set TRAINPOD_GPU_HOURLY_USD for spot)"
+        return listed * gpu_count, why
+    if configured is not None:
+        return configured, "TRAINPOD_GPU_HOURLY_USD / budget.hourly_usd"
+    return None, "no price: no RunPod key for the catalog and TRAINPOD_GPU_HOURLY_USD is unset"
+
+
+# ---------------------------------------------------------------------------------- report
+def report(est: Estimate) -> list[str]:
+    """The estimate as lines a person reads."""
+    s = est.sizing
+    memory = sum(s.memory.values())
+    lines = [
+        f"run {s.run}: {s.workload}, {s.parameters / 1e6:,.1f}M parameters"
+        + (f" ({s.trainable / 1e6:,.2f}M trainable)" if s.trainable != s.parameters else ""),
+        f"tokens     {s.tokens:,} in {s.steps:,} steps; {s.flops:.3g} FLOPs "
+        f"({s.flops_per_token:.3g} per token)",
+        f"time       {_hours(est.hours)} on {est.gpu_count} x {est.gpu} at {est.mfu:.0%} MFU, "
+        f"{est.mfu_source}",
+        "memory     " + _fit(memory, est.gpu_memory_gb) + " = "
+        + " + ".join(f"{part} {value / 1e9:.1f}" for part, value in s.memory.items() if value >= 0.05e9),
+        f"checkpoint {s.checkpoint_bytes / 1e9:.2f} GB, commits in {_commit_seconds(s.checkpoint_bytes)} "
+        "at 200-400 MB/s (network volume)",
+    ]  # fmt: skip
+    if est.dollars is None:
+        lines.append(f"cost       unknown: {est.price_source}")
+    else:
+        lines.append(f"cost       ${est.dollars:,.2f} at ${est.hourly_usd:.2f}/h ({est.price_source})")
+    if est.budget_usd is not None:
+        verdict = "not checked (no price)" if est.dollars is None else "OVER" if est.over_budget else "within"
+        lines.append(f"budget     ${est.budget_usd:,.2f}: {verdict}")
+    lines += [f"note       {note}" for note in s.notes]
+    return lines
+
+
+def _commit_seconds(size: int) -> str:
+    """Seconds a commit takes at the fast and the slow volume speed, plus 0.5 s of fsyncs and renames."""
+    fast, slow = (0.5 + size / speed for speed in sorted(VOLUME_BYTES_PER_S, reverse=True))
+    return f"{fast:.1f}-{slow:.1f} s" if slow < 10 else f"{fast:.0f}-{slow:.0f} s"
+
+
+def _hours(hours: float) -> str:
+    minutes = round(hours * 60)
+    return f"{minutes // 60}h{minutes % 60:02d}m" if minutes >= 60 else f"{max(minutes, 1)}m"
+
+
+def _fit(total: float, gpu_gb: float | None) -> str:
+    if gpu_gb is None:
+        return f"{total / 1e9:.1f} GB per GPU (GPU memory unknown)"
+    verdict = "fits" if total <= gpu_gb * 1e9 * 0.95 else "DOES NOT FIT"  # 5% for the allocator's reserve
+    return f"{total / 1e9:.1f} GB of {gpu_gb:g} GB per GPU: {verdict}"

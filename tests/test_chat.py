@@ -1,0 +1,139 @@
+"""`trainpod generate` and `trainpod chat` on outputs made like the demo's: an adapter from a real
+(tiny) finetune run, a plain HF export; the prompt is the chat template the run trained with."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from trainpod.chat import Conversation, find_export, training_template
+from trainpod.volume import Volume
+
+from finetune_support import BASE, FINETUNE_RUN, finetune_args
+from support import child_env, run_trainpod, trainpod_cmd
+
+PROMPT = "Add the two numbers."
+
+
+@pytest.fixture(scope="module")
+def finetuned(tmp_path_factory, finetune_base_volume) -> Path:
+    """A volume with the tiny base model and the adapter of a 4-step chatml QLoRA run."""
+    volume = tmp_path_factory.mktemp("chat") / "volume"
+    shutil.copytree(finetune_base_volume, volume)
+    args = finetune_args(
+        "--set", "train.max_steps=4", "--set", "train.eval_every=0", "--set", "checkpoint.every_steps=4"
+    )
+    result = run_trainpod(*args, volume=volume)
+    assert result.returncode == 0, f"the tiny finetune failed:\n{result.stdout}\n{result.stderr}"
+    return volume
+
+
+def greedy(model, tokenizer, text: str, stop: list[int], new_tokens: int = 8) -> str:
+    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            eos_token_id=stop,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+
+
+def test_the_template_a_finetune_trained_with_is_read_from_its_adapter(finetuned):
+    found = find_export(Volume(finetuned), FINETUNE_RUN)
+    assert found.kind == "adapter" and found.template == "chatml"
+    assert training_template(finetuned / "runs" / FINETUNE_RUN) == "chatml"
+    assert Path(found.model_dir) == finetuned / BASE
+
+
+def test_generate_streams_what_peft_generates_from_the_chatml_prompt_it_trained_on(finetuned):
+    from peft import PeftModel
+
+    result = run_trainpod(
+        "generate",
+        FINETUNE_RUN,
+        "--prompt",
+        PROMPT,
+        "--temperature",
+        "0",
+        "--max-new-tokens",
+        "8",
+        volume=finetuned,
+    )
+    assert result.returncode == 0, result.stderr
+    adapter = finetuned / "runs" / FINETUNE_RUN / "export/adapter"
+    tokenizer = AutoTokenizer.from_pretrained(adapter)
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(finetuned / BASE), adapter).eval()
+    chatml = f"<|im_start|>user\n{PROMPT}<|im_end|>\n<|im_start|>assistant\n"
+    stop = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    expected = greedy(model, tokenizer, chatml, stop)
+    assert expected.strip() and result.stdout.rstrip("\n") == expected
+    assert "adapter" in result.stderr and "template chatml" in result.stderr
+
+
+def test_a_conversation_sends_every_earlier_turn_in_the_trained_template(finetuned):
+    tokenizer = AutoTokenizer.from_pretrained(finetuned / BASE)
+    conversation = Conversation(tokenizer, "chatml", history=[("hello", "hi there")])
+    assert tokenizer.decode(conversation.prompt_ids("second")) == (
+        "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\nhi there<|im_end|>\n"
+        "<|im_start|>user\nsecond<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert tokenizer.convert_tokens_to_ids("<|im_end|>") in conversation.stop_ids()
+
+
+def test_chat_answers_each_line_on_stdin_until_an_empty_line(finetuned):
+    import subprocess
+
+    result = subprocess.run(
+        trainpod_cmd("chat", FINETUNE_RUN, "--max-new-tokens", "4", volume=finetuned),
+        input="hello\nhow are you\n\nnever read\n",
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("> ") == 3, (
+        f"two answers, then the prompt that got the empty line:\n{result.stdout}"
+    )
+
+
+def test_generate_continues_plain_text_with_a_pretrained_hf_export(finetune_base_volume, tmp_path):
+    volume = tmp_path / "volume"
+    shutil.copytree(finetune_base_volume / BASE, volume / "runs/pre/export/hf")
+    result = run_trainpod(
+        "generate",
+        "pre",
+        "--prompt",
+        "Once upon",
+        "--temperature",
+        "0",
+        "--max-new-tokens",
+        "6",
+        volume=volume,
+    )
+    assert result.returncode == 0, result.stderr
+    tokenizer = AutoTokenizer.from_pretrained(volume / "runs/pre/export/hf")
+    model = AutoModelForCausalLM.from_pretrained(volume / "runs/pre/export/hf").eval()
+    ids = tokenizer("Once upon", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+            eos_token_id=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id,
+        )  # fmt: skip
+    assert result.stdout.rstrip("\n") == tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+    assert "plain text" in result.stderr
+
+
+def test_generate_for_a_run_without_an_export_says_what_to_do(tmp_path):
+    (tmp_path / "runs/unfinished/checkpoints").mkdir(parents=True)
+    result = run_trainpod("generate", "unfinished", "--prompt", "x", volume=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr + result.stdout
+    assert "no export/merged or export/hf or export/adapter" in result.stdout + result.stderr

@@ -1,0 +1,141 @@
+"""A full volume: one line saying what is needed and free, exit 5, nothing committed lost, nothing
+published half-written, and a rerun after space is freed finishes byte-identically.
+
+    .venv/bin/pytest -q tests/test_disk_full.py      (as root: the volume's folders are small tmpfs mounts)
+
+A real small file system, not a fake: a tmpfs of a few MiB is mounted over the folder the workload
+writes to, and grown (`remount,size=`) the way a network volume is grown. Without root (or where the
+kernel refuses the mount) the tests are skipped, with the reason, never passed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from support import RUN, TINY_DATAGEN, TINY_PRETRAIN, exported_weights, run_trainpod
+
+pytestmark = pytest.mark.slow
+PRETRAIN = ("run", "pretrain", "--config", str(TINY_PRETRAIN), "--set", "train.max_steps=30")
+
+
+@contextlib.contextmanager
+def small_filesystem(folder: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of `size` mounted at `folder` for the block; unmounted after, whatever happened."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root; run as root to test a full volume")
+    folder.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], capture_output=True, text=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"the kernel refused a tmpfs mount here ({mounted.stderr.strip()}); cannot fill a volume")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=True)
+
+
+def grow(folder: Path, size: str) -> None:
+    """What growing the network volume does: the same files, more room."""
+    subprocess.run(["mount", "-o", f"remount,size={size}", str(folder)], check=True)
+
+
+def leftovers(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.rglob("*") if ".tmp-" in p.name)
+
+
+def error_lines(output: str) -> list[str]:
+    return [line for line in output.splitlines() if " ERROR " in line]
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory: pytest.TempPathFactory, tiny_dataset_volume: Path) -> Path:
+    """A volume with the pretrain run finished on a roomy disk; copy it before writing."""
+    volume = tmp_path_factory.mktemp("roomy")
+    for folder in ("datasets", "tokenizers"):
+        shutil.copytree(tiny_dataset_volume / folder, volume / folder)
+    result = run_trainpod(*PRETRAIN, volume=volume)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return volume
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(finished: Path) -> bytes:
+    return exported_weights(finished)
+
+
+def test_pretrain_on_a_full_volume_exits_5_keeps_its_checkpoint_and_finishes_identically_after(
+    volume, uninterrupted
+):
+    # A checkpoint of the tiny model is about 1.7 MiB: the first fits in 3 MiB, the second does not.
+    with small_filesystem(volume / "runs", "3m") as runs:
+        result = run_trainpod(*PRETRAIN, volume=volume)
+        output = result.stdout + result.stderr
+        assert result.returncode == 5, output
+        assert "Traceback" not in output, output
+        (error,) = error_lines(output)
+        assert "no space left on the volume" in error and "checkpoint step-20" in error, error
+        assert "it needs about 1.7 MiB and" in error and "is free" in error, error
+        assert "grow the network volume" in error and "step-10, is intact" in error, error
+        assert "only 1 checkpoint(s) of about" in output, "the headroom warning comes before the failure"
+        checkpoints = runs / RUN / "checkpoints"
+        assert leftovers(checkpoints) == [], "the half-written checkpoint is removed at once"
+        assert (checkpoints / "LATEST").read_text().strip() == "step-10"
+        status = json.loads((runs / RUN / "status.json").read_text())
+        assert status["state"] == "stopped" and status["reason"].startswith("disk full (exit 5)"), status
+        grow(runs, "64m")
+        again = run_trainpod(*PRETRAIN, volume=volume)
+        assert again.returncode == 0, again.stdout + again.stderr
+        assert "resumed from step-10" in again.stdout
+        assert exported_weights(volume) == uninterrupted, "the run after freeing space must end identically"
+
+
+def test_datagen_on_a_full_volume_exits_5_publishes_nothing_half_written_and_resumes(
+    tmp_path, tiny_dataset_volume
+):
+    volume = tmp_path / "volume"
+    with small_filesystem(volume / "datasets", "256k") as datasets:
+        result = run_trainpod("run", "datagen", "--config", str(TINY_DATAGEN), volume=volume)
+        output = result.stdout + result.stderr
+        assert result.returncode == 5, output
+        assert "Traceback" not in output, output
+        (error,) = error_lines(output)
+        assert "no space left on the volume" in error and "are free" in error and "grow the network" in error
+        folder = datasets / "tiny-stories"
+        assert leftovers(folder) == [] and not (folder / "manifest.json").exists()
+        grow(datasets, "64m")
+        again = run_trainpod("run", "datagen", "--config", str(TINY_DATAGEN), volume=volume)
+        assert again.returncode == 0, again.stdout + again.stderr
+        reference = tiny_dataset_volume / "datasets" / "tiny-stories"
+        shards = sorted(p.name for p in reference.glob("*.bin"))
+        assert shards and shards == sorted(p.name for p in folder.glob("*.bin"))
+        for name in shards:
+            assert (folder / name).read_bytes() == (reference / name).read_bytes(), name
+
+
+def test_convert_on_a_full_volume_exits_5_publishes_nothing_and_converts_after(tmp_path, finished):
+    volume = tmp_path / "volume"
+    shutil.copytree(finished, volume)
+    config = tmp_path / "export.yaml"
+    config.write_text(f"name: {RUN}\ntask:\n  - kind: export\n    step: 20\n")
+    # The export of the tiny model is about 0.6 MiB of weights plus the tokenizer: 256 KiB cannot hold it.
+    with small_filesystem(volume / "runs" / RUN / "export", "256k") as export:
+        result = run_trainpod("run", "convert", "--config", str(config), volume=volume)
+        output = result.stdout + result.stderr
+        assert result.returncode == 5, output
+        assert "Traceback" not in output, output
+        (error,) = error_lines(output)
+        assert "no space left on the volume" in error and "are free" in error and "grow the network" in error
+        assert leftovers(export) == [] and not (export / "hf-step-20").exists()
+        grow(export, "64m")
+        again = run_trainpod("run", "convert", "--config", str(config), volume=volume)
+        assert again.returncode == 0, again.stdout + again.stderr
+        assert (export / "hf-step-20" / "manifest.json").is_file() and leftovers(export) == []

@@ -1,0 +1,242 @@
+"""`trainpod estimate` and the checks `trainpod deploy` makes before renting: tokens, FLOPs, hours,
+memory fit, prices from RunPod's v2 catalog (the fake API, the mock of RunPod, validates each query
+against RunPod's v2 description), the budget refusal, live stock, dry-run checks, --supervise."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from trainpod import cli
+from trainpod.config import load_config
+from trainpod.config.finetune import FinetuneConfig
+from trainpod.estimate import estimate, size_finetune
+from trainpod.volume import Volume
+
+from fake_runpod import FakeRunPodServer, api_env, client_for
+from finetune_support import BASE, TINY_FINETUNE
+from support import CONFIGS
+
+PRETRAIN_125M = CONFIGS / "pretrain/125m.yaml"
+
+
+@pytest.fixture
+def no_runpod(monkeypatch, tmp_path):
+    """No RunPod key anywhere (not even the user's ~/.runpod), no price or budget in the environment."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for name in (
+        "RUNPOD_API_KEY",
+        "TRAINPOD_GPU_HOURLY_USD",
+        "TRAINPOD_BUDGET_USD",
+        "TRAINPOD_RUNPOD_API_URL",
+    ):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture
+def fake(monkeypatch, tmp_path, no_runpod):
+    with FakeRunPodServer() as fake:
+        for name, value in api_env(fake).items():
+            monkeypatch.setenv(name, value)
+        yield fake
+    assert not fake.violations, f"requests RunPod would refuse: {fake.violations}"
+
+
+def number_after(label: str, text: str) -> str:
+    match = re.search(rf"{label}\s+\$?([\d,.]+)", text)
+    assert match, f"no {label!r} figure in:\n{text}"
+    return match.group(1).replace(",", "")
+
+
+def test_estimate_of_a_pretrain_preset_gives_tokens_flops_hours_and_its_mfu_assumption(no_runpod, capsys):
+    assert cli.main(["estimate", str(PRETRAIN_125M)]) == 0
+    out = capsys.readouterr().out
+    t = yaml.safe_load(PRETRAIN_125M.read_text())["train"]
+    assert int(number_after("tokens", out)) == t["max_steps"] * t["seq_len"] * t["micro_batch_size"] * t.get(
+        "grad_accum_steps", 1
+    )
+    assert "FLOPs" in out and "40% MFU, assumed for pretrain" in out
+    assert "fits" in out and "commits in" in out and "200-400 MB/s" in out
+    assert "cost       unknown" in out, "no key and no TRAINPOD_GPU_HOURLY_USD: no made-up price"
+
+
+def test_estimate_prices_from_runpods_catalog_when_a_key_is_set(fake, capsys):
+    assert cli.main(["estimate", str(PRETRAIN_125M), "--gpu", "NVIDIA L40S"]) == 0
+    out = capsys.readouterr().out
+    hours_line = next(line for line in out.splitlines() if line.startswith("time"))
+    assert "NVIDIA L40S" in hours_line and "$0.86/h" in out and "RunPod catalog" in out
+    assert "of 48 GB per GPU" in out, "the GPU's memory comes from the catalog"
+    assert fake.calls("GET", "/v2/catalog/gpus"), "the v2 catalog was asked"
+
+
+def test_estimate_without_a_key_prices_from_trainpod_gpu_hourly_usd(no_runpod, monkeypatch, capsys):
+    monkeypatch.setenv("TRAINPOD_GPU_HOURLY_USD", "3")
+    assert cli.main(["estimate", str(PRETRAIN_125M), "--mfu", "0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "at $3.00/h" in out and "50% MFU, given with --mfu" in out
+
+
+def test_estimate_uses_the_mfu_a_previous_run_of_the_config_measured(no_runpod, tmp_path, capsys):
+    status = tmp_path / "vol/runs/pretrain-125m/status.json"
+    status.parent.mkdir(parents=True)
+    status.write_text(json.dumps({"mfu": 0.31}))
+    assert cli.main(["estimate", str(PRETRAIN_125M), "--volume", str(tmp_path / "vol")]) == 0
+    assert "31% MFU, measured by run pretrain-125m" in capsys.readouterr().out
+
+
+def test_a_1b_preset_does_not_fit_a_24_gb_gpu(no_runpod, capsys):
+    assert cli.main(["estimate", str(CONFIGS / "pretrain/1b.yaml"), "--gpu", "NVIDIA GeForce RTX 4090"]) == 0
+    assert "of 24 GB per GPU: DOES NOT FIT" in capsys.readouterr().out
+
+
+def test_finetune_estimate_counts_exactly_the_lora_parameters_peft_trains(finetune_base_volume, no_runpod):
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from trainpod.train.lora import peft_lora_config
+
+    config = load_config(FinetuneConfig, TINY_FINETUNE, [f"base_model.path={BASE}"])
+    sizing = size_finetune(config, 1, Volume(finetune_base_volume))
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(finetune_base_volume / BASE), peft_lora_config(config.lora)
+    )
+    trainable, total = model.get_nb_trainable_parameters()
+    assert sizing.trainable == trainable and sizing.parameters == total - trainable
+    t = config.train
+    assert sizing.tokens == t.max_steps * t.micro_batch_size * t.grad_accum_steps * config.data.sft.cutoff_len
+    est = estimate(config, volume=Volume(finetune_base_volume))
+    assert est.mfu_source.startswith("assumed for qlora") and est.hours > 0
+
+
+def test_finetune_by_epochs_counts_the_samples_of_its_data(finetune_base_volume, no_runpod):
+    config = load_config(
+        FinetuneConfig,
+        TINY_FINETUNE,
+        [f"base_model.path={BASE}", "train.max_steps=null", "train.epochs=2", "data.sft.val_ratio=0.25"],
+    )
+    sizing = size_finetune(config, 1, Volume(finetune_base_volume))
+    rows_per_step = config.train.micro_batch_size * config.train.grad_accum_steps
+    assert sizing.steps == -(-2 * 300 // rows_per_step), "400 embedded samples, 75% of them train, twice"
+
+
+def test_finetune_by_epochs_without_its_data_names_the_file_and_the_way_out(no_runpod, tmp_path, capsys):
+    code = cli.main(
+        ["estimate", str(CONFIGS / "finetune/qwen2.5-7b-qlora-24gb.yaml"), "--volume", str(tmp_path)]
+    )
+    out = capsys.readouterr().out
+    assert code == 2 and "data/train.jsonl" in out and "--set train.max_steps=N" in out
+    assert "Traceback" not in out
+
+
+# ----------------------------------------------------------------------------------- deploy
+def deploy_config(tmp_path: Path, **changes) -> Path:
+    tree = {
+        "run": "p125",
+        "workload": "pretrain",
+        "config": str(PRETRAIN_125M),
+        "image": {"name": "ghcr.io/org/trainpod:0.1.0", "cuda_version": "12.8"},
+        "pod": {"gpu_types": ["NVIDIA H100 80GB HBM3", "NVIDIA L40S"], "spot": False},
+        "volume": {"name": "vol", "size_gb": 50, "data_center": "EU-RO-1"},
+        "secrets": ["HF_TOKEN"],
+    }
+    for key, value in changes.items():
+        node = tree
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    path = tmp_path / "deploy.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    return path
+
+
+def test_deploy_prints_the_estimate_and_the_live_stock_of_its_gpus(fake, tmp_path, capsys):
+    assert cli.main(["deploy", str(deploy_config(tmp_path))]) == 0
+    out = capsys.readouterr().out
+    assert "$2.69/h" in out, "the first GPU type's secure on-demand list price"
+    assert (
+        "stock      NVIDIA H100 80GB HBM3: HIGH overall, HIGH in EU-RO-1; CUDA 13.0, 12.9, 12.8 free" in out
+    )
+    assert fake.calls("GET", "/v2/catalog/gpus") and len(fake.pods) == 1
+
+
+def test_deploy_warns_when_no_chosen_gpu_has_a_free_machine_on_its_cuda_versions(fake, tmp_path, capsys):
+    fake.gpu_stock = {("NVIDIA H100 80GB HBM3", "12.4")}  # free only on a CUDA the image cannot use
+    assert cli.main(["deploy", str(deploy_config(tmp_path))]) == 0
+    out = capsys.readouterr().out
+    assert "CUDA 13.0, 12.9, 12.8: none free" in out and "no machine is free now" in out
+
+
+def test_deploy_refuses_an_estimate_over_the_budget_unless_forced(fake, tmp_path, capsys):
+    path = str(deploy_config(tmp_path, **{"budget.budget_usd": 1.0}))
+    assert cli.main(["deploy", path]) == 2
+    out = capsys.readouterr().out
+    assert "exceeds the budget ($1.00" in out and "--force" in out
+    assert not fake.calls("POST"), "nothing was rented"
+    assert cli.main(["deploy", path, "--force"]) == 0 and len(fake.pods) == 1
+
+
+def test_trainpod_budget_usd_caps_the_deploy_too(fake, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TRAINPOD_BUDGET_USD", "0.5")
+    assert cli.main(["deploy", str(deploy_config(tmp_path))]) == 2
+    assert "exceeds the budget ($0.50" in capsys.readouterr().out and not fake.pods
+
+
+def test_dry_run_says_what_it_would_create_and_sends_nothing(fake, tmp_path, capsys):
+    assert cli.main(["deploy", str(deploy_config(tmp_path)), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "would create template trainpod-cuda-ghcr.io-org-trainpod-0.1.0" in out
+    assert "would create networkvolume vol" in out and "would create pod p125-pretrain" in out
+    assert "secrets    HF_TOKEN as RunPod secret references" in out
+    assert fake.requests == [], "a dry run sends nothing, not even reads"
+
+
+def test_dry_run_refuses_the_placeholder_image_a_secret_value_and_a_broken_workload_config(
+    fake, tmp_path, capsys
+):
+    broken = tmp_path / "pretrain.yaml"
+    tree = yaml.safe_load(PRETRAIN_125M.read_text())
+    tree["train"]["max_stepz"] = 5
+    broken.write_text(yaml.safe_dump(tree))
+    path = deploy_config(
+        tmp_path,
+        **{
+            "image.name": "ghcr.io/YOUR_ORG/trainpod:0.1.0",
+            "env.extra": {"S3_SECRET": "s3cr3t-value-xyz"},
+            "config": str(broken),
+        },
+    )
+    assert cli.main(["deploy", str(path), "--dry-run"]) == 2
+    out = capsys.readouterr().out
+    assert "3 config problem(s)" in out
+    assert "image.name='ghcr.io/YOUR_ORG/trainpod:0.1.0' is the shipped placeholder" in out
+    assert "env.extra.S3_SECRET holds a value" in out and "s3cr3t-value-xyz" not in out
+    assert "train.max_stepz" in out
+    assert "would create" not in out and fake.requests == []
+
+
+def test_deploy_with_supervise_supervises_the_run_until_done(fake, tmp_path, monkeypatch, capsys):
+    volume = tmp_path / "vol"
+    (volume / "runs/p125").mkdir(parents=True)
+    (volume / "runs/p125/DONE").write_text("{}")
+    monkeypatch.setenv("TRAINPOD_VOLUME", str(volume))
+    assert cli.main(["deploy", str(deploy_config(tmp_path)), "--supervise"]) == 0
+    (pod,) = fake.pods.values()
+    assert pod["desiredStatus"] == "EXITED", "the supervisor saw DONE and stopped the pod"
+    assert "run is DONE" in capsys.readouterr().out
+
+
+def test_the_fake_refuses_a_catalog_query_runpods_v2_description_does_not_allow():
+    with FakeRunPodServer() as fake:
+        client = client_for(fake, max_attempts=1)
+        for query in (
+            {"include": "AVAILABILITY"},
+            {"include": "AVAILABILITY", "product": "POD", "cudaVersions": "13"},
+        ):
+            with pytest.raises(Exception, match="400"):
+                client.request("GET", "/catalog/gpus", query=query, api="v2")
+        assert len(fake.violations) == 2

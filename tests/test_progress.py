@@ -1,0 +1,138 @@
+"""What a person reads while and after a run trains: log lines with percent, ETA and eval loss, a
+short DONE line, loss.png drawn at evals and on a stop with resumes marked, `status` pointing at
+the plot and TensorBoard, `--version`, and `config fields`."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import signal
+
+import pytest
+
+from trainpod import cli
+from trainpod.train.reporting import RunReporter, hours_minutes
+from trainpod.volume import Volume
+
+from support import RUN, TINY_PRETRAIN, run_trainpod, signal_when_step_reached, start_trainpod
+
+SHORT_RUN = ("--set", "train.max_steps=40", "--set", "train.eval_every=10", "--set", "train.log_every=5")
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory, tiny_dataset_volume):
+    """A tiny pretrain stopped by SIGTERM after step 11, then run again to its end: (volume, facts)."""
+    volume = tmp_path_factory.mktemp("progress") / "volume"
+    for folder in ("datasets", "tokenizers"):
+        shutil.copytree(tiny_dataset_volume / folder, volume / folder)
+    args = ("run", "pretrain", "--config", str(TINY_PRETRAIN), *SHORT_RUN)
+    first = signal_when_step_reached(start_trainpod(*args, volume=volume), volume, 11, signal.SIGTERM)
+    run = volume / "runs" / RUN
+    facts = {"first": first, "png_after_stop": (run / "loss.png").is_file()}
+    facts["latest_after_stop"] = int((run / "checkpoints/LATEST").read_text().strip().split("-")[1])
+    second = run_trainpod(*args, volume=volume)
+    assert second.returncode == 0, second.stdout + second.stderr
+    facts["second"] = second.stdout + second.stderr
+    return volume, facts
+
+
+def test_log_lines_show_percent_done_eta_and_the_last_eval_loss(resumed):
+    _, facts = resumed
+    line = next(line for line in facts["second"].splitlines() if "step 35/40" in line)
+    assert re.search(r"step 35/40 \(87\.5%\) \| loss \d+\.\d{4} \| eval \d+\.\d{4} \|", line), line
+    assert re.search(r"\| ETA (<1m|\d+m|\d+h\d\dm)$", line), line
+
+
+def test_the_done_line_is_short_and_human_and_the_json_is_in_done(resumed):
+    volume, facts = resumed
+    line = next(line for line in facts["second"].splitlines() if "DONE:" in line)
+    assert re.search(
+        rf"run {RUN} DONE: step 40, loss \d\.\d{{4}} \(eval \d\.\d{{4}}\), (<1m|\d+m) this start", line
+    )
+    assert "{" not in line and len(line) < 300, line
+    assert json.loads((volume / "runs" / RUN / "DONE").read_text())["step"] == 40
+
+
+def test_a_stopped_run_has_its_loss_png_and_the_resume_is_recorded(resumed):
+    volume, facts = resumed
+    assert facts["png_after_stop"], "loss.png is drawn at the step-10 eval and on the stop"
+    run = Volume(volume).run(RUN)
+    assert json.loads((run.logs / "resumes.json").read_text()) == [facts["latest_after_stop"]]
+    assert run.loss_plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_loss_png_marks_each_resume_with_a_vertical_line(tmp_path, monkeypatch):
+    from matplotlib.axes import Axes
+
+    run = Volume(tmp_path).run("r")
+    run.logs.mkdir(parents=True)
+    (run.logs / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": s, "loss": 5 - s / 10}) + "\n" for s in range(1, 31))
+    )
+    RunReporter(run, 30, 10, enabled=True).close()
+    reporter = RunReporter(run, 30, 20, enabled=True)
+    drawn = []
+    original = Axes.axvline
+    monkeypatch.setattr(Axes, "axvline", lambda ax, x=0, *a, **k: drawn.append(x) or original(ax, x, *a, **k))
+    reporter.plot_loss()
+    reporter.close()
+    assert drawn == [10, 20] and run.loss_plot.is_file()
+
+
+def test_a_resume_from_an_older_checkpoint_forgets_the_later_resumes(tmp_path):
+    run = Volume(tmp_path).run("r")
+    run.logs.mkdir(parents=True)
+    (run.logs / "resumes.json").write_text("[10, 20, 30]")
+    RunReporter(run, 40, 20, enabled=True).close()
+    assert json.loads((run.logs / "resumes.json").read_text()) == [10, 20]
+
+
+def test_status_prints_the_loss_plot_and_the_tensorboard_command(resumed, capsys, monkeypatch):
+    volume, _ = resumed
+    monkeypatch.delenv("RUNPOD_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(volume))
+    assert cli.main(["status", RUN, "--volume", str(volume)]) == 0
+    out = capsys.readouterr().out
+    assert f"loss curve  {volume / 'runs' / RUN / 'loss.png'}" in out
+    assert f"tensorboard --logdir {volume / 'runs' / RUN / 'tensorboard'}" in out
+    assert "step 40/40 (100%)" in out
+
+
+def test_durations_read_as_hours_and_minutes():
+    assert [hours_minutes(s) for s in (10, 60, 59 * 60, 3600, 3 * 3600 + 5 * 60)] == [
+        "<1m",
+        "1m",
+        "59m",
+        "1h00m",
+        "3h05m",
+    ]
+
+
+def test_version_prints_the_package_version(capsys):
+    import trainpod
+
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["--version"])
+    assert exited.value.code == 0 and capsys.readouterr().out.strip() == f"trainpod {trainpod.__version__}"
+
+
+def test_config_fields_lists_every_field_with_type_default_and_description(capsys):
+    from trainpod.config.finetune import FinetuneConfig
+
+    assert cli.main(["config", "fields", "finetune"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^lora\.r\s+int\s+default 16\n    LoRA rank\.$", out, re.M)
+    assert re.search(r"^base_model\.path\s+str\s+default \(required\)$", out, re.M)
+    assert re.search(r"^method\s+one of: qlora, lora, full\s+default 'qlora'$", out, re.M)
+    assert re.search(r"^data\.sft\.datasets\[\]\.format\s", out, re.M), "list items of a section are walked"
+    paths = {line.split()[0] for line in out.splitlines() if line and not line.startswith(" ")}
+    for section in ("train", "checkpoint", "lora", "quantization", "tracking", "export"):
+        model = FinetuneConfig.model_fields[section].annotation
+        missing = {f"{section}.{name}" for name in model.model_fields} - paths
+        assert not missing, f"fields not listed: {missing}"
+
+
+def test_config_fields_of_an_unknown_workload_names_the_known_ones(capsys):
+    assert cli.main(["config", "fields", "nope"]) == 2
+    assert "use one of: convert, datagen" in capsys.readouterr().err

@@ -11,7 +11,7 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-container bench lint clean gpu-wheels gpu-check
+.PHONY: setup demo demo-vlm test test-container bench lint clean gpu-wheels gpu-check
 
 setup: $(VENV)/.installed
 
@@ -25,6 +25,15 @@ $(VENV)/.installed: pyproject.toml
 
 demo: setup
 	$(PY) -m trainpod.demo
+
+# A vision-language finetune on CPU (a few minutes): a tiny random Qwen2-VL and 200 rendered strings
+# (tests/vlm_support.py builds both offline), QLoRA with CER eval, then the adapter merged.
+demo-vlm: setup
+	PYTHONPATH=src:tests $(PY) -c "from pathlib import Path; import vlm_support as v; \
+	  root = Path('demo-volume'); v.make_tiny_vlm(root / v.VLM_BASE); v.write_ocr_jsonl(root / v.OCR_FILE, 200, seed=0)"
+	TRAINPOD_VOLUME=demo-volume $(PY) -m trainpod run finetune-vlm --config configs/finetune/tiny-vlm.yaml
+	TRAINPOD_VOLUME=demo-volume $(PY) -m trainpod run convert --config configs/convert/tiny-vlm.yaml
+	TRAINPOD_VOLUME=demo-volume $(PY) -m trainpod status tiny-vlm
 
 test: setup
 	$(PY) -m pytest -m "not container and not gpu" $(PYTEST_ARGS)

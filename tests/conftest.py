@@ -10,6 +10,7 @@ import pytest
 
 from finetune_support import make_base_model
 from support import TINY_DATAGEN, run_trainpod
+from vlm_support import OCR_FILE, VLM_BASE, make_tiny_vlm, write_ocr_jsonl
 
 
 @pytest.fixture(scope="session")
@@ -35,4 +36,14 @@ def finetune_base_volume(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """models/base (a tiny Llama with the test tokenizer) and data/sft.jsonl; copy it before writing."""
     volume = tmp_path_factory.mktemp("finetune-base")
     make_base_model(volume)
+    return volume
+
+
+@pytest.fixture(scope="session")
+def vlm_base_volume(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """models/vlm (a tiny Qwen2-VL with its tokenizer and image processor) and 40 OCR rows with their
+    56x56 images at data/ocr/; copy it before writing."""
+    volume = tmp_path_factory.mktemp("vlm-base")
+    make_tiny_vlm(volume / VLM_BASE)
+    write_ocr_jsonl(volume / OCR_FILE, 40, seed=5)
     return volume

@@ -187,6 +187,31 @@ def test_a_failed_write_back_fails_the_file_instead_of_going_unnoticed(tmp_path)
         os.close(write_end)
 
 
+def test_retention_ranks_by_the_configured_score_when_a_manifest_has_one(tmp_path):
+    """A CER (lower is better) keeps the checkpoint with the best CER, whatever its eval loss."""
+    store = CheckpointStore(tmp_path, keep_last=2, keep_best=1)
+    for step, loss, cer in ((10, 1.0, 0.9), (20, 3.0, 0.1), (30, 2.0, 0.5), (40, 2.0, 0.6)):
+        pending = store.begin(step)
+        pending.write_bytes("weights.bin", b"w" * step)
+        store.commit(pending, step, {}, eval_loss=loss, score=("eval_cer", cer))
+    kept = sorted(int(p.name.split("-")[1]) for p in tmp_path.glob("step-*"))
+    assert kept == [20, 30, 40], "the lowest CER (step 20) must be kept, not the lowest loss (step 10)"
+    manifest = json.loads((tmp_path / "step-20" / "manifest.json").read_text())
+    assert manifest["score"] == {"metric": "eval_cer", "value": 0.1}
+
+
+def test_manifests_without_a_score_are_ranked_by_their_eval_loss(tmp_path):
+    """Checkpoints written before scores existed stay readable and keep competing by eval loss."""
+    store = CheckpointStore(tmp_path, keep_last=2, keep_best=1)
+    commit(store, 10, eval_loss=0.5)
+    manifest = json.loads((tmp_path / "step-10" / "manifest.json").read_text())
+    assert "score" not in manifest
+    for step, loss in ((20, 2.0), (30, 3.0), (40, 4.0)):
+        commit(store, step, eval_loss=loss)
+    assert (tmp_path / "step-10").is_dir()
+    assert store.committed()[-1].score == 0.5
+
+
 def test_a_write_that_fails_removes_its_temp_folder_at_once_and_latest_stays(tmp_path):
     store = CheckpointStore(tmp_path)
     commit(store, 10)

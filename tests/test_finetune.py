@@ -195,3 +195,29 @@ def test_the_paged_8bit_optimizer_state_round_trips_through_a_checkpoint(volume)
     output = ok(run_trainpod(*finetune_args(*paged, "--set", "train.max_steps=6"), volume=volume))
     assert "resumed from step-3" in output
     assert latest_step(volume) == 6
+
+
+def test_a_text_finetune_is_evaluated_by_generation_and_keeps_its_best_checkpoints_by_cer(volume):
+    """Generation eval is not for images only: greedy answers to validation prompts, scored by CER, with
+    checkpoints ranked by it."""
+    ok(
+        run_trainpod(
+            *finetune_args(
+                "--set", "train.max_steps=10", "--set", "generation_eval.every_evals=1",
+                "--set", "generation_eval.max_samples=3", "--set", "generation_eval.max_new_tokens=4",
+                "--set", "train.early_stopping_metric=cer",
+            ),
+            volume=volume,
+            timeout=900,
+        )
+    )  # fmt: skip
+    records = [
+        json.loads(line)
+        for line in (run_dir(volume) / "eval/step-10.predictions.jsonl").read_text().splitlines()
+    ]
+    assert len(records) == 3 and all(r["reference"] and "cer" in r["scores"] for r in records)
+    assert all(r["prompt"].endswith("assistant\n") and r["images"] == [] for r in records)
+    manifest = json.loads((run_dir(volume) / "checkpoints/step-10/manifest.json").read_text())
+    assert manifest["score"]["metric"] == "eval_cer"
+    status = json.loads((run_dir(volume) / "status.json").read_text())
+    assert status["eval_metrics"]["eval_cer"] == manifest["score"]["value"]

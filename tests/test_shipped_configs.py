@@ -43,8 +43,11 @@ def test_shipped_config_loads_and_validates(path):
 
 
 def config_type(path: Path) -> type:
-    """The config class `trainpod run` picks: the registry's module for the folder's workload."""
+    """The config class `trainpod run` picks: the registry's module for the folder's workload
+    (configs/finetune/*-vl*.yaml are vision-language finetunes: `trainpod run finetune-vlm`)."""
     workload = REGISTRY.get(path.parent.name)
+    if path.parent.name == "finetune" and "-vl" in path.stem:
+        workload = REGISTRY["finetune-vlm"]
     return workload.module().config_type(load_tree(path)[0]) if workload else TYPES[path.parent.name]
 
 
@@ -64,7 +67,7 @@ def test_the_datagen_kinds_are_told_apart_by_their_kind_key():
 
 def test_every_finetune_profile_names_a_dataset_a_shipped_sft_datagen_config_makes():
     made = {load_config(SftDatagenConfig, p).name for p in shipped() if config_type(p) is SftDatagenConfig}
-    for path in (p for p in shipped() if p.parent.name == "finetune"):
+    for path in (p for p in shipped() if config_type(p) is FinetuneConfig):
         config = load_config(FinetuneConfig, path)
         if config.data.dataset is not None:
             assert config.data.dataset in made, (
@@ -87,3 +90,17 @@ def test_every_pretrain_config_names_a_dataset_a_shipped_datagen_config_makes():
         assert dataset in made, (
             f"{path.name}: data.dataset={dataset!r}; shipped datagen configs make {sorted(made)}"
         )
+
+
+def test_the_vlm_configs_load_as_vision_finetunes_with_the_ocr_settings():
+    ocr = load_config(
+        config_type(CONFIGS / "finetune/qwen3-vl-2b-qlora-ocr.yaml"),
+        CONFIGS / "finetune/qwen3-vl-2b-qlora-ocr.yaml",
+    )
+    assert type(ocr).__name__ == "VlmFinetuneConfig"
+    assert (ocr.lora.r, ocr.lora.alpha, ocr.train.lr) == (16, 16, 2e-4)
+    assert (ocr.train.micro_batch_size, ocr.train.grad_accum_steps, ocr.train.max_steps) == (2, 4, 500)
+    assert ocr.ranked_metric == "eval_cer" and ocr.generation_eval.every_evals >= 1
+    assert (ocr.checkpoint.keep_best, ocr.checkpoint.keep_last) == (5, 5)
+    tiny = load_config(config_type(CONFIGS / "finetune/tiny-vlm.yaml"), CONFIGS / "finetune/tiny-vlm.yaml")
+    assert tiny.method == "qlora" and tiny.train.cpu_threads

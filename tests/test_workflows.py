@@ -222,3 +222,23 @@ def test_the_scheduled_supervisor_restarts_an_interrupted_pod(tmp_path: Path, fa
     assert result.returncode == 0, f"the scheduled supervisor failed:\n{result.stdout}{result.stderr}"
     assert fake_runpod.pods[deployed.pod.id]["desiredStatus"] == "RUNNING", result.stdout
     assert "restart 1/50" in result.stdout
+
+
+def _pins(path: Path) -> dict[str, str]:
+    lines = path.read_text().splitlines()
+    return {
+        line.split("==")[0].lower(): line.split("==")[1]
+        for line in lines
+        if "==" in line and not line.startswith("#")
+    }
+
+
+@pytest.mark.parametrize("flavour", ["cu128", "cu130"])
+def test_each_cuda_lock_pins_every_package_of_the_cpu_lock_alike(flavour: str):
+    cpu, cuda = _pins(REPO / "docker/constraints-cpu.txt"), _pins(REPO / f"docker/constraints-{flavour}.txt")
+    missing = sorted(set(cpu) - set(cuda))
+    differ = sorted(name for name in set(cpu) & set(cuda) if cpu[name] != cuda[name] and name != "torch")
+    assert not missing and not differ, (
+        f"docker/constraints-{flavour}.txt lacks {missing} and pins {differ} otherwise than the cpu lock: a "
+        "package added to pyproject.toml goes into every lock, or that flavour's offline build fails"
+    )

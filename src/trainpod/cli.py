@@ -274,6 +274,15 @@ def _status_line(vol: Volume, name: str) -> str:
         parts.append(f"ETA {hours_minutes(s['eta_s'])}")
     if s.get("cost_usd") is not None:
         parts.append(f"cost ${s['cost_usd']:.2f}")
+    evals = dict(s.get("eval_metrics") or {})
+    if evals:
+        at = evals.pop("step", None)
+        parts.append(
+            ", ".join(f"{k.removeprefix('eval_')} {v:.4f}" for k, v in evals.items()) + f" (step {at})"
+        )
+        predictions = run.root / "eval" / f"step-{at}.predictions.jsonl"
+        if predictions.exists():
+            parts.append(f"predictions {predictions}")
     checkpoint = s.get("latest_checkpoint")
     if checkpoint:
         parts.append(

@@ -62,6 +62,13 @@ class CommittedCheckpoint:
         return self.manifest.get("eval_loss")
 
     @property
+    def score(self) -> float | None:
+        """What best-k retention ranks by, lower is better: the configured metric's value (`score`, e.g.
+        a CER) where the manifest has one, else the eval loss (manifests written before `score` existed)."""
+        score = self.manifest.get("score")
+        return score["value"] if score else self.eval_loss
+
+    @property
     def metadata(self) -> dict[str, Any]:
         return self.manifest.get("metadata", {})
 
@@ -340,9 +347,13 @@ class CheckpointStore:
         metadata: dict[str, Any],
         eval_loss: float | None = None,
         started: float | None = None,
+        score: tuple[str, float] | None = None,
     ) -> CommittedCheckpoint:
-        """Publish `pending` as `step-<step>` and make it LATEST; then apply retention."""
-        committed = self.publish(pending, step, metadata, eval_loss, started)
+        """Publish `pending` as `step-<step>` and make it LATEST; then apply retention.
+
+        `score` (metric name, value; lower is better) ranks the checkpoint for best-k retention in
+        place of `eval_loss`, e.g. ("eval_cer", 0.12)."""
+        committed = self.publish(pending, step, metadata, eval_loss, started, score)
         self.apply_retention()
         return committed
 
@@ -353,6 +364,7 @@ class CheckpointStore:
         metadata: dict[str, Any],
         eval_loss: float | None = None,
         started: float | None = None,
+        score: tuple[str, float] | None = None,
     ) -> CommittedCheckpoint:
         """Steps 2-4 of the protocol: the manifest, the rename and LATEST (the commit point)."""
         started = time.monotonic() if started is None else started
@@ -363,6 +375,7 @@ class CheckpointStore:
             "step": step,
             "files": pending.files,
             "eval_loss": eval_loss,
+            **({"score": {"metric": score[0], "value": score[1]}} if score else {}),
             "created_unix": time.time(),
             "metadata": metadata,
         }
@@ -386,12 +399,10 @@ class CheckpointStore:
         return CommittedCheckpoint(step, target, atomic.read_json(target / MANIFEST))
 
     def apply_retention(self) -> list[int]:
-        """Delete checkpoints beyond the last k and best k; never the one LATEST names."""
+        """Delete checkpoints beyond the last k and best k (by `score`); never the one LATEST names."""
         checkpoints = self.committed()
         keep = {c.step for c in checkpoints[: self.keep_last]}
-        scored = sorted(
-            (c for c in checkpoints if c.eval_loss is not None), key=lambda c: (c.eval_loss, -c.step)
-        )
+        scored = sorted((c for c in checkpoints if c.score is not None), key=lambda c: (c.score, -c.step))
         keep |= {c.step for c in scored[: self.keep_best]}
         latest_name = self._latest_name()
         deleted = []

@@ -115,6 +115,7 @@ class _Commit:
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
     abandoned: threading.Event = field(default_factory=threading.Event)
+    score: tuple[str, float] | None = None  # (metric, value) that ranks it for best-k retention
 
 
 class CheckpointWriter:
@@ -135,6 +136,7 @@ class CheckpointWriter:
         metadata: dict[str, Any],
         eval_loss: float | None = None,
         background: bool = False,
+        score: tuple[str, float] | None = None,
     ) -> CommittedCheckpoint | None:
         """Snapshot `files` and commit them as `step-<step>`; with `background`, return once the snapshot
         is taken (the result comes from `poll` or `wait`), else return the committed checkpoint."""
@@ -147,7 +149,15 @@ class CheckpointWriter:
             copied = torch.cuda.Event()
             copied.record()
         job = _Commit(
-            step, frozen, metadata, eval_loss, time.monotonic() - started, copied, started, background
+            step,
+            frozen,
+            metadata,
+            eval_loss,
+            time.monotonic() - started,
+            copied,
+            started,
+            background,
+            score=score,
         )
         if not background:
             self._write(job)
@@ -164,7 +174,9 @@ class CheckpointWriter:
                 for name, value in job.files.items():
                     _write_file(pending, name, value)
                 with self._commit_point:
-                    job.result = self.store.publish(pending, job.step, job.metadata, job.eval_loss)
+                    job.result = self.store.publish(
+                        pending, job.step, job.metadata, job.eval_loss, score=job.score
+                    )
             job.files = {}  # the bytes it serialized can go; the tensors are the reused buffers
             if not job.abandoned.is_set():
                 self.store.apply_retention()

@@ -25,7 +25,11 @@ class CheckpointConfig(Section):
         "see BENCHMARKS.md).",
     )
     keep_last: int = Field(2, ge=2, description="Keep the newest this many checkpoints (at least 2).")
-    keep_best: int = Field(1, ge=0, description="Also keep the best this many by eval loss (0 keeps none).")
+    keep_best: int = Field(
+        1,
+        ge=0,
+        description="Also keep the best this many by eval loss (finetunes: train.early_stopping_metric; 0 keeps none).",
+    )
     verify: Literal["sha256", "size"] = Field(
         "sha256", description="How a checkpoint is verified at start: 'sha256' (every byte) or 'size' (fast)."
     )

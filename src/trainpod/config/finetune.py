@@ -131,6 +131,11 @@ class FinetuneTrainConfig(Section):
     early_stopping_patience: int = Field(
         0, ge=0, description="Stop after this many evals without improvement (0: never stop early)."
     )
+    early_stopping_metric: Literal["eval_loss", "cer", "wer", "cer_normalized", "wer_normalized"] = Field(
+        "eval_loss",
+        description="What early stopping and checkpoint.keep_best rank by, lower is better: the eval loss, or a "
+        "generation metric (needs generation_eval.every_evals >= 1; measured on those evals only).",
+    )
     early_stopping_min_delta: float = Field(
         0.0, ge=0, description="An eval improves only if it beats the best by more than this."
     )
@@ -149,6 +154,21 @@ class FinetuneTrainConfig(Section):
                 f"train has max_steps={self.max_steps} and epochs={self.epochs}; give exactly one of them"
             )
         return self
+
+
+class GenerationEvalConfig(Section):
+    """Greedy answers to validation prompts, scored by CER, WER and exact match (train/generation_eval.py)."""
+
+    every_evals: int = Field(
+        0, ge=0, description="Generate on every this many-th eval (1: every eval; 0: never)."
+    )
+    max_samples: int = Field(
+        32, ge=1, description="Validation samples answered per generation eval (the first N)."
+    )
+    max_new_tokens: int = Field(128, ge=1, description="Longest answer generated, in tokens.")
+    worst_samples: int = Field(
+        10, ge=0, description="Write this many highest-CER samples to eval/step-N.worst-cer.jsonl."
+    )
 
 
 class TrackingConfig(Section):
@@ -183,6 +203,23 @@ class FinetuneConfig(Section):
     quantization: QuantizationSettings = QuantizationSettings()
     data: FinetuneDataConfig
     train: FinetuneTrainConfig
+    generation_eval: GenerationEvalConfig = GenerationEvalConfig()
     checkpoint: CheckpointConfig = CheckpointConfig(every_steps=100)
     tracking: TrackingConfig = TrackingConfig()
     export: FinetuneExportConfig = FinetuneExportConfig()
+
+    @model_validator(mode="after")
+    def _ranked_metric_is_measured(self) -> FinetuneConfig:
+        metric = self.train.early_stopping_metric
+        if metric != "eval_loss" and not self.generation_eval.every_evals:
+            raise ValueError(
+                f"train.early_stopping_metric={metric!r} is measured by generation, which is off; set "
+                "generation_eval.every_evals to 1 (or k: every k-th eval), or rank by eval_loss"
+            )
+        return self
+
+    @property
+    def ranked_metric(self) -> str:
+        """The metric name as logged: eval_loss, eval_cer, ..."""
+        metric = self.train.early_stopping_metric
+        return metric if metric == "eval_loss" else f"eval_{metric}"

@@ -152,9 +152,22 @@ def base_config(base_dir: Path) -> dict[str, Any]:
     return _read_json(base_dir / "config.json")
 
 
+def vision_module_shapes(base_dir: Path) -> dict[str, tuple[int, ...]]:
+    """A vision-language model's parameter shapes by module name, from its config on the meta device:
+    its hub files name weights otherwise (model.layers.* for model.language_model.layers.*, renamed on load)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    config = AutoConfig.from_pretrained(str(base_dir))
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(config)
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+
 def check_against_base(adapter: PeftAdapter, base_dir: Path) -> None:
     """Exit 2 naming the module and both shapes when the adapter was not trained on this base."""
-    shapes = base_weight_shapes(base_dir)
+    vision = bool((adapter.summary or {}).get("vision"))
+    shapes = vision_module_shapes(base_dir) if vision else base_weight_shapes(base_dir)
     tied = base_config(base_dir).get("tie_word_embeddings", False)
     problems = []
     for module in adapter.modules.values():

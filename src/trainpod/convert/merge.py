@@ -13,7 +13,7 @@ and double quantization.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,7 @@ from trainpod.convert import tensor_merge
 from trainpod.convert.adapter import PeftAdapter
 from trainpod.convert.output import Staging
 from trainpod.errors import InputError
-from trainpod.train.export import DTYPES
+from trainpod.train.export import DTYPES, PROCESSOR_FILES
 
 log = logging.getLogger(__name__)
 
@@ -37,9 +37,12 @@ def base_dtype(base_dir_config: dict[str, Any]) -> str:
     return recorded if recorded in DTYPES else "float32"
 
 
-def nf4_roundtrip(model: torch.nn.Module, quantization: dict[str, Any]) -> list[str]:
+def nf4_roundtrip(
+    model: torch.nn.Module, quantization: dict[str, Any], kept: Sequence[str] = ()
+) -> list[str]:
     """Replace the quantizable Linear weights by quantize_4bit -> dequantize_4bit of themselves.
 
+    `kept`: module names training left unquantized (a VLM's vision tower and projector), at any depth.
     Returns the names of the modules changed.
     """
     round_trip = nf4_round_trip(quantization)
@@ -48,6 +51,8 @@ def nf4_roundtrip(model: torch.nn.Module, quantization: dict[str, Any]) -> list[
     with torch.no_grad():
         for name, module in model.named_modules():
             if not isinstance(module, torch.nn.Linear) or module is head:
+                continue
+            if any(part in kept for part in name.split(".")):
                 continue
             module.weight.data = round_trip(module.weight.data)
             changed.append(name)
@@ -77,20 +82,32 @@ def nf4_round_trip(quantization: dict[str, Any]) -> Callable[[torch.Tensor], tor
     return round_trip
 
 
-def load_base_fp32(base_dir: Path) -> torch.nn.Module:
+def load_base_fp32(base_dir: Path, vision: bool = False) -> torch.nn.Module:
+    from transformers import AutoModelForImageTextToText
+
     transformers_logging.disable_progress_bar()
-    return AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+    auto_class = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+    return auto_class.from_pretrained(str(base_dir), dtype=torch.float32)
+
+
+def vision_settings(summary: dict[str, Any] | None) -> dict[str, Any] | None:
+    """What a vision-language finetune recorded (training_summary.json's `vision`); None for text."""
+    return (summary or {}).get("vision")
 
 
 def merged_model(
-    adapter_dir: Path, base_dir: Path, quantization: dict[str, Any] | None, qlora_base: str
+    adapter_dir: Path,
+    base_dir: Path,
+    quantization: dict[str, Any] | None,
+    qlora_base: str,
+    vision: dict[str, Any] | None = None,
 ) -> torch.nn.Module:
     """The base with the adapter folded in, in float32."""
     from peft import PeftModel
 
-    model = load_base_fp32(base_dir)
+    model = load_base_fp32(base_dir, vision=vision is not None)
     if quantization is not None and qlora_base == "dequantized":
-        changed = nf4_roundtrip(model, quantization)
+        changed = nf4_roundtrip(model, quantization, (vision or {}).get("kept_unquantized") or ())
         log.info("merging into the 4-bit round-tripped base (%d Linear layers), as trained", len(changed))
     peft_model = PeftModel.from_pretrained(model, str(adapter_dir), torch_device="cpu")
     return peft_model.merge_and_unload()
@@ -117,17 +134,28 @@ def write_merged(
             "the adapter folder"
         )
     dequantize = quantization is not None and qlora_base == "dequantized"
-    skeleton = tensor_merge.skeleton(base_dir)
-    why = tensor_merge.reason_for_peft(adapter, skeleton, base_dir)
+    vision = vision_settings(adapter.summary)
+    # A VLM's hub checkpoint names its weights otherwise than its modules (transformers renames them on
+    # load), and its skeleton is not a causal LM: peft merges it on the loaded model.
+    why = (
+        "a vision-language model"
+        if vision
+        else tensor_merge.reason_for_peft(adapter, tensor_merge.skeleton(base_dir), base_dir)
+    )
     if why is None:
+        skeleton = tensor_merge.skeleton(base_dir)
         round_trip = nf4_round_trip(quantization) if dequantize else None
         tensor_merge.write_merged(adapter, base_dir, skeleton, staging, dtype, round_trip, max_shard_size)
     else:
         log.info("merging with peft's merge_and_unload: %s", why)
         write_merged_with_peft(
-            adapter.folder, base_dir, staging.folder, dtype, quantization, qlora_base, max_shard_size
+            adapter.folder, base_dir, staging.folder, dtype, quantization, qlora_base, max_shard_size, vision
         )
     AutoTokenizer.from_pretrained(str(tokenizer_source)).save_pretrained(staging.folder)
+    for name in PROCESSOR_FILES:  # a VLM's image processor, so AutoProcessor loads the merged folder
+        source = next((d / name for d in (adapter.folder, base_dir) if (d / name).is_file()), None)
+        if source is not None:
+            (staging.folder / name).write_bytes(source.read_bytes())
 
 
 def write_merged_with_peft(
@@ -138,9 +166,10 @@ def write_merged_with_peft(
     quantization: dict[str, Any] | None,
     qlora_base: str,
     max_shard_size: str,
+    vision: dict[str, Any] | None = None,
 ) -> None:
     """Weights and configs of the merged model by peft's merge_and_unload and save_pretrained."""
-    merged = merged_model(adapter_dir, base_dir, quantization, qlora_base).to(DTYPES[dtype])
+    merged = merged_model(adapter_dir, base_dir, quantization, qlora_base, vision).to(DTYPES[dtype])
     folder.mkdir(parents=True)
     merged.save_pretrained(folder, safe_serialization=True, max_shard_size=max_shard_size)
 

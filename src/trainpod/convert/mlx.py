@@ -70,6 +70,12 @@ def refusals(adapter: PeftAdapter) -> list[str]:
             f"the adapter holds tensors that are not LoRA A/B or DoRA magnitudes ({shown}), for example "
             f"embedding LoRA or trained copies of modules; {_MERGE_INSTEAD}"
         )
+    if (adapter.summary or {}).get("vision"):
+        problems.append(
+            "a vision-language adapter (finetune-vlm): mlx-lm adapters are for text models and this kit "
+            "writes no mlx-vlm adapter format; use a `kind: merge` task and convert the merged folder with "
+            "mlx-vlm (`python -m mlx_vlm.convert --hf-path <merged folder>`)"
+        )
     if adapter.uses_dora:
         lacking = [m.name for m in adapter.modules.values() if m.magnitude is None]
         if lacking:

@@ -141,12 +141,16 @@ def _parquet_rows(path: Path) -> Iterator[Row]:
             index += 1
 
 
+def rows_of_file(path: Path) -> Iterator[Row]:
+    """Every row of one data file (.json, .jsonl, .parquet, optionally .gz) in order."""
+    return _parquet_rows(path) if _data_suffix(path) == ".parquet" else _json_rows(path)
+
+
 def iter_rows(source: SftSourceConfig, volume_root: Path) -> Iterator[Row]:
     """Every row of one dataset in order, at most `max_samples`."""
     count = 0
     for path in resolve_files(source, volume_root):
-        rows = _parquet_rows(path) if _data_suffix(path) == ".parquet" else _json_rows(path)
-        for row in rows:
+        for row in rows_of_file(path):
             if source.max_samples is not None and count >= source.max_samples:
                 return
             count += 1

@@ -84,13 +84,23 @@ def _from_pretrained_kwargs(cfg: BaseModelConfig, attention: str) -> dict[str, A
     }
 
 
+def _auto_class(vision: bool):
+    """transformers' auto class: causal LMs, or image-text-to-text models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL)."""
+    import transformers
+
+    return transformers.AutoModelForImageTextToText if vision else transformers.AutoModelForCausalLM
+
+
 def load_model(
-    folder: Path, cfg: BaseModelConfig, dtype: torch.dtype, attention: str, device: torch.device
+    folder: Path,
+    cfg: BaseModelConfig,
+    dtype: torch.dtype,
+    attention: str,
+    device: torch.device,
+    vision: bool = False,
 ) -> torch.nn.Module:
     """The model at `folder` in `dtype` on `device`."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(
+    model = _auto_class(vision).from_pretrained(
         str(folder), dtype=dtype, **_from_pretrained_kwargs(cfg, attention)
     )
     return model.to(device)
@@ -103,17 +113,24 @@ def load_4bit(
     compute_dtype: torch.dtype,
     attention: str,
     device: torch.device,
+    vision: bool = False,
+    keep_modules: list[str] | None = None,
 ) -> torch.nn.Module:
-    """The model at `folder` with bitsandbytes 4-bit linear layers (QLoRA's frozen base)."""
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    """The model at `folder` with bitsandbytes 4-bit linear layers (QLoRA's frozen base).
+
+    `keep_modules`: module names left unquantized (bitsandbytes' llm_int8_skip_modules), e.g. a VLM's
+    vision tower, which is small and loses accuracy in 4 bit; the output head is always kept.
+    """
+    from transformers import BitsAndBytesConfig
 
     quantization_config = BitsAndBytesConfig(
         load_in_4bit=True,
         bnb_4bit_quant_type=quantization.quant_type,
         bnb_4bit_use_double_quant=quantization.double_quant,
         bnb_4bit_compute_dtype=compute_dtype,
+        llm_int8_skip_modules=[*(keep_modules or []), "lm_head"] if keep_modules else None,
     )
-    model = AutoModelForCausalLM.from_pretrained(
+    model = _auto_class(vision).from_pretrained(
         str(folder),
         quantization_config=quantization_config,
         device_map={"": device},

@@ -16,6 +16,7 @@ from trainpod import atomic
 
 log = logging.getLogger(__name__)
 
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -34,6 +35,9 @@ def export_hf(
         exported = model if dtype == next(model.parameters()).dtype else _copy_as(model, dtype)
         exported.save_pretrained(tmp, safe_serialization=True)
         AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(tmp)
+        for name in PROCESSOR_FILES:  # a vision-language model's image processor travels with its tokenizer
+            if (Path(tokenizer_dir) / name).is_file():
+                atomic.write_bytes(tmp / name, (Path(tokenizer_dir) / name).read_bytes())
         for name, content in (extra_json or {}).items():
             atomic.write_json(tmp / name, content)
         atomic.replace_dir(tmp, target)

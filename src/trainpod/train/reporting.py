@@ -69,6 +69,7 @@ class RunReporter:
         self.resumes_path = run.logs / "resumes.json"
         self.last_eval_loss: float | None = None
         self._tb = None
+        self._eval_metrics: dict[str, Any] = {}
         if enabled:
             self._truncate_metrics(resumed_step)
             self._record_resume(resumed_step)
@@ -116,9 +117,17 @@ class RunReporter:
             f.write(json.dumps(metrics) + "\n")
         for key, value in metrics.items():
             if key != "step" and isinstance(value, int | float) and math.isfinite(value):
-                self._tb.add_scalar(f"train/{key}" if key != "eval_loss" else "eval/loss", value, step)
+                self._tb.add_scalar(_tensorboard_tag(key), value, step)
         if self.tracker is not None:
             self.tracker.log(metrics, step)
+
+    def _latest_eval_metrics(self, step: int, metrics: dict[str, Any]) -> dict[str, Any]:
+        """Generation metrics (eval_cer, eval_wer, ...) of the latest eval that measured them, with its step:
+        kept across the status writes of the steps in between."""
+        measured = {k: v for k, v in metrics.items() if k.startswith("eval_") and k != "eval_loss"}
+        if measured:
+            self._eval_metrics = {"step": step, **measured}
+        return self._eval_metrics
 
     def progress_line(self, metrics: dict[str, Any]) -> str:
         """`step 120/5000 (2.4%) | loss 3.2100 | eval 3.3050 | lr ... | ETA 3h12m`: what a person reads."""
@@ -159,6 +168,7 @@ class RunReporter:
                 "max_steps": self.max_steps,
                 "loss": metrics.get("loss"),
                 "eval_loss": metrics.get("eval_loss"),
+                "eval_metrics": self._latest_eval_metrics(step, metrics),
                 "lr": metrics.get("lr"),
                 "tokens_per_s": metrics.get("tokens_per_s"),
                 "mfu": metrics.get("mfu"),
@@ -212,6 +222,11 @@ class RunReporter:
             self._tb.close()
         if self.tracker is not None:
             self.tracker.finish()
+
+
+def _tensorboard_tag(key: str) -> str:
+    """eval_loss -> eval/loss, eval_cer -> eval/cer; everything else under train/."""
+    return f"eval/{key.removeprefix('eval_')}" if key.startswith("eval_") else f"train/{key}"
 
 
 def hours_minutes(seconds: float) -> str:

@@ -58,6 +58,9 @@ class Progress:
     last_eval_loss: float | None = None
     last_eval_step: int | None = None
     evals_without_improvement: int = 0
+    best_score: float | None = None  # of the trainer's ranked_metric (eval_loss unless configured)
+    last_score: float | None = None
+    last_score_step: int | None = None
 
 
 @dataclass
@@ -74,6 +77,9 @@ class Trainer:
     optimizer: torch.optim.Optimizer
     flops_per_token: float | None = None  # for MFU; None where it is not meaningful
     improvement_threshold = 0.0  # an eval counts as better only if it beats the best by more than this
+    # What early stopping and best-k retention rank by, lower is better: eval_loss, or a metric the
+    # workload's evaluate() puts into self.eval_metrics (e.g. eval_cer from generation).
+    ranked_metric = "eval_loss"
 
     def __init__(
         self,
@@ -106,6 +112,7 @@ class Trainer:
         self._last_metrics: dict[str, Any] = {}  # the newest logged metrics, for status.json and DONE
         self._lr = 0.0
         self._budget_warned = False
+        self.eval_metrics: dict[str, float] = {}  # more metrics of the latest eval (set by evaluate)
         self.reporter: RunReporter | None = None  # made in train(): rank 0 writes, the others do not
 
     # ----------------------------------------------------------------------- workload hooks
@@ -199,6 +206,8 @@ class Trainer:
         restore_rng(rng[self.dist.rank])
         self.load_data_state(state["data"])
         self.progress = Progress(**state["progress"])
+        if self.progress.best_score is None and self.ranked_metric == "eval_loss":
+            self.progress.best_score = self.progress.best_eval_loss  # a checkpoint from before scores
         self.load_extra_state(state)
         return state
 
@@ -248,6 +257,7 @@ class Trainer:
             metrics: dict[str, Any] = {}
             if self.eval_every and step % self.eval_every == 0 and self.has_eval_data:
                 metrics["eval_loss"] = self._evaluate(model, step)
+                metrics |= self.eval_metrics
             if step % self.log_every == 0 or step == self.max_steps or metrics:
                 seconds = time.perf_counter() - window_start
                 metrics |= self._step_metrics(
@@ -264,14 +274,19 @@ class Trainer:
                 return
 
     def _evaluate(self, model: torch.nn.Module, step: int) -> float:
+        self.eval_metrics = {}
         eval_loss = self.evaluate(model, step)
         model.train()
         p = self.progress
         p.last_eval_loss, p.last_eval_step = eval_loss, step
-        if p.best_eval_loss is None or eval_loss < p.best_eval_loss - self.improvement_threshold:
-            p.best_eval_loss, p.evals_without_improvement = eval_loss, 0
-        else:
-            p.evals_without_improvement += 1
+        p.best_eval_loss = eval_loss if p.best_eval_loss is None else min(p.best_eval_loss, eval_loss)
+        score = eval_loss if self.ranked_metric == "eval_loss" else self.eval_metrics.get(self.ranked_metric)
+        if score is not None:  # a generation metric is measured only every k-th eval
+            p.last_score, p.last_score_step = score, step
+            if p.best_score is None or score < p.best_score - self.improvement_threshold:
+                p.best_score, p.evals_without_improvement = score, 0
+            else:
+                p.evals_without_improvement += 1
         self.finished_early = self.should_stop_early()
         if self.finished_early:
             log.info("stopping early at step %d: %s", step, self.finished_early)
@@ -407,9 +422,13 @@ class Trainer:
             files = self.checkpoint_files()
             files |= {"rng.pt": rng_states, "trainer_state.json": self._trainer_state()}
             # Only a checkpoint evaluated at its own step competes for best-k retention.
-            eval_loss = self.progress.last_eval_loss if self.progress.last_eval_step == step else None
+            p = self.progress
+            eval_loss = p.last_eval_loss if p.last_eval_step == step else None
+            score = (self.ranked_metric, p.last_score) if p.last_score_step == step else None
             with self._disk_full_is_exit_5(step):
-                committed = self.writer.commit(step, files, self._manifest_metadata(), eval_loss, background)
+                committed = self.writer.commit(
+                    step, files, self._manifest_metadata(), eval_loss, background, score=score
+                )
             self._committed(committed)
         self._last_commit_time = snapshot_time
         if not background:

@@ -71,6 +71,7 @@ _WORKLOADS = (
     Workload("datagen", Kind.DATA, "tokenizer + token shards, SFT data, or your generator's records", __name__ + ".datagen"),
     Workload("pretrain", Kind.TRAINING, "a Llama decoder from scratch on token shards", __name__ + ".pretrain"),
     Workload("finetune", Kind.TRAINING, "QLoRA, LoRA or full finetuning of an existing model", __name__ + ".finetune"),
+    Workload("finetune-vlm", Kind.TRAINING, "QLoRA, LoRA or full finetuning of a vision-language model (Qwen-VL) on images + text", __name__ + ".finetune_vlm"),
     Workload("command", Kind.COMMAND, "your own program (any language) under the run lifecycle", __name__ + ".command"),
     Workload("convert", Kind.CONVERSION, "adapters to MLX, merged into their base; checkpoints to HF", __name__ + ".convert"),
     Workload("supervise", Kind.SERVICE, "bring a run's interrupted spot pods back until it is done", __name__ + ".supervise"),

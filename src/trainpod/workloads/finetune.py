@@ -75,12 +75,15 @@ def _dataset_dir(ctx: RunContext, name: str) -> Path:
 
 # ------------------------------------------------------------------------------- trainer
 class Finetuner(Trainer):
+    model_inputs = MODEL_INPUTS  # the batch keys the model's forward takes
+
     def __init__(self, ctx: RunContext, config: FinetuneConfig, dist: D.DistContext):
         t = config.train
         super().__init__(ctx, config, config.checkpoint, t.max_steps or 1, t.log_every, t.eval_every, dist)
         self.train_cfg = t
         self.method = config.method
         self.improvement_threshold = t.early_stopping_min_delta
+        self.ranked_metric = config.ranked_metric
         self.tracker_run_id: str | None = None
         self.base_dir = self._on_main_first(lambda: resolve_base_model(config.base_model, ctx.volume))
         self.attention = resolve_attention(
@@ -146,9 +149,7 @@ class Finetuner(Trainer):
     def _setup_model(self) -> None:
         from peft import get_peft_model, prepare_model_for_kbit_training
 
-        from trainpod.train.lora import peft_lora_config
-
-        cfg, t, device = self.cfg, self.train_cfg, self.dist.device
+        t, device = self.train_cfg, self.dist.device
         self.autocast_dtype = autocast_dtype(t.precision, device)
         attention = self.attention
         # Frozen base weights in bf16 on a GPU that has it; trained weights (full) and adapters in fp32.
@@ -156,16 +157,14 @@ class Finetuner(Trainer):
         torch.manual_seed(t.seed)  # the LoRA init and everything after it follow the seed
         if self.method == "qlora":
             self.compute_dtype = self._compute_dtype()
-            model = load_4bit(
-                self.base_dir, cfg.base_model, cfg.quantization, self.compute_dtype, attention, device
-            )
+            model = self._load_4bit(attention)
             model = prepare_model_for_kbit_training(
                 model,
                 use_gradient_checkpointing=t.gradient_checkpointing,
                 gradient_checkpointing_kwargs={"use_reentrant": False},
             )
         else:
-            model = load_model(self.base_dir, cfg.base_model, base_dtype, attention, device)
+            model = self._load_model(base_dtype, attention)
             if t.gradient_checkpointing:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
                 if self.method == "lora":
@@ -174,7 +173,9 @@ class Finetuner(Trainer):
         self._check_vocabulary(model)
         self._check_positions(model)
         if self.method != "full":
-            model = get_peft_model(model, peft_lora_config(cfg.lora))
+            model = get_peft_model(model, self._peft_config(model))
+        else:
+            self._freeze_for_full(model)
         self.model = model
         self.trainable = {name: p for name, p in model.named_parameters() if p.requires_grad}
         self.n_trainable = sum(p.numel() for p in self.trainable.values())
@@ -200,6 +201,23 @@ class Finetuner(Trainer):
             self.dist.world_size,
             "chunked" if self.chunked_loss else "the model's own",
         )
+
+    def _load_4bit(self, attention: str) -> torch.nn.Module:
+        cfg = self.cfg
+        return load_4bit(
+            self.base_dir, cfg.base_model, cfg.quantization, self.compute_dtype, attention, self.dist.device
+        )
+
+    def _load_model(self, dtype: torch.dtype, attention: str) -> torch.nn.Module:
+        return load_model(self.base_dir, self.cfg.base_model, dtype, attention, self.dist.device)
+
+    def _peft_config(self, model: torch.nn.Module):
+        from trainpod.train.lora import peft_lora_config
+
+        return peft_lora_config(self.cfg.lora)
+
+    def _freeze_for_full(self, model: torch.nn.Module) -> None:
+        """What a full finetune leaves frozen: nothing for a text model."""
 
     def _compute_dtype(self) -> torch.dtype:
         name = self.cfg.quantization.compute_dtype
@@ -307,7 +325,7 @@ class Finetuner(Trainer):
         items = torch.tensor(max(global_items, 1.0), device=self.dist.device)
         total = torch.zeros((), device=self.dist.device)
         for i, batch in enumerate(micro_batches):
-            inputs = {k: to_device(batch[k], self.dist.device) for k in MODEL_INPUTS if k in batch}
+            inputs = {k: to_device(batch[k], self.dist.device) for k in self.model_inputs if k in batch}
             last = i == len(micro_batches) - 1
             sync = contextlib.nullcontext() if last or not self.dist.distributed else model.no_sync()
             with sync, self._autocast():
@@ -337,17 +355,16 @@ class Finetuner(Trainer):
     def evaluate(self, model: torch.nn.Module, step: int) -> float:
         t = self.train_cfg
         model.eval()
-        batches = eval_batches(
-            self.data.val, t.micro_batch_size, self.max_len, self.data.pad_id, t.eval_batches
-        )
         loss_sum = count = 0.0
         per_sample: list[tuple[float, int]] = []
-        for batch in batches[self.dist.rank :: self.dist.world_size]:
+        for batch in self._eval_batches()[self.dist.rank :: self.dist.world_size]:
+            inputs = {
+                k: to_device(batch[k], self.dist.device)
+                for k in self.model_inputs
+                if k in batch and k != "labels"
+            }
             with self._autocast():  # the bare model, not the training wrapper: per-sample losses need logits
-                logits = self.model(
-                    input_ids=to_device(batch["input_ids"], self.dist.device),
-                    attention_mask=to_device(batch["attention_mask"], self.dist.device),
-                ).logits
+                logits = self.model(**inputs).logits
             targets = to_device(batch["labels"][:, 1:], self.dist.device)
             token_loss = F.cross_entropy(
                 logits[:, :-1].float().transpose(1, 2), targets, ignore_index=IGNORE_INDEX, reduction="none"
@@ -367,7 +384,61 @@ class Finetuner(Trainer):
         gathered = D.gather_to_main(self.dist, per_sample)
         if self.dist.is_main and t.worst_samples:
             self._write_worst_samples(step, [s for rank in gathered for s in rank])
+        self._generation_eval(step)
         return loss_sum / max(count, 1.0)
+
+    def _eval_batches(self) -> list[dict[str, torch.Tensor]]:
+        """The validation split's batches in stored order, each with `sample_index`."""
+        t = self.train_cfg
+        return eval_batches(self.data.val, t.micro_batch_size, self.max_len, self.data.pad_id, t.eval_batches)
+
+    def _generation_eval(self, step: int) -> None:
+        """Every k-th eval: greedy answers on rank 0, scored (CER, WER, exact match); every rank gets the
+        metrics, since early stopping on them must end every rank's loop at the same step."""
+        from trainpod.train.generation_eval import METRICS, generate_and_score
+
+        gen = self.cfg.generation_eval
+        if not gen.every_evals or (step // self.eval_every) % gen.every_evals:
+            return
+        metrics: dict[str, float] = {}
+        if self.dist.is_main:
+            prompts = self.generation_prompts(gen.max_samples)
+            metrics = generate_and_score(
+                self.model,
+                prompts,
+                self.tokenizer,
+                gen.max_new_tokens,
+                self.dist.device,
+                self.ctx.run.root / "eval",
+                step,
+                gen.worst_samples,
+                self._autocast,
+            )
+        for name in METRICS:
+            value = D.broadcast_from_main(self.dist, metrics.get(f"eval_{name}", float("nan")))
+            if not math.isnan(value):
+                self.eval_metrics[f"eval_{name}"] = value
+
+    def generation_prompts(self, limit: int) -> list:
+        """The first `limit` validation samples as prompts (up to their first answer) and references."""
+        from trainpod.train.generation_eval import Prompt
+
+        prompts = []
+        for index in range(min(limit, len(self.data.val))):
+            example = self.data.val[index]
+            start, end = answer_span(example.labels)
+            ids = torch.from_numpy(example.input_ids[:start])[None]
+            prompts.append(
+                Prompt(
+                    {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
+                    self.tokenizer.decode(example.input_ids[:start].tolist()),
+                    self.tokenizer.decode(
+                        example.input_ids[start:end].tolist(), skip_special_tokens=True
+                    ).strip(),
+                    index,
+                )
+            )
+        return prompts
 
     def _write_worst_samples(self, step: int, per_sample: list[tuple[float, int]]) -> None:
         """The highest-loss eval samples, prompt and answer decoded, for a look at what the model gets wrong."""
@@ -393,9 +464,10 @@ class Finetuner(Trainer):
         patience = self.train_cfg.early_stopping_patience
         waited = self.progress.evals_without_improvement
         if patience and waited >= patience:
+            metric = self.ranked_metric.replace("_", " ")
             return (
-                f"eval loss has not improved by more than {self.train_cfg.early_stopping_min_delta} for "
-                f"{waited} evals (best {self.progress.best_eval_loss:.4f})"
+                f"{metric} has not improved by more than {self.train_cfg.early_stopping_min_delta} for "
+                f"{waited} evals (best {self.progress.best_score:.4f})"
             )
         return None
 
@@ -417,11 +489,15 @@ class Finetuner(Trainer):
         target = self.ctx.run.export / "adapter"
         tmp = atomic.temp_name(target)
         self.model.save_pretrained(str(tmp), safe_serialization=True)
-        self.tokenizer.save_pretrained(str(tmp))
+        self.save_processor(tmp)
         atomic.write_json(tmp / "training_summary.json", self.training_summary())
         atomic.replace_dir(tmp, target)
         log.info("exported the PEFT adapter to %s", target)
         return target
+
+    def save_processor(self, folder: Path) -> None:
+        """What the adapter folder needs beside the weights to be used: the tokenizer (VLMs: and more)."""
+        self.tokenizer.save_pretrained(str(folder))
 
     def training_summary(self) -> dict[str, Any]:
         """What convert and a reader need beside the weights: method, base model, quantization, results."""
@@ -465,3 +541,13 @@ class Finetuner(Trainer):
 def run(ctx: RunContext, config: FinetuneConfig) -> dict[str, Any]:
     """Train to the configured steps (or an eval plateau), export, and return the summary."""
     return train_and_export(Finetuner, ctx, config)
+
+
+def answer_span(labels) -> tuple[int, int]:
+    """[start, end) of a sample's first trained run: its first answer."""
+    trained = (labels != IGNORE_INDEX).tolist()
+    start = trained.index(True)
+    end = start
+    while end < len(trained) and trained[end]:
+        end += 1
+    return start, end

@@ -1,0 +1,240 @@
+"""`trainpod run finetune-vlm`: QLoRA, LoRA or full finetuning of a vision-language model on images + text.
+
+    TRAINPOD_CONFIG=configs/finetune/tiny-vlm.yaml TRAINPOD_VOLUME=./demo-volume trainpod run finetune-vlm
+
+For the Qwen2-VL, Qwen2.5-VL and Qwen3-VL families (transformers' AutoModelForImageTextToText).
+Everything the text finetune does (train/trainer.py's loop, commits, SIGTERM, budget, early
+stopping, W&B/TensorBoard, per-sample eval losses, generation eval) is workloads/finetune.py's
+Finetuner; this subclass changes only what images change:
+
+- data: sft/vision.py (ids with expanded image tokens, pixels per batch, never packed);
+- the model: the image-text-to-text class; for QLoRA the language model in 4 bit while the vision
+  tower (and the projector) stay in 16/32 bit (bitsandbytes' llm_int8_skip_modules); the vision
+  tower is always frozen;
+- LoRA on the language model's linear layers (and the projector's with lora.train_projector);
+- the export carries the image processor beside the tokenizer, so the adapter folder (or the full
+  model) loads with its processor.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainpod.config.finetune_vlm import VlmFinetuneConfig
+from trainpod.context import RunContext
+from trainpod.errors import InputError
+from trainpod.sft.vision import (
+    VisionBatches,
+    VisionProcessor,
+    load_vision,
+    prepare_vision,
+    vision_batch,
+    vision_key,
+)
+from trainpod.train.base_model import load_4bit, load_model, resolve_base_model
+from trainpod.train.generation_eval import Prompt
+from trainpod.train.trainer import train_and_export
+from trainpod.workloads.finetune import MODEL_INPUTS, Finetuner, answer_span
+
+log = logging.getLogger(__name__)
+
+VISION_TOWERS = ("visual", "vision_tower", "vision_model")  # Qwen-VL's name first; LLaVA-style models' after
+PROJECTORS = ("merger", "deepstack_merger_list", "multi_modal_projector")  # inside or beside the tower
+VISION_INPUTS = ("pixel_values", "image_grid_thw", "mm_token_type_ids")
+
+
+def config_type(tree: dict[str, Any]) -> type:
+    return VlmFinetuneConfig
+
+
+def disk_estimate(config: VlmFinetuneConfig) -> int | None:
+    return None  # as for text: the base model's size is known once it is resolved
+
+
+def preflight(ctx: RunContext, config: VlmFinetuneConfig) -> None:
+    """Fail with exit 2 before anything is written: the base model must exist (rows are checked while
+    preparing, which names each bad row's file, line and field)."""
+    resolve_base_model(config.base_model, ctx.volume, download=False)
+
+
+def _under(name: str, parts: tuple[str, ...]) -> bool:
+    return any(part in name.split(".") for part in parts)
+
+
+class VlmFinetuner(Finetuner):
+    model_inputs = (*MODEL_INPUTS, *VISION_INPUTS)
+
+    # ------------------------------------------------------------------------------- setup
+    def _setup_data(self) -> None:
+        data_cfg, t = self.cfg.data, self.train_cfg
+        self.processor = VisionProcessor(self.base_dir, data_cfg.min_pixels, data_cfg.max_pixels)
+        key = vision_key(data_cfg, self.processor, self.base_dir, self.ctx.volume.root)
+        folder = self.ctx.volume.cache() / "vlm" / key
+        self._on_main_first(
+            lambda: prepare_vision(
+                data_cfg, self.processor, self.base_dir, folder, self.ctx.volume.root, self.ctx.watch
+            )
+        )
+        self.data = load_vision(folder)
+        self.max_len = data_cfg.cutoff_len
+        self.batches = VisionBatches(
+            self.data.train,
+            self.processor,
+            micro_batch_size=t.micro_batch_size,
+            max_len=self.max_len,
+            seed=t.seed,
+            rank=self.dist.rank,
+            world_size=self.dist.world_size,
+            pad_id=self.data.pad_id,
+        )
+
+    def _load_4bit(self, attention: str) -> torch.nn.Module:
+        cfg = self.cfg
+        model = load_4bit(
+            self.base_dir,
+            cfg.base_model,
+            cfg.quantization,
+            self.compute_dtype,
+            attention,
+            self.dist.device,
+            vision=True,
+            # transformers 5 matches these from a name's start, as regexes: any depth (model.visual...)
+            keep_modules=[rf"(?:.*\.)?{name}" for name in VISION_TOWERS + PROJECTORS],
+        )
+        self._check_vision_kept(model)
+        return model
+
+    def _check_vision_kept(self, model: torch.nn.Module) -> None:
+        import bitsandbytes as bnb
+
+        quantized = [n for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)]
+        wrong = [n for n in quantized if _under(n, VISION_TOWERS + PROJECTORS)]
+        if wrong or not quantized:
+            raise InputError(
+                f"base_model {self.cfg.base_model.path!r}: 4-bit loading quantized {len(quantized)} layers, "
+                f"{len(wrong)} of them in the vision tower (e.g. {wrong[:2]}); this model's vision tower is not "
+                f"named one of {', '.join(VISION_TOWERS)}: use method lora, or report the model"
+            )
+
+    def _load_model(self, dtype: torch.dtype, attention: str) -> torch.nn.Module:
+        return load_model(self.base_dir, self.cfg.base_model, dtype, attention, self.dist.device, vision=True)
+
+    def _peft_config(self, model: torch.nn.Module):
+        from trainpod.train.lora import peft_lora_config
+
+        lora = self.cfg.lora.model_copy(update={"target_modules": self.lora_targets(model)})
+        return peft_lora_config(lora)
+
+    def lora_targets(self, model: torch.nn.Module) -> list[str]:
+        """Full names of the linear layers LoRA adapts: the language model's (all, or those whose last name
+        is in lora.target_modules), and the projector's with lora.train_projector; never the output head."""
+        import bitsandbytes as bnb
+
+        wanted = self.cfg.lora.target_modules
+        linear = (torch.nn.Linear, bnb.nn.Linear4bit)
+        names = []
+        for name, module in model.named_modules():
+            if not isinstance(module, linear) or name.split(".")[-1] == "lm_head":
+                continue
+            if _under(name, PROJECTORS):
+                if self.cfg.lora.train_projector:
+                    names.append(name)
+                continue
+            if _under(name, VISION_TOWERS):
+                continue
+            if wanted == "all-linear" or name.split(".")[-1] in wanted:
+                names.append(name)
+        if not names:
+            raise InputError(
+                f"lora.target_modules={wanted!r} matches no linear layer of the language model; use all-linear or "
+                "names such as q_proj, v_proj"
+            )
+        return names
+
+    def _freeze_for_full(self, model: torch.nn.Module) -> None:
+        """A full finetune trains the language model (and the projector with lora.train_projector)."""
+        for name, param in model.named_parameters():
+            projector = _under(name, PROJECTORS)
+            if (projector and not self.cfg.lora.train_projector) or (
+                _under(name, VISION_TOWERS) and not projector
+            ):
+                param.requires_grad_(False)
+
+    def _check_positions(self, model: torch.nn.Module) -> None:
+        text = getattr(model.config, "text_config", model.config)
+        positions = getattr(text, "max_position_embeddings", None)
+        if positions and self.max_len > positions:
+            log.warning("cutoff_len %d exceeds the model's %d positions", self.max_len, positions)
+
+    # ------------------------------------------------------------------------------- eval
+    def _eval_batches(self) -> list[dict[str, torch.Tensor]]:
+        t, val = self.train_cfg, self.data.val
+        starts = range(0, len(val), t.micro_batch_size)
+        if t.eval_batches is not None:
+            starts = starts[: t.eval_batches]
+        out = []
+        for start in starts:
+            indices = list(range(start, min(start + t.micro_batch_size, len(val))))
+            batch = vision_batch(val, indices, self.max_len, self.data.pad_id, self.processor)
+            batch["sample_index"] = torch.tensor(indices)
+            out.append(batch)
+        return out
+
+    def generation_prompts(self, limit: int) -> list[Prompt]:
+        """The first `limit` validation samples up to their first answer, with their images."""
+        val, prompts = self.data.val, []
+        for index in range(min(limit, len(val))):
+            example = val[index]
+            start, end = answer_span(example.labels)
+            batch = vision_batch(val, [index], self.max_len, self.data.pad_id, self.processor)
+            if int(batch["mm_token_type_ids"][0, start:].sum()):
+                continue  # an image after the first answer: the prompt alone cannot hold its pixels
+            inputs = {k: v[:, :start] if k in ("input_ids", "attention_mask", "mm_token_type_ids") else v
+                      for k, v in batch.items() if k in self.model_inputs and k != "labels"}  # fmt: skip
+            prompts.append(
+                Prompt(
+                    inputs,
+                    self._shown_prompt(example.input_ids[:start].tolist()),
+                    self.tokenizer.decode(
+                        example.input_ids[start:end].tolist(), skip_special_tokens=True
+                    ).strip(),
+                    index,
+                    list(val.images[index]),
+                )
+            )
+        return prompts
+
+    def _shown_prompt(self, ids: list[int]) -> str:
+        """The prompt decoded, each image's run of pad tokens shown once with its count (a page is ~1,000)."""
+        token = self.processor.image_token
+        text = self.tokenizer.decode(ids)
+        return re.sub(f"(?:{re.escape(token)})+", lambda m: f"{token}x{len(m[0]) // len(token)}", text)
+
+    # ----------------------------------------------------------------------------- export
+    def save_processor(self, folder: Path) -> None:
+        self.tokenizer.save_pretrained(str(folder))
+        self.processor.image_processor.save_pretrained(str(folder))
+
+    def training_summary(self) -> dict[str, Any]:
+        summary = super().training_summary()
+        summary["data"] |= {
+            "packing": False,
+            "images": self.data.manifest["counts"]["images"],
+            "vision": True,
+        }
+        summary["vision"] = {
+            "frozen": list(VISION_TOWERS),
+            "projector_trained": self.cfg.lora.train_projector,
+            "kept_unquantized": list(VISION_TOWERS + PROJECTORS) if self.method == "qlora" else None,
+        }
+        return summary
+
+
+def run(ctx: RunContext, config: VlmFinetuneConfig) -> dict[str, Any]:
+    """Train to the configured steps (or an eval plateau), export, and return the summary."""
+    return train_and_export(VlmFinetuner, ctx, config)

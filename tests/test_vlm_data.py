@@ -1,0 +1,173 @@
+"""Image + text SFT data: image tokens as many as the image processor makes of the pixels, labels on
+the answers only, the three input layouts alike, bad rows named by file, line and field, and batches
+that resume where they were."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from trainpod.config.finetune_vlm import VisionDataConfig
+from trainpod.errors import InputError
+from trainpod.sft.vision import VisionBatches, VisionProcessor, load_vision, open_image, prepare_vision
+
+from vlm_support import OCR_FILE, PROMPT, VLM_BASE, ocr_rows, render_text
+
+
+def prepare(volume: Path, datasets: list[dict], **settings) -> Path:
+    data = VisionDataConfig(datasets=datasets, cutoff_len=64, **settings)
+    processor = VisionProcessor(volume / VLM_BASE)
+    out = volume / "cache" / "vlm" / "test"
+    shutil.rmtree(out, ignore_errors=True)
+    return prepare_vision(data, processor, volume / VLM_BASE, out, volume)
+
+
+@pytest.fixture
+def volume(vlm_base_volume: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / "volume"
+    shutil.copytree(vlm_base_volume, copy)
+    return copy
+
+
+def test_each_image_gets_as_many_tokens_as_the_image_processor_makes_of_its_pixels(volume):
+    data = load_vision(prepare(volume, [{"path": OCR_FILE}]))
+    processor = VisionProcessor(volume / VLM_BASE)
+    for index in range(len(data.train)):
+        refs = data.train.images[index]
+        grid = processor.image_processor(images=[open_image(r) for r in refs], return_tensors="pt")[
+            "image_grid_thw"
+        ]
+        made = int(grid.prod(-1).sum()) // processor.merge**2
+        held = int((data.train[index].input_ids == processor.image_token_id).sum())
+        assert held == made == 4, f"sample {index}: {held} image tokens in the ids, the pixels make {made}"
+
+
+def test_only_the_answer_and_its_end_of_turn_are_trained(volume):
+    """Against an independent rendering: the chat template's full text, and the answer tokenized alone."""
+    data = load_vision(prepare(volume, [{"path": OCR_FILE}]))
+    processor = VisionProcessor(volume / VLM_BASE)
+    tokenizer = processor.tokenizer
+    rows = [json.loads(line) for line in (volume / OCR_FILE).read_text().splitlines()]
+    for example in list(data.train)[:10]:
+        row = rows[example.row_index]
+        answer = row["messages"][1]["content"]
+        full = tokenizer.apply_chat_template(row["messages"], tokenize=False)
+        assert full.endswith(answer + "<|im_end|>\n")
+        expected = tokenizer(answer + "<|im_end|>\n", add_special_tokens=False)["input_ids"]
+        trained = example.labels != -100
+        assert example.input_ids[trained].tolist() == expected
+        assert trained[-len(expected) :].all() and not trained[: -len(expected)].any()
+        prompt = tokenizer.decode(example.input_ids[~trained].tolist())
+        assert prompt.count("<|image_pad|>") == 4 and PROMPT in prompt
+
+
+def test_llamafactory_layout_and_a_saved_hf_dataset_give_the_same_samples_as_messages(volume):
+    import datasets
+
+    messages = load_vision(prepare(volume, [{"path": OCR_FILE}]))
+    sharegpt_rows = ocr_rows(volume / "data/ocr", 40, seed=5, layout="sharegpt")
+    sharegpt = volume / "data/ocr/sharegpt.jsonl"
+    sharegpt.write_text("".join(json.dumps(r) + "\n" for r in sharegpt_rows))
+    llamafactory = load_vision(prepare(volume, [{"path": "data/ocr/sharegpt.jsonl", "format": "sharegpt"}]))
+    hf_rows = {
+        "messages": [[{"role": "user", "content": f"<image>{PROMPT}"}, {"role": "assistant", "content": t[1]["value"]}]
+                     for t in (r["conversations"] for r in sharegpt_rows)],
+        "images": [[str(volume / "data/ocr" / r["images"][0])] for r in sharegpt_rows],
+    }  # fmt: skip
+    features = datasets.Features(
+        {
+            "messages": [{"role": datasets.Value("string"), "content": datasets.Value("string")}],
+            "images": datasets.Sequence(datasets.Image()),
+        }
+    )
+    datasets.Dataset.from_dict(hf_rows, features=features).save_to_disk(str(volume / "data/ocr-hf"))
+    saved = load_vision(prepare(volume, [{"path": "data/ocr-hf", "format": "hf"}]))
+    for other in (llamafactory, saved):
+        assert len(other.train) == len(messages.train) == 40
+        for a, b in zip(messages.train, other.train, strict=True):
+            assert a.input_ids.tolist() == b.input_ids.tolist() and a.labels.tolist() == b.labels.tolist()
+    first = open_image(saved.train.images[0][0])
+    assert first.tobytes() == open_image(messages.train.images[0][0]).tobytes()
+
+
+def write_rows(volume: Path, rows: list[dict]) -> str:
+    path = volume / "data/ocr/bad.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return "data/ocr/bad.jsonl"
+
+
+def image_row(*images: str, text: str = "<image>" + PROMPT) -> dict:
+    turns = [{"role": "user", "content": text}, {"role": "assistant", "content": "ABC"}]
+    return {"messages": turns, "images": list(images)}
+
+
+@pytest.mark.parametrize(
+    ("bad_row", "expected"),
+    [
+        (image_row("images/missing.png"), ["line 2", "'images'", "missing.png", "does not exist"]),
+        (image_row("images/corrupt.png"), ["line 2", "'images'", "corrupt.png", "not a readable image"]),
+        (image_row("images/00001.png", text=PROMPT), ["line 2", "'images'", "1 image(s)", "0 <image> placeholder"]),
+        (image_row("images/00001.png", "images/00002.png", text="<image><image>"), ["line 2", "2 images", "max_images=1"]),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image", "image": "images/nope.png"}]},
+                          {"role": "assistant", "content": "A"}]},
+            ["line 2", "messages[0].content[0].image", "nope.png", "does not exist"],
+        ),
+    ],
+    ids=["missing-image", "corrupt-image", "no-placeholder", "too-many-images", "missing-image-part"],
+)  # fmt: skip
+def test_a_bad_row_is_named_by_file_line_and_field(volume, bad_row, expected):
+    (volume / "data/ocr/images/corrupt.png").write_bytes(b"\x89PNG\r\n\x1a\nnot really a png")
+    path = write_rows(volume, [image_row("images/00000.png"), bad_row])
+    with pytest.raises(InputError) as error:
+        prepare(volume, [{"path": path}], max_images=1)
+    message = str(error.value)
+    assert str(volume / path) in message
+    for part in expected:
+        assert part in message, f"{part!r} missing from: {message}"
+
+
+def test_images_are_found_beside_the_data_file_or_on_the_volume(volume):
+    render_text("XYZ", volume / "shared-images/xyz.png")
+    path = write_rows(volume, [image_row("images/00000.png"), image_row("shared-images/xyz.png")])
+    data = load_vision(prepare(volume, [{"path": path}]))
+    assert data.train.images[1] == [str(volume / "shared-images/xyz.png")]
+
+
+def test_batches_resume_at_the_same_images_in_the_same_order(volume):
+    data = load_vision(prepare(volume, [{"path": OCR_FILE}]))
+    processor = VisionProcessor(volume / VLM_BASE)
+
+    def batches() -> VisionBatches:
+        return VisionBatches(
+            data.train,
+            processor,
+            micro_batch_size=2,
+            max_len=64,
+            seed=3,
+            rank=0,
+            world_size=1,
+            pad_id=data.pad_id,
+        )
+
+    first = batches()
+    for _ in range(23):  # into the second epoch (20 steps each)
+        first.next_batch()
+    state = first.state_dict()
+    expected = first.next_batch()
+    second = batches()
+    second.load_state_dict(state)
+    got = second.next_batch()
+    assert expected.keys() == got.keys() >= {"pixel_values", "image_grid_thw", "mm_token_type_ids", "labels"}
+    for key in expected:
+        assert torch.equal(expected[key], got[key]), key
+
+
+def test_pixels_are_decoded_as_rgb_whatever_the_file_mode(volume):
+    Image.new("L", (56, 56), 128).save(volume / "gray.png")
+    assert open_image(str(volume / "gray.png")).mode == "RGB"

@@ -76,6 +76,11 @@ class VisionDataConfig(Section):
     val_ratio: float = Field(0.0, ge=0, lt=1, description="Share of samples held out for validation.")
     seed: int = Field(0, ge=0, description="Seed of the validation choice.")
 
+    @property
+    def use_packing(self) -> bool:
+        """Image rows are not packed: each sample's pixels travel with its own row."""
+        return False
+
 
 class VlmLoraSettings(LoraSettings):
     train_projector: bool = Field(

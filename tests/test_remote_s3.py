@@ -283,7 +283,7 @@ def test_status_and_ls_read_the_volume_through_s3_from_a_laptop(bucket, tmp_path
     status = trainpod(env, "status", "r")
     assert status.returncode == 0, status.stdout + status.stderr
     assert f"volume {name} ({DC}) through S3" in status.stdout
-    assert "r: running | step 10/100 | loss 2.5000" in status.stdout
+    assert "r: running | step 10/100 (10%) | loss 2.5000" in status.stdout
     listing = trainpod(env, "ls")
     assert listing.returncode == 0, listing.stdout + listing.stderr
     assert "datasets/tiny-stories: tokens," in listing.stdout

@@ -102,14 +102,20 @@ def trainpod_run(
     volume: Path, steps: int, packing: bool, extra: Sequence[str] = ()
 ) -> tuple[float, int, float]:
     """(seconds, real tokens, packing efficiency) of trainpod's finetune loop, commits included."""
-    run = Volume(volume).run("bench-finetune")
+    ctx = fresh_run_context(volume, "bench-finetune")
+    return timed_loop(Finetuner(ctx, bench_config(steps, packing, extra), init_distributed()))
+
+
+def fresh_run_context(volume: Path, name: str) -> RunContext:
+    """An empty run folder `name` on the volume (an earlier run's removed) and its context."""
+    run = Volume(volume).run(name)
     shutil.rmtree(run.root, ignore_errors=True)
     run.create()
-    trainer = Finetuner(
-        RunContext(Volume(volume), run, PreemptionWatch()),
-        bench_config(steps, packing, extra),
-        init_distributed(),
-    )
+    return RunContext(Volume(volume), run, PreemptionWatch())
+
+
+def timed_loop(trainer: Finetuner) -> tuple[float, int, float]:
+    """(seconds, real tokens, packing efficiency) of a built Finetuner's training loop (text or VLM)."""
     trainer.resume()
     trainer.reporter = trainer.make_reporter(0)
     model = trainer.wrap_for_training()
@@ -145,18 +151,7 @@ def trainer_baseline(volume: Path, steps: int, extra: Sequence[str] = ()) -> tup
     of their own differed by 2-4% in padding and real tokens, which the comparison should not measure)."""
     from datasets import Dataset
     from peft import get_peft_model
-    from torch.utils.data import SequentialSampler
-    from transformers import (
-        AutoModelForCausalLM,
-        AutoTokenizer,
-        DataCollatorForSeq2Seq,
-        Trainer,
-        TrainingArguments,
-    )
-
-    class InOrderTrainer(Trainer):
-        def _get_train_sampler(self, *args: Any, **kwargs: Any) -> SequentialSampler:
-            return SequentialSampler(self.train_dataset)
+    from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq
 
     cfg = bench_config(steps, packing=False, extra=extra)
     dataset = Dataset.from_dict(trainpod_padded_rows(volume, steps, extra))
@@ -166,8 +161,17 @@ def trainer_baseline(volume: Path, steps: int, extra: Sequence[str] = ()) -> tup
     gpu = torch.cuda.is_available()
     model = baseline_model(base, cfg, gpu, AutoModelForCausalLM)
     model = get_peft_model(model, peft_lora_config(cfg.lora))  # the same adapters as trainpod's
+    collator = CountingCollator(DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100))
+    trainer = in_order_trainer(model, baseline_arguments(volume, cfg, steps, gpu), dataset, collator)
+    return timed_train(trainer), collator.real_tokens
+
+
+def baseline_arguments(volume: Path, cfg: FinetuneConfig, steps: int, gpu: bool) -> Any:
+    """The Trainer's TrainingArguments matching trainpod's settings: batch, schedule, optimizer, clipping."""
+    from transformers import TrainingArguments
+
     t = cfg.train
-    args = TrainingArguments(
+    return TrainingArguments(
         output_dir=str(volume / "trainer-baseline"),
         per_device_train_batch_size=t.micro_batch_size,
         gradient_accumulation_steps=1,
@@ -187,20 +191,37 @@ def trainer_baseline(volume: Path, steps: int, extra: Sequence[str] = ()) -> tup
         use_cpu=not gpu,
         dataloader_num_workers=0,
         disable_tqdm=True,
+        remove_unused_columns=False,  # the VLM baseline's rows carry pixels the collator reads
         seed=t.seed,
     )
-    collator = CountingCollator(DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100))
-    trainer = InOrderTrainer(model=model, args=args, train_dataset=dataset, data_collator=collator)
+
+
+def in_order_trainer(model: Any, args: Any, dataset: Any, collator: Any) -> Any:
+    """A transformers Trainer that reads `dataset` in order (trainpod's batch order) instead of shuffling."""
+    from torch.utils.data import SequentialSampler
+    from transformers import Trainer
+
+    class InOrderTrainer(Trainer):
+        def _get_train_sampler(self, *args: Any, **kwargs: Any) -> SequentialSampler:
+            return SequentialSampler(self.train_dataset)
+
+    return InOrderTrainer(model=model, args=args, train_dataset=dataset, data_collator=collator)
+
+
+def timed_train(trainer: Any) -> float:
+    """Seconds of `trainer.train()`, the GPU drained before each clock reading."""
     _sync()
     started = time.perf_counter()
     trainer.train()
     _sync()
-    elapsed = time.perf_counter() - started
-    return elapsed, collator.real_tokens
+    return time.perf_counter() - started
 
 
-def baseline_model(folder: str, cfg: FinetuneConfig, gpu: bool, auto_model: Any) -> Any:
-    """The baseline's base model as a user's script loads it: fp32 on CPU, bf16 on a GPU, 4-bit for QLoRA."""
+def baseline_model(
+    folder: str, cfg: FinetuneConfig, gpu: bool, auto_model: Any, keep_modules: Sequence[str] = ()
+) -> Any:
+    """The baseline's base model as a user's script loads it: fp32 on CPU, bf16 on a GPU, 4-bit for QLoRA
+    (`keep_modules` unquantized beside the output head: a VLM's vision tower)."""
     if cfg.method != "qlora":
         dtype = torch.bfloat16 if gpu else torch.float32
         return auto_model.from_pretrained(folder, dtype=dtype).to("cuda" if gpu else "cpu")
@@ -213,6 +234,7 @@ def baseline_model(folder: str, cfg: FinetuneConfig, gpu: bool, auto_model: Any)
         bnb_4bit_quant_type="nf4",
         bnb_4bit_use_double_quant=True,
         bnb_4bit_compute_dtype=compute,
+        llm_int8_skip_modules=[*keep_modules, "lm_head"] if keep_modules else None,
     )
     model = auto_model.from_pretrained(
         folder, quantization_config=quantization, dtype=compute, device_map={"": 0 if gpu else "cpu"}
@@ -246,11 +268,19 @@ def compare(
     volume: Path, steps: int, packing: bool, pairs: int, extra: Sequence[str] = ()
 ) -> dict[str, float]:
     """Tokens/s of the best run of each over `pairs` ABBA pairs (abba.py), the median pair ratio beside it."""
-    base_runs, ours_runs = paired(
-        pairs,
-        lambda: trainer_baseline(volume, steps, extra),
-        lambda: trainpod_run(volume, steps, packing, extra),
+    return rates(
+        *paired(
+            pairs,
+            lambda: trainer_baseline(volume, steps, extra),
+            lambda: trainpod_run(volume, steps, packing, extra),
+        )
     )
+
+
+def rates(
+    base_runs: Sequence[tuple[float, int]], ours_runs: Sequence[tuple[float, int, float]]
+) -> dict[str, float]:
+    """Best tokens/s of each side, their ratio, the median of the pair ratios, and trainpod's packing efficiency."""
     base_rates = [tokens / seconds for seconds, tokens in base_runs]
     ours_rates = [tokens / seconds for seconds, tokens, _efficiency in ours_runs]
     return {

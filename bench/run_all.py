@@ -29,6 +29,7 @@ BENCHES = [
     "bench_checkpoint",
     "bench_checkpoint_async",
     "bench_finetune",
+    "bench_finetune_vlm",
     "bench_convert",
     "bench_image",
     "bench_supervise",
@@ -69,8 +70,8 @@ def main() -> int:
     )
     parser.add_argument(
         "--only",
-        help="comma-separated subset: datagen, pretrain, loss, checkpoint, checkpoint_async, finetune, convert, "
-        "image, supervise",
+        help="comma-separated subset: datagen, pretrain, loss, checkpoint, checkpoint_async, finetune, "
+        "finetune_vlm, convert, image, supervise",
     )
     parser.add_argument("--out", default=str(REPO / "BENCHMARKS.md"))
     args = parser.parse_args()

@@ -96,21 +96,33 @@ def make_processor(folder: Path) -> tuple[PreTrainedTokenizerFast, Qwen2VLImageP
     return fast, image_processor
 
 
-def make_tiny_vlm(folder: Path) -> Path:
-    """A random tiny Qwen2-VL with its processor at `folder`; returns `folder`."""
+def make_tiny_vlm(folder: Path, text: dict | None = None, vision: dict | None = None) -> Path:
+    """A random tiny Qwen2-VL with its processor at `folder`; returns `folder`. `text` and `vision` override
+    sizes of the language model and the vision tower (the benchmarks' bigger one); the merger's output
+    (vision hidden_size) follows the language model's width."""
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer, _ = make_processor(folder)
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL}
+    text_sizes = {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        **(text or {}),
+    }
+    head_dim = text_sizes["hidden_size"] // text_sizes["num_attention_heads"]
     config = Qwen2VLConfig(
         text_config={
             "vocab_size": len(tokenizer),
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
+            **text_sizes,
             "max_position_embeddings": 512,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+            # M-RoPE's temporal, height and width sections cover half the head dimension (16 -> 2+3+3)
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "mrope_section": mrope_sections(head_dim),
+            },
             "eos_token_id": ids["<|im_end|>"],
             "pad_token_id": ids["<|endoftext|>"],
             "bos_token_id": None,
@@ -118,12 +130,13 @@ def make_tiny_vlm(folder: Path) -> Path:
         vision_config={
             "depth": 1,
             "embed_dim": 32,
-            "hidden_size": 64,
             "num_heads": 2,
             "mlp_ratio": 2,
             "patch_size": 14,
             "spatial_merge_size": 2,
             "temporal_patch_size": 2,
+            **(vision or {}),
+            "hidden_size": text_sizes["hidden_size"],
         },
         image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"],
@@ -138,6 +151,14 @@ def make_tiny_vlm(folder: Path) -> Path:
     return folder
 
 
+def mrope_sections(head_dim: int) -> list[int]:
+    """Qwen2-VL's split of head_dim / 2 rotary pairs into temporal, height and width sections (1:1.5:1.5)."""
+    half = head_dim // 2
+    temporal = half // 4
+    height = (half - temporal) // 2
+    return [temporal, height, half - temporal - height]
+
+
 def render_text(text: str, path: Path, size: int = IMAGE_SIZE) -> Path:
     """`text` in black on white, Pillow's default bitmap font, as a PNG at `path`."""
     image = Image.new("RGB", (size, size), "white")
@@ -147,7 +168,9 @@ def render_text(text: str, path: Path, size: int = IMAGE_SIZE) -> Path:
     return path
 
 
-def ocr_rows(folder: Path, n: int, seed: int, layout: str = "messages") -> list[dict]:
+def ocr_rows(
+    folder: Path, n: int, seed: int, layout: str = "messages", image_size: int = IMAGE_SIZE
+) -> list[dict]:
     """`n` rows, each an image of 3-5 random characters under folder/images and its text as the answer;
     image paths are relative to `folder` (the dataset file's folder)."""
     rng = random.Random(seed)
@@ -155,7 +178,7 @@ def ocr_rows(folder: Path, n: int, seed: int, layout: str = "messages") -> list[
     for i in range(n):
         text = "".join(rng.choice(ALPHABET) for _ in range(rng.randint(3, 5)))
         relative = f"images/{i:05d}.png"
-        render_text(text, folder / relative)
+        render_text(text, folder / relative, image_size)
         if layout == "messages":
             user = [{"type": "image", "image": relative}, {"type": "text", "text": PROMPT}]
             rows.append(
@@ -167,8 +190,10 @@ def ocr_rows(folder: Path, n: int, seed: int, layout: str = "messages") -> list[
     return rows
 
 
-def write_ocr_jsonl(path: Path, n: int, seed: int, layout: str = "messages") -> Path:
+def write_ocr_jsonl(
+    path: Path, n: int, seed: int, layout: str = "messages", image_size: int = IMAGE_SIZE
+) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    rows = ocr_rows(path.parent, n, seed, layout)
+    rows = ocr_rows(path.parent, n, seed, layout, image_size)
     path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
     return path

@@ -7,45 +7,15 @@ GPU path is the same code with CUDA kernels.)"""
 from __future__ import annotations
 
 import json
-import shutil
 import signal
 from pathlib import Path
 
 import pytest
 
 from support import run_trainpod, signal_when_step_reached, start_trainpod
-from vlm_support import OCR_FILE, TINY_VLM_CONFIG, VLM_BASE, VLM_RUN
+from vlm_support import OCR_FILE, STEPS, VLM_BASE, VLM_RUN, adapter_bytes, fresh, vlm_args
 
 pytestmark = pytest.mark.slow
-
-STEPS = 8
-
-
-def vlm_args(*extra: str) -> tuple[str, ...]:
-    return (
-        "run",
-        "finetune-vlm",
-        "--config",
-        str(TINY_VLM_CONFIG),
-        "--set",
-        f"train.max_steps={STEPS}",
-        "--set",
-        "train.eval_every=4",
-        "--set",
-        "checkpoint.every_steps=2",
-        "--set",
-        "train.log_every=1",
-        *extra,
-    )
-
-
-def fresh(vlm_base_volume: Path, path: Path) -> Path:
-    shutil.copytree(vlm_base_volume, path, dirs_exist_ok=True)
-    return path
-
-
-def adapter_bytes(volume: Path) -> bytes:
-    return (volume / "runs" / VLM_RUN / "export/adapter/adapter_model.safetensors").read_bytes()
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import string
 from pathlib import Path
 
@@ -57,6 +58,7 @@ QWEN2_VL_CHAT_TEMPLATE = (
     "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
     "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+STEPS = 8  # the tests' runs: an eval (loss and generation) at 4 and 8, a checkpoint every 2 steps
 ALPHABET = string.ascii_uppercase + string.digits
 PROMPT = "Read the text in the image."
 
@@ -197,3 +199,49 @@ def write_ocr_jsonl(
     rows = ocr_rows(path.parent, n, seed, layout, image_size)
     path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
     return path
+
+
+def vlm_args(*extra: str) -> tuple[str, ...]:
+    """`trainpod run finetune-vlm` on the tiny config for STEPS steps; `extra` (--set ...) last."""
+    return (
+        "run",
+        "finetune-vlm",
+        "--config",
+        str(TINY_VLM_CONFIG),
+        "--set",
+        f"train.max_steps={STEPS}",
+        "--set",
+        "train.eval_every=4",
+        "--set",
+        "checkpoint.every_steps=2",
+        "--set",
+        "train.log_every=1",
+        *extra,
+    )
+
+
+def fresh(vlm_base_volume: Path, path: Path) -> Path:
+    """A copy of the session's VLM volume (model and OCR rows) at `path`, to write into."""
+    shutil.copytree(vlm_base_volume, path, dirs_exist_ok=True)
+    return path
+
+
+def adapter_bytes(volume: Path) -> bytes:
+    return (volume / "runs" / VLM_RUN / "export/adapter/adapter_model.safetensors").read_bytes()
+
+
+def build_vlm_finetuner(volume: Path, overrides: list[str]):
+    """The finetune-vlm trainer of the tiny config on `volume`, built in this process (model loaded, no step
+    taken), for tests that look inside the model."""
+    from trainpod.config import load_config
+    from trainpod.config.finetune_vlm import VlmFinetuneConfig
+    from trainpod.context import RunContext
+    from trainpod.preemption import PreemptionWatch
+    from trainpod.train.distributed import init_distributed
+    from trainpod.volume import Volume
+    from trainpod.workloads.finetune_vlm import VlmFinetuner
+
+    config = load_config(VlmFinetuneConfig, TINY_VLM_CONFIG, overrides)
+    run = Volume(volume).run(VLM_RUN)
+    run.create()
+    return VlmFinetuner(RunContext(Volume(volume), run, PreemptionWatch()), config, init_distributed())

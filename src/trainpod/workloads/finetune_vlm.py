@@ -9,8 +9,8 @@ Finetuner; this subclass changes only what images change:
 
 - data: sft/vision.py (ids with expanded image tokens, pixels per batch, never packed);
 - the model: the image-text-to-text class; for QLoRA the language model in 4 bit while the vision
-  tower (and the projector) stay in 16/32 bit (bitsandbytes' llm_int8_skip_modules); the vision
-  tower is always frozen;
+  tower (and the projector) stay unquantized (bitsandbytes' llm_int8_skip_modules) in the compute
+  dtype (bf16 on a GPU, fp32 on CPU); the vision tower is always frozen;
 - LoRA on the language model's linear layers (and the projector's with lora.train_projector);
 - the export carries the image processor beside the tokenizer, so the adapter folder (or the full
   model) loads with its processor.
@@ -92,6 +92,20 @@ class VlmFinetuner(Finetuner):
             world_size=self.dist.world_size,
             pad_id=self.data.pad_id,
         )
+
+    def _setup_model(self) -> None:
+        super()._setup_model()
+        if self.method == "qlora":
+            self._keep_frozen_vision_in_compute_dtype()
+
+    def _keep_frozen_vision_in_compute_dtype(self) -> None:
+        """peft's prepare_model_for_kbit_training upcasts every unquantized weight to fp32 (for the stability
+        of trained norms); the frozen vision tower trains nothing, so it goes back to the compute dtype: bf16
+        on a GPU halves its memory (Qwen3-VL-2B's ~0.4 B tower and projector: 1.6 -> 0.8 GB). The model casts
+        pixels to the tower's dtype and image features to the language model's."""
+        for name, param in self.model.named_parameters():
+            if _under(name, VISION_TOWERS) and not param.requires_grad:
+                param.data = param.data.to(self.compute_dtype)
 
     def _load_4bit(self, attention: str) -> torch.nn.Module:
         cfg = self.cfg

@@ -201,3 +201,83 @@ def test_a_rank_count_that_cannot_share_the_steps_micro_batches_is_refused_with_
     assert result.returncode == 2, result.stdout + result.stderr
     assert "2 ranks cannot share them evenly. Resume on 1, 3 GPU(s)" in result.stdout + result.stderr
     assert sorted(p.name for p in checkpoints(volume).iterdir()) == before, "nothing on the volume changed"
+
+
+# ------------------------------------------------------------------------------ full finetuning
+FULL = ("--set", "train.max_steps=16", "--set", "generation_eval.every_evals=0")
+
+
+def finetune_volume(tmp_path: Path, base: Path, name: str) -> Path:
+    volume = tmp_path / name
+    shutil.copytree(base, volume)
+    return volume
+
+
+def full_finetune(*extra: str) -> tuple[str, ...]:
+    from finetune_support import finetune_args
+
+    return finetune_args(*FULL, *extra, method="full")
+
+
+def finetuned_weights(volume: Path) -> bytes:
+    from finetune_support import FINETUNE_RUN
+
+    return (volume / "runs" / FINETUNE_RUN / "export" / "hf" / "model.safetensors").read_bytes()
+
+
+@pytest.fixture(scope="module")
+def full_reference(tmp_path_factory: pytest.TempPathFactory, finetune_base_volume: Path) -> Path:
+    volume = finetune_volume(tmp_path_factory.mktemp("full"), finetune_base_volume, "reference")
+    result = run_trainpod(*full_finetune(*TWO_FSDP), volume=volume)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "2 rank(s) (fsdp)" in result.stdout
+    return volume
+
+
+def test_a_full_finetune_under_fsdp_stopped_by_sigterm_resumes_byte_identically(
+    full_reference, tmp_path, finetune_base_volume
+):
+    from finetune_support import FINETUNE_RUN
+
+    volume = finetune_volume(tmp_path, finetune_base_volume, "stopped")
+    proc = start_trainpod(*full_finetune(*TWO_FSDP), volume=volume)
+    out = signal_when_step_reached(proc, volume, 7, signal.SIGTERM, run=FINETUNE_RUN)
+    assert proc.returncode == 143, out
+    result = run_trainpod(*full_finetune(*TWO_FSDP), volume=volume)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "resumed from step-" in result.stdout
+    assert finetuned_weights(volume) == finetuned_weights(full_reference)
+
+
+def test_a_full_finetune_under_fsdp_resumes_on_one_rank_with_the_same_rows(
+    full_reference, tmp_path, finetune_base_volume
+):
+    from finetune_support import FINETUNE_RUN
+
+    volume = finetune_volume(tmp_path, finetune_base_volume, "two-to-one")
+    proc = start_trainpod(*full_finetune(*TWO_FSDP), volume=volume)
+    out = signal_when_step_reached(proc, volume, 7, signal.SIGTERM, run=FINETUNE_RUN)
+    assert proc.returncode == 143, out
+    result = run_trainpod(*full_finetune(), volume=volume)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "train.grad_accum_steps becomes 4" in result.stdout
+    state = json.loads(
+        (volume / "runs" / FINETUNE_RUN / "checkpoints/step-16/trainer_state.json").read_text()
+    )
+    reference = json.loads(
+        (full_reference / "runs" / FINETUNE_RUN / "checkpoints/step-16/trainer_state.json").read_text()
+    )
+    assert (state["data"]["epoch"], state["data"]["step"] * 1) == (
+        reference["data"]["epoch"],
+        reference["data"]["step"] * 2,
+    ), "the same rows: one rank's micro batches are the two ranks' together"
+    assert_weights_close(finetuned_weights(volume), finetuned_weights(full_reference), atol=1e-5)
+
+
+def test_fsdp_for_a_lora_finetune_is_refused_with_exit_2(tmp_path, finetune_base_volume):
+    from finetune_support import finetune_args
+
+    volume = finetune_volume(tmp_path, finetune_base_volume, "lora")
+    result = run_trainpod(*finetune_args(*FULL, "--set", "train.parallel=fsdp", method="lora"), volume=volume)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "train.parallel=fsdp shards full finetuning" in result.stdout + result.stderr

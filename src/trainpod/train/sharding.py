@@ -21,7 +21,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -50,7 +52,15 @@ def device_mesh(device: torch.device) -> Any:
     return init_device_mesh(device.type, (dist.get_world_size(),))
 
 
-def shard_model(layers: torch.nn.ModuleList, root: torch.nn.Module, device: torch.device, bf16: bool) -> None:
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The blocks to shard one by one: the classes transformers lists as never split across devices."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    return [module for module in model.modules() if type(module).__name__ in names]
+
+
+def shard_model(
+    layers: Sequence[torch.nn.Module], root: torch.nn.Module, device: torch.device, bf16: bool
+) -> None:
     """`fully_shard` each of `layers`, then `root` (the module whose forward runs the whole step, so the
     parameters outside the layers, e.g. embeddings and the tied head, are gathered around it)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -68,6 +78,22 @@ def shard_model(layers: torch.nn.ModuleList, root: torch.nn.Module, device: torc
 def set_gradient_sync(root: torch.nn.Module, enabled: bool) -> None:
     """FSDP's `no_sync`: off for the micro-batches before the last, so gradients reduce once per step."""
     root.set_requires_gradient_sync(enabled)
+
+
+@contextlib.contextmanager
+def gathered_root(root: torch.nn.Module) -> Iterator[None]:
+    """The root unit's weights gathered around a forward that bypasses the root's own (an eval calling
+    the model inside the loss wrapper); the layers gather their own. Nothing for an unsharded root."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(root, FSDPModule):
+        yield
+        return
+    root.unshard()
+    try:
+        yield
+    finally:
+        root.reshard()
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
@@ -214,6 +240,21 @@ def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+
+
+def gathered_copy(model: torch.nn.Module) -> torch.nn.Module | None:
+    """A whole, unsharded copy of a sharded HF model on rank 0's CPU, for its export (None on the other
+    ranks; every rank must call it: the gather is a collective)."""
+    from transformers import AutoModelForCausalLM
+
+    weights = full_weights(model)
+    if dist.get_rank() != 0:
+        return None
+    with torch.device("meta"):
+        copy = AutoModelForCausalLM.from_config(model.config)
+    copy.load_state_dict(weights, assign=True)
+    copy.tie_weights()
+    return copy
 
 
 def require_process_group(parallel: str) -> None:

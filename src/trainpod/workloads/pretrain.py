@@ -19,7 +19,6 @@ from typing import Any
 import safetensors.torch
 import torch
 from torch.nn.parallel import DistributedDataParallel
-from transformers import LlamaForCausalLM
 
 from trainpod.config.pretrain import PretrainConfig
 from trainpod.context import RunContext
@@ -44,7 +43,8 @@ from trainpod.train.model import (
 from trainpod.train.optim import build_optimizer, decay_groups
 from trainpod.train.schedule import cosine_with_warmup
 from trainpod.train.sharding import (
-    full_weights,
+    decoder_layers,
+    gathered_copy,
     has_shards,
     load_full_into,
     load_sharded,
@@ -116,7 +116,7 @@ class Pretrainer(Trainer):
         if self.parallel == "fsdp":
             require_process_group(self.parallel)
             bf16 = self.autocast_dtype == torch.bfloat16
-            shard_model(self.model.model.layers, self.loss_module, device, bf16)
+            shard_model(decoder_layers(self.model), self.loss_module, device, bf16)
         self.optimizer = build_optimizer(
             t.optimizer,
             decay_groups(self.model, t.weight_decay),
@@ -258,14 +258,8 @@ class Pretrainer(Trainer):
 
     # ------------------------------------------------------------------------------ finish
     def export(self) -> Path | None:
-        model = self.model
-        if self.parallel == "fsdp":  # gathered in full on rank 0 (every rank takes part)
-            weights = full_weights(self.model)
-            if self.dist.is_main:
-                with torch.device("meta"):
-                    model = LlamaForCausalLM(self.model_config)
-                model.load_state_dict(weights, assign=True)
-                model.tie_weights()
+        # Sharded: gathered in full on rank 0 (every rank takes part).
+        model = gathered_copy(self.model) if self.parallel == "fsdp" else self.model
         if not self.dist.is_main:
             return None
         dtype_name = self.cfg.export.dtype

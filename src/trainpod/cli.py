@@ -304,7 +304,8 @@ def deploy(
     force: bool = False,
     then_supervise: bool = False,
 ) -> int:
-    """Create or reuse the run's RunPod template, network volume and pod `<run>-<workload>`.
+    """Create or reuse the run's RunPod template, network volume and pod `<run>-<workload>`
+    (or, with `nodes: N` > 1, its Instant Cluster of N nodes through REST v2).
 
     Idempotent: deploying again updates the template only when it changed, reuses the volume and
     a running pod, and starts an exited one again. First it checks the workload config, the image
@@ -349,7 +350,7 @@ def deploy(
         if catalog and not free:
             logging.getLogger("trainpod.deploy").warning("%s", checks.no_stock_warning(cfg, cuda))
         done = deploying.deploy(client, cfg, secrets)
-        print(f"pod {done.pod.name} ({done.pod.id}) {done.action}; supervise it with: "
+        print(f"{done.summary()}; supervise it with: "
               f"trainpod supervise {cfg.run} --config {config}")  # fmt: skip
         return ExitCode.DONE
 
@@ -382,7 +383,7 @@ def supervise(run_name: str, config: str | None = None, once: bool = False, volu
 
 
 def stop(run_name: str, terminate: bool = False) -> int:
-    """Stop the run's pods (they keep their disk and can start again), or --terminate them."""
+    """Stop the run's pods (they keep their disk and can start again), or --terminate them; delete its clusters."""
     from trainpod.runpod.client import RunPodClient
     from trainpod.runpod.deploy import stop_run
 

@@ -270,8 +270,8 @@ class FakeRunPod:
     inclusive_cursor: bool = False  # resume at the Last-Event-ID's line rather than after it
     templates: dict[str, dict] = field(default_factory=dict)
     volumes: dict[str, dict] = field(default_factory=dict)
-    clusters: dict[str, dict] = field(default_factory=dict)  # v2 Cluster objects, without their `pods` summary
-    nodes: dict[str, dict] = field(default_factory=dict)  # v2 Pod objects of the clusters' members, by pod id
+    clusters: dict[str, dict] = field(default_factory=dict)  # v2 Clusters, less their `pods` summary
+    nodes: dict[str, dict] = field(default_factory=dict)  # v2 Pods of the clusters' members, by pod id
     requests: list[tuple[str, str, Any]] = field(default_factory=list)
     violations: list[str] = field(default_factory=list)
     forced: list[tuple[int, str | None]] = field(default_factory=list)  # (status, Retry-After) to answer next

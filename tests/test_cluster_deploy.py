@@ -174,6 +174,17 @@ def test_stop_deletes_the_runs_cluster_and_leaves_other_runs_alone(fake, tmp_pat
     assert f"cluster big-pretrain ({mine.id}) deleted" in capsys.readouterr().out
 
 
+def test_status_shows_the_runs_cluster_and_its_nodes_states(fake, tmp_path, capsys):
+    cluster = deploy(client_for(fake), config(tmp_path)).cluster
+    fake.interrupt_node(cluster.id, 1)
+    assert cli.main(["status", "big", "--volume", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert (
+        f"cluster big-pretrain ({cluster.id}): 2 nodes x 8 x NVIDIA H100 80GB HBM3 | nodes 1 EXITED, 1 RUNNING"
+        in out
+    )
+
+
 @pytest.mark.parametrize("path", sorted(SHIPPED.glob("*cluster*.yaml")), ids=lambda p: p.name)
 def test_shipped_cluster_configs_build_a_request_runpods_v2_schema_accepts(path):
     cfg = load_config(DeployConfig, path)

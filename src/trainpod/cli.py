@@ -233,6 +233,7 @@ def _s3_flags(p: argparse.ArgumentParser) -> None:
 def _print_pods(run_name: str | None, names: list[str]) -> None:
     """The runs' pods (id, status, GPU, cost/hr) when a RunPod key is at hand; silent without one."""
     from trainpod.runpod.client import RunPodAuthError, RunPodClient, RunPodError, api_key
+    from trainpod.runpod.cluster import cluster_line
     from trainpod.runpod.deploy import pod_line
 
     try:
@@ -240,7 +241,8 @@ def _print_pods(run_name: str | None, names: list[str]) -> None:
     except RunPodAuthError:
         return
     try:
-        pods = RunPodClient.from_env(max_attempts=2).list_pods()
+        client = RunPodClient.from_env(max_attempts=2)
+        pods, clusters = client.list_pods(), client.list_clusters()
     except RunPodError as exc:
         print(f"pods: not shown ({exc})")
         return
@@ -249,6 +251,8 @@ def _print_pods(run_name: str | None, names: list[str]) -> None:
         print(f"{name}: {len(mine)} pod(s) on RunPod")
         for pod in mine:
             print(pod_line(pod))
+        for cluster in (c for c in clusters if c.name.startswith(f"{name}-")):
+            print(cluster_line(cluster))
 
 
 def _status_line(vol: Volume, name: str) -> str:

@@ -192,6 +192,13 @@ def deploy_cluster(
     return ClusterDeployment(volume, cluster, action)
 
 
+def cluster_line(cluster: Cluster) -> str:
+    """`trainpod status`: the cluster, its shape and its nodes' states."""
+    states = ", ".join(f"{count} {status}" for status, count in sorted(cluster.members_by_status.items()))
+    return (f"  cluster {cluster.name} ({cluster.id}): {cluster.node_count} nodes x {cluster.gpu_count_per_pod} x "
+            f"{cluster.gpu_type_id} | nodes {states or 'none yet'}")  # fmt: skip
+
+
 def delete_run_clusters(client: RunPodClient, run: str) -> list[Cluster]:
     """Delete every cluster of a run (`<run>-*`): `trainpod stop` (a cluster cannot be stopped, only deleted)."""
     clusters = [c for c in client.list_clusters() if c.name.startswith(f"{run}-")]

@@ -14,7 +14,7 @@ from trainpod import atomic
 from trainpod.config.deploy import DeployConfig
 from trainpod.runpod.deploy import deploy
 from trainpod.runpod.finish import FAILED_MARKER, UNFIT_MARKER, after_workload
-from trainpod.runpod.supervise import Supervisor
+from trainpod.runpod.supervise import Supervisor, SupervisorState
 from trainpod.volume import Volume
 
 from fake_runpod import FakeRunPodServer, api_env, client_for
@@ -221,3 +221,14 @@ def test_exit_4_on_a_node_recreates_the_cluster_and_replacements_in_a_row_are_bo
     assert sup.step() == 4
     assert len(fake.calls("POST", "/v2/clusters")) == creates
     assert "1 new clusters in a row landed on machines that cannot run the image" in caplog.text
+
+
+def test_a_cluster_node_0_deleted_between_the_supervisors_look_and_its_delete_is_no_error(fake, volume):
+    deploy(client_for(fake), cluster_config())
+    sup = supervisor(fake, volume)
+    cluster_id = the_cluster(fake)["id"]
+    assert sup.unit.look(SupervisorState(), None).up, "the supervisor sees the cluster ..."
+    client_for(fake).delete_cluster(cluster_id)  # ... and node 0 deletes it at DONE
+    assert sup.unit.stop("the run is DONE") == [f"deleted cluster {cluster_id} (every node): the run is DONE"]
+    atomic.write_json(volume.run("big").done, {"step": 40})
+    assert sup.step() == 0

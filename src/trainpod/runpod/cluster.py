@@ -22,7 +22,15 @@ from typing import Any
 
 from trainpod.config.deploy import DeployConfig, cluster_problems
 from trainpod.errors import ConfigError
-from trainpod.runpod.client import Cluster, NetworkVolume, Pod, RunPodAuthError, RunPodClient, RunPodError
+from trainpod.runpod.client import (
+    Cluster,
+    NetworkVolume,
+    Pod,
+    RunPodAuthError,
+    RunPodClient,
+    RunPodError,
+    RunPodNotFound,
+)
 
 log = logging.getLogger("trainpod.deploy")
 
@@ -152,7 +160,12 @@ def create(client: RunPodClient, config: DeployConfig, volume_id: str, env: dict
 
 
 def delete(client: RunPodClient, cluster: Cluster, why: str) -> None:
-    client.delete_cluster(cluster.id)
+    """Delete it; one already gone is fine (node 0 deletes its cluster at DONE while the supervisor looks)."""
+    try:
+        client.delete_cluster(cluster.id)
+    except RunPodNotFound:
+        log.info("cluster %s (%s) was already deleted", cluster.name, cluster.id)
+        return
     log.info("deleted cluster %s (%s, every node terminated; the volume keeps the run): %s", cluster.name,
              cluster.id, why)  # fmt: skip
 

@@ -170,7 +170,7 @@ class DeployConfig(Section):
         le=MAX_CLUSTER_NODES,
         description="Nodes (pods) that train together. 1: one pod (spot or on demand). More: a RunPod Instant "
         "Cluster (REST v2 POST /v2/clusters) of that many identical on-demand nodes in the volume's data "
-        "center, each with pod.gpu_count GPUs of pod.gpu_types' first type that has machines, one torchrun "
+        "center, each with pod.gpu_count GPUs of the first of pod.gpu_types RunPod accepts, one torchrun "
         "across them; the supervisor deletes and recreates it as one unit.",
     )
     pod: PodSettings = Field(default_factory=PodSettings, description="What RunPod rents.")

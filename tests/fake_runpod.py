@@ -541,7 +541,7 @@ class FakeRunPod:
 
     def _getPodLogs(self, query, headers, body, id):
         self.log_headers.append(headers)
-        if id not in self.pods:
+        if id not in self.pods and id not in self.nodes:
             return 404, {"title": "Not Found", "status": 404, "detail": "pod not found"}, {}
         drop = self.drop_after.pop(0) if self.drop_after else None
         chunks = self._log_events(id, int(query.get("tail", 100)), headers.get("Last-Event-ID"), drop)

@@ -174,6 +174,16 @@ def test_stop_deletes_the_runs_cluster_and_leaves_other_runs_alone(fake, tmp_pat
     assert f"cluster big-pretrain ({mine.id}) deleted" in capsys.readouterr().out
 
 
+def test_logs_of_a_cluster_run_are_node_0s(fake, tmp_path, capsys):
+    cluster = deploy(client_for(fake), config(tmp_path)).cluster
+    node_0, node_1 = fake.nodes_of(cluster.id)
+    fake.add_logs(node_0["id"], "step 10/100 | loss 3.2 (rank 0)")
+    fake.add_logs(node_1["id"], "a line of node 1")
+    assert cli.main(["logs", "big", "--tail", "10"]) == 0
+    out = capsys.readouterr().out
+    assert "step 10/100 | loss 3.2 (rank 0)" in out and "a line of node 1" not in out
+
+
 def test_status_shows_the_runs_cluster_and_its_nodes_states(fake, tmp_path, capsys):
     cluster = deploy(client_for(fake), config(tmp_path)).cluster
     fake.interrupt_node(cluster.id, 1)

@@ -18,7 +18,11 @@ gets a 400 like RunPod's and is recorded in `violations`; the `fake_runpod` fixt
 when any is left. On demand it interrupts pods, refuses starts (no GPU free on the machine), has
 no capacity for GPU types, answers 429/5xx/401, or answers slowly (timeouts).
 `GET /v2/catalog/gpus` serves `gpu_catalog` with stock per CUDA version from `gpu_stock`; v2 answers
-with a JSON schema in RunPod's description are checked against it before they are sent.
+with a JSON schema in RunPod's description are checked against it before they are sent, and v2 request
+bodies against their request schema. Instant Clusters: `POST /v2/clusters` (CreateClusterRequest) makes
+a cluster and its member pods (v2 Pod objects with `cluster.rank`, RUNNING); `GET /v2/clusters`,
+`/v2/clusters/{id}`, `/v2/clusters/{id}/pods` and `/v2/pods/{id}` serve them, `DELETE /v2/clusters/{id}`
+removes the cluster and its nodes; `interrupt_node` and `lose_node` break a cluster as RunPod would.
 """
 
 from __future__ import annotations
@@ -72,7 +76,16 @@ OPERATIONS = [
     ("POST", "/networkvolumes"),
 ]
 # What trainpod sends to REST v2, as (method, OpenAPI path).
-OPERATIONS_V2 = [("GET", "/v2/pods/{id}/logs"), ("GET", "/v2/catalog/gpus")]
+OPERATIONS_V2 = [
+    ("GET", "/v2/pods/{id}/logs"),
+    ("GET", "/v2/catalog/gpus"),
+    ("GET", "/v2/pods/{id}"),
+    ("GET", "/v2/clusters"),
+    ("POST", "/v2/clusters"),
+    ("GET", "/v2/clusters/{id}"),
+    ("DELETE", "/v2/clusters/{id}"),
+    ("GET", "/v2/clusters/{id}/pods"),
+]
 _KEEP = ("type", "enum", "items", "minimum", "maximum", "required", "properties")
 _KEEP_V2 = ("type", "enum", "minimum", "maximum", "format", "items", "maxItems", "pattern")
 
@@ -136,6 +149,9 @@ def derive_schema_v2(openapi: dict[str, Any]) -> dict[str, Any]:
         json_answer = op["responses"][success].get("content", {}).get("application/json")
         if json_answer:  # the fake's own answers are checked against it
             operations[f"{method} {path}"]["response"] = _inlined(openapi, json_answer["schema"])
+        body = op.get("requestBody", {}).get("content", {}).get("application/json")
+        if body:  # requests are checked against it (JSON Schema 2020-12: allOf, unevaluatedProperties)
+            operations[f"{method} {path}"]["body"] = _inlined(openapi, body["schema"])
     return {
         "source": "RunPod's OpenAPI description of https://api.runpod.io/v2 "
         "(shared/reference/runpod-rest-v2-openapi.json)",
@@ -191,6 +207,10 @@ def _value_problem(name: str, raw: str, schema: dict[str, Any]) -> str | None:
         jsonschema.Draft7Validator({k: v for k, v in schema.items() if k != "format"}).iter_errors(value)
     )
     return f"{name}={raw!r}: {errors[0].message}" if errors else None
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 @dataclass
@@ -250,6 +270,8 @@ class FakeRunPod:
     inclusive_cursor: bool = False  # resume at the Last-Event-ID's line rather than after it
     templates: dict[str, dict] = field(default_factory=dict)
     volumes: dict[str, dict] = field(default_factory=dict)
+    clusters: dict[str, dict] = field(default_factory=dict)  # v2 Clusters, less their `pods` summary
+    nodes: dict[str, dict] = field(default_factory=dict)  # v2 Pods of the clusters' members, by pod id
     requests: list[tuple[str, str, Any]] = field(default_factory=list)
     violations: list[str] = field(default_factory=list)
     forced: list[tuple[int, str | None]] = field(default_factory=list)  # (status, Retry-After) to answer next
@@ -280,6 +302,23 @@ class FakeRunPod:
         pod["desiredStatus"] = "EXITED"
         pod["lastStatusChange"] = "Exited by RunPod: spot instance interrupted"
 
+    def interrupt_node(self, cluster_id: str, rank: int, status: str = "EXITED") -> None:
+        """A node of a cluster stops (its host failed, or its container was stopped): the cluster is broken."""
+        node = self.nodes_of(cluster_id)[rank]
+        node.update(status=status, cost=0.0, runtime=None)
+
+    def lose_node(self, cluster_id: str, rank: int) -> None:
+        """A node disappears from its cluster's member list."""
+        del self.nodes[self.nodes_of(cluster_id)[rank]["id"]]
+
+    def clusters_named(self, name: str) -> list[dict]:
+        return [c for c in self.clusters.values() if c["name"] == name]
+
+    def nodes_of(self, cluster_id: str) -> list[dict]:
+        """Its member pods by node rank."""
+        members = [n for n in self.nodes.values() if n["cluster"]["id"] == cluster_id]
+        return sorted(members, key=lambda n: n["cluster"]["rank"])
+
     def fail_next(self, status: int, times: int = 1, retry_after: str | None = None) -> None:
         self.forced += [(status, retry_after)] * times
 
@@ -306,7 +345,7 @@ class FakeRunPod:
     ) -> tuple[int, Any, dict]:
         parts = urlsplit(raw_path)
         if parts.path.startswith("/v2/"):
-            return self._handle_v2(method, parts.path, parts.query, headers)
+            return self._handle_v2(method, parts.path, parts.query, headers, raw_body)
         path = parts.path.removeprefix("/v1")
         body = json.loads(raw_body) if raw_body.strip() else None
         self.requests.append((method, path, body))
@@ -337,9 +376,10 @@ class FakeRunPod:
         return (op["status"] if status is None else status), result, {}
 
     def _handle_v2(
-        self, method: str, path: str, raw_query: str, headers: dict[str, str]
+        self, method: str, path: str, raw_query: str, headers: dict[str, str], raw_body: bytes = b""
     ) -> tuple[int, Any, dict]:
-        self.requests.append((method, path, None))
+        body = json.loads(raw_body) if raw_body.strip() else None
+        self.requests.append((method, path, body))
         if headers.get("Authorization") != f"Bearer {self.key}":
             return 401, {"title": "Unauthorized", "status": 401}, {}
         if self.forced:
@@ -363,10 +403,14 @@ class FakeRunPod:
         problems += [_value_problem(n, v, op["headers"][n]) for n, v in given.items()]
         if any(problems):
             return self._invalid(f"{op_key}: {'; '.join(p for p in problems if p)}")
-        status, answer, extra = getattr(self, "_" + op["operationId"])(query, given, **params)
+        problem = self._v2_body_problem(op, body)
+        if problem:
+            return self._invalid(f"{op_key}: {problem}")
+        with self._lock:
+            status, answer, extra = getattr(self, "_" + op["operationId"])(query, given, body, **params)
         problems = (
             list(jsonschema.Draft202012Validator(op["response"]).iter_errors(answer))
-            if status == 200 and "response" in op
+            if status == op["status"] and "response" in op
             else []
         )
         if problems:  # the fake itself must answer as RunPod's description says
@@ -375,7 +419,16 @@ class FakeRunPod:
             )
         return status, answer, extra
 
-    def _listGpuTypes(self, query, headers):
+    @staticmethod
+    def _v2_body_problem(op: dict, body: Any) -> str | None:
+        if "body" not in op:
+            return None if body is None else "this operation takes no body"
+        if body is None:
+            return "a JSON body is required"
+        errors = sorted(jsonschema.Draft202012Validator(op["body"]).iter_errors(body), key=str)
+        return "; ".join(f"{'.'.join(map(str, e.path)) or '(body)'}: {e.message}" for e in errors) or None
+
+    def _listGpuTypes(self, query, headers, body):
         # A rule v2's description states in words: include=AVAILABILITY and product= go together.
         if ("include" in query) != ("product" in query):
             return self._invalid(
@@ -398,9 +451,97 @@ class FakeRunPod:
             entry["dataCenters"] = [{"id": "EU-RO-1", "name": "Europe Romania 1", "availability": "HIGH"}]
         return entry
 
-    def _getPodLogs(self, query, headers, id):
+    # ------------------------------------------------------------------ v2 Instant Clusters
+    def _createCluster(self, query, headers, body):
+        gpu = body["compute"]["gpuTypeId"]
+        if gpu in self.no_capacity:
+            return 500, {"title": "no capacity", "status": 500, "detail": "no instances available"}, {}
+        cluster_id = self._new_id("cluster")
+        data_center = (body.get("dataCenterIds") or ["EU-RO-1"])[0]
+        cluster = {
+            "id": cluster_id,
+            "name": body["name"],
+            "type": body["type"],
+            "compute": dict(body["compute"]),
+            "dataCenterId": data_center,
+            "network": {"cidr": "10.65.0.0/16"},
+            "createdAt": _now(),
+        }
+        self.clusters[cluster_id] = cluster
+        for rank in range(body["compute"]["podCount"]):
+            node = self._cluster_node(cluster, body, rank)
+            self.nodes[node["id"]] = node
+        return 201, self._cluster_view(cluster), {}
+
+    def _cluster_node(self, cluster: dict, body: dict, rank: int) -> dict:
+        """A member pod as v2's Pod schema describes it."""
+        compute = cluster["compute"]
+        node_id = self._new_id("pod")
+        return {
+            "id": node_id,
+            "name": f"{cluster['name']}-{rank}",
+            "status": "RUNNING",
+            "actions": [],  # member pods are managed through /v2/clusters only
+            "image": body.get("image", ""),
+            "args": body.get("args", ""),
+            "disk": body.get("disk", 20),
+            "mounts": body.get("mounts", {}),
+            "ports": body.get("ports", []),
+            "env": dict(body.get("env", {})),
+            "registry": None,
+            "gpu": {"id": compute["gpuTypeId"], "count": compute["gpuCountPerPod"]},
+            "cloud": "SECURE",
+            "dataCenterId": cluster["dataCenterId"],
+            "cudaVersion": "12.8",
+            "ssh": {"proxy": None, "direct": None},
+            "cluster": {"id": cluster["id"], "rank": rank, "ip": f"10.65.0.{rank + 2}"},
+            "template": None,
+            "cost": self.price_per_gpu_hr * compute["gpuCountPerPod"],
+            "locked": False,
+            "runtime": None,
+            "globalNetworking": {"enabled": False},
+            "createdAt": cluster["createdAt"],
+            "startedAt": cluster["createdAt"],
+        }
+
+    def _cluster_view(self, cluster: dict) -> dict:
+        nodes = self.nodes_of(cluster["id"])
+        by_status: dict[str, int] = {}
+        for node in nodes:
+            by_status[node["status"]] = by_status.get(node["status"], 0) + 1
+        view = {**cluster, "pods": {"total": len(nodes), "byStatus": by_status}}
+        if nodes and nodes[0]["cluster"]["rank"] == 0:
+            view["primary"] = {"podId": nodes[0]["id"], "status": nodes[0]["status"]}
+        return view
+
+    def _listClusters(self, query, headers, body):
+        return 200, {"clusters": [self._cluster_view(c) for c in self.clusters.values()]}, {}
+
+    def _getCluster(self, query, headers, body, id):
+        if id not in self.clusters:
+            return 404, {"title": "Not Found", "status": 404, "detail": "cluster not found"}, {}
+        return 200, self._cluster_view(self.clusters[id]), {}
+
+    def _deleteCluster(self, query, headers, body, id):
+        if self.clusters.pop(id, None) is None:
+            return 404, {"title": "Not Found", "status": 404, "detail": "cluster not found"}, {}
+        for node in self.nodes_of(id):
+            del self.nodes[node["id"]]
+        return 204, None, {}
+
+    def _listClusterPods(self, query, headers, body, id):
+        if id not in self.clusters:
+            return 404, {"title": "Not Found", "status": 404, "detail": "cluster not found"}, {}
+        return 200, {"pods": self.nodes_of(id)}, {}
+
+    def _getPod(self, query, headers, body, id):
+        if id not in self.nodes:  # the fake serves v2 pods for cluster members only
+            return 404, {"title": "Not Found", "status": 404, "detail": "pod not found"}, {}
+        return 200, self.nodes[id], {}
+
+    def _getPodLogs(self, query, headers, body, id):
         self.log_headers.append(headers)
-        if id not in self.pods:
+        if id not in self.pods and id not in self.nodes:
             return 404, {"title": "Not Found", "status": 404, "detail": "pod not found"}, {}
         drop = self.drop_after.pop(0) if self.drop_after else None
         chunks = self._log_events(id, int(query.get("tail", 100)), headers.get("Last-Event-ID"), drop)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from trainpod.errors import InputError
-from trainpod.train.batches import TokenBatches, eval_batches
+from trainpod.train.batches import TokenBatches, eval_batches, rescaled_accumulation
 
 
 def fake_shards(count: int, length: int) -> tuple[list[Path], dict[Path, np.ndarray]]:
@@ -18,10 +18,19 @@ def fake_shards(count: int, length: int) -> tuple[list[Path], dict[Path, np.ndar
     return list(arrays), arrays
 
 
-def loader(rank: int = 0, world: int = 2, count: int = 3, length: int = 100, seed: int = 7) -> TokenBatches:
+def loader(
+    rank: int = 0, world: int = 2, count: int = 3, length: int = 100, seed: int = 7, accum: int = 1
+) -> TokenBatches:
     paths, arrays = fake_shards(count, length)
     return TokenBatches(
-        paths, arrays.__getitem__, batch_size=2, seq_len=8, rank=rank, world_size=world, seed=seed
+        paths,
+        arrays.__getitem__,
+        batch_size=2,
+        seq_len=8,
+        rank=rank,
+        world_size=world,
+        seed=seed,
+        grad_accum_steps=accum,
     )
 
 
@@ -69,12 +78,55 @@ def test_epochs_after_the_first_visit_shards_in_a_seeded_order():
 
 def test_changed_batch_layout_on_resume_is_refused():
     state = loader(world=2).state_dict()
-    with pytest.raises(InputError, match="same settings and GPU count"):
-        loader(world=1).load_state_dict(state)
+    paths, arrays = fake_shards(3, 100)
+    other_micro_batch = TokenBatches(paths, arrays.__getitem__, batch_size=4, seq_len=8, world_size=2)
+    with pytest.raises(InputError, match="same settings"):
+        other_micro_batch.load_state_dict(state)
 
 
-def test_shard_smaller_than_a_global_batch_is_a_clear_error():
-    with pytest.raises(InputError, match="fewer than one global batch"):
+def test_a_step_reads_the_same_tokens_on_two_ranks_as_on_one_rank_accumulating_two():
+    """What lets a run resume on another GPU count: ranks x accumulation read the same windows per step,
+    shard ends included (a step moves to the next shard only as a whole)."""
+    two_ranks = [loader(rank=r, world=2, length=90) for r in (0, 1)]
+    one_rank = loader(rank=0, world=1, length=90, accum=2)
+    for _ in range(40):  # many steps: past shard ends (90 tokens fit 2 steps of 32, not 3) and epochs
+        spread = torch.cat([ranks.next_batch()[0] for ranks in two_ranks])
+        accumulated = torch.cat([one_rank.next_batch()[0] for _ in range(2)])
+        assert torch.equal(spread, accumulated)
+    assert one_rank.state_dict()["position"] == two_ranks[0].state_dict()["position"]
+
+
+def test_a_position_taken_on_two_ranks_resumes_on_one_rank_accumulating_twice_as_much():
+    two = loader(rank=0, world=2, accum=1)
+    for _ in range(5):
+        two.next_batch()
+    one = loader(rank=0, world=1, accum=rescaled_accumulation(two.state_dict(), world_size=1, configured=1))
+    one.load_state_dict(two.state_dict())
+    twin = [loader(rank=r, world=2) for r in (0, 1)]
+    for ranks in twin:
+        ranks.load_state_dict(two.state_dict())
+    assert torch.equal(
+        torch.cat([one.next_batch()[0] for _ in range(2)]), torch.cat([r.next_batch()[0] for r in twin])
+    )
+
+
+def test_accumulation_is_rescaled_to_keep_the_global_batch_or_refused_with_the_counts_that_fit():
+    saved = {"world_size": 2, "grad_accum_steps": 3}
+    assert rescaled_accumulation(saved, world_size=1, configured=3) == 6
+    assert rescaled_accumulation(saved, world_size=6, configured=3) == 1
+    assert rescaled_accumulation(saved, world_size=2, configured=5) == 5, "same rank count: the config rules"
+    with pytest.raises(InputError, match=r"4 ranks cannot share them evenly. Resume on 1, 2, 3, 6 GPU"):
+        rescaled_accumulation(saved, world_size=4, configured=3)
+
+
+def test_a_position_whose_step_reads_other_windows_is_refused():
+    state = loader(world=2, accum=2).state_dict()
+    with pytest.raises(InputError, match="steps read 4 micro-batches"):
+        loader(world=1, accum=3).load_state_dict(state)
+
+
+def test_shard_smaller_than_one_step_is_a_clear_error():
+    with pytest.raises(InputError, match="fewer than one optimizer step"):
         loader(length=20).next_batch()
 
 

@@ -63,23 +63,26 @@ def fake():
     assert not fake.violations, f"requests RunPod would refuse: {fake.violations}"
 
 
-def cluster_pods(fake) -> list[str]:
-    body = {"name": "tiny-pretrain", "gpuTypeIds": ["NVIDIA H100 80GB HBM3"], "interruptible": True}
-    ids = [client_for(fake).create_pod(body).id for _ in range(2)]
+def cluster_pods(fake) -> tuple[str, list[str]]:
+    """An Instant Cluster of 2 nodes in the fake: its id and its nodes' pod ids by NODE_RANK."""
+    body = {"name": f"{RUN}-pretrain", "type": "TRAINING",
+            "compute": {"gpuTypeId": "NVIDIA H100 80GB HBM3", "gpuCountPerPod": 1, "podCount": 2}}  # fmt: skip
+    cluster = client_for(fake).create_cluster(body)
     fake.requests.clear()
-    return ids
+    return cluster.id, [node["id"] for node in fake.nodes_of(cluster.id)]
 
 
 def test_two_nodes_finish_and_only_node_0_runs_the_finish_hook(volume, fake):
-    pods = cluster_pods(fake)
+    cluster_id, pods = cluster_pods(fake)
     port = free_port()
     nodes = [start_node(volume, rank, port, pods[rank], api_env(fake)) for rank in (0, 1)]
     outputs = [node.communicate(timeout=300)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], "\n\n".join(outputs)
     assert (volume / "runs" / RUN / "DONE").is_file()
     assert "2 rank(s)" in outputs[0] + outputs[1], "both nodes joined one world of 2 ranks"
-    assert fake.pods[pods[0]]["desiredStatus"] == "EXITED", "node 0 stops its pod after DONE"
-    assert fake.pods[pods[1]]["desiredStatus"] == "RUNNING" and not fake.calls("POST", f"/pods/{pods[1]}")
+    assert not fake.clusters, "node 0 deletes the whole cluster after DONE: no node is left billing"
+    assert [r[1] for r in fake.calls("DELETE")] == [f"/v2/clusters/{cluster_id}"], "once, by node 0"
+    assert f"asked RunPod to delete this pod's cluster {cluster_id}" in outputs[0]
 
 
 def test_sigterm_to_both_nodes_commits_and_each_exits_143(volume):

@@ -139,3 +139,17 @@ def test_every_path_named_in_infra_and_deploy_configs_exists(source, path):
         assert folder in image_folders(), (
             f"{source} names {path}, but docker/Dockerfile does not copy {folder}/ into /opt/trainpod"
         )
+
+
+def test_the_cluster_variables_boot_reads_are_the_ones_runpod_documents_for_instant_clusters():
+    """boot.py starts torchrun from what RunPod puts into a cluster's pods (runpod-platform.md)."""
+    platform = (REPO.parent / "shared/reference/runpod-platform.md").read_text(encoding="utf-8")
+    documented = set(re.findall(r"`([A-Z_]+)`", platform.split("## Environment inside a pod", 1)[1]))
+    read = set(re.findall(r'environ(?:\.get\(|\[)"([A-Z_]+)"', (REPO / "src/trainpod/boot.py").read_text()))
+    # RANK is torchrun's own (set for each rank it starts), the TRAINPOD_ names are the kit's contract.
+    platform_reads = {name for name in read if not name.startswith("TRAINPOD_") and name != "RANK"}
+    assert {"NUM_NODES", "NODE_RANK", "NUM_TRAINERS", "PRIMARY_ADDR", "PRIMARY_PORT"} <= platform_reads
+    assert platform_reads <= documented, (
+        f"boot.py reads {sorted(platform_reads - documented)}, which RunPod does not set in a pod; "
+        "use the names in shared/reference/runpod-platform.md, 'Environment inside a pod'"
+    )

@@ -125,7 +125,9 @@ def test_a_run_without_a_pod_exits_2_with_a_clear_message(fake):
         logs_cmd(RUN), env=child_env(api_env(fake)), capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 2
-    assert f"run {RUN!r} has no pod on RunPod" in result.stderr and "trainpod deploy" in result.stderr
+    assert (
+        f"run {RUN!r} has no pod or cluster on RunPod" in result.stderr and "trainpod deploy" in result.stderr
+    )
     assert "Traceback" not in result.stdout + result.stderr
 
 

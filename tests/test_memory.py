@@ -151,3 +151,24 @@ def test_the_estimate_is_readable_by_part():
     report = memory.estimate_training_memory(tiny_config(), 320, GPU_80GB).report()
     for part in ("weights", "gradients", "optimizer states", "activations", "loss", "CUDA context"):
         assert part in report
+
+
+def test_fsdp_holds_a_share_of_weights_gradients_and_optimizer_state_per_rank():
+    config = tiny_config(parallel="fsdp")
+    single = memory.estimate_training_memory(config, 320, world_size=1).parts
+    sharded = memory.estimate_training_memory(config, 320, world_size=4).parts
+    assert sharded["weights (fp32 / 4 ranks)"] == -(-single["weights (fp32)"] // 4)
+    assert sharded["gradients (fp32 / 4 ranks)"] == -(-single["gradients (fp32)"] // 4)
+    assert sharded["optimizer states (adamw / 4 ranks)"] == -(-single["optimizer states (adamw)"] // 4)
+    assert "FSDP gathered units (root + 2 layers)" in sharded
+    ddp = memory.estimate_training_memory(tiny_config(parallel="ddp"), 320, world_size=4).parts
+    assert ddp["weights (fp32)"] == single["weights (fp32)"], "DDP replicates everything"
+
+
+def test_the_4b_preset_with_fp32_adamw_fits_80gb_only_when_fsdp_shards_it_over_eight_gpus():
+    config = load_config(PretrainConfig, PRESETS / "4b.yaml", ["train.optimizer=adamw"])
+    one_gpu = memory.estimate_training_memory(config, 32768, GPU_80GB, world_size=1)
+    eight_gpus = memory.estimate_training_memory(config, 32768, GPU_80GB, world_size=8)
+    assert not one_gpu.fits
+    assert eight_gpus.settings["parallel"] == "fsdp", "auto picks FSDP for a model over 1B on several GPUs"
+    assert eight_gpus.fits, eight_gpus.report()

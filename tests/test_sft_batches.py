@@ -220,11 +220,46 @@ def test_state_of_other_settings_is_refused():
         other.load_state_dict(state)
 
 
-def test_too_few_samples_for_one_global_batch_is_an_input_error():
+def test_too_few_samples_for_one_optimizer_step_is_an_input_error():
     with pytest.raises(
-        InputError, match="3 training samples make 3 rows, fewer than one global batch of 2 rank"
+        InputError, match=r"3 training samples make 3 rows, fewer than one optimizer step of 2 rank\(s\) x 1"
     ):
         SftBatches(synthetic(3), 2, 16, False, seed=0, rank=0, world_size=2, pad_id=0)
+
+
+def first_tokens(batches: SftBatches) -> torch.Tensor:
+    """Which samples the next micro batch holds (a row's first token is 100 + its sample's index)."""
+    return batches.next_batch()["input_ids"][:, 0]
+
+
+def sft_batches(rank: int, world: int, accum: int) -> SftBatches:
+    return SftBatches(
+        synthetic(23), 2, 16, False, seed=0, rank=rank, world_size=world, pad_id=0, grad_accum_steps=accum
+    )
+
+
+def test_a_step_takes_the_same_rows_on_two_ranks_as_on_one_rank_accumulating_two_across_epochs():
+    """23 samples hold 5 whole steps of 4 rows: both layouts end each epoch after 5 steps, not mid-step."""
+    two_ranks, one_rank = [sft_batches(r, 2, 1) for r in (0, 1)], sft_batches(0, 1, 2)
+    assert two_ranks[0].steps_per_epoch // 1 == one_rank.steps_per_epoch // 2 == 5
+    for _ in range(12):  # over two epoch ends
+        spread = torch.cat([first_tokens(ranks) for ranks in two_ranks])
+        accumulated = torch.cat([first_tokens(one_rank) for _ in range(2)])
+        assert torch.equal(spread, accumulated)
+
+
+def test_a_position_taken_on_two_ranks_continues_on_one_rank_at_the_same_rows():
+    two = [sft_batches(r, 2, 1) for r in (0, 1)]
+    for _ in range(3):
+        for ranks in two:
+            ranks.next_batch()
+    one = sft_batches(0, 1, 2)
+    one.load_state_dict(two[0].state_dict())
+    assert torch.equal(
+        torch.cat([first_tokens(one) for _ in range(2)]), torch.cat([first_tokens(ranks) for ranks in two])
+    )
+    with pytest.raises(InputError, match="steps take 2 micro batches"):
+        sft_batches(0, 1, 3).load_state_dict(two[0].state_dict())
 
 
 def test_eval_batches_are_deterministic_with_sample_indices(data):

@@ -233,6 +233,7 @@ def _s3_flags(p: argparse.ArgumentParser) -> None:
 def _print_pods(run_name: str | None, names: list[str]) -> None:
     """The runs' pods (id, status, GPU, cost/hr) when a RunPod key is at hand; silent without one."""
     from trainpod.runpod.client import RunPodAuthError, RunPodClient, RunPodError, api_key
+    from trainpod.runpod.cluster import cluster_line
     from trainpod.runpod.deploy import pod_line
 
     try:
@@ -240,7 +241,8 @@ def _print_pods(run_name: str | None, names: list[str]) -> None:
     except RunPodAuthError:
         return
     try:
-        pods = RunPodClient.from_env(max_attempts=2).list_pods()
+        client = RunPodClient.from_env(max_attempts=2)
+        pods, clusters = client.list_pods(), client.list_clusters()
     except RunPodError as exc:
         print(f"pods: not shown ({exc})")
         return
@@ -249,6 +251,8 @@ def _print_pods(run_name: str | None, names: list[str]) -> None:
         print(f"{name}: {len(mine)} pod(s) on RunPod")
         for pod in mine:
             print(pod_line(pod))
+        for cluster in (c for c in clusters if c.name.startswith(f"{name}-")):
+            print(cluster_line(cluster))
 
 
 def _status_line(vol: Volume, name: str) -> str:
@@ -304,7 +308,8 @@ def deploy(
     force: bool = False,
     then_supervise: bool = False,
 ) -> int:
-    """Create or reuse the run's RunPod template, network volume and pod `<run>-<workload>`.
+    """Create or reuse the run's RunPod template, network volume and pod `<run>-<workload>`
+    (or, with `nodes: N` > 1, its Instant Cluster of N nodes through REST v2).
 
     Idempotent: deploying again updates the template only when it changed, reuses the volume and
     a running pod, and starts an exited one again. First it checks the workload config, the image
@@ -349,7 +354,7 @@ def deploy(
         if catalog and not free:
             logging.getLogger("trainpod.deploy").warning("%s", checks.no_stock_warning(cfg, cuda))
         done = deploying.deploy(client, cfg, secrets)
-        print(f"pod {done.pod.name} ({done.pod.id}) {done.action}; supervise it with: "
+        print(f"{done.summary()}; supervise it with: "
               f"trainpod supervise {cfg.run} --config {config}")  # fmt: skip
         return ExitCode.DONE
 
@@ -382,7 +387,7 @@ def supervise(run_name: str, config: str | None = None, once: bool = False, volu
 
 
 def stop(run_name: str, terminate: bool = False) -> int:
-    """Stop the run's pods (they keep their disk and can start again), or --terminate them."""
+    """Stop the run's pods (they keep their disk and can start again), or --terminate them; delete its clusters."""
     from trainpod.runpod.client import RunPodClient
     from trainpod.runpod.deploy import stop_run
 

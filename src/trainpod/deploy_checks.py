@@ -3,6 +3,7 @@
     trainpod deploy configs/deploy/finetune-spot.yaml --dry-run    # the checks, then "would create ..."
 
 - the workload config the deploy config names is loaded and validated when this repo holds it;
+- a cluster (nodes > 1) runs a workload that trains across nodes (one rank per GPU);
 - the image is not the shipped placeholder (ghcr.io/YOUR_ORG/...), which no registry serves;
 - secrets reach the pod as {{ RUNPOD_SECRET_<name> }} references, and env.extra holds no value that
   looks like a secret;
@@ -47,8 +48,23 @@ def config_problems(config: DeployConfig, deploy_path: str, secrets_from_env: bo
                 "under `secrets` "
                 f"(sent as {{{{ RUNPOD_SECRET_{name} }}}}) and create the secret in RunPod's console"
             )
+    problems += cluster_workload_problems(config)
     problems += workload_config_problems(config, deploy_path)
     return problems
+
+
+def cluster_workload_problems(config: DeployConfig) -> list[str]:
+    """A cluster's nodes run one torchrun: only workloads with a rank per GPU can share it."""
+    from trainpod import workloads
+
+    workload = workloads.REGISTRY.get(config.workload)
+    if config.nodes == 1 or workload is None or workload.kind.rank_per_gpu:
+        return []
+    training = ", ".join(name for name, w in workloads.REGISTRY.items() if w.kind.rank_per_gpu)
+    return [
+        f"nodes={config.nodes} with workload={config.workload!r}: every node would run it on its own; "
+        f"only {training} train across nodes: set nodes: 1, or one of those workloads"
+    ]
 
 
 def workload_config_problems(config: DeployConfig, deploy_path: str) -> list[str]:

@@ -367,7 +367,8 @@ def estimate(
 ) -> Estimate:
     """The estimate for `config`; `catalog` (RunPodClient.catalog_gpus) gives prices and memory."""
     gpu = gpu or (deploy.pod.gpu_types[0] if deploy and deploy.pod.gpu_types else DEFAULT_GPU)
-    gpu_count = deploy.pod.gpu_count if deploy else 1
+    nodes = deploy.nodes if deploy else 1  # an Instant Cluster: every node's GPUs train one run
+    gpu_count = (deploy.pod.gpu_count if deploy else 1) * nodes
     spot = spot if spot is not None else (deploy.pod.spot if deploy else False)
     cloud = deploy.pod.cloud if deploy else "SECURE"
     sizing = (size_pretrain if isinstance(config, PretrainConfig) else size_finetune)(
@@ -389,7 +390,7 @@ def estimate(
         mfu = ASSUMED_MFU[sizing.workload]
         mfu_source = f"assumed for {sizing.workload} (no run measured it yet; --mfu to change)"
     hours = sizing.flops / (peak * mfu * gpu_count) / 3600
-    hourly, source = _hourly_price(offer, gpu_count, cloud, spot, deploy)
+    hourly, source = _hourly_price(offer, gpu_count, cloud, spot, deploy, nodes)
     budget = cost.budget_usd()
     if budget is None and deploy is not None:
         budget = deploy.budget.budget_usd
@@ -398,12 +399,15 @@ def estimate(
 
 
 def _hourly_price(
-    offer: Any, gpu_count: int, cloud: str, spot: bool, deploy: DeployConfig | None
+    offer: Any, gpu_count: int, cloud: str, spot: bool, deploy: DeployConfig | None, nodes: int = 1
 ) -> tuple[float | None, str]:
-    """$/hour of the pod: the catalog's list price, else TRAINPOD_GPU_HOURLY_USD (or the deploy config's)."""
+    """$/hour of the pod (of all `nodes` of a cluster: `gpu_count` counts them all): the catalog's list
+    price, else TRAINPOD_GPU_HOURLY_USD (or the deploy config's), which is per pod, per node."""
     configured = cost.hourly_usd()
     if configured is None and deploy is not None:
         configured = deploy.budget.hourly_usd
+    if configured is not None:
+        configured *= nodes
     listed = offer.price(cloud) if offer else None
     if spot and configured is not None:
         return (

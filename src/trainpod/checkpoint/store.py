@@ -330,10 +330,13 @@ class CheckpointStore:
         return PendingCheckpoint(tmp, self._hashers, abandoned)
 
     @contextlib.contextmanager
-    def writing(self, step: int, abandoned: threading.Event | None = None) -> Iterator[PendingCheckpoint]:
-        """`begin(step)`; when writing or committing fails, the temp folder goes at once (a full volume
-        gets its space back; a kill instead leaves it for the next start's `remove_leftovers`)."""
-        pending = self.begin(step, abandoned)
+    def writing(
+        self, step: int, abandoned: threading.Event | None = None, pending: PendingCheckpoint | None = None
+    ) -> Iterator[PendingCheckpoint]:
+        """`begin(step)` (or `pending`, begun already); when writing or committing fails, the temp folder
+        goes at once (a full volume gets its space back; a kill instead leaves it for the next start's
+        `remove_leftovers`)."""
+        pending = pending or self.begin(step, abandoned)
         try:
             yield pending
         except BaseException:

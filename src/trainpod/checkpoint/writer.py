@@ -15,6 +15,11 @@ the files (checkpoint/store.py) while training goes on. At most one commit is in
 snapshot waits for it, since it reuses its buffers. A commit that cannot finish before SIGKILL is
 abandoned: its writes stop at the next piece and it never becomes LATEST.
 
+A sharded checkpoint (FSDP) is written by every rank at once: rank 0 opens the pending checkpoint
+(`begin`), each rank's DCP writes its shards into a folder of it, and rank 0 hands the folder to
+`commit` as `ShardFiles`: the writer waits until every shard is written, hashes them into the
+manifest, writes the other files and publishes, the same way in the foreground or background.
+
 What a file holds follows its name: `*.safetensors` a flat dict of tensors, `*.json` a JSON value,
 bytes as they are, anything else (`*.pt`) a structure of tensors and plain values for `torch.save`
 (loadable with `weights_only=True`).
@@ -26,7 +31,9 @@ import json
 import logging
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import safetensors.torch
@@ -100,6 +107,23 @@ def _write_file(pending: PendingCheckpoint, name: str, value: Any) -> None:
 
 
 @dataclass
+class ShardFiles:
+    """Files other processes write into a pending checkpoint (every rank's DCP shards, in `folder`):
+    complete when `written` resolves (None: written already, by a foreground `dcp.save`)."""
+
+    pending: PendingCheckpoint
+    folder: Path
+    written: Future | None = None
+
+    def adopt_into_manifest(self) -> None:
+        if self.written is not None:
+            self.written.result()  # raises what went wrong on any rank
+        prefix = self.folder.relative_to(self.pending.dir)
+        for path in sorted(self.folder.iterdir()):
+            self.pending.adopt(f"{prefix}/{path.name}", path)
+
+
+@dataclass
 class _Commit:
     """One snapshot on its way to the volume."""
 
@@ -116,6 +140,7 @@ class _Commit:
     done: threading.Event = field(default_factory=threading.Event)
     abandoned: threading.Event = field(default_factory=threading.Event)
     score: tuple[str, float] | None = None  # (metric, value) that ranks it for best-k retention
+    shards: ShardFiles | None = None
 
 
 class CheckpointWriter:
@@ -137,9 +162,11 @@ class CheckpointWriter:
         eval_loss: float | None = None,
         background: bool = False,
         score: tuple[str, float] | None = None,
+        shards: ShardFiles | None = None,
     ) -> CommittedCheckpoint | None:
         """Snapshot `files` and commit them as `step-<step>`; with `background`, return once the snapshot
-        is taken (the result comes from `poll` or `wait`), else return the committed checkpoint."""
+        is taken (the result comes from `poll` or `wait`), else return the committed checkpoint.
+        `shards`: files of a pending checkpoint from `begin` that other processes write."""
         self.wait()  # one in flight at most, and its buffers are the ones the snapshot reuses
         started = time.monotonic()
         buffers = self.buffers if background else None
@@ -158,7 +185,10 @@ class CheckpointWriter:
             started,
             background,
             score=score,
+            shards=shards,
         )
+        if shards is not None:
+            job.abandoned = shards.pending.abandoned
         if not background:
             self._write(job)
             return self._finish(job)
@@ -170,7 +200,10 @@ class CheckpointWriter:
         try:
             if job.copied is not None:
                 job.copied.synchronize()
-            with self.store.writing(job.step, job.abandoned) as pending:
+            pending_shards = job.shards.pending if job.shards else None
+            with self.store.writing(job.step, job.abandoned, pending_shards) as pending:
+                if job.shards is not None:
+                    job.shards.adopt_into_manifest()
                 for name, value in job.files.items():
                     _write_file(pending, name, value)
                 with self._commit_point:
@@ -197,6 +230,12 @@ class CheckpointWriter:
         if job.error is not None:
             raise job.error
         return job.result
+
+    def begin(self, step: int) -> PendingCheckpoint:
+        """A pending checkpoint for files that other processes write (`ShardFiles`), after the commit in
+        flight: one at a time, as for `commit`."""
+        self.wait()
+        return self.store.begin(step)
 
     # ------------------------------------------------------------------------- in flight
     @property

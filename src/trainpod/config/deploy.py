@@ -37,6 +37,7 @@ CUDA_VERSIONS = (
 # most of RunPod's GPUs; CUDA 13.0 alone needs a driver >= 580, which few hosts have.
 DEFAULT_IMAGE_CUDA = "12.8"
 MAX_POD_ENV = 50  # RunPod's limit on environment variables per pod
+MAX_CLUSTER_NODES = 250  # ClusterCompute.podCount's maximum in RunPod's v2 description
 
 
 class ImageSettings(Section):
@@ -71,7 +72,9 @@ class PodSettings(Section):
         description="RunPod GPU type ids in priority order, e.g. ['NVIDIA H100 80GB HBM3', 'NVIDIA H200']; "
         "the first that has a free machine is rented. Required for the cuda flavour.",
     )
-    gpu_count: int = Field(1, ge=1, le=8, description="GPUs per pod (one training process each).")
+    gpu_count: int = Field(
+        1, ge=1, le=8, description="GPUs per pod, per node of a cluster (one training process each)."
+    )
     cpu_flavors: list[Literal["cpu3c", "cpu3g", "cpu3m", "cpu5c", "cpu5g", "cpu5m"]] = Field(
         default_factory=lambda: ["cpu3c"], description="CPU flavours for cpu-flavour pods, in priority order."
     )
@@ -120,7 +123,10 @@ class BudgetSettings(Section):
     """Cost tracking in the pod and a cap the supervisor and the workload both respect."""
 
     hourly_usd: float | None = Field(
-        None, ge=0, description="TRAINPOD_GPU_HOURLY_USD: the pod's price per hour."
+        None,
+        ge=0,
+        description="The pod's price per hour (per node of a cluster); the pod gets it times `nodes` as "
+        "TRAINPOD_GPU_HOURLY_USD, the run's price.",
     )
     budget_usd: float | None = Field(
         None, ge=0, description="TRAINPOD_BUDGET_USD: the most the run may spend; unset: no cap."
@@ -158,6 +164,15 @@ class DeployConfig(Section):
         "in the synced git checkout, or on the volume)."
     )
     image: ImageSettings
+    nodes: int = Field(
+        1,
+        ge=1,
+        le=MAX_CLUSTER_NODES,
+        description="Nodes (pods) that train together. 1: one pod (spot or on demand). More: a RunPod Instant "
+        "Cluster (REST v2 POST /v2/clusters) of that many identical on-demand nodes in the volume's data "
+        "center, each with pod.gpu_count GPUs of the first of pod.gpu_types RunPod accepts, one torchrun "
+        "across them; the supervisor deletes and recreates it as one unit.",
+    )
     pod: PodSettings = Field(default_factory=PodSettings, description="What RunPod rents.")
     volume: VolumeSettings
     env: EnvSettings = Field(default_factory=EnvSettings, description="The pod's environment.")
@@ -181,9 +196,36 @@ class DeployConfig(Section):
         bad = [name for name in [*self.secrets, *self.env.extra] if not _is_env_name(name)]
         if bad:
             problems.append(f"{', '.join(bad)}: not environment variable names; use letters, digits and _")
+        problems += cluster_problems(self)
         if problems:
             raise ValueError("; ".join(problems))
         return self
+
+
+def cluster_problems(config: DeployConfig) -> list[str]:
+    """What an Instant Cluster (nodes > 1) cannot do, each with its fix; none for one pod.
+
+    POST /v2/clusters (runpod-rest-v2-openapi.json, CreateClusterRequest) takes one GPU type, a GPU
+    count per pod, a pod count, preferred data centers and a network mount: no spot, no cloud choice,
+    no CUDA filter, no CPU nodes.
+    """
+    if config.nodes == 1:
+        return []
+    nodes = f"nodes={config.nodes}"
+    problems = []
+    if config.image.flavour != "cuda":
+        problems.append(f"{nodes} with image.flavour={config.image.flavour!r}: an Instant Cluster's nodes are "
+                        "GPU pods; set image.flavour: cuda and pod.gpu_types, or nodes: 1")  # fmt: skip
+    if config.pod.spot:
+        problems.append(f"{nodes} with pod.spot=true: RunPod's Instant Clusters have no spot option (POST "
+                        "/v2/clusters has no interruptible field); set pod.spot: false, or nodes: 1")  # fmt: skip
+    if config.pod.cloud != "SECURE":
+        problems.append(f"{nodes} with pod.cloud={config.pod.cloud!r}: POST /v2/clusters has no cloud choice; "
+                        "set pod.cloud: SECURE (or leave it out)")  # fmt: skip
+    if not config.volume.data_center.strip():
+        problems.append(f"{nodes} with volume.data_center empty: a cluster lives in one data center, the "
+                        "network volume's; set volume.data_center, e.g. EU-RO-1")  # fmt: skip
+    return problems
 
 
 def _is_env_name(name: str) -> bool:

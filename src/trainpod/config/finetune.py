@@ -117,6 +117,12 @@ class FinetuneTrainConfig(Section):
     precision: Literal["auto", "bf16", "fp32"] = Field(
         "auto", description="'auto' is bf16 on a GPU that supports it, fp32 on CPU."
     )
+    parallel: Literal["auto", "ddp", "fsdp"] = Field(
+        "auto",
+        description="How several GPUs share a full finetune: 'ddp' replicates the model; 'fsdp' shards weights, "
+        "gradients and optimizer state (FSDP2, sharded checkpoints); 'auto' is fsdp for several GPUs and 1B "
+        "parameters or more. LoRA and QLoRA always replicate (their trained state is small).",
+    )
     gradient_checkpointing: bool = Field(
         True,
         description="Recompute activations in the backward pass: much less memory, about 30% more compute.",

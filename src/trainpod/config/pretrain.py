@@ -89,6 +89,13 @@ class TrainConfig(Section):
     attention: Literal["auto", "sdpa", "flash_attention_2", "eager"] = Field(
         "auto", description="'auto' uses flash-attn 2 when installed on a GPU, else PyTorch SDPA."
     )
+    parallel: Literal["auto", "ddp", "fsdp"] = Field(
+        "auto",
+        description="How several GPUs share the model: 'ddp' replicates it on each GPU; 'fsdp' shards weights, "
+        "gradients and optimizer state across them (FSDP2; checkpoints sharded through "
+        "torch.distributed.checkpoint, resumable on another GPU count); 'auto' is fsdp for several GPUs "
+        "and 1B parameters or more, else ddp.",
+    )
     compile: bool = Field(False, description="Wrap the model in torch.compile (GPU runs; slow to start).")
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in the backward pass: less memory, about 30% more compute."

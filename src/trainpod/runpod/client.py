@@ -4,6 +4,7 @@ https://api.runpod.io/v2 for what only v2 has), through `request`.
     client = RunPodClient.from_env()          # RUNPOD_API_KEY, else the runpod CLI's ~/.runpod/config.toml
     client.list_pods(name="tiny-pretrain-pretrain")
     client.request("GET", "/pods/ID/logs", api="v2", stream=True)   # an open response (Server-Sent Events)
+    client.list_clusters(name="tiny-pretrain")   # Instant Clusters (v2 only); client.cluster_pods(ID)
 
 Timeouts on every call; retries with exponential backoff and jitter on 429 and 5xx only (a 4xx
 other than 429 is our mistake and is not retried), honouring Retry-After. Errors carry the status
@@ -82,6 +83,30 @@ class Pod:
     template_id: str | None = None
     machine_id: str | None = None
     last_status_change: str = ""
+    cluster_id: str | None = None  # v2: the Instant Cluster this pod is a node of
+    node_rank: int | None = None  # v2: its NODE_RANK in that cluster
+
+    @classmethod
+    def from_api_v2(cls, data: dict[str, Any]) -> Pod:
+        """A pod as REST v2 describes it (Pod: `status`, `cost`, `mounts`, `cluster`)."""
+        gpu = data.get("gpu") or {}
+        network = ((data.get("mounts") or {}).get("network") or [{}])[0]
+        cluster = data.get("cluster") or {}
+        return cls(
+            id=data["id"],
+            name=data.get("name") or "",
+            desired_status=data.get("status") or "",
+            image=data.get("image") or "",
+            env=dict(data.get("env") or {}),
+            gpu_type_id=gpu.get("id"),
+            gpu_count=int(gpu.get("count") or 0),
+            cost_per_hr=float(data["cost"]) if data.get("cost") is not None else None,
+            network_volume_id=network.get("volumeId"),
+            template_id=data.get("template"),
+            last_status_change=data.get("lastStatusChange") or "",
+            cluster_id=cluster.get("id"),
+            node_rank=cluster.get("rank"),
+        )
 
     @classmethod
     def from_api(cls, data: dict[str, Any]) -> Pod:
@@ -102,6 +127,32 @@ class Pod:
             template_id=data.get("templateId"),
             machine_id=data.get("machineId"),
             last_status_change=data.get("lastStatusChange") or "",
+        )
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """A RunPod Instant Cluster (REST v2): `node_count` identical pods; its members come from cluster_pods."""
+
+    id: str
+    name: str
+    gpu_type_id: str
+    gpu_count_per_pod: int
+    node_count: int
+    data_center_id: str | None = None
+    members_by_status: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def from_api(cls, data: dict[str, Any]) -> Cluster:
+        compute = data.get("compute") or {}
+        return cls(
+            id=data["id"],
+            name=data.get("name") or "",
+            gpu_type_id=compute.get("gpuTypeId") or "",
+            gpu_count_per_pod=int(compute.get("gpuCountPerPod") or 0),
+            node_count=int(compute.get("podCount") or 0),
+            data_center_id=data.get("dataCenterId"),
+            members_by_status=dict((data.get("pods") or {}).get("byStatus") or {}),
         )
 
 
@@ -357,6 +408,36 @@ class RunPodClient:
             timeout_s=read_timeout_s,
         )
 
+    # ---------------------------------------------------------------- Instant Clusters (REST v2 only)
+    def list_clusters(self, name: str | None = None) -> list[Cluster]:
+        answer = self.request("GET", "/clusters", api="v2") or {}
+        clusters = [Cluster.from_api(c) for c in answer.get("clusters") or []]
+        return [c for c in clusters if name is None or c.name == name]
+
+    def get_cluster(self, cluster_id: str) -> Cluster | None:
+        try:
+            return Cluster.from_api(self.request("GET", f"/clusters/{_segment(cluster_id)}", api="v2"))
+        except RunPodNotFound:
+            return None
+
+    def create_cluster(self, body: dict[str, Any]) -> Cluster:
+        return Cluster.from_api(self.request("POST", "/clusters", body, api="v2"))
+
+    def delete_cluster(self, cluster_id: str) -> None:
+        """Deletes the cluster and terminates every node (v2 has no stop for clusters); the volume stays."""
+        self.request("DELETE", f"/clusters/{_segment(cluster_id)}", api="v2")
+
+    def cluster_pods(self, cluster_id: str) -> list[Pod]:
+        answer = self.request("GET", f"/clusters/{_segment(cluster_id)}/pods", api="v2") or {}
+        return [Pod.from_api_v2(p) for p in answer.get("pods") or []]
+
+    def get_pod_v2(self, pod_id: str) -> Pod | None:
+        """The pod as v2 sees it, with its cluster membership (v1 knows nothing of clusters)."""
+        try:
+            return Pod.from_api_v2(self.request("GET", f"/pods/{_segment(pod_id)}", api="v2"))
+        except RunPodNotFound:
+            return None
+
     # ---------------------------------------------------------------- catalog (REST v2)
     def catalog_gpus(
         self, gpu_count: int = 1, cloud: str = "SECURE", cuda_versions: list[str] | None = None
@@ -409,7 +490,14 @@ class DryRunClient(RunPodClient):
         self.sent: list[tuple[str, str, Any]] = []
 
     def request(
-        self, method: str, path: str, body: Any = None, query: dict[str, Any] | None = None, **_: Any
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        query: dict[str, Any] | None = None,
+        *,
+        api: str = "v1",
+        **_: Any,
     ) -> Any:
         if method == "GET":
             return [] if path.count("/") == 1 else None  # lists are empty, nothing exists yet
@@ -417,7 +505,8 @@ class DryRunClient(RunPodClient):
         shown = "" if body is None else "\n" + json.dumps(body, indent=2)
         kind = path.strip("/").split("/")[0].rstrip("s")
         what = (body or {}).get("name", "")
-        self.echo(f"would {DRY_RUN_VERBS.get(method, method)} {kind} {what}: {method} {path}{shown}")
+        shown_path = ("/v2" if api == "v2" else "") + path
+        self.echo(f"would {DRY_RUN_VERBS.get(method, method)} {kind} {what}: {method} {shown_path}{shown}")
         return {**(body or {}), "id": f"<new {kind} id>", "desiredStatus": "RUNNING"}
 
 

@@ -6,7 +6,8 @@
 Deploying again changes nothing that is already right: the template is updated only when it
 differs, a volume of that name is reused, a RUNNING pod `<run>-<workload>` is reused and an EXITED
 one started again. GPU types are tried in the config's order by RunPod itself
-(`gpuTypePriority: custom`). This module speaks in pods and templates; HTTP lives in client.py.
+(`gpuTypePriority: custom`). A config with `nodes: N` (N > 1) is an Instant Cluster instead
+(runpod/cluster.py). This module speaks in pods and templates; HTTP lives in client.py.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 from trainpod.config.deploy import CUDA_VERSIONS, MAX_POD_ENV, DeployConfig
 from trainpod.errors import ConfigError
 from trainpod.runpod.client import NetworkVolume, Pod, RunPodAuthError, RunPodClient, RunPodError, Template
+from trainpod.runpod.cluster import ClusterDeployment, delete_run_clusters, deploy_cluster
 
 log = logging.getLogger("trainpod.deploy")
 
@@ -32,6 +34,9 @@ class Deployment:
     volume: NetworkVolume
     pod: Pod
     action: str  # what happened to the pod: created, started, reused
+
+    def summary(self) -> str:
+        return f"pod {self.pod.name} ({self.pod.id}) {self.action}"
 
 
 def secret_reference(name: str) -> str:
@@ -65,7 +70,10 @@ def pod_env(config: DeployConfig, secret_values: dict[str, str] | None = None) -
         "TRAINPOD_SET": config.env.set,
         "TRAINPOD_GIT_REPO": config.env.git_repo,
         "TRAINPOD_GIT_REF": config.env.git_ref if config.env.git_repo else "",
-        "TRAINPOD_GPU_HOURLY_USD": _usd(config.budget.hourly_usd),
+        # The run's price: rank 0 on node 0 counts the whole cluster's cost against the budget.
+        "TRAINPOD_GPU_HOURLY_USD": _usd(
+            None if config.budget.hourly_usd is None else config.budget.hourly_usd * config.nodes
+        ),
         "TRAINPOD_BUDGET_USD": _usd(config.budget.budget_usd),
     }
     env.update({name: value for name, value in optional.items() if value})
@@ -245,8 +253,10 @@ def _terminate_quietly(client: RunPodClient, pod: Pod) -> None:
 
 def deploy(
     client: RunPodClient, config: DeployConfig, secret_values: dict[str, str] | None = None
-) -> Deployment:
-    """Template, volume and pod of `config`, each created only when missing."""
+) -> Deployment | ClusterDeployment:
+    """Template, volume and pod of `config`, each created only when missing; or (nodes > 1) its cluster."""
+    if config.nodes > 1:
+        return deploy_cluster(client, config, secret_values)
     env = pod_env(config, secret_values)  # first: a config with too many variables sends nothing
     template = ensure_template(client, config)
     volume = ensure_volume(client, config)
@@ -274,11 +284,16 @@ def pod_line(pod: Pod) -> str:
 
 
 def stop_run(client: RunPodClient, run: str, terminate: bool, echo: Callable[[str], None] = print) -> int:
-    """Stop (or terminate) every pod of a run; returns how many were acted on."""
+    """Stop (or terminate) every pod of a run and delete its clusters; returns how many were acted on."""
     pods = [p for p in run_pods(client, run) if terminate or p.desired_status == "RUNNING"]
     for pod in pods:
         (client.terminate_pod if terminate else client.stop_pod)(pod.id)
         echo(f"pod {pod.name} ({pod.id}) {'terminated' if terminate else 'stopped'}")
-    if not pods:
-        echo(f"no {'' if terminate else 'running '}pods named {run}-*")
-    return len(pods)
+    clusters = delete_run_clusters(client, run)
+    for cluster in clusters:
+        echo(
+            f"cluster {cluster.name} ({cluster.id}) deleted: v2 has no stop for clusters; the volume keeps the run"
+        )
+    if not pods and not clusters:
+        echo(f"no {'' if terminate else 'running '}pods or clusters named {run}-*")
+    return len(pods) + len(clusters)

@@ -13,6 +13,14 @@ RunPod starts a pod's container again whenever it exits, so the exit code alone 
 Exit 2 writes no marker into a run folder that does not exist yet: bad input leaves the volume
 untouched. The pod acts through the API with its own key (RUNPOD_API_KEY, RUNPOD_POD_ID, both set
 by RunPod in every pod); when either is missing it says so and exits normally.
+
+On an Instant Cluster (NUM_NODES > 1) node 0 (NODE_RANK 0) acts for the whole run, and `stop` and
+`terminate` both delete the cluster (REST v2 `DELETE /v2/clusters/{id}`: v2 has no stop for clusters
+and member pods are out of reach of the pod endpoints), so no node is left billing. RunPod puts no
+cluster id into a pod's environment (shared/reference/runpod-platform.md): node 0 reads it from its
+own pod (`GET /v2/pods/{RUNPOD_POD_ID}`, `cluster.id`), else finds the cluster `<run>-<workload>` by
+name. Other nodes leave markers, counters and the cluster alone, except exit 4, whose MACHINE_UNFIT
+marker names the node so that the supervisor recreates the cluster.
 """
 
 from __future__ import annotations
@@ -74,16 +82,24 @@ def after_workload(
     """Count, mark and stop the pod as the table above says; returns `code` unchanged.
 
     On an Instant Cluster only node 0 (NODE_RANK 0, which holds global rank 0) acts for the run;
-    the other nodes return their code and leave markers, counters and pods alone.
+    the other nodes return their code and leave markers, counters and pods alone (but for exit 4).
     """
     if int(environ.get("NODE_RANK") or 0) != 0:
+        if code == ExitCode.MACHINE_UNFIT:
+            _mark_unfit(run, environ)
+            log.warning(
+                "this node's machine cannot run the image (exit 4); the supervisor recreates the cluster"
+            )
         return code
     try:
         action = _decide(code, run, environ, workload)
     except (ConfigError, OSError) as exc:  # a bad setting or an unwritable volume must not hide `code`
         log.warning("after exit %d: %s; the pod is left as it is", code, exc)
         return code
-    if action != "idle":
+    if action in ("stop", "terminate") and int(environ.get("NUM_NODES") or 1) > 1:
+        name = f"{run.name}-{workload}" if run is not None else None
+        _delete_cluster(environ, name, client_factory)
+    elif action != "idle":
         _act_on_pod(action, environ, client_factory)
     return code
 
@@ -121,12 +137,16 @@ def _decide(code: int, run: RunDir | None, environ: dict[str, str], workload: st
 
 def _machine_unfit(run: RunDir | None, environ: dict[str, str]) -> str:
     """Stop this pod (restarting it lands on the same machine) and tell the supervisor which one to replace."""
+    _mark_unfit(run, environ)
+    log.warning("stopping this pod: its machine cannot run the image (exit 4); the supervisor replaces it")
+    return "stop"
+
+
+def _mark_unfit(run: RunDir | None, environ: dict[str, str]) -> None:
     pod_id = environ.get("RUNPOD_POD_ID")
     if run is not None and pod_id:
         run.root.mkdir(parents=True, exist_ok=True)
         atomic.write_json(run.root / UNFIT_MARKER, {"pod_id": pod_id, "unix": time.time()})
-    log.warning("stopping this pod: its machine cannot run the image (exit 4); the supervisor replaces it")
-    return "stop"
 
 
 def _reset_failures(run: RunDir | None) -> None:
@@ -187,3 +207,41 @@ def _act_on_pod(
         )
         return
     log.info("asked RunPod to %s this pod (%s)", action, pod_id)
+
+
+def _delete_cluster(
+    environ: dict[str, str],
+    name: str | None,
+    client_factory: Callable[[dict[str, str]], RunPodClient],
+) -> None:
+    """Node 0's stop: delete this pod's Instant Cluster, every node with it (the volume keeps the run)."""
+    pod_id = environ.get("RUNPOD_POD_ID")
+    if not pod_id or not environ.get("RUNPOD_API_KEY"):
+        log.warning(
+            "cannot delete this cluster: RUNPOD_POD_ID or RUNPOD_API_KEY is not set (RunPod sets both)"
+        )
+        return
+    try:
+        client = client_factory(environ)
+        cluster_id = _cluster_id(client, pod_id, name)
+        if cluster_id is None:
+            log.warning("pod %s is in no cluster RunPod knows of: nothing deleted; `trainpod stop RUN` does it",
+                        pod_id)  # fmt: skip
+            return
+        client.delete_cluster(cluster_id)
+    except RunPodError as exc:
+        log.warning("could not delete this pod's cluster (%s): the supervisor deletes it at DONE, or run "
+                    "`trainpod stop RUN`; until then every node keeps billing", exc)  # fmt: skip
+        return
+    log.info(
+        "asked RunPod to delete this pod's cluster %s (every node; clusters cannot be stopped)", cluster_id
+    )
+
+
+def _cluster_id(client: RunPodClient, pod_id: str, name: str | None) -> str | None:
+    """The cluster of this pod from its v2 membership, else the run's cluster by name."""
+    pod = client.get_pod_v2(pod_id)
+    if pod is not None and pod.cluster_id:
+        return pod.cluster_id
+    found = client.list_clusters(name=name) if name else []
+    return found[0].id if found else None

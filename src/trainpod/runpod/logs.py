@@ -76,12 +76,15 @@ def _log_event(event_id: str, data: str) -> LogEvent | None:
 
 
 def pod_for_logs(client: RunPodClient, run: str) -> Pod:
-    """The run's workload pod (`<run>-<workload>`), a running one first; its supervisor pod only when
-    it is the run's only pod. InputError (exit 2) when the run has none."""
+    """The run's workload pod (`<run>-<workload>`), or node 0 of its Instant Cluster (global rank 0 logs
+    there), a running one first; its supervisor pod only when it is the run's only pod. InputError
+    (exit 2) when the run has none."""
     pods = run_pods(client, run)
+    for cluster in (c for c in client.list_clusters() if c.name.startswith(f"{run}-")):
+        pods += [node for node in client.cluster_pods(cluster.id) if node.node_rank == 0]
     if not pods:
         raise InputError(
-            f"run {run!r} has no pod on RunPod (pods are named {run}-<workload>); start one with "
+            f"run {run!r} has no pod or cluster on RunPod (they are named {run}-<workload>); start one with "
             f"`trainpod deploy CONFIG`, or list what exists with `trainpod status`"
         )
     return min(pods, key=lambda p: (p.name.endswith("-supervise"), p.desired_status != "RUNNING", p.name))

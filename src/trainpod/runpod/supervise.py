@@ -1,4 +1,4 @@
-"""`trainpod supervise RUN`: bring an interrupted spot pod back until the run is DONE.
+"""`trainpod supervise RUN`: bring an interrupted spot pod (or a broken cluster) back until the run is DONE.
 
     trainpod supervise tiny --config configs/deploy/pretrain-spot.yaml            # a loop
     trainpod supervise tiny --config configs/deploy/pretrain-spot.yaml --once     # one look (cron, CI)
@@ -14,6 +14,10 @@ then exactly one decision, logged in one line with its reason:
   EXITED with a MACHINE_UNFIT marker naming it (exit 4: its machine cannot run the image) -> never
   started again but replaced by a new pod, same volume, env and GPU-type priority (RunPod places it;
   its API cannot exclude a machine), at most supervise.max_replacements times in a row, then exit 4.
+With `nodes: N` > 1 the unit is the run's Instant Cluster (runpod/units.py): DONE, FAILED and a spent
+budget delete it (v2 has no stop for clusters); any node EXITED, ERROR, TERMINATED, lost, or named by
+MACHINE_UNFIT deletes it and creates it again on the same volume with its nodes' env, within the same
+bounds (max_restarts, failed starts with backoff, max_replacements for exit 4).
 Without the volume (a laptop) DONE and MACHINE_UNFIT are invisible: the pod stops itself after DONE and a restarted
 one exits at once, so restarts are bounded by supervise.max_restarts. The recommended mode is the
 `supervise` workload in a cheap on-demand CPU pod with the same network volume.
@@ -31,9 +35,9 @@ from pathlib import Path
 from trainpod import atomic
 from trainpod.config.deploy import DeployConfig
 from trainpod.errors import ConfigError, ExitCode
-from trainpod.runpod.client import Pod, RunPodAuthError, RunPodClient, RunPodError, RunPodUnavailable
-from trainpod.runpod.deploy import bring_back
+from trainpod.runpod.client import RunPodAuthError, RunPodClient, RunPodError, RunPodUnavailable
 from trainpod.runpod.finish import FAILED_MARKER, UNFIT_MARKER
+from trainpod.runpod.units import Look, build_unit
 from trainpod.volume import Volume
 
 log = logging.getLogger("trainpod.supervise")
@@ -49,6 +53,7 @@ class SupervisorState:
     next_attempt_unix: float = 0.0
     observed_cost_usd: float = 0.0
     last_look_unix: float | None = None
+    whole_cluster: str | None = None  # the cluster seen with every node RUNNING: a node missing later is lost
 
     @classmethod
     def load(cls, path: Path) -> SupervisorState:
@@ -118,6 +123,7 @@ class Supervisor:
         self.client, self.config, self.volume = client, config, volume
         self.state_file, self.clock, self.sleep = state_file, clock, sleep
         self.policy = config.supervise
+        self.unit = build_unit(client, config)
 
     def run(self, once: bool = False) -> int:
         """Look, decide, act, until a final verdict (its exit code) or, with `once`, after one look."""
@@ -144,43 +150,43 @@ class Supervisor:
     def _decide(self, state: SupervisorState) -> int | None:
         now = self.clock()
         view = RunView.read(self.volume, self.config.run)
-        pods = self.client.list_pods(name=self.config.pod_name)
-        running = [p for p in pods if p.desired_status == "RUNNING"]
-        self._account(state, running, now)
+        seen = self.unit.look(state, view.unfit_pod)
+        self._account(state, seen.hourly_usd, now)
         spent = max(state.observed_cost_usd, view.cost_usd or 0.0)
         budget = self.config.budget.budget_usd
+        noun = self.unit.noun
         if view.failed:
-            self._stop(running, "the run is FAILED")
+            self._stop("the run is FAILED")
             return self._end(ExitCode.BAD_INPUT, f"run FAILED ({view.failed}); not restarting: fix it, "
                              f"delete runs/{self.config.run}/{FAILED_MARKER} and deploy again")  # fmt: skip
         if view.done:
             if self.config.env.on_finish != "idle":
-                self._stop(running, "the run is DONE")
+                self._stop("the run is DONE")
             return self._end(ExitCode.DONE, "run is DONE; supervising ends")
         if budget is not None and spent >= budget:
-            self._stop(running, "the budget is spent")
+            self._stop("the budget is spent")
             return self._end(ExitCode.BUDGET_EXHAUSTED, f"spent ${spent:.2f} of the ${budget:.2f} budget")
-        if running:
+        if seen.up:
             state.failed_starts = 0
-            return self._say(f"pod {running[0].id} is RUNNING (spent ${spent:.2f}); nothing to do")
+            return self._say(f"{seen.up} (spent ${spent:.2f}); nothing to do")
         if state.restarts >= self.policy.max_restarts:
             return self._end(ExitCode.BAD_INPUT, f"{state.restarts} restarts reached supervise.max_restarts; "
                              "look at the run's logs, then raise the bound or deploy again")  # fmt: skip
         if now < state.next_attempt_unix:
-            return self._say(f"no pod running; next start attempt in {state.next_attempt_unix - now:.0f} s")
-        return self._restart(state, pods, now, view)
+            return self._say(
+                f"no {noun} running; next start attempt in {state.next_attempt_unix - now:.0f} s"
+            )
+        return self._restart(state, seen, now, view)
 
-    def _restart(self, state: SupervisorState, pods: list[Pod], now: float, view: RunView) -> int | None:
-        exited = next((p for p in pods if p.desired_status == "EXITED"), None)
-        unfit = exited is not None and exited.id == view.unfit_pod
-        if unfit and state.replacements >= self.policy.max_replacements:
-            return self._end(ExitCode.MACHINE_UNFIT, f"{state.replacements} new pods in a row landed on machines "
-                             "that cannot run the image (exit 4); pick other GPU types, or the cu128 image "
-                             "(image.cuda_version 12.8) for older drivers")  # fmt: skip
-        why = "on a machine that cannot run the image (exit 4)" if unfit else "EXITED" if exited else "gone"
+    def _restart(self, state: SupervisorState, seen: Look, now: float, view: RunView) -> int | None:
+        noun = self.unit.noun
+        if seen.unfit and state.replacements >= self.policy.max_replacements:
+            return self._end(ExitCode.MACHINE_UNFIT, f"{state.replacements} new {noun}s in a row landed on "
+                             "machines that cannot run the image (exit 4); pick other GPU types, or the cu128 "
+                             "image (image.cuda_version 12.8) for older drivers")  # fmt: skip
         unseen = "" if view.visible else " (the volume is not mounted here: DONE is unknown)"
         try:
-            pod, action = bring_back(self.client, self.config, exited, replace=unfit)
+            action = self.unit.bring_back(replace=seen.unfit)
         except RunPodAuthError:
             raise
         except RunPodError as exc:
@@ -190,15 +196,17 @@ class Supervisor:
                                  f"{exc}; try again later or add GPU types")  # fmt: skip
             wait = min(self.policy.max_backoff_s, self.policy.backoff_s * 2 ** (state.failed_starts - 1))
             state.next_attempt_unix = now + wait
-            return self._say(f"pod {why} and no start possible ({exc}); next attempt in {wait:.0f} s")
+            return self._say(
+                f"{noun} {seen.down} and no start possible ({exc}); next attempt in {wait:.0f} s"
+            )
         state.restarts += 1
         state.failed_starts = 0
         state.next_attempt_unix = 0.0
-        state.replacements = state.replacements + 1 if unfit else 0
-        if unfit:
+        state.replacements = state.replacements + 1 if seen.unfit else 0
+        if seen.unfit:
             self._clear_unfit_marker()
         return self._say(
-            f"pod {why} and the run not DONE{unseen}: {action} pod {pod.id} "
+            f"{noun} {seen.down} and the run not DONE{unseen}: {action} "
             f"(restart {state.restarts}/{self.policy.max_restarts})"
         )
 
@@ -208,21 +216,15 @@ class Supervisor:
         marker.unlink(missing_ok=True)
         atomic.fsync_dir(marker.parent)
 
-    def _account(self, state: SupervisorState, running: list[Pod], now: float) -> None:
-        """Cost of the pods seen running since the last look, at their hourly price."""
+    def _account(self, state: SupervisorState, hourly_usd: float, now: float) -> None:
+        """Cost since the last look of what is billing now (its pods' hourly prices)."""
         if state.last_look_unix is not None:
-            hours = max(0.0, now - state.last_look_unix) / 3600
-            for pod in running:
-                price = (
-                    pod.cost_per_hr if pod.cost_per_hr is not None else self.config.budget.hourly_usd or 0.0
-                )
-                state.observed_cost_usd += price * hours
+            state.observed_cost_usd += hourly_usd * max(0.0, now - state.last_look_unix) / 3600
         state.last_look_unix = now
 
-    def _stop(self, running: list[Pod], why: str) -> None:
-        for pod in running:
-            self.client.stop_pod(pod.id)
-            self._say(f"stopped pod {pod.id}: {why}")
+    def _stop(self, why: str) -> None:
+        for line in self.unit.stop(why):
+            self._say(line)
 
     def _say(self, decision: str) -> None:
         log.info("supervise %s: %s", self.config.run, decision)

@@ -126,11 +126,16 @@ class SftBatches:
         pad_id: int,
         flatten_packed: bool = True,
         pin_memory: bool = False,
+        grad_accum_steps: int = 1,
     ):
         """`flatten_packed`: packed micro batches as one (1, tokens) row, which flash-attention-2
         needs; False gives one row per packed row (packed_rows_batch), far cheaper under SDPA/eager.
         `pin_memory`: batches in page-locked memory, for non-blocking copies to a GPU
-        (train.batches.to_device); CUDA only."""
+        (train.batches.to_device); CUDA only.
+
+        An epoch holds whole optimizer steps (ranks x `grad_accum_steps` micro batches each), and a step
+        takes its micro batches' rows in a row: so a step's rows depend only on ranks x accumulation,
+        and a run resumes on another GPU count with the accumulation rescaled (train/batches.py)."""
         self.flatten_packed = flatten_packed
         self.pin_memory = pin_memory
         self.examples = examples
@@ -141,18 +146,19 @@ class SftBatches:
         self.rank = rank
         self.world_size = world_size
         self.pad_id = pad_id
+        self.grad_accum_steps = grad_accum_steps
         self.lengths = np.minimum(self._lengths(examples), max_len)
         self.last_trained_tokens = 0  # label != -100 in the latest micro batch of this rank
         self.last_real_tokens = 0  # non-padding tokens in the latest micro batch of this rank
         self._epoch = 0
         self._step = 0
         self._rows = self._plan(0)
-        self.steps_per_epoch = len(self._rows) // self._global_rows
+        self._planned_rows = len(self._rows)  # the first epoch's: every epoch takes this many steps
         if self.steps_per_epoch == 0:
             raise InputError(
-                f"{len(examples)} training samples make {len(self._rows)} rows, fewer than one global batch of "
-                f"{world_size} rank(s) x {micro_batch_size}; lower the micro batch size, turn packing off, or "
-                "add data"
+                f"{len(examples)} training samples make {len(self._rows)} rows, fewer than one optimizer step of "
+                f"{world_size} rank(s) x {grad_accum_steps} accumulation x {micro_batch_size}; lower the micro "
+                "batch size or train.grad_accum_steps, turn packing off, or add data"
             )
         log.info(
             "SFT batches: %d samples, %d steps per epoch, %s, %.1f%% of the batch tokens are real tokens",
@@ -167,6 +173,12 @@ class SftBatches:
         if hasattr(examples, "lengths"):
             return np.asarray(examples.lengths)
         return np.array([len(e.input_ids) for e in examples], dtype=np.int64)
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Micro batches per rank and epoch: whole optimizer steps only."""
+        step_rows = self._global_rows * self.grad_accum_steps
+        return self._planned_rows // step_rows * self.grad_accum_steps
 
     @property
     def _global_rows(self) -> int:
@@ -225,6 +237,7 @@ class SftBatches:
             "step": self._step,
             "seed": self.seed,
             "world_size": self.world_size,
+            "grad_accum_steps": self.grad_accum_steps,
             "micro_batch_size": self.micro_batch_size,
             "max_len": self.max_len,
             "packing": int(self.packing),
@@ -232,16 +245,26 @@ class SftBatches:
         }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue at the saved position (taken between optimizer steps). Written by another rank count,
+        it fits when this run's ranks x accumulation take as many micro batches per step."""
         mine = self.state_dict()
-        layout = ("seed", "world_size", "micro_batch_size", "max_len", "packing", "num_examples")
+        layout = ("seed", "micro_batch_size", "max_len", "packing", "num_examples")
         differ = [f"{key} {state[key]} -> {mine[key]}" for key in layout if state[key] != mine[key]]
         if differ:
             raise InputError(
                 f"the checkpoint's data position was taken with other batch settings ({', '.join(differ)}); "
-                "resume with the same dataset, seed, batch size, max length, packing and GPU count, or start a "
-                "new run name"
+                "resume with the same dataset, seed, batch size, max length and packing, or start a new run name"
             )
-        self._epoch, self._step = int(state["epoch"]), int(state["step"])
+        saved_world = int(state["world_size"])
+        saved_windows = saved_world * int(state.get("grad_accum_steps", self.grad_accum_steps))
+        if saved_windows != self.world_size * self.grad_accum_steps:
+            raise InputError(
+                f"the checkpoint's steps take {saved_windows} micro batches ({saved_world} rank(s)), this run "
+                f"takes {self.world_size * self.grad_accum_steps}; resume on a rank count that divides "
+                f"{saved_windows}, or start a new run name"
+            )
+        rows_done = int(state["step"]) * saved_world * self.micro_batch_size  # of this epoch, over all ranks
+        self._epoch, self._step = int(state["epoch"]), rows_done // self._global_rows
         self._rows = self._plan(self._epoch)
 
 

@@ -4,6 +4,11 @@ Like llm.c's DataLoader: every rank reads its own B*T+1 window at `position + ra
 current shard, then the position advances by world*B*T. The shard order is a permutation drawn
 from (seed, epoch), so the whole position is four integers, restored without replaying batches.
 
+An optimizer step reads world x accumulation windows in a row, and moves to the next shard only
+between steps (when the whole step no longer fits). So a step's tokens depend only on the product:
+2 ranks x 1 micro-batch read exactly what 1 rank x 2 micro-batches read. That is what lets a run
+resume on another GPU count (`rescaled_accumulation`) with the same data and the same global batch.
+
 On CUDA the batches are written straight into pinned (page-locked) host memory and moved with
 `to_device`, a non-blocking copy: it runs on the GPU's copy engine while the host goes on queueing
 work, where a copy from pageable memory makes the host wait for it every micro-batch. On CPU
@@ -44,6 +49,7 @@ class TokenBatches:
         world_size: int = 1,
         seed: int = 0,
         pin_memory: bool = False,
+        grad_accum_steps: int = 1,
     ):
         """`pin_memory`: return batches in page-locked memory, for non-blocking copies to a GPU."""
         if not shards:
@@ -56,6 +62,8 @@ class TokenBatches:
         self.world_size = world_size
         self.seed = seed
         self.pin_memory = pin_memory
+        self.grad_accum_steps = grad_accum_steps
+        self._micro = 0  # micro-batch index within the current optimizer step
         self.epoch = 0
         self.shard_index = 0  # index into this epoch's order
         self.position = 0  # token offset of the global window in the current shard
@@ -66,6 +74,10 @@ class TokenBatches:
     def _global_window(self) -> int:
         return self.world_size * self.batch_size * self.seq_len
 
+    @property
+    def _step_window(self) -> int:
+        return self._global_window * self.grad_accum_steps
+
     def _epoch_order(self, epoch: int) -> list[int]:
         if epoch == 0:
             return list(range(len(self.shards)))  # epoch 0 in dataset order, like llm.c
@@ -74,20 +86,22 @@ class TokenBatches:
     def _tokens(self, shard: int) -> np.ndarray:
         if self._cache is None or self._cache[0] != shard:
             tokens = self._open(self.shards[shard])
-            if len(tokens) < self._global_window + 1:
+            if len(tokens) < self._step_window + 1:
                 raise InputError(
-                    f"shard {self.shards[shard]} holds {len(tokens)} tokens, fewer than one global batch "
-                    f"({self.world_size} ranks x {self.batch_size} x {self.seq_len} + 1); lower "
-                    "train.micro_batch_size or train.seq_len, or make bigger shards (datagen shard_tokens)"
+                    f"shard {self.shards[shard]} holds {len(tokens)} tokens, fewer than one optimizer step "
+                    f"({self.world_size} ranks x {self.grad_accum_steps} accumulation x {self.batch_size} x "
+                    f"{self.seq_len} + 1); lower train.micro_batch_size, train.grad_accum_steps or "
+                    "train.seq_len, or make bigger shards (datagen shard_tokens)"
                 )
             self._cache = (shard, tokens)
         return self._cache[1]
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         tokens = self._tokens(self._order[self.shard_index])
-        if self.position + self._global_window + 1 > len(tokens):
+        if self._micro == 0 and self.position + self._step_window + 1 > len(tokens):
             self._advance_shard()
             tokens = self._tokens(self._order[self.shard_index])
+        self._micro = (self._micro + 1) % self.grad_accum_steps
         start = self.position + self.rank * self.batch_size * self.seq_len
         size = self.batch_size * self.seq_len + 1
         window = torch.empty(size, dtype=torch.int64, pin_memory=self.pin_memory)
@@ -106,27 +120,55 @@ class TokenBatches:
             self._order = self._epoch_order(self.epoch)
 
     def state_dict(self) -> dict[str, int]:
+        """The position between two optimizer steps (taken only there: a commit follows a whole step)."""
         return {
             "epoch": self.epoch,
             "shard_index": self.shard_index,
             "position": self.position,
             "world_size": self.world_size,
+            "grad_accum_steps": self.grad_accum_steps,
             "batch_size": self.batch_size,
             "seq_len": self.seq_len,
         }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        layout = (state["world_size"], state["batch_size"], state["seq_len"])
-        if layout != (self.world_size, self.batch_size, self.seq_len):
+        """Continue at the saved position. Written by another rank count, the state fits when this run's
+        ranks x accumulation read as many windows per step (see `rescaled_accumulation`)."""
+        layout = (state["batch_size"], state["seq_len"])
+        if layout != (self.batch_size, self.seq_len):
             raise InputError(
-                f"the checkpoint's data position was taken with (world size, micro batch, seq_len) = {layout}, "
-                f"this run has {(self.world_size, self.batch_size, self.seq_len)}; resume with the same "
-                "settings and GPU count, or start a new run name"
+                f"the checkpoint's data position was taken with (micro batch, seq_len) = {layout}, this run "
+                f"has {(self.batch_size, self.seq_len)}; resume with the same settings, or start a new run name"
             )
+        saved_windows = state["world_size"] * state.get("grad_accum_steps", self.grad_accum_steps)
+        if saved_windows != self.world_size * self.grad_accum_steps:
+            raise InputError(
+                f"the checkpoint's steps read {saved_windows} micro-batches ({state['world_size']} rank(s)), "
+                f"this run reads {self.world_size * self.grad_accum_steps}; resume on a rank count that "
+                f"divides {saved_windows}, or start a new run name"
+            )
+        self._micro = 0
         self.epoch = state["epoch"]
         self.shard_index = state["shard_index"]
         self.position = state["position"]
         self._order = self._epoch_order(self.epoch)
+
+
+def rescaled_accumulation(saved: dict[str, int], world_size: int, configured: int) -> int:
+    """The accumulation steps that keep a checkpoint's global batch on `world_size` ranks: its ranks x
+    accumulation over `world_size` (a spot run may come back on another GPU count). InputError when
+    the rank count does not divide it."""
+    saved_world = saved["world_size"]
+    if saved_world == world_size:
+        return configured
+    windows = saved_world * saved.get("grad_accum_steps", configured)
+    if windows % world_size:
+        fits = ", ".join(str(n) for n in range(1, windows + 1) if windows % n == 0)
+        raise InputError(
+            f"the checkpoint was written by {saved_world} rank(s) reading {windows} micro-batches per step; "
+            f"{world_size} ranks cannot share them evenly. Resume on {fits} GPU(s), or start a new run name"
+        )
+    return windows // world_size
 
 
 def eval_batches(

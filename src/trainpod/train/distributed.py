@@ -27,8 +27,9 @@ class DistContext:
         return self.world_size > 1
 
 
-def init_distributed() -> DistContext:
-    """One process per GPU under torchrun (NCCL), or CPU processes over gloo; plain single process otherwise."""
+def init_distributed(always_group: bool = False) -> DistContext:
+    """One process per GPU under torchrun (NCCL), or CPU processes over gloo; plain single process
+    otherwise, unless `always_group` (FSDP on one GPU) asks for a group of one."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -37,11 +38,12 @@ def init_distributed() -> DistContext:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    device_id = device if device.type == "cuda" else None
     if world_size > 1 and not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(
-            backend, timeout=timedelta(minutes=10), device_id=device if device.type == "cuda" else None
-        )
+        dist.init_process_group(backend, timeout=timedelta(minutes=10), device_id=device_id)
+    elif always_group and not dist.is_initialized():  # no torchrun: a group of this process alone
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, device_id=device_id)
     return DistContext(rank, local_rank, world_size, device)
 
 
@@ -77,6 +79,15 @@ def broadcast_from_main(ctx: DistContext, value: float) -> float:
     return tensor.item()
 
 
+def broadcast_object(ctx: DistContext, obj: Any) -> Any:
+    """Rank 0's `obj` on every rank (a path, a decision)."""
+    if not ctx.distributed:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def gather_to_main(ctx: DistContext, obj: Any) -> list[Any] | None:
     if not ctx.distributed:
         return [obj]
@@ -91,5 +102,5 @@ def barrier(ctx: DistContext) -> None:
 
 
 def shutdown(ctx: DistContext) -> None:
-    if ctx.distributed and dist.is_initialized():
+    if dist.is_initialized():
         dist.destroy_process_group()

@@ -5,10 +5,14 @@
 
 Preflight (workloads/pretrain.py and `trainpod boot`) logs this estimate and refuses, with exit 2, a
 config whose estimate exceeds the GPU it sees, naming the knobs that lower it. What is counted, per
-GPU, for one rank of DDP (every rank holds everything):
+GPU, for one rank of DDP (every rank holds everything) or of FSDP (train.parallel, train/sharding.py:
+each rank holds 1/N of the weights, gradients and optimizer states, plus the units it gathers):
 
-- weights, gradients: fp32, 4 bytes per parameter each; DDP without gradient_as_bucket_view keeps a
-  second gradient copy in its buckets (4 bytes more per parameter when world size > 1);
+- weights, gradients: fp32, 4 bytes per parameter each (DDP's buckets are the gradients themselves,
+  with gradient_as_bucket_view);
+- FSDP's gathered units: the root's (embeddings, head, final norm) for the whole step and two
+  decoder layers at a time (the one running and the one prefetched), in bf16 under bf16 autocast
+  (its MixedPrecisionPolicy), which also stands in for autocast's own bf16 copies;
 - optimizer states: AdamW 8 bytes per parameter (+ a 4-byte step per tensor); bitsandbytes'
   8-bit AdamW 2 bytes, plus one fp32 absmax per 256-value block per moment, tensors under 4096
   values kept in 32-bit (its min_8bit_size); the paged variant's states live in unified memory
@@ -39,6 +43,7 @@ import torch
 from trainpod.config.pretrain import PretrainConfig
 from trainpod.errors import InputError
 from trainpod.train.loss import rows_per_chunk
+from trainpod.train.sharding import resolve_parallel
 
 log = logging.getLogger(__name__)
 
@@ -129,14 +134,21 @@ def estimate_training_memory(
     bf16 = t.precision != "fp32" if bf16 is None else bf16
     shape = model_shape(config, vocab_size)
     tokens = t.micro_batch_size * t.seq_len
+    parallel = resolve_parallel(t.parallel, world_size, shape.params)
+    shards = world_size if parallel == "fsdp" else 1
+    where = f" / {shards} ranks" if shards > 1 else ""
     parts = {
-        "weights (fp32)": 4 * shape.params,
-        "gradients (fp32)": 4 * shape.params,
-        f"optimizer states ({t.optimizer})": optimizer_bytes(shape.tensor_sizes, t.optimizer),
+        f"weights (fp32{where})": math.ceil(4 * shape.params / shards),
+        f"gradients (fp32{where})": math.ceil(4 * shape.params / shards),
+        f"optimizer states ({t.optimizer}{where})": math.ceil(
+            optimizer_bytes(shape.tensor_sizes, t.optimizer) / shards
+        ),
     }
-    if world_size > 1:
-        parts["DDP gradient buckets"] = 4 * shape.params
-    if bf16:
+    if parallel == "fsdp":
+        layer_params = (shape.params - shape.embedding_params) / shape.layers
+        gathered = shape.embedding_params + min(2, shape.layers) * layer_params
+        parts["FSDP gathered units (root + 2 layers)"] = math.ceil((2 if bf16 else 4) * gathered)
+    elif bf16:
         parts["bf16 weight copies (autocast)"] = 2 * (shape.params - shape.embedding_params)
     checkpointing = "on" if t.gradient_checkpointing else "off"
     parts[f"activations (checkpointing {checkpointing})"] = activation_bytes(
@@ -152,6 +164,7 @@ def estimate_training_memory(
         "optimizer": t.optimizer,
         "precision": "bf16" if bf16 else "fp32",
         "ranks": world_size,
+        "parallel": parallel,
         "parameters": f"{shape.params / 1e6:,.0f}M",
     }
     return MemoryEstimate(parts, gpu_bytes, settings)
@@ -219,5 +232,6 @@ def check_fits(config: PretrainConfig, vocab_size: int, world_size: int = 1) -> 
             f"raising train.grad_accum_steps to keep the tokens per step) or train.seq_len (now {t.seq_len}), "
             f"set train.gradient_checkpointing=true (now {str(t.gradient_checkpointing).lower()}), or "
             f"train.optimizer=adamw_8bit (now {t.optimizer})"
+            + ("" if world_size == 1 else f", or train.parallel=fsdp (now {t.parallel}) to shard the state")
         )
     return estimate

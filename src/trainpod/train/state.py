@@ -51,6 +51,13 @@ def restore_rng(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def seed_rng(seed: int) -> None:
+    """Seed every library's generator from one number (a rank a checkpoint has no state for)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
 def unique_weights(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], list[str]]:
     """The model's weights (live tensors) for a safetensors file, each shared (tied) tensor once.
 

@@ -31,7 +31,7 @@ import torch
 
 import trainpod
 from trainpod.checkpoint import CheckpointStore, CommittedCheckpoint
-from trainpod.checkpoint.writer import CheckpointWriter
+from trainpod.checkpoint.writer import CheckpointWriter, ShardFiles
 from trainpod.config import config_hash
 from trainpod.config.checkpoint import CheckpointConfig
 from trainpod.context import RunContext
@@ -39,7 +39,8 @@ from trainpod.diskspace import check_headroom, is_disk_full, volume_full, volume
 from trainpod.errors import BudgetExhausted, InputError, Preempted, TemporaryError, VolumeFull
 from trainpod.train import distributed as D
 from trainpod.train.reporting import RunReporter, peak_flops
-from trainpod.train.state import capture_rng, restore_rng
+from trainpod.train.sharding import SHARDED_DIR, ShardWriter
+from trainpod.train.state import capture_rng, restore_rng, seed_rng
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +105,7 @@ class Trainer:
         )
         on_gpu = dist.device.type == "cuda"
         self.writer = CheckpointWriter(self.store, pin_memory=on_gpu)
+        self.shard_writer = ShardWriter()  # this rank's DCP writes, for sharded (FSDP) checkpoints
         self.background_commits = checkpoint.background_commits(dist.device.type)
         self.last_committed_step: int | None = None  # rank 0's knowledge; the others never read it
         self.finished_early: str | None = None  # the reason, when an eval plateau ended training
@@ -127,6 +129,11 @@ class Trainer:
     @property
     def has_eval_data(self) -> bool:
         raise NotImplementedError
+
+    def sharded_state(self) -> dict[str, Any] | None:
+        """The state every rank writes its own shards of (FSDP: train/sharding.py), or None when rank 0
+        writes everything through `checkpoint_files`."""
+        return None
 
     def checkpoint_files(self) -> dict[str, Any]:
         """The weights (or adapter) and optimizer files of a checkpoint, by file name (rank 0 only):
@@ -198,12 +205,23 @@ class Trainer:
         state = json.loads((path / "trainer_state.json").read_text())
         self.load_checkpoint(path, state)
         rng = torch.load(path / "rng.pt", weights_only=True)
-        if len(rng) != self.dist.world_size:
-            raise InputError(
-                f"checkpoint {path} was written by {len(rng)} rank(s), this run has "
-                f"{self.dist.world_size}; resume with the same number of GPUs or start a new run name"
+        if len(rng) != self.dist.world_size and self.dist.is_main:
+            log.warning(
+                "%s was written by %d rank(s), this run has %d: the weights and data position carry over "
+                "(train/sharding.py, train/batches.py); ranks beyond the checkpoint's draw fresh random "
+                "streams, so dropout differs from an uninterrupted run",
+                path.name,
+                len(rng),
+                self.dist.world_size,
             )
-        restore_rng(rng[self.dist.rank])
+        if self.dist.rank < len(rng):
+            restore_rng(rng[self.dist.rank])
+        else:
+            seed_rng(
+                getattr(self.cfg.train, "seed", 0) * 1_000_003
+                + int(state["progress"]["step"])
+                + self.dist.rank
+            )
         self.load_data_state(state["data"])
         self.progress = Progress(**state["progress"])
         if self.progress.best_score is None and self.ranked_metric == "eval_loss":
@@ -361,6 +379,9 @@ class Trainer:
         """Within the seconds before SIGKILL: finish the commit in flight if it fits (else abandon it),
         then commit `step` if that fits too. Rank 0 decides; every rank takes part in the commit."""
         commit_now = 0.0
+        # Rank 0 finishes or abandons the commit in flight for every rank: its shard writes either
+        # completed (rank 0's DCP future resolves only after every rank's) or will never be published.
+        self.shard_writer.forget()
         if self.dist.is_main:
             self._finish_or_abandon_in_flight()
             if self.last_committed_step == step:
@@ -417,6 +438,7 @@ class Trainer:
         writes it, in the foreground or (`background`) on the writer's thread while training goes on."""
         snapshot_time = time.monotonic()
         rng_states = D.gather_to_main(self.dist, capture_rng())
+        shards = self._save_shards(step, background)
         committed = None
         if self.dist.is_main:
             files = self.checkpoint_files()
@@ -427,13 +449,27 @@ class Trainer:
             score = (self.ranked_metric, p.last_score) if p.last_score_step == step else None
             with self._disk_full_is_exit_5(step):
                 committed = self.writer.commit(
-                    step, files, self._manifest_metadata(), eval_loss, background, score=score
+                    step, files, self._manifest_metadata(), eval_loss, background, score=score, shards=shards
                 )
             self._committed(committed)
         self._last_commit_time = snapshot_time
         if not background:
             D.barrier(self.dist)
         return committed
+
+    def _save_shards(self, step: int, background: bool) -> ShardFiles | None:
+        """Every rank writes its shards of `sharded_state()` (FSDP) into rank 0's pending checkpoint
+        (train/sharding.py); rank 0 gets them to hash and publish. None for an unsharded model."""
+        state = self.sharded_state()
+        if state is None:
+            return None
+        pending = None
+        if self.dist.is_main:
+            pending = self.writer.begin(step)
+            (pending.dir / SHARDED_DIR).mkdir()
+        folder = Path(D.broadcast_object(self.dist, str(pending.dir / SHARDED_DIR) if pending else None))
+        written = self.shard_writer.save(state, folder, background)
+        return ShardFiles(pending, folder, written) if pending else None
 
     def _next_checkpoint_bytes(self) -> int:
         """The newest committed checkpoint's size (the next one is as large), else the estimate."""
@@ -527,7 +563,8 @@ def checkpoint_misfit(path: Path, exc: Exception) -> InputError:
 
 def train_and_export(trainer_class: type[Trainer], ctx: RunContext, config: Any) -> dict[str, Any]:
     """A workload's whole run on every rank: train to the end, export, and return the DONE summary."""
-    dist = D.init_distributed()
+    # FSDP needs a process group even on one GPU (its device mesh is made from it).
+    dist = D.init_distributed(always_group=getattr(config.train, "parallel", None) == "fsdp")
     try:
         if config.train.cpu_threads and dist.device.type == "cpu":
             torch.set_num_threads(config.train.cpu_threads)

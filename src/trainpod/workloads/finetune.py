@@ -32,13 +32,27 @@ from trainpod.errors import InputError
 from trainpod.sft import IGNORE_INDEX, SftBatches, eval_batches, load_sft, prepare_sft, sft_key
 from trainpod.train import distributed as D
 from trainpod.train.base_model import load_4bit, load_model, resolve_base_model
-from trainpod.train.batches import to_device
+from trainpod.train.batches import rescaled_accumulation, to_device
 from trainpod.train.export import DTYPES, export_hf
 from trainpod.train.loss import CausalLMLoss, fits_chunked_loss, shift_labels
 from trainpod.train.model import autocast_dtype, resolve_attention
 from trainpod.train.optim import build_optimizer
 from trainpod.train.reporting import RunReporter
 from trainpod.train.schedule import cosine_with_warmup
+from trainpod.train.sharding import (
+    decoder_layers,
+    gathered_copy,
+    gathered_root,
+    has_shards,
+    load_full_into,
+    load_sharded,
+    local_value,
+    require_process_group,
+    resolve_parallel,
+    set_gradient_sync,
+    shard_model,
+    sharded_state,
+)
 from trainpod.train.state import load_optimizer_state
 from trainpod.train.tracking import WandbTracker, wandb_wanted
 from trainpod.train.trainer import StepResult, Trainer, train_and_export
@@ -81,6 +95,7 @@ class Finetuner(Trainer):
         t = config.train
         super().__init__(ctx, config, config.checkpoint, t.max_steps or 1, t.log_every, t.eval_every, dist)
         self.train_cfg = t
+        self.grad_accum_steps = t.grad_accum_steps  # rescaled when a checkpoint of another rank count resumes
         self.method = config.method
         self.improvement_threshold = t.early_stopping_min_delta
         self.ranked_metric = config.ranked_metric
@@ -92,7 +107,13 @@ class Finetuner(Trainer):
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.base_dir), local_files_only=True)
         self._setup_data()
         self._setup_model()
-        steps_per_epoch = max(self.batches.steps_per_epoch // t.grad_accum_steps, 1)
+        self._set_max_steps()
+
+    def _set_max_steps(self) -> None:
+        """From train.max_steps, or train.epochs over the optimizer steps an epoch holds (the same on any
+        rank count once the accumulation is rescaled to the checkpoint's)."""
+        t = self.train_cfg
+        steps_per_epoch = max(self.batches.steps_per_epoch // self.grad_accum_steps, 1)
         self.max_steps = t.max_steps or math.ceil(t.epochs * steps_per_epoch)
         self.warmup_steps = round(t.warmup_ratio * self.max_steps)
 
@@ -129,6 +150,7 @@ class Finetuner(Trainer):
             # and rows keep their attention cost at rows x max_len^2.
             flatten_packed=self.attention == "flash_attention_2",
             pin_memory=self.dist.device.type == "cuda",
+            grad_accum_steps=t.grad_accum_steps,
         )
 
     def _check_same_tokenizer(self, folder: Path) -> None:
@@ -177,9 +199,17 @@ class Finetuner(Trainer):
         else:
             self._freeze_for_full(model)
         self.model = model
+        self.n_params = sum(p.numel() for p in model.parameters())
+        self.chunked_loss = fits_chunked_loss(model)
+        # The module a step runs: the model, with the chunked loss where it gives the model's own loss.
+        self.loss_module: torch.nn.Module = CausalLMLoss(model) if self.chunked_loss else model
+        self.parallel = self._parallel()
+        if self.parallel == "fsdp":  # before the optimizer: it steps the shards
+            require_process_group(self.parallel)
+            bf16 = self.autocast_dtype == torch.bfloat16
+            shard_model(decoder_layers(model), self.loss_module, device, bf16)
         self.trainable = {name: p for name, p in model.named_parameters() if p.requires_grad}
         self.n_trainable = sum(p.numel() for p in self.trainable.values())
-        self.n_params = sum(p.numel() for p in model.parameters())
         self.optimizer = build_optimizer(
             t.optimizer,
             [{"params": list(self.trainable.values()), "weight_decay": t.weight_decay}],
@@ -188,10 +218,9 @@ class Finetuner(Trainer):
             eps=t.eps,
             device=device,
         )
-        self.chunked_loss = fits_chunked_loss(model)
         log.info(
-            "finetune: method %s, %s of %s parameters train, attention %s, precision %s, device %s, %d rank(s), "
-            "%s loss",
+            "finetune: method %s, %s of %s parameters train, attention %s, precision %s, device %s, %d rank(s) "
+            "(%s), %s loss",
             self.method,
             f"{self.n_trainable:,}",
             f"{self.n_params:,}",
@@ -199,8 +228,27 @@ class Finetuner(Trainer):
             self.autocast_dtype or "fp32",
             device,
             self.dist.world_size,
+            self.parallel,
             "chunked" if self.chunked_loss else "the model's own",
         )
+
+    def _parallel(self) -> str:
+        """DDP or FSDP (train/sharding.py); FSDP shards full finetuning only."""
+        requested = self.train_cfg.parallel
+        if self.method != "full":
+            if requested == "fsdp":
+                raise InputError(
+                    f"train.parallel=fsdp shards full finetuning; method {self.method} trains a small adapter "
+                    "that every GPU holds whole. Set train.parallel=ddp (or auto), or method: full"
+                )
+            return "ddp"
+        parallel = resolve_parallel(requested, self.dist.world_size, self.n_params)
+        if parallel == "fsdp" and self.cfg.generation_eval.every_evals:
+            raise InputError(
+                "generation_eval runs on rank 0 alone, and a sharded (train.parallel=fsdp) model needs every rank "
+                "for each forward: set generation_eval.every_evals=0, or train.parallel=ddp"
+            )
+        return parallel
 
     def _load_4bit(self, attention: str) -> torch.nn.Module:
         cfg = self.cfg
@@ -246,12 +294,14 @@ class Finetuner(Trainer):
 
     def wrap_for_training(self) -> torch.nn.Module:
         """The model with the chunked loss (train/loss.py) where it gives the model's own loss: a
-        known decoder with a plain head; else the model, whose loss upcasts every logit to fp32."""
-        model = CausalLMLoss(self.model) if self.chunked_loss else self.model
-        if not self.dist.distributed:
-            return model
+        known decoder with a plain head; else the model, whose loss upcasts every logit to fp32.
+        Under DDP when several ranks replicate it (FSDP sharded it in place already)."""
+        if not self.dist.distributed or self.parallel == "fsdp":
+            return self.loss_module
         return DistributedDataParallel(
-            model, device_ids=[self.dist.local_rank] if self.dist.device.type == "cuda" else None
+            self.loss_module,
+            device_ids=[self.dist.local_rank] if self.dist.device.type == "cuda" else None,
+            gradient_as_bucket_view=True,  # gradients live in the buckets: no second fp32 copy
         )
 
     def make_reporter(self, start_step: int) -> RunReporter:
@@ -271,12 +321,27 @@ class Finetuner(Trainer):
         )
 
     # ------------------------------------------------------------------------- checkpoints
+    def sharded_state(self) -> dict[str, Any] | None:
+        return sharded_state(self.model, self.optimizer) if self.parallel == "fsdp" else None
+
     def checkpoint_files(self) -> dict[str, Any]:
+        if self.parallel == "fsdp":
+            return {}  # every rank wrote its shards (sharded_state)
         # Only what trains: the adapter (or, for full, every weight); the frozen base is on disk already.
         return {"trainable.safetensors": dict(self.trainable), "optimizer.pt": self.optimizer.state_dict()}
 
     def load_checkpoint(self, path: Path, state: dict[str, Any]) -> None:
+        """A sharded checkpoint (FSDP, any rank count) or the trainable tensors, into either layout."""
+        if has_shards(path):
+            load_sharded(self.model, self.optimizer, path)
+            return
         tensors = safetensors.torch.load((path / "trainable.safetensors").read_bytes())
+        if self.parallel == "fsdp":
+            optimizer_state = torch.load(
+                path / "optimizer.pt", map_location=self.dist.device, weights_only=True
+            )
+            load_full_into(self.model, self.optimizer, tensors, optimizer_state, aliases=[])
+            return
         missing = sorted(set(self.trainable) - set(tensors))
         unexpected = sorted(set(tensors) - set(self.trainable))
         wrong = [n for n in set(tensors) & set(self.trainable) if tensors[n].shape != self.trainable[n].shape]
@@ -298,6 +363,19 @@ class Finetuner(Trainer):
         return self.batches.state_dict()
 
     def load_data_state(self, state: dict[str, Any]) -> None:
+        configured = self.train_cfg.grad_accum_steps
+        accumulation = rescaled_accumulation(state, self.dist.world_size, configured)
+        if accumulation != self.grad_accum_steps:
+            if self.dist.is_main:
+                log.warning(
+                    "the checkpoint was written by %d rank(s); on %d, train.grad_accum_steps becomes %d so that "
+                    "every step still trains on the same rows",
+                    state["world_size"],
+                    self.dist.world_size,
+                    accumulation,
+                )
+            self.grad_accum_steps = self.batches.grad_accum_steps = accumulation
+            self._set_max_steps()
         self.batches.load_state_dict(state)
 
     def extra_state(self) -> dict[str, Any]:
@@ -314,7 +392,7 @@ class Finetuner(Trainer):
         t = self.train_cfg
         self.set_lr(cosine_with_warmup(step - 1, self.max_steps, t.lr, self.warmup_steps, t.min_lr_ratio))
         micro_batches, real_tokens = [], 0
-        for _ in range(t.grad_accum_steps):
+        for _ in range(self.grad_accum_steps):
             micro_batches.append(self.batches.next_batch())
             real_tokens += self.batches.last_real_tokens
         # The loss is a mean over every trained token of the step on every rank, as if there were one
@@ -327,8 +405,7 @@ class Finetuner(Trainer):
         for i, batch in enumerate(micro_batches):
             inputs = {k: to_device(batch[k], self.dist.device) for k in self.model_inputs if k in batch}
             last = i == len(micro_batches) - 1
-            sync = contextlib.nullcontext() if last or not self.dist.distributed else model.no_sync()
-            with sync, self._autocast():
+            with self._gradient_sync(model, last), self._autocast():
                 if self.chunked_loss:
                     loss = model(inputs.pop("input_ids"), shift_labels(inputs.pop("labels")), items, **inputs)
                 else:
@@ -340,7 +417,18 @@ class Finetuner(Trainer):
         self.optimizer.zero_grad(set_to_none=True)
         # This rank's own mean, for the log (ranks are averaged there).
         rank_mean = total * global_items / max(local_items, 1)
-        return StepResult(rank_mean, grad_norm, real_tokens)
+        return StepResult(rank_mean, local_value(grad_norm), real_tokens)
+
+    def _gradient_sync(
+        self, model: torch.nn.Module, last_micro_batch: bool
+    ) -> contextlib.AbstractContextManager:
+        """Reduce gradients across ranks only after the step's last micro-batch."""
+        if self.parallel == "fsdp":
+            set_gradient_sync(self.loss_module, last_micro_batch)
+            return contextlib.nullcontext()
+        if last_micro_batch or not self.dist.distributed:
+            return contextlib.nullcontext()
+        return model.no_sync()
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.autocast_dtype is None:
@@ -357,13 +445,16 @@ class Finetuner(Trainer):
         model.eval()
         loss_sum = count = 0.0
         per_sample: list[tuple[float, int]] = []
-        for batch in self._eval_batches()[self.dist.rank :: self.dist.world_size]:
-            inputs = {
-                k: to_device(batch[k], self.dist.device)
-                for k in self.model_inputs
-                if k in batch and k != "labels"
-            }
-            with self._autocast():  # the bare model, not the training wrapper: per-sample losses need logits
+        batches = self._eval_batches()
+        mine = batches[self.dist.rank :: self.dist.world_size]
+        if self.parallel == "fsdp" and batches:  # every rank runs as many forwards: each one gathers weights
+            for _ in range(-(-len(batches) // self.dist.world_size) - len(mine)):
+                with self._autocast(), gathered_root(self.loss_module):
+                    self.model(**self._eval_inputs(batches[0]))  # a repeat, not counted
+        for batch in mine:
+            inputs = self._eval_inputs(batch)
+            # The bare model, not the training wrapper: per-sample losses need logits.
+            with self._autocast(), gathered_root(self.loss_module):
                 logits = self.model(**inputs).logits
             targets = to_device(batch["labels"][:, 1:], self.dist.device)
             token_loss = F.cross_entropy(
@@ -386,6 +477,13 @@ class Finetuner(Trainer):
             self._write_worst_samples(step, [s for rank in gathered for s in rank])
         self._generation_eval(step)
         return loss_sum / max(count, 1.0)
+
+    def _eval_inputs(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {
+            k: to_device(batch[k], self.dist.device)
+            for k in self.model_inputs
+            if k in batch and k != "labels"
+        }
 
     def _eval_batches(self) -> list[dict[str, torch.Tensor]]:
         """The validation split's batches in stored order, each with `sample_index`."""
@@ -473,6 +571,8 @@ class Finetuner(Trainer):
 
     # ------------------------------------------------------------------------------ finish
     def export(self) -> Path | None:
+        # Sharded: gathered in full on rank 0 (every rank takes part).
+        model = gathered_copy(self.model) if self.parallel == "fsdp" else self.model
         if not self.dist.is_main:
             return None
         if self.method == "full":
@@ -480,7 +580,7 @@ class Finetuner(Trainer):
             if dtype_name == "auto":
                 dtype_name = "bfloat16" if self.autocast_dtype == torch.bfloat16 else "float32"
             return export_hf(
-                self.model,
+                model,
                 self.base_dir,
                 self.ctx.run.export / "hf",
                 DTYPES[dtype_name],

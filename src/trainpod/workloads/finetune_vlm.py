@@ -91,6 +91,7 @@ class VlmFinetuner(Finetuner):
             rank=self.dist.rank,
             world_size=self.dist.world_size,
             pad_id=self.data.pad_id,
+            grad_accum_steps=t.grad_accum_steps,
         )
 
     def _setup_model(self) -> None:

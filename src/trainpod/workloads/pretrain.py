@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import safetensors.torch
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
@@ -25,7 +26,7 @@ from trainpod.data.datagen import dataset_shards, load_dataset_manifest
 from trainpod.data.shards import open_shard
 from trainpod.errors import InputError
 from trainpod.train import distributed as D
-from trainpod.train.batches import TokenBatches, eval_batches, to_device
+from trainpod.train.batches import TokenBatches, eval_batches, rescaled_accumulation, to_device
 from trainpod.train.export import DTYPES, export_hf
 from trainpod.train.loss import CausalLMLoss
 from trainpod.train.memory import check_fits
@@ -41,6 +42,19 @@ from trainpod.train.model import (
 )
 from trainpod.train.optim import build_optimizer, decay_groups
 from trainpod.train.schedule import cosine_with_warmup
+from trainpod.train.sharding import (
+    decoder_layers,
+    gathered_copy,
+    has_shards,
+    load_full_into,
+    load_sharded,
+    local_value,
+    require_process_group,
+    resolve_parallel,
+    set_gradient_sync,
+    shard_model,
+    sharded_state,
+)
 from trainpod.train.state import load_optimizer_state, load_weights, unique_weights
 from trainpod.train.trainer import StepResult, Trainer, train_and_export
 
@@ -66,6 +80,7 @@ class Pretrainer(Trainer):
         self.tokenizer_dir = self.ctx.resolve_tokenizer(self.cfg.data.tokenizer, manifest)
         self.tokenizer_vocab = manifest["tokenizer"]["vocab_size"]
         t = self.train_cfg
+        self.grad_accum_steps = t.grad_accum_steps  # rescaled when a checkpoint of another rank count resumes
         self.batches = TokenBatches(
             dataset_shards(dataset_dir, manifest, "train"),
             open_shard,
@@ -75,6 +90,7 @@ class Pretrainer(Trainer):
             self.dist.world_size,
             t.seed,
             pin_memory=self.dist.device.type == "cuda",
+            grad_accum_steps=t.grad_accum_steps,
         )
 
     def _setup_model(self) -> None:
@@ -93,6 +109,14 @@ class Pretrainer(Trainer):
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.n_params = parameter_count(self.model_config)
         self.flops_per_token = flops_per_token(self.model_config, self.n_params, t.seq_len)
+        self.parallel = resolve_parallel(t.parallel, self.dist.world_size, self.n_params)
+        # The module a step runs: the model and its chunked loss (train/loss.py) as one, so that DDP, FSDP
+        # and torch.compile each wrap both; `loss_module(inputs, targets)` is the mean loss.
+        self.loss_module: torch.nn.Module = CausalLMLoss(self.model)
+        if self.parallel == "fsdp":
+            require_process_group(self.parallel)
+            bf16 = self.autocast_dtype == torch.bfloat16
+            shard_model(decoder_layers(self.model), self.loss_module, device, bf16)
         self.optimizer = build_optimizer(
             t.optimizer,
             decay_groups(self.model, t.weight_decay),
@@ -101,35 +125,54 @@ class Pretrainer(Trainer):
             eps=t.eps,
             device=device,
         )
+        self._aliases: list[str] = []
         log.info(
-            "model: %s parameters, attention %s, precision %s, device %s, %d rank(s)",
+            "model: %s parameters, attention %s, precision %s, device %s, %d rank(s) (%s)",
             f"{self.n_params:,}",
             attention,
             self.autocast_dtype or "fp32",
             device,
             self.dist.world_size,
+            self.parallel,
         )
 
     def wrap_for_training(self) -> torch.nn.Module:
-        """The model with its chunked loss (train/loss.py) as one module: `model(inputs, targets)` is
-        the mean loss, and DDP and torch.compile each wrap model and loss together."""
-        model: torch.nn.Module = CausalLMLoss(self.model)
-        if self.dist.distributed:
+        """The loss module, under DDP when several ranks replicate it (FSDP sharded it in place already),
+        and compiled when asked for."""
+        model = self.loss_module
+        if self.dist.distributed and self.parallel == "ddp":
             model = DistributedDataParallel(
-                model, device_ids=[self.dist.local_rank] if self.dist.device.type == "cuda" else None
+                model,
+                device_ids=[self.dist.local_rank] if self.dist.device.type == "cuda" else None,
+                gradient_as_bucket_view=True,  # gradients live in the buckets: no second fp32 copy
             )
         if self.train_cfg.compile:
             model = torch.compile(model)
         return model
 
     # ------------------------------------------------------------------------- checkpoints
+    def sharded_state(self) -> dict[str, Any] | None:
+        return sharded_state(self.model, self.optimizer) if self.parallel == "fsdp" else None
+
     def checkpoint_files(self) -> dict[str, Any]:
+        if self.parallel == "fsdp":
+            return {}  # every rank wrote its shards (sharded_state)
         weights, self._aliases = unique_weights(self.model)
         return {"model.safetensors": weights, "optimizer.pt": self.optimizer.state_dict()}
 
     def load_checkpoint(self, path: Path, state: dict[str, Any]) -> None:
-        load_weights(self.model, (path / "model.safetensors").read_bytes(), state["aliased_weights"])
+        """Either layout into either: sharded (written by FSDP on any rank count) or full weights (one
+        GPU or DDP), into a sharded or a replicated model."""
+        if has_shards(path):
+            load_sharded(self.model, self.optimizer, path)
+            return
+        weights = (path / "model.safetensors").read_bytes()
         optimizer_state = torch.load(path / "optimizer.pt", map_location=self.dist.device, weights_only=True)
+        if self.parallel == "fsdp":
+            full = safetensors.torch.load(weights)
+            load_full_into(self.model, self.optimizer, full, optimizer_state, state["aliased_weights"])
+            return
+        load_weights(self.model, weights, state["aliased_weights"])
         load_optimizer_state(self.optimizer, optimizer_state)
 
     def extra_state(self) -> dict[str, Any]:
@@ -139,6 +182,18 @@ class Pretrainer(Trainer):
         return self.batches.state_dict()
 
     def load_data_state(self, state: dict[str, Any]) -> None:
+        accumulation = rescaled_accumulation(state, self.dist.world_size, self.train_cfg.grad_accum_steps)
+        if accumulation != self.grad_accum_steps:
+            if self.dist.is_main:
+                log.warning(
+                    "the checkpoint was written by %d rank(s); on %d, train.grad_accum_steps becomes %d "
+                    "so that every step still trains on the same %s tokens",
+                    state["world_size"],
+                    self.dist.world_size,
+                    accumulation,
+                    f"{accumulation * self.dist.world_size * self.train_cfg.micro_batch_size * self.train_cfg.seq_len:,}",
+                )
+            self.grad_accum_steps = self.batches.grad_accum_steps = accumulation
         self.batches.load_state_dict(state)
 
     def checkpoint_bytes_estimate(self) -> int:
@@ -148,19 +203,30 @@ class Pretrainer(Trainer):
     def train_step(self, model: torch.nn.Module, step: int) -> StepResult:
         t = self.train_cfg
         self.set_lr(cosine_with_warmup(step - 1, t.max_steps, t.lr, t.warmup_steps, t.min_lr_ratio))
+        accumulation = self.grad_accum_steps
         total = torch.zeros((), device=self.dist.device)
-        for micro in range(t.grad_accum_steps):
+        for micro in range(accumulation):
             inputs, targets = (to_device(x, self.dist.device) for x in self.batches.next_batch())
-            last = micro == t.grad_accum_steps - 1
-            sync = contextlib.nullcontext() if last or not self.dist.distributed else model.no_sync()
-            with sync, self._autocast():
+            last = micro == accumulation - 1
+            with self._gradient_sync(model, last), self._autocast():
                 loss = model(inputs, targets)
-                (loss / t.grad_accum_steps).backward()
-            total += loss.detach() / t.grad_accum_steps
+                (loss / accumulation).backward()
+            total += loss.detach() / accumulation
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip or float("inf"))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(total, grad_norm, t.tokens_per_step_per_rank)
+        return StepResult(total, local_value(grad_norm), accumulation * t.micro_batch_size * t.seq_len)
+
+    def _gradient_sync(
+        self, model: torch.nn.Module, last_micro_batch: bool
+    ) -> contextlib.AbstractContextManager:
+        """Reduce gradients across ranks only after the step's last micro-batch."""
+        if self.parallel == "fsdp":
+            set_gradient_sync(self.loss_module, last_micro_batch)
+            return contextlib.nullcontext()
+        if last_micro_batch or not self.dist.distributed:
+            return contextlib.nullcontext()
+        return model.no_sync()
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.autocast_dtype is None:
@@ -192,12 +258,14 @@ class Pretrainer(Trainer):
 
     # ------------------------------------------------------------------------------ finish
     def export(self) -> Path | None:
+        # Sharded: gathered in full on rank 0 (every rank takes part).
+        model = gathered_copy(self.model) if self.parallel == "fsdp" else self.model
         if not self.dist.is_main:
             return None
         dtype_name = self.cfg.export.dtype
         if dtype_name == "auto":
             dtype_name = "bfloat16" if self.autocast_dtype == torch.bfloat16 else "float32"
-        return export_hf(self.model, self.tokenizer_dir, self.ctx.run.export / "hf", DTYPES[dtype_name])
+        return export_hf(model, self.tokenizer_dir, self.ctx.run.export / "hf", DTYPES[dtype_name])
 
     def summary(self) -> dict[str, Any]:
         return super().summary() | {"parameters": self.n_params}

@@ -1,0 +1,220 @@
+"""A run on several nodes: one RunPod Instant Cluster (REST v2), created, judged and replaced as one unit.
+
+    trainpod deploy configs/deploy/pretrain-cluster.yaml --dry-run    # prints POST /v2/clusters, sends nothing
+
+A deploy config with `nodes: N` (N > 1) becomes `POST /v2/clusters`: N identical on-demand pods of
+`pod.gpu_count` GPUs (`pod.gpu_types` tried in order, one type per cluster), placed in the volume's
+data center with the network volume mounted on every node, the same image, entrypoint and env. RunPod
+adds the cluster's variables (NUM_NODES, NODE_RANK, NUM_TRAINERS, PRIMARY_ADDR, PRIMARY_PORT, ...)
+and every node's `trainpod boot` starts torchrun from them (boot.py).
+
+v2 can neither stop nor restart a cluster, nor touch its member pods through the pod endpoints: a
+cluster is whole (every node PROVISIONING, STARTING or RUNNING) or broken (a node EXITED, ERROR,
+TERMINATED, or missing after the cluster was seen whole), and a broken one is deleted and created again
+on the same volume with its nodes' env. This module speaks in clusters; HTTP lives in client.py.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from trainpod.config.deploy import DeployConfig, cluster_problems
+from trainpod.errors import ConfigError
+from trainpod.runpod.client import (
+    Cluster,
+    NetworkVolume,
+    Pod,
+    RunPodAuthError,
+    RunPodClient,
+    RunPodError,
+    RunPodNotFound,
+)
+
+log = logging.getLogger("trainpod.deploy")
+
+ALIVE = ("PROVISIONING", "STARTING", "RUNNING")  # v2 PodStatus values of a node that is coming or working
+# What RunPod itself puts into a node's environment (shared/reference/runpod-platform.md): a recreated
+# cluster gets its own, so these never travel from an old node's env into the new cluster's request.
+PLATFORM_VARIABLES = frozenset(
+    {
+        "PRIMARY_ADDR", "MASTER_ADDR", "PRIMARY_PORT", "MASTER_PORT", "NODE_ADDR", "NODE_RANK", "NUM_NODES",
+        "NUM_TRAINERS", "WORLD_SIZE", "PUBLIC_KEY", "CUDA_VERSION", "PYTORCH_VERSION",
+    }
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ClusterDeployment:
+    volume: NetworkVolume
+    cluster: Cluster
+    action: str  # created, recreated or reused
+
+    def summary(self) -> str:
+        return (
+            f"cluster {self.cluster.name} ({self.cluster.id}, {self.cluster.node_count} nodes) {self.action}"
+        )
+
+
+@dataclass(frozen=True)
+class ClusterLook:
+    """One look at the run's cluster: the cluster (None when gone), its nodes, and why it is broken."""
+
+    cluster: Cluster | None
+    nodes: list[Pod]
+    broken: str | None  # None: whole (or still coming up)
+
+    @property
+    def whole(self) -> bool:
+        return self.cluster is not None and self.broken is None
+
+    @property
+    def running(self) -> list[Pod]:
+        return [node for node in self.nodes if node.desired_status == "RUNNING"]
+
+    @property
+    def all_running(self) -> bool:
+        return self.whole and len(self.running) == self.cluster.node_count
+
+
+def cluster_body(config: DeployConfig, volume_id: str, gpu_type: str, env: dict[str, str]) -> dict[str, Any]:
+    """A CreateClusterRequest: `config.nodes` nodes of `gpu_type` on the network volume, one data center."""
+    from trainpod.runpod.deploy import IMAGE_ROOT
+
+    return {
+        "name": config.pod_name,
+        "type": "TRAINING",
+        "compute": {"gpuTypeId": gpu_type, "gpuCountPerPod": config.pod.gpu_count, "podCount": config.nodes},
+        "dataCenterIds": [config.volume.data_center],  # the volume attaches only in its data center
+        "mounts": {"network": [{"volumeId": volume_id, "path": config.volume.mount_path}]},
+        "image": config.image.name,
+        "args": f"{IMAGE_ROOT}/entrypoints/{config.workload}",  # the image's tini runs it, as dockerStartCmd does
+        "disk": config.pod.container_disk_gb,
+        "ports": list(config.pod.ports),
+        "startSsh": "22/tcp" in config.pod.ports,  # PUBLIC_KEY on every node: boot's key-only sshd
+        "env": env,
+    }
+
+
+def check_cluster_config(config: DeployConfig) -> None:
+    """ConfigError (exit 2) for what a cluster cannot do; again here because --spot changes the config."""
+    problems = cluster_problems(config)
+    if problems:
+        raise ConfigError(problems)
+
+
+def look(client: RunPodClient, config: DeployConfig, whole_before: str | None = None) -> ClusterLook:
+    """The run's cluster `<run>-<workload>` and its nodes. A node missing from a cluster seen whole
+    before (`whole_before` is its id) makes it broken; while it was never whole, it is still coming up."""
+    clusters = client.list_clusters(name=config.pod_name)
+    if not clusters:
+        return ClusterLook(None, [], "gone")
+    cluster = clusters[0]
+    seen_whole = whole_before == cluster.id
+    nodes = sorted(client.cluster_pods(cluster.id), key=lambda p: (p.node_rank is None, p.node_rank or 0))
+    dead = [p for p in nodes if p.desired_status not in ALIVE]
+    if dead:
+        return ClusterLook(cluster, nodes, f"node {node_label(dead[0])} {dead[0].desired_status}")
+    if len(nodes) < cluster.node_count and seen_whole:
+        return ClusterLook(
+            cluster, nodes, f"{cluster.node_count - len(nodes)} of {cluster.node_count} nodes gone"
+        )
+    return ClusterLook(cluster, nodes, None)
+
+
+def node_label(node: Pod) -> str:
+    """`1 (pod0007)`: its NODE_RANK and pod id."""
+    return f"{'?' if node.node_rank is None else node.node_rank} ({node.id})"
+
+
+def node_env(nodes: list[Pod]) -> dict[str, str] | None:
+    """The env the nodes were created with (a node's, less RunPod's own variables), or None without nodes."""
+    for node in nodes:
+        if node.env:
+            return {
+                k: v
+                for k, v in node.env.items()
+                if k not in PLATFORM_VARIABLES and not k.startswith("RUNPOD_")
+            }
+    return None
+
+
+def create(client: RunPodClient, config: DeployConfig, volume_id: str, env: dict[str, str]) -> Cluster:
+    """Create the cluster with the first GPU type RunPod accepts, in the config's order."""
+    refusals = []
+    for gpu_type in config.pod.gpu_types:
+        try:
+            return client.create_cluster(cluster_body(config, volume_id, gpu_type, env))
+        except RunPodAuthError:
+            raise
+        except RunPodError as exc:
+            refusals.append(exc)
+            log.info(
+                "cluster of %d x %s refused (%s); trying the next GPU type",
+                config.nodes,
+                gpu_type,
+                exc.status,
+            )
+    raise refusals[-1]
+
+
+def delete(client: RunPodClient, cluster: Cluster, why: str) -> None:
+    """Delete it; one already gone is fine (node 0 deletes its cluster at DONE while the supervisor looks)."""
+    try:
+        client.delete_cluster(cluster.id)
+    except RunPodNotFound:
+        log.info("cluster %s (%s) was already deleted", cluster.name, cluster.id)
+        return
+    log.info("deleted cluster %s (%s, every node terminated; the volume keeps the run): %s", cluster.name,
+             cluster.id, why)  # fmt: skip
+
+
+def recreate(
+    client: RunPodClient, config: DeployConfig, seen: ClusterLook, volume_id: str | None = None
+) -> Cluster:
+    """Delete the broken cluster (if any) and create it again: same volume, the old nodes' env (else the config's)."""
+    from trainpod.runpod.deploy import ensure_volume, pod_env
+
+    old_volume = next((n.network_volume_id for n in seen.nodes if n.network_volume_id), None)
+    volume_id = old_volume or volume_id or ensure_volume(client, config).id
+    env = node_env(seen.nodes) or pod_env(config)
+    if seen.cluster is not None:
+        delete(client, seen.cluster, seen.broken or "replaced")
+    return create(client, config, volume_id, env)
+
+
+def deploy_cluster(
+    client: RunPodClient, config: DeployConfig, secret_values: dict[str, str] | None = None
+) -> ClusterDeployment:
+    """Volume and cluster of `config`: a whole cluster of that name is reused, a broken one recreated."""
+    from trainpod.runpod.deploy import ensure_volume, pod_env
+
+    check_cluster_config(config)
+    env = pod_env(config, secret_values)  # first: a config with too many variables sends nothing
+    volume = ensure_volume(client, config)
+    seen = look(client, config)
+    if seen.whole:
+        log.info("cluster %s (%s) is up: reusing it", seen.cluster.name, seen.cluster.id)
+        return ClusterDeployment(volume, seen.cluster, "reused")
+    action = "created" if seen.cluster is None else "recreated"
+    if seen.cluster is not None:
+        delete(client, seen.cluster, seen.broken or "broken")
+    cluster = create(client, config, volume.id, env)
+    log.info("cluster %s (%s, %d nodes) %s", cluster.name, cluster.id, config.nodes, action)
+    return ClusterDeployment(volume, cluster, action)
+
+
+def cluster_line(cluster: Cluster) -> str:
+    """`trainpod status`: the cluster, its shape and its nodes' states."""
+    states = ", ".join(f"{count} {status}" for status, count in sorted(cluster.members_by_status.items()))
+    return (f"  cluster {cluster.name} ({cluster.id}): {cluster.node_count} nodes x {cluster.gpu_count_per_pod} x "
+            f"{cluster.gpu_type_id} | nodes {states or 'none yet'}")  # fmt: skip
+
+
+def delete_run_clusters(client: RunPodClient, run: str) -> list[Cluster]:
+    """Delete every cluster of a run (`<run>-*`): `trainpod stop` (a cluster cannot be stopped, only deleted)."""
+    clusters = [c for c in client.list_clusters() if c.name.startswith(f"{run}-")]
+    for cluster in clusters:
+        client.delete_cluster(cluster.id)
+    return clusters

@@ -1,0 +1,120 @@
+"""What the supervisor (supervise.py) watches and brings back as one: the run's pod, or its Instant Cluster.
+
+    unit = build_unit(client, config)     # PodUnit for nodes: 1, ClusterUnit for nodes > 1
+    seen = unit.look(state, unfit_pod)    # up or down, why, what bills now
+    unit.bring_back(replace=seen.unfit)   # "started pod X", "created cluster Y (2 nodes)"
+
+A pod is started again, or replaced by a new one on the same volume (deploy.bring_back). A cluster
+cannot be started again (REST v2 has no stop or start for clusters, and its member pods are out of
+reach of the pod endpoints): any node EXITED, ERROR, TERMINATED, gone, or named by a MACHINE_UNFIT
+marker makes the whole cluster down, and it is deleted and created again (cluster.recreate).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from trainpod.config.deploy import DeployConfig
+from trainpod.runpod import cluster as clusters
+from trainpod.runpod.client import Pod, RunPodClient
+from trainpod.runpod.deploy import bring_back
+
+if TYPE_CHECKING:
+    from trainpod.runpod.supervise import SupervisorState
+
+UNFIT = "on a machine that cannot run the image (exit 4)"
+
+
+@dataclass(frozen=True)
+class Look:
+    up: str | None  # what works, e.g. "pod X is RUNNING"; None when down
+    down: str  # why it is down: "EXITED", "gone", "node 1 (pod7) EXITED"
+    hourly_usd: float  # what bills now
+    unfit: bool = False  # down because a machine cannot run the image: replace, never start again
+
+
+class Unit(Protocol):
+    noun: str  # "pod" or "cluster", for the supervisor's log lines
+
+    def look(self, state: SupervisorState, unfit_pod: str | None) -> Look: ...
+
+    def stop(self, why: str) -> list[str]: ...
+
+    def bring_back(self, replace: bool) -> str: ...
+
+
+def build_unit(client: RunPodClient, config: DeployConfig) -> Unit:
+    return ClusterUnit(client, config) if config.nodes > 1 else PodUnit(client, config)
+
+
+def _price(pod: Pod, config: DeployConfig) -> float:
+    return pod.cost_per_hr if pod.cost_per_hr is not None else config.budget.hourly_usd or 0.0
+
+
+class PodUnit:
+    """The pod `<run>-<workload>`: started again when EXITED, a new one when gone or unfit."""
+
+    noun = "pod"
+
+    def __init__(self, client: RunPodClient, config: DeployConfig):
+        self.client, self.config = client, config
+        self._running: list[Pod] = []
+        self._exited: Pod | None = None
+
+    def look(self, state: SupervisorState, unfit_pod: str | None) -> Look:
+        pods = self.client.list_pods(name=self.config.pod_name)
+        self._running = [p for p in pods if p.desired_status == "RUNNING"]
+        self._exited = next((p for p in pods if p.desired_status == "EXITED"), None)
+        hourly = sum(_price(p, self.config) for p in self._running)
+        if self._running:
+            return Look(f"pod {self._running[0].id} is RUNNING", "", hourly)
+        unfit = self._exited is not None and self._exited.id == unfit_pod
+        return Look(None, UNFIT if unfit else "EXITED" if self._exited else "gone", hourly, unfit)
+
+    def stop(self, why: str) -> list[str]:
+        for pod in self._running:
+            self.client.stop_pod(pod.id)
+        return [f"stopped pod {pod.id}: {why}" for pod in self._running]
+
+    def bring_back(self, replace: bool) -> str:
+        pod, action = bring_back(self.client, self.config, self._exited, replace=replace)
+        return f"{action} pod {pod.id}"
+
+
+class ClusterUnit:
+    """The cluster `<run>-<workload>`: whole, coming up, or down and then deleted and created again."""
+
+    noun = "cluster"
+
+    def __init__(self, client: RunPodClient, config: DeployConfig):
+        self.client, self.config = client, config
+        self._seen = clusters.ClusterLook(None, [], "gone")
+
+    def look(self, state: SupervisorState, unfit_pod: str | None) -> Look:
+        seen = self._seen = clusters.look(self.client, self.config, state.whole_cluster)
+        hourly = sum(_price(node, self.config) for node in seen.running)
+        if seen.all_running:
+            state.whole_cluster = seen.cluster.id  # from now on a missing node means a lost node
+        unfit_node = next((n for n in seen.nodes if n.id == unfit_pod), None)
+        if unfit_node is not None:
+            return Look(None, f"node {clusters.node_label(unfit_node)} {UNFIT}", hourly, unfit=True)
+        if seen.cluster is None:
+            return Look(
+                None, "gone" + (" after a node's exit 4" if unfit_pod else ""), hourly, bool(unfit_pod)
+            )
+        if seen.broken:
+            return Look(None, seen.broken, hourly)
+        count = seen.cluster.node_count
+        return Look(f"cluster {seen.cluster.id} has {len(seen.running)}/{count} nodes RUNNING", "", hourly)
+
+    def stop(self, why: str) -> list[str]:
+        if self._seen.cluster is None:
+            return []
+        clusters.delete(self.client, self._seen.cluster, why)
+        return [f"deleted cluster {self._seen.cluster.id} (every node): {why}"]
+
+    def bring_back(self, replace: bool) -> str:
+        new = clusters.recreate(self.client, self.config, self._seen)
+        old = f"deleted {self._seen.cluster.id} and " if self._seen.cluster is not None else ""
+        return f"{old}created cluster {new.id} ({self.config.nodes} nodes)"

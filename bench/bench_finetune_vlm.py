@@ -306,7 +306,7 @@ def report(
             "",
             f"Model: Qwen2-VL built here (tests/vlm_support.py): language model 4 layers x 256, vision tower 2 "
             f"blocks x 128, QLoRA (NF4 on CPU through bitsandbytes; vision tower and projector unquantized) r=8 on "
-            f"the language model's {n_targets} linear layers, fp32 compute, 2 threads; {ROWS} rendered strings in "
+            f"the language model's linear layers ({n_targets} names), fp32 compute, 2 threads; {ROWS} rendered strings in "
             f"{IMAGE_SIZE}x{IMAGE_SIZE} images (16 image tokens each), micro batch {MICRO_BATCH}, {steps} steps. "
             "Baseline: transformers' Trainer + peft QLoRA (the same unquantized modules and LoRA targets) with a "
             "collator of DataCollatorForSeq2Seq padding + concatenated pixels, fed trainpod's processed samples "

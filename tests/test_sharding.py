@@ -125,3 +125,21 @@ def test_a_checkpoint_of_another_model_shape_is_refused_before_anything_loads(gr
     shard_model(sharded.model.layers, loss, torch.device("cpu"), bf16=False)
     with pytest.raises(ValueError, match=r"is \[96, 64\] in the checkpoint and \[96, 32\] in this model"):
         load_full_into(sharded, adamw(sharded), weights, adamw(wider).state_dict(), aliases)
+
+
+def test_tied_weights_are_stored_once_and_overlapping_views_are_copied():
+    """What a safetensors file can hold: no two tensors share memory (train/state.py stored_once)."""
+    import safetensors.torch
+
+    from trainpod.train.state import stored_once
+
+    fused = torch.arange(12.0).reshape(3, 4)
+    embedding = torch.randn(5, 2)
+    state = {"embed": embedding, "head": embedding, "q": fused[:1], "kv": fused[1:], "t": fused.t()}
+    kept, aliases = stored_once(state)
+    assert aliases == {"head": "embed"}
+    assert kept["embed"].data_ptr() == embedding.data_ptr(), "not copied: the writer snapshots it"
+    assert kept["kv"].data_ptr() != fused.data_ptr() + 4 * 4, "a view into a kept tensor's memory is copied"
+    restored = safetensors.torch.load(safetensors.torch.save(kept))
+    for name, tensor in state.items():
+        assert torch.equal(restored[aliases.get(name, name)], tensor)

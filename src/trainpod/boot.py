@@ -20,12 +20,10 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
 import sys
-from pathlib import Path
 
 from trainpod import cost, workloads
 from trainpod.errors import ConfigError, ExitCode, InputError, TrainpodError, VolumeFull
@@ -135,8 +133,9 @@ def _preflight(workload: Workload, volume: Volume, environ: dict[str, str]):
     config = load_workload_config(workload, config_path, parse_overrides(environ.get("TRAINPOD_SET")))
     if workload.kind.rank_per_gpu:
         _check_gpu(config, environ)
-    if workload.name == "pretrain":
-        _check_gpu_memory(config, volume, environ)
+    check_gpu_memory = getattr(workload.module(), "check_gpu_memory", None)  # optional (workloads/__init__)
+    if check_gpu_memory is not None:
+        check_gpu_memory(config, volume, _gpu_count(environ) * int(environ.get("NUM_NODES") or 1))
     _check_free_space(workload.module().disk_estimate(config), volume)
     return config
 
@@ -151,26 +150,6 @@ def _check_gpu(config, environ: dict[str, str]) -> None:
         raise InputError(
             "train.precision=bf16 needs a GPU and none is visible; use a GPU pod or precision=auto"
         )
-
-
-def _check_gpu_memory(config, volume: Volume, environ: dict[str, str]) -> None:
-    """The estimated peak GPU memory (train/memory.py) is logged; on a GPU it must fit (exit 2 naming the knobs)."""
-    from trainpod.train.memory import check_fits
-    from trainpod.train.model import padded_vocab
-
-    vocab = config.model.vocab_size or padded_vocab(_dataset_vocab(config, volume) or 65536)
-    ranks = _gpu_count(environ) * int(environ.get("NUM_NODES") or 1)
-    check_fits(config, vocab, world_size=max(ranks, 1))
-
-
-def _dataset_vocab(config, volume: Volume) -> int | None:
-    """The tokenizer's vocabulary from the dataset's manifest, when the dataset is there already."""
-    name = config.data.dataset
-    manifest = (Path(name) if os.path.isabs(name) else volume.dataset(name)) / "manifest.json"
-    try:
-        return int(json.loads(manifest.read_text())["tokenizer"]["vocab_size"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None  # missing or unreadable: the workload's own preflight reports it
 
 
 def _check_free_space(needed: int | None, volume: Volume) -> None:

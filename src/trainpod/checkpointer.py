@@ -44,7 +44,7 @@ from trainpod.checkpoint import CheckpointStore, CommittedCheckpoint, Lease
 from trainpod.checkpoint.writer import CheckpointWriter
 from trainpod.errors import ExitCode, InputError, TemporaryError
 from trainpod.preemption import PreemptionWatch
-from trainpod.train.state import capture_rng, restore_rng
+from trainpod.train.state import capture_rng, restore_rng, stored_once
 
 log = logging.getLogger(__name__)
 
@@ -262,31 +262,11 @@ def _state_file(name: str, state: Any) -> tuple[str, Any]:
     if isinstance(state, torch.nn.Module):
         state = state.state_dict()
     if isinstance(state, Mapping) and state and all(isinstance(v, torch.Tensor) for v in state.values()):
-        tensors, aliases = _stored_once(state)
+        tensors, aliases = stored_once(state)
+        tensors = {key: tensor.to("cpu") for key, tensor in tensors.items()}
         return f"{name}.safetensors", safetensors.torch.save(
             tensors, metadata={ALIASES_KEY: json.dumps(aliases)}
         )
     if hasattr(state, "state_dict"):
         state = state.state_dict()
     return f"{name}.pt", state
-
-
-def _stored_once(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Tied tensors (same memory, shape and strides) stored once; views that only overlap are copied."""
-    stored: dict[str, torch.Tensor] = {}
-    seen: dict[tuple, str] = {}
-    aliases: dict[str, str] = {}
-    storages: set[int] = set()
-    for name, tensor in state.items():
-        tensor = tensor.detach()
-        key = (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
-        if key in seen:
-            aliases[name] = seen[key]
-            continue
-        seen[key] = name
-        storage = tensor.untyped_storage().data_ptr()
-        shared = storage in storages
-        storages.add(storage)
-        tensor = tensor.to("cpu")
-        stored[name] = tensor.clone() if shared or not tensor.is_contiguous() else tensor
-    return stored, aliases

@@ -144,7 +144,9 @@ def size_pretrain(config: PretrainConfig, gpu_count: int, volume: Volume | None)
     from trainpod.train.model import flops_per_token, llama_config, padded_vocab, parameter_count
 
     t, notes = config.train, []
-    vocab = config.model.vocab_size or _dataset_vocab(config, volume)
+    from trainpod.data.datagen import dataset_vocab
+
+    vocab = config.model.vocab_size or (dataset_vocab(config.data.dataset, volume) if volume else None)
     if vocab is None:
         vocab = 32768
         notes.append("vocabulary assumed 32768 (set model.vocab_size, or have the dataset on the volume)")
@@ -333,15 +335,6 @@ def _steps_for_epochs(
         f"{samples:,} samples counted, {train_samples:,.0f} train one row each (packing fits more per row)"
     )
     return max(math.ceil(config.train.epochs * train_samples / rows_per_step), 1)
-
-
-def _dataset_vocab(config: PretrainConfig, volume: Volume | None) -> int | None:
-    if volume is None:
-        return None
-    manifest = volume.root / "datasets" / config.data.dataset / "manifest.json"
-    if not manifest.is_file():
-        return None
-    return int(json.loads(manifest.read_text())["tokenizer"]["vocab_size"])
 
 
 # -------------------------------------------------------------------------------- estimate

@@ -308,6 +308,16 @@ def dataset_shards(dataset_dir: Path, manifest: dict, split: str) -> list[Path]:
     ]
 
 
+def dataset_vocab(name: str, volume: Volume) -> int | None:
+    """The tokenizer's vocabulary in dataset `name`'s manifest (a folder under the volume's datasets/,
+    or an absolute path), or None while it is missing or unreadable (its workload's preflight says so)."""
+    folder = Path(name) if os.path.isabs(name) else volume.dataset(name)
+    try:
+        return int(json.loads((folder / MANIFEST_FILE).read_text())["tokenizer"]["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def load_dataset_manifest(dataset_dir: Path) -> dict:
     """The manifest of a complete dataset (schema: `_manifest`), every listed shard present.
 

@@ -7,6 +7,7 @@ plain lists so that `torch.load(weights_only=True)` restores them: nothing is un
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -58,22 +59,41 @@ def seed_rng(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def unique_weights(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """The model's weights (live tensors) for a safetensors file, each shared (tied) tensor once.
+def stored_once(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Each tensor of `state` once, for a safetensors file (which refuses shared memory).
 
-    Returns the tensors by name and the names left out because they alias a kept tensor.
+    Tied tensors (the same memory, shape, strides and dtype, e.g. an embedding and its output head)
+    are kept once, under their first name; views that only overlap a kept tensor, and non-contiguous
+    ones, are copied. The rest stay the live tensors (the writer snapshots them). Returns the tensors
+    by name and the aliases left out, each naming the tensor it is.
     """
     kept: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
-    aliases = []
-    for name, tensor in model.state_dict().items():
-        key = tensor.untyped_storage().data_ptr()
-        if key in seen:
-            aliases.append(name)
+    first_name: dict[tuple, str] = {}
+    aliases: dict[str, str] = {}
+    storages: set[int] = set()
+    for name, tensor in state.items():
+        tensor = tensor.detach()
+        key = (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
+        if key in first_name:
+            aliases[name] = first_name[key]
             continue
-        seen.add(key)
-        kept[name] = tensor.detach()
+        first_name[key] = name
+        storage = tensor.untyped_storage().data_ptr()
+        shared = storage in storages
+        storages.add(storage)
+        kept[name] = (
+            tensor.clone(memory_format=torch.contiguous_format)
+            if shared or not tensor.is_contiguous()
+            else tensor
+        )
     return kept, aliases
+
+
+def unique_weights(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """The model's weights for a safetensors file, tied ones once (`stored_once`), and the names left
+    out because they alias a kept tensor."""
+    kept, aliases = stored_once(model.state_dict())
+    return kept, list(aliases)
 
 
 def load_weights(model: torch.nn.Module, data: bytes, aliases: list[str]) -> None:

@@ -55,6 +55,9 @@ class WorkloadModule(Protocol):
     def disk_estimate(self, config: Any) -> int | None:
         """Bytes the workload will need on the volume (boot refuses to start when they are not free)."""
 
+    # Optional: `check_gpu_memory(config, volume, gpus)`, which boot calls before starting the ranks, to
+    # refuse (exit 2) a config whose estimated peak GPU memory cannot fit (pretrain has one).
+
 
 @dataclass(frozen=True)
 class Workload:

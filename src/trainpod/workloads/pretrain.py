@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from trainpod.config.pretrain import PretrainConfig
 from trainpod.context import RunContext
-from trainpod.data.datagen import dataset_shards, load_dataset_manifest
+from trainpod.data.datagen import dataset_shards, dataset_vocab, load_dataset_manifest
 from trainpod.data.shards import open_shard
 from trainpod.errors import InputError
 from trainpod.train import distributed as D
@@ -57,6 +57,7 @@ from trainpod.train.sharding import (
 )
 from trainpod.train.state import load_optimizer_state, load_weights, unique_weights
 from trainpod.train.trainer import StepResult, Trainer, train_and_export
+from trainpod.volume import Volume
 
 log = logging.getLogger(__name__)
 
@@ -289,6 +290,13 @@ def preflight(ctx: RunContext, config: PretrainConfig) -> None:
     manifest = load_dataset_manifest(ctx.resolve_dataset(config.data.dataset))
     vocab = config.model.vocab_size or padded_vocab(manifest["tokenizer"]["vocab_size"])
     check_fits(config, vocab, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+
+
+def check_gpu_memory(config: PretrainConfig, volume: Volume, gpus: int) -> None:
+    """At boot, before the ranks start: the estimated peak GPU memory (train/memory.py) on `gpus` ranks
+    is logged and, on a GPU, must fit it (exit 2 naming the knobs)."""
+    vocab = config.model.vocab_size or padded_vocab(dataset_vocab(config.data.dataset, volume) or 65536)
+    check_fits(config, vocab, world_size=max(gpus, 1))
 
 
 def run(ctx: RunContext, config: PretrainConfig) -> dict[str, Any]:

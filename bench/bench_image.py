@@ -7,17 +7,19 @@ wheelhouse, offline `cpu` build, the stand-in cuda build), then measures:
 - the `cpu` image's size (`docker image inspect`), target <= 1.8 GB;
 - each cuda flavour's size, ESTIMATED (no CUDA wheel can be installed here): the stand-in cuda image
   (the cuda target built with CPU torch, tests/container/test_cuda_stand_in.py), minus the CPU torch
-  it holds (measured in it), plus the CUDA wheels' file sizes read from the index (the URLs of
-  `pip install --dry-run --report`, their Content-Length) times the unpack ratio of one CUDA library
-  wheel (measured), plus the nvidia/cuda base's extra over the local Debian base (published size). Where the
-  index cannot be read from here (PyTorch's cu128 index; a pin missing from the reachable PyPI), the
-  row says which stand-in size it used. Target <= 7 GB per flavour;
+  it holds (measured in it), plus what each CUDA wheel installs (the sum of its files' sizes, read
+  from the wheel's own zip directory with HTTP range requests on the index's URL from
+  `pip install --dry-run --report`: a few hundred KB per wheel, nothing installed), plus the
+  nvidia/cuda base's extra over the local Debian base (published size). Where the index cannot be
+  read from here (PyTorch's cu128 index; a pin missing from the reachable PyPI), the row says which
+  stand-in size it used. Target <= 7 GB per flavour;
 - cold start with `train.compile=true`: `docker run` to the first logged optimizer step on the tiny
   config, and to the first resumed step after a `docker stop -t 5` (Inductor's cache then on the volume).
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -26,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 import urllib.request
 import zipfile
 from pathlib import Path
@@ -35,7 +38,6 @@ sys.path.insert(0, str(REPO / "tests" / "container"))
 
 from engine import (  # noqa: E402
     BASE_IMAGE,
-    CACHE,
     CPU_IMAGE,
     CUDA_STAND_IN_IMAGE,
     build_cuda_stand_in,
@@ -109,17 +111,57 @@ def components(item: dict) -> list[str]:
     return list(dict.fromkeys(pins))  # extras share components (cusolver needs cublas): each once
 
 
-def file_size(url: str) -> int:
-    """The index's size of one file: Content-Length of a HEAD request (nothing is downloaded)."""
-    context = ssl.create_default_context(cafile=os.environ.get("PIP_CERT") or None)
-    request = urllib.request.Request(url, method="HEAD")
-    with urllib.request.urlopen(request, timeout=60, context=context) as response:  # noqa: S310 - the index
-        return int(response.headers["Content-Length"])
+class RemoteFile(io.RawIOBase):
+    """A file on the index read by HTTP range requests: enough for zipfile to read a wheel's directory
+    (the end of the file) without downloading the rest."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self._context = ssl.create_default_context(cafile=os.environ.get("PIP_CERT") or None)
+        self.size = int(self._open("HEAD").headers["Content-Length"])
+        self.position = 0
+
+    def _open(self, method: str = "GET", first: int | None = None, last: int | None = None):
+        request = urllib.request.Request(self.url, method=method)
+        if first is not None:
+            request.add_header("Range", f"bytes={first}-{last}")
+        return urllib.request.urlopen(request, timeout=60, context=self._context)  # noqa: S310 - the index
+
+    def seekable(self) -> bool:
+        return True
+
+    def readable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        self.position = {io.SEEK_SET: 0, io.SEEK_CUR: self.position, io.SEEK_END: self.size}[whence] + offset
+        return self.position
+
+    def tell(self) -> int:
+        return self.position
+
+    def readinto(self, buffer) -> int:
+        count = min(len(buffer), self.size - self.position)
+        if count <= 0:
+            return 0
+        with self._open("GET", self.position, self.position + count - 1) as response:
+            data = response.read()
+        buffer[: len(data)] = data
+        self.position += len(data)
+        return len(data)
+
+
+def installed_bytes(url: str) -> int:
+    """What a wheel on the index installs: the sum of its files' uncompressed sizes (its zip directory)."""
+    local = urllib.parse.urlparse(url)
+    source = urllib.request.url2pathname(local.path) if local.scheme == "file" else RemoteFile(url)
+    with zipfile.ZipFile(source) as wheel:
+        return sum(info.file_size for info in wheel.infolist())
 
 
 def cuda_wheel_bytes(pins: list[str], notes: list[str]) -> int:
-    """Compressed size of every CUDA wheel of `pins`, from the index's file sizes; a pin the index
-    reachable here lacks is sized by the newest release of that package it has, and noted."""
+    """Installed size of every CUDA wheel of `pins` (`installed_bytes`); a pin the index reachable here
+    lacks is sized by the newest release of that package it has, and noted."""
     total = 0
     for pin in pins:
         item = resolve(pin)
@@ -134,26 +176,8 @@ def cuda_wheel_bytes(pins: list[str], notes: list[str]) -> int:
             )
         if item["metadata"].get("requires_dist") and item.get("requested_extras"):
             total += cuda_wheel_bytes(components(item), notes)
-        total += file_size(item["download_info"]["url"])
+        total += installed_bytes(item["download_info"]["url"])
     return total
-
-
-def unpack_ratio() -> float:
-    """Installed / compressed bytes of one CUDA library wheel, downloaded once (88 MB, cached):
-    nvidia-cuda-nvrtc-cu12, a wheel of compiled CUDA code like the others (2.5 when measured)."""
-    out = CACHE / "measure"
-    out.mkdir(parents=True, exist_ok=True)
-    wheels = list(out.glob("nvidia_cuda_nvrtc_cu12-*.whl"))
-    if not wheels:
-        subprocess.run(
-            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "-d", str(out),
-             *[arg for p in PLATFORMS for arg in ("--platform", p)], "--platform", "manylinux_2_12_x86_64",
-             "--python-version", "3.12", "--implementation", "cp", "nvidia-cuda-nvrtc-cu12==12.8.93"],
-            check=True, capture_output=True, timeout=600,
-        )  # fmt: skip
-        wheels = list(out.glob("nvidia_cuda_nvrtc_cu12-*.whl"))
-    with zipfile.ZipFile(wheels[0]) as zf:
-        return sum(i.file_size for i in zf.infolist()) / wheels[0].stat().st_size
 
 
 def torch_in_image_bytes(image: str) -> int:
@@ -166,29 +190,25 @@ def cuda_estimates() -> tuple[float, dict[str, float], list[str]]:
     stand_in = image_size_bytes(build_cuda_stand_in())
     cpu_torch = torch_in_image_bytes(CUDA_STAND_IN_IMAGE)
     local_base = image_size_bytes(BASE_IMAGE)
-    ratio = unpack_ratio()
     notes = [
         f"stand-in cuda image (measured): {stand_in / GB:.2f} GB, of which CPU torch {cpu_torch / GB:.2f} GB "
         f"and the local Debian base {local_base / GB:.2f} GB",
-        f"unpack ratio of a CUDA library wheel (nvidia-cuda-nvrtc-cu12, measured): {ratio:.2f}, applied to every "
-        f"CUDA wheel (torch's own included); nvidia/cuda base (published, est.): "
-        f"{CUDA_BASE_GB:.2f} GB",
+        "CUDA wheels: what each installs, the sum of its files' sizes from its own zip directory (read by "
+        f"range requests on the index); nvidia/cuda base (published, est.): {CUDA_BASE_GB:.2f} GB",
     ]
     estimates = {}
     torch_cu130 = None
     for flavour, pins in (("cu130", CU130_PINS), ("cu128", CU128_PINS)):
         wheels = cuda_wheel_bytes(pins, notes)
         if flavour == "cu130":
-            torch_cu130 = file_size(resolve("torch==2.13.0")["download_info"]["url"])
+            torch_cu130 = installed_bytes(resolve("torch==2.13.0")["download_info"]["url"])
         else:  # PyTorch's cu128 index is not reachable here: its torch wheel sized as PyPI's cu130 one
             wheels += torch_cu130
             notes.append(
                 "torch 2.13.0+cu128 (PyTorch's index, unreachable here): sized as PyPI's cu130 wheel"
             )
-        estimates[flavour] = (stand_in - cpu_torch - local_base + wheels * ratio) / GB + CUDA_BASE_GB
-        notes.append(
-            f"{flavour}: CUDA wheels on the index {wheels / GB:.2f} GB compressed, x{ratio:.2f} unpacked"
-        )
+        estimates[flavour] = (stand_in - cpu_torch - local_base + wheels) / GB + CUDA_BASE_GB
+        notes.append(f"{flavour}: CUDA wheels (torch's own included) install {wheels / GB:.2f} GB")
     return stand_in / GB, estimates, notes
 
 

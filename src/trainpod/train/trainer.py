@@ -39,7 +39,7 @@ from trainpod.diskspace import check_headroom, is_disk_full, volume_full, volume
 from trainpod.errors import BudgetExhausted, InputError, Preempted, TemporaryError, VolumeFull
 from trainpod.train import distributed as D
 from trainpod.train.reporting import RunReporter, peak_flops
-from trainpod.train.sharding import SHARDED_DIR, ShardWriter
+from trainpod.train.sharding import SHARDED_DIR, ShardWriter, set_gradient_sync
 from trainpod.train.state import capture_rng, restore_rng, seed_rng
 
 log = logging.getLogger(__name__)
@@ -76,6 +76,8 @@ class Trainer:
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
+    loss_module: torch.nn.Module  # what a step runs: the model with its loss (sharded in place under FSDP)
+    parallel = "ddp"  # or "fsdp" (train/sharding.py), set by the workload from train.parallel
     flops_per_token: float | None = None  # for MFU; None where it is not meaningful
     improvement_threshold = 0.0  # an eval counts as better only if it beats the best by more than this
     # What early stopping and best-k retention rank by, lower is better: eval_loss, or a metric the
@@ -328,6 +330,17 @@ class Trainer:
             "steps_per_s": steps / seconds if seconds > 0 else None,
             "cost_usd": self.reporter.cost(self.progress.elapsed_s),
         }
+
+    def _gradient_sync(
+        self, model: torch.nn.Module, last_micro_batch: bool
+    ) -> contextlib.AbstractContextManager:
+        """Reduce gradients across ranks only after the step's last micro-batch (`model`: the wrapped one)."""
+        if self.parallel == "fsdp":
+            set_gradient_sync(self.loss_module, last_micro_batch)
+            return contextlib.nullcontext()
+        if last_micro_batch or not self.dist.distributed:
+            return contextlib.nullcontext()
+        return model.no_sync()
 
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:

@@ -49,7 +49,6 @@ from trainpod.train.sharding import (
     local_value,
     require_process_group,
     resolve_parallel,
-    set_gradient_sync,
     shard_model,
     sharded_state,
 )
@@ -418,17 +417,6 @@ class Finetuner(Trainer):
         # This rank's own mean, for the log (ranks are averaged there).
         rank_mean = total * global_items / max(local_items, 1)
         return StepResult(rank_mean, local_value(grad_norm), real_tokens)
-
-    def _gradient_sync(
-        self, model: torch.nn.Module, last_micro_batch: bool
-    ) -> contextlib.AbstractContextManager:
-        """Reduce gradients across ranks only after the step's last micro-batch."""
-        if self.parallel == "fsdp":
-            set_gradient_sync(self.loss_module, last_micro_batch)
-            return contextlib.nullcontext()
-        if last_micro_batch or not self.dist.distributed:
-            return contextlib.nullcontext()
-        return model.no_sync()
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.autocast_dtype is None:

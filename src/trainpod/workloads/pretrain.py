@@ -51,7 +51,6 @@ from trainpod.train.sharding import (
     local_value,
     require_process_group,
     resolve_parallel,
-    set_gradient_sync,
     shard_model,
     sharded_state,
 )
@@ -217,17 +216,6 @@ class Pretrainer(Trainer):
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return StepResult(total, local_value(grad_norm), accumulation * t.micro_batch_size * t.seq_len)
-
-    def _gradient_sync(
-        self, model: torch.nn.Module, last_micro_batch: bool
-    ) -> contextlib.AbstractContextManager:
-        """Reduce gradients across ranks only after the step's last micro-batch."""
-        if self.parallel == "fsdp":
-            set_gradient_sync(self.loss_module, last_micro_batch)
-            return contextlib.nullcontext()
-        if last_micro_batch or not self.dist.distributed:
-            return contextlib.nullcontext()
-        return model.no_sync()
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.autocast_dtype is None:

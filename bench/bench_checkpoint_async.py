@@ -34,7 +34,9 @@ from trainpod.volume import Volume  # noqa: E402
 from trainpod.workloads.pretrain import Pretrainer  # noqa: E402
 
 TARGET = 0.97
-EVERY = 30  # steps between commits: a sync commit costs 10-20% of them on an idle 2-core machine (the table says)
+EVERY = (
+    30  # steps between commits: a sync commit costs 10-20% of them on an idle 2-core machine (the table says)
+)
 MODEL = [
     "model.hidden_size=384",
     "model.num_layers=2",

@@ -9,16 +9,20 @@ tower 2 blocks x 128), rendered strings in 112x112 images (16 image tokens each)
    same LoRA targets): trainpod vs a Trainer fed trainpod's processed batches in trainpod's order; tokens/s
    of real tokens; target >= 1.0x. trainpod's loop makes each batch's pixels inside its timing; the
    baseline's were made before it starts (which favours the baseline).
-2. Generation eval: one eval interval of the shipped config (configs/finetune/qwen3-vl-2b-qlora-ocr.yaml:
-   its micro batch, accumulation, gradient checkpointing, eval_every, eval_batches, generation samples and
-   max_new_tokens, read from the file) on this model, every answer forced to max_new_tokens (the most the
-   setting allows): seconds of generation against seconds of training.
+2. Generation eval's share of training time at the shipped config's settings
+   (configs/finetune/qwen3-vl-2b-qlora-ocr.yaml: micro batch, accumulation, gradient checkpointing,
+   eval_every, every_evals, max_samples, max_new_tokens, max_steps, read from the file), by parts: a
+   training step's seconds (median after a warm-up step) and a greedy answer's seconds through the
+   workload's own generation eval, each answer forced to max_new_tokens and, apart, to the length the
+   longest OCR reference needs; scaled linearly to the whole run:
+   share = (generation evals x samples x seconds per answer) / (max_steps x seconds per step).
 """
 
 from __future__ import annotations
 
 import argparse
 import shutil
+import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -48,6 +52,7 @@ from trainpod.config.finetune_vlm import VlmFinetuneConfig  # noqa: E402
 from trainpod.sft.vision import VisionBatches, VisionProcessor, load_vision, vision_key  # noqa: E402
 from trainpod.train.distributed import init_distributed  # noqa: E402
 from trainpod.train.lora import peft_lora_config  # noqa: E402
+from trainpod.workloads.finetune import answer_span  # noqa: E402
 from trainpod.workloads.finetune_vlm import PROJECTORS, VISION_TOWERS, VlmFinetuner  # noqa: E402
 
 from vlm_support import OCR_FILE, VLM_BASE, make_tiny_vlm, write_ocr_jsonl  # noqa: E402
@@ -182,89 +187,122 @@ def compare(volume: Path, steps: int, pairs: int, targets: list[str]) -> dict[st
 
 
 # ----------------------------------------------------------------------------- generation eval share
-def shipped_eval_settings(steps: int) -> list[str]:
-    """The shipped 2B config's batch, checkpointing and eval settings as overrides, for `steps` steps."""
-    shipped = load_config(VlmFinetuneConfig, SHIPPED, [])
-    t, gen = shipped.train, shipped.generation_eval
+QUICK_TOKENS = 32  # --quick's forced answer length: a 256-token answer alone takes ~45 s on this CPU
+WARM_STEPS = 1  # the first step builds the optimizer's state and the autograd graph's caches: not timed
+
+
+def shipped_settings(steps: int) -> list[str]:
+    """The shipped 2B config's batch and checkpointing settings as overrides, for `steps` steps and no eval
+    inside them (the answers are timed apart, after the steps)."""
+    t = load_config(VlmFinetuneConfig, SHIPPED, []).train
     return [
         f"train.max_steps={steps}",
         f"train.micro_batch_size={t.micro_batch_size}",
         f"train.grad_accum_steps={t.grad_accum_steps}",
         f"train.gradient_checkpointing={str(t.gradient_checkpointing).lower()}",
-        f"train.eval_every={min(t.eval_every, steps)}",  # --quick: one eval in its fewer steps
-        f"train.eval_batches={t.eval_batches}",
         f"train.lr={t.lr}",
-        f"train.early_stopping_metric={t.early_stopping_metric}",
-        f"generation_eval.every_evals={gen.every_evals}",
-        f"generation_eval.max_samples={gen.max_samples}",
-        f"generation_eval.max_new_tokens={gen.max_new_tokens}",
-        f"checkpoint.every_steps={shipped.checkpoint.every_steps}",
-        "data.val_ratio=0.25",  # ~100 validation samples: the shipped max_samples (64) all exist
+        f"train.eval_every={t.eval_every}",  # more than `steps`: no eval within the timed steps
+        "train.early_stopping_metric=cer",
+        "generation_eval.every_evals=1",
+        "data.val_ratio=0.25",  # ~100 validation samples: as many as the shipped max_samples (64) exist
     ]
 
 
-class TimedVlmFinetuner(VlmFinetuner):
-    """The finetune-vlm trainer with its eval and generation time and its generated tokens counted."""
+class StepTimedVlmFinetuner(VlmFinetuner):
+    """The finetune-vlm trainer with each optimizer step's seconds kept (its micro batches and accumulation,
+    the pixels made inside it) and each generation eval's seconds and generated tokens."""
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        self.eval_seconds = self.generation_seconds = 0.0
-        self.generated_tokens = self.generated_answers = 0
-        self.prompt_tokens = 0
+        self.step_seconds: list[float] = []
+        self.generated_tokens = 0
 
-    def evaluate(self, model: torch.nn.Module, step: int) -> float:
+    def train_step(self, model: torch.nn.Module, step: int):
         started = time.perf_counter()
-        try:
-            return super().evaluate(model, step)
-        finally:
-            self.eval_seconds += time.perf_counter() - started
+        result = super().train_step(model, step)
+        self.step_seconds.append(time.perf_counter() - started)
+        return result
 
-    def _generation_eval(self, step: int) -> None:
+    def timed_generation_eval(self, samples: int, new_tokens: int) -> tuple[float, int]:
+        """(seconds, tokens generated) of the workload's own generation eval (`_generation_eval`: prompts,
+        greedy answers, scores, predictions file) on `samples` validation samples, each answer forced to
+        `new_tokens` tokens: its end-of-sequence is suppressed until then (min_new_tokens)."""
+        gen = self.cfg.generation_eval.model_copy(
+            update={"max_samples": samples, "max_new_tokens": new_tokens}
+        )
+        self.cfg = self.cfg.model_copy(update={"generation_eval": gen})
+        self.model.eval()  # as evaluate() leaves it: no dropout, and the KV cache on under checkpointing
+        self.model.get_base_model().generation_config.min_new_tokens = new_tokens
+        tokens_before = self.generated_tokens
         started = time.perf_counter()
-        super()._generation_eval(step)
-        self.generation_seconds += time.perf_counter() - started
+        self._generation_eval(self.max_steps)
+        return time.perf_counter() - started, self.generated_tokens - tokens_before
 
-    def generation_prompts(self, limit: int) -> list:
-        prompts = super().generation_prompts(limit)
-        self.prompt_tokens += sum(p.inputs["input_ids"].shape[1] for p in prompts)
-        return prompts
+    def count_generated(self) -> None:
+        generate = self.model.generate
 
+        def counted(**inputs: Any) -> torch.Tensor:
+            output = generate(**inputs)
+            self.generated_tokens += output.shape[1] - inputs["input_ids"].shape[1]
+            return output
 
-def force_full_answers(trainer: TimedVlmFinetuner) -> None:
-    """Every answer runs to max_new_tokens (end-of-sequence suppressed until then), and is counted."""
-    model = trainer.model
-    model.get_base_model().generation_config.min_new_tokens = trainer.cfg.generation_eval.max_new_tokens
-    generate = model.generate
+        self.model.generate = counted
 
-    def counted(**inputs: Any) -> torch.Tensor:
-        output = generate(**inputs)
-        trainer.generated_tokens += output.shape[1] - inputs["input_ids"].shape[1]
-        trainer.generated_answers += 1
-        return output
-
-    model.generate = counted
+    def answer_tokens_needed(self, samples: int) -> int:
+        """The longest answer, end-of-turn token included, among the first `samples` validation samples: the
+        most new tokens the references need (the shortest max_new_tokens that can score them exactly)."""
+        return max(
+            end - start for start, end in (answer_span(self.data.val[i].labels) for i in range(samples))
+        )
 
 
-def generation_share(volume: Path, steps: int) -> dict[str, float]:
-    """Seconds of training, of the loss eval and of generation over `steps` steps at the shipped settings."""
-    cfg = bench_config(steps, shipped_eval_settings(steps))
-    trainer = TimedVlmFinetuner(fresh_run_context(volume, RUN), cfg, init_distributed())
-    force_full_answers(trainer)
-    seconds, tokens, _ = timed_loop(trainer)
-    train_seconds = seconds - trainer.eval_seconds
+def generation_share(volume: Path, quick: bool) -> dict[str, Any]:
+    """Seconds per training step and per greedy answer at the shipped settings, measured on this model, for
+    `scale_to_shipped_run`. --quick (a smoke run) forces its answer to QUICK_TOKENS, not max_new_tokens."""
+    steps, answers = (WARM_STEPS + 2, 1) if quick else (WARM_STEPS + 8, 4)
+    cfg = bench_config(steps, shipped_settings(steps))
+    trainer = StepTimedVlmFinetuner(fresh_run_context(volume, RUN), cfg, init_distributed())
+    timed_loop(trainer)
+    trainer.count_generated()
+    shipped_gen = load_config(VlmFinetuneConfig, SHIPPED, []).generation_eval
+    samples = min(shipped_gen.max_samples, len(trainer.data.val))
+    needed = trainer.answer_tokens_needed(samples)
+    forced = min(QUICK_TOKENS, shipped_gen.max_new_tokens) if quick else shipped_gen.max_new_tokens
+    trainer.timed_generation_eval(1, 4)  # warm-up: the first generate() call builds its caches
+    forced_s, forced_tokens = trainer.timed_generation_eval(answers, forced)
+    needed_s, needed_tokens = trainer.timed_generation_eval(answers, needed)
+    timed_steps = trainer.step_seconds[WARM_STEPS:]
     return {
-        "steps": steps,
-        "loop_s": seconds,
-        "train_s": train_seconds,
-        "train_tokens": tokens,
-        "loss_eval_s": trainer.eval_seconds - trainer.generation_seconds,
-        "generation_s": trainer.generation_seconds,
-        "answers": trainer.generated_answers,
-        "generated_tokens": trainer.generated_tokens,
-        "prompt_tokens": trainer.prompt_tokens,
-        "share": trainer.generation_seconds / train_seconds,
-        "per_generated_token_ms": 1000 * trainer.generation_seconds / max(trainer.generated_tokens, 1),
-        "per_train_token_ms": 1000 * train_seconds / tokens,
+        "timed_steps": len(timed_steps),
+        "step_s": statistics.median(timed_steps),
+        "step_range": (min(timed_steps), max(timed_steps)),
+        "answers": answers,
+        "forced_tokens": forced,
+        "forced_answer_s": forced_s / answers,
+        "forced_token_ms": 1000 * forced_s / forced_tokens,
+        "needed_tokens": needed,
+        "needed_answer_s": needed_s / answers,
+        "val_samples": samples,
+        "quick": quick,
+    }
+
+
+def scale_to_shipped_run(measured: dict[str, Any]) -> dict[str, float]:
+    """share = (generation evals x samples x seconds per answer) / (max_steps x seconds per step), with the
+    shipped config's counts: evals at every eval_every-th step, a generation eval at every every_evals-th."""
+    shipped = load_config(VlmFinetuneConfig, SHIPPED, [])
+    t, gen = shipped.train, shipped.generation_eval
+    generation_evals = (t.max_steps // t.eval_every) // gen.every_evals
+    train_s = t.max_steps * measured["step_s"]
+    forced_s = generation_evals * gen.max_samples * measured["forced_answer_s"]
+    needed_s = generation_evals * gen.max_samples * measured["needed_answer_s"]
+    return {
+        "generation_evals": generation_evals,
+        "train_s": train_s,
+        "forced_s": forced_s,
+        "needed_s": needed_s,
+        "forced_share": forced_s / train_s,
+        "needed_share": needed_s / train_s,
     }
 
 
@@ -274,32 +312,31 @@ def load_average() -> str:
         return " ".join(f.read().split()[:3])
 
 
-def run(workdir: Path, quick: bool = False) -> str:
+def run(workdir: Path, quick: bool = False, share_only: bool = False) -> str:
+    """The table of the speed pairs and the generation share's; `share_only`: the latter alone (seconds)."""
     volume = workdir / "finetune-vlm-volume"
     shutil.rmtree(volume, ignore_errors=True)
     volume.mkdir(parents=True)
     make_inputs(volume)
     torch.set_num_threads(2)
+    load_before = load_average()
+    share = generation_share(volume, quick)
+    load_between = load_average()
+    if share_only:
+        return share_report(share, (load_before, load_between))
     steps, pairs = (8, 2) if quick else (30, 4)
     prepare = build_trainer(volume, bench_config(1))  # prepares (and caches) the samples both sides read
     timed_loop(prepare)
     targets = sorted(prepare.model.peft_config["default"].target_modules)
-    load_before = load_average()
     speed = compare(volume, steps, pairs, targets)
     load_after = load_average()
-    interval = load_config(VlmFinetuneConfig, SHIPPED, []).train.eval_every
-    share = generation_share(volume, 10 if quick else interval)
-    load_end = load_average()
-    return report(speed, share, steps, pairs, len(targets), (load_before, load_after, load_end))
+    return speed_report(speed, steps, pairs, len(targets), (load_between, load_after)) + share_report(
+        share, (load_before, load_between)
+    )
 
 
-def report(
-    speed: dict[str, float], share: dict[str, float], steps: int, pairs: int, n_targets: int, loads: tuple
-) -> str:
-    shipped = load_config(VlmFinetuneConfig, SHIPPED, [])
-    t, gen = shipped.train, shipped.generation_eval
+def speed_report(speed: dict[str, float], steps: int, pairs: int, n_targets: int, loads: tuple) -> str:
     verdict = "pass" if speed["ratio"] >= TARGET else "FAIL"
-    per_eval = share["generation_s"] / max(share["answers"], 1) * gen.max_samples
     return "\n".join(
         [
             "## VLM finetune",
@@ -322,23 +359,46 @@ def report(
             f"| trainpod / baseline | {speed['ratio']:.2f}x | >= {TARGET}x | {verdict} |",
             f"| trainpod / baseline, median of the pair ratios | {speed['pair_ratio']:.2f}x | | |",
             "",
-            f"Generation eval at the shipped settings ({SHIPPED.relative_to(REPO)}: micro batch "
-            f"{t.micro_batch_size} x accumulation {t.grad_accum_steps}, gradient checkpointing, eval every "
-            f"{t.eval_every} steps with {t.eval_batches} loss batches, every {gen.every_evals} eval(s) greedy "
-            f"answers to {gen.max_samples} samples of up to {gen.max_new_tokens} new tokens): one eval interval "
-            f"({share['steps']} steps) of the model above, every answer forced to {gen.max_new_tokens} tokens; "
-            f"load average {loads[2]} at the end.",
+        ]
+    )
+
+
+def share_report(measured: dict[str, Any], loads: tuple) -> str:
+    shipped = load_config(VlmFinetuneConfig, SHIPPED, [])
+    t, gen = shipped.train, shipped.generation_eval
+    scaled = scale_to_shipped_run(measured)
+    m = measured
+    forced_is = (
+        "--quick: a smoke run, not max_new_tokens" if m["quick"] else "max_new_tokens, the most it allows"
+    )
+    return "\n".join(
+        [
+            f"Generation eval at the shipped settings ({SHIPPED.relative_to(REPO)}: {t.max_steps} steps of micro "
+            f"batch {t.micro_batch_size} x accumulation {t.grad_accum_steps} with gradient checkpointing "
+            f"{'on' if t.gradient_checkpointing else 'off'}; an eval every {t.eval_every} steps, a generation "
+            f"eval at every {gen.every_evals} of them: greedy answers to {gen.max_samples} samples of up to "
+            f"{gen.max_new_tokens} new tokens), by parts on the model above. Measured: the median of "
+            f"{m['timed_steps']} optimizer steps after {WARM_STEPS} warm-up step(s), and {m['answers']} answers "
+            "through the workload's own generation eval (VlmFinetuner._generation_eval: prompts, generate, "
+            "CER/WER, predictions file) after one warm-up answer, each answer forced to its length "
+            f"(min_new_tokens): once to {m['forced_tokens']} ({forced_is}), once to the {m['needed_tokens']} "
+            f"tokens the longest of the first {m['val_samples']} references needs (end-of-turn included). "
+            f"Scaled: share = (generation evals x samples x seconds per answer) / (max_steps x seconds per step) "
+            f"= ({scaled['generation_evals']} x {gen.max_samples} x answer) / ({t.max_steps} x step); commits, "
+            f"logging and the loss eval are in neither part. Load average {loads[0]} before, {loads[1]} after.",
             "",
-            "| metric | measured |",
-            "| --- | --- |",
-            f"| training, {share['steps']} steps (commits and logging included) | {share['train_s']:.1f} s "
-            f"({share['train_tokens']:,} real tokens, {share['per_train_token_ms']:.2f} ms each) |",
-            f"| loss eval ({t.eval_batches} batches) | {share['loss_eval_s']:.1f} s |",
-            f"| generation eval ({share['answers']} answers, {share['generated_tokens']:,} tokens after "
-            f"{share['prompt_tokens']:,} prompt tokens) | {share['generation_s']:.1f} s "
-            f"({share['per_generated_token_ms']:.2f} ms per generated token; {per_eval:.1f} s per eval of "
-            f"{gen.max_samples}) |",
-            f"| generation eval / training time | {share['share']:.0%} |",
+            "| part | measured | scaled to the shipped run |",
+            "| --- | --- | --- |",
+            f"| training step (median; {m['step_range'][0]:.2f}-{m['step_range'][1]:.2f} s) | {m['step_s']:.2f} s | {t.max_steps} steps: {scaled['train_s']:,.0f} s |",
+            f"| answer forced to {m['forced_tokens']} tokens | {m['forced_answer_s']:.2f} s "
+            f"({m['forced_token_ms']:.1f} ms per token) | {scaled['generation_evals']} x {gen.max_samples} "
+            f"answers: {scaled['forced_s']:,.0f} s |",
+            f"| answer forced to {m['needed_tokens']} tokens | {m['needed_answer_s']:.2f} s | "
+            f"{scaled['generation_evals']} x {gen.max_samples} answers: {scaled['needed_s']:,.0f} s |",
+            f"| generation eval / training, answers of {m['forced_tokens']} tokens | | "
+            f"{scaled['forced_share']:.0%} |",
+            f"| generation eval / training, answers of {m['needed_tokens']} tokens | | "
+            f"{scaled['needed_share']:.0%} |",
             "",
         ]
     )
@@ -347,6 +407,7 @@ def report(
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--share-only", action="store_true", help="the generation share alone")
     parser.add_argument("--workdir", default="bench-out")
     args = parser.parse_args()
-    print(run(Path(args.workdir), args.quick))
+    print(run(Path(args.workdir), args.quick, args.share_only))

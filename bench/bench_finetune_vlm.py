@@ -4,7 +4,7 @@ training time that evaluation by generation takes at the shipped 2B config's set
     python bench/run_all.py --only finetune_vlm      # or: python bench/bench_finetune_vlm.py [--quick]
 
 A small Qwen2-VL built here (tests/vlm_support.py at benchmark size: language model 4 layers x 256, vision
-tower 2 blocks x 128), rendered strings in 112x112 images (16 image tokens each), fp32 on CPU, 2 threads.
+tower 2 blocks x 128), rendered strings in 112x112 images (16 image tokens each), fp32 on CPU, 2 threads (1 for part 2).
 1. QLoRA (bitsandbytes NF4 on CPU, the vision tower and projector kept unquantized on both sides, the
    same LoRA targets): trainpod vs a Trainer fed trainpod's processed batches in trainpod's order; tokens/s
    of real tokens; target >= 1.0x. trainpod's loop makes each batch's pixels inside its timing; the
@@ -187,7 +187,27 @@ def compare(volume: Path, steps: int, pairs: int, targets: list[str]) -> dict[st
 
 
 # ----------------------------------------------------------------------------- generation eval share
-QUICK_TOKENS = 32  # --quick's forced answer length: a 256-token answer alone takes ~45 s on this CPU
+QUICK_TOKENS = 16  # --quick's forced answer length: a 256-token answer alone takes 10-45 s on this CPU
+# One thread for the share's parts: on this 2-core machine shared by three engineers (load 5-6), two threads
+# made every op wait at OpenMP's barrier for a descheduled thread, ~8 ms an op whatever its size (cProfile: a
+# layer norm of 2 x 40 x 64 floats 8-15 ms), a step of the tiny test VLM 8-10 s against 0.4-1.5 s at one.
+SHARE_THREADS = 1
+
+
+def work_clock() -> float:
+    """Seconds the work costs. CPU: this process's CPU time (one thread: what the step or the answer needs,
+    whatever else runs on the machine, while its wall time grew 3-5x with the other engineers' load). GPU:
+    wall time, the device's work done."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        return time.perf_counter()
+    return time.process_time()
+
+
+def clock_basis() -> str:
+    return "wall time" if torch.cuda.is_available() else "CPU time of the process (time.process_time)"
+
+
 WARM_STEPS = 1  # the first step builds the optimizer's state and the autograd graph's caches: not timed
 
 
@@ -195,7 +215,9 @@ def shipped_settings(steps: int) -> list[str]:
     """The shipped 2B config's batch and checkpointing settings as overrides, for `steps` steps and no eval
     inside them (the answers are timed apart, after the steps)."""
     t = load_config(VlmFinetuneConfig, SHIPPED, []).train
+    optimizer = [f"train.optimizer={t.optimizer}"] if torch.cuda.is_available() else []  # paged: CUDA only
     return [
+        *optimizer,
         f"train.max_steps={steps}",
         f"train.micro_batch_size={t.micro_batch_size}",
         f"train.grad_accum_steps={t.grad_accum_steps}",
@@ -214,17 +236,19 @@ class StepTimedVlmFinetuner(VlmFinetuner):
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        self.step_seconds: list[float] = []
+        self.step_seconds: list[float] = []  # work_clock's
+        self.step_wall_seconds: list[float] = []
         self.generated_tokens = 0
 
     def train_step(self, model: torch.nn.Module, step: int):
-        started = time.perf_counter()
+        started, wall = work_clock(), time.perf_counter()
         result = super().train_step(model, step)
-        self.step_seconds.append(time.perf_counter() - started)
+        self.step_seconds.append(work_clock() - started)
+        self.step_wall_seconds.append(time.perf_counter() - wall)
         return result
 
-    def timed_generation_eval(self, samples: int, new_tokens: int) -> tuple[float, int]:
-        """(seconds, tokens generated) of the workload's own generation eval (`_generation_eval`: prompts,
+    def timed_generation_eval(self, samples: int, new_tokens: int) -> tuple[float, float, int]:
+        """(work_clock seconds, wall seconds, tokens generated) of the workload's own generation eval (`_generation_eval`: prompts,
         greedy answers, scores, predictions file) on `samples` validation samples, each answer forced to
         `new_tokens` tokens: its end-of-sequence is suppressed until then (min_new_tokens)."""
         gen = self.cfg.generation_eval.model_copy(
@@ -234,9 +258,9 @@ class StepTimedVlmFinetuner(VlmFinetuner):
         self.model.eval()  # as evaluate() leaves it: no dropout, and the KV cache on under checkpointing
         self.model.get_base_model().generation_config.min_new_tokens = new_tokens
         tokens_before = self.generated_tokens
-        started = time.perf_counter()
+        started, wall = work_clock(), time.perf_counter()
         self._generation_eval(self.max_steps)
-        return time.perf_counter() - started, self.generated_tokens - tokens_before
+        return work_clock() - started, time.perf_counter() - wall, self.generated_tokens - tokens_before
 
     def count_generated(self) -> None:
         generate = self.model.generate
@@ -256,34 +280,45 @@ class StepTimedVlmFinetuner(VlmFinetuner):
         )
 
 
-def generation_share(volume: Path, quick: bool) -> dict[str, Any]:
-    """Seconds per training step and per greedy answer at the shipped settings, measured on this model, for
-    `scale_to_shipped_run`. --quick (a smoke run) forces its answer to QUICK_TOKENS, not max_new_tokens."""
-    steps, answers = (WARM_STEPS + 2, 1) if quick else (WARM_STEPS + 8, 4)
-    cfg = bench_config(steps, shipped_settings(steps))
-    trainer = StepTimedVlmFinetuner(fresh_run_context(volume, RUN), cfg, init_distributed())
+def generation_share(
+    volume: Path, timed_steps: int, answers: int, forced_tokens: int | None = None, extra: Sequence[str] = ()
+) -> dict[str, Any]:
+    """Seconds per training step and per greedy answer at the shipped settings, measured on the model at
+    volume/models/vlm, for `scale_to_shipped_run`: `timed_steps` steps after WARM_STEPS, `answers` answers
+    forced to `forced_tokens` (default: the shipped max_new_tokens) and as many forced to the tokens the
+    longest reference needs. `extra`: more config overrides (bench/gpu_finetune.py's GPU settings)."""
+    steps = WARM_STEPS + timed_steps
+    trainer = StepTimedVlmFinetuner(
+        fresh_run_context(volume, RUN),
+        bench_config(steps, [*shipped_settings(steps), *extra]),
+        init_distributed(),
+    )
     timed_loop(trainer)
     trainer.count_generated()
     shipped_gen = load_config(VlmFinetuneConfig, SHIPPED, []).generation_eval
     samples = min(shipped_gen.max_samples, len(trainer.data.val))
     needed = trainer.answer_tokens_needed(samples)
-    forced = min(QUICK_TOKENS, shipped_gen.max_new_tokens) if quick else shipped_gen.max_new_tokens
+    forced = forced_tokens or shipped_gen.max_new_tokens
     trainer.timed_generation_eval(1, 4)  # warm-up: the first generate() call builds its caches
-    forced_s, forced_tokens = trainer.timed_generation_eval(answers, forced)
-    needed_s, needed_tokens = trainer.timed_generation_eval(answers, needed)
-    timed_steps = trainer.step_seconds[WARM_STEPS:]
+    forced_s, forced_wall_s, forced_generated = trainer.timed_generation_eval(answers, forced)
+    needed_s, _, _ = trainer.timed_generation_eval(answers, needed)
+    step_seconds = trainer.step_seconds[WARM_STEPS:]
     return {
-        "timed_steps": len(timed_steps),
-        "step_s": statistics.median(timed_steps),
-        "step_range": (min(timed_steps), max(timed_steps)),
+        "basis": clock_basis(),
+        "timed_steps": len(step_seconds),
+        "step_s": statistics.median(step_seconds),
+        "step_range": (min(step_seconds), max(step_seconds)),
+        "step_wall_s": statistics.median(trainer.step_wall_seconds[WARM_STEPS:]),
         "answers": answers,
         "forced_tokens": forced,
         "forced_answer_s": forced_s / answers,
-        "forced_token_ms": 1000 * forced_s / forced_tokens,
+        "forced_answer_wall_s": forced_wall_s / answers,
+        "forced_token_ms": 1000 * forced_s / forced_generated,
         "needed_tokens": needed,
         "needed_answer_s": needed_s / answers,
         "val_samples": samples,
-        "quick": quick,
+        "forced_below_max": forced != shipped_gen.max_new_tokens,
+        "threads": torch.get_num_threads(),
     }
 
 
@@ -318,10 +353,11 @@ def run(workdir: Path, quick: bool = False, share_only: bool = False) -> str:
     shutil.rmtree(volume, ignore_errors=True)
     volume.mkdir(parents=True)
     make_inputs(volume)
-    torch.set_num_threads(2)
+    torch.set_num_threads(SHARE_THREADS)
     load_before = load_average()
-    share = generation_share(volume, quick)
+    share = generation_share(volume, 1, 1, QUICK_TOKENS) if quick else generation_share(volume, 8, 4)
     load_between = load_average()
+    torch.set_num_threads(2)
     if share_only:
         return share_report(share, (load_before, load_between))
     steps, pairs = (8, 2) if quick else (30, 4)
@@ -366,39 +402,41 @@ def speed_report(speed: dict[str, float], steps: int, pairs: int, n_targets: int
 def share_report(measured: dict[str, Any], loads: tuple) -> str:
     shipped = load_config(VlmFinetuneConfig, SHIPPED, [])
     t, gen = shipped.train, shipped.generation_eval
-    scaled = scale_to_shipped_run(measured)
-    m = measured
+    scaled, m = scale_to_shipped_run(measured), measured
     forced_is = (
-        "--quick: a smoke run, not max_new_tokens" if m["quick"] else "max_new_tokens, the most it allows"
+        "a smoke run, not max_new_tokens" if m["forced_below_max"] else "max_new_tokens, the most allowed"
     )
+    answers = f"{scaled['generation_evals']} x {gen.max_samples} answers"
     return "\n".join(
         [
             f"Generation eval at the shipped settings ({SHIPPED.relative_to(REPO)}: {t.max_steps} steps of micro "
-            f"batch {t.micro_batch_size} x accumulation {t.grad_accum_steps} with gradient checkpointing "
-            f"{'on' if t.gradient_checkpointing else 'off'}; an eval every {t.eval_every} steps, a generation "
-            f"eval at every {gen.every_evals} of them: greedy answers to {gen.max_samples} samples of up to "
-            f"{gen.max_new_tokens} new tokens), by parts on the model above. Measured: the median of "
-            f"{m['timed_steps']} optimizer steps after {WARM_STEPS} warm-up step(s), and {m['answers']} answers "
-            "through the workload's own generation eval (VlmFinetuner._generation_eval: prompts, generate, "
-            "CER/WER, predictions file) after one warm-up answer, each answer forced to its length "
-            f"(min_new_tokens): once to {m['forced_tokens']} ({forced_is}), once to the {m['needed_tokens']} "
-            f"tokens the longest of the first {m['val_samples']} references needs (end-of-turn included). "
-            f"Scaled: share = (generation evals x samples x seconds per answer) / (max_steps x seconds per step) "
-            f"= ({scaled['generation_evals']} x {gen.max_samples} x answer) / ({t.max_steps} x step); commits, "
-            f"logging and the loss eval are in neither part. Load average {loads[0]} before, {loads[1]} after.",
+            f"batch {t.micro_batch_size} x accumulation {t.grad_accum_steps}, gradient checkpointing "
+            f"{'on' if t.gradient_checkpointing else 'off'}; an eval every {t.eval_every} steps, a generation eval "
+            f"at every {gen.every_evals} of them: greedy answers to {gen.max_samples} samples of up to "
+            f"{gen.max_new_tokens} new tokens), by parts on the model above, {m['threads']} thread(s), seconds "
+            f"of {m['basis']}. **Measured**: the median of {m['timed_steps']} optimizer steps after "
+            f"{WARM_STEPS} warm-up step(s); {m['answers']} answers through the workload's own generation eval "
+            "(VlmFinetuner._generation_eval: prompts, generate, CER/WER, predictions file) after a warm-up "
+            f"answer, each forced to its length (min_new_tokens): to {m['forced_tokens']} tokens ({forced_is}), "
+            f"and to the {m['needed_tokens']} the longest of the first {m['val_samples']} references needs "
+            "(end-of-turn included). **Scaled**: share = (generation evals x samples x seconds per answer) / "
+            f"(max_steps x seconds per step) = ({scaled['generation_evals']} x {gen.max_samples} x answer) / "
+            f"({t.max_steps} x step); commits, logging and the loss eval are in neither part. Wall time beside, "
+            f"for the load: average {loads[0]} before, {loads[1]} after.",
             "",
             "| part | measured | scaled to the shipped run |",
             "| --- | --- | --- |",
-            f"| training step (median; {m['step_range'][0]:.2f}-{m['step_range'][1]:.2f} s) | {m['step_s']:.2f} s | {t.max_steps} steps: {scaled['train_s']:,.0f} s |",
-            f"| answer forced to {m['forced_tokens']} tokens | {m['forced_answer_s']:.2f} s "
-            f"({m['forced_token_ms']:.1f} ms per token) | {scaled['generation_evals']} x {gen.max_samples} "
-            f"answers: {scaled['forced_s']:,.0f} s |",
+            f"| training step (median; range {m['step_range'][0]:.2f}-{m['step_range'][1]:.2f} s) | "
+            f"{m['step_s']:.2f} s (wall {m['step_wall_s']:.2f} s) | {t.max_steps} steps: {scaled['train_s']:,.0f} s |",
+            f"| answer forced to {m['forced_tokens']} tokens | {m['forced_answer_s']:.2f} s, "
+            f"{m['forced_token_ms']:.1f} ms a token (wall {m['forced_answer_wall_s']:.2f} s) | "
+            f"{answers}: {scaled['forced_s']:,.0f} s |",
             f"| answer forced to {m['needed_tokens']} tokens | {m['needed_answer_s']:.2f} s | "
-            f"{scaled['generation_evals']} x {gen.max_samples} answers: {scaled['needed_s']:,.0f} s |",
-            f"| generation eval / training, answers of {m['forced_tokens']} tokens | | "
-            f"{scaled['forced_share']:.0%} |",
-            f"| generation eval / training, answers of {m['needed_tokens']} tokens | | "
-            f"{scaled['needed_share']:.0%} |",
+            f"{answers}: {scaled['needed_s']:,.0f} s |",
+            f"| **generation eval / training**, answers of {m['forced_tokens']} tokens | | "
+            f"**{scaled['forced_share']:.0%}** |",
+            f"| **generation eval / training**, answers of {m['needed_tokens']} tokens | | "
+            f"**{scaled['needed_share']:.0%}** |",
             "",
         ]
     )

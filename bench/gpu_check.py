@@ -135,6 +135,12 @@ def _qlora_speed_part(volume: Path, preset: str | None, dry: bool) -> dict[str, 
     return qlora_speed(volume, dry)
 
 
+def _vlm_generation_part(volume: Path, preset: str | None, dry: bool) -> dict[str, Any]:
+    from gpu_finetune import vlm_generation
+
+    return vlm_generation(volume, dry)
+
+
 Part = Callable[[Path, "str | None", bool], dict[str, Any]]
 # part -> (function, presets on a GPU, presets in --dry mode); None: the part has no presets.
 PARTS: dict[str, tuple[Part, list[str] | None, list[str] | None]] = {
@@ -145,6 +151,7 @@ PARTS: dict[str, tuple[Part, list[str] | None, list[str] | None]] = {
     "checkpoint": (_checkpoint_part, ["125m"], ["125m"]),
     "qlora-32b": (_qlora_32b_part, None, None),
     "qlora-speed": (_qlora_speed_part, None, None),
+    "vlm-generation": (_vlm_generation_part, None, None),
 }
 
 

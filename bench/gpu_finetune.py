@@ -172,3 +172,42 @@ def qlora_speed(volume: Path, dry: bool) -> dict[str, Any]:
         "wall_s": time.perf_counter() - started,
         "median_pair_ratio": statistics.median([padded["pair_ratio"], packed["pair_ratio"]]),
     }
+
+
+# Qwen3-VL-2B-Instruct's shapes as its config.json gives them (language model: 28 layers x 2048, MLP 6144,
+# 16 heads, 8 KV heads, 151,936 tokens; vision tower: 24 blocks x 1024, MLP 4096, 16 heads), built as a
+# Qwen2-VL (tests/vlm_support.py): no DeepStack, 14-pixel patches; the decode and step costs are the
+# layers' and the vocabulary's, which these shapes carry.
+QWEN3_VL_2B_TEXT = {
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "vocab_size": 151936,
+    "max_position_embeddings": 32768,
+}
+QWEN3_VL_2B_VISION = {"depth": 24, "embed_dim": 1024, "num_heads": 16, "mlp_ratio": 4}
+PAGE_PIXELS = 868  # 62 x 62 patches of 14 px, merged 2x2: 961 image tokens, the shipped ~1,000 per page
+
+
+def vlm_generation(volume: Path, dry: bool) -> dict[str, Any]:
+    """The generation eval's share of training time at the shipped OCR config's settings on this GPU
+    (bench_finetune_vlm.generation_share: a step's and an answer's seconds, measured, scaled to the run)
+    on a 2B-shaped VLM reading page-sized images; the figures BENCHMARKS.md's VLM section assumes."""
+    from bench_finetune_vlm import generation_share, scale_to_shipped_run
+
+    from vlm_support import OCR_FILE, VLM_BASE, make_tiny_vlm, write_ocr_jsonl
+
+    text, vision, pixels = (None, None, 56) if dry else (QWEN3_VL_2B_TEXT, QWEN3_VL_2B_VISION, PAGE_PIXELS)
+    make_tiny_vlm(volume / VLM_BASE, text, vision)
+    write_ocr_jsonl(volume / OCR_FILE, 40 if dry else 160, seed=1, image_size=pixels)
+    extra = [
+        "quantization.compute_dtype=auto",
+        "data.cutoff_len=2048",
+        f"data.max_pixels={pixels * pixels}",
+        "train.cpu_threads=null",
+    ]
+    measured = generation_share(volume, 1 if dry else 8, 1 if dry else 8, 8 if dry else None, extra)
+    _free()
+    return {"image_pixels": pixels, "measured": measured, "scaled": scale_to_shipped_run(measured)}

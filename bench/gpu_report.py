@@ -134,10 +134,28 @@ def detail_lines(results: Path, units: list[tuple[str, str | None]]) -> list[str
                 f"first step (compile) {unit['first_step_s']:.1f} s; one eval {unit['eval_s']:.2f} s; one commit "
                 f"{unit['commit_s']:.2f} s; peak {unit['peak_flops'] or 0:.3g} FLOP/s used for MFU"
             )
+    lines += _vlm_generation_lines(_load(results, "vlm-generation"))
     tests = _load(results, "gpu-tests")
     if tests and "summary" in tests:
         lines.append(f"- `pytest -m gpu`: {tests['summary']} (exit {tests['exit_code']})")
     return lines
+
+
+def _vlm_generation_lines(unit: dict[str, Any] | None) -> list[str]:
+    """The generation eval's share at the shipped OCR config's settings (no target: a figure to read)."""
+    if not unit or "measured" not in unit:
+        return [
+            f"- VLM generation eval share (2B-shaped, shipped OCR settings): {_missing(unit) or 'failed'}"
+        ]
+    m, scaled = unit["measured"], unit["scaled"]
+    return [
+        f"- VLM generation eval at configs/finetune/qwen3-vl-2b-qlora-ocr.yaml's settings, 2B-shaped Qwen2-VL, "
+        f"{unit['image_pixels']} px pages: a training step {m['step_s']:.2f} s (median of {m['timed_steps']}); "
+        f"an answer of {m['forced_tokens']} tokens {m['forced_answer_s']:.2f} s ({m['forced_token_ms']:.1f} ms "
+        f"per token), of {m['needed_tokens']} tokens {m['needed_answer_s']:.2f} s; scaled to the run "
+        f"(generation evals x samples x answer / max_steps x step): {scaled['forced_share']:.0%} of training "
+        f"time at {m['forced_tokens']} tokens, {scaled['needed_share']:.0%} at {m['needed_tokens']}"
+    ]
 
 
 def section(results: Path, targets: dict[str, float], units: list[tuple[str, str | None]]) -> str:

@@ -69,6 +69,9 @@ def test_dry_mode_runs_every_part_and_records_its_result(dry_results):
     assert set(big["measured"]) == {"1", "2"} and big["extrapolated_step_s"] > 0
     speed = json.loads((dry_results / "qlora-speed.json").read_text())
     assert speed["packed"]["ours"] > 0 and speed["padded"]["baseline"] > 0
+    vlm = json.loads((dry_results / "vlm-generation.json").read_text())
+    assert vlm["measured"]["step_s"] > 0 and vlm["measured"]["forced_tokens"] == 8
+    assert vlm["scaled"]["generation_evals"] >= 1 and vlm["scaled"]["forced_share"] > 0
 
 
 def test_the_report_replaces_only_the_gpu_section_and_shows_every_target(dry_results):
@@ -78,6 +81,7 @@ def test_the_report_replaces_only_the_gpu_section_and_shows_every_target(dry_res
     assert "dry run on CPU" in gpu
     for row in TARGET_ROWS:
         assert row in gpu, f"the GPU section lacks the {row!r} row"
+    assert "VLM generation eval at configs/finetune/qwen3-vl-2b-qlora-ocr.yaml's settings" in gpu
 
 
 def test_a_failed_or_missing_unit_is_reported_as_such_never_as_a_number(tmp_path):

@@ -117,8 +117,8 @@ def make_tiny_vlm(folder: Path, text: dict | None = None, vision: dict | None = 
     config = Qwen2VLConfig(
         text_config={
             "vocab_size": len(tokenizer),
-            **text_sizes,
             "max_position_embeddings": 512,
+            **text_sizes,
             # M-RoPE's temporal, height and width sections cover half the head dimension (16 -> 2+3+3)
             "rope_parameters": {
                 "rope_type": "default",

@@ -366,8 +366,10 @@ def run(workdir: Path, quick: bool = False, share_only: bool = False) -> str:
     targets = sorted(prepare.model.peft_config["default"].target_modules)
     speed = compare(volume, steps, pairs, targets)
     load_after = load_average()
-    return speed_report(speed, steps, pairs, len(targets), (load_between, load_after)) + share_report(
-        share, (load_before, load_between)
+    return (
+        speed_report(speed, steps, pairs, len(targets), (load_between, load_after))
+        + "\n"
+        + share_report(share, (load_before, load_between))
     )
 
 

@@ -71,6 +71,49 @@ def test_sync_and_background_commits_write_the_same_checkpoint(tmp_path):
     assert sync.manifest["files"]["model.safetensors"] == done.manifest["files"]["model.safetensors"]
 
 
+@pytest.mark.parametrize("background", [False, True])
+def test_the_weights_file_is_safetensors_that_the_library_loads_for_every_dtype_and_shape(
+    tmp_path, background
+):
+    # Written from the tensors' own memory with a header built here (writer.write_safetensors): the
+    # library must read back every tensor, by its mmap path too, with its dtype, shape and bytes.
+    tensors = {
+        "f32": torch.randn(3, 5),
+        "bf16": torch.randn(7).to(torch.bfloat16),
+        "f16": torch.randn(2, 2, 2).half(),
+        "f64": torch.randn(1).double(),
+        "i64": torch.arange(5),
+        "i32": torch.arange(3, dtype=torch.int32),
+        "i8": torch.tensor([-1, 2], dtype=torch.int8),
+        "u8": torch.tensor([1, 255], dtype=torch.uint8),
+        "bool": torch.tensor([True, False, True]),
+        "fp8": torch.randn(4).to(torch.float8_e4m3fn),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.zeros(0, 4),
+        "view of a column": torch.randn(4, 3)[:, 1],  # not contiguous: written as its values
+    }
+    writer = CheckpointWriter(CheckpointStore(tmp_path))
+    writer.commit(1, {"model.safetensors": tensors}, {}, background=background)
+    committed = writer.wait() if background else writer.store.latest()
+    path = committed.path / "model.safetensors"
+    for loaded in (safetensors.torch.load(path.read_bytes()), safetensors.torch.load_file(path)):
+        assert set(loaded) == set(tensors)
+        for name, tensor in tensors.items():
+            assert loaded[name].dtype == tensor.dtype and loaded[name].shape == tensor.shape, name
+            same_bytes = (
+                loaded[name].reshape(-1).view(torch.uint8),
+                tensor.contiguous().reshape(-1).view(torch.uint8),
+            )
+            assert torch.equal(*same_bytes), name
+
+
+def test_a_dtype_the_header_writer_does_not_name_goes_through_the_library(tmp_path):
+    tensors = {"complex": torch.randn(3, dtype=torch.complex64), "f32": torch.randn(2)}
+    committed = CheckpointWriter(CheckpointStore(tmp_path)).commit(1, {"model.safetensors": tensors}, {})
+    loaded = safetensors.torch.load_file(committed.path / "model.safetensors")
+    assert all(torch.equal(loaded[name], tensors[name]) for name in tensors)
+
+
 def test_snapshots_reuse_their_host_buffers_from_one_commit_to_the_next(tmp_path):
     writer = CheckpointWriter(CheckpointStore(tmp_path))
     weights, moment = torch.zeros(1000), torch.zeros(10)

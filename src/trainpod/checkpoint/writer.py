@@ -254,11 +254,11 @@ class CheckpointWriter:
             copied,
             started,
             background,
+            # Shards written by other processes stop with the pending checkpoint they write into.
+            abandoned=shards.pending.abandoned if shards else threading.Event(),
             score=score,
             shards=shards,
         )
-        if shards is not None:
-            job.abandoned = shards.pending.abandoned
         if not background:
             self._write(job)
             return self._finish(job)

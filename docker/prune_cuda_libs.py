@@ -4,7 +4,7 @@
 
 torch's CUDA wheels bring whole CUDA components, and a few of their files are never loaded by torch,
 Triton or anything else in the image: about 350 MB in cu128 (7.15 GB estimated, over the 7 GB target
-without them) and 220 MB in cu130 (BENCHMARKS.md "Image"). PRUNED_GLOBS lists them, relative to
+without them) and 300 MB in cu130 (BENCHMARKS.md "Image"). PRUNED_GLOBS lists them, relative to
 site-packages, each with its reason; bench/bench_image.py subtracts the same list from its estimate.
 
 Before deleting anything, the step reads the dynamic section of every other ELF file in site-packages

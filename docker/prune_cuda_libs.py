@@ -15,20 +15,29 @@ The build's `import torch` and warm imports run after it, so torch's own load ch
 
 dlopen by name leaves no DT_NEEDED, so that was checked by hand, 2026-11-23, on PyPI's torch 2.13.0
 (the cu130 build; torch 2.13.0+cu128 is on PyTorch's index, unreachable from where this was written,
-and has the same Python sources), triton 3.7.1, cuda-bindings 13.5.0 / cuda-pathfinder 1.8.3, and
+built from the same sources), triton 3.7.1, cuda-bindings 13.5.0 / cuda-pathfinder 1.8.3, and
 the nvrtc, cudnn and cusolver wheels of both flavours (`readelf -d`, `strings -a`, grep):
 - no torch library names "cusolverMg", "nvrtc.alt", "builtins.alt", "cupti_static" or
   "nvperf_host_static", and no torch Python source does either;
 - torch loads NVRTC as libnvrtc.so.<major>: DT_NEEDED of libtorch_cuda.so and libcaffe2_nvrtc.so,
   torch/__init__.py's preload globs "libnvrtc.so.*[0-9]" and "libnvrtc-builtins.so.*[0-9]" (neither
   matches an .alt file), torch/cuda/_utils.py's ctypes fallback "libnvrtc.so.<major>";
-- cuDNN (libcudnn_graph) and cuBLASLt dlopen "libnvrtc.so.<major>", and libnvrtc.so.<major> itself
+- cuDNN (libcudnn_graph, both flavours) and cuBLASLt (cu13; its 750 MB cu12 build was not read) dlopen
+  "libnvrtc.so.<major>", and libnvrtc.so.<major> itself
   dlopens libnvrtc-builtins.so.<major.minor>; only libnvrtc.alt names the .alt builtins;
 - torch links cuSOLVER as libcusolver.so.<N> (libtorch_cuda_linalg.so); cuda-pathfinder can load
   cusolverMg, but only when asked by name, and nothing in the image asks (cuda-bindings has no
   cuSOLVER bindings);
 - Triton compiles its launcher against libcuda.so.1 only (triton/backends/nvidia/driver.py), and its
   profiler (libproton.so) dlopens libcupti.so, the shared CUPTI, which stays.
+Then this step ran on a real cu130 site-packages (Python 3.12; torch 2.13.0, triton 3.7.1 and the
+nvidia-* cu13 wheels, cudnn 9.24 and nccl 2.30.7 standing in for the pinned 9.20 and 2.29.7): it deleted
+the 5 listed files there (295 MB) and refused nothing; the other 69 ELF libraries of torch, triton and nvidia/*,
+each loaded with ctypes in a fresh process, behaved exactly as before it (56 load; 13 did not before
+either: no driver's libcuda.so.1, no MPI/UCX/InfiniBand libraries on that machine), and `import torch`
+plus an NVRTC compile to PTX (no GPU needed) mapped libnvrtc.so.13, libnvrtc-builtins.so.13.0 and
+libcusolver.so.12, no .alt file.
+On a GPU, tests/test_gpu_pruned_libs.py checks what torch maps at run time.
 
 binutils' readelf reads the ELF headers rather than a Python library: binutils is in every image
 already (gcc needs it, docker/system_packages.sh), and pyelftools would be one more package pinned in

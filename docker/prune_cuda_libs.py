@@ -23,8 +23,8 @@ the nvrtc, cudnn and cusolver wheels of both flavours (`readelf -d`, `strings -a
   torch/__init__.py's preload globs "libnvrtc.so.*[0-9]" and "libnvrtc-builtins.so.*[0-9]" (neither
   matches an .alt file), torch/cuda/_utils.py's ctypes fallback "libnvrtc.so.<major>";
 - cuDNN (libcudnn_graph, both flavours) and cuBLASLt (cu13; its 750 MB cu12 build was not read) dlopen
-  "libnvrtc.so.<major>", and libnvrtc.so.<major> itself
-  dlopens libnvrtc-builtins.so.<major.minor>; only libnvrtc.alt names the .alt builtins;
+  "libnvrtc.so.<major>", and libnvrtc.so.<major> itself dlopens libnvrtc-builtins.so.<major.minor>;
+  only libnvrtc.alt names the .alt builtins;
 - torch links cuSOLVER as libcusolver.so.<N> (libtorch_cuda_linalg.so); cuda-pathfinder can load
   cusolverMg, but only when asked by name, and nothing in the image asks (cuda-bindings has no
   cuSOLVER bindings);

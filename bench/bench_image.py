@@ -1,6 +1,8 @@
 """Image benchmark: image sizes and container cold start (docker run -> first optimizer step).
 
     python bench/bench_image.py [--quick]       # or: python bench/run_all.py --only image
+    python bench/bench_image.py --cuda-only 1.79 0.60 0.49   # no docker: the cuda estimates alone, from
+                                # the stand-in image, its CPU torch and the local base (GB) measured before
 
 Makes the engine ready with the container tier's helpers (tests/container/engine.py: dockerd, base,
 wheelhouse, offline `cpu` build, the stand-in cuda build), then measures:
@@ -9,8 +11,9 @@ wheelhouse, offline `cpu` build, the stand-in cuda build), then measures:
   (the cuda target built with CPU torch, tests/container/test_cuda_stand_in.py), minus the CPU torch
   it holds (measured in it), plus what each CUDA wheel installs (the sum of its files' sizes, read
   from the wheel's own zip directory with HTTP range requests on the index's URL from
-  `pip install --dry-run --report`: a few hundred KB per wheel, nothing installed), plus the
-  nvidia/cuda base's extra over the local Debian base (published size). Where the index cannot be
+  `pip install --dry-run --report`: a few hundred KB per wheel, nothing installed) less the files
+  docker/prune_cuda_libs.py deletes in the build (its own glob list, matched against the same zip
+  entries), plus the nvidia/cuda base's extra over the local Debian base (published size). Where the index cannot be
   read from here (PyTorch's cu128 index; a pin missing from the reachable PyPI), the row says which
   stand-in size it used. Target <= 7 GB per flavour;
 - cold start with `train.compile=true`: `docker run` to the first logged optimizer step on the tiny
@@ -31,10 +34,14 @@ import time
 import urllib.parse
 import urllib.request
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "container"))
+sys.path.insert(0, str(REPO / "docker"))
+
+from prune_cuda_libs import is_pruned  # noqa: E402 - the build step's own list, not a copy
 
 from engine import (  # noqa: E402
     BASE_IMAGE,
@@ -47,8 +54,9 @@ from engine import (  # noqa: E402
 )
 
 GB = 1e9
-PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
-             "manylinux2014_x86_64"]  # fmt: skip
+# Every glibc level up to Ubuntu 24.04's that the CUDA wheels use (nvidia-cuda-cupti 13.0.85 is 2_25 only).
+PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_26_x86_64", "manylinux_2_25_x86_64",
+             "manylinux_2_24_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64"]  # fmt: skip
 # nvidia/cuda:<ver>-base-ubuntu24.04 over the local Debian base: ubuntu:24.04 (~78 MB) + cuda-cudart and
 # cuda-compat (~170 MB), Docker Hub's published sizes, uncompressed; the local base is measured.
 CUDA_BASE_GB = 0.25
@@ -151,18 +159,32 @@ class RemoteFile(io.RawIOBase):
         return len(data)
 
 
-def installed_bytes(url: str) -> int:
-    """What a wheel on the index installs: the sum of its files' uncompressed sizes (its zip directory)."""
+@dataclass(frozen=True)
+class Installed:
+    """Bytes that wheels install: what the image keeps, and what docker/prune_cuda_libs.py deletes."""
+
+    kept: int = 0
+    pruned: int = 0
+
+    def __add__(self, other: Installed) -> Installed:
+        return Installed(self.kept + other.kept, self.pruned + other.pruned)
+
+
+def installed_bytes(url: str) -> Installed:
+    """What a wheel on the index installs: its files' uncompressed sizes (its zip directory), split by
+    whether the build's prune step deletes them (a wheel's entries are paths relative to site-packages)."""
     local = urllib.parse.urlparse(url)
     source = urllib.request.url2pathname(local.path) if local.scheme == "file" else RemoteFile(url)
     with zipfile.ZipFile(source) as wheel:
-        return sum(info.file_size for info in wheel.infolist())
+        files = [info for info in wheel.infolist() if not info.is_dir()]
+    pruned = sum(info.file_size for info in files if is_pruned(info.filename))
+    return Installed(sum(info.file_size for info in files) - pruned, pruned)
 
 
-def cuda_wheel_bytes(pins: list[str], notes: list[str]) -> int:
+def cuda_wheel_bytes(pins: list[str], notes: list[str]) -> Installed:
     """Installed size of every CUDA wheel of `pins` (`installed_bytes`); a pin the index reachable here
     lacks is sized by the newest release of that package it has, and noted."""
-    total = 0
+    total = Installed()
     for pin in pins:
         item = resolve(pin)
         if item is None:
@@ -185,11 +207,17 @@ def torch_in_image_bytes(image: str) -> int:
     return int(docker("run", "--rm", "--network", "none", "--entrypoint", "sh", image, "-c", script).stdout)
 
 
-def cuda_estimates() -> tuple[float, dict[str, float], list[str]]:
-    """(stand-in image GB, {flavour: estimated GB}, notes on how each number was had)."""
+def stand_in_sizes() -> tuple[int, int, int]:
+    """(stand-in cuda image, the CPU torch in it, the local Debian base), bytes, measured in the engine."""
     stand_in = image_size_bytes(build_cuda_stand_in())
-    cpu_torch = torch_in_image_bytes(CUDA_STAND_IN_IMAGE)
-    local_base = image_size_bytes(BASE_IMAGE)
+    return stand_in, torch_in_image_bytes(CUDA_STAND_IN_IMAGE), image_size_bytes(BASE_IMAGE)
+
+
+def cuda_estimates(
+    stand_in: int, cpu_torch: int, local_base: int
+) -> tuple[float, dict[str, float], list[str]]:
+    """(stand-in image GB, {flavour: estimated GB}, notes on how each number was had), from the stand-in
+    image's sizes (`stand_in_sizes`) and the CUDA wheels' zip directories."""
     notes = [
         f"stand-in cuda image (measured): {stand_in / GB:.2f} GB, of which CPU torch {cpu_torch / GB:.2f} GB "
         f"and the local Debian base {local_base / GB:.2f} GB",
@@ -200,15 +228,19 @@ def cuda_estimates() -> tuple[float, dict[str, float], list[str]]:
     torch_cu130 = None
     for flavour, pins in (("cu130", CU130_PINS), ("cu128", CU128_PINS)):
         wheels = cuda_wheel_bytes(pins, notes)
-        if flavour == "cu130":
+        if flavour == "cu130":  # CU130_PINS holds torch itself
             torch_cu130 = installed_bytes(resolve("torch==2.13.0")["download_info"]["url"])
         else:  # PyTorch's cu128 index is not reachable here: its torch wheel sized as PyPI's cu130 one
             wheels += torch_cu130
             notes.append(
                 "torch 2.13.0+cu128 (PyTorch's index, unreachable here): sized as PyPI's cu130 wheel"
             )
-        estimates[flavour] = (stand_in - cpu_torch - local_base + wheels) / GB + CUDA_BASE_GB
-        notes.append(f"{flavour}: CUDA wheels (torch's own included) install {wheels / GB:.2f} GB")
+        estimates[flavour] = (stand_in - cpu_torch - local_base + wheels.kept) / GB + CUDA_BASE_GB
+        notes.append(
+            f"{flavour}: CUDA wheels (torch's own included) install {(wheels.kept + wheels.pruned) / GB:.2f} GB, "
+            f"of which docker/prune_cuda_libs.py deletes {wheels.pruned / GB:.2f} GB: the image keeps "
+            f"{wheels.kept / GB:.2f} GB"
+        )
     return stand_in / GB, estimates, notes
 
 
@@ -252,17 +284,28 @@ def cold_start() -> tuple[float, float]:
     return first, resumed
 
 
+def row(metric: str, value: str, target: str, ok: bool) -> str:
+    return f"| {metric} | {value} | {target} | {'pass' if ok else 'FAIL'} |"
+
+
+def cuda_rows(stand_in: float, cuda: dict[str, float]) -> list[str]:
+    return [
+        f"| stand-in cuda image size (CPU torch, local base) | {stand_in:.2f} GB | (measured) | |",
+        *[
+            row(f"`{flavour}` image size, ESTIMATED (method below)", f"{gb:.2f} GB", "<= 7 GB", gb <= 7.0)
+            for flavour, gb in cuda.items()
+        ],
+    ]
+
+
 def run(workdir: Path, quick: bool = False) -> str:
     engine = ensure_engine()
     try:
         cpu = image_size_bytes(CPU_IMAGE) / GB
-        stand_in, cuda, notes = cuda_estimates()
+        stand_in, cuda, notes = cuda_estimates(*stand_in_sizes())
         first, resumed = cold_start()
     finally:
         engine.stop()
-
-    def row(metric: str, value: str, target: str, ok: bool) -> str:
-        return f"| {metric} | {value} | {target} | {'pass' if ok else 'FAIL'} |"
 
     lines = [
         "## Image (docker/Dockerfile)",
@@ -270,11 +313,7 @@ def run(workdir: Path, quick: bool = False) -> str:
         "| metric | measured | target | result |",
         "| --- | --- | --- | --- |",
         row("`cpu` image size (docker image inspect)", f"{cpu:.2f} GB", "<= 1.8 GB", cpu <= 1.8),
-        f"| stand-in cuda image size (CPU torch, local base) | {stand_in:.2f} GB | (measured) | |",
-        *[
-            row(f"`{flavour}` image size, ESTIMATED (method below)", f"{gb:.2f} GB", "<= 7 GB", gb <= 7.0)
-            for flavour, gb in cuda.items()
-        ],
+        *cuda_rows(stand_in, cuda),
         row(
             "cold start, compile=true: docker run -> first optimizer step (tiny, CPU)",
             f"{first:.1f} s", "(measured)", True,
@@ -291,5 +330,16 @@ def run(workdir: Path, quick: bool = False) -> str:
     return "\n".join(lines)
 
 
+def cuda_only(stand_in_gb: str, cpu_torch_gb: str, local_base_gb: str) -> str:
+    """The cuda estimates without docker, from the stand-in sizes measured earlier (GB)."""
+    sizes = [round(float(gb) * GB) for gb in (stand_in_gb, cpu_torch_gb, local_base_gb)]
+    stand_in, cuda, notes = cuda_estimates(*sizes)
+    notes[0] = notes[0].replace("(measured)", "(measured earlier, given on the command line)")
+    return "\n".join([*cuda_rows(stand_in, cuda), "", *[f"- {note}" for note in notes], ""])
+
+
 if __name__ == "__main__":
-    print(run(REPO / "bench-out", quick="--quick" in sys.argv))
+    if "--cuda-only" in sys.argv:
+        print(cuda_only(*sys.argv[sys.argv.index("--cuda-only") + 1 :][:3]))
+    else:
+        print(run(REPO / "bench-out", quick="--quick" in sys.argv))

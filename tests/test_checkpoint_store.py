@@ -172,6 +172,34 @@ def test_a_large_file_is_committed_whole_with_its_pieces_hashed(tmp_path):
     assert committed.manifest["files"]["weights.bin"]["sha256_pieces"] == pieces
 
 
+def test_pieces_are_hashed_right_when_writes_of_any_size_straddle_them_and_buffers_are_reused(tmp_path):
+    # Many writes of odd sizes, copied (`write`) and not (`write_stable`), crossing piece boundaries: the
+    # pieces' digests are those of the concatenated bytes, and a reused buffer (torch.save's way) does not
+    # change what was hashed.
+    rng = torch.Generator().manual_seed(0)
+    sizes = [1, 7, PIECE_BYTES - 9, 3, 5 << 20, PIECE_BYTES + 17, 0, 4096, 1 << 20]
+    chunks = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=rng).numpy().tobytes() for n in sizes]
+    store = CheckpointStore(tmp_path)
+    pending = store.begin(1)
+    reused = bytearray(max(sizes))
+    with pending.open("weights.bin") as f:
+        for i, chunk in enumerate(chunks):
+            if i % 2:
+                f.write_stable(memoryview(chunk))
+            else:
+                reused[: len(chunk)] = chunk
+                f.write(memoryview(reused)[: len(chunk)])
+                reused[: len(chunk)] = b"\x00" * len(chunk)  # the caller reuses its buffer at once
+    committed = store.commit(pending, 1, {})
+    payload = b"".join(chunks)
+    assert (committed.path / "weights.bin").read_bytes() == payload
+    pieces = [
+        hashlib.sha256(payload[i : i + PIECE_BYTES]).hexdigest() for i in range(0, len(payload), PIECE_BYTES)
+    ]
+    assert committed.manifest["files"]["weights.bin"]["sha256_pieces"] == pieces
+    assert store.verify(committed.path)[0] is not None
+
+
 def test_a_failed_write_back_fails_the_file_instead_of_going_unnoticed(tmp_path):
     # Linux may report a write-back error to one fsync only: the one behind the writes must raise it.
     # fdatasync on a pipe fails (EINVAL) as it would on a disk with an I/O error.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import safetensors.torch
 import torch
 
 from trainpod.checkpoint import CheckpointStore
-from trainpod.checkpoint.writer import CheckpointWriter
+from trainpod.checkpoint.writer import LOWEST_PRIORITY, CheckpointWriter
 
 
 class HeldStore(CheckpointStore):
@@ -21,10 +22,10 @@ class HeldStore(CheckpointStore):
         self.go = threading.Event()
         self.began = threading.Event()
 
-    def begin(self, step, abandoned=None):  # noqa: ANN001
+    def begin(self, step, abandoned=None, hashers=None):  # noqa: ANN001
         self.began.set()
         assert self.go.wait(30), "the test never let the commit go on"
-        return super().begin(step, abandoned)
+        return super().begin(step, abandoned, hashers)
 
 
 def state(weights: torch.Tensor, moment: torch.Tensor, step: int) -> dict:
@@ -69,6 +70,72 @@ def test_sync_and_background_commits_write_the_same_checkpoint(tmp_path):
     for a, b in zip(read(sync.path), read(done.path), strict=True):
         assert torch.equal(a, b)
     assert sync.manifest["files"]["model.safetensors"] == done.manifest["files"]["model.safetensors"]
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_the_weights_file_is_safetensors_that_the_library_loads_for_every_dtype_and_shape(
+    tmp_path, background
+):
+    # Written from the tensors' own memory with a header built here (writer.write_safetensors): the
+    # library must read back every tensor, by its mmap path too, with its dtype, shape and bytes.
+    tensors = {
+        "f32": torch.randn(3, 5),
+        "bf16": torch.randn(7).to(torch.bfloat16),
+        "f16": torch.randn(2, 2, 2).half(),
+        "f64": torch.randn(1).double(),
+        "i64": torch.arange(5),
+        "i32": torch.arange(3, dtype=torch.int32),
+        "i8": torch.tensor([-1, 2], dtype=torch.int8),
+        "u8": torch.tensor([1, 255], dtype=torch.uint8),
+        "bool": torch.tensor([True, False, True]),
+        "fp8": torch.randn(4).to(torch.float8_e4m3fn),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.zeros(0, 4),
+        "view of a column": torch.randn(4, 3)[:, 1],  # not contiguous: written as its values
+    }
+    writer = CheckpointWriter(CheckpointStore(tmp_path))
+    writer.commit(1, {"model.safetensors": tensors}, {}, background=background)
+    committed = writer.wait() if background else writer.store.latest()
+    path = committed.path / "model.safetensors"
+    for loaded in (safetensors.torch.load(path.read_bytes()), safetensors.torch.load_file(path)):
+        assert set(loaded) == set(tensors)
+        for name, tensor in tensors.items():
+            assert loaded[name].dtype == tensor.dtype and loaded[name].shape == tensor.shape, name
+            same_bytes = (
+                loaded[name].reshape(-1).view(torch.uint8),
+                tensor.contiguous().reshape(-1).view(torch.uint8),
+            )
+            assert torch.equal(*same_bytes), name
+
+
+def test_a_dtype_the_header_writer_does_not_name_goes_through_the_library(tmp_path):
+    tensors = {"complex": torch.randn(3, dtype=torch.complex64), "f32": torch.randn(2)}
+    committed = CheckpointWriter(CheckpointStore(tmp_path)).commit(1, {"model.safetensors": tensors}, {})
+    loaded = safetensors.torch.load_file(committed.path / "model.safetensors")
+    assert all(torch.equal(loaded[name], tensors[name]) for name in tensors)
+
+
+def test_a_background_commit_writes_and_hashes_at_the_lowest_cpu_priority_and_a_foreground_one_at_normal(
+    tmp_path,
+):
+    seen = {}
+
+    class PriorityStore(CheckpointStore):
+        def begin(self, step, abandoned=None, hashers=None):  # noqa: ANN001
+            def nice() -> int:
+                return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+            seen[step] = (nice(), (hashers or self._hashers).submit(nice).result())
+            return super().begin(step, abandoned, hashers)
+
+    writer = CheckpointWriter(PriorityStore(tmp_path))
+    normal = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    writer.commit(1, state(torch.ones(2), torch.ones(2), 1), {})
+    writer.commit(2, state(torch.ones(2), torch.ones(2), 2), {}, background=True)
+    assert writer.wait().step == 2
+    assert seen[1] == (normal, normal), "a foreground commit (a stop's) must run at full speed"
+    assert seen[2] == (LOWEST_PRIORITY, LOWEST_PRIORITY), "writer thread, hashers"
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == normal, "training keeps its own"
 
 
 def test_snapshots_reuse_their_host_buffers_from_one_commit_to_the_next(tmp_path):

@@ -80,7 +80,15 @@ def _piece_digest(piece: bytes | memoryview) -> str:
     return hashlib.sha256(piece).hexdigest()
 
 
-class _HashingFile:
+def _segments_digest(segments: list[memoryview]) -> str:
+    """The sha256 of the concatenated segments, without concatenating them (no copy)."""
+    digest = hashlib.sha256()
+    for segment in segments:
+        digest.update(segment)
+    return digest.hexdigest()
+
+
+class HashingFile:
     """A write-only file that records the sha256 of every 32 MiB piece of what passes through it.
 
     One sha256 stream (about 1.6 GB/s with SHA-NI) is as slow as a fast disk, so hashing the file
@@ -88,6 +96,11 @@ class _HashingFile:
     releases the GIL) while this thread writes, and the disk flushes behind the writes
     (atomic.WriteBehind): the commit costs about the write alone, and verification at start runs on
     every core as well. Each piece is an ordinary sha256.
+
+    The hashers read the caller's memory after `write` returns, so `write` copies what a streaming
+    writer hands it (torch.save reuses its buffers); `write_stable` does not, for memory that stays
+    unchanged until the file is closed (a snapshot's tensors): no copy of the state in host memory,
+    which at 4b would be 8 GB of weights more for the length of a commit.
     """
 
     def __init__(
@@ -102,27 +115,27 @@ class _HashingFile:
         self._hashers = hashers
         self._flush = flush
         self._digests: list[Future] = []
-        self._partial = bytearray()
+        self._piece: list[memoryview] = []  # the segments of the piece being filled
+        self._piece_bytes = 0
         self.size = 0
 
     def write(self, data: bytes | bytearray | memoryview) -> int:
         if not isinstance(data, bytes):
             data = bytes(data)  # the caller may reuse its buffer before the hashers read it
-        view = memoryview(data)
+        return self.write_stable(data)
+
+    def write_stable(self, data: bytes | memoryview) -> int:
+        """`write` without a copy: `data` must stay unchanged until the file is closed."""
+        view = memoryview(data).cast("B")
         # Hand the pieces to the hashers first, so they digest while this thread copies to the disk.
-        if self._partial:
-            taken = PIECE_BYTES - len(self._partial)
-            self._partial += view[:taken]
-            rest = view[taken:]
-            if len(self._partial) == PIECE_BYTES:
-                self._digests.append(self._hashers.submit(_piece_digest, bytes(self._partial)))
-                self._partial = bytearray()
-        else:
-            rest = view
-        whole = len(rest) - len(rest) % PIECE_BYTES
-        for start in range(0, whole, PIECE_BYTES):
-            self._digests.append(self._hashers.submit(_piece_digest, rest[start : start + PIECE_BYTES]))
-        self._partial += rest[whole:]
+        offset = 0
+        while offset < len(view):
+            taken = min(PIECE_BYTES - self._piece_bytes, len(view) - offset)
+            self._piece.append(view[offset : offset + taken])
+            self._piece_bytes += taken
+            offset += taken
+            if self._piece_bytes == PIECE_BYTES:
+                self._hash_piece()
         for start in range(0, len(view), PIECE_BYTES):
             if self._abandoned.is_set():  # checked per piece: an abandoned commit stops within ~0.1 s
                 for digest in self._digests:  # and its queued hashing too, which would delay the exit
@@ -134,13 +147,16 @@ class _HashingFile:
         self.size += len(view)
         return len(view)
 
+    def _hash_piece(self) -> None:
+        self._digests.append(self._hashers.submit(_segments_digest, self._piece))
+        self._piece, self._piece_bytes = [], 0
+
     def flush(self) -> None:
         self._raw.flush()
 
     def piece_digests(self) -> list[str]:
-        if self._partial or not self._digests:
-            self._digests.append(self._hashers.submit(_piece_digest, bytes(self._partial)))
-            self._partial = bytearray()
+        if self._piece or not self._digests:  # the last, partial piece; an empty file has one empty piece
+            self._hash_piece()
         return [future.result() for future in self._digests]
 
 
@@ -203,9 +219,9 @@ class _PendingFile:
         self._name = name
         self._raw = open(pending.dir / name, "wb")  # noqa: SIM115 - closed in __exit__
         self._flush = atomic.WriteBehind(self._raw.fileno())
-        self._hashing = _HashingFile(self._raw, pending.hashers, self._flush, pending.abandoned)
+        self._hashing = HashingFile(self._raw, pending.hashers, self._flush, pending.abandoned)
 
-    def __enter__(self) -> _HashingFile:
+    def __enter__(self) -> HashingFile:
         return self._hashing
 
     def __exit__(self, exc_type: Any, *_: Any) -> None:
@@ -322,21 +338,31 @@ class CheckpointStore:
         return out
 
     # ----------------------------------------------------------------------------- writing
-    def begin(self, step: int, abandoned: threading.Event | None = None) -> PendingCheckpoint:
-        """A new pending checkpoint; setting `abandoned` stops its writes and forbids its publication."""
+    def begin(
+        self,
+        step: int,
+        abandoned: threading.Event | None = None,
+        hashers: ThreadPoolExecutor | None = None,
+    ) -> PendingCheckpoint:
+        """A new pending checkpoint; setting `abandoned` stops its writes and forbids its publication.
+        `hashers`: the threads that hash its pieces, when not the store's own (a background writer's)."""
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = self.root / f"{step_dir_name(step)}.tmp-{uuid.uuid4().hex[:12]}"
         tmp.mkdir()
-        return PendingCheckpoint(tmp, self._hashers, abandoned)
+        return PendingCheckpoint(tmp, hashers or self._hashers, abandoned)
 
     @contextlib.contextmanager
     def writing(
-        self, step: int, abandoned: threading.Event | None = None, pending: PendingCheckpoint | None = None
+        self,
+        step: int,
+        abandoned: threading.Event | None = None,
+        pending: PendingCheckpoint | None = None,
+        hashers: ThreadPoolExecutor | None = None,
     ) -> Iterator[PendingCheckpoint]:
         """`begin(step)` (or `pending`, begun already); when writing or committing fails, the temp folder
         goes at once (a full volume gets its space back; a kill instead leaves it for the next start's
         `remove_leftovers`)."""
-        pending = pending or self.begin(step, abandoned)
+        pending = pending or self.begin(step, abandoned, hashers)
         try:
             yield pending
         except BaseException:

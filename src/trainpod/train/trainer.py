@@ -118,6 +118,7 @@ class Trainer:
         self._budget_warned = False
         self.eval_metrics: dict[str, float] = {}  # more metrics of the latest eval (set by evaluate)
         self.reporter: RunReporter | None = None  # made in train(): rank 0 writes, the others do not
+        self.autocast_dtype: torch.dtype | None = None  # the workload's mixed precision (bf16), if any
 
     # ----------------------------------------------------------------------- workload hooks
     def train_step(self, model: torch.nn.Module, step: int) -> StepResult:
@@ -341,6 +342,12 @@ class Trainer:
         if last_micro_batch or not self.dist.distributed:
             return contextlib.nullcontext()
         return model.no_sync()
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        """Mixed precision for a forward pass in `autocast_dtype`; none in fp32."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.dist.device.type, dtype=self.autocast_dtype)
 
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:

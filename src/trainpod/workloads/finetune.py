@@ -11,7 +11,6 @@ training summary.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
@@ -417,11 +416,6 @@ class Finetuner(Trainer):
         # This rank's own mean, for the log (ranks are averaged there).
         rank_mean = total * global_items / max(local_items, 1)
         return StepResult(rank_mean, local_value(grad_norm), real_tokens)
-
-    def _autocast(self) -> contextlib.AbstractContextManager:
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.dist.device.type, dtype=self.autocast_dtype)
 
     @property
     def has_eval_data(self) -> bool:

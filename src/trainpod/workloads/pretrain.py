@@ -9,7 +9,6 @@ pretraining's own: token-shard batches, a model built from the config, full-weig
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
@@ -216,11 +215,6 @@ class Pretrainer(Trainer):
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return StepResult(total, local_value(grad_norm), accumulation * t.micro_batch_size * t.seq_len)
-
-    def _autocast(self) -> contextlib.AbstractContextManager:
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.dist.device.type, dtype=self.autocast_dtype)
 
     @property
     def has_eval_data(self) -> bool:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import threading
 from pathlib import Path
 
@@ -11,7 +10,7 @@ import safetensors.torch
 import torch
 
 from trainpod.checkpoint import CheckpointStore
-from trainpod.checkpoint.writer import LOWEST_PRIORITY, CheckpointWriter
+from trainpod.checkpoint.writer import CheckpointWriter
 
 
 class HeldStore(CheckpointStore):
@@ -22,10 +21,10 @@ class HeldStore(CheckpointStore):
         self.go = threading.Event()
         self.began = threading.Event()
 
-    def begin(self, step, abandoned=None, hashers=None):  # noqa: ANN001
+    def begin(self, step, abandoned=None):  # noqa: ANN001
         self.began.set()
         assert self.go.wait(30), "the test never let the commit go on"
-        return super().begin(step, abandoned, hashers)
+        return super().begin(step, abandoned)
 
 
 def state(weights: torch.Tensor, moment: torch.Tensor, step: int) -> dict:
@@ -113,29 +112,6 @@ def test_a_dtype_the_header_writer_does_not_name_goes_through_the_library(tmp_pa
     committed = CheckpointWriter(CheckpointStore(tmp_path)).commit(1, {"model.safetensors": tensors}, {})
     loaded = safetensors.torch.load_file(committed.path / "model.safetensors")
     assert all(torch.equal(loaded[name], tensors[name]) for name in tensors)
-
-
-def test_a_background_commit_writes_and_hashes_at_the_lowest_cpu_priority_and_a_foreground_one_at_normal(
-    tmp_path,
-):
-    seen = {}
-
-    class PriorityStore(CheckpointStore):
-        def begin(self, step, abandoned=None, hashers=None):  # noqa: ANN001
-            def nice() -> int:
-                return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-
-            seen[step] = (nice(), (hashers or self._hashers).submit(nice).result())
-            return super().begin(step, abandoned, hashers)
-
-    writer = CheckpointWriter(PriorityStore(tmp_path))
-    normal = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    writer.commit(1, state(torch.ones(2), torch.ones(2), 1), {})
-    writer.commit(2, state(torch.ones(2), torch.ones(2), 2), {}, background=True)
-    assert writer.wait().step == 2
-    assert seen[1] == (normal, normal), "a foreground commit (a stop's) must run at full speed"
-    assert seen[2] == (LOWEST_PRIORITY, LOWEST_PRIORITY), "writer thread, hashers"
-    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == normal, "training keeps its own"
 
 
 def test_snapshots_reuse_their_host_buffers_from_one_commit_to_the_next(tmp_path):

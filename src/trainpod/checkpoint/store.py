@@ -338,31 +338,21 @@ class CheckpointStore:
         return out
 
     # ----------------------------------------------------------------------------- writing
-    def begin(
-        self,
-        step: int,
-        abandoned: threading.Event | None = None,
-        hashers: ThreadPoolExecutor | None = None,
-    ) -> PendingCheckpoint:
-        """A new pending checkpoint; setting `abandoned` stops its writes and forbids its publication.
-        `hashers`: the threads that hash its pieces, when not the store's own (a background writer's)."""
+    def begin(self, step: int, abandoned: threading.Event | None = None) -> PendingCheckpoint:
+        """A new pending checkpoint; setting `abandoned` stops its writes and forbids its publication."""
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = self.root / f"{step_dir_name(step)}.tmp-{uuid.uuid4().hex[:12]}"
         tmp.mkdir()
-        return PendingCheckpoint(tmp, hashers or self._hashers, abandoned)
+        return PendingCheckpoint(tmp, self._hashers, abandoned)
 
     @contextlib.contextmanager
     def writing(
-        self,
-        step: int,
-        abandoned: threading.Event | None = None,
-        pending: PendingCheckpoint | None = None,
-        hashers: ThreadPoolExecutor | None = None,
+        self, step: int, abandoned: threading.Event | None = None, pending: PendingCheckpoint | None = None
     ) -> Iterator[PendingCheckpoint]:
         """`begin(step)` (or `pending`, begun already); when writing or committing fails, the temp folder
         goes at once (a full volume gets its space back; a kill instead leaves it for the next start's
         `remove_leftovers`)."""
-        pending = pending or self.begin(step, abandoned, hashers)
+        pending = pending or self.begin(step, abandoned)
         try:
             yield pending
         except BaseException:

@@ -27,14 +27,12 @@ bytes as they are, anything else (`*.pt`) a structure of tensors and plain value
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import os
 import struct
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,15 +50,6 @@ from trainpod.checkpoint.store import (
 )
 
 log = logging.getLogger(__name__)
-
-LOWEST_PRIORITY = 19  # nice: the thread runs when a core would otherwise idle (Linux weighs 19 at 1.5% of 0)
-
-
-def set_thread_priority(nice: int) -> None:
-    """This thread's niceness (Linux schedules threads one by one, so the rest of the process keeps its
-    own); where the platform has no per-thread priority, the thread keeps the process's."""
-    with contextlib.suppress(AttributeError, OSError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
 
 
 class HostBuffers:
@@ -215,10 +204,6 @@ class CheckpointWriter:
     def __init__(self, store: CheckpointStore, pin_memory: bool = False):
         self.store = store
         self.buffers = HostBuffers(pin_memory)
-        # A background commit runs at the lowest CPU priority, its hashing too: it takes the cycles
-        # training leaves (BENCHMARKS.md "Async checkpoints" measures it against normal priority).
-        self.background_priority = LOWEST_PRIORITY
-        self._background_hashers: ThreadPoolExecutor | None = None
         self.last_commit_seconds: float | None = None  # snapshot + write of the newest finished commit
         self._in_flight: _Commit | None = None
         self._commit_point = threading.Lock()  # an abandon and a publish never interleave
@@ -266,29 +251,12 @@ class CheckpointWriter:
         threading.Thread(target=self._write, args=(job,), name=f"checkpoint-step-{step}", daemon=True).start()
         return None
 
-    def _hashers_for(self, job: _Commit) -> ThreadPoolExecutor | None:
-        """The store's hashers for a foreground commit; for a background one, threads of its priority."""
-        if not job.background or self.background_priority is None:
-            return None
-        if self._background_hashers is None:
-            self._background_hashers = ThreadPoolExecutor(
-                max_workers=os.cpu_count() or 2,
-                thread_name_prefix="checkpoint-sha256-background",
-                initializer=set_thread_priority,
-                initargs=(self.background_priority,),
-            )
-        return self._background_hashers
-
     def _write(self, job: _Commit) -> None:
         try:
-            if job.background and self.background_priority is not None:
-                set_thread_priority(self.background_priority)
             if job.copied is not None:
                 job.copied.synchronize()
             pending_shards = job.shards.pending if job.shards else None
-            with self.store.writing(
-                job.step, job.abandoned, pending_shards, self._hashers_for(job)
-            ) as pending:
+            with self.store.writing(job.step, job.abandoned, pending_shards) as pending:
                 if job.shards is not None:
                     job.shards.adopt_into_manifest()
                 for name, value in job.files.items():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import safetensors.torch
 import torch
 
 from trainpod.checkpoint import CheckpointStore
-from trainpod.checkpoint.writer import CheckpointWriter
+from trainpod.checkpoint.writer import CheckpointWriter, tensor_memory
 
 
 class HeldStore(CheckpointStore):
@@ -105,6 +106,24 @@ def test_the_weights_file_is_safetensors_that_the_library_loads_for_every_dtype_
                 tensor.contiguous().reshape(-1).view(torch.uint8),
             )
             assert torch.equal(*same_bytes), name
+
+
+def test_torch_save_writes_from_the_saved_tensors_memory_uncopied_and_copies_anything_else(tmp_path):
+    # The optimizer file: torch.save hands each storage over in one piece, from the tensor's own memory,
+    # which the writer keeps unchanged until the file is closed; its other writes come from buffers it
+    # reuses, which must be copied before the hashers read them.
+    moments = {"state": {0: {"exp_avg": torch.randn(1000), "step": torch.tensor(3.0)}}, "lr": 0.1}
+    pending = CheckpointStore(tmp_path).begin(1)
+    with pending.open("optimizer.pt", tensor_memory(moments)) as f:
+        inside = moments["state"][0]["exp_avg"].numpy()
+        assert f._in_stable_memory(memoryview(inside)), "a saved tensor's storage needs no copy"
+        assert f._in_stable_memory(memoryview(inside[10:20]))
+        assert not f._in_stable_memory(memoryview(bytearray(4000))), "memory of someone else's is copied"
+        torch.save(moments, f)
+    loaded = torch.load(pending.dir / "optimizer.pt", weights_only=True)
+    assert torch.equal(loaded["state"][0]["exp_avg"], moments["state"][0]["exp_avg"])
+    content = (pending.dir / "optimizer.pt").read_bytes()
+    assert pending.files["optimizer.pt"]["sha256_pieces"] == [hashlib.sha256(content).hexdigest()]
 
 
 def test_a_dtype_the_header_writer_does_not_name_goes_through_the_library(tmp_path):

@@ -27,11 +27,13 @@ import shutil
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
+
+import numpy as np
 
 from trainpod import atomic
 
@@ -109,8 +111,10 @@ class HashingFile:
         hashers: ThreadPoolExecutor,
         flush: atomic.WriteBehind,
         abandoned: threading.Event,
+        stable_memory: Sequence[tuple[int, int]] = (),
     ):
         self._raw = raw
+        self._stable_memory = stable_memory
         self._abandoned = abandoned
         self._hashers = hashers
         self._flush = flush
@@ -120,9 +124,18 @@ class HashingFile:
         self.size = 0
 
     def write(self, data: bytes | bytearray | memoryview) -> int:
-        if not isinstance(data, bytes):
+        if not isinstance(data, bytes) and not self._in_stable_memory(data):
             data = bytes(data)  # the caller may reuse its buffer before the hashers read it
         return self.write_stable(data)
+
+    def _in_stable_memory(self, data: bytearray | memoryview) -> bool:
+        """Whether `data` lies inside memory its owner keeps unchanged until the file is closed
+        (torch.save hands each tensor's storage over in one piece: no copy of it is needed)."""
+        if not self._stable_memory:
+            return False
+        start = np.frombuffer(data, dtype=np.uint8).ctypes.data
+        end = start + memoryview(data).nbytes
+        return any(first <= start and end <= last for first, last in self._stable_memory)
 
     def write_stable(self, data: bytes | memoryview) -> int:
         """`write` without a copy: `data` must stay unchanged until the file is closed."""
@@ -177,10 +190,12 @@ class PendingCheckpoint:
         with self.open(name) as f:
             f.write(data)
 
-    def open(self, name: str) -> _PendingFile:
-        """A file object for streaming writers (e.g. `torch.save(obj, pending.open("x.pt"))`)."""
+    def open(self, name: str, stable_memory: Sequence[tuple[int, int]] = ()) -> _PendingFile:
+        """A file object for streaming writers (e.g. `torch.save(obj, pending.open("x.pt"))`).
+        `stable_memory`: address ranges [first, last) that stay unchanged until the file is closed
+        (the tensors being saved); what is written from inside them is not copied for the hashers."""
         self._check_name(name)
-        return _PendingFile(self, name)
+        return _PendingFile(self, name, stable_memory)
 
     def adopt(self, name: str, source: Path) -> None:
         """Take a finished file into the checkpoint: renamed when on the same filesystem (no copy),
@@ -214,12 +229,12 @@ class PendingCheckpoint:
 
 
 class _PendingFile:
-    def __init__(self, pending: PendingCheckpoint, name: str):
+    def __init__(self, pending: PendingCheckpoint, name: str, stable_memory: Sequence[tuple[int, int]] = ()):
         self._pending = pending
         self._name = name
         self._raw = open(pending.dir / name, "wb")  # noqa: SIM115 - closed in __exit__
         self._flush = atomic.WriteBehind(self._raw.fileno())
-        self._hashing = HashingFile(self._raw, pending.hashers, self._flush, pending.abandoned)
+        self._hashing = HashingFile(self._raw, pending.hashers, self._flush, pending.abandoned, stable_memory)
 
     def __enter__(self) -> HashingFile:
         return self._hashing

@@ -109,8 +109,24 @@ def _write_file(pending: PendingCheckpoint, name: str, value: Any) -> None:
         # No zip CRC32: each piece's sha256 in the manifest already guards the file, and the CRC pass
         # costs about a third of torch.save's time (11 of 21 ms for 31 MB here). torch.load does not
         # check it. (A process-wide setting: a torch.save on another thread meanwhile skips it too.)
-        with pending.open(name) as f, serialization_config.patch("save.compute_crc32", False):
+        memory = tensor_memory(value)
+        with pending.open(name, memory) as f, serialization_config.patch("save.compute_crc32", False):
             torch.save(value, f)
+
+
+def tensor_memory(value: Any) -> list[tuple[int, int]]:
+    """The address ranges of every CPU tensor's storage in `value`: a snapshot's tensors stay unchanged
+    until their file is written, so torch.save's writes from them need no copy (31 MB here)."""
+    if isinstance(value, torch.Tensor):
+        if value.device.type != "cpu":
+            return []
+        storage = value.untyped_storage()
+        return [(storage.data_ptr(), storage.data_ptr() + storage.nbytes())]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [span for item in value for span in tensor_memory(item)]
+    return []
 
 
 # safetensors' names for the dtypes a checkpoint holds; another dtype goes through safetensors' own save.

@@ -16,8 +16,9 @@ import pytest
 import safetensors.torch
 import torch
 
+from trainpod import tensorfile
 from trainpod.convert import adapter as peft_adapter
-from trainpod.convert import merge, output, run_convert, tensor_merge, tensorfile
+from trainpod.convert import merge, output, run_convert, tensor_merge
 from trainpod.errors import TemporaryError
 from trainpod.preemption import PreemptionWatch
 from trainpod.volume import Volume

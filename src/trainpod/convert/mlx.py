@@ -19,8 +19,7 @@ from typing import Any
 
 import torch
 
-from trainpod import atomic
-from trainpod.convert import tensorfile
+from trainpod import atomic, tensorfile
 from trainpod.convert.adapter import PeftAdapter
 from trainpod.convert.output import Staging
 from trainpod.errors import InputError

@@ -42,8 +42,8 @@ import torch
 
 import trainpod
 from trainpod import atomic
-from trainpod.convert.tensorfile import TensorLayout
 from trainpod.errors import TemporaryError
+from trainpod.tensorfile import TensorLayout
 
 log = logging.getLogger(__name__)
 

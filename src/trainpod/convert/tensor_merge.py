@@ -26,7 +26,7 @@ import torch
 from huggingface_hub import split_torch_state_dict_into_shards
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
-from trainpod.convert import tensorfile
+from trainpod import tensorfile
 from trainpod.convert.adapter import PeftAdapter
 from trainpod.convert.output import Staging
 from trainpod.train.export import DTYPES

@@ -1,5 +1,5 @@
 """The layout of a safetensors file, so that tensors can be computed straight into the bytes being written
-and read straight into a buffer of ours.
+and read straight into a buffer of ours (merges in convert/, checkpoint weights in checkpoint/writer.py).
 
 safetensors' own writers either write the file themselves (`save_file`: no chance to hash the bytes
 on the way, so they would be read back to be hashed) or return the whole file as a new `bytes`
@@ -36,6 +36,8 @@ _NAMES = {
     torch.int8: "I8",
     torch.uint8: "U8",
     torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
 }
 _DTYPES = {name: dtype for dtype, name in _NAMES.items()}
 

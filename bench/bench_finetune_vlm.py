@@ -387,8 +387,8 @@ def speed_report(speed: dict[str, float], steps: int, pairs: int, n_targets: int
             "collator of DataCollatorForSeq2Seq padding + concatenated pixels, fed trainpod's processed samples "
             "in trainpod's order; trainpod makes each batch's pixels inside its timed loop, the baseline's were "
             f"made before. {pairs} back-to-back pairs in ABBA order, best run of each, median pair ratio beside "
-            "it; real tokens counted on both sides. The machine is shared with two other engineers' jobs: load "
-            f"average (1, 5, 15 min) {loads[0]} before, {loads[1]} after; ratios within this run are what count.",
+            "it; real tokens counted on both sides. Load average (1, 5, 15 min) of the 2-core machine: "
+            f"{loads[0]} before, {loads[1]} after; ratios within this run are what count.",
             "",
             "| metric | measured | target | result |",
             "| --- | --- | --- | --- |",

@@ -188,7 +188,7 @@ def compare(volume: Path, steps: int, pairs: int, targets: list[str]) -> dict[st
 
 # ----------------------------------------------------------------------------- generation eval share
 QUICK_TOKENS = 16  # --quick's forced answer length: a 256-token answer alone takes 10-45 s on this CPU
-# One thread for the share's parts: on this 2-core machine shared by three engineers (load 5-6), two threads
+# One thread for the share's parts: on this 2-core machine under other jobs' load (5-6), two threads
 # made every op wait at OpenMP's barrier for a descheduled thread, ~8 ms an op whatever its size (cProfile: a
 # layer norm of 2 x 40 x 64 floats 8-15 ms), a step of the tiny test VLM 8-10 s against 0.4-1.5 s at one.
 SHARE_THREADS = 1
@@ -196,7 +196,7 @@ SHARE_THREADS = 1
 
 def work_clock() -> float:
     """Seconds the work costs. CPU: this process's CPU time (one thread: what the step or the answer needs,
-    whatever else runs on the machine, while its wall time grew 3-5x with the other engineers' load). GPU:
+    whatever else runs on the machine, while its wall time grew 3-5x under other jobs' load). GPU:
     wall time, the device's work done."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()

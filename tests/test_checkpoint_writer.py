@@ -199,3 +199,58 @@ def test_a_background_commit_error_reaches_the_training_thread(tmp_path):
     with pytest.raises(OSError):
         writer.wait()
     assert writer.in_flight_step is None
+
+
+def test_deferred_copies_are_made_by_the_writer_thread_and_wait_for_snapshot_waits_for_them(tmp_path):
+    writer = CheckpointWriter(CheckpointStore(tmp_path))
+    copy_now = threading.Event()
+    copy_deferred = writer._copy_deferred
+
+    def held_copy(job) -> None:  # noqa: ANN001
+        assert job.deferred_copies, "the copies were left to the writer thread"
+        assert copy_now.wait(30), "the test never let the copy go on"
+        copy_deferred(job)
+
+    writer._copy_deferred = held_copy
+    weights, moment = torch.arange(6.0), torch.ones(3)
+    writer.commit(7, state(weights, moment, 7), {}, background=True, defer_copies=True)
+    # Training's forward and backward run here; the weights and moments are unchanged until the step.
+    waiting = threading.Thread(target=writer.wait_for_snapshot)
+    waiting.start()
+    waiting.join(0.2)
+    assert waiting.is_alive(), "the optimizer step must wait until the writer holds its copy"
+    copy_now.set()
+    waiting.join(30)
+    assert not waiting.is_alive()
+    weights.add_(100.0)  # the optimizer step, once wait_for_snapshot returned
+    moment.mul_(-1.0)
+    committed = writer.wait()
+    saved_weights, saved_moment = read(committed.path)
+    assert torch.equal(saved_weights, torch.arange(6.0))
+    assert torch.equal(saved_moment, torch.ones(3))
+
+
+def test_a_failed_deferred_copy_fails_the_commit_and_never_hangs_the_optimizer_step(tmp_path):
+    writer = CheckpointWriter(CheckpointStore(tmp_path))
+
+    def broken_copy(job) -> None:  # noqa: ANN001
+        raise RuntimeError("copy failed")
+
+    writer._copy_deferred = broken_copy
+    writer.commit(1, state(torch.zeros(2), torch.zeros(2), 1), {}, background=True, defer_copies=True)
+    waiting = threading.Thread(target=writer.wait_for_snapshot)
+    waiting.start()
+    waiting.join(30)
+    assert not waiting.is_alive()
+    with pytest.raises(RuntimeError, match="copy failed"):
+        writer.wait()
+    assert CheckpointStore(tmp_path).latest() is None
+
+
+def test_without_deferral_wait_for_snapshot_returns_at_once(tmp_path):
+    store = HeldStore(tmp_path)
+    writer = CheckpointWriter(store)
+    writer.commit(1, state(torch.zeros(2), torch.zeros(2), 1), {}, background=True)
+    writer.wait_for_snapshot()  # the copies were made in commit(): nothing to wait for, even held
+    store.go.set()
+    assert writer.wait().step == 1

@@ -112,6 +112,8 @@ class Trainer:
         self.last_committed_step: int | None = None  # rank 0's knowledge; the others never read it
         self.finished_early: str | None = None  # the reason, when an eval plateau ended training
         self._last_commit_time = time.monotonic()  # when the newest commit's snapshot was taken
+        self._snapshot_hook: Any = None  # the optimizer's step pre-hook, once a background commit ran
+        self._only_parameters: bool | None = None  # _state_changes_only_in_optimizer_steps, once known
         self._committed_unix: float | None = None
         self._last_metrics: dict[str, Any] = {}  # the newest logged metrics, for status.json and DONE
         self._lr = 0.0
@@ -467,15 +469,42 @@ class Trainer:
             p = self.progress
             eval_loss = p.last_eval_loss if p.last_eval_step == step else None
             score = (self.ranked_metric, p.last_score) if p.last_score_step == step else None
+            if background:
+                self._hold_optimizer_steps_for_snapshots()
             with self._disk_full_is_exit_5(step):
                 committed = self.writer.commit(
-                    step, files, self._manifest_metadata(), eval_loss, background, score=score, shards=shards
+                    step,
+                    files,
+                    self._manifest_metadata(),
+                    eval_loss,
+                    background,
+                    score=score,
+                    shards=shards,
+                    defer_copies=background and self._state_changes_only_in_optimizer_steps(),
                 )
             self._committed(committed)
         self._last_commit_time = snapshot_time
         if not background:
             D.barrier(self.dist)
         return committed
+
+    def _hold_optimizer_steps_for_snapshots(self) -> None:
+        """A background commit's CPU copies are made by the writer thread during the next forward and
+        backward (`defer_copies`): the weights and optimizer state change only in `optimizer.step()`,
+        which waits here for the copies to be done. (Gradients, which the backward changes, are not
+        saved; the data position, RNG and trainer state are captured before `commit` returns.)"""
+        if self._snapshot_hook is None:
+            self._snapshot_hook = self.optimizer.register_step_pre_hook(
+                lambda *_: self.writer.wait_for_snapshot()
+            )
+
+    def _state_changes_only_in_optimizer_steps(self) -> bool:
+        """Whether the model's state is all parameters: a buffer in it (batch norm's statistics, say)
+        may change in a forward, before the optimizer step that a deferred copy waits for."""
+        if self._only_parameters is None:
+            parameters = {name for name, _ in self.model.named_parameters(remove_duplicate=False)}
+            self._only_parameters = set(self.model.state_dict()) <= parameters
+        return self._only_parameters
 
     def _save_shards(self, step: int, background: bool) -> ShardFiles | None:
         """Every rank writes its shards of `sharded_state()` (FSDP) into rank 0's pending checkpoint

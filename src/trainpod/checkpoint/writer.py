@@ -14,8 +14,8 @@ otherwise change the tensors under the writer). A daemon thread then hashes, wri
 the files (checkpoint/store.py) while training goes on. On CPU the trainer lets that thread make the
 copies too (`defer_copies`), beside the next forward and backward, and its optimizer step waits for
 them (`wait_for_snapshot`): the weights and moments change in the step only. At most one commit is
-in flight; the next snapshot waits for it, since it reuses its buffers. A commit that cannot finish before SIGKILL is
-abandoned: its writes stop at the next piece and it never becomes LATEST.
+in flight; the next snapshot waits for it, since it reuses its buffers. A commit that cannot finish
+before SIGKILL is abandoned: its writes stop at the next piece and it never becomes LATEST.
 
 A sharded checkpoint (FSDP) is written by every rank at once: rank 0 opens the pending checkpoint
 (`begin`), each rank's DCP writes its shards into a folder of it, and rank 0 hands the folder to
@@ -61,16 +61,17 @@ class HostBuffers:
         self.pin_memory = pin_memory
         self._buffers: dict[tuple, torch.Tensor] = {}
         self.copied_from_device = False  # a device copy was queued: wait for it before reading
-        self.deferred: list[tuple[torch.Tensor, torch.Tensor]] = []  # (buffer, CPU source) left to copy
 
-    def copy(self, key: tuple, tensor: torch.Tensor, defer: bool = False) -> torch.Tensor:
+    def copy(self, key: tuple, tensor: torch.Tensor, deferred: list | None = None) -> torch.Tensor:
+        """`tensor` copied into its buffer; with `deferred`, a CPU tensor's copy is appended there as
+        (buffer, source) for the writer thread to make instead."""
         buffer = self._buffers.get(key)
         if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
             pin = self.pin_memory and tensor.device.type == "cuda"
             buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin)
             self._buffers[key] = buffer
-        if defer and tensor.device.type == "cpu":
-            self.deferred.append((buffer, tensor.detach()))  # the writer thread copies it (_copy_deferred)
+        if deferred is not None and tensor.device.type == "cpu":
+            deferred.append((buffer, tensor.detach()))
             return buffer
         # From the GPU into pinned memory the copy is queued on the current stream and training's next
         # kernels run after it; the writer waits for the event recorded behind it. On CPU it is done here.
@@ -78,37 +79,32 @@ class HostBuffers:
         self.copied_from_device |= tensor.device.type != "cpu"
         return buffer
 
-    def take_deferred(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        deferred, self.deferred = self.deferred, []
-        return deferred
-
     @property
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
 
-def snapshot(value: Any, buffers: HostBuffers | None, key: tuple = (), defer: bool = False) -> Any:
+def snapshot(value: Any, buffers: HostBuffers | None, key: tuple = (), deferred: list | None = None) -> Any:
     """`value` with every tensor replaced by a host copy (in `buffers`), or, without buffers, by a CPU
-    tensor that may be the live one (for a write that finishes before training goes on). With `defer`,
-    the copies of CPU tensors are left to the writer thread (`buffers.deferred`); the structure is
-    rebuilt now."""
+    tensor that may be the live one (for a write that finishes before training goes on). With `deferred`,
+    the copies of CPU tensors are listed there for the writer thread; the structure is rebuilt now."""
     if isinstance(value, torch.Tensor):
         if buffers is None:
             return value.detach().to("cpu").contiguous()
-        return buffers.copy(key, value, defer)
+        return buffers.copy(key, value, deferred)
     if isinstance(value, dict):
-        return {k: snapshot(v, buffers, (*key, k), defer) for k, v in value.items()}
+        return {k: snapshot(v, buffers, (*key, k), deferred) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(snapshot(v, buffers, (*key, i), defer) for i, v in enumerate(value))
+        return type(value)(snapshot(v, buffers, (*key, i), deferred) for i, v in enumerate(value))
     return value  # numbers, strings, None: immutable, safe to share
 
 
-def _frozen(name: str, value: Any, buffers: HostBuffers | None, defer: bool = False) -> Any:
+def _frozen(name: str, value: Any, buffers: HostBuffers | None, deferred: list | None = None) -> Any:
     if name.endswith(".json"):
         return json.dumps(value, indent=2).encode()  # serialized now: later changes to `value` do not leak in
     if isinstance(value, (bytes, bytearray)):
         return bytes(value)
-    return snapshot(value, buffers, (name,), defer)
+    return snapshot(value, buffers, (name,), deferred)
 
 
 def _write_file(pending: PendingCheckpoint, name: str, value: Any) -> None:
@@ -231,9 +227,8 @@ class CheckpointWriter:
         self.wait()  # one in flight at most, and its buffers are the ones the snapshot reuses
         started = time.monotonic()
         buffers = self.buffers if background else None
-        defer = background and defer_copies
-        self.buffers.take_deferred()  # none left by a commit whose snapshot failed
-        frozen = {name: _frozen(name, value, buffers, defer) for name, value in files.items()}
+        deferred: list | None = [] if background and defer_copies else None
+        frozen = {name: _frozen(name, value, buffers, deferred) for name, value in files.items()}
         copied = None
         if background and self.buffers.copied_from_device:
             copied = torch.cuda.Event()
@@ -250,7 +245,7 @@ class CheckpointWriter:
             abandoned=shards.pending.abandoned if shards else threading.Event(),
             score=score,
             shards=shards,
-            deferred_copies=self.buffers.take_deferred(),
+            deferred_copies=deferred or [],
         )
         if not job.deferred_copies:
             job.snapshot_taken.set()

@@ -6,11 +6,13 @@ import hashlib
 import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
 import safetensors.torch
 import torch
 
 from trainpod.checkpoint import CheckpointStore
+from trainpod.checkpoint.store import SMALL_WRITE_BYTES
 from trainpod.checkpoint.writer import CheckpointWriter, tensor_memory
 
 
@@ -111,19 +113,44 @@ def test_the_weights_file_is_safetensors_that_the_library_loads_for_every_dtype_
 def test_torch_save_writes_from_the_saved_tensors_memory_uncopied_and_copies_anything_else(tmp_path):
     # The optimizer file: torch.save hands each storage over in one piece, from the tensor's own memory,
     # which the writer keeps unchanged until the file is closed; its other writes come from buffers it
-    # reuses, which must be copied before the hashers read them.
-    moments = {"state": {0: {"exp_avg": torch.randn(1000), "step": torch.tensor(3.0)}}, "lr": 0.1}
+    # reuses, which must be copied before the hashers read them. Small writes are copied unlooked-at.
+    big = SMALL_WRITE_BYTES // 4 * 3  # float32 elements: three times the size below which writes are copied
+    moments = {
+        "state": {i: {"exp_avg": torch.randn(big), "step": torch.tensor(3.0)} for i in range(3)},
+        "lr": 0.1,
+    }
     pending = CheckpointStore(tmp_path).begin(1)
     with pending.open("optimizer.pt", tensor_memory(moments)) as f:
-        inside = moments["state"][0]["exp_avg"].numpy()
-        assert f._in_stable_memory(memoryview(inside)), "a saved tensor's storage needs no copy"
-        assert f._in_stable_memory(memoryview(inside[10:20]))
-        assert not f._in_stable_memory(memoryview(bytearray(4000))), "memory of someone else's is copied"
+        for i in range(3):
+            inside = moments["state"][i]["exp_avg"].numpy()
+            assert f._in_stable_memory(memoryview(inside)), f"tensor {i}'s storage needs no copy"
+            assert f._in_stable_memory(memoryview(inside[big // 2 :])), "nor does a large part of it"
+            assert not f._in_stable_memory(memoryview(inside[:10])), "a small write is copied"
+        assert not f._in_stable_memory(memoryview(bytearray(SMALL_WRITE_BYTES * 2))), (
+            "someone else's is copied"
+        )
         torch.save(moments, f)
     loaded = torch.load(pending.dir / "optimizer.pt", weights_only=True)
-    assert torch.equal(loaded["state"][0]["exp_avg"], moments["state"][0]["exp_avg"])
+    for i in range(3):
+        assert torch.equal(loaded["state"][i]["exp_avg"], moments["state"][i]["exp_avg"])
     content = (pending.dir / "optimizer.pt").read_bytes()
     assert pending.files["optimizer.pt"]["sha256_pieces"] == [hashlib.sha256(content).hexdigest()]
+
+
+def test_a_write_running_past_the_end_of_stable_memory_is_copied(tmp_path):
+    backing = np.zeros(4 * SMALL_WRITE_BYTES, dtype=np.uint8)
+    start = backing.ctypes.data
+    stable = [
+        (start + 2 * SMALL_WRITE_BYTES, start + 4 * SMALL_WRITE_BYTES),
+        (start, start + SMALL_WRITE_BYTES),
+    ]
+    with CheckpointStore(tmp_path).begin(1).open("x.bin", stable) as f:
+        assert f._in_stable_memory(memoryview(backing[:SMALL_WRITE_BYTES]))
+        assert f._in_stable_memory(memoryview(backing[2 * SMALL_WRITE_BYTES :]))
+        assert not f._in_stable_memory(memoryview(backing[: 2 * SMALL_WRITE_BYTES])), (
+            "runs past the first range"
+        )
+        assert not f._in_stable_memory(memoryview(backing[SMALL_WRITE_BYTES : 3 * SMALL_WRITE_BYTES]))
 
 
 def test_a_dtype_the_header_writer_does_not_name_goes_through_the_library(tmp_path):

@@ -18,6 +18,7 @@ folder is left for the next start to remove.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import hashlib
 import logging
@@ -76,6 +77,7 @@ class CommittedCheckpoint:
 
 
 PIECE_BYTES = 32 << 20
+SMALL_WRITE_BYTES = 64 << 10  # HashingFile copies writes below this rather than look them up
 
 
 def _piece_digest(piece: bytes | memoryview) -> str:
@@ -114,7 +116,9 @@ class HashingFile:
         stable_memory: Sequence[tuple[int, int]] = (),
     ):
         self._raw = raw
-        self._stable_memory = stable_memory
+        # Sorted by start, for a bisect per write (torch.save writes ~6 times per tensor).
+        self._stable_memory = sorted(stable_memory)
+        self._stable_starts = [first for first, _ in self._stable_memory]
         self._abandoned = abandoned
         self._hashers = hashers
         self._flush = flush
@@ -130,12 +134,17 @@ class HashingFile:
 
     def _in_stable_memory(self, data: bytearray | memoryview) -> bool:
         """Whether `data` lies inside memory its owner keeps unchanged until the file is closed
-        (torch.save hands each tensor's storage over in one piece: no copy of it is needed)."""
-        if not self._stable_memory:
+        (torch.save hands each tensor's storage over in one piece: no copy of it is needed).
+
+        A write below SMALL_WRITE_BYTES (torch.save's record headers and padding) is copied without
+        looking: the copy costs less than the lookup, which runs on the writer thread holding the GIL
+        while training waits for it."""
+        nbytes = memoryview(data).nbytes
+        if not self._stable_memory or nbytes < SMALL_WRITE_BYTES:
             return False
         start = np.frombuffer(data, dtype=np.uint8).ctypes.data
-        end = start + memoryview(data).nbytes
-        return any(first <= start and end <= last for first, last in self._stable_memory)
+        at = bisect.bisect_right(self._stable_starts, start) - 1
+        return at >= 0 and start + nbytes <= self._stable_memory[at][1]
 
     def write_stable(self, data: bytes | memoryview) -> int:
         """`write` without a copy: `data` must stay unchanged until the file is closed."""

@@ -15,12 +15,12 @@ from engine import docker
 
 pytestmark = pytest.mark.container
 
-# No eval before the end: an eval compiles a second graph (minutes on 2 busy cores), and a SIGTERM
-# that lands while it compiles cannot be answered within the 5 s before SIGKILL.
+# An eval every 4 steps: its graph is compiled before the first step (a SIGTERM during a compile between
+# two commits could not be answered in the 5 s before SIGKILL), and a stop during an eval ends the eval.
 COMPILE_ENV = {
     **PRETRAIN_ENV,
-    "TRAINPOD_SET": "train.compile=true train.max_steps=24 checkpoint.every_steps=4 train.eval_every=1000 "
-    "train.cpu_threads=1 train.log_every=1",
+    "TRAINPOD_SET": "train.compile=true train.max_steps=24 checkpoint.every_steps=4 train.eval_every=4 "
+    "train.eval_batches=2 train.cpu_threads=1 train.log_every=1",
 }
 
 
@@ -51,4 +51,5 @@ def test_compiled_pretrain_is_stopped_resumed_and_finished_in_the_cpu_image(pods
     logs = second.logs()
     assert second.exit_code() == 0, f"the resumed compiled run exited {second.exit_code()}:\n{logs[-3000:]}"
     assert "resum" in logs.lower(), f"the second start did not resume from the checkpoint:\n{logs[-3000:]}"
+    assert "compiled the eval graph before the first step" in logs, logs[-3000:]
     assert (fresh_volume / DONE).is_file() and (fresh_volume / EXPORT).stat().st_size > 0

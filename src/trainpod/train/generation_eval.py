@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -103,7 +103,7 @@ def greedy_answer(model: torch.nn.Module, prompt: Prompt, tokenizer, max_new_tok
 
 def generate_and_score(
     model: torch.nn.Module,
-    prompts: Sequence[Prompt],
+    prompts: Iterable[Prompt],
     tokenizer,
     max_new_tokens: int,
     device: torch.device,

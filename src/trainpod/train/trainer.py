@@ -22,10 +22,10 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -46,6 +46,14 @@ log = logging.getLogger(__name__)
 
 ASSUMED_VOLUME_BYTES_PER_S = 200e6  # network volumes write 200-400 MB/s; used before a commit is measured
 PLOT_SECONDS_BEFORE_KILL = 2.5  # matplotlib's import and one draw take ~1 s on a busy CPU; keep a margin
+
+
+T = TypeVar("T")
+
+
+class EvalInterrupted(Exception):
+    """A stop was asked for during an eval (`Trainer.until_stop`): the eval is dropped, the step before it
+    is committed in the warning window, and the eval runs after the resume instead (`_evaluate_pending`)."""
 
 
 @dataclass
@@ -134,6 +142,12 @@ class Trainer:
     @property
     def has_eval_data(self) -> bool:
         raise NotImplementedError
+
+    def compile_eval_graph(self, model: torch.nn.Module) -> None:
+        """Before the first step, run what makes torch.compile build the graph an eval needs (eval mode
+        and no_grad are a second graph), when `model` is compiled and evals are due. Built at the first
+        eval instead, it would take 10-60 s between two commits, and a SIGTERM meanwhile could not be
+        answered before SIGKILL (docs/design.md, "Stopping"); here no step since the checkpoint is lost."""
 
     def sharded_state(self) -> dict[str, Any] | None:
         """The state every rank writes its own shards of (FSDP: train/sharding.py), or None when rank 0
@@ -245,6 +259,9 @@ class Trainer:
         self.reporter.last_eval_loss = self.progress.last_eval_loss  # log lines show it from the first one
         try:
             if not self.finished_early:
+                self.compile_eval_graph(model)
+                self._evaluate_pending(model, start_step)
+            if not self.finished_early:
                 self._loop(model, start_step)
             self._committed(self.writer.wait())
             self.reporter.plot_loss()
@@ -278,9 +295,13 @@ class Trainer:
             self.progress.elapsed_s += time.perf_counter() - step_started
             window_tokens, window_steps = window_tokens + tokens, window_steps + 1
             metrics: dict[str, Any] = {}
-            if self.eval_every and step % self.eval_every == 0 and self.has_eval_data:
-                metrics["eval_loss"] = self._evaluate(model, step)
-                metrics |= self.eval_metrics
+            if self._eval_due(step):
+                try:
+                    metrics["eval_loss"] = self._evaluate(model, step)
+                    metrics |= self.eval_metrics
+                except EvalInterrupted:
+                    model.train()
+                    log.info("the eval at step %d was stopped; it runs after the resume", step)
             if step % self.log_every == 0 or step == self.max_steps or metrics:
                 seconds = time.perf_counter() - window_start
                 metrics |= self._step_metrics(
@@ -295,6 +316,30 @@ class Trainer:
             self._after_step(step)
             if self.finished_early:
                 return
+
+    def _eval_due(self, step: int) -> bool:
+        return bool(self.eval_every) and step % self.eval_every == 0 and self.has_eval_data
+
+    def until_stop(self, batches: Iterable[T]) -> Iterator[T]:
+        """`batches` of an eval, ending it (EvalInterrupted) when a stop is asked for between two of them:
+        an eval takes seconds to minutes, and a SIGTERM must reach the next step boundary, and its commit,
+        within 5 s. One rank only: several would have to agree in step (an all-reduce before each batch,
+        and their batch counts differ); they finish the eval, then stop."""
+        for batch in batches:
+            if self.dist.world_size == 1 and self.ctx.watch.requested:
+                raise EvalInterrupted
+            yield batch
+
+    def _evaluate_pending(self, model: torch.nn.Module, step: int) -> None:
+        """The eval a stop interrupted at `step`, the step the run resumed from: run now, before any step,
+        the run goes on as an uninterrupted one (the same eval losses, best score and plateau count;
+        an eval draws no random numbers)."""
+        if step == 0 or not self._eval_due(step) or self.progress.last_eval_step == step:
+            return
+        log.info("running the eval of step %d, which the stop interrupted", step)
+        metrics = {"step": step, "eval_loss": self._evaluate(model, step), **self.eval_metrics}
+        self.reporter.log_step(metrics)
+        self._write_status("running", metrics)
 
     def _evaluate(self, model: torch.nn.Module, step: int) -> float:
         self.eval_metrics = {}

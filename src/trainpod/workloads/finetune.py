@@ -433,7 +433,7 @@ class Finetuner(Trainer):
             for _ in range(-(-len(batches) // self.dist.world_size) - len(mine)):
                 with self._autocast(), gathered_root(self.loss_module):
                     self.model(**self._eval_inputs(batches[0]))  # a repeat, not counted
-        for batch in mine:
+        for batch in self.until_stop(mine):
             inputs = self._eval_inputs(batch)
             # The bare model, not the training wrapper: per-sample losses need logits.
             with self._autocast(), gathered_root(self.loss_module):
@@ -485,7 +485,7 @@ class Finetuner(Trainer):
             prompts = self.generation_prompts(gen.max_samples)
             metrics = generate_and_score(
                 self.model,
-                prompts,
+                self.until_stop(prompts),
                 self.tokenizer,
                 gen.max_new_tokens,
                 self.dist.device,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -220,21 +221,36 @@ class Pretrainer(Trainer):
     def has_eval_data(self) -> bool:
         return bool(self.val_shards)
 
-    @torch.no_grad()
-    def evaluate(self, model: torch.nn.Module, step: int) -> float:
+    def _eval_batches(self, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         t = self.train_cfg
-        model.eval()
-        batches = eval_batches(
+        return eval_batches(
             self.val_shards,
             open_shard,
             t.micro_batch_size,
             t.seq_len,
-            t.eval_batches,
+            count,
             self.dist.rank,
             self.dist.world_size,
         )
+
+    @torch.no_grad()
+    def compile_eval_graph(self, model: torch.nn.Module) -> None:
+        if not (self.train_cfg.compile and self.eval_every and self.has_eval_data):
+            return
+        started = time.perf_counter()
+        model.eval()
+        for inputs, targets in self._eval_batches(1):  # every rank: FSDP's forward gathers on all of them
+            with self._autocast():
+                model(to_device(inputs, self.dist.device), to_device(targets, self.dist.device))
+        model.train()
+        log.info("compiled the eval graph before the first step (%.0f s)", time.perf_counter() - started)
+
+    @torch.no_grad()
+    def evaluate(self, model: torch.nn.Module, step: int) -> float:
+        model.eval()
+        batches = self._eval_batches(self.train_cfg.eval_batches)
         total = torch.zeros((), device=self.dist.device)
-        for inputs, targets in batches:
+        for inputs, targets in self.until_stop(batches):
             with self._autocast():
                 total += model(to_device(inputs, self.dist.device), to_device(targets, self.dist.device))
         return D.all_reduce_mean(self.dist, total / max(len(batches), 1)).item()

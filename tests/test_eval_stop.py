@@ -2,7 +2,7 @@
 and the resumed run evaluates that step first and ends byte-identical to an uninterrupted run. With
 torch.compile, the eval's graph is built before the first step, never between two commits.
 
-In-process pretrain runs on the tiny dataset; the SIGTERM is `PreemptionWatch.request`, which is what
+In-process pretrain runs on the tiny dataset and a LoRA finetune whose generation eval is stopped; the SIGTERM is `PreemptionWatch.request`, which is what
 the signal handler does (test_preemption.py covers the handler itself).
 """
 
@@ -122,3 +122,65 @@ def test_with_compile_the_eval_graph_is_built_before_the_first_step(
     assert counter.frame_count == graphs_at_step[2], (
         "no graph was built after the first step (the training one)"
     )
+
+
+def test_a_stop_during_a_finetunes_generation_eval_is_resumed_the_same_way(
+    tmp_path: Path, finetune_base_volume: Path
+):
+    # LoRA dropout draws random numbers in every step, so equal weights also show the eval drew none.
+    from trainpod.config.finetune import FinetuneConfig
+    from trainpod.workloads.finetune import Finetuner
+
+    from finetune_support import FINETUNE_RUN, finetune_args
+
+    args = finetune_args(
+        "--set", "train.max_steps=6", "--set", "train.eval_every=3", "--set", "checkpoint.every_steps=100",
+        "--set", "checkpoint.mode=sync", "--set", "generation_eval.every_evals=1",
+        "--set", "generation_eval.max_samples=3", "--set", "generation_eval.max_new_tokens=4",
+        method="lora",
+    )  # fmt: skip
+    overrides = [value for flag, value in zip(args[4::2], args[5::2], strict=True) if flag == "--set"]
+
+    def finetuner(name: str) -> Finetuner:
+        volume = tmp_path / name
+        if not volume.exists():
+            shutil.copytree(finetune_base_volume, volume)
+        config = load_config(FinetuneConfig, Path(args[3]), overrides)
+        run = Volume(volume).run(FINETUNE_RUN)
+        run.create()
+        return Finetuner(RunContext(Volume(volume), run, PreemptionWatch()), config, init_distributed())
+
+    def metrics(name: str) -> dict[int, dict]:
+        lines = (tmp_path / name / "runs" / FINETUNE_RUN / "logs" / "metrics.jsonl").read_text().splitlines()
+        evals = [m for m in map(json.loads, lines) if "eval_loss" in m]
+        return {m["step"]: {k: v for k, v in m.items() if k.startswith("eval_")} for m in evals}
+
+    def trained(trainer: Finetuner) -> dict[str, torch.Tensor]:
+        return {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+
+    uninterrupted = finetuner("uninterrupted")
+    uninterrupted.train()
+
+    first = finetuner("stopped")
+    real_prompts = first.generation_prompts
+
+    def prompts(limit: int):
+        for index, prompt in enumerate(real_prompts(limit)):
+            if index == 1 and first.progress.step == 3:
+                first.ctx.watch.request("SIGTERM")  # between the first and second answer
+            yield prompt
+
+    first.generation_prompts = prompts
+    with pytest.raises(Preempted):
+        first.train()
+    assert 3 not in metrics("stopped")
+    assert (
+        tmp_path / "stopped" / "runs" / FINETUNE_RUN / "checkpoints" / "LATEST"
+    ).read_text().strip() == "step-3"
+
+    second = finetuner("stopped")
+    second.train()
+    assert metrics("stopped") == metrics("uninterrupted")
+    assert set(metrics("uninterrupted")[3]) >= {"eval_loss", "eval_cer"}, "the generation eval ran at step 3"
+    resumed, expected = trained(second), trained(uninterrupted)
+    assert resumed and all(torch.equal(resumed[name], expected[name]) for name in expected)

@@ -2,8 +2,9 @@
 and the resumed run evaluates that step first and ends byte-identical to an uninterrupted run. With
 torch.compile, the eval's graph is built before the first step, never between two commits.
 
-In-process pretrain runs on the tiny dataset and a LoRA finetune whose generation eval is stopped; the SIGTERM is `PreemptionWatch.request`, which is what
-the signal handler does (test_preemption.py covers the handler itself).
+In-process runs: a pretrain on the tiny dataset, and a LoRA finetune stopped in its generation eval.
+The SIGTERM is `PreemptionWatch.request`, which is what the signal handler does (test_preemption.py
+covers the handler itself).
 """
 
 from __future__ import annotations

@@ -259,7 +259,9 @@ class Trainer:
         self.reporter.last_eval_loss = self.progress.last_eval_loss  # log lines show it from the first one
         try:
             if not self.finished_early:
-                self.compile_eval_graph(model)
+                next_eval = (start_step // self.eval_every + 1) * self.eval_every if self.eval_every else None
+                if next_eval is not None and next_eval <= self.max_steps:  # an eval is still to come
+                    self.compile_eval_graph(model)
                 self._evaluate_pending(model, start_step)
             if not self.finished_early:
                 self._loop(model, start_step)

@@ -144,10 +144,11 @@ class Trainer:
         raise NotImplementedError
 
     def compile_eval_graph(self, model: torch.nn.Module) -> None:
-        """Before the first step, run what makes torch.compile build the graph an eval needs (eval mode
-        and no_grad are a second graph), when `model` is compiled and evals are due. Built at the first
-        eval instead, it would take 10-60 s between two commits, and a SIGTERM meanwhile could not be
-        answered before SIGKILL (docs/design.md, "Stopping"); here no step since the checkpoint is lost."""
+        """Before the first step, when an eval is still to come: if `model` is compiled, run what makes
+        torch.compile build the graph an eval needs (eval mode and no_grad are a second graph). Built at
+        the first eval instead, it would take 10-60 s between two commits, and a SIGTERM meanwhile could
+        not be answered before SIGKILL (docs/design.md, "Stopping"); here no step since the checkpoint is
+        lost."""
 
     def sharded_state(self) -> dict[str, Any] | None:
         """The state every rank writes its own shards of (FSDP: train/sharding.py), or None when rank 0
@@ -259,11 +260,10 @@ class Trainer:
         self.reporter.last_eval_loss = self.progress.last_eval_loss  # log lines show it from the first one
         try:
             if not self.finished_early:
-                next_eval = (start_step // self.eval_every + 1) * self.eval_every if self.eval_every else None
-                if next_eval is not None and next_eval <= self.max_steps:  # an eval is still to come
+                if self._eval_after(start_step):
                     self.compile_eval_graph(model)
                 self._evaluate_pending(model, start_step)
-            if not self.finished_early:
+            if not self.finished_early:  # again: the pending eval may end the run (a plateau)
                 self._loop(model, start_step)
             self._committed(self.writer.wait())
             self.reporter.plot_loss()
@@ -321,6 +321,12 @@ class Trainer:
 
     def _eval_due(self, step: int) -> bool:
         return bool(self.eval_every) and step % self.eval_every == 0 and self.has_eval_data
+
+    def _eval_after(self, step: int) -> bool:
+        """Whether an eval is due at some step after `step`, up to `max_steps`."""
+        if not (self.eval_every and self.has_eval_data):
+            return False
+        return (step // self.eval_every + 1) * self.eval_every <= self.max_steps
 
     def until_stop(self, batches: Iterable[T]) -> Iterator[T]:
         """`batches` of an eval, ending it (EvalInterrupted) when a stop is asked for between two of them:

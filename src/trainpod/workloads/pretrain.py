@@ -235,7 +235,7 @@ class Pretrainer(Trainer):
 
     @torch.no_grad()
     def compile_eval_graph(self, model: torch.nn.Module) -> None:
-        if not (self.train_cfg.compile and self.eval_every and self.has_eval_data):
+        if not self.train_cfg.compile:
             return
         started = time.perf_counter()
         model.eval()

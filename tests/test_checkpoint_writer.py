@@ -11,7 +11,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from trainpod.checkpoint import CheckpointStore
+from trainpod.checkpoint import CheckpointStore, tree
 from trainpod.checkpoint.store import SMALL_WRITE_BYTES
 from trainpod.checkpoint.writer import CheckpointWriter, tensor_memory
 
@@ -30,32 +30,46 @@ class HeldStore(CheckpointStore):
         return super().begin(step, abandoned)
 
 
-def state(weights: torch.Tensor, moment: torch.Tensor, step: int) -> dict:
+# An optimizer's state as the trainer writes it (a tensor tree in safetensors, checkpoint/tree.py) and
+# as the user-code checkpointer writes a `state_dict()` (torch.save).
+OPTIMIZER_FILES = ["optimizer.safetensors", "optimizer.pt"]
+
+
+def state(
+    weights: torch.Tensor, moment: torch.Tensor, step: int, optimizer_file: str = "optimizer.pt"
+) -> dict:
     return {
         "model.safetensors": {"w": weights},
-        "optimizer.pt": {"state": {0: {"exp_avg": moment, "step": torch.tensor(float(step))}}, "lr": 0.1},
+        optimizer_file: {"state": {0: {"exp_avg": moment, "step": torch.tensor(float(step))}}, "lr": 0.1},
         "trainer_state.json": {"step": step},
         "note.bin": b"raw bytes",
     }
 
 
-def read(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
+def read(path: Path, optimizer_file: str = "optimizer.pt") -> tuple[torch.Tensor, torch.Tensor]:
     weights = safetensors.torch.load((path / "model.safetensors").read_bytes())["w"]
-    moment = torch.load(path / "optimizer.pt", weights_only=True)["state"][0]["exp_avg"]
-    return weights, moment
+    if optimizer_file.endswith(".safetensors"):
+        optimizer = tree.load(path / optimizer_file)
+    else:
+        optimizer = torch.load(path / optimizer_file, weights_only=True)
+    assert optimizer["lr"] == 0.1 and list(optimizer["state"]) == [0]
+    return weights, optimizer["state"][0]["exp_avg"]
 
 
-def test_a_background_commit_holds_the_state_at_its_step_while_training_changes_the_tensors(tmp_path):
+@pytest.mark.parametrize("optimizer_file", OPTIMIZER_FILES)
+def test_a_background_commit_holds_the_state_at_its_step_while_training_changes_the_tensors(
+    tmp_path, optimizer_file
+):
     store = HeldStore(tmp_path)
     writer = CheckpointWriter(store)
     weights, moment = torch.arange(6.0), torch.ones(3)
-    assert writer.commit(7, state(weights, moment, 7), {}, background=True) is None
+    assert writer.commit(7, state(weights, moment, 7, optimizer_file), {}, background=True) is None
     weights.add_(100.0)  # the next optimizer steps, before the writer has read anything
     moment.mul_(-1.0)
     store.go.set()
     committed = writer.wait()
     assert committed.step == 7
-    saved_weights, saved_moment = read(committed.path)
+    saved_weights, saved_moment = read(committed.path, optimizer_file)
     assert torch.equal(saved_weights, torch.arange(6.0)), "the snapshot must not alias the live weights"
     assert torch.equal(saved_moment, torch.ones(3)), "the snapshot must not alias the live optimizer state"
     assert (committed.path / "trainer_state.json").read_text().count('"step": 7') == 1
@@ -63,15 +77,18 @@ def test_a_background_commit_holds_the_state_at_its_step_while_training_changes_
     assert store.latest().step == 7
 
 
-def test_sync_and_background_commits_write_the_same_checkpoint(tmp_path):
+@pytest.mark.parametrize("optimizer_file", OPTIMIZER_FILES)
+def test_sync_and_background_commits_write_the_same_checkpoint(tmp_path, optimizer_file):
     weights, moment = torch.randn(4, 4), torch.randn(4)
-    sync = CheckpointWriter(CheckpointStore(tmp_path / "sync")).commit(3, state(weights, moment, 3), {})
+    files = state(weights, moment, 3, optimizer_file)
+    sync = CheckpointWriter(CheckpointStore(tmp_path / "sync")).commit(3, files, {})
     background = CheckpointWriter(CheckpointStore(tmp_path / "background"))
-    background.commit(3, state(weights, moment, 3), {}, background=True)
+    background.commit(3, files, {}, background=True)
     done = background.wait()
-    for a, b in zip(read(sync.path), read(done.path), strict=True):
+    for a, b in zip(read(sync.path, optimizer_file), read(done.path, optimizer_file), strict=True):
         assert torch.equal(a, b)
-    assert sync.manifest["files"]["model.safetensors"] == done.manifest["files"]["model.safetensors"]
+    for name in ("model.safetensors", optimizer_file):
+        assert sync.manifest["files"][name] == done.manifest["files"][name], name
 
 
 @pytest.mark.parametrize("background", [False, True])
@@ -197,12 +214,11 @@ def test_an_abandoned_commit_is_never_published_and_its_temp_folder_goes_at_the_
     store.began.clear()
     writer.commit(20, state(torch.ones(2), torch.ones(2), 20), {}, background=True)
     assert store.began.wait(30)
+    job = writer._in_flight
     assert writer.abandon() is None, "abandoned before its commit point: nothing was published"
     assert writer.in_flight_step is None
-    store.go.set()  # the thread goes on, finds itself abandoned and stops
-    for thread in threading.enumerate():
-        if thread.name == "checkpoint-step-20":
-            thread.join(30)
+    store.go.set()  # the thread goes on, finds the commit abandoned and stops it
+    assert job.done.wait(30)
     assert (tmp_path / "LATEST").read_text().strip() == "step-10"
     assert not (tmp_path / "step-20").exists()
     assert CheckpointStore(tmp_path).latest().step == 10

@@ -68,11 +68,11 @@ def test_resume_after_a_model_shape_change_names_the_tensor_both_shapes_and_the_
 def test_resume_from_a_committed_checkpoint_missing_a_file_names_the_file(volume):
     manifest_path = checkpoint(volume) / "manifest.json"
     manifest = json.loads(manifest_path.read_text())
-    del manifest["files"]["rng.pt"]  # a checkpoint whose manifest never listed it (another version)
+    del manifest["files"]["rng.safetensors"]  # a checkpoint whose manifest never listed it (another version)
     manifest_path.write_text(json.dumps(manifest))
-    (checkpoint(volume) / "rng.pt").unlink()
+    (checkpoint(volume) / "rng.safetensors").unlink()
     result = run_trainpod(*PRETRAIN, volume=volume)
-    assert_one_line_exit_2(result, str(checkpoint(volume)), "rng.pt", "start a new run name")
+    assert_one_line_exit_2(result, str(checkpoint(volume)), "rng.safetensors", "start a new run name")
 
 
 def test_resume_from_a_checkpoint_of_another_workload_names_what_is_missing(volume):

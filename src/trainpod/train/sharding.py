@@ -16,7 +16,7 @@
   each tensor's global shape and each shard's offsets, so any rank count (or an unsharded model)
   loads it: `load_sharded` reads what each rank now holds.
 - `load_full_into`: the other direction, a full-weights checkpoint (`model.safetensors` +
-  `optimizer.pt`, written by one GPU or DDP) into a sharded model.
+  `optimizer.safetensors`, written by one GPU or DDP) into a sharded model.
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ import torch
 
 import trainpod
 from trainpod.checkpoint import CheckpointStore, CommittedCheckpoint
+from trainpod.checkpoint.tree import load_state_file
 from trainpod.checkpoint.writer import CheckpointWriter, ShardFiles
 from trainpod.config import config_hash
 from trainpod.config.checkpoint import CheckpointConfig
@@ -224,7 +225,7 @@ class Trainer:
     def _load_committed(self, path: Path) -> dict[str, Any]:
         state = json.loads((path / "trainer_state.json").read_text())
         self.load_checkpoint(path, state)
-        rng = torch.load(path / "rng.pt", weights_only=True)
+        rng = load_state_file(path, "rng")
         if len(rng) != self.dist.world_size and self.dist.is_main:
             log.warning(
                 "%s was written by %d rank(s), this run has %d: the weights and data position carry over "
@@ -517,7 +518,7 @@ class Trainer:
         committed = None
         if self.dist.is_main:
             files = self.checkpoint_files()
-            files |= {"rng.pt": rng_states, "trainer_state.json": self._trainer_state()}
+            files |= {"rng.safetensors": rng_states, "trainer_state.json": self._trainer_state()}
             # Only a checkpoint evaluated at its own step competes for best-k retention.
             p = self.progress
             eval_loss = p.last_eval_loss if p.last_eval_step == step else None

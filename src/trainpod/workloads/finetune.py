@@ -25,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 from transformers import AutoTokenizer
 
 from trainpod import atomic
+from trainpod.checkpoint.tree import load_state_file
 from trainpod.config.finetune import FinetuneConfig
 from trainpod.context import RunContext
 from trainpod.errors import InputError
@@ -326,7 +327,10 @@ class Finetuner(Trainer):
         if self.parallel == "fsdp":
             return {}  # every rank wrote its shards (sharded_state)
         # Only what trains: the adapter (or, for full, every weight); the frozen base is on disk already.
-        return {"trainable.safetensors": dict(self.trainable), "optimizer.pt": self.optimizer.state_dict()}
+        return {
+            "trainable.safetensors": dict(self.trainable),
+            "optimizer.safetensors": self.optimizer.state_dict(),
+        }
 
     def load_checkpoint(self, path: Path, state: dict[str, Any]) -> None:
         """A sharded checkpoint (FSDP, any rank count) or the trainable tensors, into either layout."""
@@ -335,9 +339,7 @@ class Finetuner(Trainer):
             return
         tensors = safetensors.torch.load((path / "trainable.safetensors").read_bytes())
         if self.parallel == "fsdp":
-            optimizer_state = torch.load(
-                path / "optimizer.pt", map_location=self.dist.device, weights_only=True
-            )
+            optimizer_state = load_state_file(path, "optimizer", self.dist.device)
             load_full_into(self.model, self.optimizer, tensors, optimizer_state, aliases=[])
             return
         missing = sorted(set(self.trainable) - set(tensors))
@@ -354,7 +356,7 @@ class Finetuner(Trainer):
         with torch.no_grad():
             for name, param in self.trainable.items():
                 param.copy_(tensors[name])
-        optimizer_state = torch.load(path / "optimizer.pt", map_location=self.dist.device, weights_only=True)
+        optimizer_state = load_state_file(path, "optimizer", self.dist.device)
         load_optimizer_state(self.optimizer, optimizer_state)
 
     def data_state(self) -> dict[str, Any]:

@@ -20,6 +20,7 @@ import safetensors.torch
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from trainpod.checkpoint.tree import load_state_file
 from trainpod.config.pretrain import PretrainConfig
 from trainpod.context import RunContext
 from trainpod.data.datagen import dataset_shards, dataset_vocab, load_dataset_manifest
@@ -158,7 +159,7 @@ class Pretrainer(Trainer):
         if self.parallel == "fsdp":
             return {}  # every rank wrote its shards (sharded_state)
         weights, self._aliases = unique_weights(self.model)
-        return {"model.safetensors": weights, "optimizer.pt": self.optimizer.state_dict()}
+        return {"model.safetensors": weights, "optimizer.safetensors": self.optimizer.state_dict()}
 
     def load_checkpoint(self, path: Path, state: dict[str, Any]) -> None:
         """Either layout into either: sharded (written by FSDP on any rank count) or full weights (one
@@ -167,7 +168,7 @@ class Pretrainer(Trainer):
             load_sharded(self.model, self.optimizer, path)
             return
         weights = (path / "model.safetensors").read_bytes()
-        optimizer_state = torch.load(path / "optimizer.pt", map_location=self.dist.device, weights_only=True)
+        optimizer_state = load_state_file(path, "optimizer", self.dist.device)
         if self.parallel == "fsdp":
             full = safetensors.torch.load(weights)
             load_full_into(self.model, self.optimizer, full, optimizer_state, state["aliased_weights"])

@@ -12,7 +12,7 @@ import signal
 import pytest
 
 from trainpod import cli
-from trainpod.train.reporting import RunReporter, hours_minutes
+from trainpod.train.reporting import RunReporter, StatusWriter, hours_minutes
 from trainpod.volume import Volume
 
 from support import RUN, TINY_PRETRAIN, run_trainpod, signal_when_step_reached, start_trainpod
@@ -139,3 +139,20 @@ def test_config_fields_of_an_unknown_workload_names_the_known_ones(capsys):
     from trainpod.workloads import REGISTRY
 
     assert "no config type 'nope'; use one of:" in err and all(name in err for name in REGISTRY), err
+
+
+def test_status_json_is_written_off_the_training_thread_and_the_newest_is_on_disk_at_close(tmp_path):
+    writer = StatusWriter(tmp_path / "status.json")
+    for step in range(200):  # faster than the writes: the ones overtaken are skipped, never reordered
+        writer.put({"step": step})
+    writer.close()
+    assert json.loads((tmp_path / "status.json").read_text()) == {"step": 199}
+    with pytest.raises(RuntimeError, match="closed"):
+        writer.put({"step": 200})
+
+
+def test_a_status_write_that_failed_is_raised_on_the_training_thread(tmp_path):
+    writer = StatusWriter(tmp_path / "no such folder" / "status.json")
+    writer.put({"step": 1})
+    with pytest.raises(FileNotFoundError):
+        writer.close()  # or the next put: a full volume still ends the run with exit 5

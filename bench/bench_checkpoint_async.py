@@ -183,7 +183,8 @@ def run(workdir: Path, quick: bool = False) -> str:
             "next without (a commit every "
             f"{WINDOW} steps vs checkpoints off, compared between neighbouring windows so the machine's "
             "drift cancels); each window ends with no commit in flight. Runs in the order "
-            f"{', '.join(ORDER)}; the ratio pools both runs of a variant (each run's beside it).",
+            f"{', '.join(ORDER)}; the ratio pools both runs of a variant (each run's beside it) and its 95% "
+            "interval, from the spread of the pairs' differences.",
             "",
             "| metric | measured | target | result |",
             "| --- | --- | --- | --- |",

@@ -140,3 +140,11 @@ def test_flattening_copies_nothing_and_keeps_tensors_apart_from_the_structure():
     structure, tensors = tree.flatten({"m": moment, "lr": 0.1})
     assert tensors["m"] is moment, "the writer snapshots the tensors; flatten must not copy them"
     assert tree.unflatten(structure, copy.copy(tensors)) == {"m": moment, "lr": 0.1}
+
+
+def test_loaded_tensors_own_their_memory_and_do_not_change_with_the_file(tmp_path):
+    loaded, path = commit_and_load(tmp_path, {"state": {0: {"m": torch.ones(1024)}}})
+    with open(path, "r+b") as f:  # safetensors maps the file on the CPU: a loaded tensor must not follow it
+        f.seek(-64, 2)
+        f.write(bytes(64))
+    assert torch.equal(loaded["state"][0]["m"], torch.ones(1024))

@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import safetensors
-import safetensors.torch
 import torch
 
 METADATA_KEY = "trainpod.tree"  # the safetensors metadata entry that holds the structure
@@ -100,14 +99,20 @@ def unflatten(structure: str, tensors: dict[str, torch.Tensor]) -> Any:
 
 def load(path: Path, device: torch.device | str = "cpu") -> Any:
     """The structure stored at `path` with its tensors on `device`; a plain safetensors file (no
-    structure in its metadata) gives its {name: tensor}. The tensors own their memory: nothing stays
+    structure in its metadata) gives its {name: tensor}.
+
+    One tensor at a time passes through host memory (an optimizer's moments are 8 bytes a parameter).
+    On the CPU safetensors hands out tensors mapped from the file, so each is copied: nothing stays
     mapped from a checkpoint that retention may delete."""
     path = Path(path)
     if not path.is_file():  # safetensors' own error names no file that callers could report
         raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(path))
-    with safetensors.safe_open(path, framework="pt") as f:
+    tensors = {}
+    with safetensors.safe_open(path, framework="pt", device=str(device)) as f:
         structure = (f.metadata() or {}).get(METADATA_KEY)
-    tensors = {name: t.to(device) for name, t in safetensors.torch.load(path.read_bytes()).items()}
+        for name in f.keys():  # noqa: SIM118 - a safe_open handle is not iterable
+            tensor = f.get_tensor(name)
+            tensors[name] = tensor.clone() if tensor.device.type == "cpu" else tensor
     return tensors if structure is None else unflatten(structure, tensors)
 
 

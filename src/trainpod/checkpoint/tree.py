@@ -6,7 +6,7 @@
 
 torch.save pickles the structure and hands each tensor to the file through about six Python calls.
 In a background commit that runs on the writer thread holding the GIL, and the training thread waits
-for it: 10 ms of a 13 ms step's extra time for a 31 MB optimizer state on the CPU benchmark
+for it: 9-11 ms of CPU for a 31 MB AdamW state on the CPU benchmark, 1.5-2.2 ms written this way
 (BENCHMARKS.md, "Async checkpoints"). Here the structure becomes a small JSON text, each tensor
 replaced by its dotted path, and the tensors are written as one safetensors file from their own
 memory, one write each. A plain safetensors reader sees the tensors under their paths.

@@ -1,7 +1,7 @@
 """One commit path for checkpoints: snapshot the state, then write it in the foreground or behind training.
 
     writer = CheckpointWriter(store, pin_memory=torch.cuda.is_available())
-    files = {"model.safetensors": tensors, "optimizer.safetensors": optimizer.state_dict(), "state.json": {"step": 7}}
+    files = {"model.safetensors": weights, "optimizer.safetensors": optimizer.state_dict(), "state.json": {}}
     writer.commit(7, files, metadata={}, background=True)  # returns once the snapshot is taken
     ...
     done = writer.poll()   # at each step boundary: the checkpoint finished since, or None; raises its error

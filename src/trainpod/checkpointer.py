@@ -240,7 +240,7 @@ class Checkpointer:
         if self.writer.last_commit_seconds is not None:
             return self.writer.last_commit_seconds
         newest = self.store.committed()
-        size = sum(f["bytes"] for f in newest[0].manifest.get("files", {}).values()) if newest else 0
+        size = newest[0].nbytes if newest else 0
         return 0.5 + size / ASSUMED_VOLUME_BYTES_PER_S
 
     def commit_fits(self) -> bool:

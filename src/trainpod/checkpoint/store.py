@@ -75,6 +75,11 @@ class CommittedCheckpoint:
     def metadata(self) -> dict[str, Any]:
         return self.manifest.get("metadata", {})
 
+    @property
+    def nbytes(self) -> int:
+        """The size of its files, from the manifest: the next checkpoint of the run will be as large."""
+        return sum(entry["bytes"] for entry in self.manifest.get("files", {}).values())
+
 
 PIECE_BYTES = 32 << 20
 SMALL_WRITE_BYTES = 64 << 10  # HashingFile copies writes below this rather than look them up

@@ -577,7 +577,7 @@ class Trainer:
     def _next_checkpoint_bytes(self) -> int:
         """The newest committed checkpoint's size (the next one is as large), else the estimate."""
         for checkpoint in self.store.committed()[:1]:
-            return checkpoint_bytes(checkpoint.manifest)
+            return checkpoint.nbytes
         return self.checkpoint_bytes_estimate()
 
     def _volume_full(self, step: int) -> VolumeFull:
@@ -599,7 +599,7 @@ class Trainer:
         """Record a commit that finished (rank 0): the newest committed step, for stops and status.json."""
         if checkpoint is None:
             return
-        check_headroom(self.store.root, checkpoint_bytes(checkpoint.manifest))
+        check_headroom(self.store.root, checkpoint.nbytes)
         self.last_committed_step = checkpoint.step
         self._committed_unix = time.time()
         self._write_status("running", {})
@@ -646,11 +646,6 @@ class Trainer:
             "elapsed_s": self.progress.elapsed_s,
             "finished_early": self.finished_early,
         }
-
-
-def checkpoint_bytes(manifest: dict[str, Any]) -> int:
-    """The size of a committed checkpoint, from its manifest (the next one will be as large)."""
-    return sum(entry["bytes"] for entry in manifest.get("files", {}).values())
 
 
 def checkpoint_misfit(path: Path, exc: Exception) -> InputError:

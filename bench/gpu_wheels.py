@@ -24,6 +24,8 @@ PACKAGES = [
     "pydantic-core",
     "annotated-types",
     "typing-inspection",
+    "jiwer",  # the generation eval's CER/WER (the VLM part)
+    "rapidfuzz",
     "datasets",  # the Trainer baseline's Dataset
     "dill",
     "multiprocess",

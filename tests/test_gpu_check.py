@@ -1,6 +1,8 @@
 """`make gpu-check` (bench/gpu_check.py) keeps working between GPU runs: its --dry mode runs every part on
 CPU with tiny sizes (no GPU here: the GPU figures themselves come from a lent GPU machine), and the report
-shows each target row, never a number for a part that failed."""
+shows each target row, never a number for a part that failed. The dry run sees only the packages a bare GPU
+machine has plus the wheels `make gpu-wheels` carries there (tests/gpu_machine.py): any other installed
+package is missing to it, as it would be on that machine."""
 
 from __future__ import annotations
 
@@ -15,8 +17,10 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 
-from gpu_check import PARTS, TARGETS, unit_name, units  # noqa: E402
+from gpu_check import PARTS, TARGETS, gpu_test_files, unit_name, units  # noqa: E402
+from gpu_machine import GPU_MACHINE_PACKAGES, block_imports_beyond  # noqa: E402
 from gpu_report import section, write_report  # noqa: E402
+from gpu_wheels import PACKAGES as GPU_WHEELS  # noqa: E402
 
 from trainpod.train.reporting import peak_flops_of  # noqa: E402
 
@@ -35,7 +39,10 @@ def dry_results(tmp_path_factory) -> Path:
     results = tmp_path_factory.mktemp("gpu-check")
     benchmarks = results / "BENCHMARKS.md"
     benchmarks.write_text("# Benchmarks\n\n## Datagen\n\nkept\n\n## GPU\n\nold placeholder\n")
-    env = os.environ | {"PYTHONPATH": str(REPO / "src")}
+    blocker = tmp_path_factory.mktemp("gpu-machine")
+    blocked = block_imports_beyond(GPU_MACHINE_PACKAGES, set(GPU_WHEELS) | {"trainpod"}, blocker)
+    assert "jsonschema" in blocked and "bitsandbytes" not in blocked  # the rehearsal hides what it should
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(blocker), str(REPO / "src")])}
     result = subprocess.run(
         [
             sys.executable,
@@ -72,6 +79,21 @@ def test_dry_mode_runs_every_part_and_records_its_result(dry_results):
     vlm = json.loads((dry_results / "vlm-generation.json").read_text())
     assert vlm["measured"]["step_s"] > 0 and vlm["measured"]["forced_tokens"] == 8
     assert vlm["scaled"]["generation_evals"] >= 1 and vlm["scaled"]["forced_share"] > 0
+
+
+def test_the_gpu_tests_part_names_every_file_with_gpu_tests():
+    """The part hands pytest the files that hold `gpu` tests (the others need packages the GPU machine lacks);
+    a GPU test in a file it missed would never run on a GPU."""
+    collected = subprocess.run(
+        [sys.executable, "-m", "pytest", "-m", "gpu", "--collect-only", "-q", "-p", "no:cacheprovider"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert collected.returncode == 0, collected.stdout[-3000:]
+    files = {line.split("::")[0] for line in collected.stdout.splitlines() if "::" in line}
+    assert files and files == set(gpu_test_files())
 
 
 def test_the_report_replaces_only_the_gpu_section_and_shows_every_target(dry_results):

@@ -34,6 +34,25 @@ def volume(vlm_base_volume: Path, tmp_path: Path) -> Path:
     return copy
 
 
+def test_a_transformers_that_needs_torchvision_for_the_image_processor_is_named(volume, monkeypatch):
+    """transformers 5.17 (what a lent GPU machine has) raises this ImportError without torchvision; this
+    environment's transformers does not, so its loader is made to raise it as 5.17 does."""
+    import transformers
+
+    def needs_torchvision(*args, **kwargs):
+        raise ImportError(
+            "\nAutoImageProcessor requires the Torchvision library but it was not found in your environment."
+        )
+
+    monkeypatch.setattr(transformers.AutoImageProcessor, "from_pretrained", needs_torchvision)
+    with pytest.raises(InputError) as raised:
+        VisionProcessor(volume / VLM_BASE)
+    message = str(raised.value)
+    assert str(volume / VLM_BASE) in message and "requires the Torchvision library" in message
+    assert f"transformers {transformers.__version__} needs torchvision" in message
+    assert f"torchvision built for torch {torch.__version__.split('+')[0]}" in message
+
+
 def test_each_image_gets_as_many_tokens_as_the_image_processor_makes_of_its_pixels(volume):
     data = load_vision(prepare(volume, [{"path": OCR_FILE}]))
     processor = VisionProcessor(volume / VLM_BASE)

@@ -74,7 +74,18 @@ class VisionProcessor:
                 "a vision-language model (e.g. Qwen/Qwen2-VL-2B-Instruct) ships one: point base_model.path at it"
             )
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-        self.image_processor = AutoImageProcessor.from_pretrained(str(model_dir), local_files_only=True)
+        try:
+            self.image_processor = AutoImageProcessor.from_pretrained(str(model_dir), local_files_only=True)
+        except ImportError as exc:  # transformers before 5.23 load no image processor without torchvision
+            import transformers
+
+            missing = " ".join(str(exc).split()).split(". ")[0].rstrip(".") + "."  # its first sentence
+            raise InputError(
+                f"the image processor of {model_dir} cannot load: {missing} transformers "
+                f"{transformers.__version__} needs torchvision for it: install the torchvision built for torch "
+                f"{torch.__version__.split('+')[0]}, or transformers 5.23 or newer (its PIL processor needs "
+                "none); the trainpod image has what it needs"
+            ) from exc
         self.image_kwargs = {
             k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if v is not None
         }

@@ -2,7 +2,9 @@
 GPU section of BENCHMARKS.md, the raw results and logs kept under bench/results/gpu-<date>/.
 
     python bench/gpu_check.py                      # every part, then the report (a CUDA machine)
-    python bench/gpu_check.py --part pretrain      # one part (each fits a 10-minute call)
+    python bench/gpu_check.py --part pretrain      # one part (each unit fits a 10-minute call)
+    python bench/gpu_check.py --part memory --preset 4b   # one preset of a part
+    python bench/gpu_check.py --resume --deadline-s 540   # what is not yet done, within 9 minutes
     python bench/gpu_check.py --report-only        # the report from the results already there
     python bench/gpu_check.py --dry                # on CPU: tiny sizes, GPU-only steps skipped
 
@@ -12,7 +14,8 @@ wheels into .whl/, and `make gpu-check` installs them offline (--no-index) befor
 
 Each unit (a part, for one preset where it has presets) runs in a process of its own, so one unit's
 memory does not count in another's peak and a crash in one leaves the others' results; each writes
-<results>/<unit>.json and <unit>.log. --dry runs the same code on CPU with a tiny model, so the unit
+<results>/<unit>.json and <unit>.log, and its scratch volume under <results>/work/ is removed after it.
+--dry runs the same code on CPU with a tiny model, so the unit
 tier (tests/test_gpu_check.py) keeps this harness working between GPU runs.
 """
 
@@ -22,6 +25,8 @@ import argparse
 import datetime
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -99,7 +104,9 @@ def gpu_test_files() -> list[str]:
     naming these files alone keeps one missing test-only package from failing the whole collection."""
     tests = REPO / "tests"
     return sorted(
-        str(path.relative_to(REPO)) for path in tests.glob("test_*.py") if "pytest.mark.gpu" in path.read_text()
+        str(path.relative_to(REPO))
+        for path in tests.glob("test_*.py")
+        if "pytest.mark.gpu" in path.read_text()
     )
 
 
@@ -198,30 +205,52 @@ def run_unit(part: str, preset: str | None, results: Path, dry: bool) -> dict[st
     return result
 
 
-def run_units(todo: list[tuple[str, str | None]], results: Path, dry: bool) -> int:
+def run_units(
+    todo: list[tuple[str, str | None]], results: Path, dry: bool, deadline: float | None = None
+) -> int:
+    """Each unit in a process group of its own, killed whole at its time limit (a unit's pytest or trainer
+    children would otherwise hold the GPU's memory into the next unit). `deadline` (time.monotonic()):
+    no unit starts after it and none runs past it, so a caller with a hard limit gets its results back."""
     failures = 0
     for part, preset in todo:
         name = unit_name(part, preset)
+        limit = UNIT_TIMEOUT_S if deadline is None else min(UNIT_TIMEOUT_S, deadline - time.monotonic())
+        if limit <= 0:
+            print(f"gpu-check: {name} not started: the deadline has passed", flush=True)
+            failures += 1
+            continue
         print(f"gpu-check: {name} ...", flush=True)
+        (results / f"{name}.json").unlink(missing_ok=True)  # a unit that dies writes none: no stale result
         cmd = [sys.executable, __file__, "--unit", f"{part}:{preset or ''}", "--results", str(results)]
         with open(results / f"{name}.log", "w") as log:
+            unit = subprocess.Popen(
+                cmd + (["--dry"] if dry else []), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
             try:
-                code = subprocess.run(
-                    cmd + (["--dry"] if dry else []),
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    timeout=UNIT_TIMEOUT_S,
-                ).returncode
+                code: int | str = unit.wait(timeout=limit)
             except subprocess.TimeoutExpired:
+                os.killpg(unit.pid, signal.SIGKILL)
+                unit.wait()
                 code = "timeout"
-                (results / f"{name}.json").write_text(
-                    json.dumps({"unit": name, "ok": False, "error": "timeout"})
-                )
+                error = f"timeout after {limit:.0f} s" + (" (the deadline)" if limit < UNIT_TIMEOUT_S else "")
+                (results / f"{name}.json").write_text(json.dumps({"unit": name, "ok": False, "error": error}))
+        # Its scratch volume (data, models, checkpoints: GBs at 1b) goes; the results and the log stay.
+        shutil.rmtree(results / "work" / name, ignore_errors=True)
         outcome = _load(results, name)
         ok = code == 0 and outcome.get("ok")
         failures += not ok
         print(f"gpu-check: {name} {'ok' if ok else 'FAILED: ' + str(outcome.get('error', code))}", flush=True)
     return failures
+
+
+def done_units(results: Path, dry: bool) -> set[str]:
+    """The units whose result in `results` is a success of the same mode (--resume skips them)."""
+    done = set()
+    for path in results.glob("*.json"):
+        outcome = _load(results, path.stem)
+        if outcome.get("ok") and outcome.get("dry") == dry:
+            done.add(path.stem)
+    return done
 
 
 def _load(results: Path, name: str) -> dict[str, Any]:
@@ -236,10 +265,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--part", action="append", choices=list(PARTS), help="run only these parts (repeatable)"
     )
+    parser.add_argument(
+        "--preset",
+        action="append",
+        help="of the parts with presets, run only these (repeatable): 1b, 4b, ...",
+    )
     parser.add_argument("--dry", action="store_true", help="CPU, tiny sizes: exercises the harness")
     parser.add_argument("--results", help="results folder (default bench/results/gpu-<date>/)")
     parser.add_argument(
         "--benchmarks", help="the report goes into this file's GPU section (default BENCHMARKS.md)"
+    )
+    parser.add_argument(
+        "--resume", action="store_true", help="skip the units whose result in --results is already a success"
+    )
+    parser.add_argument(
+        "--deadline-s",
+        type=float,
+        help="start no unit after this many seconds and end any still running then (a call's time limit)",
     )
     parser.add_argument("--report-only", action="store_true", help="write the report from existing results")
     parser.add_argument("--unit", help=argparse.SUPPRESS)  # part:preset, run in this process
@@ -252,7 +294,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if run_unit(part, preset or None, results, args.dry)["ok"] else 1
     failures = 0
     if not args.report_only:
-        failures = run_units(units(args.part or list(PARTS), args.dry), results, args.dry)
+        todo = units(args.part or list(PARTS), args.dry)
+        if args.preset:  # a part without presets keeps its one unit
+            todo = [(part, preset) for part, preset in todo if preset is None or preset in args.preset]
+        if args.resume:
+            done = done_units(results, args.dry)
+            todo = [(part, preset) for part, preset in todo if unit_name(part, preset) not in done]
+        deadline = time.monotonic() + args.deadline_s if args.deadline_s else None
+        failures = run_units(todo, results, args.dry, deadline)
     from gpu_report import write_report
 
     # A dry run's report stays beside its results unless a file is named: it measures nothing.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -121,3 +122,31 @@ def test_mfu_uses_the_peak_of_the_exact_h100_variant():
     assert peak_flops_of("NVIDIA H100 NVL") == 835e12
     assert peak_flops_of("NVIDIA H200") == 989e12
     assert peak_flops_of("Some Unknown GPU") is None
+
+
+def _gpu_check(*args: str) -> subprocess.CompletedProcess:
+    env = os.environ | {"PYTHONPATH": str(REPO / "src")}
+    cmd = [sys.executable, str(REPO / "bench/gpu_check.py"), "--dry", *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_resume_skips_the_units_done_and_a_deadline_ends_the_rest(tmp_path):
+    """A lent GPU machine takes commands of 10 minutes at most: the check is run again with --resume and a
+    deadline until every unit is done, each call's results kept. No unit starts after the deadline and one
+    still running then is ended with its whole process group, its result a failure that --resume redoes."""
+    results, report = tmp_path / "results", tmp_path / "BENCHMARKS.md"
+    common = ("--results", str(results), "--benchmarks", str(report))
+    first = _gpu_check("--part", "env", *common)
+    assert first.returncode == 0 and "gpu-check: env ok" in first.stdout, first.stdout + first.stderr
+    again = _gpu_check("--resume", "--part", "env", *common)
+    assert again.returncode == 0 and "gpu-check: env" not in again.stdout
+
+    late = _gpu_check("--resume", "--deadline-s", "1", "--part", "env", "--part", "pretrain", *common)
+    assert late.returncode == 1, late.stdout + late.stderr
+    outcome = json.loads((results / "pretrain-125m.json").read_text())
+    assert not outcome["ok"] and re.fullmatch(r"timeout after [01] s \(the deadline\)", outcome["error"])
+    assert not (results / "work" / "pretrain-125m").exists()  # its scratch volume went with it
+    assert json.loads((results / "env.json").read_text())["ok"]  # what was done stays done
+
+    past = _gpu_check("--deadline-s", "0.000001", "--part", "env", *common)
+    assert past.returncode == 1 and "gpu-check: env not started: the deadline has passed" in past.stdout

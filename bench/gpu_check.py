@@ -54,6 +54,9 @@ def _env_part(volume: Path, preset: str | None, dry: bool) -> dict[str, Any]:
     import torch
 
     info: dict[str, Any] = {"torch": torch.__version__, "cuda": torch.version.cuda, "dry": dry}
+    info["packages"] = {
+        name: _version(name) for name in ("transformers", "peft", "accelerate", "torchvision")
+    }
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         info |= {
@@ -73,6 +76,15 @@ def _env_part(volume: Path, preset: str | None, dry: bool) -> dict[str, Any]:
 
     info["peak_bf16_flops"] = peak_flops(torch.device("cuda", 0)) if torch.cuda.is_available() else None
     return info
+
+
+def _version(distribution: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(distribution)
+    except PackageNotFoundError:
+        return None
 
 
 def _bitsandbytes() -> dict[str, Any]:

@@ -163,13 +163,14 @@ def section(results: Path, targets: dict[str, float], units: list[tuple[str, str
     device = env.get("gpu") or "no GPU (dry run)"
     dry = " (dry run on CPU: the harness's check, no GPU figures)" if env.get("dry") else ""
     memory_presets = [preset for part, preset in units if part == "memory" and preset]
+    packages = "".join(f", {name} {found}" for name, found in (env.get("packages") or {}).items() if found)
     lines = [
         "## GPU",
         "",
         f"Written by `make gpu-check`{dry} from `{results.name}/` on {device}; driver and versions: "
         f"{env.get('nvidia_smi') or '-'}, torch {env.get('torch')}, CUDA {env.get('cuda')}, bitsandbytes "
-        f"{env.get('bitsandbytes')} (CUDA kernels: {env.get('bitsandbytes_cuda')}). Raw results and logs: "
-        f"bench/results/{results.name}/.",
+        f"{env.get('bitsandbytes')} (CUDA kernels: {env.get('bitsandbytes_cuda')}){packages}. Raw results "
+        f"and logs: bench/results/{results.name}/.",
         "",
         *target_rows(results, targets, memory_presets, bool(env.get("dry"))),
         "",

@@ -1,13 +1,16 @@
-"""A bare GPU machine, rehearsed on CPU: `make gpu-check` must run where only the packages below and the wheels
-of `make gpu-wheels` (bench/gpu_wheels.py) are installed. The list is the image of the GPU machines this project
-is lent (its Python packages as read on one on 2026-11-17: a CUDA torch 2.11, transformers, peft, accelerate and
-the usual scientific stack, no bitsandbytes, pydantic or jiwer). A package trainpod or the check imports that is
-neither here nor in the wheels fails `tests/test_gpu_check.py` instead of a paid GPU run.
+"""A bare GPU machine, rehearsed on CPU: `make gpu-check` must run where only the packages below (with what
+they need) and the wheels of `make gpu-wheels` (bench/gpu_wheels.py) are installed. The list is the image of
+the GPU machines this project is lent (its Python packages as read on one on 2026-11-17: a CUDA torch 2.11,
+transformers 5.17, peft, accelerate, torchvision and the usual scientific stack; no bitsandbytes, pydantic or
+jiwer). A package trainpod or the check imports that is neither fails `tests/test_gpu_check.py` here instead
+of a paid GPU run. Versions are not rehearsed here: the code ran on that machine's versions once, on CPU
+(torch 2.11.0+cu130, transformers 5.17.0: BENCHMARKS.md, "GPU").
 
-`block_imports_beyond(machine, carried, folder)` writes a sitecustomize.py into `folder`: with that folder first on
-PYTHONPATH, every Python process (the check's units and the pytest it starts inherit the variable) finds the
-top-level modules of any other installed distribution missing, as importing or `importlib.util.find_spec`
-would on that machine (transformers' optional-package checks go through find_spec)."""
+`block_imports_beyond(machine, carried, folder)` writes a sitecustomize.py into `folder`: with that folder
+first on PYTHONPATH, every Python process (the check's units and the pytest it starts inherit the variable)
+finds every other installed distribution missing, as that machine would: importing its modules fails,
+`importlib.util.find_spec` returns None (transformers' optional-package checks) and importlib.metadata does
+not list it (pytest's plugins)."""
 
 from __future__ import annotations
 

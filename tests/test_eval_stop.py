@@ -10,7 +10,9 @@ covers the handler itself).
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import socket
 from pathlib import Path
 
 import pytest
@@ -90,6 +92,13 @@ def test_a_stop_during_an_eval_commits_the_step_and_the_resumed_run_evaluates_it
     assert state["progress"]["last_eval_step"] is None, "the dropped eval is not recorded as done"
     assert 4 not in eval_losses(volume)
 
+    # Stopped again in the pending eval of step 4, before any step: the committed step stands (exit 143).
+    again = pretrainer(volume)
+    stop_after_the_first_eval_batch_at(again, 4)
+    with pytest.raises(Preempted, match="newest checkpoint: step 4"):
+        again.train()
+    assert 4 not in eval_losses(volume)
+
     second = pretrainer(volume)
     second.train()
     assert second.progress.step == 8
@@ -125,10 +134,8 @@ def test_with_compile_the_eval_graph_is_built_before_the_first_step(
     )
 
 
-def test_a_stop_during_a_finetunes_generation_eval_is_resumed_the_same_way(
-    tmp_path: Path, finetune_base_volume: Path
-):
-    # LoRA dropout draws random numbers in every step, so equal weights also show the eval drew none.
+def generation_eval_finetuner(volume: Path):
+    """A LoRA finetune of the tiny base with a generation eval at every eval (steps 3 and 6)."""
     from trainpod.config.finetune import FinetuneConfig
     from trainpod.workloads.finetune import Finetuner
 
@@ -141,37 +148,49 @@ def test_a_stop_during_a_finetunes_generation_eval_is_resumed_the_same_way(
         method="lora",
     )  # fmt: skip
     overrides = [value for flag, value in zip(args[4::2], args[5::2], strict=True) if flag == "--set"]
+    config = load_config(FinetuneConfig, Path(args[3]), overrides)
+    run = Volume(volume).run(FINETUNE_RUN)
+    run.create()
+    return Finetuner(RunContext(Volume(volume), run, PreemptionWatch()), config, init_distributed())
 
-    def finetuner(name: str) -> Finetuner:
+
+def stop_during_the_generation_eval_at(trainer, step: int) -> None:
+    real_prompts = trainer.generation_prompts
+
+    def prompts(limit: int):
+        for index, prompt in enumerate(real_prompts(limit)):
+            if index == 1 and trainer.progress.step == step:
+                trainer.ctx.watch.request("SIGTERM")  # between the first and second answer
+            yield prompt
+
+    trainer.generation_prompts = prompts
+
+
+def test_a_stop_during_a_finetunes_generation_eval_is_resumed_the_same_way(
+    tmp_path: Path, finetune_base_volume: Path
+):
+    # LoRA dropout draws random numbers in every step, so equal weights also show the eval drew none.
+    from finetune_support import FINETUNE_RUN
+
+    def finetuner(name: str):
         volume = tmp_path / name
         if not volume.exists():
             shutil.copytree(finetune_base_volume, volume)
-        config = load_config(FinetuneConfig, Path(args[3]), overrides)
-        run = Volume(volume).run(FINETUNE_RUN)
-        run.create()
-        return Finetuner(RunContext(Volume(volume), run, PreemptionWatch()), config, init_distributed())
+        return generation_eval_finetuner(volume)
 
     def metrics(name: str) -> dict[int, dict]:
         lines = (tmp_path / name / "runs" / FINETUNE_RUN / "logs" / "metrics.jsonl").read_text().splitlines()
         evals = [m for m in map(json.loads, lines) if "eval_loss" in m]
         return {m["step"]: {k: v for k, v in m.items() if k.startswith("eval_")} for m in evals}
 
-    def trained(trainer: Finetuner) -> dict[str, torch.Tensor]:
+    def trained(trainer) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
 
     uninterrupted = finetuner("uninterrupted")
     uninterrupted.train()
 
     first = finetuner("stopped")
-    real_prompts = first.generation_prompts
-
-    def prompts(limit: int):
-        for index, prompt in enumerate(real_prompts(limit)):
-            if index == 1 and first.progress.step == 3:
-                first.ctx.watch.request("SIGTERM")  # between the first and second answer
-            yield prompt
-
-    first.generation_prompts = prompts
+    stop_during_the_generation_eval_at(first, 3)
     with pytest.raises(Preempted):
         first.train()
     assert 3 not in metrics("stopped")
@@ -185,3 +204,121 @@ def test_a_stop_during_a_finetunes_generation_eval_is_resumed_the_same_way(
     assert set(metrics("uninterrupted")[3]) >= {"eval_loss", "eval_cer"}, "the generation eval ran at step 3"
     resumed, expected = trained(second), trained(uninterrupted)
     assert resumed and all(torch.equal(resumed[name], expected[name]) for name in expected)
+
+
+class _StopWhenRead(list):
+    """Rank 0's eval batches: the stop is asked for (on rank 0 alone) as its second batch is read."""
+
+    def __init__(self, batches: list, watch: PreemptionWatch):
+        super().__init__(batches)
+        self.watch = watch
+
+    def __iter__(self):
+        for index, batch in enumerate(super().__iter__()):
+            if index == 1:
+                self.watch.request("SIGTERM")
+            yield batch
+
+
+def _two_rank_worker(workload: str, rank: int, port: int, volume: str, stop_at: int) -> None:
+    """One of two gloo ranks, as the launcher starts them; rank 0 alone is stopped during the eval (pretrain)
+    or the generation eval (finetune) of step `stop_at`. Writes its outcome, and rank 0 the final weights."""
+    os.environ |= {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
+    if workload == "pretrain":
+        trainer = pretrainer(Path(volume))
+        if rank == 0 and stop_at:
+            real = trainer._eval_batches
+
+            def batches(count: int):
+                got = real(count)
+                return _StopWhenRead(got, trainer.ctx.watch) if trainer.progress.step == stop_at else got
+
+            trainer._eval_batches = batches
+    else:
+        trainer = generation_eval_finetuner(Path(volume))
+        if rank == 0 and stop_at:
+            stop_during_the_generation_eval_at(trainer, stop_at)
+    outcome = "done"
+    try:
+        trainer.train()
+    except Preempted as stopped:
+        outcome = str(stopped)
+    Path(volume, f"outcome-{rank}").write_text(outcome)
+    if rank == 0 and outcome == "done":
+        torch.save(final_weights(trainer), Path(volume, "weights.pt"))
+    torch.distributed.destroy_process_group()
+
+
+def _run_two_ranks(volume: Path, stop_at: int = 0, workload: str = "pretrain") -> list[str]:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    spawn = torch.multiprocessing.get_context("spawn")
+    workers = [
+        spawn.Process(target=_two_rank_worker, args=(workload, rank, port, str(volume), stop_at))
+        for rank in range(2)
+    ]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=600)
+    assert [worker.exitcode for worker in workers] == [0, 0]
+    return [(volume / f"outcome-{rank}").read_text() for rank in range(2)]
+
+
+def test_on_two_ranks_a_stop_seen_by_one_during_an_eval_ends_it_on_both_and_resume_is_exact(
+    tmp_path: Path, tiny_dataset_volume: Path
+):
+    """The ranks agree before each eval batch: rank 0 alone is asked to stop, after its second batch, and
+    both drop the eval together, commit the step before it and stop; the resumed pair evaluates that step
+    first and ends with the weights of an uninterrupted pair."""
+
+    def fresh_volume(name: str) -> Path:
+        for folder in ("datasets", "tokenizers"):
+            shutil.copytree(tiny_dataset_volume / folder, tmp_path / name / folder)
+        return tmp_path / name
+
+    whole = fresh_volume("uninterrupted")
+    assert _run_two_ranks(whole) == ["done", "done"]
+
+    volume = fresh_volume("stopped")
+    outcomes = _run_two_ranks(volume, stop_at=4)
+    assert outcomes == [
+        "stopped by SIGTERM at step 4; newest checkpoint: step 4",
+        "stopped by a stop on another rank at step 4; newest checkpoint: step 4",  # never signalled itself
+    ]
+    assert (volume / "runs" / RUN / "checkpoints" / "LATEST").read_text().strip() == "step-4"
+    assert 4 not in eval_losses(volume)
+
+    assert _run_two_ranks(volume) == ["done", "done"]
+    assert eval_losses(volume) == eval_losses(whole)
+    resumed, expected = torch.load(volume / "weights.pt"), torch.load(whole / "weights.pt")
+    assert resumed.keys() == expected.keys()
+    assert all(torch.equal(resumed[name], expected[name]) for name in expected)
+
+
+def test_on_two_ranks_a_stop_during_rank_0s_generation_eval_ends_the_eval_on_both(
+    tmp_path: Path, finetune_base_volume: Path
+):
+    """Rank 0 alone generates; the other waits for its metrics. Stopped between two answers, rank 0 says so
+    in that broadcast and both drop the eval, commit step 3 and stop."""
+    from finetune_support import FINETUNE_RUN
+
+    volume = tmp_path / "stopped"
+    shutil.copytree(finetune_base_volume, volume)
+    outcomes = _run_two_ranks(volume, stop_at=3, workload="finetune")
+    assert outcomes == [
+        "stopped by SIGTERM at step 3; newest checkpoint: step 3",
+        "stopped by a stop on another rank at step 3; newest checkpoint: step 3",
+    ]
+    logs = volume / "runs" / FINETUNE_RUN / "logs" / "metrics.jsonl"
+    assert not [line for line in logs.read_text().splitlines() if "eval_loss" in line]
+    assert _run_two_ranks(volume, workload="finetune") == ["done", "done"]
+    evals = [json.loads(line) for line in logs.read_text().splitlines() if "eval_cer" in line]
+    assert [m["step"] for m in evals] == [3, 6], "the resumed pair ran step 3's generation eval first"

@@ -4,6 +4,7 @@ early stopping, the budget, W&B (offline), bad input, and the kit's own pretrain
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 from pathlib import Path
@@ -151,6 +152,22 @@ def test_a_missing_base_model_is_exit_2_naming_the_field_and_nothing_is_written(
     output = result.stdout + result.stderr
     assert result.returncode == 2, output
     assert "base_model.path='models/nope'" in output and "config.json" in output
+    assert tree_snapshot(volume) == before
+
+
+def test_tracking_asked_for_without_wandb_installed_is_exit_2_before_anything_is_written(volume, tmp_path):
+    """wandb is an extra (trainpod[tracking]; the image has it): hidden from the child here, as on a machine
+    without it, the key in the environment is refused at preflight, and never printed."""
+    hidden = tmp_path / "no-wandb"
+    hidden.mkdir()
+    (hidden / "sitecustomize.py").write_text("import sys\nsys.modules['wandb'] = None\n")
+    secret = "wandb-key-9d2e-must-not-leak"
+    path = os.pathsep.join(filter(None, [str(hidden), os.environ.get("PYTHONPATH")]))
+    before = tree_snapshot(volume)
+    result = run_trainpod(*finetune_args(), volume=volume, env={"WANDB_API_KEY": secret, "PYTHONPATH": path})
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output
+    assert "WANDB_API_KEY is set" in output and "wandb is not installed" in output and secret not in output
     assert tree_snapshot(volume) == before
 
 

@@ -7,6 +7,7 @@ always written (reporting.py); W&B is the optional second view.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import math
 import os
@@ -14,6 +15,7 @@ import secrets
 import string
 from typing import Any
 
+from trainpod.errors import InputError
 from trainpod.volume import RunDir
 
 log = logging.getLogger(__name__)
@@ -21,6 +23,16 @@ log = logging.getLogger(__name__)
 
 def wandb_wanted() -> bool:
     return bool(os.environ.get("WANDB_API_KEY")) or os.environ.get("WANDB_MODE") == "offline"
+
+
+def check_wandb_installed() -> None:
+    """Before anything is written: tracking asked for (the environment) needs wandb importable."""
+    if wandb_wanted() and importlib.util.find_spec("wandb") is None:
+        asked = "WANDB_API_KEY is set" if os.environ.get("WANDB_API_KEY") else "WANDB_MODE=offline"
+        raise InputError(
+            f"{asked}, which asks for W&B tracking, but wandb is not installed: pip install "
+            "'trainpod[tracking]' (the trainpod image has it), or unset it to train without W&B"
+        )
 
 
 def new_run_id() -> str:

@@ -22,7 +22,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sized
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -263,7 +263,10 @@ class Trainer:
             if not self.finished_early:
                 if self._eval_after(start_step):
                     self.compile_eval_graph(model)
-                self._evaluate_pending(model, start_step)
+                try:
+                    self._evaluate_pending(model, start_step)
+                except EvalInterrupted:  # stopped again before a step: the resumed step is the committed one
+                    self._stop(start_step)
             if not self.finished_early:  # again: the pending eval may end the run (a plateau)
                 self._loop(model, start_step)
             self._committed(self.writer.wait())
@@ -329,15 +332,37 @@ class Trainer:
             return False
         return (step // self.eval_every + 1) * self.eval_every <= self.max_steps
 
-    def until_stop(self, batches: Iterable[T]) -> Iterator[T]:
+    def until_stop(
+        self, batches: Iterable[T], rounds: int | None = None, local: bool = False
+    ) -> Iterator[T | None]:
         """`batches` of an eval, ending it (EvalInterrupted) when a stop is asked for between two of them:
         an eval takes seconds to minutes, and a SIGTERM must reach the next step boundary, and its commit,
-        within 5 s. One rank only: several would have to agree in step (an all-reduce before each batch,
-        and their batch counts differ); they finish the eval, then stop."""
-        for batch in batches:
-            if self.dist.world_size == 1 and self.ctx.watch.requested:
+        within 5 s. Several ranks agree before each batch (one all-reduce of the stop flags, as
+        `_after_step` agrees each step), so every rank ends the eval at the same batch, or none does.
+        `rounds`: the most batches a rank has; a rank with fewer takes part in the agreements of the rounds
+        it has no batch for, which yield None (an FSDP rank runs a forward for them all the same).
+        `local`: this rank alone runs the eval (rank 0's generation eval); it checks its own flag and the
+        caller tells the others."""
+        if local or self.dist.world_size == 1:
+            for batch in batches:
+                if self.ctx.watch.requested:
+                    raise EvalInterrupted
+                yield batch
+            return
+        if rounds is None:
+            batches = list(batches)
+            rounds = len(batches)
+        mine = iter(batches)  # read as the eval goes, as on one rank
+        for _ in range(rounds):
+            if D.all_reduce_max(self.dist, [float(self.ctx.watch.requested)])[0]:
                 raise EvalInterrupted
-            yield batch
+            yield next(mine, None)
+
+    def eval_rounds(self, batches: Sized) -> int | None:
+        """The most eval batches any rank has (`until_stop`'s rounds); None on one rank."""
+        if self.dist.world_size == 1:
+            return None
+        return int(D.all_reduce_max(self.dist, [float(len(batches))])[0])
 
     def _evaluate_pending(self, model: torch.nn.Module, step: int) -> None:
         """The eval a stop interrupted at `step`, the step the run resumed from: run now, before any step,
@@ -446,9 +471,15 @@ class Trainer:
 
     def _stop(self, step: int) -> None:
         self._commit_before_stop(step)
+        # Every rank names the same checkpoint, though only rank 0 keeps track of them.
+        newest = int(
+            D.broadcast_from_main(
+                self.dist, float(-1 if self.last_committed_step is None else self.last_committed_step)
+            )
+        )
         raise Preempted(
-            f"stopped by {self.ctx.watch.signal_name or 'signal'} at step {step}; "
-            f"newest checkpoint: step {self.last_committed_step}"
+            f"stopped by {self.ctx.watch.signal_name or 'a stop on another rank'} at step {step}; "
+            f"newest checkpoint: {f'step {newest}' if newest >= 0 else 'none yet'}"
         )
 
     def _commit_before_stop(self, step: int) -> None:

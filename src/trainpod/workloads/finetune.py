@@ -53,8 +53,8 @@ from trainpod.train.sharding import (
     sharded_state,
 )
 from trainpod.train.state import load_optimizer_state
-from trainpod.train.tracking import WandbTracker, wandb_wanted
-from trainpod.train.trainer import StepResult, Trainer, train_and_export
+from trainpod.train.tracking import WandbTracker, check_wandb_installed, wandb_wanted
+from trainpod.train.trainer import EvalInterrupted, StepResult, Trainer, train_and_export
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,9 @@ def disk_estimate(config: FinetuneConfig) -> int | None:
 
 
 def preflight(ctx: RunContext, config: FinetuneConfig) -> None:
-    """Fail with exit 2 before anything is written: the base model and a named dataset must exist."""
+    """Fail with exit 2 before anything is written: the base model and a named dataset must exist, and
+    wandb must be installed where the environment asks for tracking."""
+    check_wandb_installed()
     resolve_base_model(config.base_model, ctx.volume, download=False)
     if config.data.dataset is not None:
         _dataset_dir(ctx, config.data.dataset)
@@ -431,11 +433,12 @@ class Finetuner(Trainer):
         per_sample: list[tuple[float, int]] = []
         batches = self._eval_batches()
         mine = batches[self.dist.rank :: self.dist.world_size]
-        if self.parallel == "fsdp" and batches:  # every rank runs as many forwards: each one gathers weights
-            for _ in range(-(-len(batches) // self.dist.world_size) - len(mine)):
-                with self._autocast(), gathered_root(self.loss_module):
-                    self.model(**self._eval_inputs(batches[0]))  # a repeat, not counted
-        for batch in self.until_stop(mine):
+        for batch in self.until_stop(mine, rounds=-(-len(batches) // self.dist.world_size)):
+            if batch is None:  # this rank's batches ran out first
+                if self.parallel == "fsdp":  # every rank runs as many forwards: each one gathers weights
+                    with self._autocast(), gathered_root(self.loss_module):
+                        self.model(**self._eval_inputs(batches[0]))  # a repeat, not counted
+                continue
             inputs = self._eval_inputs(batch)
             # The bare model, not the training wrapper: per-sample losses need logits.
             with self._autocast(), gathered_root(self.loss_module):
@@ -483,19 +486,25 @@ class Finetuner(Trainer):
         if not gen.every_evals or (step // self.eval_every) % gen.every_evals:
             return
         metrics: dict[str, float] = {}
+        interrupted = False
         if self.dist.is_main:
             prompts = self.generation_prompts(gen.max_samples)
-            metrics = generate_and_score(
-                self.model,
-                self.until_stop(prompts),
-                self.tokenizer,
-                gen.max_new_tokens,
-                self.dist.device,
-                self.ctx.run.root / "eval",
-                step,
-                gen.worst_samples,
-                self._autocast,
-            )
+            try:
+                metrics = generate_and_score(
+                    self.model,
+                    self.until_stop(prompts, local=True),
+                    self.tokenizer,
+                    gen.max_new_tokens,
+                    self.dist.device,
+                    self.ctx.run.root / "eval",
+                    step,
+                    gen.worst_samples,
+                    self._autocast,
+                )
+            except EvalInterrupted:  # the other ranks wait in the broadcast below: they stop with it
+                interrupted = True
+        if D.broadcast_from_main(self.dist, float(interrupted)):
+            raise EvalInterrupted
         for name in METRICS:
             value = D.broadcast_from_main(self.dist, metrics.get(f"eval_{name}", float("nan")))
             if not math.isnan(value):

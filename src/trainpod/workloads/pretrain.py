@@ -251,9 +251,16 @@ class Pretrainer(Trainer):
         model.eval()
         batches = self._eval_batches(self.train_cfg.eval_batches)
         total = torch.zeros((), device=self.dist.device)
-        for inputs, targets in self.until_stop(batches):
+        for batch in self.until_stop(batches, self.eval_rounds(batches)):
+            # A rank whose validation windows ran out first repeats one, not counted: every rank runs as
+            # many forwards (under FSDP each one gathers the weights from every rank).
+            if batch is None and not batches:
+                continue
+            inputs, targets = batch if batch is not None else batches[0]
             with self._autocast():
-                total += model(to_device(inputs, self.dist.device), to_device(targets, self.dist.device))
+                loss = model(to_device(inputs, self.dist.device), to_device(targets, self.dist.device))
+            if batch is not None:
+                total += loss
         return D.all_reduce_mean(self.dist, total / max(len(batches), 1)).item()
 
     # ------------------------------------------------------------------------------ finish

@@ -8,11 +8,15 @@ short sequences: much state, little compute per step). Target: async >= 0.97x th
 
 Whole runs on this machine drift by tens of percent from one to the next (runs of one variant spread
 from 3.5 to 5.3 s), which buries a few percent. So each variant runs as one trainer whose steps
-alternate between windows of WINDOW steps that begin with a commit and windows of WINDOW steps
+alternate between windows of `window` steps that begin with a commit and windows of `window` steps
 without one, and neighbouring windows, which see the same machine, are compared: a window with a
-commit is the time between two commits of a run that commits every WINDOW steps; one without is the
+commit is the time between two commits of a run that commits every `window` steps; one without is the
 same steps with checkpoints off. Every window ends with no commit in flight (the wait is timed), so
 no commit's cost spills into the next window. The variants run in the order sync, async, async, sync.
+
+The window is sized before the runs so that a sync commit costs SYNC_SHARE of it on this machine today
+(a fixed 20 steps made the ratio depend on the machine's speed that day: a slower step hides more of
+the same commit), and every run uses that window.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from trainpod.volume import Volume  # noqa: E402
 from trainpod.workloads.pretrain import Pretrainer  # noqa: E402
 
 TARGET = 0.97
-WINDOW = 20  # steps between commits: a sync commit costs 10-15% of them on an idle 2-core machine
+SYNC_SHARE = 0.12  # of a window, what one sync commit costs (the issue asks for >= 10%)
 # Training on one core of the two leaves the other to the writer, as a GPU host does: there training is one
 # Python thread launching kernels and the writer hashes and writes on cores that would idle. With training
 # on every core, background work has no idle core to run on and async cannot beat sync (BENCHMARKS.md).
@@ -62,17 +66,22 @@ MODEL = [
     "checkpoint.every_minutes=100000",
     "checkpoint.keep_last=2",
     "checkpoint.keep_best=0",
-    f"checkpoint.every_steps={2 * WINDOW}",  # a commit opens every other window
     "name=bench-async",
 ]
 ORDER = ("sync", "async", "async", "sync")
 
 
-def make_trainer(volume: Path, mode: str) -> Pretrainer:
+def make_trainer(volume: Path, mode: str, window: int) -> Pretrainer:
     run = Volume(volume).run("bench-async")
     shutil.rmtree(run.root, ignore_errors=True)
     run.create()
-    overrides = [*MODEL, "train.max_steps=1000000", f"checkpoint.mode={mode}"]
+    # A commit opens every other window.
+    overrides = [
+        *MODEL,
+        "train.max_steps=1000000",
+        f"checkpoint.mode={mode}",
+        f"checkpoint.every_steps={2 * window}",
+    ]
     config = load_config(PretrainConfig, REPO / "configs/pretrain/tiny.yaml", overrides)
     trainer = Pretrainer(RunContext(Volume(volume), run, PreemptionWatch()), config, init_distributed())
     trainer.resume()
@@ -88,7 +97,7 @@ class Windows:
     without: list[float] = field(default_factory=list)
 
     def ratio(self) -> float:
-        """Throughput committing every WINDOW steps over throughput with checkpoints off."""
+        """Throughput committing every `window` steps over throughput with checkpoints off."""
         return sum(self.without) / sum(self.with_commit)
 
     def commit_cost(self) -> float:
@@ -110,11 +119,32 @@ class Windows:
         return self
 
 
-def measure(volume: Path, mode: str, pairs: int) -> tuple[Windows, int]:
+def size_window(volume: Path) -> tuple[int, float, float]:
+    """The window (steps) in which one sync commit costs SYNC_SHARE, from the median of 20 steps and of
+    5 sync commits on a trainer of its own; with those two medians (seconds)."""
+    torch.set_num_threads(THREADS)
+    trainer = make_trainer(volume, "sync", 1_000_000)
+    model = trainer.wrap_for_training()
+    model.train()
+    steps, commits = [], []
+    for step in range(1, 31):
+        started = time.perf_counter()
+        trainer.train_step(model, step)
+        steps.append(time.perf_counter() - started)
+        if step > 25:
+            started = time.perf_counter()
+            trainer.commit(step)
+            commits.append(time.perf_counter() - started)
+    trainer.reporter.close()
+    step_s, commit_s = statistics.median(steps[5:25]), statistics.median(commits)
+    return max(5, round(commit_s / (SYNC_SHARE * step_s))), step_s, commit_s
+
+
+def measure(volume: Path, mode: str, pairs: int, window_steps: int) -> tuple[Windows, int]:
     """`pairs` windows with a commit, each followed by one without (the model build is outside the
     timing, as is a first pair that allocates the writer's host buffers); and the parameter count."""
     torch.set_num_threads(THREADS)
-    trainer = make_trainer(volume, mode)
+    trainer = make_trainer(volume, mode, window_steps)
     model = trainer.wrap_for_training()
     model.train()
     assert trainer.background_commits == (mode == "async")
@@ -123,14 +153,14 @@ def measure(volume: Path, mode: str, pairs: int) -> tuple[Windows, int]:
     def window() -> float:
         nonlocal step
         started = time.perf_counter()
-        for _ in range(WINDOW):
+        for _ in range(window_steps):
             step += 1
             trainer.train_step(model, step)
             trainer._after_step(step)
         trainer.writer.wait()
         return time.perf_counter() - started
 
-    for _ in range(2 * WINDOW - 1):  # the next step is the first to commit
+    for _ in range(2 * window_steps - 1):  # the next step is the first to commit
         step += 1
         trainer.train_step(model, step)
         trainer._after_step(step)
@@ -140,7 +170,9 @@ def measure(volume: Path, mode: str, pairs: int) -> tuple[Windows, int]:
         windows.with_commit.append(window())
         windows.without.append(window())
     committed = trainer.writer.store.committed()
-    assert committed and committed[0].step == step - 2 * WINDOW + 1, "each window with a commit committed"
+    assert committed and committed[0].step == step - 2 * window_steps + 1, (
+        "each window with a commit committed"
+    )
     trainer.reporter.close()
     return windows, trainer.n_params
 
@@ -150,9 +182,10 @@ def run(workdir: Path, quick: bool = False) -> str:
     shutil.rmtree(volume, ignore_errors=True)
     make_dataset(volume)
     pairs = 8 if quick else 40
+    window_steps, step_s, commit_s = size_window(volume)
     runs: dict[str, list[Windows]] = {"sync": [], "async": []}
     for mode in ORDER:
-        windows, n = measure(volume, mode, pairs)
+        windows, n = measure(volume, mode, pairs, window_steps)
         runs[mode].append(windows)
     pooled = {}
     for mode, measured in runs.items():
@@ -179,16 +212,17 @@ def run(workdir: Path, quick: bool = False) -> str:
             "",
             f"The pretrain trainer's step and commit path, Llama 2 layers x 384 wide ({params}), seq 16, "
             f"micro batch 1, fp32 on CPU, {THREADS} thread(s) on the 2-core machine. Each variant trains "
-            f"one trainer through {pairs} pairs of {WINDOW}-step windows, one opening with a commit and the "
-            "next without (a commit every "
-            f"{WINDOW} steps vs checkpoints off, compared between neighbouring windows so the machine's "
-            "drift cancels); each window ends with no commit in flight. Runs in the order "
+            f"one trainer through {pairs} pairs of {window_steps}-step windows, one opening with a commit and "
+            f"the next without (a commit every {window_steps} steps vs checkpoints off, compared between "
+            "neighbouring windows so the machine's drift cancels); each window ends with no commit in flight. "
+            f"The window was sized first so that a sync commit costs {SYNC_SHARE:.0%} of it today (median step "
+            f"{step_s * 1000:.1f} ms, median sync commit {commit_s * 1000:.0f} ms). Runs in the order "
             f"{', '.join(ORDER)}; the ratio pools both runs of a variant (each run's beside it) and its 95% "
             "interval, from the spread of the pairs' differences.",
             "",
             "| metric | measured | target | result |",
             "| --- | --- | --- | --- |",
-            f"| window without a commit (mean) | {window:.2f} s for {WINDOW} steps | | |",
+            f"| window without a commit (mean) | {window:.2f} s for {window_steps} steps | | |",
             f"| one sync commit's cost | {sync_cost * 1000:.0f} ms = {share:.0%} of the window | >= 10% | "
             f"{'pass' if share >= 0.10 else 'FAIL'} |",
             f"| sync commits / off | {pooled['sync'].ratio():.3f}x (runs {each_run('sync')}; "

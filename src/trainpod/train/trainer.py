@@ -22,7 +22,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Iterable, Iterator, Sized
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -332,37 +332,27 @@ class Trainer:
             return False
         return (step // self.eval_every + 1) * self.eval_every <= self.max_steps
 
-    def until_stop(
-        self, batches: Iterable[T], rounds: int | None = None, local: bool = False
-    ) -> Iterator[T | None]:
+    def until_stop(self, batches: Iterable[T], local: bool = False) -> Iterator[T | None]:
         """`batches` of an eval, ending it (EvalInterrupted) when a stop is asked for between two of them:
         an eval takes seconds to minutes, and a SIGTERM must reach the next step boundary, and its commit,
         within 5 s. Several ranks agree before each batch (one all-reduce of the stop flags, as
-        `_after_step` agrees each step), so every rank ends the eval at the same batch, or none does.
-        `rounds`: the most batches a rank has; a rank with fewer takes part in the agreements of the rounds
-        it has no batch for, which yield None (an FSDP rank runs a forward for them all the same).
-        `local`: this rank alone runs the eval (rank 0's generation eval); it checks its own flag and the
-        caller tells the others."""
+        `_after_step` agrees each step), so every rank ends the eval at the same batch, or none does. They
+        run as many rounds as the rank with the most batches (`batches` must then have a length); a rank
+        with fewer takes part in the agreements of the rounds it has no batch for, which yield None (an
+        FSDP rank runs a forward for them all the same). `local`: this rank alone runs the eval (rank 0's
+        generation eval); it checks its own flag and the caller tells the others."""
         if local or self.dist.world_size == 1:
             for batch in batches:
                 if self.ctx.watch.requested:
                     raise EvalInterrupted
                 yield batch
             return
-        if rounds is None:
-            batches = list(batches)
-            rounds = len(batches)
+        rounds = int(D.all_reduce_max(self.dist, [float(len(batches))])[0])  # type: ignore[arg-type]
         mine = iter(batches)  # read as the eval goes, as on one rank
         for _ in range(rounds):
             if D.all_reduce_max(self.dist, [float(self.ctx.watch.requested)])[0]:
                 raise EvalInterrupted
             yield next(mine, None)
-
-    def eval_rounds(self, batches: Sized) -> int | None:
-        """The most eval batches any rank has (`until_stop`'s rounds); None on one rank."""
-        if self.dist.world_size == 1:
-            return None
-        return int(D.all_reduce_max(self.dist, [float(len(batches))])[0])
 
     def _evaluate_pending(self, model: torch.nn.Module, step: int) -> None:
         """The eval a stop interrupted at `step`, the step the run resumed from: run now, before any step,

@@ -433,7 +433,7 @@ class Finetuner(Trainer):
         per_sample: list[tuple[float, int]] = []
         batches = self._eval_batches()
         mine = batches[self.dist.rank :: self.dist.world_size]
-        for batch in self.until_stop(mine, rounds=-(-len(batches) // self.dist.world_size)):
+        for batch in self.until_stop(mine):
             if batch is None:  # this rank's batches ran out first
                 if self.parallel == "fsdp":  # every rank runs as many forwards: each one gathers weights
                     with self._autocast(), gathered_root(self.loss_module):

@@ -251,7 +251,7 @@ class Pretrainer(Trainer):
         model.eval()
         batches = self._eval_batches(self.train_cfg.eval_batches)
         total = torch.zeros((), device=self.dist.device)
-        for batch in self.until_stop(batches, self.eval_rounds(batches)):
+        for batch in self.until_stop(batches):
             # A rank whose validation windows ran out first repeats one, not counted: every rank runs as
             # many forwards (under FSDP each one gathers the weights from every rank).
             if batch is None and not batches:

@@ -74,7 +74,12 @@ def test_dry_mode_runs_every_part_and_records_its_result(dry_results):
     checkpoint = json.loads((dry_results / "checkpoint-125m.json").read_text())
     assert checkpoint["runs"]["every_k"]["commits"] == checkpoint["runs"]["none"]["commits"] + 2
     big = json.loads((dry_results / "qlora-32b.json").read_text())
-    assert set(big["measured"]) == {"1", "2"} and big["extrapolated_step_s"] > 0
+    # Step times on a shared CPU are noise (the 2-layer step can be the faster one), so this checks the
+    # extrapolation's arithmetic, never the sign of a timed figure.
+    assert set(big["measured"]) == {"1", "2"}
+    one, two = (big["measured"][layers]["step_s"] for layers in ("1", "2"))
+    assert one > 0 and two > 0
+    assert big["extrapolated_step_s"] == pytest.approx(one + (two - one) * (big["target_layers"] - 1))
     speed = json.loads((dry_results / "qlora-speed.json").read_text())
     assert speed["packed"]["ours"] > 0 and speed["padded"]["baseline"] > 0
     vlm = json.loads((dry_results / "vlm-generation.json").read_text())

@@ -125,9 +125,43 @@ def test_a_position_whose_step_reads_other_windows_is_refused():
         loader(world=1, accum=3).load_state_dict(state)
 
 
-def test_shard_smaller_than_one_step_is_a_clear_error():
-    with pytest.raises(InputError, match="fewer than one optimizer step"):
-        loader(length=20).next_batch()
+def test_shards_that_all_hold_less_than_one_step_are_an_error_when_the_loader_is_made():
+    with pytest.raises(
+        InputError, match=r"no shard of .* holds one optimizer step .* = 33 tokens; the largest holds 20"
+    ):
+        loader(length=20)
+
+
+def test_a_short_last_shard_is_skipped_and_the_epoch_goes_on_in_the_next_order():
+    """datagen's last shard holds the leftover tokens; a step that does not fit in it reads the next
+    epoch's first shard instead of failing at the end of the epoch."""
+    paths, arrays = fake_shards(3, 100)
+    arrays[paths[2]] = arrays[paths[2]][:20]  # less than one step of 2 ranks x 2 x 8 + 1 = 33 tokens
+    ranks = [TokenBatches(paths, arrays.__getitem__, 2, 8, rank, 2, seed=7) for rank in (0, 1)]
+    starts = [[int(r.next_batch()[0][0, 0]) for r in ranks] for _ in range(7)]
+    assert [step[0] // 1000 for step in starts] == [0, 0, 0, 1, 1, 1, ranks[0]._epoch_order(1)[0]]
+    assert [r.epoch for r in ranks] == [1, 1], "shard 2 was never read: the epoch ended after shard 1"
+    assert all(b - a == 16 for a, b in starts), (
+        "each step's windows are the two ranks' halves of one global window"
+    )
+
+
+def test_a_short_shard_is_skipped_alike_for_any_split_of_the_step_between_ranks_and_accumulation():
+    paths, arrays = fake_shards(3, 100)
+    arrays[paths[0]] = arrays[paths[0]][:40]  # holds 2 x 2 x 8 + 1 = 33 tokens, not 2 x 2 x 2 x 8 + 1
+    one_rank = TokenBatches(paths, arrays.__getitem__, 2, 8, 0, 1, grad_accum_steps=4)
+    two_ranks = [TokenBatches(paths, arrays.__getitem__, 2, 8, r, 2, grad_accum_steps=2) for r in (0, 1)]
+    alone = torch.cat([one_rank.next_batch()[0] for _ in range(4)])
+    together = torch.cat([torch.cat([r.next_batch()[0] for r in two_ranks]) for _ in range(2)])
+    assert torch.equal(alone, together) and int(alone[0, 0]) == 1000, "both skipped shard 0"
+
+
+def test_a_validation_split_too_small_for_one_eval_batch_names_the_sizes_and_the_fixes():
+    paths, arrays = fake_shards(1, 30)
+    with pytest.raises(
+        InputError, match=r"2 rank\(s\) x 2 x 8 \+ 1 = 33 tokens; the largest holds 30.*eval_every=0"
+    ):
+        eval_batches(paths, arrays.__getitem__, 2, 8, count=4, world_size=2)
 
 
 def test_eval_batches_are_the_same_every_time_and_do_not_wrap():

@@ -5,7 +5,9 @@ current shard, then the position advances by world*B*T. The shard order is a per
 from (seed, epoch), so the whole position is four integers, restored without replaying batches.
 
 An optimizer step reads world x accumulation windows in a row, and moves to the next shard only
-between steps (when the whole step no longer fits). So a step's tokens depend only on the product:
+between steps (when the whole step no longer fits). A shard too short for one whole step is skipped:
+datagen's last shard of a split holds what was left over, often less than one step of a large run, and
+a run that reached it would otherwise fail at the end of an epoch. So a step's tokens depend only on the product:
 2 ranks x 1 micro-batch read exactly what 1 rank x 2 micro-batches read. That is what lets a run
 resume on another GPU count (`rescaled_accumulation`) with the same data and the same global batch.
 
@@ -17,6 +19,7 @@ nothing changes.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,6 +27,8 @@ import numpy as np
 import torch
 
 from trainpod.errors import InputError
+
+log = logging.getLogger(__name__)
 
 ShardOpener = Callable[[Path], np.ndarray]
 
@@ -69,6 +74,8 @@ class TokenBatches:
         self.position = 0  # token offset of the global window in the current shard
         self._order = self._epoch_order(0)
         self._cache: tuple[int, np.ndarray] | None = None
+        self._lengths = [len(open_shard(path)) for path in self.shards]  # from the headers: no tokens read
+        self._check_some_shard_holds_a_step()
 
     @property
     def _global_window(self) -> int:
@@ -83,24 +90,49 @@ class TokenBatches:
             return list(range(len(self.shards)))  # epoch 0 in dataset order, like llm.c
         return np.random.default_rng([self.seed, epoch]).permutation(len(self.shards)).tolist()
 
+    def _holds_a_step(self, shard: int) -> bool:
+        return self._lengths[shard] >= self._step_window + 1
+
+    def _check_some_shard_holds_a_step(self) -> None:
+        short = [i for i in range(len(self.shards)) if not self._holds_a_step(i)]
+        if len(short) == len(self.shards):
+            raise InputError(
+                f"no shard of {self.shards[0].parent} holds one optimizer step ({self.world_size} rank(s) x "
+                f"{self.grad_accum_steps} accumulation x {self.batch_size} x {self.seq_len} + 1 = "
+                f"{self._step_window + 1} tokens; the largest holds {max(self._lengths)}); lower "
+                "train.micro_batch_size, train.grad_accum_steps or train.seq_len, or make bigger shards "
+                "(datagen shard_tokens)"
+            )
+        if short and self.rank == 0:
+            skipped = sum(self._lengths[i] for i in short)
+            log.info(
+                "%d of %d shard(s) hold less than one step (%d tokens) and are skipped: %d tokens, %.2f%% of them",
+                len(short),
+                len(self.shards),
+                self._step_window + 1,
+                skipped,
+                100 * skipped / max(sum(self._lengths), 1),
+            )
+
     def _tokens(self, shard: int) -> np.ndarray:
         if self._cache is None or self._cache[0] != shard:
-            tokens = self._open(self.shards[shard])
-            if len(tokens) < self._step_window + 1:
-                raise InputError(
-                    f"shard {self.shards[shard]} holds {len(tokens)} tokens, fewer than one optimizer step "
-                    f"({self.world_size} ranks x {self.grad_accum_steps} accumulation x {self.batch_size} x "
-                    f"{self.seq_len} + 1); lower train.micro_batch_size, train.grad_accum_steps or "
-                    "train.seq_len, or make bigger shards (datagen shard_tokens)"
-                )
-            self._cache = (shard, tokens)
+            self._cache = (shard, self._open(self.shards[shard]))
         return self._cache[1]
 
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        tokens = self._tokens(self._order[self.shard_index])
-        if self._micro == 0 and self.position + self._step_window + 1 > len(tokens):
+    def _seek_a_step(self) -> None:
+        """Stay in the current shard while a whole step fits from the position, else move on to the next
+        shard that holds one. Bounded: a resume can rescale the accumulation past every shard's size."""
+        for _ in range(2 * len(self.shards) + 1):
+            shard = self._order[self.shard_index]
+            if self.position + self._step_window + 1 <= self._lengths[shard]:
+                return
             self._advance_shard()
-            tokens = self._tokens(self._order[self.shard_index])
+        self._check_some_shard_holds_a_step()  # raises: no shard holds a step at this accumulation
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._micro == 0:
+            self._seek_a_step()
+        tokens = self._tokens(self._order[self.shard_index])
         self._micro = (self._micro + 1) % self.grad_accum_steps
         start = self.position + self.rank * self.batch_size * self.seq_len
         size = self.batch_size * self.seq_len + 1
@@ -180,7 +212,17 @@ def eval_batches(
     rank: int = 0,
     world_size: int = 1,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The same first `count` validation windows at every evaluation, split across ranks."""
+    """The same first `count` validation windows at every evaluation, split across ranks. InputError
+    when no validation shard holds one window on every rank."""
+    window = world_size * batch_size * seq_len + 1
+    largest = max((len(open_shard(path)) for path in shards), default=0)
+    if largest < window:
+        raise InputError(
+            f"no validation shard holds one eval batch on every rank ({world_size} rank(s) x {batch_size} x "
+            f"{seq_len} + 1 = {window} tokens; the largest holds {largest}); lower train.micro_batch_size or "
+            "train.seq_len, give the validation split more tokens (datagen val_ratio), or set "
+            "train.eval_every=0 to train without evals"
+        )
     batches = TokenBatches(shards, open_shard, batch_size, seq_len, rank, world_size, seed=0)
     out = []
     for _ in range(count):

@@ -93,6 +93,21 @@ class Pretrainer(Trainer):
             pin_memory=self.dist.device.type == "cuda",
             grad_accum_steps=t.grad_accum_steps,
         )
+        # Read once, here: every eval uses the same windows, and a validation split too small for them is
+        # an error before the first step, not at the first eval hours in.
+        self.eval_windows = (
+            eval_batches(
+                self.val_shards,
+                open_shard,
+                t.micro_batch_size,
+                t.seq_len,
+                t.eval_batches,
+                self.dist.rank,
+                self.dist.world_size,
+            )
+            if self.val_shards and t.eval_every
+            else []
+        )
 
     def _setup_model(self) -> None:
         t, device = self.train_cfg, self.dist.device
@@ -222,25 +237,13 @@ class Pretrainer(Trainer):
     def has_eval_data(self) -> bool:
         return bool(self.val_shards)
 
-    def _eval_batches(self, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        t = self.train_cfg
-        return eval_batches(
-            self.val_shards,
-            open_shard,
-            t.micro_batch_size,
-            t.seq_len,
-            count,
-            self.dist.rank,
-            self.dist.world_size,
-        )
-
     @torch.no_grad()
     def compile_eval_graph(self, model: torch.nn.Module) -> None:
         if not self.train_cfg.compile:
             return
         started = time.perf_counter()
         model.eval()
-        for inputs, targets in self._eval_batches(1):  # every rank: FSDP's forward gathers on all of them
+        for inputs, targets in self.eval_windows[:1]:  # every rank: FSDP's forward gathers on all of them
             with self._autocast():
                 model(to_device(inputs, self.dist.device), to_device(targets, self.dist.device))
         model.train()
@@ -249,7 +252,7 @@ class Pretrainer(Trainer):
     @torch.no_grad()
     def evaluate(self, model: torch.nn.Module, step: int) -> float:
         model.eval()
-        batches = self._eval_batches(self.train_cfg.eval_batches)
+        batches = self.eval_windows
         total = torch.zeros((), device=self.dist.device)
         for batch in self.until_stop(batches):
             # A rank whose validation windows ran out first repeats one, not counted: every rank runs as

@@ -10,13 +10,18 @@ GPU section of BENCHMARKS.md, the raw results and logs kept under bench/results/
 
 A bare GPU machine with no internet has a CUDA torch, transformers, peft and accelerate but not
 bitsandbytes or pydantic: `make gpu-wheels` (on a machine with the package index) downloads those
-wheels into .whl/, and `make gpu-check` installs them offline (--no-index) before it runs.
+wheels into .whl/, and `make gpu-check` installs them offline (--no-index) before it runs. Where the
+machine has no make, the same in Python alone (a fresh machine per call: results under bench/results
+travel with the repository, and --resume picks up from them):
+
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+    PYTHONPATH=/tmp/site:src python3 bench/gpu_check.py --resume --deadline-s 540 --results bench/results/gpu-<date>
 
 Each unit (a part, for one preset where it has presets) runs in a process of its own, so one unit's
 memory does not count in another's peak and a crash in one leaves the others' results; each writes
 <results>/<unit>.json and <unit>.log, and its scratch volume under <results>/work/ is removed after it.
---dry runs the same code on CPU with a tiny model, so the unit
-tier (tests/test_gpu_check.py) keeps this harness working between GPU runs.
+--dry runs the same code on CPU with a tiny model, so the unit tier (tests/test_gpu_check.py) keeps this
+harness working between GPU runs.
 """
 
 from __future__ import annotations

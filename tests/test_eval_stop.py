@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import socket
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -58,15 +59,10 @@ def eval_losses(volume: Path) -> dict[int, float]:
 
 
 def stop_after_the_first_eval_batch_at(trainer: Pretrainer, step: int) -> None:
-    real = trainer._eval_batches
-
-    def batches(count: int):
-        for index, batch in enumerate(real(count)):
-            if index == 1 and trainer.progress.step == step:
-                trainer.ctx.watch.request("SIGTERM")  # between the eval's first and second batch
-            yield batch
-
-    trainer._eval_batches = batches
+    """The stop is asked for between the eval's first and second batch, in the eval of `step` only."""
+    trainer.eval_windows = _StopWhenRead(
+        trainer.eval_windows, trainer.ctx.watch, lambda: trainer.progress.step == step
+    )
 
 
 def test_a_stop_during_an_eval_commits_the_step_and_the_resumed_run_evaluates_it_first(
@@ -207,15 +203,16 @@ def test_a_stop_during_a_finetunes_generation_eval_is_resumed_the_same_way(
 
 
 class _StopWhenRead(list):
-    """Rank 0's eval batches: the stop is asked for (on rank 0 alone) as its second batch is read."""
+    """A rank's eval windows: the stop is asked for (on this rank alone) as the second one is read, in
+    an eval where `now()` holds. Slicing gives a plain list (the compiled eval graph's warm-up reads one)."""
 
-    def __init__(self, batches: list, watch: PreemptionWatch):
+    def __init__(self, batches: list, watch: PreemptionWatch, now: Callable[[], bool]):
         super().__init__(batches)
-        self.watch = watch
+        self.watch, self.now = watch, now
 
     def __iter__(self):
         for index, batch in enumerate(super().__iter__()):
-            if index == 1:
+            if index == 1 and self.now():
                 self.watch.request("SIGTERM")
             yield batch
 
@@ -233,13 +230,7 @@ def _two_rank_worker(workload: str, rank: int, port: int, volume: str, stop_at: 
     if workload == "pretrain":
         trainer = pretrainer(Path(volume))
         if rank == 0 and stop_at:
-            real = trainer._eval_batches
-
-            def batches(count: int):
-                got = real(count)
-                return _StopWhenRead(got, trainer.ctx.watch) if trainer.progress.step == stop_at else got
-
-            trainer._eval_batches = batches
+            stop_after_the_first_eval_batch_at(trainer, stop_at)
     else:
         trainer = generation_eval_finetuner(Path(volume))
         if rank == 0 and stop_at:

@@ -254,17 +254,12 @@ class Pretrainer(Trainer):
         model.eval()
         batches = self.eval_windows
         total = torch.zeros((), device=self.dist.device)
-        for batch in self.until_stop(batches):
-            # A rank whose validation windows ran out first repeats one, not counted: every rank runs as
-            # many forwards (under FSDP each one gathers the weights from every rank).
-            if batch is None and not batches:
-                continue
-            inputs, targets = batch if batch is not None else batches[0]
+        # Every rank holds as many windows (its slice of the same global windows, train/batches.py), so
+        # until_stop never yields None here and the ranks run as many forwards (under FSDP each gathers).
+        for inputs, targets in self.until_stop(batches):
             with self._autocast():
-                loss = model(to_device(inputs, self.dist.device), to_device(targets, self.dist.device))
-            if batch is not None:
-                total += loss
-        return D.all_reduce_mean(self.dist, total / max(len(batches), 1)).item()
+                total += model(to_device(inputs, self.dist.device), to_device(targets, self.dist.device))
+        return D.all_reduce_mean(self.dist, total / len(batches)).item()
 
     # ------------------------------------------------------------------------------ finish
     def export(self) -> Path | None:

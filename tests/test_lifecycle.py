@@ -98,14 +98,11 @@ def test_missing_dataset_message_names_the_path(volume):
 def test_a_validation_split_too_small_for_one_eval_batch_exits_2_before_the_first_step(volume):
     """The test split's one val shard holds 17,742 tokens; 36 x 512 + 1 do not fit in it. Before, the
     run trained until its first eval and died there."""
-    too_big = (
-        "--set",
-        "train.micro_batch_size=36",
-        "--set",
-        "train.seq_len=512",
-        "--set",
-        "train.grad_accum_steps=1",
-    )
+    too_big = [
+        arg
+        for setting in ("micro_batch_size=36", "seq_len=512", "grad_accum_steps=1")
+        for arg in ("--set", f"train.{setting}")
+    ]
     result = run_trainpod(*PRETRAIN, *too_big, volume=volume)
     assert result.returncode == 2, result.stdout + result.stderr
     assert "the largest holds 17742" in result.stdout and "train.eval_every=0" in result.stdout

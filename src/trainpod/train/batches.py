@@ -5,11 +5,12 @@ current shard, then the position advances by world*B*T. The shard order is a per
 from (seed, epoch), so the whole position is four integers, restored without replaying batches.
 
 An optimizer step reads world x accumulation windows in a row, and moves to the next shard only
-between steps (when the whole step no longer fits). A shard too short for one whole step is skipped:
-datagen's last shard of a split holds what was left over, often less than one step of a large run, and
-a run that reached it would otherwise fail at the end of an epoch. So a step's tokens depend only on the product:
+between steps (when the whole step no longer fits). So a step's tokens depend only on the product:
 2 ranks x 1 micro-batch read exactly what 1 rank x 2 micro-batches read. That is what lets a run
 resume on another GPU count (`rescaled_accumulation`) with the same data and the same global batch.
+A shard too short for one whole step is skipped (alike for any split of that product): datagen's last
+shard of a split holds what was left over, often less than one step of a large run, and a run that
+reached it would otherwise fail at the end of its epoch, and again at every resume.
 
 On CUDA the batches are written straight into pinned (page-locked) host memory and moved with
 `to_device`, a non-blocking copy: it runs on the GPU's copy engine while the host goes on queueing

@@ -91,8 +91,8 @@ class TokenBatches:
             return list(range(len(self.shards)))  # epoch 0 in dataset order, like llm.c
         return np.random.default_rng([self.seed, epoch]).permutation(len(self.shards)).tolist()
 
-    def _holds_a_step(self, shard: int) -> bool:
-        return self._lengths[shard] >= self._step_window + 1
+    def _holds_a_step(self, shard: int, position: int = 0) -> bool:
+        return position + self._step_window + 1 <= self._lengths[shard]
 
     def _check_some_shard_holds_a_step(self) -> None:
         short = [i for i in range(len(self.shards)) if not self._holds_a_step(i)]
@@ -124,8 +124,7 @@ class TokenBatches:
         """Stay in the current shard while a whole step fits from the position, else move on to the next
         shard that holds one. Bounded: a resume can rescale the accumulation past every shard's size."""
         for _ in range(2 * len(self.shards) + 1):
-            shard = self._order[self.shard_index]
-            if self.position + self._step_window + 1 <= self._lengths[shard]:
+            if self._holds_a_step(self._order[self.shard_index], self.position):
                 return
             self._advance_shard()
         self._check_some_shard_holds_a_step()  # raises: no shard holds a step at this accumulation

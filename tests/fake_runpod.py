@@ -48,16 +48,10 @@ SCHEMA_FILE = HERE / "runpod_schema.json"
 SCHEMA_V2_FILE = HERE / "runpod_v2_schema.json"
 
 
-def _reference_dir() -> Path:
-    """shared/reference beside the checkout (main: /work/shared; a worktree /work/wt/X: two levels up)."""
-    for parent in HERE.parents:
-        if (parent / "shared/reference").is_dir():
-            return parent / "shared/reference"
-    return HERE.parent.parent / "shared/reference"
-
-
-OPENAPI = _reference_dir() / "runpod-rest-openapi.json"
-OPENAPI_V2 = _reference_dir() / "runpod-rest-v2-openapi.json"
+# RunPod's own descriptions, kept in the repository (docs/runpod/README.md says where they come from).
+REFERENCE = HERE.parent / "docs/runpod"
+OPENAPI = REFERENCE / "runpod-rest-openapi.json"
+OPENAPI_V2 = REFERENCE / "runpod-rest-v2-openapi.json"
 KEY = "fake-runpod-key-for-tests"
 
 # What trainpod sends, as (method, OpenAPI path): the derived schema holds exactly these.
@@ -122,7 +116,7 @@ def derive_schema(openapi: dict[str, Any]) -> dict[str, Any]:
             "status": min(int(code) for code in op["responses"] if code.startswith("2")),
         }
     return {
-        "source": "RunPod's OpenAPI description of https://rest.runpod.io/v1 (shared/reference/runpod-rest-openapi.json)",
+        "source": "RunPod's OpenAPI description of https://rest.runpod.io/v1 (docs/runpod/runpod-rest-openapi.json)",
         "operations": operations,
         "schemas": schemas,
     }
@@ -154,7 +148,7 @@ def derive_schema_v2(openapi: dict[str, Any]) -> dict[str, Any]:
             operations[f"{method} {path}"]["body"] = _inlined(openapi, body["schema"])
     return {
         "source": "RunPod's OpenAPI description of https://api.runpod.io/v2 "
-        "(shared/reference/runpod-rest-v2-openapi.json)",
+        "(docs/runpod/runpod-rest-v2-openapi.json)",
         "operations": operations,
     }
 

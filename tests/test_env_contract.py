@@ -11,7 +11,8 @@ import jsonschema
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-OPENAPI = REPO.parent / "shared/reference/runpod-rest-openapi.json"
+RUNPOD_REFERENCE = REPO / "docs/runpod"
+OPENAPI = RUNPOD_REFERENCE / "runpod-rest-openapi.json"
 INFRA = REPO / "infra/runpod"
 VARIABLE = re.compile(r"\bTRAINPOD_[A-Z_]+\b")
 SECRETS = ("HF_TOKEN", "WANDB_API_KEY")
@@ -81,9 +82,6 @@ def test_secrets_in_infra_are_runpod_secret_references_never_values(path):
 
 def runpod_schema(name: str) -> dict:
     """RunPod's schema for `name`, with unknown keys refused (RunPod ignores them silently)."""
-    assert OPENAPI.is_file(), (
-        f"{OPENAPI} is missing: the checkout needs shared/ beside it (shared/reference/)"
-    )
     spec = json.loads(OPENAPI.read_text())
     schema = dict(spec["components"]["schemas"][name], additionalProperties=False)
     schema["properties"] = dict(
@@ -143,7 +141,7 @@ def test_every_path_named_in_infra_and_deploy_configs_exists(source, path):
 
 def test_the_cluster_variables_boot_reads_are_the_ones_runpod_documents_for_instant_clusters():
     """boot.py starts torchrun from what RunPod puts into a cluster's pods (runpod-platform.md)."""
-    platform = (REPO.parent / "shared/reference/runpod-platform.md").read_text(encoding="utf-8")
+    platform = (RUNPOD_REFERENCE / "runpod-platform.md").read_text(encoding="utf-8")
     documented = set(re.findall(r"`([A-Z_]+)`", platform.split("## Environment inside a pod", 1)[1]))
     read = set(re.findall(r'environ(?:\.get\(|\[)"([A-Z_]+)"', (REPO / "src/trainpod/boot.py").read_text()))
     # RANK is torchrun's own (set for each rank it starts), the TRAINPOD_ names are the kit's contract.
@@ -151,5 +149,5 @@ def test_the_cluster_variables_boot_reads_are_the_ones_runpod_documents_for_inst
     assert {"NUM_NODES", "NODE_RANK", "NUM_TRAINERS", "PRIMARY_ADDR", "PRIMARY_PORT"} <= platform_reads
     assert platform_reads <= documented, (
         f"boot.py reads {sorted(platform_reads - documented)}, which RunPod does not set in a pod; "
-        "use the names in shared/reference/runpod-platform.md, 'Environment inside a pod'"
+        "use the names in docs/runpod/runpod-platform.md, 'Environment inside a pod'"
     )

@@ -35,7 +35,7 @@ from trainpod.runpod.client import (
 log = logging.getLogger("trainpod.deploy")
 
 ALIVE = ("PROVISIONING", "STARTING", "RUNNING")  # v2 PodStatus values of a node that is coming or working
-# What RunPod itself puts into a node's environment (shared/reference/runpod-platform.md): a recreated
+# What RunPod itself puts into a node's environment (docs/runpod/runpod-platform.md): a recreated
 # cluster gets its own, so these never travel from an old node's env into the new cluster's request.
 PLATFORM_VARIABLES = frozenset(
     {

@@ -17,7 +17,7 @@ by RunPod in every pod); when either is missing it says so and exits normally.
 On an Instant Cluster (NUM_NODES > 1) node 0 (NODE_RANK 0) acts for the whole run, and `stop` and
 `terminate` both delete the cluster (REST v2 `DELETE /v2/clusters/{id}`: v2 has no stop for clusters
 and member pods are out of reach of the pod endpoints), so no node is left billing. RunPod puts no
-cluster id into a pod's environment (shared/reference/runpod-platform.md): node 0 reads it from its
+cluster id into a pod's environment (docs/runpod/runpod-platform.md): node 0 reads it from its
 own pod (`GET /v2/pods/{RUNPOD_POD_ID}`, `cluster.id`), else finds the cluster `<run>-<workload>` by
 name. Other nodes leave markers, counters and the cluster alone, except exit 4, whose MACHINE_UNFIT
 marker names the node so that the supervisor recreates the cluster.

@@ -173,3 +173,45 @@ def test_an_unknown_base_model_is_exit_2_saying_what_to_set(vol: Volume, base: P
     with pytest.raises(InputError) as caught:
         merge(vol)
     assert "runs/nowhere/export/hf" in str(caught.value) and "base_model" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "targets",
+    [
+        pytest.param(["q_proj", "embed_tokens"], id="embedding-lora"),
+        pytest.param(["q_proj", "lm_head"], id="head-lora"),
+    ],
+)
+def test_lora_on_a_tied_embedding_or_head_changes_that_one_alone(
+    vol: Volume, tmp_path: Path, targets: list
+) -> None:
+    tied = make_base(tmp_path / "tied", tie=True)
+    make_adapter(tied, adapter_dir(vol), target_modules=targets)
+    out = merge(vol, dtype="float32")
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
+    model = AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor(INPUT_IDS)).logits[0]
+    diff = (logits - peft_logits(tied, adapter_dir(vol))).abs().max().item()
+    assert diff <= 1e-4, f"the merged model differs from the adapter it merges by {diff}"
+
+
+def test_a_tied_base_stays_tied_when_the_merge_leaves_its_embedding_alone(
+    vol: Volume, tmp_path: Path
+) -> None:
+    tied = make_base(tmp_path / "tied", tie=True)
+    make_adapter(tied, adapter_dir(vol), target_modules=["q_proj", "v_proj"])
+    out = merge(vol, dtype="float32")
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is True
+    assert "lm_head.weight" not in saved_weights(out)
+
+
+def test_an_output_named_like_its_input_adapter_is_exit_2_and_the_adapter_stays(
+    vol: Volume, base: Path
+) -> None:
+    make_adapter(base, adapter_dir(vol))
+    before = tree_snapshot(adapter_dir(vol))
+    with pytest.raises(InputError) as caught:
+        merge(vol, output="adapter")
+    assert caught.value.exit_code == ExitCode.BAD_INPUT and "output" in str(caught.value)
+    assert tree_snapshot(adapter_dir(vol)) == before

@@ -138,6 +138,8 @@ def test_a_changed_adapter_is_converted_again(vol: Volume, base: Path) -> None:
         pytest.param({"bias": "all"}, "bias='all'", id="bias"),
         pytest.param({"lora_bias": True}, "lora_bias", id="lora_bias"),
         pytest.param({"target_modules": ["q_proj", "embed_tokens"]}, "embedding", id="embedding-lora"),
+        pytest.param({"init_lora_weights": "pissa"}, "init_lora_weights='pissa'", id="pissa"),
+        pytest.param({"init_lora_weights": "olora"}, "init_lora_weights='olora'", id="olora"),
     ],
 )
 def test_unconvertible_adapters_are_refused_with_exit_2(
@@ -205,3 +207,83 @@ def test_a_single_task_or_a_bare_kind_is_accepted_and_bad_tasks_are_config_error
     with pytest.raises(ConfigError) as caught:
         convert_config({"kind": "gguf"})
     assert "gguf" in str(caught.value) and "mlx" in str(caught.value)
+
+
+def test_a_hub_base_and_an_adapter_that_may_skip_the_last_layers_is_exit_2(vol: Volume, base: Path) -> None:
+    make_adapter(base, adapter_dir(vol), target_modules=r".*layers\.0\.self_attn\.(q|v)_proj")
+    (adapter_dir(vol) / "training_summary.json").unlink()  # a foreign adapter naming its base by hub id
+    config_path = adapter_dir(vol) / "adapter_config.json"
+    config_path.write_text(
+        json.dumps(json.loads(config_path.read_text()) | {"base_model_name_or_path": "org/tiny"})
+    )
+    with pytest.raises(InputError) as caught:
+        convert_to_mlx(vol)
+    assert "base_model" in str(caught.value) and "target_modules" in str(caught.value)
+    assert not (vol.run("ft").export / "mlx").exists()
+
+
+def test_mlx_lm_reads_the_merged_models_rope_as_the_bases(vol: Volume, base: Path) -> None:
+    """The hub's config.json (transformers 4) has top-level rope_theta/rope_scaling, which mlx-lm reads."""
+    config = json.loads((base / "config.json").read_text())
+    config.pop("rope_parameters", None)
+    config["rope_theta"] = 500000.0
+    config["rope_scaling"] = {
+        "rope_type": "llama3", "factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+        "original_max_position_embeddings": 8,
+    }  # fmt: skip
+    (base / "config.json").write_text(json.dumps(config))
+    make_adapter(base, adapter_dir(vol))
+    [out] = run_convert(convert_config({"kind": "merge", "dtype": "float32"}), vol, PreemptionWatch())
+    import mlx.core as mx
+
+    model, _tokenizer = mlx_load(str(out))
+    got = np.array(model(mx.array(INPUT_IDS))[0].astype(mx.float32))
+    diff = np.abs(got - peft_logits(base, adapter_dir(vol)).numpy()).max()
+    assert diff <= TOLERANCE, f"mlx-lm's merged model differs from PEFT's by {diff} (RoPE settings lost)"
+
+
+def test_the_mlx_adapter_names_its_base_by_hub_id_not_by_the_volumes_download(
+    vol: Volume, tmp_path: Path
+) -> None:
+    download = make_base(tmp_path / "cache/models--org--tiny/snapshots/abc")
+    make_adapter(
+        download, adapter_dir(vol), summary={"base_model": "org/tiny", "base_model_folder": str(download)}
+    )
+    out = convert_to_mlx(vol)
+    assert json.loads((out / "adapter_config.json").read_text())["model"] == "org/tiny"
+    readme = (out / "README.md").read_text()
+    assert "--model org/tiny" in readme and str(download) not in readme
+
+
+@pytest.mark.parametrize(
+    "architecture",
+    [
+        pytest.param({"model_type": "llama", "rope_theta": 500000.0}, id="llama-rope-500k"),
+        pytest.param({"model_type": "qwen2"}, id="qwen2-default-rope"),  # mlx-lm's qwen2 defaults to 1e6
+    ],
+)
+def test_mlx_lm_builds_an_exported_model_with_the_rope_it_was_trained_with(
+    tmp_path: Path, architecture: dict
+):
+    """export_hf is what pretrain, full finetunes and `kind: export` write; transformers 5 saves RoPE only as
+    rope_parameters, which mlx-lm does not read."""
+    import mlx.core as mx
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from trainpod.train.export import export_hf
+
+    tokenizer_dir = make_base(tmp_path / "tokenizer")
+    settings = dict(architecture)
+    config = AutoConfig.for_model(
+        settings.pop("model_type"), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, vocab_size=256, **settings,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    out = export_hf(model, tokenizer_dir, tmp_path / "export/hf", torch.float32)
+    with torch.no_grad():
+        expected = model(input_ids=torch.tensor(INPUT_IDS)).logits[0].numpy()
+    mlx_model, _tokenizer = mlx_load(str(out))
+    got = np.array(mlx_model(mx.array(INPUT_IDS))[0].astype(mx.float32))
+    assert np.abs(got - expected).max() <= TOLERANCE, "mlx-lm built the exported model with another RoPE"

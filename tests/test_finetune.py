@@ -238,3 +238,53 @@ def test_a_text_finetune_is_evaluated_by_generation_and_keeps_its_best_checkpoin
     assert manifest["score"]["metric"] == "eval_cer"
     status = json.loads((run_dir(volume) / "status.json").read_text())
     assert status["eval_metrics"]["eval_cer"] == manifest["score"]["value"]
+
+
+@pytest.mark.parametrize("method", ["lora", "qlora"])
+def test_lora_target_modules_that_match_nothing_is_exit_2_naming_the_modules_there(volume, method):
+    """A typo in lora.target_modules is bad config (exit 2, no restarts), not a crash the supervisor retries."""
+    result = run_trainpod(
+        *finetune_args("--set", 'lora.target_modules=["qkv_proj"]', method=method), volume=volume
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output
+    assert "lora.target_modules=['qkv_proj']" in output and "q_proj" in output
+
+
+def test_generation_eval_on_data_trained_on_the_prompt_is_exit_2(volume):
+    """With train_on_prompt every token is trained, so generation eval would prompt with one token and score
+    the whole conversation as the answer: refused before training."""
+    result = run_trainpod(
+        *finetune_args("--set", "data.sft.train_on_prompt=true", "--set", "generation_eval.every_evals=1"),
+        volume=volume,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output
+    assert "train_on_prompt" in output and "generation_eval.every_evals" in output
+
+
+def test_a_named_dataset_is_packed_as_its_datagen_config_says(volume):
+    """sft.packing in a datagen config is the finetune's default for that dataset (data.packing overrides it)."""
+    datagen = {
+        "kind": "sft",
+        "name": "sft-packed",
+        "tokenizer": BASE,
+        "sft": {
+            "datasets": [{"path": "data/sft.jsonl"}],
+            "template": "chatml",
+            "cutoff_len": 128,
+            "packing": True,
+        },
+    }
+    config = volume / "sft-packed.yaml"
+    config.write_text(json.dumps(datagen))
+    ok(run_trainpod("run", "datagen", "--config", str(config), volume=volume))
+    args = (
+        "run", "finetune", "--config", str(TINY_FINETUNE), "--set", f"base_model.path={BASE}",
+        "--set", "data.sft=null", "--set", "data.dataset=sft-packed", "--set", "method=lora",
+        "--set", "train.max_steps=1",
+    )  # fmt: skip
+    output = ok(run_trainpod(*args, volume=volume))
+    assert "steps per epoch, packed" in output
+    summary = json.loads((run_dir(volume) / "export/adapter/training_summary.json").read_text())
+    assert summary["data"]["packing"] is True

@@ -281,3 +281,21 @@ def test_samples_longer_than_max_len_are_cut_in_batches(tmp_path: Path):
     examples = synthetic(4)
     batch = SftBatches(examples, 4, 5, False, seed=0, rank=0, world_size=1, pad_id=0).next_batch()
     assert batch["input_ids"].shape == (4, 5)
+
+
+def test_every_epoch_fills_its_steps_when_another_order_packs_into_fewer_rows():
+    """The steps of an epoch are the first epoch's; a later order that packs tighter must not run out of rows."""
+    lengths = np.random.default_rng(4).integers(2, 30, size=23)  # 16 rows in epoch 0, 15 in epoch 1 unsplit
+    examples = [
+        SftExample(
+            np.arange(1, n + 1, dtype=np.int64), np.r_[IGNORE_INDEX, np.arange(2, n + 1)].astype(np.int64), i
+        )
+        for i, n in enumerate(lengths)
+    ]
+    batches = SftBatches(examples, 1, 32, True, seed=1, rank=0, world_size=1, pad_id=0, flatten_packed=False)
+    seen = []
+    for _ in range(3 * batches.steps_per_epoch):
+        batch = batches.next_batch()
+        assert batch["input_ids"].shape[0] == 1
+        seen.append(int((batch["position_ids"] == 0).sum()))
+    assert sum(seen[batches.steps_per_epoch : 2 * batches.steps_per_epoch]) == len(examples)

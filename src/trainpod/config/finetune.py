@@ -75,7 +75,7 @@ class FinetuneDataConfig(Section):
     packing: bool | None = Field(
         None,
         description="Pack several samples per row with no attention across them; default: sft.packing "
-        "(false for a named dataset).",
+        "(for a named dataset: the sft.packing of the datagen config that made it).",
     )
 
     @model_validator(mode="after")

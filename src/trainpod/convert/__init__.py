@@ -34,6 +34,7 @@ class AdapterInputs:
     adapter: peft_adapter.PeftAdapter
     base_ref: str  # as the user or the training run named it
     base_dir: Path | None  # None: a hub id not fetched (an mlx task alone does not need it)
+    base_name: str  # as the user or the training named it: a hub id rather than the volume's download of it
 
     @classmethod
     def resolve(cls, config: ConvertConfig, volume: Volume, need_base: bool) -> AdapterInputs:
@@ -42,7 +43,8 @@ class AdapterInputs:
         base_dir = inputs.fetch_base(base_ref, volume) if need_base else inputs.local_base(base_ref, volume)
         if base_dir is not None:
             peft_adapter.check_against_base(adapter, base_dir)
-        return cls(adapter, base_ref, base_dir)
+        base_name = config.base_model or (adapter.summary or {}).get("base_model") or base_ref
+        return cls(adapter, base_ref, base_dir, str(base_name))
 
     def base_files(self) -> dict[str, Path]:
         files = sorted(p for p in self.base_dir.iterdir() if p.is_file() and not p.name.startswith("."))
@@ -102,12 +104,12 @@ def _produce(
 
 def _mlx(task: MlxTask, sources: AdapterInputs, export_root: Path) -> Path:
     layers = sources.base_layers()
-    settings = {"task": task.model_dump(mode="json"), "base_model": sources.base_ref, "base_layers": layers}
+    settings = {"task": task.model_dump(mode="json"), "base_model": sources.base_name, "base_layers": layers}
     return _produce(
         export_root / task.output,
         sources.adapter.files(),
         settings,
-        lambda staging: mlx.write_mlx_adapter(sources.adapter, staging, sources.base_ref, layers),
+        lambda staging: mlx.write_mlx_adapter(sources.adapter, staging, sources.base_name, layers),
     )
 
 

@@ -25,7 +25,7 @@ from trainpod.convert import tensor_merge
 from trainpod.convert.adapter import PeftAdapter
 from trainpod.convert.output import Staging
 from trainpod.errors import InputError
-from trainpod.train.export import DTYPES, PROCESSOR_FILES
+from trainpod.train.export import DTYPES, PROCESSOR_FILES, write_top_level_rope
 
 log = logging.getLogger(__name__)
 
@@ -109,8 +109,34 @@ def merged_model(
     if quantization is not None and qlora_base == "dequantized":
         changed = nf4_roundtrip(model, quantization, (vision or {}).get("kept_unquantized") or ())
         log.info("merging into the 4-bit round-tripped base (%d Linear layers), as trained", len(changed))
+    untied = _untie_output_head(model)
     peft_model = PeftModel.from_pretrained(model, str(adapter_dir), torch_device="cpu")
-    return peft_model.merge_and_unload()
+    merged = peft_model.merge_and_unload()
+    if untied:
+        _retie_if_equal(merged)
+    return merged
+
+
+def _untie_output_head(model: torch.nn.Module) -> bool:
+    """Give a tied output head its own copy of the embedding, so that a LoRA merged into one of the two
+    (peft merges into the shared tensor) does not change the other. True when it was tied."""
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    if head is None or embed is None or head.weight is not embed.weight:
+        return False
+    head.weight = torch.nn.Parameter(embed.weight.detach().clone())
+    return True
+
+
+def _retie_if_equal(model: torch.nn.Module) -> None:
+    """After _untie_output_head: tie the head to the embedding again when the merge left them equal
+    (stored once, as in the base); else the config says they differ (peft sets that when their tensors
+    differ), so that no loader (transformers, mlx-lm, llama.cpp) ties them."""
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    tied = torch.equal(head.weight, embed.weight)
+    if tied:
+        head.weight = embed.weight
+    for config in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
+        config.tie_word_embeddings = tied
 
 
 def write_merged(
@@ -151,6 +177,7 @@ def write_merged(
         write_merged_with_peft(
             adapter.folder, base_dir, staging.folder, dtype, quantization, qlora_base, max_shard_size, vision
         )
+    write_top_level_rope(staging.folder / "config.json")  # what mlx-lm and llama.cpp read
     AutoTokenizer.from_pretrained(str(tokenizer_source)).save_pretrained(staging.folder)
     for name in PROCESSOR_FILES:  # a VLM's image processor, so AutoProcessor loads the merged folder
         source = next((d / name for d in (adapter.folder, base_dir) if (d / name).is_file()), None)

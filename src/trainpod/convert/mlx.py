@@ -47,6 +47,10 @@ _UNSUPPORTED = {
 }
 
 
+# init_lora_weights values after which the adapter belongs to a modified base (peft's LoraLayer.update_layer).
+_BASE_CHANGING_INITS = ("pissa", "corda", "olora", "loftq", "lora_ga")
+
+
 def refusals(adapter: PeftAdapter) -> list[str]:
     """Why this adapter cannot become an mlx-lm adapter without changing what it computes (empty: it can)."""
     config, problems = adapter.config, []
@@ -74,6 +78,13 @@ def refusals(adapter: PeftAdapter) -> list[str]:
             "a vision-language adapter (finetune-vlm): mlx-lm adapters are for text models and this kit "
             "writes no mlx-vlm adapter format; use a `kind: merge` task and convert the merged folder with "
             "mlx-vlm (`python -m mlx_vlm.convert --hf-path <merged folder>`)"
+        )
+    init = config.get("init_lora_weights", True)
+    if isinstance(init, str) and init.lower().startswith(_BASE_CHANGING_INITS):
+        problems.append(
+            f"init_lora_weights={init!r} changes the base weights when the adapter is created (PEFT subtracts "
+            "the initial adapter from them), so the adapter is not a delta on the original base that mlx-lm "
+            f"loads; {_MERGE_INSTEAD}"
         )
     if adapter.uses_dora:
         lacking = [m.name for m in adapter.modules.values() if m.magnitude is None]
@@ -142,10 +153,22 @@ def num_layers(adapter: PeftAdapter, base_layers: int | None) -> int:
     indices = [int(m.group(1)) for m in map(_LAYER_MODULE.match, adapter.modules) if m]
     if base_layers is not None:
         return base_layers
-    if adapter.config.get("layers_to_transform") is not None:
+    config = adapter.config
+    targets = config.get("target_modules")
+    skipping = [
+        f"{name}={config[name]!r}"
+        for name in ("layers_to_transform", "layers_pattern", "exclude_modules")
+        if config.get(name)
+    ] + (
+        [f"target_modules={targets!r} (a regex)"]
+        if isinstance(targets, str) and targets != "all-linear"
+        else []
+    )
+    if skipping or sorted(set(indices)) != list(range(max(indices, default=-1) + 1)):
         raise InputError(
-            "layers_to_transform is set, so the adapter may skip the last layers, and the base model is not "
-            "a local folder whose depth could be read; set base_model to the base model's folder"
+            f"{', '.join(skipping) or 'the adapted layers ' + str(sorted(set(indices)))}: the adapter may skip "
+            "the last layers, and the base model is not a local folder whose depth could be read (mlx-lm adapts "
+            "the last num_layers layers); set base_model to the base model's folder"
         )
     return max(indices) + 1 if indices else 0
 

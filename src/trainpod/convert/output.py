@@ -42,7 +42,7 @@ import torch
 
 import trainpod
 from trainpod import atomic
-from trainpod.errors import TemporaryError
+from trainpod.errors import InputError, TemporaryError
 from trainpod.tensorfile import TensorLayout
 
 log = logging.getLogger(__name__)
@@ -311,6 +311,12 @@ def produce(
     into place. A reader sees the old output (if any) or the complete new one; a kill leaves only a
     `.tmp-` folder, removed by the next run.
     """
+    held = sorted(label for label, path in files.items() if path.resolve().is_relative_to(target.resolve()))
+    if held:
+        raise InputError(
+            f"the output folder {target} holds this conversion's input {files[held[0]]}, and publishing the "
+            "output would delete it; give the task another `output` name"
+        )
     remove_leftovers(target)
     inputs = describe_inputs(files)
     key = output_key(inputs, settings)

@@ -186,9 +186,18 @@ class SftBatches:
 
     def _plan(self, epoch: int) -> list[list[int]]:
         order = np.random.default_rng([self.seed, epoch]).permutation(len(self.lengths))
-        if self.packing:
-            return pack_first_fit(order, self.lengths, self.max_len)
-        return [[int(i)] for i in order]
+        if not self.packing:
+            return [[int(i)] for i in order]
+        rows = pack_first_fit(order, self.lengths, self.max_len)
+        # Every epoch takes the first epoch's steps, but another order may pack into fewer rows: split
+        # rows (their last sample into a row of its own) until it has as many. There are enough samples
+        # to split off: the first epoch made that many rows of the same samples.
+        missing = getattr(self, "_planned_rows", len(rows)) - len(rows)
+        extra: list[list[int]] = []
+        for row in rows:
+            while len(extra) < missing and len(row) > 1:
+                extra.append([row.pop()])
+        return rows + extra
 
     @property
     def epoch(self) -> float:

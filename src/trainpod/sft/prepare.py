@@ -249,6 +249,7 @@ def _build(data: SftDataConfig, tokenizer, template: Template, volume_root: Path
         "format": MANIFEST_FORMAT,
         "complete": True,
         "template": template.name,
+        "packing": data.packing,  # not a setting of the ids (not in the key): the trainer's default for them
         "settings": data.stored_settings(),
         "splits": files,
         "counts": counts,

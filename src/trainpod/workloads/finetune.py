@@ -136,13 +136,26 @@ class Finetuner(Trainer):
             )
         self.data = load_sft(folder)
         self._check_same_tokenizer(folder)
+        if self.data.manifest["settings"].get("train_on_prompt") and self.cfg.generation_eval.every_evals:
+            # Every token but the first is trained: the stored mask no longer tells prompt from answer.
+            raise InputError(
+                f"generation_eval answers each validation prompt, but the SFT data at {folder} was made with "
+                "train_on_prompt=true, so its prompts and answers cannot be told apart; set "
+                "generation_eval.every_evals=0, or train_on_prompt=false"
+            )
         self.max_len = int(self.data.manifest["settings"]["cutoff_len"])
+        packing = data_cfg.use_packing
+        if data_cfg.packing is None and data_cfg.dataset is not None:  # the datagen config's sft.packing
+            packing = bool(self.data.manifest.get("packing", False))
+            self.attention = resolve_attention(
+                self.cfg.base_model.attention, self.dist.device, packed=packing
+            )
         t = self.train_cfg
         self.batches = SftBatches(
             self.data.train,
             t.micro_batch_size,
             self.max_len,
-            data_cfg.use_packing,
+            packing,
             t.seed,
             self.dist.rank,
             self.dist.world_size,
@@ -170,7 +183,7 @@ class Finetuner(Trainer):
             )
 
     def _setup_model(self) -> None:
-        from peft import get_peft_model, prepare_model_for_kbit_training
+        from peft import prepare_model_for_kbit_training
 
         t, device = self.train_cfg, self.dist.device
         self.autocast_dtype = autocast_dtype(t.precision, device)
@@ -196,7 +209,7 @@ class Finetuner(Trainer):
         self._check_vocabulary(model)
         self._check_positions(model)
         if self.method != "full":
-            model = get_peft_model(model, self._peft_config(model))
+            model = self._with_adapters(model)
         else:
             self._freeze_for_full(model)
         self.model = model
@@ -259,6 +272,27 @@ class Finetuner(Trainer):
 
     def _load_model(self, dtype: torch.dtype, attention: str) -> torch.nn.Module:
         return load_model(self.base_dir, self.cfg.base_model, dtype, attention, self.dist.device)
+
+    def _with_adapters(self, model: torch.nn.Module) -> torch.nn.Module:
+        """peft's LoRA on `model`; lora.target_modules that name no module is a config error (exit 2)."""
+        from peft import get_peft_model
+        from peft.utils.error import NoMatchingPeftModuleError
+
+        try:
+            return get_peft_model(model, self._peft_config(model))
+        except NoMatchingPeftModuleError:
+            names = sorted(
+                {
+                    name.rsplit(".", 1)[-1]
+                    for name, m in model.named_modules()
+                    if isinstance(m, torch.nn.Linear)
+                }
+            )
+            raise InputError(
+                f"lora.target_modules={self.cfg.lora.target_modules!r} names no module of base_model "
+                f"{self.cfg.base_model.path!r}; its linear layers are: {', '.join(names)}. Pick from those, "
+                "or use all-linear"
+            ) from None
 
     def _peft_config(self, model: torch.nn.Module):
         from trainpod.train.lora import peft_lora_config

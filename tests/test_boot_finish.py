@@ -5,6 +5,7 @@ counter on the volume that marks the run FAILED and stops the pod."""
 from __future__ import annotations
 
 import logging
+import signal
 import subprocess
 import sys
 
@@ -12,11 +13,26 @@ import pytest
 
 from trainpod import atomic
 from trainpod import boot as boot_module
-from trainpod.runpod.finish import FAILED_MARKER, STARTS_FILE, after_workload
+from trainpod.runpod.finish import (
+    FAILED_MARKER,
+    KILLED,
+    START_MARKER,
+    STARTS_FILE,
+    after_workload,
+    begin_start,
+)
 from trainpod.volume import Volume
 
 from fake_runpod import FakeRunPodServer, api_env, client_for
-from support import TINY_DATAGEN, child_env
+from support import (
+    RUN,
+    TINY_DATAGEN,
+    TINY_PRETRAIN,
+    child_env,
+    signal_when_step_reached,
+    start_trainpod,
+    status_step,
+)
 
 
 @pytest.fixture
@@ -159,3 +175,69 @@ def test_a_real_boot_stops_its_own_pod_after_done(fake, pod, tmp_path):
     assert fake.pods[pod["id"]]["desiredStatus"] == "EXITED"
     assert f"asked RunPod to stop this pod ({pod['id']})" in result.stdout
     assert fake.key not in result.stdout + result.stderr
+
+
+# A start that died with boot's own process (a segfault, the OOM killer: no after_workload) leaves its
+# START marker; the next start of the same pod counts it when no checkpoint was committed meanwhile.
+
+
+def test_a_start_that_ended_without_a_word_and_committed_nothing_is_counted(fake, pod, run):
+    env = pod_env(fake, pod, TRAINPOD_MAX_FAILED_STARTS="2")
+    assert begin_start(run, env, "pretrain") is None  # this start dies here, taking boot with it
+    assert atomic.read_json(run.root / START_MARKER)["pod"] == pod["id"]
+    assert begin_start(run, env, "pretrain") is None, "one failure, two allowed: start again"
+    starts = atomic.read_json(run.root / STARTS_FILE)
+    assert (starts["consecutive_failures"], starts["last_exit_code"]) == (1, KILLED)
+    assert fake.pods[pod["id"]]["desiredStatus"] == "RUNNING"
+    assert begin_start(run, env, "pretrain") == KILLED, "the second in a row: FAILED, not started"
+    assert (
+        "2 failed starts in a row, the last with exit 137"
+        in atomic.read_json(run.root / FAILED_MARKER)["reason"]
+    )
+    assert fake.pods[pod["id"]]["desiredStatus"] == "EXITED"
+    assert not (run.root / START_MARKER).exists()
+
+
+def test_a_start_that_committed_a_checkpoint_or_ended_through_after_workload_is_not_counted(fake, pod, run):
+    env = pod_env(fake, pod, TRAINPOD_MAX_FAILED_STARTS="1")
+    begin_start(run, env, "pretrain")
+    run.checkpoints.mkdir(parents=True, exist_ok=True)
+    (run.checkpoints / "LATEST").write_text("step-10\n")  # it committed, then was killed: it made progress
+    assert begin_start(run, env, "pretrain") is None
+    after_workload(143, run, pod_env(fake, pod, TRAINPOD_ON_FINISH="idle"), "pretrain")  # a clean spot stop
+    assert not (run.root / START_MARKER).exists()
+    assert begin_start(run, env, "pretrain") is None
+    assert not (run.root / STARTS_FILE).exists() and fake.pods[pod["id"]]["desiredStatus"] == "RUNNING"
+
+
+def test_another_pods_start_marker_is_not_held_against_this_pod(fake, pod, run):
+    """Two pods on one run (a duplicate, or the old one still stopping): the other's START may be alive."""
+    env = pod_env(fake, pod, TRAINPOD_MAX_FAILED_STARTS="1")
+    atomic.write_json(run.root / START_MARKER, {"unix": 0, "latest": None, "pod": "another-pod"})
+    assert begin_start(run, env, "pretrain") is None
+    assert not (run.root / STARTS_FILE).exists()
+
+
+def test_a_real_boot_killed_with_its_workload_is_counted_at_the_next_start(fake, pod, volume):
+    """The pretrain runs in boot's process on one GPU (CPU here): SIGKILL stands in for a segfault or the
+    OOM killer. With TRAINPOD_MAX_FAILED_STARTS=1 the next start marks FAILED and stops the pod unstarted."""
+    env = {
+        **pod_env(fake, pod),
+        "TRAINPOD_VOLUME": str(volume),
+        "TRAINPOD_WORKLOAD": "pretrain",
+        "TRAINPOD_CONFIG": str(TINY_PRETRAIN),
+        "TRAINPOD_SET": "checkpoint.every_steps=1000",  # nothing is committed before the kill
+        "TRAINPOD_MAX_FAILED_STARTS": "1",
+    }
+    boot = [sys.executable, "-m", "trainpod", "boot"]
+    killed = start_trainpod(cmd=boot, volume=volume, env=env)
+    output = signal_when_step_reached(killed, volume, 1, signal.SIGKILL)
+    assert killed.returncode == -signal.SIGKILL, output
+    run = Volume(volume).run(RUN)
+    assert (run.root / START_MARKER).exists() and not (run.root / STARTS_FILE).exists()
+    again = subprocess.run(boot, env=child_env(env), capture_output=True, text=True, timeout=300)
+    assert again.returncode == KILLED, again.stdout + again.stderr
+    assert "the previous start ended without a word" in again.stdout
+    assert atomic.read_json(run.root / FAILED_MARKER)["exit_code"] == KILLED
+    assert fake.pods[pod["id"]]["desiredStatus"] == "EXITED"
+    assert status_step(volume) < 1000 and not (run.checkpoints / "LATEST").exists()

@@ -193,3 +193,26 @@ def test_a_bad_deploy_config_names_the_field_and_the_fix(tmp_path):
 def test_shipped_deploy_configs_load(path):
     cfg = load_config(DeployConfig, path)
     assert cfg.pod_name == f"{cfg.run}-{cfg.workload}" and cfg.pod.gpu_types
+
+
+def test_stop_leaves_a_run_whose_name_starts_with_this_runs_name_alone(fake, tmp_path, capsys):
+    deploy(client_for(fake), config(tmp_path, run="llama"))
+    deploy(client_for(fake), config(tmp_path, run="llama-v2"))
+    assert cli.main(["stop", "llama", "--terminate"]) == 0
+    assert [p["name"] for p in fake.pods.values()] == ["llama-v2-pretrain"]
+
+
+def test_deploying_a_changed_config_replaces_an_exited_pod_instead_of_starting_the_old_one(fake, tmp_path):
+    first = deploy(client_for(fake), config(tmp_path))
+    fake.pods[first.pod.id]["desiredStatus"] = "EXITED"
+    again = deploy(client_for(fake), config(tmp_path, **{"image.name": "ghcr.io/org/trainpod:0.1.1",
+                                                         "pod.spot": False}))  # fmt: skip
+    (pod,) = fake.pods_named("tiny-pretrain")
+    assert again.action == "created" and pod["id"] != first.pod.id
+    assert pod["image"] == "ghcr.io/org/trainpod:0.1.1" and pod["interruptible"] is False
+
+
+def test_deploying_the_same_config_still_starts_the_exited_pod(fake, tmp_path):
+    first = deploy(client_for(fake), config(tmp_path))
+    fake.pods[first.pod.id]["desiredStatus"] = "EXITED"
+    assert deploy(client_for(fake), config(tmp_path)).action == "started"

@@ -118,3 +118,58 @@ def test_key_comes_from_the_runpod_clis_config_file(tmp_path, text):
 def test_no_key_anywhere_says_where_to_put_one(tmp_path):
     with pytest.raises(RunPodAuthError, match=r"RUNPOD_API_KEY is unset.*export RUNPOD_API_KEY"):
         api_key({}, home=tmp_path)
+
+
+def test_a_dropped_connection_is_retried_like_a_5xx_not_raised_raw():
+    """A connection closed before the answer (a proxy's reset) is RemoteDisconnected, which urllib does
+    not wrap in URLError: it must be retried and end as RunPodUnavailable, or the supervisor crashes."""
+    import socket
+    import threading
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+
+    def drop() -> None:
+        while True:
+            conn, _ = server.accept()
+            conn.recv(65536)
+            conn.close()
+
+    threading.Thread(target=drop, daemon=True).start()
+    sleeps: list[float] = []
+    client = RunPodClient(KEY, base_url=f"http://127.0.0.1:{server.getsockname()[1]}/v1",
+                          sleep=sleeps.append, jitter=lambda: 1.0, max_attempts=3)  # fmt: skip
+    with pytest.raises(RunPodUnavailable, match="dropped the connection"):
+        client.list_pods()
+    assert sleeps == [1.0, 2.0]
+
+
+def test_a_create_whose_answer_was_lost_is_not_sent_again(fake):
+    """RunPod made the pod but the answer came after the timeout: sending POST /pods again would
+    rent a second GPU pod of the same name."""
+    import time
+
+    handle = fake.handle
+
+    def late(method, raw_path, headers, raw_body):
+        answer = handle(method, raw_path, headers, raw_body)
+        if method == "POST" and raw_path.endswith("/pods"):
+            time.sleep(0.5)
+        return answer
+
+    fake.handle = late
+    client = client_for(fake, timeout_s=0.2, max_attempts=3)
+    with pytest.raises(RunPodUnavailable, match="not sent again"):
+        client.create_pod(
+            {"name": "tiny-pretrain", "imageName": "img", "gpuTypeIds": ["NVIDIA H100 80GB HBM3"]}
+        )
+    time.sleep(0.6)
+    assert len(fake.calls("POST", "/pods")) == 1 and len(fake.pods_named("tiny-pretrain")) == 1
+
+
+def test_a_create_refused_with_429_is_still_retried(fake):
+    sleeps: list[float] = []
+    fake.fail_next(429)
+    client_for(fake, sleeps).create_template({"name": "x", "imageName": "y"})
+    assert sleeps == [1.0] and len(fake.templates) == 1

@@ -276,3 +276,36 @@ def test_supervise_without_a_config_refuses_unless_exactly_one_deploy_config_has
     out = capsys.readouterr().out
     assert "pass --config configs/deploy/X.yaml" in out
     assert ("no YAML under" in out) if copies == 0 else ("2 YAMLs under" in out and "tiny-1.yaml" in out)
+
+
+def test_trainpod_stop_is_not_undone_by_the_supervisor(fake, volume, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    for name, value in api_env(fake).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("TRAINPOD_VOLUME", str(volume.root))
+    deploy(client_for(fake), deploy_config())
+    assert cli.main(["stop", "tiny"]) == 0
+    assert (volume.run("tiny").root / "STOPPED").exists()
+    assert supervisor(fake, volume).step() == 0
+    from trainpod.runpod.supervise import state_path
+
+    laptop = Supervisor(client_for(fake), deploy_config(), None, state_path(None, "tiny"), clock=Clock())
+    assert laptop.step() == 0, "a supervisor on this machine without the volume"
+    assert the_pod(fake)["desiredStatus"] == "EXITED"
+
+
+def test_the_supervise_pods_exit_75_leaves_a_backoff_for_its_restarted_container(fake, volume):
+    deploy(client_for(fake), deploy_config())
+    pod_id = the_pod(fake)["id"]
+    fake.refuse_start.add(pod_id)
+    fake.no_capacity.update(GPUS)
+    fake.interrupt(pod_id)
+    clock = Clock()
+    for _ in range(3):
+        code = supervisor(fake, volume, clock).step()
+        clock.now += 1000
+    assert code == 75
+    clock.now -= 1000
+    calls = len(fake.calls("POST"))
+    assert supervisor(fake, volume, clock).step() is None  # RunPod restarted the container at once
+    assert len(fake.calls("POST")) == calls, "no attempt straight after the restart"

@@ -28,7 +28,7 @@ import sys
 from trainpod import cost, workloads
 from trainpod.errors import ConfigError, ExitCode, InputError, TrainpodError, VolumeFull
 from trainpod.log import attach_log_file, setup_logging
-from trainpod.runpod.finish import after_workload
+from trainpod.runpod.finish import after_workload, begin_start
 from trainpod.runpod.finish import check_environment as check_finish_environment
 from trainpod.sshd import start_sshd
 from trainpod.volume import RunDir, Volume
@@ -58,6 +58,11 @@ def boot(environ: dict[str, str] | None = None) -> int:
             sync(environ["TRAINPOD_GIT_REPO"], environ.get("TRAINPOD_GIT_REF"), volume.root / "repos")
         config = _preflight(workload, volume, environ)
         _prepare_volume(volume, environ)  # only after preflight: bad input leaves the volume untouched
+        ended = None
+        if workload.kind.owns_run_folder:  # training and your own code: a run folder that is theirs to mark
+            ended = begin_start(_run_dir(volume, config, environ), environ, workload.name)
+        if ended is not None:  # the starts before this one all died without a word: FAILED, pod stopped
+            return ended
         code = _launch(workload, environ)
     except TrainpodError as exc:
         log.error("%s", exc)

@@ -232,9 +232,10 @@ def _s3_flags(p: argparse.ArgumentParser) -> None:
 
 def _print_pods(run_name: str | None, names: list[str]) -> None:
     """The runs' pods (id, status, GPU, cost/hr) when a RunPod key is at hand; silent without one."""
+    from trainpod import workloads
     from trainpod.runpod.client import RunPodAuthError, RunPodClient, RunPodError, api_key
     from trainpod.runpod.cluster import cluster_line
-    from trainpod.runpod.deploy import pod_line
+    from trainpod.runpod.deploy import pod_line, run_unit_names
 
     try:
         api_key()
@@ -247,11 +248,12 @@ def _print_pods(run_name: str | None, names: list[str]) -> None:
         print(f"pods: not shown ({exc})")
         return
     for name in [run_name] if run_name else names:
-        mine = [pod for pod in pods if pod.name.startswith(f"{name}-")]
+        units = run_unit_names(name, tuple(workloads.REGISTRY))  # never a prefix: `llama` is not `llama-v2`
+        mine = [pod for pod in pods if pod.name in units]
         print(f"{name}: {len(mine)} pod(s) on RunPod")
         for pod in mine:
             print(pod_line(pod))
-        for cluster in (c for c in clusters if c.name.startswith(f"{name}-")):
+        for cluster in (c for c in clusters if c.name in units):
             print(cluster_line(cluster))
 
 
@@ -353,6 +355,10 @@ def deploy(
             print(line)
         if catalog and not free:
             logging.getLogger("trainpod.deploy").warning("%s", checks.no_stock_warning(cfg, cuda))
+        from trainpod.runpod.supervise import mark_stopped
+
+        volume = Volume.from_env()
+        mark_stopped(cfg.run, volume if volume.root.is_dir() else None, stopped=False)  # deploy: resume
         done = deploying.deploy(client, cfg, secrets)
         print(f"{done.summary()}; supervise it with: "
               f"trainpod supervise {cfg.run} --config {config}")  # fmt: skip
@@ -388,10 +394,18 @@ def supervise(run_name: str, config: str | None = None, once: bool = False, volu
 
 def stop(run_name: str, terminate: bool = False) -> int:
     """Stop the run's pods (they keep their disk and can start again), or --terminate them; delete its clusters."""
+    from trainpod import workloads
     from trainpod.runpod.client import RunPodClient
     from trainpod.runpod.deploy import stop_run
+    from trainpod.runpod.supervise import mark_stopped
 
-    return _reported(lambda: (stop_run(RunPodClient.from_env(), run_name, terminate), ExitCode.DONE)[1])
+    def act() -> int:
+        stop_run(RunPodClient.from_env(), run_name, terminate, tuple(workloads.REGISTRY))
+        volume = Volume.from_env()
+        mark_stopped(run_name, volume if volume.root.is_dir() else None)  # supervisors must not undo it
+        return ExitCode.DONE
+
+    return _reported(act)
 
 
 def checkpoint(
@@ -454,6 +468,7 @@ def logs(run_name: str, follow: bool = False, tail: int = 100) -> int:
     Reads RunPod's REST v2 log stream of the pod `<run>-<workload>` (RUNPOD_API_KEY); a dropped
     connection is resumed from the last line printed, none lost or repeated. No SSH needed.
     """
+    from trainpod import workloads
     from trainpod.errors import ConfigError
     from trainpod.runpod.client import RunPodClient
     from trainpod.runpod.logs import MAX_TAIL, pod_for_logs, stream_logs
@@ -465,7 +480,7 @@ def logs(run_name: str, follow: bool = False, tail: int = 100) -> int:
             )
         _notes_to_stderr()  # stdout carries the pod's lines alone, e.g. into a file
         client = RunPodClient.from_env()
-        pod = pod_for_logs(client, run_name)
+        pod = pod_for_logs(client, run_name, tuple(workloads.REGISTRY))
         with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C is how -f ends
             stream_logs(client, pod, tail, follow, emit=lambda line: print(line, flush=True))
         return ExitCode.DONE

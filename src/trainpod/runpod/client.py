@@ -6,8 +6,11 @@ https://api.runpod.io/v2 for what only v2 has), through `request`.
     client.request("GET", "/pods/ID/logs", api="v2", stream=True)   # an open response (Server-Sent Events)
     client.list_clusters(name="tiny-pretrain")   # Instant Clusters (v2 only); client.cluster_pods(ID)
 
-Timeouts on every call; retries with exponential backoff and jitter on 429 and 5xx only (a 4xx
-other than 429 is our mistake and is not retried), honouring Retry-After. Errors carry the status
+Timeouts on every call; retries with exponential backoff and jitter on 429, 5xx, timeouts and
+dropped connections (a 4xx other than 429 is our mistake and is not retried), honouring Retry-After.
+A create (POST /pods, /v2/clusters, ...) is not idempotent: after a timeout, a 5xx or a dropped
+connection RunPod may have made it anyway, so it is not sent again (the caller's next look by name
+finds it); only a 429 or a connection that was never made is retried. Errors carry the status
 code, the method and path and a hint, never the key and never the response body (RunPod's bodies
 may echo the request, secrets included). The official `runpod` SDK is not used: it has no spot
 support, builds GraphQL without escaping, and pulls about 100 packages.
@@ -15,11 +18,13 @@ support, builds GraphQL without escaping, and pulls about 100 packages.
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import os
 import random
 import re
+import socket
 import time
 import urllib.error
 import urllib.parse
@@ -302,6 +307,7 @@ class RunPodClient:
         headers: dict[str, str] | None = None,
         stream: bool = False,
         timeout_s: float | None = None,
+        idempotent: bool = True,
     ) -> Any:
         """Send one call, retrying 429/5xx/timeouts; returns the decoded JSON (None when empty).
 
@@ -322,21 +328,40 @@ class RunPodClient:
                 if exc.code != 429 and exc.code < 500:
                     raise _client_error(exc.code, endpoint) from None
                 status, problem, wait = exc.code, f"answered {exc.code}", self._delay(attempt, retry_after)
+                maybe_done = exc.code != 429  # a 429 is refused before anything is done
             except TimeoutError:
                 status, problem, wait = (
                     None,
                     f"timed out after {timeout_s or self.timeout_s:g} s",
                     self._delay(attempt, None),
                 )
+                maybe_done = True
             except urllib.error.URLError as exc:
                 status, problem, wait = (
                     None,
                     f"could not be reached ({_reason(exc)})",
                     self._delay(attempt, None),
                 )
-            if attempt == self.max_attempts:
+                maybe_done = not isinstance(
+                    exc.reason, (ConnectionRefusedError, socket.gaierror, TimeoutError)
+                )
+            except (ConnectionError, http.client.HTTPException) as exc:  # reset, or closed before answering
+                status, problem, wait = (
+                    None,
+                    f"dropped the connection ({type(exc).__name__})",
+                    self._delay(attempt, None),
+                )
+                maybe_done = True
+            if attempt == self.max_attempts or (maybe_done and not idempotent):
+                again = (
+                    ""
+                    if idempotent or not maybe_done
+                    else (
+                        "; RunPod may have done it anyway, so it was not sent again: look before trying again"
+                    )
+                )
                 raise RunPodUnavailable(
-                    f"RunPod {endpoint} {problem}, {self.max_attempts} attempts in a row; RunPod or the "
+                    f"RunPod {endpoint} {problem}, {attempt} attempt{'s' if attempt > 1 else ''} in a row{again}; RunPod or the "
                     "network is having trouble: try again later (https://uptime.runpod.io)",
                     status,
                 )
@@ -382,7 +407,7 @@ class RunPodClient:
             return None
 
     def create_pod(self, body: dict[str, Any]) -> Pod:
-        return Pod.from_api(self.request("POST", "/pods", body))
+        return Pod.from_api(self.request("POST", "/pods", body, idempotent=False))
 
     def start_pod(self, pod_id: str) -> None:
         self.request("POST", f"/pods/{_segment(pod_id)}/start")
@@ -421,7 +446,7 @@ class RunPodClient:
             return None
 
     def create_cluster(self, body: dict[str, Any]) -> Cluster:
-        return Cluster.from_api(self.request("POST", "/clusters", body, api="v2"))
+        return Cluster.from_api(self.request("POST", "/clusters", body, api="v2", idempotent=False))
 
     def delete_cluster(self, cluster_id: str) -> None:
         """Deletes the cluster and terminates every node (v2 has no stop for clusters); the volume stays."""
@@ -464,7 +489,7 @@ class RunPodClient:
             return None
 
     def create_template(self, body: dict[str, Any]) -> Template:
-        return Template.from_api(self.request("POST", "/templates", body))
+        return Template.from_api(self.request("POST", "/templates", body, idempotent=False))
 
     def update_template(self, template_id: str, body: dict[str, Any]) -> Template:
         return Template.from_api(self.request("PATCH", f"/templates/{_segment(template_id)}", body))
@@ -475,7 +500,7 @@ class RunPodClient:
 
     def create_network_volume(self, name: str, size_gb: int, data_center_id: str) -> NetworkVolume:
         body = {"name": name, "size": size_gb, "dataCenterId": data_center_id}
-        return NetworkVolume.from_api(self.request("POST", "/networkvolumes", body))
+        return NetworkVolume.from_api(self.request("POST", "/networkvolumes", body, idempotent=False))
 
 
 DRY_RUN_VERBS = {"POST": "create", "PATCH": "update", "DELETE": "terminate"}

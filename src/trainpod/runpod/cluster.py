@@ -212,9 +212,10 @@ def cluster_line(cluster: Cluster) -> str:
             f"{cluster.gpu_type_id} | nodes {states or 'none yet'}")  # fmt: skip
 
 
-def delete_run_clusters(client: RunPodClient, run: str) -> list[Cluster]:
-    """Delete every cluster of a run (`<run>-*`): `trainpod stop` (a cluster cannot be stopped, only deleted)."""
-    clusters = [c for c in client.list_clusters() if c.name.startswith(f"{run}-")]
+def delete_run_clusters(client: RunPodClient, names: set[str]) -> list[Cluster]:
+    """Delete every cluster of a run (its `<run>-<workload>` names): `trainpod stop` (a cluster cannot be
+    stopped, only deleted)."""
+    clusters = [c for c in client.list_clusters() if c.name in names]
     for cluster in clusters:
         client.delete_cluster(cluster.id)
     return clusters

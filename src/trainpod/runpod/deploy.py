@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -228,7 +228,7 @@ def bring_back(
                 "start of pod %s refused (%s): creating a new pod on the same volume", old.id, exc.status
             )
     if old is not None:
-        template_id = old.template_id or template_id
+        template_id = template_id or old.template_id  # deploy's (the config's image) wins
         volume_id = old.network_volume_id or volume_id
     if template_id is None or volume_id is None:
         template_id, volume_id = ensure_template(client, config).id, ensure_volume(client, config).id
@@ -266,14 +266,34 @@ def deploy(
         log.info("pod %s (%s) is already running: reusing it", running.name, running.id)
         return Deployment(template, volume, running, "reused")
     exited = next((p for p in pods if p.desired_status == "EXITED"), None)
-    pod, action = bring_back(client, config, exited, template.id, volume.id, env)
+    changed = exited is not None and _differs(exited, pod_body(config, template.id, volume.id, env))
+    if changed:
+        log.info("pod %s (%s) was made from another config (image, env or spot): replacing it", exited.name,
+                 exited.id)  # fmt: skip
+    pod, action = bring_back(client, config, exited, template.id, volume.id, env, replace=changed)
     log.info("pod %s (%s) %s", pod.name, pod.id, action)
     return Deployment(template, volume, pod, action)
 
 
-def run_pods(client: RunPodClient, run: str) -> list[Pod]:
+def _differs(pod: Pod, body: dict[str, Any]) -> bool:
+    """Whether starting `pod` again would run something else than `body` asks for."""
+    return (
+        pod.image != body["imageName"]
+        or pod.env != body["env"]
+        or pod.interruptible != body.get("interruptible", False)
+    )
+
+
+def run_unit_names(run: str, workloads: Collection[str]) -> set[str]:
+    """The names a run's pods and clusters have: `<run>-<workload>` for each registered workload
+    (supervise included). Never a prefix match: the run `llama` does not own `llama-v2-pretrain`."""
+    return {f"{run}-{workload}" for workload in workloads}
+
+
+def run_pods(client: RunPodClient, run: str, workloads: Collection[str]) -> list[Pod]:
     """Every pod of a run: `<run>-<workload>` and its supervisor `<run>-supervise`."""
-    return [p for p in client.list_pods() if p.name.startswith(f"{run}-")]
+    names = run_unit_names(run, workloads)
+    return [p for p in client.list_pods() if p.name in names]
 
 
 def pod_line(pod: Pod) -> str:
@@ -283,13 +303,22 @@ def pod_line(pod: Pod) -> str:
     return f"  pod {pod.name} ({pod.id}): {pod.desired_status} | {gpu} | {cost} | {kind}"
 
 
-def stop_run(client: RunPodClient, run: str, terminate: bool, echo: Callable[[str], None] = print) -> int:
+def stop_run(
+    client: RunPodClient,
+    run: str,
+    terminate: bool,
+    workloads: Collection[str],
+    echo: Callable[[str], None] = print,
+) -> int:
     """Stop (or terminate) every pod of a run and delete its clusters; returns how many were acted on."""
-    pods = [p for p in run_pods(client, run) if terminate or p.desired_status == "RUNNING"]
+    pods = [p for p in run_pods(client, run, workloads) if terminate or p.desired_status == "RUNNING"]
+    pods.sort(
+        key=lambda p: not p.name.endswith("-supervise")
+    )  # its supervisor first: it cannot undo the rest
     for pod in pods:
         (client.terminate_pod if terminate else client.stop_pod)(pod.id)
         echo(f"pod {pod.name} ({pod.id}) {'terminated' if terminate else 'stopped'}")
-    clusters = delete_run_clusters(client, run)
+    clusters = delete_run_clusters(client, run_unit_names(run, workloads))
     for cluster in clusters:
         echo(
             f"cluster {cluster.name} ({cluster.id}) deleted: v2 has no stop for clusters; the volume keeps the run"

@@ -9,6 +9,14 @@ RunPod starts a pod's container again whenever it exits, so the exit code alone 
 | 2, 3, 5 | bad input, budget spent, volume full | FAILED marker (when the run folder exists) and the pod stopped at once |
 | 4 | this machine cannot run the image (trainpod.host) | MACHINE_UNFIT marker naming this pod, not counted as a failed start; the pod stopped: the supervisor replaces it with a new pod on another machine |
 | other (75, 1, ...) | temporary failure or crash | counted in runs/<run>/starts.json; at TRAINPOD_MAX_FAILED_STARTS in a row (default 3): FAILED marker, pod stopped |
+| none: boot itself was killed | a segfault, the OOM killer, SIGKILL | found at the next start (`begin_start`): counted as exit 137 when no checkpoint was committed during it |
+
+In a pod, a workload on one GPU runs in boot's own process, so a death that takes the process with it never
+reaches `after_workload`. Boot therefore writes runs/<run>/START before the workload and
+`after_workload` removes it; a START found by the next boot is a start that ended without a word.
+It counts only when the same pod wrote it (another pod's may be a start still running there) and
+LATEST did not move meanwhile: a crash loop makes no progress, while a spot pod SIGKILLed in its
+final commit (or a crash after hours of committed steps) has moved on and is not held against the run.
 
 Exit 2 writes no marker into a run folder that does not exist yet: bad input leaves the volume
 untouched. The pod acts through the API with its own key (RUNPOD_API_KEY, RUNPOD_POD_ID, both set
@@ -30,6 +38,7 @@ import time
 from collections.abc import Callable
 
 from trainpod import atomic
+from trainpod.checkpoint.store import LATEST
 from trainpod.errors import ConfigError, ExitCode
 from trainpod.runpod.client import RunPodClient, RunPodError
 from trainpod.volume import RunDir
@@ -37,6 +46,10 @@ from trainpod.volume import RunDir
 log = logging.getLogger("trainpod.finish")
 
 FAILED_MARKER = "FAILED"
+START_MARKER = (
+    "START"  # {"unix", "latest", "pod"}: a start in flight (boot writes it, after_workload removes it)
+)
+KILLED = 137  # what a start that ended without a word is counted as: 128 + SIGKILL, its code unknown
 UNFIT_MARKER = "MACHINE_UNFIT"  # {"pod_id", "unix"}: the supervisor replaces that pod, never restarts it
 STARTS_FILE = "starts.json"
 ON_FINISH = ("stop", "terminate", "idle")
@@ -92,16 +105,81 @@ def after_workload(
             )
         return code
     try:
+        _end_start(run)
         action = _decide(code, run, environ, workload)
     except (ConfigError, OSError) as exc:  # a bad setting or an unwritable volume must not hide `code`
         log.warning("after exit %d: %s; the pod is left as it is", code, exc)
         return code
+    _act(action, run, environ, workload, client_factory)
+    return code
+
+
+def begin_start(
+    run: RunDir | None,
+    environ: dict[str, str],
+    workload: str,
+    client_factory: Callable[[dict[str, str]], RunPodClient] = RunPodClient.from_env,
+) -> int | None:
+    """Before the workload: count the previous start if it ended without a word and committed nothing
+    (the table's last row), then mark this one. Returns the exit code to end with when that count makes
+    the run FAILED (the pod is stopped, the workload not started), else None."""
+    pod = environ.get("RUNPOD_POD_ID")  # outside a pod nothing starts the container again: no loop to end
+    if (
+        not pod
+        or run is None
+        or workload == "supervise"
+        or int(environ.get("NODE_RANK") or 0)
+        or run.done.exists()
+    ):
+        return None
+    marker, latest = run.root / START_MARKER, _latest(run)
+    try:
+        previous = atomic.read_json(marker)
+    except (FileNotFoundError, ValueError):
+        previous = None
+    # Only this pod's own earlier start: another pod's marker may belong to a start still running there.
+    if previous is not None and previous.get("pod") == pod and previous.get("latest") == latest:
+        log.warning(
+            "the previous start ended without a word (killed by a signal: a segfault, the OOM killer) and "
+            "committed no checkpoint; counted as exit %d",
+            KILLED,
+        )
+        action = _decide(KILLED, run, environ, workload)
+        if action == "stop":
+            marker.unlink()
+            _act(action, run, environ, workload, client_factory)
+            return KILLED
+    run.root.mkdir(parents=True, exist_ok=True)
+    atomic.write_json(marker, {"unix": time.time(), "latest": latest, "pod": pod})
+    return None
+
+
+def _end_start(run: RunDir | None) -> None:
+    if run is not None and (run.root / START_MARKER).exists():
+        (run.root / START_MARKER).unlink()
+        atomic.fsync_dir(run.root)
+
+
+def _latest(run: RunDir) -> str | None:
+    """The run's LATEST checkpoint name (None before its first commit, and for workloads without any)."""
+    try:
+        return (run.checkpoints / LATEST).read_text(encoding="utf-8").strip()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
+def _act(
+    action: str,
+    run: RunDir | None,
+    environ: dict[str, str],
+    workload: str,
+    client_factory: Callable[[dict[str, str]], RunPodClient],
+) -> None:
     if action in ("stop", "terminate") and int(environ.get("NUM_NODES") or 1) > 1:
         name = f"{run.name}-{workload}" if run is not None else None
         _delete_cluster(environ, name, client_factory)
     elif action != "idle":
         _act_on_pod(action, environ, client_factory)
-    return code
 
 
 def _decide(code: int, run: RunDir | None, environ: dict[str, str], workload: str) -> str:

@@ -15,13 +15,13 @@ from __future__ import annotations
 import http.client
 import json
 import logging
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
 
 from trainpod.errors import InputError
 from trainpod.log import redact
 from trainpod.runpod.client import Pod, RunPodClient
-from trainpod.runpod.deploy import run_pods
+from trainpod.runpod.deploy import run_pods, run_unit_names
 
 log = logging.getLogger("trainpod.logs")
 
@@ -75,12 +75,13 @@ def _log_event(event_id: str, data: str) -> LogEvent | None:
     return LogEvent(event_id or ts, str(payload.get("source") or ""), payload["line"], ts)
 
 
-def pod_for_logs(client: RunPodClient, run: str) -> Pod:
+def pod_for_logs(client: RunPodClient, run: str, workloads: Collection[str]) -> Pod:
     """The run's workload pod (`<run>-<workload>`), or node 0 of its Instant Cluster (global rank 0 logs
     there), a running one first; its supervisor pod only when it is the run's only pod. InputError
     (exit 2) when the run has none."""
-    pods = run_pods(client, run)
-    for cluster in (c for c in client.list_clusters() if c.name.startswith(f"{run}-")):
+    pods = run_pods(client, run, workloads)
+    names = run_unit_names(run, workloads)
+    for cluster in (c for c in client.list_clusters() if c.name in names):
         pods += [node for node in client.cluster_pods(cluster.id) if node.node_rank == 0]
     if not pods:
         raise InputError(

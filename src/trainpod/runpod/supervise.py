@@ -54,6 +54,7 @@ class SupervisorState:
     observed_cost_usd: float = 0.0
     last_look_unix: float | None = None
     whole_cluster: str | None = None  # the cluster seen with every node RUNNING: a node missing later is lost
+    stopped_unix: float | None = None  # `trainpod stop` ran here: never bring the run back (deploy clears it)
 
     @classmethod
     def load(cls, path: Path) -> SupervisorState:
@@ -76,6 +77,7 @@ class RunView:
     failed: str | None = None
     cost_usd: float | None = None
     unfit_pod: str | None = None  # the pod whose machine could not run the image (MACHINE_UNFIT)
+    stopped: bool = False  # a STOPPED marker: `trainpod stop` asked for the run to stay down
 
     @classmethod
     def read(cls, volume: Volume | None, run: str) -> RunView:
@@ -97,8 +99,33 @@ class RunView:
         except (FileNotFoundError, ValueError, AttributeError):
             unfit_pod = None
         return cls(
-            visible=True, done=run_dir.done.exists(), failed=failed, cost_usd=cost, unfit_pod=unfit_pod
+            visible=True,
+            done=run_dir.done.exists(),
+            failed=failed,
+            cost_usd=cost,
+            unfit_pod=unfit_pod,
+            stopped=(run_dir.root / STOPPED_MARKER).exists(),
         )
+
+
+STOPPED_MARKER = "STOPPED"  # written by `trainpod stop`, removed by `trainpod deploy`
+
+
+def mark_stopped(run: str, volume: Volume | None, stopped: bool = True) -> None:
+    """Record (or, `stopped=False`, clear) a user's `trainpod stop` where supervisors look: this
+    machine's supervisor state and, when the volume is mounted here, a STOPPED marker beside the run."""
+    for where in {state_path(None, run), *([state_path(volume, run)] if volume is not None else [])}:
+        state = SupervisorState.load(where)
+        if stopped or state.stopped_unix is not None:
+            state.stopped_unix = time.time() if stopped else None
+            state.save(where)
+    if volume is not None and volume.run(run).root.is_dir():
+        marker = volume.run(run).root / STOPPED_MARKER
+        if stopped:
+            atomic.write_json(marker, {"unix": time.time()})
+        elif marker.exists():
+            marker.unlink()
+            atomic.fsync_dir(marker.parent)
 
 
 def state_path(volume: Volume | None, run: str, environ: dict[str, str] | None = None) -> Path:
@@ -125,15 +152,23 @@ class Supervisor:
         self.policy = config.supervise
         self.unit = build_unit(client, config)
 
-    def run(self, once: bool = False) -> int:
-        """Look, decide, act, until a final verdict (its exit code) or, with `once`, after one look."""
+    def run(self, once: bool = False, stop_requested: Callable[[], bool] = lambda: False) -> int:
+        """Look, decide, act, until a final verdict (its exit code) or, with `once`, after one look.
+        `stop_requested` (the pod's SIGTERM flag): end between looks with 143, as a stopped pod must."""
         while True:
             verdict = self.step()
             if verdict is not None:
                 return verdict
             if once:
                 return ExitCode.DONE
-            self.sleep(self.policy.poll_s)
+            waited = 0.0
+            while waited < self.policy.poll_s:
+                if stop_requested():
+                    self._say("SIGTERM: supervising ends; this pod is being stopped")
+                    return int(ExitCode.PREEMPTED)
+                step = min(1.0, self.policy.poll_s - waited)
+                self.sleep(step)
+                waited += step
 
     def step(self) -> int | None:
         """One look and one decision; returns an exit code when supervising should end."""
@@ -163,6 +198,9 @@ class Supervisor:
             if self.config.env.on_finish != "idle":
                 self._stop("the run is DONE")
             return self._end(ExitCode.DONE, "run is DONE; supervising ends")
+        if view.stopped or state.stopped_unix is not None:
+            return self._end(ExitCode.DONE, "the run was stopped with `trainpod stop`; not bringing it back "
+                             "(`trainpod deploy` starts it again)")  # fmt: skip
         if budget is not None and spent >= budget:
             self._stop("the budget is spent")
             return self._end(ExitCode.BUDGET_EXHAUSTED, f"spent ${spent:.2f} of the ${budget:.2f} budget")
@@ -191,11 +229,15 @@ class Supervisor:
             raise
         except RunPodError as exc:
             state.failed_starts += 1
-            if state.failed_starts >= self.policy.max_failed_starts:
-                return self._end(ExitCode.TEMPORARY, f"{state.failed_starts} failed starts in a row, the last: "
-                                 f"{exc}; try again later or add GPU types")  # fmt: skip
             wait = min(self.policy.max_backoff_s, self.policy.backoff_s * 2 ** (state.failed_starts - 1))
             state.next_attempt_unix = now + wait
+            if state.failed_starts >= self.policy.max_failed_starts:
+                # Exit 75 restarts the supervise pod's container at once (finish.py): the next round of
+                # attempts starts from the first backoff, after the longest wait, never straight away.
+                state.failed_starts = 0
+                state.next_attempt_unix = now + self.policy.max_backoff_s
+                return self._end(ExitCode.TEMPORARY, f"{self.policy.max_failed_starts} failed starts in a row, "
+                                 f"the last: {exc}; try again later or add GPU types")  # fmt: skip
             return self._say(
                 f"{noun} {seen.down} and no start possible ({exc}); next attempt in {wait:.0f} s"
             )
@@ -269,6 +311,7 @@ def supervise(
     client: RunPodClient | None = None,
     clock: Callable[[], float] = time.time,
     sleep: Callable[[float], None] = time.sleep,
+    stop_requested: Callable[[], bool] = lambda: False,
 ) -> int:
     """Build the supervisor for `config` (the volume when it is mounted here) and run it."""
     client = client or RunPodClient.from_env()
@@ -276,4 +319,4 @@ def supervise(
     supervisor = Supervisor(client, config, mounted, state_path(mounted, config.run), clock, sleep)
     log.info("supervise %s: watching pods named %s; volume %s", config.run, config.pod_name,
              mounted.root if mounted else "not mounted here (API only)")  # fmt: skip
-    return supervisor.run(once)
+    return supervisor.run(once, stop_requested)

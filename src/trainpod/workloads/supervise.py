@@ -26,7 +26,7 @@ def run(ctx: RunContext, config: DeployConfig) -> int:
     from trainpod.runpod.supervise import supervise
 
     config.run = ctx.run.name
-    return supervise(config, ctx.volume)
+    return supervise(config, ctx.volume, stop_requested=lambda: ctx.watch.requested)
 
 
 def disk_estimate(config: DeployConfig) -> int | None:

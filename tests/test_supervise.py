@@ -124,12 +124,18 @@ def test_the_runs_failure_marker_stops_supervising(fake, volume, caplog):
     assert "run FAILED (3 failed starts in a row); not restarting" in caplog.text
 
 
-def test_failed_starts_back_off_exponentially_and_are_bounded(fake, volume, caplog):
+def interrupted_pod_that_cannot_come_back(fake) -> str:
+    """A deployed pod, interrupted, whose start RunPod refuses, with no GPU free for a new one."""
     deploy(client_for(fake), deploy_config())
     pod_id = the_pod(fake)["id"]
     fake.refuse_start.add(pod_id)
     fake.no_capacity.update(GPUS)
     fake.interrupt(pod_id)
+    return pod_id
+
+
+def test_failed_starts_back_off_exponentially_and_are_bounded(fake, volume, caplog):
+    interrupted_pod_that_cannot_come_back(fake)
     clock = Clock()
     sup = supervisor(fake, volume, clock)
     caplog.set_level(logging.INFO, "trainpod")
@@ -295,11 +301,7 @@ def test_trainpod_stop_is_not_undone_by_the_supervisor(fake, volume, tmp_path, m
 
 
 def test_the_supervise_pods_exit_75_leaves_a_backoff_for_its_restarted_container(fake, volume):
-    deploy(client_for(fake), deploy_config())
-    pod_id = the_pod(fake)["id"]
-    fake.refuse_start.add(pod_id)
-    fake.no_capacity.update(GPUS)
-    fake.interrupt(pod_id)
+    interrupted_pod_that_cannot_come_back(fake)
     clock = Clock()
     for _ in range(3):
         code = supervisor(fake, volume, clock).step()

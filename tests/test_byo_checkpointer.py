@@ -186,3 +186,21 @@ def test_a_cuda_model_optimizer_and_cuda_rng_round_trip_exactly(tmp_path):
     for name, tensor in model.state_dict().items():
         assert torch.equal(fresh.state_dict()[name], tensor), name
     assert fresh.embed.weight.device.type == "cuda"
+
+
+def test_a_step_older_than_latest_is_refused_and_the_newer_checkpoints_stay(tmp_path):
+    # Committed, LATEST moved backwards, and the next start deleted step-200 and step-300 as leftovers.
+    model = torch.nn.Linear(2, 2)
+    with Checkpointer(tmp_path, watch_signals=False) as ckpt:
+        for step in (100, 200, 300):
+            ckpt.commit(step, model=model)
+    with Checkpointer(tmp_path, watch_signals=False) as ckpt:  # a start that forgot restore()
+        with pytest.raises(
+            InputError, match="older than the newest committed checkpoint .*step-300"
+        ) as caught:
+            ckpt.commit(10, model=model)
+        assert caught.value.exit_code == 2
+        ckpt.commit(300, model=model)  # the same step again stays allowed (a stop right after a resume)
+    with Checkpointer(tmp_path, watch_signals=False) as ckpt:
+        assert ckpt.restore().step == 300
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*")) == ["step-200", "step-300"]

@@ -235,3 +235,51 @@ def test_the_nanogpt_deploy_config_runs_the_example_from_the_synced_repo_as_a_co
     command = load_config(CommandConfig, REPO / deploy.config)
     assert command.workdir is None, "the default workdir is the synced checkout"
     assert (REPO / command.command[1]).is_file(), f"{command.command[1]} must exist in the repository"
+
+
+DATALOADER_PROGRAM = """
+import time, torch
+from torch.utils.data import DataLoader, Dataset
+from trainpod import Checkpointer
+
+class Numbers(Dataset):
+    def __len__(self): return 100_000
+    def __getitem__(self, i): return torch.tensor([float(i)])
+
+model = torch.nn.Linear(1, 1)
+batches = iter(DataLoader(Numbers(), batch_size=4, num_workers=2))
+with Checkpointer() as ckpt:
+    step = 0
+    while True:
+        model(next(batches)).sum().backward()
+        time.sleep(0.05)
+        step += 1
+        print(f"step {step}", flush=True)
+        if step == 5 or (ckpt.stop_requested and ckpt.commit_fits()):
+            ckpt.commit(step, model=model)
+        if ckpt.stop_requested:
+            ckpt.exit_preempted()
+"""
+
+
+def test_sigterm_leaves_the_programs_dataloader_workers_alone_so_it_commits_its_last_step(tmp_path):
+    # torch's DataLoader workers die at a SIGTERM that does not come from their parent, and the
+    # program's next batch then raises: the stop must reach the program first, not its whole group.
+    workdir = tmp_path / "repo"
+    workdir.mkdir()
+    (workdir / "prog.py").write_text(DATALOADER_PROGRAM)
+    config = tmp_path / "command.yaml"
+    config.write_text(
+        yaml.safe_dump({"name": RUN, "command": ["python", "prog.py"], "workdir": str(workdir)})
+    )
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    proc = start_trainpod("run", "command", "--config", str(config), volume=volume)
+    wait_for(lambda: "step 12\n" in program_log(volume), proc, "step 12")
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 143, out
+    log = program_log(volume)
+    assert "DataLoader worker" not in log, log
+    latest = (run_dir(volume) / "checkpoints/LATEST").read_text().strip()
+    assert latest != "step-5" and "stopped by SIGTERM" in log, f"{latest}: the final commit was lost\n{log}"

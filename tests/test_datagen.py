@@ -324,3 +324,78 @@ def test_load_dataset_manifest_says_how_to_make_a_missing_dataset(tmp_path):
     (tmp_path / "half" / "progress.json").write_text("{}")
     with pytest.raises(InputError, match="has no manifest.json.*TRAINPOD_CONFIG="):
         load_dataset_manifest(tmp_path / "half")
+
+
+def test_an_encoder_process_that_dies_fails_the_batch_instead_of_hanging_datagen(volume):
+    # The OOM killer (or a SIGTERM that `tini -g` sends to the whole group) ending an encoder process
+    # left multiprocessing.Pool waiting forever for the batch it held: a pod billing for nothing.
+    import multiprocessing
+    import signal
+    import threading
+    from concurrent.futures.process import BrokenProcessPool
+
+    run(make_config(), volume)  # for its tokenizer
+    tokenizer_file = volume.tokenizer("stories") / "tokenizer.json"
+    eot = Tokenizer.from_file(str(tokenizer_file)).token_to_id("<|endoftext|>")
+    documents = corpus_documents()
+
+    def batches():
+        yield "train", np.arange(0, 5), documents[:5]
+        for child in multiprocessing.active_children():
+            os.kill(child.pid, signal.SIGKILL)
+        for start in range(5, STORY_COUNT, 20):
+            yield "train", np.arange(start, start + 20), documents[start : start + 20]
+
+    outcome: list[BaseException | None] = []
+
+    def encode() -> None:
+        try:
+            with BatchEncoder(tokenizer_file, eot, np.uint16, workers=1, threads=0) as encoder:
+                list(encoder.map(batches()))
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=encode, daemon=True)
+    thread.start()
+    thread.join(timeout=60)
+    assert not thread.is_alive(), "datagen hung on a batch its dead encoder process will never return"
+    assert isinstance(outcome[0], BrokenProcessPool), outcome
+
+
+@pytest.mark.parametrize("stopped, code", [(False, ExitCode.TEMPORARY), (True, ExitCode.PREEMPTED)])
+def test_a_dead_encoder_process_is_exit_75_or_after_a_sigterm_143(volume, monkeypatch, stopped, code):
+    from concurrent.futures.process import BrokenProcessPool
+
+    from trainpod.errors import TrainpodError
+
+    def broken(self, batches):
+        raise BrokenProcessPool("a worker died")
+        yield
+
+    monkeypatch.setattr(BatchEncoder, "map", broken)
+    watch = PreemptionWatch()
+    if stopped:
+        watch.request("SIGTERM")
+    with pytest.raises(TrainpodError) as error:
+        run_datagen(make_config(), volume, watch)
+    assert error.value.exit_code == code and "shards are committed" in str(error.value)
+
+
+def test_a_text_field_that_is_not_a_string_is_exit_2_naming_the_file_line_and_field(volume):
+    # It crashed inside the tokenizer's training (TypeError, exit 1: a failed start, tried three times).
+    (volume.root / "corpus" / "mixed.jsonl").write_text('{"text": "a story"}\n{"text": 123}\n')
+    with pytest.raises(InputError, match=r"mixed\.jsonl, line 2: 'text' holds a int") as caught:
+        run(make_config(sources=[{"path": "corpus/mixed.jsonl"}]), volume)
+    assert caught.value.exit_code == ExitCode.BAD_INPUT
+
+
+def test_an_hf_source_without_the_text_field_is_exit_2_naming_its_columns(volume, monkeypatch):
+    # It was a bare KeyError from the stream (exit 1). A local folder is a `datasets` source too.
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    folder = volume.root / "hub-like"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text("".join(f'{{"content": "story {i}"}}\n' for i in range(20)))
+    with pytest.raises(InputError, match=r"has no column 'text' \(columns: content\).*text_field") as caught:
+        run(make_config(sources=[{"hf": str(folder)}], mode="full"), volume)
+    assert caught.value.exit_code == ExitCode.BAD_INPUT

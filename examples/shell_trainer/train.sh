@@ -6,8 +6,9 @@
 #
 # Its "model" is a hash chain: state(n) = sha256(state(n-1) + n), so any resume from the wrong or a
 # damaged checkpoint would change the final state. The kit gives it TRAINPOD_RUN_DIR and forwards
-# SIGTERM; it commits the step it finished and exits 143. No `set -e`: the SIGTERM reaches `sleep`
-# too, and that is no failure.
+# SIGTERM to this script (a wrapper would `exec` its trainer); the trap runs once the step's command
+# returns, and it commits the step it finished and exits 143. No `set -e`: a step's command ended by
+# the group's SIGTERM (sent once this script has exited, or by hand) is no failure.
 TRAINPOD=${CHECKPOINT_CLI:-trainpod}  # tests put a crashing wrapper here
 MAX_STEPS=${MAX_STEPS:-20}
 COMMIT_EVERY=${COMMIT_EVERY:-5}

@@ -41,6 +41,7 @@ import torch
 
 import trainpod
 from trainpod.checkpoint import CheckpointStore, CommittedCheckpoint, Lease
+from trainpod.checkpoint.directory import refuse_older_step
 from trainpod.checkpoint.writer import CheckpointWriter
 from trainpod.errors import ExitCode, InputError, TemporaryError
 from trainpod.preemption import PreemptionWatch
@@ -212,6 +213,7 @@ class Checkpointer:
         """
         if self.lease is not None and self.lease.lost.is_set():
             raise TemporaryError("another writer took over this run's lease; stopping without a commit")
+        refuse_older_step(self.store, step)
         files = dict(_state_file(name, state) for name, state in states.items())
         if rng:
             files[RNG_FILE] = capture_rng()

@@ -69,9 +69,25 @@ class Program:
             pump.start()
             self._pumps.append(pump)
 
+    def signal(self, signum: int) -> None:
+        """The program itself, not its group: its helpers (torch DataLoader workers) die at a SIGTERM
+        that does not come from their parent, and the program's next batch raises instead of committing."""
+        with contextlib.suppress(ProcessLookupError):  # it exited already
+            os.kill(self.proc.pid, signum)
+
     def signal_group(self, signum: int) -> None:
         with contextlib.suppress(ProcessLookupError):  # the program's group is gone already
             os.killpg(self.proc.pid, signum)
+
+    def group_alive(self) -> bool:
+        """Whether anything of the program's process group is left (after the program itself exited)."""
+        try:
+            os.killpg(self.proc.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:  # the group id was reused by someone else's processes
+            return False
+        return True
 
     def poll(self) -> int | None:
         code = self.proc.poll()

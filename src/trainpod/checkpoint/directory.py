@@ -50,6 +50,7 @@ def commit_directory(
 ) -> CommittedCheckpoint:
     """Publish `source` as `step-<step>` and make it LATEST; `source` is consumed unless keep_source."""
     names = files_to_publish(source)
+    refuse_older_step(store, step)
     if (store.root / step_dir_name(step)).exists():
         log.warning("step-%d is committed already; the committed one is kept, %s is discarded", step, source)
     pending = store.begin(step)
@@ -63,6 +64,20 @@ def commit_directory(
     if not keep_source:
         _remove_empty_tree(source)
     return committed
+
+
+def refuse_older_step(store: CheckpointStore, step: int) -> None:
+    """A commit older than LATEST would move LATEST backwards, and the next start would delete every newer
+    checkpoint as the leftover of an interrupted commit: refused (exit 2) for the user-facing doors."""
+    latest = store._latest_name()
+    newest = int(latest.removeprefix("step-")) if latest else None
+    if newest is not None and step < newest and (store.root / latest).is_dir():
+        raise InputError(
+            f"step {step} is older than the newest committed checkpoint {store.root / latest}; committing it "
+            "would move LATEST backwards and the next start would delete the newer checkpoints. Resume from "
+            "the newest one (Checkpointer.restore(), `trainpod checkpoint latest`, the HF callback's "
+            "resume_from_checkpoint()) and count steps on from it, or use a new run name"
+        )
 
 
 def verify_committed(store: CheckpointStore, step: int | None = None) -> tuple[Path, dict[str, Any]]:

@@ -17,6 +17,7 @@ import logging
 import os
 import time
 from collections.abc import Iterator
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +29,7 @@ from trainpod.data.shards import HEADER_BYTES, shard_header, token_dtype
 from trainpod.data.sources import check_sources, describe_sources, iter_documents
 from trainpod.data.split_writer import SplitProgress, SplitWriter
 from trainpod.data.tokenizer import TOKENIZER_FILE, TokenizerInfo, prepare_tokenizer
-from trainpod.errors import InputError, Preempted
+from trainpod.errors import InputError, Preempted, TemporaryError
 from trainpod.preemption import PreemptionWatch
 from trainpod.volume import Volume
 
@@ -244,16 +245,29 @@ def _write_shards(
     batcher = DocumentBatcher(config, volume, writers)
     workers = config.workers or _cpu_count()
     started, encoded = time.monotonic(), 0
+
+    def stopped() -> Preempted:
+        return Preempted(
+            f"datagen stopped by {watch.signal_name}: "
+            f"{sum(len(p.shards) for p in progress.values())} shards are committed in {folder}; "
+            "run it again to continue from there"
+        )
+
     with BatchEncoder(tokenizer.folder / TOKENIZER_FILE, tokenizer.eot_id, dtype, workers) as encoder:
-        for batch in encoder.map(iter(batcher)):
-            writers[batch.split].feed(batch)
-            encoded += len(batch.tokens)
-            if watch.requested:
-                raise Preempted(
-                    f"datagen stopped by {watch.signal_name}: "
-                    f"{sum(len(p.shards) for p in progress.values())} shards are committed in {folder}; "
-                    "run it again to continue from there"
-                )
+        try:
+            for batch in encoder.map(iter(batcher)):
+                writers[batch.split].feed(batch)
+                encoded += len(batch.tokens)
+                if watch.requested:
+                    raise stopped()
+        except BrokenProcessPool:
+            if watch.requested:  # the SIGTERM reached the encoder workers too (tini -g signals the group)
+                raise stopped() from None
+            raise TemporaryError(
+                "an encoder worker process died without a Python error (killed by the OS, e.g. out of "
+                f"memory); {sum(len(p.shards) for p in progress.values())} shards are committed in {folder}: "
+                "run again to continue from there (with fewer `workers` if memory is short)"
+            ) from None
     for writer in writers.values():
         writer.finish(batcher.documents_read)
     elapsed = max(time.monotonic() - started, 1e-9)

@@ -108,22 +108,30 @@ class _ThreadEncoders:
 
 class _ProcessEncoders:
     """Encoder worker processes (spawn, not fork: a fork would copy the parent's threads' state,
-    the encoder threads' included, and its open shard files)."""
+    the encoder threads' included, and its open shard files).
+
+    concurrent.futures, not multiprocessing.Pool: a Pool replaces a worker that dies (the OOM killer,
+    a SIGTERM that `tini -g` sends to the whole group) and never completes the batch it held, so the
+    main process waited for it forever. Here every waiting batch raises BrokenProcessPool instead."""
 
     def __init__(self, tokenizer_file: Path, eot_id: int, dtype: np.dtype, processes: int):
-        self._pool = multiprocessing.get_context("spawn").Pool(
+        self._executor = concurrent.futures.ProcessPoolExecutor(
             processes,
+            mp_context=multiprocessing.get_context("spawn"),
             initializer=_start_worker_process,
             initargs=(str(tokenizer_file), eot_id, np.dtype(dtype).str),
         )
 
     def submit(self, split: str, doc_indices: np.ndarray, documents: list[str]) -> Callable[[], EncodedBatch]:
-        return self._pool.apply_async(_encode, (split, doc_indices, documents)).get
+        return self._executor.submit(_encode, split, doc_indices, documents).result
 
     def close(self) -> None:
-        # terminate, not close: on a preemption the workers may hold batches nobody will read.
-        self._pool.terminate()
-        self._pool.join()
+        processes = list((getattr(self._executor, "_processes", None) or {}).values())
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        for process in processes:  # a batch in a worker cannot be cancelled: the workers are ended
+            process.kill()
+        for process in processes:
+            process.join()
 
 
 class BatchEncoder:

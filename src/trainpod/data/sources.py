@@ -106,12 +106,13 @@ def _jsonl_documents(path: Path, field: str) -> Iterator[str]:
                 continue
             try:
                 record = json.loads(line)
-                yield record[field]
+                text = record[field]
             except (json.JSONDecodeError, KeyError, TypeError) as exc:
                 raise InputError(
                     f"{path}, line {line_number}: not a JSON object with a {field!r} string "
                     f"({type(exc).__name__}); fix the file or set sources[].text_field"
                 ) from None
+            yield _text(text, f"{path}, line {line_number}", field)
 
 
 def _parquet_documents(path: Path, field: str) -> Iterator[str]:
@@ -129,7 +130,8 @@ def _parquet_documents(path: Path, field: str) -> Iterator[str]:
             "set sources[].text_field"
         )
     for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[field]):
-        yield from batch.column(0).to_pylist()
+        for text in batch.column(0).to_pylist():
+            yield _text(text, str(path), field)
 
 
 def _hf_documents(source: SourceConfig) -> Iterator[str]:
@@ -150,7 +152,22 @@ def _hf_documents(source: SourceConfig) -> Iterator[str]:
             "check sources[].hf, hf_config and hf_split"
         ) from None
     for row in stream:
-        yield row[source.text_field]
+        if source.text_field not in row:
+            raise InputError(
+                f"Hugging Face dataset {source.describe()} has no column {source.text_field!r} (columns: "
+                f"{', '.join(row)}); set sources[].text_field"
+            )
+        yield _text(row[source.text_field], source.describe(), source.text_field)
+
+
+def _text(value: object, where: str, field: str) -> str | None:
+    """A document's text; None (a null) is skipped like an empty text; anything else is bad input."""
+    if value is None or isinstance(value, str):
+        return value
+    raise InputError(
+        f"{where}: {field!r} holds a {type(value).__name__} ({str(value)[:40]!r}), not a string; "
+        "fix the data or set sources[].text_field to the column holding the text"
+    )
 
 
 def iter_source(source: SourceConfig, volume_root: Path) -> Iterator[str]:

@@ -122,8 +122,10 @@ def _supervise(
             stopped_by = _stop_reason(ctx, status)
             if stopped_by:
                 ctx.watch.request(stopped_by)  # starts the window's clock for budget and lease stops
-                log.warning("stopping the program (%s): SIGTERM to its process group", stopped_by)
-                program.signal_group(signal.SIGTERM)
+                # The program first; the rest of its process group once it exits (_end_group). SIGTERM to
+                # the whole group at once killed its DataLoader workers, and its final commit with them.
+                log.warning("stopping the program (%s): SIGTERM to it, then to its process group", stopped_by)
+                program.signal(signal.SIGTERM)
         elif not killed and ctx.watch.seconds_left() <= 0:
             log.warning("the program is still running at the end of the stop window: SIGKILL")
             program.signal_group(signal.SIGKILL)
@@ -133,7 +135,23 @@ def _supervise(
             next_status = time.monotonic() + config.status_every_seconds
         time.sleep(POLL_S)
     log.info("the program exited with %d", code)
+    _end_group(program, ctx, killed)
     return code, stopped_by
+
+
+def _end_group(program: Program, ctx: RunContext, killed: bool) -> None:
+    """What the program left running in its group (a shell wrapper's child, a background process) is
+    stopped like the program: SIGTERM, then SIGKILL when the window ends. Nothing keeps writing to the run
+    once the kit has released its lease."""
+    if killed or not program.group_alive():
+        return
+    window = ctx.watch.seconds_left() if ctx.watch.requested else ctx.watch.window_seconds
+    deadline = time.monotonic() + max(window, 0.0)
+    log.warning("the program left processes in its group: SIGTERM to its process group")
+    program.signal_group(signal.SIGTERM)
+    while program.group_alive() and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+    program.signal_group(signal.SIGKILL)
 
 
 def _stop_reason(ctx: RunContext, status: CommandStatus) -> str | None:

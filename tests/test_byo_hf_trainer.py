@@ -120,3 +120,36 @@ def test_run_alone_with_no_time_left_in_the_window_it_exits_143_without_a_save(t
     assert "exiting without one" in out
     assert (run / "checkpoints/LATEST").read_text().strip() == "step-5"
     assert not (run / "LEASE").exists(), "the lease is released on the way out"
+
+
+def _rank_decides_at_step_end(rank: int, world_size: int, init_file: str, run: str, answers: str) -> None:
+    """One rank of a gloo group: only rank 1 has seen SIGTERM when both reach the end of step 6."""
+    import json
+    import os
+
+    import torch.distributed as dist
+    from transformers import TrainerControl, TrainerState
+
+    from trainpod.checkpointer import Checkpointer
+    from trainpod.integrations.hf import TrainpodCallback
+
+    os.environ["TRAINPOD_LEASE_HELD"] = "1"  # the kit holds the run's lease for a command program
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    callback = TrainpodCallback(Checkpointer(run, watch_signals=False))
+    if rank == 1:
+        callback.ckpt.watch.request("SIGTERM")
+    control = callback.on_step_end(None, TrainerState(global_step=6), TrainerControl())
+    Path(answers, f"rank{rank}.json").write_text(json.dumps(control.should_save))
+    dist.destroy_process_group()
+
+
+def test_every_rank_stops_at_the_same_step_when_sigterm_reached_only_one_of_them(tmp_path):
+    """A rank that saves while another trains on would wait in the save's barrier until SIGKILL."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    args = (2, str(tmp_path / "init"), str(tmp_path / "run"), str(tmp_path))
+    mp.spawn(_rank_decides_at_step_end, args=args, nprocs=2, join=True)
+    decisions = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert decisions == [True, True], "rank 0 must save with rank 1, which saw the SIGTERM"

@@ -68,25 +68,37 @@ class TrainpodCallback(TrainerCallback):
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **_: Any):
         self._save_started = time.monotonic()
-        if not self.ckpt.stop_requested:
+        # Every rank takes the same decision at the same step: SIGTERM reaches the ranks at slightly
+        # different moments, and a rank that saves while another trains on (or exits) waits in the save's
+        # barrier until SIGKILL, losing the commit.
+        stop, lease_lost, no_time = _on_any_rank(self._stop_flags())
+        if not stop:
             return control
-        if self.ckpt.lease is not None and self.ckpt.lease.lost.is_set():
+        if lease_lost:
             log.error("another writer took over this run's lease; stopping without a save")
             self._exit(ExitCode.TEMPORARY)
         if state.global_step == self.ckpt.last_committed_step:
             log.info("stop requested at step %d, which is committed", state.global_step)
             self._exit(ExitCode.PREEMPTED)
-        needed = max(self.save_seconds or 0.0, self.ckpt.expected_commit_seconds()) * COMMIT_MARGIN
-        if needed >= self.ckpt.seconds_left():
+        if no_time:
             log.warning(
-                "stop requested: a save needs about %.1f s, %.1f s are left; exiting without one (newest: step %s)",
-                needed,
-                self.ckpt.seconds_left(),
+                "stop requested: a save needs about %.1f s, less than is left; exiting without one (newest: step %s)",
+                self._save_needs_seconds(),
                 self.ckpt.last_committed_step,
             )
             self._exit(ExitCode.PREEMPTED)
         control.should_save, control.should_evaluate, self._stopping = True, False, True
         return control
+
+    def _stop_flags(self) -> list[bool]:
+        """This rank's view: stop requested, lease lost, no time left for a save."""
+        if not self.ckpt.stop_requested:
+            return [False, False, False]
+        lease_lost = self.ckpt.lease is not None and self.ckpt.lease.lost.is_set()
+        return [True, lease_lost, self._save_needs_seconds() >= self.ckpt.seconds_left()]
+
+    def _save_needs_seconds(self) -> float:
+        return max(self.save_seconds or 0.0, self.ckpt.expected_commit_seconds()) * COMMIT_MARGIN
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **_: Any):
         folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
@@ -94,9 +106,11 @@ class TrainpodCallback(TrainerCallback):
         if state.is_world_process_zero:
             metadata = {"writer": "trainpod.integrations.hf", "versions": {"trainpod": trainpod.__version__}}
             commit_directory(self.ckpt.store, state.global_step, folder, metadata)
-            self.ckpt.last_committed_step = state.global_step
             log.info("committed %s as step-%d", folder.name, state.global_step)
         _barrier()
+        self.ckpt.last_committed_step = (
+            state.global_step
+        )  # on every rank: a stop right after it saves again nowhere
         if self._save_started is not None:
             self.save_seconds = time.monotonic() - self._save_started
         if self._stopping:
@@ -113,6 +127,20 @@ class TrainpodCallback(TrainerCallback):
     def _exit(self, code: ExitCode) -> None:
         self.ckpt.close()
         sys.exit(int(code))
+
+
+def _on_any_rank(flags: list[bool]) -> list[bool]:
+    """Each flag set on any rank (one small all-reduce per step under DDP/FSDP; as given alone)."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return flags
+    nccl = dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    tensor = torch.tensor([float(f) for f in flags], device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return [bool(v) for v in tensor.tolist()]
 
 
 def _barrier() -> None:

@@ -38,6 +38,12 @@ def logs_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "trainpod", "logs", *args]
 
 
+def ctrl_c_enabled() -> None:
+    """A shell starts background jobs with SIGINT ignored, and Python then ignores Ctrl-C too: the
+    child gets the default, as in a terminal, whatever ran pytest."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def read_until(lines: queue.Queue[str], last: str) -> list[str]:
     seen = [lines.get(timeout=60)]
     while seen[-1] != last:
@@ -66,6 +72,7 @@ def test_follow_resumes_a_dropped_connection_from_the_last_event_with_no_line_lo
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=ctrl_c_enabled,
     )
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(

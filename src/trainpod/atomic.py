@@ -30,6 +30,13 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def remove(path: Path) -> None:
+    """Delete `path` durably (its folder fsynced) when it exists; nothing is written when it does not."""
+    if path.exists():
+        path.unlink()
+        fsync_dir(path.parent)
+
+
 def fsync_file(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:

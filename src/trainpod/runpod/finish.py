@@ -46,9 +46,8 @@ from trainpod.volume import RunDir
 log = logging.getLogger("trainpod.finish")
 
 FAILED_MARKER = "FAILED"
-START_MARKER = (
-    "START"  # {"unix", "latest", "pod"}: a start in flight (boot writes it, after_workload removes it)
-)
+# {"unix", "latest", "pod"}: a start in flight (boot writes it, after_workload removes it)
+START_MARKER = "START"
 KILLED = 137  # what a start that ended without a word is counted as: 128 + SIGKILL, its code unknown
 UNFIT_MARKER = "MACHINE_UNFIT"  # {"pod_id", "unix"}: the supervisor replaces that pod, never restarts it
 STARTS_FILE = "starts.json"
@@ -146,7 +145,7 @@ def begin_start(
         )
         action = _decide(KILLED, run, environ, workload)
         if action == "stop":
-            marker.unlink()
+            atomic.remove(marker)
             _act(action, run, environ, workload, client_factory)
             return KILLED
     run.root.mkdir(parents=True, exist_ok=True)
@@ -155,9 +154,8 @@ def begin_start(
 
 
 def _end_start(run: RunDir | None) -> None:
-    if run is not None and (run.root / START_MARKER).exists():
-        (run.root / START_MARKER).unlink()
-        atomic.fsync_dir(run.root)
+    if run is not None:
+        atomic.remove(run.root / START_MARKER)
 
 
 def _latest(run: RunDir) -> str | None:
@@ -230,13 +228,9 @@ def _mark_unfit(run: RunDir | None, environ: dict[str, str]) -> None:
 def _reset_failures(run: RunDir | None) -> None:
     if run is None:
         return
-    starts, failed = run.root / STARTS_FILE, run.root / FAILED_MARKER
-    if starts.exists():  # only write when there is something to reset: a DONE run's folder stays unchanged
-        starts.unlink()
-        atomic.fsync_dir(run.root)
-    if failed.exists():
-        failed.unlink()
-        atomic.fsync_dir(run.root)
+    # Only what exists is removed: a DONE run's folder stays unchanged.
+    atomic.remove(run.root / STARTS_FILE)
+    atomic.remove(run.root / FAILED_MARKER)
 
 
 def _count_failure(run: RunDir, code: int) -> int:

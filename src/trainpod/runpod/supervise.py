@@ -123,9 +123,8 @@ def mark_stopped(run: str, volume: Volume | None, stopped: bool = True) -> None:
         marker = volume.run(run).root / STOPPED_MARKER
         if stopped:
             atomic.write_json(marker, {"unix": time.time()})
-        elif marker.exists():
-            marker.unlink()
-            atomic.fsync_dir(marker.parent)
+        else:
+            atomic.remove(marker)
 
 
 def state_path(volume: Volume | None, run: str, environ: dict[str, str] | None = None) -> Path:

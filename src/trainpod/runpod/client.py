@@ -352,16 +352,12 @@ class RunPodClient:
                     self._delay(attempt, None),
                 )
                 maybe_done = True
-            if attempt == self.max_attempts or (maybe_done and not idempotent):
-                again = (
-                    ""
-                    if idempotent or not maybe_done
-                    else (
-                        "; RunPod may have done it anyway, so it was not sent again: look before trying again"
-                    )
-                )
+            not_resent = maybe_done and not idempotent  # a create RunPod may have made: never sent twice
+            if attempt == self.max_attempts or not_resent:
+                again = "; RunPod may have done it anyway, so it was not sent again: look before trying again"
                 raise RunPodUnavailable(
-                    f"RunPod {endpoint} {problem}, {attempt} attempt{'s' if attempt > 1 else ''} in a row{again}; RunPod or the "
+                    f"RunPod {endpoint} {problem}, {attempt} attempt{'s' if attempt > 1 else ''} in a row"
+                    f"{again if not_resent else ''}; RunPod or the "
                     "network is having trouble: try again later (https://uptime.runpod.io)",
                     status,
                 )

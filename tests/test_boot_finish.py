@@ -13,6 +13,8 @@ import pytest
 
 from trainpod import atomic
 from trainpod import boot as boot_module
+from trainpod.checkpoint.lease import Lease
+from trainpod.errors import TemporaryError
 from trainpod.runpod.finish import (
     FAILED_MARKER,
     KILLED,
@@ -241,3 +243,32 @@ def test_a_real_boot_killed_with_its_workload_is_counted_at_the_next_start(fake,
     assert atomic.read_json(run.root / FAILED_MARKER)["exit_code"] == KILLED
     assert fake.pods[pod["id"]]["desiredStatus"] == "EXITED"
     assert status_step(volume) < 1000 and not (run.checkpoints / "LATEST").exists()
+
+
+def test_a_duplicate_pod_that_finds_the_run_leased_by_a_live_pod_stops_itself_uncounted(
+    fake, pod, run, monkeypatch, caplog
+):
+    monkeypatch.setenv("RUNPOD_POD_ID", "the-pod-that-trains")
+    training = Lease(run.lease)
+    training.acquire()
+    try:
+        monkeypatch.setenv("RUNPOD_POD_ID", pod["id"])
+        with pytest.raises(TemporaryError, match="leased by another writer"):
+            Lease(run.lease).acquire()  # what this pod's workload ran into: its exit 75
+        assert after_workload(75, run, pod_env(fake, pod), "pretrain") == 75
+    finally:
+        training.release()
+    assert "pod the-pod-that-trains holds this run's lease" in caplog.text
+    assert fake.pods[pod["id"]]["desiredStatus"] == "EXITED", "a duplicate restarted forever bills a GPU"
+    assert not (run.root / STARTS_FILE).exists() and not (run.root / FAILED_MARKER).exists()
+
+
+def test_a_75_is_counted_when_the_lease_left_is_this_pods_own_or_expired(fake, pod, run):
+    env = pod_env(fake, pod)
+    lease = {"owner": {"pod_id": pod["id"]}, "heartbeat_unix": 0, "expires_unix": 4e9}
+    atomic.write_json(run.lease, lease)  # this pod's earlier start, killed before it released its lease
+    assert after_workload(75, run, env, "pretrain") == 75
+    atomic.write_json(run.lease, {**lease, "owner": {"pod_id": "gone"}, "expires_unix": 1.0})
+    assert after_workload(75, run, env, "pretrain") == 75
+    assert atomic.read_json(run.root / STARTS_FILE)["consecutive_failures"] == 2
+    assert fake.pods[pod["id"]]["desiredStatus"] == "RUNNING"

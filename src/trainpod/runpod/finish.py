@@ -8,6 +8,7 @@ RunPod starts a pod's container again whenever it exits, so the exit code alone 
 | 143 | SIGTERM (spot interruption) | count reset: the start itself worked; RunPod stops the pod |
 | 2, 3, 5 | bad input, budget spent, volume full | FAILED marker (when the run folder exists) and the pod stopped at once |
 | 4 | this machine cannot run the image (trainpod.host) | MACHINE_UNFIT marker naming this pod, not counted as a failed start; the pod stopped: the supervisor replaces it with a new pod on another machine |
+| 75 while another pod holds the run's live LEASE | this pod is a duplicate (two deploys, a replacement racing the original) | not counted, no marker: this pod stopped, the one training goes on |
 | other (75, 1, ...) | temporary failure or crash | counted in runs/<run>/starts.json; at TRAINPOD_MAX_FAILED_STARTS in a row (default 3): FAILED marker, pod stopped |
 | none: boot itself was killed | a segfault, the OOM killer, SIGKILL | found at the next start (`begin_start`): counted as exit 137 when no checkpoint was committed during it |
 
@@ -200,6 +201,15 @@ def _decide(code: int, run: RunDir | None, environ: dict[str, str], workload: st
     if run is None:
         log.warning("exit %d before the run was known: not counted", code)
         return "restart"
+    holder = _live_holder_elsewhere(run, environ) if code == ExitCode.TEMPORARY else None
+    if holder is not None:
+        # Counting it would FAIL the run after three starts, and a supervisor then stops the pod that trains.
+        log.warning(
+            "pod %s holds this run's lease and is training it: this pod is a duplicate; stopping it "
+            "(not counted as a failed start)",
+            holder,
+        )
+        return "stop"
     failures = _count_failure(run, code)
     limit = max_failed_starts(environ)
     if failures < limit:
@@ -209,6 +219,23 @@ def _decide(code: int, run: RunDir | None, environ: dict[str, str], workload: st
     _mark_failed(run, reason, code, failures)
     log.error("crash loop: %s; stopping this pod (TRAINPOD_MAX_FAILED_STARTS=%d)", reason, limit)
     return "stop"
+
+
+def _live_holder_elsewhere(run: RunDir, environ: dict[str, str]) -> str | None:
+    """The pod id in the run's LEASE when another pod holds it and it has not expired, else None.
+
+    This start has ended and released any lease of its own, so a live one left is another writer's.
+    """
+    try:
+        held = atomic.read_json(run.lease)
+    except (FileNotFoundError, ValueError):
+        return None
+    owner = held.get("owner") if isinstance(held, dict) else None
+    holder = owner.get("pod_id") if isinstance(owner, dict) else None
+    expires = held.get("expires_unix", 0)
+    if not holder or holder == environ.get("RUNPOD_POD_ID") or not isinstance(expires, (int, float)):
+        return None
+    return holder if expires > time.time() else None
 
 
 def _machine_unfit(run: RunDir | None, environ: dict[str, str]) -> str:

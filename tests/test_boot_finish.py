@@ -8,6 +8,7 @@ import logging
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -249,7 +250,7 @@ def test_a_duplicate_pod_that_finds_the_run_leased_by_a_live_pod_stops_itself_un
     fake, pod, run, monkeypatch, caplog
 ):
     monkeypatch.setenv("RUNPOD_POD_ID", "the-pod-that-trains")
-    training = Lease(run.lease)
+    training = Lease(run.lease, ttl_seconds=2)  # renewed every 0.5 s
     training.acquire()
     try:
         monkeypatch.setenv("RUNPOD_POD_ID", pod["id"])
@@ -263,12 +264,13 @@ def test_a_duplicate_pod_that_finds_the_run_leased_by_a_live_pod_stops_itself_un
     assert not (run.root / STARTS_FILE).exists() and not (run.root / FAILED_MARKER).exists()
 
 
-def test_a_75_is_counted_when_the_lease_left_is_this_pods_own_or_expired(fake, pod, run):
+def test_a_75_is_counted_when_the_lease_left_is_this_pods_own_or_expires_unrenewed(fake, pod, run):
     env = pod_env(fake, pod)
-    lease = {"owner": {"pod_id": pod["id"]}, "heartbeat_unix": 0, "expires_unix": 4e9}
+    lease = {"owner": {"pod_id": pod["id"]}, "heartbeat_unix": time.time(), "expires_unix": time.time() + 60}
     atomic.write_json(run.lease, lease)  # this pod's earlier start, killed before it released its lease
     assert after_workload(75, run, env, "pretrain") == 75
-    atomic.write_json(run.lease, {**lease, "owner": {"pod_id": "gone"}, "expires_unix": 1.0})
+    # Another pod's, killed before releasing it: never renewed, so not a pod training the run.
+    atomic.write_json(run.lease, {**lease, "owner": {"pod_id": "gone"}, "expires_unix": time.time() + 1.5})
     assert after_workload(75, run, env, "pretrain") == 75
     assert atomic.read_json(run.root / STARTS_FILE)["consecutive_failures"] == 2
     assert fake.pods[pod["id"]]["desiredStatus"] == "RUNNING"

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 
+from trainpod import atomic
 from trainpod.checkpoint import Lease
 from trainpod.errors import ExitCode, TemporaryError
 
@@ -36,13 +39,43 @@ def test_expired_lease_from_another_host_is_taken_over(tmp_path):
     lease.release()
 
 
-def test_live_lease_from_another_host_is_respected(tmp_path):
+def another_hosts_lease(path, expires_in: float, beat: float) -> None:
+    owner = {"id": "x", "host": "elsewhere", "pid": 1, "pod_id": "pod-elsewhere"}
+    now = time.time()
+    atomic.write_json(path, {"owner": owner, "heartbeat_unix": beat, "expires_unix": now + expires_in})
+
+
+def test_a_lease_that_another_host_renews_is_respected(tmp_path):
     path = tmp_path / "LEASE"
-    path.write_text(
-        json.dumps({"owner": {"id": "x", "host": "elsewhere", "pid": 1}, "expires_unix": time.time() + 60})
-    )
-    with pytest.raises(TemporaryError, match="host elsewhere"):
-        Lease(path, ttl_seconds=60).acquire()
+    another_hosts_lease(path, expires_in=60, beat=time.time())
+    stop = threading.Event()
+
+    def renew():  # the other pod's heartbeat thread, fast
+        while not stop.wait(0.2):
+            another_hosts_lease(path, expires_in=60, beat=time.time())
+
+    renewer = threading.Thread(target=renew)
+    renewer.start()
+    try:
+        with pytest.raises(TemporaryError, match="host elsewhere, pid 1, pod pod-elsewhere"):
+            Lease(path, ttl_seconds=60).acquire()
+    finally:
+        stop.set()
+        renewer.join()
+
+
+def test_another_hosts_lease_left_unrenewed_is_waited_out_and_taken_over(tmp_path, caplog):
+    # A spot pod SIGKILLed mid-commit never released its lease; its replacement runs on a new machine.
+    path = tmp_path / "LEASE"
+    another_hosts_lease(path, expires_in=1.5, beat=time.time())
+    lease = Lease(path, ttl_seconds=60)
+    with caplog.at_level(logging.INFO):
+        lease.acquire()
+    try:
+        assert json.loads(path.read_text())["owner"]["id"] == lease.owner["id"]
+        assert "waiting for its heartbeat" in caplog.text and "taking over a stale lease" in caplog.text
+    finally:
+        lease.release()
 
 
 def test_lease_of_a_dead_process_on_this_host_is_taken_over_before_expiry(tmp_path):

@@ -3,7 +3,10 @@
 A second process that finds a live lease refuses to start (exit 75, so a supervisor retries later).
 A lease is stale, and taken over, when it expired, or when its owner ran on this same host (a
 restarted pod keeps its hostname) and that process no longer exists: a pid alone is not enough
-because pids are reused, so the owner's process start time is compared too.
+because pids are reused, so the owner's process start time is compared too. Another host's lease
+that has not expired is watched until its holder renews it (live: refused) or it expires unrenewed
+(a pod SIGKILLed before it could release it, say mid-commit at a spot interruption: taken over), so
+that its replacement on a new machine starts instead of counting failed starts for up to one TTL.
 """
 
 from __future__ import annotations
@@ -22,6 +25,34 @@ from trainpod import atomic
 from trainpod.errors import TemporaryError
 
 log = logging.getLogger(__name__)
+
+# How often a lease held by another machine is read again while waiting for its heartbeat (every TTL/4).
+RENEWAL_POLL_S = 1.0
+
+
+def read_lease(path: Path) -> dict[str, Any] | None:
+    try:
+        held = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (ValueError, UnicodeDecodeError):
+        log.warning("LEASE at %s is unreadable; treating it as stale", path)
+        return None
+    return held if isinstance(held, dict) else None
+
+
+def renewed_by_its_holder(path: Path, held: dict[str, Any], sleep=time.sleep) -> bool:
+    """Whether the lease at `path`, read as `held`, is renewed (or taken by yet another writer) before it
+    expires: a live writer heartbeats every TTL/4. Waits at most until that expiry; False when it
+    expires unrenewed or is released."""
+    while (left := held.get("expires_unix", 0) - time.time()) > 0:
+        sleep(min(RENEWAL_POLL_S, left))
+        now = read_lease(path)
+        if now is None:
+            return False
+        if now.get("heartbeat_unix") != held.get("heartbeat_unix") or now.get("owner") != held.get("owner"):
+            return True
+    return False
 
 
 def _process_start_ticks(pid: int) -> int | None:
@@ -49,13 +80,7 @@ class Lease:
         self._thread: threading.Thread | None = None
 
     def _read(self) -> dict[str, Any] | None:
-        try:
-            return json.loads(self.path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            return None
-        except (ValueError, UnicodeDecodeError):
-            log.warning("LEASE at %s is unreadable; treating it as stale", self.path)
-            return None
+        return read_lease(self.path)
 
     def _holder_alive(self, held: dict[str, Any]) -> bool:
         if held.get("expires_unix", 0) < time.time():
@@ -64,7 +89,14 @@ class Lease:
         if owner.get("host") == self.owner["host"]:
             start = _process_start_ticks(int(owner.get("pid", -1)))
             return start is not None and start == owner.get("pid_start")
-        return True  # another machine, not expired: assume it is working
+        log.info(
+            "the run is leased by host %s (pod %s) for %.0f s more: waiting for its heartbeat, or for it to "
+            "expire unrenewed and be taken over",
+            owner.get("host"),
+            owner.get("pod_id") or "-",
+            held.get("expires_unix", 0) - time.time(),
+        )
+        return renewed_by_its_holder(self.path, held)
 
     def _write(self) -> None:
         now = time.time()
@@ -76,11 +108,10 @@ class Lease:
         held = self._read()
         if held and held.get("owner", {}).get("id") != self.owner["id"] and self._holder_alive(held):
             owner = held.get("owner", {})
-            left = held.get("expires_unix", 0) - time.time()
             raise TemporaryError(
                 f"run is leased by another writer (host {owner.get('host')}, pid {owner.get('pid')}, "
-                f"pod {owner.get('pod_id') or '-'}) until its lease expires in {left:.0f} s; "
-                f"stop that process first, or wait for the lease at {self.path} to expire"
+                f"pod {owner.get('pod_id') or '-'}), which is alive and renews it every {self.ttl / 4:.0f} s "
+                f"or so; stop that process or pod first (its lease at {self.path} is then released)"
             )
         if held:
             log.info(

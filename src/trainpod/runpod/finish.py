@@ -8,7 +8,7 @@ RunPod starts a pod's container again whenever it exits, so the exit code alone 
 | 143 | SIGTERM (spot interruption) | count reset: the start itself worked; RunPod stops the pod |
 | 2, 3, 5 | bad input, budget spent, volume full | FAILED marker (when the run folder exists) and the pod stopped at once |
 | 4 | this machine cannot run the image (trainpod.host) | MACHINE_UNFIT marker naming this pod, not counted as a failed start; the pod stopped: the supervisor replaces it with a new pod on another machine |
-| 75 while another pod holds the run's live LEASE | this pod is a duplicate (two deploys, a replacement racing the original) | not counted, no marker: this pod stopped, the one training goes on |
+| 75 while another pod holds the run's LEASE and renews it | this pod is a duplicate (two deploys, a replacement racing the original) | not counted, no marker: this pod stopped, the one training goes on |
 | other (75, 1, ...) | temporary failure or crash | counted in runs/<run>/starts.json; at TRAINPOD_MAX_FAILED_STARTS in a row (default 3): FAILED marker, pod stopped |
 | none: boot itself was killed | a segfault, the OOM killer, SIGKILL | found at the next start (`begin_start`): counted as exit 137 when no checkpoint was committed during it |
 
@@ -39,6 +39,7 @@ import time
 from collections.abc import Callable
 
 from trainpod import atomic
+from trainpod.checkpoint.lease import read_lease, renewed_by_its_holder
 from trainpod.checkpoint.store import LATEST
 from trainpod.errors import ConfigError, ExitCode
 from trainpod.runpod.client import RunPodClient, RunPodError
@@ -222,20 +223,17 @@ def _decide(code: int, run: RunDir | None, environ: dict[str, str], workload: st
 
 
 def _live_holder_elsewhere(run: RunDir, environ: dict[str, str]) -> str | None:
-    """The pod id in the run's LEASE when another pod holds it and it has not expired, else None.
+    """The pod id in the run's LEASE when another pod holds it and renews it, else None.
 
-    This start has ended and released any lease of its own, so a live one left is another writer's.
+    This start has ended and released any lease of its own, so a lease left is another writer's; one
+    that expires unrenewed was a pod killed before it could release it (waited for: at most one TTL).
     """
-    try:
-        held = atomic.read_json(run.lease)
-    except (FileNotFoundError, ValueError):
-        return None
-    owner = held.get("owner") if isinstance(held, dict) else None
+    held = read_lease(run.lease)
+    owner = held.get("owner") if held else None
     holder = owner.get("pod_id") if isinstance(owner, dict) else None
-    expires = held.get("expires_unix", 0)
-    if not holder or holder == environ.get("RUNPOD_POD_ID") or not isinstance(expires, (int, float)):
+    if not holder or holder == environ.get("RUNPOD_POD_ID"):
         return None
-    return holder if expires > time.time() else None
+    return holder if renewed_by_its_holder(run.lease, held) else None
 
 
 def _machine_unfit(run: RunDir | None, environ: dict[str, str]) -> str:

@@ -13,7 +13,7 @@ from trainpod import atomic, cli
 from trainpod.config.deploy import DeployConfig
 from trainpod.runpod.deploy import deploy
 from trainpod.runpod.finish import FAILED_MARKER, STARTS_FILE, UNFIT_MARKER, after_workload
-from trainpod.runpod.supervise import Supervisor
+from trainpod.runpod.supervise import RunView, Supervisor
 from trainpod.volume import Volume
 
 from fake_runpod import KEY, FakeRunPodServer, api_env, client_for
@@ -311,3 +311,23 @@ def test_the_supervise_pods_exit_75_leaves_a_backoff_for_its_restarted_container
     calls = len(fake.calls("POST"))
     assert supervisor(fake, volume, clock).step() is None  # RunPod restarted the container at once
     assert len(fake.calls("POST")) == calls, "no attempt straight after the restart"
+
+
+def test_a_look_that_fails_unforeseen_is_logged_and_tried_again_but_not_forever(
+    fake, volume, monkeypatch, caplog
+):
+    deploy(client_for(fake), deploy_config())
+    real_read, failures = RunView.read, iter([True, True, False, True, True, True, True, True])
+
+    def stale_handle_now_and_then(volume_, run):  # a network volume's hiccup (ESTALE) while reading the run
+        if next(failures):
+            raise OSError(116, "Stale file handle")
+        return real_read(volume_, run)
+
+    monkeypatch.setattr(RunView, "read", stale_handle_now_and_then)
+    sup = supervisor(fake, volume)
+    with pytest.raises(OSError, match="Stale file handle"):
+        sup.run()  # two failures, one good look, then five in a row: a bug that recurs ends it
+    assert caplog.text.count("look failed (") == 2 + 4
+    assert "look failed (2/5 in a row)" in caplog.text and "look failed (4/5 in a row)" in caplog.text
+    assert "is RUNNING (spent $0.00); nothing to do" in caplog.text

@@ -20,7 +20,9 @@ MACHINE_UNFIT deletes it and creates it again on the same volume with its nodes'
 bounds (max_restarts, failed starts with backoff, max_replacements for exit 4).
 Without the volume (a laptop) DONE and MACHINE_UNFIT are invisible: the pod stops itself after DONE and a restarted
 one exits at once, so restarts are bounded by supervise.max_restarts. The recommended mode is the
-`supervise` workload in a cheap on-demand CPU pod with the same network volume.
+`supervise` workload in a cheap on-demand CPU pod with the same network volume. A look that raises
+something unforeseen is logged with its traceback and tried again at the next poll; five in a row end
+the loop with exit 1.
 """
 
 from __future__ import annotations
@@ -34,13 +36,16 @@ from pathlib import Path
 
 from trainpod import atomic
 from trainpod.config.deploy import DeployConfig
-from trainpod.errors import ConfigError, ExitCode
+from trainpod.errors import ConfigError, ExitCode, TrainpodError
 from trainpod.runpod.client import RunPodAuthError, RunPodClient, RunPodError, RunPodUnavailable
 from trainpod.runpod.finish import FAILED_MARKER, UNFIT_MARKER
 from trainpod.runpod.units import Look, build_unit
 from trainpod.volume import Volume
 
 log = logging.getLogger("trainpod.supervise")
+
+# Looks in a row that raise something unforeseen before the supervisor gives up with exit 1.
+UNFORESEEN_LOOKS_IN_A_ROW = 5
 
 
 @dataclass
@@ -154,8 +159,23 @@ class Supervisor:
     def run(self, once: bool = False, stop_requested: Callable[[], bool] = lambda: False) -> int:
         """Look, decide, act, until a final verdict (its exit code) or, with `once`, after one look.
         `stop_requested` (the pod's SIGTERM flag): end between looks with 143, as a stopped pod must."""
+        unforeseen = 0
         while True:
-            verdict = self.step()
+            try:
+                verdict = self.step()
+                unforeseen = 0
+            except TrainpodError:
+                raise  # a decision with its own exit code (a bad config): not a look to try again
+            except Exception:
+                # A one-off surprise (a response of an unexpected shape, a network volume's stale file handle)
+                # must not end supervision: once it ends, nothing brings the spot pod back. A bug that
+                # recurs at every look still ends it (exit 1) after a few.
+                unforeseen += 1
+                if once or unforeseen >= UNFORESEEN_LOOKS_IN_A_ROW:
+                    raise
+                log.exception("look failed (%d/%d in a row); looking again in %g s", unforeseen,
+                              UNFORESEEN_LOOKS_IN_A_ROW, self.policy.poll_s)  # fmt: skip
+                verdict = None
             if verdict is not None:
                 return verdict
             if once:

@@ -114,9 +114,28 @@ def test_accumulation_is_rescaled_to_keep_the_global_batch_or_refused_with_the_c
     saved = {"world_size": 2, "grad_accum_steps": 3}
     assert rescaled_accumulation(saved, world_size=1, configured=3) == 6
     assert rescaled_accumulation(saved, world_size=6, configured=3) == 1
-    assert rescaled_accumulation(saved, world_size=2, configured=5) == 5, "same rank count: the config rules"
+    assert rescaled_accumulation(saved, world_size=2, configured=5) == 3, "same rank count: the checkpoint's"
     with pytest.raises(InputError, match=r"4 ranks cannot share them evenly. Resume on 1, 2, 3, 6 GPU"):
         rescaled_accumulation(saved, world_size=4, configured=3)
+
+
+def test_a_rescaled_position_resumes_again_on_the_rank_count_that_rescaled_it():
+    # 2 ranks x 1 (the config's accumulation) -> 1 rank x 2 -> 1 rank again: the second resume on one rank
+    # must keep accumulating 2, though the config still says 1 (it was refused with exit 2).
+    two = loader(rank=0, world=2, accum=1)
+    for _ in range(3):
+        two.next_batch()
+    one = loader(rank=0, world=1, accum=rescaled_accumulation(two.state_dict(), world_size=1, configured=1))
+    one.load_state_dict(two.state_dict())
+    for _ in range(4):
+        one.next_batch()
+    again = loader(rank=0, world=1, accum=rescaled_accumulation(one.state_dict(), world_size=1, configured=1))
+    again.load_state_dict(one.state_dict())
+    assert again.grad_accum_steps == 2
+    assert torch.equal(
+        torch.cat([again.next_batch()[0] for _ in range(2)]),
+        torch.cat([one.next_batch()[0] for _ in range(2)]),
+    )
 
 
 def test_a_position_whose_step_reads_other_windows_is_refused():

@@ -189,10 +189,12 @@ class TokenBatches:
 def rescaled_accumulation(saved: dict[str, int], world_size: int, configured: int) -> int:
     """The accumulation steps that keep a checkpoint's global batch on `world_size` ranks: its ranks x
     accumulation over `world_size` (a spot run may come back on another GPU count). InputError when
-    the rank count does not divide it."""
+    the rank count does not divide it.
+
+    On the rank count that wrote it, that is the checkpoint's own accumulation, not `configured`: a
+    run rescaled once (8 GPUs -> 4, accumulation 1 -> 2) commits its rescaled value, and the next
+    resume on the same 4 GPUs must keep it (the config's 1 would read half the step's windows)."""
     saved_world = saved["world_size"]
-    if saved_world == world_size:
-        return configured
     windows = saved_world * saved.get("grad_accum_steps", configured)
     if windows % world_size:
         fits = ", ".join(str(n) for n in range(1, windows + 1) if windows % n == 0)

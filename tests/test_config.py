@@ -71,6 +71,19 @@ def test_cross_field_check_names_both_fields(tmp_path):
         load_config(PretrainConfig, path)
 
 
+def test_an_odd_head_size_is_refused_before_a_gpu_is_paid_for():
+    # hidden 24 / 8 heads = 3 dimensions per head: rotary embeddings rotate pairs, so the first forward
+    # failed (exit 1, a failed start, retried until FAILED) instead of the config (exit 2).
+    with pytest.raises(
+        ConfigError, match=r"model.hidden_size=24 / model.num_heads=8 gives heads of 3"
+    ) as caught:
+        load_config(
+            PretrainConfig, TINY, ["model.hidden_size=24", "model.num_heads=8", "model.num_kv_heads=8"]
+        )
+    assert caught.value.exit_code == ExitCode.BAD_INPUT
+    load_config(PretrainConfig, TINY, ["model.hidden_size=48", "model.num_heads=8", "model.num_kv_heads=8"])
+
+
 def test_malformed_override_is_a_config_error():
     with pytest.raises(ConfigError, match="not of the form key.path=value"):
         load_config(PretrainConfig, TINY, ["train.max_steps"])

@@ -49,6 +49,13 @@ class ModelConfig(Section):
                 f"model.hidden_size={self.hidden_size} is not divisible by model.num_heads={self.num_heads}; "
                 "pick a head count that divides the width"
             )
+        head_dim = self.hidden_size // self.num_heads
+        if head_dim % 2:  # RoPE rotates pairs of a head's dimensions: an odd one fails at the first step
+            raise ValueError(
+                f"model.hidden_size={self.hidden_size} / model.num_heads={self.num_heads} gives heads of "
+                f"{head_dim} dimensions; rotary embeddings need an even head size: pick a head count that "
+                "leaves an even number of dimensions per head (e.g. hidden_size / 64)"
+            )
         kv = self.num_kv_heads or self.num_heads
         if self.num_heads % kv:
             raise ValueError(

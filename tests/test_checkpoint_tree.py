@@ -124,6 +124,23 @@ def test_rng_states_load_back_and_draw_the_same_numbers(tmp_path):
     assert (random.random(), np.random.rand(), torch.rand(1)) == expected
 
 
+def test_cuda_rng_states_from_a_machine_with_more_gpus_restore_on_one_with_fewer(tmp_path, monkeypatch):
+    # A checkpoint of an 8-GPU pod resumed on a 4-GPU pod (docs/design.md: a resume on M ranks of a
+    # checkpoint from N): each rank's state holds 8 CUDA generators, and torch's set_rng_state_all looks
+    # up torch.cuda.default_generators[i] for each, an IndexError (a crash at every start) past the 4th.
+    # Faked here with 4 CPU generators standing in for the CUDA ones; torch's own functions run.
+    saved = capture_rng() | {"cuda": [torch.Generator().manual_seed(i).get_state() for i in range(8)]}
+    loaded, _ = commit_and_load(tmp_path, [saved])
+    generators = tuple(torch.Generator() for _ in range(4))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "default_generators", generators)
+    restore_rng(loaded[0])
+    for index, generator in enumerate(generators):
+        assert torch.equal(generator.get_state(), saved["cuda"][index])
+
+
 def test_a_checkpoint_written_before_tensor_trees_loads_its_pt_file(tmp_path):
     state = {"state": {0: {"exp_avg": torch.ones(2)}}, "param_groups": [{"lr": 0.1, "betas": (0.9, 0.95)}]}
     torch.save(state, tmp_path / "optimizer.pt")

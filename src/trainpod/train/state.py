@@ -49,7 +49,9 @@ def restore_rng(state: dict[str, Any]) -> None:
     )
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        # Saved on a machine with more GPUs (a resume on fewer ranks), the states of the devices this one
+        # lacks are left out: torch would look up a generator that does not exist (IndexError).
+        torch.cuda.set_rng_state_all(state["cuda"][: torch.cuda.device_count()])
 
 
 def seed_rng(seed: int) -> None:

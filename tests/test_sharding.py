@@ -4,11 +4,15 @@ checkpoint cut into a sharded model's shards. The multi-rank runs are in tests/t
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from trainpod.config import load_config
+from trainpod.config.pretrain import PretrainConfig
+from trainpod.errors import ConfigError, ExitCode, InputError
 from trainpod.train.loss import CausalLMLoss
 from trainpod.train.model import build_model
 from trainpod.train.optim import build_optimizer, decay_groups
@@ -22,6 +26,7 @@ from trainpod.train.sharding import (
 from trainpod.train.state import unique_weights
 
 torch.set_num_threads(1)
+TINY_PRETRAIN = Path(__file__).resolve().parents[1] / "configs/pretrain/tiny.yaml"
 
 
 @pytest.mark.parametrize(
@@ -38,6 +43,18 @@ def test_auto_parallel_shards_models_of_a_billion_parameters_on_several_gpus(
     requested, world, params, expected
 ):
     assert resolve_parallel(requested, world, params) == expected
+
+
+@pytest.mark.parametrize("optimizer", ["adamw_8bit", "paged_adamw_8bit"])
+def test_an_optimizer_that_cannot_step_sharded_parameters_is_never_given_fsdp(optimizer):
+    # bitsandbytes' kernels take plain tensors: under FSDP the first optimizer step failed (exit 1 on
+    # every start). The 4b preset (adamw_8bit) on several GPUs was auto -> fsdp.
+    assert resolve_parallel("auto", 8, 4 * FSDP_AUTO_PARAMS, optimizer) == "ddp"
+    with pytest.raises(InputError, match=f"train.optimizer={optimizer} cannot step the sharded parameters"):
+        resolve_parallel("fsdp", 8, 4 * FSDP_AUTO_PARAMS, optimizer)
+    with pytest.raises(ConfigError, match=f"train.optimizer={optimizer} cannot step") as caught:
+        load_config(PretrainConfig, TINY_PRETRAIN, ["train.parallel=fsdp", f"train.optimizer={optimizer}"])
+    assert caught.value.exit_code == ExitCode.BAD_INPUT
 
 
 @pytest.fixture

@@ -9,6 +9,19 @@ from pydantic import Field, model_validator
 from trainpod.config.checkpoint import CheckpointConfig
 from trainpod.config.loader import Section
 
+# The optimizers that can step FSDP's sharded (DTensor) parameters (train/sharding.py, for pretrain and
+# finetune). bitsandbytes' 8-bit and paged ones cannot: their kernels take plain tensors, and the first
+# optimizer step fails ("got mixed torch.Tensor and DTensor").
+SHARDABLE_OPTIMIZERS = ("adamw",)
+
+
+def unshardable_optimizer(optimizer: str) -> str:
+    return (
+        f"train.optimizer={optimizer} cannot step the sharded parameters of train.parallel=fsdp (bitsandbytes' "
+        "kernels take plain tensors); set train.optimizer=adamw (FSDP shards its state across the GPUs), "
+        "or train.parallel=ddp (or auto)"
+    )
+
 
 class PretrainDataConfig(Section):
     dataset: str = Field(
@@ -101,7 +114,8 @@ class TrainConfig(Section):
         description="How several GPUs share the model: 'ddp' replicates it on each GPU; 'fsdp' shards weights, "
         "gradients and optimizer state across them (FSDP2; checkpoints sharded through "
         "torch.distributed.checkpoint, resumable on another GPU count); 'auto' is fsdp for several GPUs "
-        "and 1B parameters or more, else ddp.",
+        "and 1B parameters or more with train.optimizer=adamw, else ddp (bitsandbytes' optimizers cannot "
+        "step sharded parameters).",
     )
     compile: bool = Field(False, description="Wrap the model in torch.compile (GPU runs; slow to start).")
     gradient_checkpointing: bool = Field(
@@ -118,6 +132,12 @@ class TrainConfig(Section):
     @property
     def tokens_per_step_per_rank(self) -> int:
         return self.seq_len * self.micro_batch_size * self.grad_accum_steps
+
+    @model_validator(mode="after")
+    def _optimizer_steps_shards(self) -> TrainConfig:
+        if self.parallel == "fsdp" and self.optimizer not in SHARDABLE_OPTIMIZERS:
+            raise ValueError(unshardable_optimizer(self.optimizer))
+        return self
 
     @model_validator(mode="after")
     def _warmup_fits(self) -> TrainConfig:

@@ -134,7 +134,7 @@ def estimate_training_memory(
     bf16 = t.precision != "fp32" if bf16 is None else bf16
     shape = model_shape(config, vocab_size)
     tokens = t.micro_batch_size * t.seq_len
-    parallel = resolve_parallel(t.parallel, world_size, shape.params)
+    parallel = resolve_parallel(t.parallel, world_size, shape.params, t.optimizer)
     shards = world_size if parallel == "fsdp" else 1
     where = f" / {shards} ranks" if shards > 1 else ""
     parts = {

@@ -256,7 +256,7 @@ class Finetuner(Trainer):
                     "that every GPU holds whole. Set train.parallel=ddp (or auto), or method: full"
                 )
             return "ddp"
-        parallel = resolve_parallel(requested, self.dist.world_size, self.n_params)
+        parallel = resolve_parallel(requested, self.dist.world_size, self.n_params, self.train_cfg.optimizer)
         if parallel == "fsdp" and self.cfg.generation_eval.every_evals:
             raise InputError(
                 "generation_eval runs on rank 0 alone, and a sharded (train.parallel=fsdp) model needs every rank "

@@ -125,7 +125,7 @@ class Pretrainer(Trainer):
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.n_params = parameter_count(self.model_config)
         self.flops_per_token = flops_per_token(self.model_config, self.n_params, t.seq_len)
-        self.parallel = resolve_parallel(t.parallel, self.dist.world_size, self.n_params)
+        self.parallel = resolve_parallel(t.parallel, self.dist.world_size, self.n_params, t.optimizer)
         # The module a step runs: the model and its chunked loss (train/loss.py) as one, so that DDP, FSDP
         # and torch.compile each wrap both; `loss_module(inputs, targets)` is the mean loss.
         self.loss_module: torch.nn.Module = CausalLMLoss(self.model)

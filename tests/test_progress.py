@@ -80,6 +80,21 @@ def test_loss_png_marks_each_resume_with_a_vertical_line(tmp_path, monkeypatch):
     assert drawn == [10, 20] and run.loss_plot.is_file()
 
 
+def test_a_metrics_line_cut_short_by_a_full_volume_does_not_stop_the_next_start(tmp_path):
+    # metrics.jsonl is appended to; an append that hit ENOSPC leaves the first bytes of its line. The next
+    # start (after space was freed) failed to parse it in RunReporter(): exit 1 at every start.
+    run = Volume(tmp_path).run("r")
+    run.logs.mkdir(parents=True)
+    lines = "".join(json.dumps({"step": s, "loss": 5 - s / 10}) + "\n" for s in range(1, 16))
+    (run.logs / "metrics.jsonl").write_text(lines + '{"step": 16, "loss": 4.4')
+    reporter = RunReporter(run, 30, 10, enabled=True)
+    reporter.plot_loss()
+    reporter.close()
+    kept = (run.logs / "metrics.jsonl").read_text()
+    assert kept == "".join(lines.splitlines(keepends=True)[:10]), "the steps up to the checkpoint, unchanged"
+    assert run.loss_plot.is_file()
+
+
 def test_a_resume_from_an_older_checkpoint_forgets_the_later_resumes(tmp_path):
     run = Volume(tmp_path).run("r")
     run.logs.mkdir(parents=True)

@@ -87,12 +87,22 @@ class RunReporter:
         """Drop lines logged after the resumed checkpoint: those steps are trained again."""
         if not self.metrics_path.exists():
             return
-        kept = [
-            line
-            for line in self.metrics_path.read_text().splitlines()
-            if line.strip() and json.loads(line)["step"] <= resumed_step
-        ]
+        kept = [line for line, row in self._logged_lines() if row["step"] <= resumed_step]
         atomic.write_text(self.metrics_path, "".join(line + "\n" for line in kept))
+
+    def _logged_lines(self) -> list[tuple[str, dict[str, Any]]]:
+        """Each line of metrics.jsonl with its metrics, but for one cut short: the file is appended to, and
+        an append that filled the volume (ENOSPC) leaves the first part of its line, which must not make
+        every later start of the run fail to read the file (the truncation above drops it)."""
+        logged = []
+        for line in self.metrics_path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(row, dict) and "step" in row:
+                logged.append((line, row))
+        return logged
 
     def _record_resume(self, resumed_step: int) -> None:
         """Steps this run resumed from, for loss.png; later ones were trained again and are dropped."""
@@ -189,7 +199,7 @@ class RunReporter:
     def plot_loss(self) -> None:
         if not self.enabled or not self.metrics_path.exists():
             return
-        rows = [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line.strip()]
+        rows = [row for _, row in self._logged_lines()]
         train = [(r["step"], r["loss"]) for r in rows if r.get("loss") is not None]
         evals = [(r["step"], r["eval_loss"]) for r in rows if r.get("eval_loss") is not None]
         if not train and not evals:

@@ -8,10 +8,13 @@ checks the backward on a GPU).
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from trainpod.errors import InputError
 from trainpod.train.model import CAUSAL_SDPA, causal_fast_path, resolve_attention
 
 torch.set_num_threads(1)
@@ -87,6 +90,28 @@ def test_packed_rows_on_a_gpu_without_flash_attn_use_flex_attention(monkeypatch)
     assert resolve_attention("auto", cuda, packed=False) == "sdpa"
     assert resolve_attention("auto", torch.device("cpu"), packed=True) == "sdpa"
     assert resolve_attention("eager", cuda, packed=True) == "eager"
+
+
+def test_flash_attention_asked_for_where_it_cannot_run_is_a_config_error(monkeypatch):
+    # flash-attn is optional in the image (docker/Dockerfile); asked for without it, transformers raised
+    # ImportError while the model was built: exit 1 at every start instead of exit 2.
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(  # an image without flash-attn
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "flash_attn" else real_find_spec(name, *a),
+    )
+    for device in (torch.device("cuda", 0), torch.device("cpu")):
+        with pytest.raises(InputError, match=r"train.attention=flash_attention_2 needs flash-attn on a GPU"):
+            resolve_attention("flash_attention_2", device)
+    with pytest.raises(InputError, match=r"base_model.attention=flash_attention_2 .* no flash-attn package"):
+        resolve_attention("flash_attention_2", torch.device("cuda", 0), field="base_model.attention")
+    monkeypatch.setattr(  # an image with it
+        importlib.util,
+        "find_spec",
+        lambda name, *a: object() if name == "flash_attn" else real_find_spec(name, *a),
+    )
+    assert resolve_attention("flash_attention_2", torch.device("cuda", 0)) == "flash_attention_2"
 
 
 def test_flex_attention_on_packed_rows_equals_the_masked_reference_and_each_sample_alone(monkeypatch):

@@ -23,12 +23,25 @@ def padded_vocab(tokenizer_vocab: int) -> int:
     return -(-tokenizer_vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
 
 
-def resolve_attention(requested: str, device: torch.device, packed: bool = False) -> str:
+def resolve_attention(
+    requested: str, device: torch.device, packed: bool = False, field: str = "train.attention"
+) -> str:
     """flash-attn 2 on a GPU where it is installed; else, for packed rows on a GPU, flex attention (its
-    block mask skips the blocks across sample boundaries, where SDPA would get a dense mask); else SDPA."""
+    block mask skips the blocks across sample boundaries, where SDPA would get a dense mask); else SDPA.
+    flash_attention_2 asked for (in `field`) where it cannot run is an InputError (exit 2): transformers
+    raised ImportError building the model, a crash at every start."""
+    flash_attn = device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None
+    if requested == "flash_attention_2" and not flash_attn:
+        missing = (
+            "this image has no flash-attn package" if device.type == "cuda" else f"this process has {device}"
+        )
+        raise InputError(
+            f"{field}=flash_attention_2 needs flash-attn on a GPU, and {missing}; set {field}=auto "
+            "(flash-attn where it is installed, else SDPA) or sdpa"
+        )
     if requested != "auto":
         return requested
-    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+    if flash_attn:
         return "flash_attention_2"
     if device.type == "cuda" and packed:
         return "flex_attention"

@@ -103,7 +103,7 @@ class Finetuner(Trainer):
         self.tracker_run_id: str | None = None
         self.base_dir = self._on_main_first(lambda: resolve_base_model(config.base_model, ctx.volume))
         self.attention = resolve_attention(
-            config.base_model.attention, dist.device, packed=config.data.use_packing
+            config.base_model.attention, dist.device, config.data.use_packing, "base_model.attention"
         )
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.base_dir), local_files_only=True)
         self._setup_data()
@@ -148,7 +148,7 @@ class Finetuner(Trainer):
         if data_cfg.packing is None and data_cfg.dataset is not None:  # the datagen config's sft.packing
             packing = bool(self.data.manifest.get("packing", False))
             self.attention = resolve_attention(
-                self.cfg.base_model.attention, self.dist.device, packed=packing
+                self.cfg.base_model.attention, self.dist.device, packing, "base_model.attention"
             )
         t = self.train_cfg
         self.batches = SftBatches(

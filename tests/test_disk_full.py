@@ -98,6 +98,17 @@ def test_pretrain_on_a_full_volume_exits_5_keeps_its_checkpoint_and_finishes_ide
         assert exported_weights(volume) == uninterrupted, "the run after freeing space must end identically"
 
 
+def test_two_ranks_on_a_volume_without_room_for_one_checkpoint_exit_5_before_a_step(volume):
+    # Rank 0 measures the headroom. It alone raised VolumeFull; rank 1, in its next collective, crashed on
+    # the closed connection, and the launcher reported rank 1's 1 (a failed start, retried on a full volume).
+    with small_filesystem(volume / "runs", "1m"):
+        result = run_trainpod(*PRETRAIN, "--nproc-per-node", "2", volume=volume)
+        output = result.stdout + result.stderr
+        assert result.returncode == 5, output
+        assert "Traceback" not in output, output
+        assert "for the first checkpoint: it needs about 1.7 MiB" in output, output
+
+
 def test_datagen_on_a_full_volume_exits_5_publishes_nothing_half_written_and_resumes(
     tmp_path, tiny_dataset_volume
 ):

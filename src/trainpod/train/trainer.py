@@ -253,8 +253,7 @@ class Trainer:
     # ---------------------------------------------------------------------------- training
     def train(self) -> None:
         start_step = self.resume()
-        if self.dist.is_main:  # before any step: not one GPU hour on steps that cannot be committed
-            check_headroom(self.store.root, self._next_checkpoint_bytes(), first=True)
+        self._check_first_checkpoint_fits()
         self.finished_early = self.should_stop_early()
         model = self.wrap_for_training()
         self.reporter = self.make_reporter(start_step)
@@ -277,6 +276,20 @@ class Trainer:
         finally:
             self.writer.close()  # after an error: a commit still in flight is a valid one, let it land
             self.reporter.close()
+
+    def _check_first_checkpoint_fits(self) -> None:
+        """Before any step: not one GPU hour on steps that cannot be committed (VolumeFull, exit 5). Rank 0
+        measures and every rank raises: raised on rank 0 alone, the others crashed in their next collective
+        when it left (exit 1, a failed start retried on a full volume) and the launcher reported theirs."""
+        full = None
+        if self.dist.is_main:
+            try:
+                check_headroom(self.store.root, self._next_checkpoint_bytes(), first=True)
+            except VolumeFull as exc:
+                full = str(exc)
+        full = D.broadcast_object(self.dist, full)
+        if full is not None:
+            raise VolumeFull(full)
 
     def _plot_if_time_left(self) -> None:
         """Redraw loss.png on a stop only when SIGKILL is far enough off (drawing takes ~1 s on a CPU)."""

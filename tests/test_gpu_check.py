@@ -129,6 +129,13 @@ def test_mfu_uses_the_peak_of_the_exact_h100_variant():
     assert peak_flops_of("Some Unknown GPU") is None
 
 
+def test_an_rtx_a4000_is_not_taken_for_an_a40():
+    # "NVIDIA RTX A4000" contains "A40": its MFU and `trainpod estimate`'s hours used the A40's peak, twice
+    # its own (configs/deploy/nanogpt-command.yaml asks for one first).
+    assert peak_flops_of("NVIDIA RTX A4000") == 76.7e12
+    assert peak_flops_of("NVIDIA A40") == 150e12
+
+
 def _gpu_check(*args: str) -> subprocess.CompletedProcess:
     env = os.environ | {"PYTHONPATH": str(REPO / "src")}
     cmd = [sys.executable, str(REPO / "bench/gpu_check.py"), "--dry", *args]

@@ -40,6 +40,7 @@ PEAK_BF16_FLOPS = {
     "A6000": 155e12,
     "4090": 165e12,
     "6000 Ada": 364e12,
+    "A4000": 76.7e12,  # "NVIDIA RTX A4000" (153.4 with sparsity): before "A40", which its name contains
     "A40": 150e12,
     "L4": 121e12,
 }

@@ -14,13 +14,20 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from support import RUN, TINY_DATAGEN, TINY_PRETRAIN, exported_weights, run_trainpod
+from trainpod.config import load_config
+from trainpod.config.pretrain import PretrainConfig
+from trainpod.workloads.pretrain import disk_estimate
+
+from support import RUN, TINY_DATAGEN, TINY_PRETRAIN, child_env, exported_weights, run_trainpod, status_step
 
 pytestmark = pytest.mark.slow
 PRETRAIN = ("run", "pretrain", "--config", str(TINY_PRETRAIN), "--set", "train.max_steps=30")
@@ -107,6 +114,37 @@ def test_two_ranks_on_a_volume_without_room_for_one_checkpoint_exit_5_before_a_s
         assert result.returncode == 5, output
         assert "Traceback" not in output, output
         assert "for the first checkpoint: it needs about 1.7 MiB" in output, output
+
+
+def test_a_spot_restart_is_not_refused_for_the_checkpoints_it_already_holds(tmp_path, tiny_dataset_volume):
+    # boot compares pretrain's disk_estimate (the kept checkpoints, the one in flight and the export) with
+    # the free bytes: a resumed run's own checkpoints were counted as still to come, and the first restart
+    # after they accumulated exited 5 (FAILED, pod stopped) on a volume with room to finish the run.
+    inputs = sum(p.stat().st_size for p in tiny_dataset_volume.rglob("*") if p.is_file())
+    needed = disk_estimate(load_config(PretrainConfig, TINY_PRETRAIN))
+    # Room for the estimate and 4 MiB more: three checkpoints of 1.7 MiB later, less than the estimate is free.
+    with small_filesystem(tmp_path / "volume", str(inputs + needed + 4 * 2**20)) as volume:
+        for folder in ("datasets", "tokenizers"):
+            shutil.copytree(tiny_dataset_volume / folder, volume / folder)
+        env = child_env(
+            {
+                "TRAINPOD_VOLUME": str(volume),
+                "TRAINPOD_WORKLOAD": "pretrain",
+                "TRAINPOD_CONFIG": str(TINY_PRETRAIN),
+                "TRAINPOD_SET": "train.log_every=1",
+            }
+        )
+        boot = [sys.executable, "-m", "trainpod", "boot"]
+        first = subprocess.Popen(boot, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        while first.poll() is None and status_step(volume) < 35:
+            time.sleep(0.05)
+        first.send_signal(signal.SIGTERM)
+        out = first.communicate(timeout=120)[0]
+        assert first.returncode == 143, out
+        assert shutil.disk_usage(volume).free < needed, "the run's checkpoints now hold part of the estimate"
+        again = subprocess.run(boot, env=env, capture_output=True, text=True, timeout=300)
+        assert again.returncode == 0, again.stdout + again.stderr
+        assert "resumed from step-" in again.stdout + again.stderr
 
 
 def test_datagen_on_a_full_volume_exits_5_publishes_nothing_half_written_and_resumes(

@@ -24,6 +24,7 @@ import logging
 import os
 import shutil
 import sys
+from pathlib import Path
 
 from trainpod import cost, workloads
 from trainpod.errors import ConfigError, ExitCode, InputError, TrainpodError, VolumeFull
@@ -141,7 +142,7 @@ def _preflight(workload: Workload, volume: Volume, environ: dict[str, str]):
     check_gpu_memory = getattr(workload.module(), "check_gpu_memory", None)  # optional (workloads/__init__)
     if check_gpu_memory is not None:
         check_gpu_memory(config, volume, _gpu_count(environ) * int(environ.get("NUM_NODES") or 1))
-    _check_free_space(workload.module().disk_estimate(config), volume)
+    _check_free_space(workload.module().disk_estimate(config), volume, _run_dir(volume, config, environ))
     return config
 
 
@@ -157,15 +158,25 @@ def _check_gpu(config, environ: dict[str, str]) -> None:
         )
 
 
-def _check_free_space(needed: int | None, volume: Volume) -> None:
-    """The workload's own estimate (workloads/<name>.py disk_estimate) against the volume's free bytes."""
+def _check_free_space(needed: int | None, volume: Volume, run: RunDir | None = None) -> None:
+    """The workload's own estimate (workloads/<name>.py disk_estimate) against the volume's free bytes.
+
+    The estimate is the run's whole footprint (its kept checkpoints and export): what a resumed run's
+    folder holds of it is on the volume already, not still to come. Counted as free space still needed,
+    the first spot restart after the checkpoints accumulated exited 5 on a volume with room to finish."""
     free = shutil.disk_usage(volume.root).free
+    if needed is not None and run is not None:
+        needed -= sum(_bytes_under(folder) for folder in (run.checkpoints, run.export))
     if needed is not None and free < needed:
         raise VolumeFull(
             f"the volume at {volume.root} has {free / 2**30:.1f} GiB free; this run needs about "
             f"{needed / 2**30:.1f} GiB (its checkpoints and export); grow the network volume or lower "
             "checkpoint.keep_last/keep_best"
         )
+
+
+def _bytes_under(folder: Path) -> int:
+    return sum(path.stat().st_size for path in folder.rglob("*") if path.is_file()) if folder.is_dir() else 0
 
 
 def _launch(workload: Workload, environ: dict[str, str]) -> int:

@@ -59,6 +59,16 @@ class BudgetExhausted(TrainpodError):
     exit_code = ExitCode.BUDGET_EXHAUSTED
 
 
+class Diverged(TrainpodError):
+    """The loss or gradient norm became NaN or inf; nothing from that step on was committed.
+
+    A restart replays the same steps from the newest checkpoint into the same NaN, so it is final like
+    bad input: the fix is in the config (the learning rate, warmup, clipping) or the data.
+    """
+
+    exit_code = ExitCode.BAD_INPUT
+
+
 class MachineUnfit(TrainpodError):
     """This machine cannot run the workload (no usable GPU, a driver older than the image's CUDA).
 

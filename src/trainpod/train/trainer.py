@@ -37,7 +37,7 @@ from trainpod.config import config_hash
 from trainpod.config.checkpoint import CheckpointConfig
 from trainpod.context import RunContext
 from trainpod.diskspace import check_headroom, is_disk_full, volume_full, volume_full_as_exit_5
-from trainpod.errors import BudgetExhausted, InputError, Preempted, TemporaryError, VolumeFull
+from trainpod.errors import BudgetExhausted, Diverged, InputError, Preempted, TemporaryError, VolumeFull
 from trainpod.train import distributed as D
 from trainpod.train.reporting import RunReporter, peak_flops
 from trainpod.train.sharding import SHARDED_DIR, ShardWriter, set_gradient_sync
@@ -130,6 +130,9 @@ class Trainer:
         self.eval_metrics: dict[str, float] = {}  # more metrics of the latest eval (set by evaluate)
         self.reporter: RunReporter | None = None  # made in train(): rank 0 writes, the others do not
         self.autocast_dtype: torch.dtype | None = None  # the workload's mixed precision (bf16), if any
+        # The first step whose loss or gradient norm was NaN or inf (0: none), kept on the device so that
+        # noting it costs no host sync; read where the loop syncs anyway (a log line, a commit).
+        self._first_nonfinite_step = torch.zeros((), dtype=torch.int64, device=dist.device)
 
     # ----------------------------------------------------------------------- workload hooks
     def train_step(self, model: torch.nn.Module, step: int) -> StepResult:
@@ -308,6 +311,7 @@ class Trainer:
         for step in range(start_step + 1, self.max_steps + 1):
             step_started = time.perf_counter()
             result = self.train_step(model, step)
+            self._note_nonfinite(step, result)
             loss_sum += result.loss
             tokens = result.tokens * self.dist.world_size
             self.progress.step, self.progress.tokens_seen = step, self.progress.tokens_seen + tokens
@@ -327,6 +331,7 @@ class Trainer:
                     step, loss_sum / window_steps, result.grad_norm, window_tokens, seconds, window_steps
                 )
                 self.reporter.log_step(metrics)
+                self._refuse_diverged()
                 self._write_status("running", metrics)
                 if "eval_loss" in metrics:
                     self.reporter.plot_loss()  # every eval: the curve a person looks at stays current
@@ -335,6 +340,26 @@ class Trainer:
             self._after_step(step)
             if self.finished_early:
                 return
+
+    def _note_nonfinite(self, step: int, result: StepResult) -> None:
+        finite = torch.isfinite(result.loss) & torch.isfinite(result.grad_norm)
+        first = self._first_nonfinite_step
+        first.copy_(torch.where(finite | (first > 0), first, step))
+
+    def _refuse_diverged(self) -> None:
+        """Diverged on every rank once any rank's loss or gradient norm was NaN or inf. Through clipping a
+        NaN gradient makes every weight NaN for good; committed, such states replaced the good checkpoints
+        (keep_last), and the run ended DONE with a NaN model exported."""
+        first = int(D.all_reduce_max(self.dist, [float(self._first_nonfinite_step.item())])[0])
+        if not first:
+            return
+        newest = "no checkpoint was committed before it" if self.last_committed_step is None else (
+            f"step-{self.last_committed_step} stays the newest checkpoint")  # fmt: skip
+        raise Diverged(
+            f"training diverged: the loss or gradient norm was NaN or inf at step {first}; nothing from that "
+            f"step on is committed ({newest}). Lower train.lr, lengthen the warmup or set train.grad_clip, "
+            "and check the data; then start again: the run resumes from its newest checkpoint"
+        )
 
     def _eval_due(self, step: int) -> bool:
         return bool(self.eval_every) and step % self.eval_every == 0 and self.has_eval_data
@@ -546,6 +571,7 @@ class Trainer:
     def commit(self, step: int, background: bool = False) -> CommittedCheckpoint | None:
         """Commit the state after `step`: every rank sends its RNG state, rank 0 snapshots everything and
         writes it, in the foreground or (`background`) on the writer's thread while training goes on."""
+        self._refuse_diverged()
         snapshot_time = time.monotonic()
         rng_states = D.gather_to_main(self.dist, capture_rng())
         shards = self._save_shards(step, background)

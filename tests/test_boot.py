@@ -156,6 +156,18 @@ def test_bad_input_at_boot_exits_2_and_writes_nothing(tmp_path, config):
     assert list(tmp_path.iterdir()) == [], "preflight failures must leave the volume as it was"
 
 
+def test_trainpod_set_with_an_unbalanced_quote_exits_2_at_boot_not_a_crash(tmp_path):
+    # Exit 1 before the run is known is never counted: RunPod would restart the pod without end.
+    result = boot_process(
+        tmp_path, TRAINPOD_WORKLOAD="pretrain", TRAINPOD_CONFIG="configs/pretrain/tiny.yaml",
+        TRAINPOD_SET="train.lr='1e-4",
+    )  # fmt: skip
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+    assert "TRAINPOD_SET=" in result.stdout and "no closing quotation" in result.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_unknown_on_finish_action_exits_2(tmp_path):
     result = boot_process(
         tmp_path,

@@ -38,6 +38,13 @@ def test_trainpod_set_splits_on_spaces_and_newlines_with_quoting():
     assert parse_overrides("  ") == []
 
 
+def test_trainpod_set_with_an_unbalanced_quote_is_a_config_error_naming_it():
+    with pytest.raises(ConfigError) as caught:
+        parse_overrides("train.lr='1e-4 train.max_steps=5")
+    assert caught.value.exit_code == ExitCode.BAD_INPUT
+    assert "TRAINPOD_SET=" in str(caught.value) and "no closing quotation" in str(caught.value)
+
+
 def test_every_problem_is_reported_at_once_with_field_value_and_fix(tmp_path):
     path = write(
         tmp_path, "name: x\ndata: {dataset: d}\ntrain: {max_steps: ten, lrr: 0.1}\nmodel: {num_heads: -1}\n"

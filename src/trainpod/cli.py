@@ -52,7 +52,16 @@ def run(
         from trainpod.launch import launch_local
 
         return launch_local(nproc_per_node, _strip_nproc(sys.argv[1:]))
-    request = RunRequest.from_env(workload)
+    from trainpod.errors import TrainpodError
+
+    try:
+        request = RunRequest.from_env(workload)
+    except TrainpodError as exc:  # a malformed TRAINPOD_SET: its one message and exit 2, no traceback
+        from trainpod.log import setup_logging
+
+        setup_logging(None)
+        logging.getLogger("trainpod").error("%s", exc)
+        return int(exc.exit_code)
     request.config_path = config or request.config_path
     request.overrides += list(set or [])
     request.run_name = run_name or request.run_name

@@ -29,7 +29,15 @@ def parse_overrides(text: str | None) -> list[str]:
     """Split TRAINPOD_SET ("a.b=1 c=x" or one per line; shell quoting allowed) into assignments."""
     if not text or not text.strip():
         return []
-    return shlex.split(text, comments=False, posix=True)
+    try:
+        return shlex.split(text, comments=False, posix=True)
+    except ValueError as exc:  # an unbalanced quote, a trailing backslash
+        raise ConfigError(
+            [
+                f"TRAINPOD_SET={text!r}: {str(exc).lower()}; close every quote, or write it "
+                'without quotes: TRAINPOD_SET="train.max_steps=1000 train.lr=3e-4"'
+            ]
+        ) from None
 
 
 def _apply_override(tree: dict[str, Any], assignment: str, problems: list[str]) -> None:

@@ -168,6 +168,35 @@ def test_trainpod_set_with_an_unbalanced_quote_exits_2_at_boot_not_a_crash(tmp_p
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("run", ["..", "../datasets/tiny-stories", "/tmp/elsewhere", "a/b"])
+def test_a_run_name_that_leaves_runs_exits_2_and_marks_nothing(tmp_path, capsys, run):
+    (tmp_path / "runs").mkdir()
+    environ = {
+        "TRAINPOD_VOLUME": str(tmp_path),
+        "TRAINPOD_WORKLOAD": "pretrain",
+        "TRAINPOD_CONFIG": str(Path(__file__).parents[1] / "configs/pretrain/tiny.yaml"),
+        "TRAINPOD_RUN": run,
+    }
+    assert boot_module.boot(environ) == 2
+    out = capsys.readouterr().out
+    assert f"TRAINPOD_RUN={run!r} (or --run) is not a run name" in out, out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"], (
+        "no FAILED, config.yaml or LEASE outside runs/"
+    )
+    assert list((tmp_path / "runs").iterdir()) == []
+
+
+def test_trainpod_run_with_a_run_name_that_leaves_runs_exits_2(tmp_path, capsys):
+    from trainpod.volume import Volume
+    from trainpod.workloads.lifecycle import RunRequest, execute
+
+    config = str(Path(__file__).parents[1] / "configs/pretrain/tiny.yaml")
+    request = RunRequest("pretrain", config, run_name="..", volume=Volume(tmp_path))
+    assert execute(request) == 2
+    assert "TRAINPOD_RUN='..' (or --run) is not a run name" in capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_unknown_on_finish_action_exits_2(tmp_path):
     result = boot_process(
         tmp_path,

@@ -32,7 +32,7 @@ from trainpod.log import attach_log_file, setup_logging
 from trainpod.runpod.finish import after_workload, begin_start
 from trainpod.runpod.finish import check_environment as check_finish_environment
 from trainpod.sshd import start_sshd
-from trainpod.volume import RunDir, Volume
+from trainpod.volume import RunDir, Volume, check_run_name, is_run_name
 from trainpod.workloads import Workload
 
 log = logging.getLogger("trainpod.boot")
@@ -102,7 +102,8 @@ def _log_to_run(run: RunDir | None) -> None:
 def _run_dir(volume: Volume, config, environ: dict[str, str]) -> RunDir | None:
     """Where this start is counted: runs/<TRAINPOD_RUN or the config's name>/, when either is known."""
     name = environ.get("TRAINPOD_RUN") or getattr(config, "run", None) or getattr(config, "name", None)
-    return volume.run(name) if name else None
+    # A malformed TRAINPOD_RUN (exit 2 in _preflight) marks nothing: runs/<it>/ is not a run folder.
+    return volume.run(name) if name and is_run_name(name) else None
 
 
 def _workload(environ: dict[str, str]) -> Workload:
@@ -135,6 +136,8 @@ def _preflight(workload: Workload, volume: Volume, environ: dict[str, str]):
 
     check_finish_environment(environ)
     cost.check_environment()
+    if environ.get("TRAINPOD_RUN"):
+        check_run_name(environ["TRAINPOD_RUN"])
     config_path = resolve_config_path(environ.get("TRAINPOD_CONFIG"), volume)
     config = load_workload_config(workload, config_path, parse_overrides(environ.get("TRAINPOD_SET")))
     if workload.kind.rank_per_gpu:

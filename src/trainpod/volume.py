@@ -8,12 +8,32 @@ $TRAINPOD_VOLUME/
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainpod.errors import InputError
+from trainpod.errors import ConfigError, InputError
 
 DEFAULT_VOLUME = "/workspace"
+RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"  # the configs' `name` (config/*.py NAME_PATTERN)
+
+
+def is_run_name(name: str) -> bool:
+    """A name that is one folder under runs/: no '/', not '.' or '..', nothing that leaves the volume."""
+    return re.fullmatch(RUN_NAME_PATTERN, name) is not None
+
+
+def check_run_name(name: str) -> str:
+    """TRAINPOD_RUN (or --run) as given, or a ConfigError (exit 2) before runs/<name>/ points elsewhere."""
+    if not is_run_name(name):
+        raise ConfigError(
+            [
+                f"TRAINPOD_RUN={name!r} (or --run) is not a run name: runs/<run>/ must be one folder on the "
+                "volume; use letters, digits, '.', '_' and '-', starting with a letter or digit, e.g. "
+                "TRAINPOD_RUN=my-run-1"
+            ]
+        )
+    return name
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from trainpod.diskspace import volume_full_as_exit_5
 from trainpod.errors import ConfigError, ExitCode, TrainpodError, stop_reason
 from trainpod.log import attach_log_file, setup_logging
 from trainpod.preemption import PreemptionWatch
-from trainpod.volume import Volume
+from trainpod.volume import Volume, check_run_name
 from trainpod.workloads import Kind, Workload
 
 log = logging.getLogger("trainpod")
@@ -86,7 +86,9 @@ def load_workload_config(workload: Workload, config_path: Path, overrides: list[
 
 def run_name(request: RunRequest, config: Any) -> str:
     """TRAINPOD_RUN (or --run), else the config's name (a deploy config's `run`)."""
-    return request.run_name or getattr(config, "name", None) or config.run
+    if request.run_name:
+        return check_run_name(request.run_name)
+    return getattr(config, "name", None) or config.run
 
 
 def execute(request: RunRequest) -> int:

@@ -31,3 +31,25 @@ def test_log_handlers_mask_secrets(monkeypatch, tmp_path, capsys):
     assert "fake-runpod-secret-for-tests" not in capsys.readouterr().out
     assert "fake-runpod-secret-for-tests" not in (tmp_path / "run.log").read_text()
     assert "***" in (tmp_path / "run.log").read_text()
+
+
+def test_a_crash_message_holding_a_secret_is_masked_in_status_json(monkeypatch, tmp_path, capsys):
+    """status.json lives on the volume: the reason it keeps is masked like a log line."""
+    from trainpod.volume import Volume
+    from trainpod.workloads import command
+    from trainpod.workloads.lifecycle import RunRequest, execute
+
+    monkeypatch.setenv("HF_TOKEN", "hf_status_secret_123456")
+
+    def crash(ctx, config):
+        raise OSError("401 for https://user:ghp_urlsecret987@huggingface.co/x with hf_status_secret_123456")
+
+    monkeypatch.setattr(command, "run", crash)
+    config = tmp_path / "command.yaml"
+    config.write_text("name: leaky\ncommand: [python, -c, pass]\n")
+    assert execute(RunRequest("command", str(config), volume=Volume(tmp_path))) == 1
+    status = (tmp_path / "runs/leaky/status.json").read_text()
+    assert "crash: OSError: 401 for https://***@huggingface.co/x" in status, status
+    out = capsys.readouterr().out
+    for secret in ("hf_status_secret_123456", "ghp_urlsecret987"):
+        assert secret not in status and secret not in out

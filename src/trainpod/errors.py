@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import enum
 
+from trainpod.log import redact
+
 
 class ExitCode(enum.IntEnum):
     """Process exit codes; the supervisor decides whether to restart a pod from these alone."""
@@ -103,8 +105,11 @@ _REASON_CHARS = 400  # status.json keeps a summary; the whole message and traceb
 
 
 def stop_reason(exc: BaseException) -> str:
-    """One line for status.json: what kind of stop, its exit code, and the first line of the message."""
-    first_line = (str(exc).strip().splitlines() or [""])[0]
+    """One line for status.json: what kind of stop, its exit code, and the first line of the message.
+
+    status.json is on the volume: secrets are masked as in a log line (a library's message may hold a
+    URL with a token in it)."""
+    first_line = redact((str(exc).strip().splitlines() or [""])[0])
     if isinstance(exc, TrainpodError):
         label = STOP_REASONS.get(exc.exit_code, "stopped")
         reason = f"{label} (exit {int(exc.exit_code)}): {first_line}"

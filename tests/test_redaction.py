@@ -53,3 +53,14 @@ def test_a_crash_message_holding_a_secret_is_masked_in_status_json(monkeypatch, 
     out = capsys.readouterr().out
     for secret in ("hf_status_secret_123456", "ghp_urlsecret987"):
         assert secret not in status and secret not in out
+
+
+def test_any_variable_named_like_a_secret_is_masked(monkeypatch):
+    """A deploy config's `secrets:` may name any variable; the pod masks what is named like one."""
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-proj-abcdef123456")
+    monkeypatch.setenv("MY_SERVICE_TOKEN", "svc-token-7890abc")
+    monkeypatch.setenv("DB_PASSWORD", "hunter2hunter2")
+    monkeypatch.setenv("S3_SECRET", "s3-secret-value-42")
+    monkeypatch.setenv("PUBLIC_KEY", "ssh-ed25519 AAAAC3Nzapublic you@laptop")
+    text = redact("sk-proj-abcdef123456 svc-token-7890abc hunter2hunter2 s3-secret-value-42 AAAAC3Nzapublic")
+    assert text == "*** *** *** *** AAAAC3Nzapublic"

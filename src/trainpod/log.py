@@ -25,6 +25,10 @@ SECRET_ENV_VARS = (
     "AWS_ACCESS_KEY_ID",  # RunPod's S3 API key: the user_... id and its rps_... secret
     "AWS_SECRET_ACCESS_KEY",
 )
+# Any other variable named like a secret (a deploy config's `secrets:` may name any, OPENAI_API_KEY say):
+# ..._TOKEN, ..._KEY, ..._SECRET, ..._PASSWORD, RunPod's RUNPOD_SECRET_...; not an ssh PUBLIC_KEY.
+_SECRET_NAME = re.compile(r"(_TOKEN|_KEY|_SECRET|_PASSWORD)$|^RUNPOD_SECRET_")
+_NOT_SECRET_NAME = re.compile(r"PUBLIC_KEY$")
 # Credentials embedded in URLs (https://user:token@host/...), whatever variable they came from.
 _URL_CREDENTIALS = re.compile(r"(https?://)[^/\s:@]+(:[^/\s@]+)?@")
 _MIN_SECRET_LENGTH = 6  # shorter values would mask ordinary words
@@ -41,7 +45,9 @@ def register_secret(value: str | None) -> None:
 
 def secret_values(environ: dict[str, str] | None = None) -> list[str]:
     environ = os.environ if environ is None else environ
-    values = {environ[name] for name in SECRET_ENV_VARS if len(environ.get(name, "")) >= _MIN_SECRET_LENGTH}
+    names = {name for name in environ if _SECRET_NAME.search(name) and not _NOT_SECRET_NAME.search(name)}
+    names.update(SECRET_ENV_VARS)
+    values = {environ[name] for name in names if len(environ.get(name, "")) >= _MIN_SECRET_LENGTH}
     return sorted(values | _REGISTERED, key=len, reverse=True)
 
 

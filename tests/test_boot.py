@@ -111,6 +111,26 @@ def test_failing_sync_is_retried_then_exits_75(tmp_path):
     assert not (tmp_path / "datasets/tiny-stories").exists()
 
 
+@pytest.mark.parametrize(
+    "ref", ["no-such-branch", "0123456789abcdef0123456789abcdef01234567", "--upload-pack=x"]
+)
+def test_a_ref_the_repo_does_not_have_exits_2_at_once_naming_it(tmp_path, config_repo, ref):
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    result = boot_process(
+        volume,
+        TRAINPOD_WORKLOAD="datagen",
+        TRAINPOD_CONFIG="configs/data.yaml",
+        TRAINPOD_GIT_REPO=f"file://{config_repo}",
+        TRAINPOD_GIT_REF=ref,
+    )
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert f"TRAINPOD_GIT_REF={ref}" in result.stdout or f"TRAINPOD_GIT_REF={ref!r}" in result.stdout
+    assert "git sync attempt 2/3" not in result.stdout, "a missing ref is not retried"
+    assert "Traceback" not in result.stdout + result.stderr
+    assert not (volume / "repos/configs").exists()
+
+
 def test_repo_name_comes_from_the_url():
     assert repo_name("https://github.com/org/my-configs.git") == "my-configs"
     assert repo_name("git@github.com:org/cfg") == "cfg"

@@ -3,7 +3,8 @@
     TRAINPOD_WORKLOAD=pretrain TRAINPOD_CONFIG=configs/pretrain/tiny.yaml trainpod boot
 
 1. read the env contract (README, "The pod's environment");
-2. sync TRAINPOD_GIT_REPO at TRAINPOD_GIT_REF under repos/ (exit 75 when it keeps failing);
+2. sync TRAINPOD_GIT_REPO at TRAINPOD_GIT_REF under repos/ (exit 75 when it keeps failing, 2 for a ref
+   the repo does not have);
 3. preflight, each failure one line and exit 2 with nothing written: volume writable, config
    valid, a GPU when the config needs one, pretraining's estimated peak GPU memory within the GPU's
    (logged always); free space for the checkpoints (exit 5); a GPU pod whose host cannot run the

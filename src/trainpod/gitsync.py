@@ -3,7 +3,8 @@
 The token (TRAINPOD_GIT_TOKEN, GIT_TOKEN or GITHUB_TOKEN) reaches git only through GIT_ASKPASS, a
 script that reads it from the environment: it is never part of a URL, an argument, .git/config on
 the volume, or a log line. A first clone goes to a temp folder renamed into place, so a kill
-mid-clone leaves no half checkout under the name. Failures are retried, then exit 75.
+mid-clone leaves no half checkout under the name. Failures are retried, then exit 75; a ref the remote
+does not have is exit 2 at once.
 """
 
 from __future__ import annotations
@@ -18,13 +19,16 @@ import time
 import uuid
 from pathlib import Path
 
-from trainpod.errors import TemporaryError
+from trainpod.errors import ConfigError, TemporaryError
 from trainpod.log import redact
 
 log = logging.getLogger(__name__)
 
 TOKEN_VARS = ("TRAINPOD_GIT_TOKEN", "GIT_TOKEN", "GITHUB_TOKEN")
 ATTEMPTS = 3
+# git's words for a ref the remote does not have (a branch never pushed, a typo, an unknown commit): a
+# retry cannot help, and neither can a restart of the pod.
+_NO_SUCH_REF = ("couldn't find remote ref", "not our ref")
 _ASKPASS = """#!/bin/sh
 case "$1" in
   Username*) echo "${TRAINPOD_GIT_USER:-x-access-token}" ;;
@@ -41,6 +45,10 @@ def repo_name(url: str) -> str:
 def sync(url: str, ref: str | None, repos_root: Path, sleep=time.sleep) -> Path:
     """Make repos/<name> hold `ref` (a branch, tag or commit; default: the remote's HEAD)."""
     target = repos_root / repo_name(url)
+    if ref and ref.startswith("-"):  # git would read it as an option
+        raise ConfigError(
+            [f"TRAINPOD_GIT_REF={ref!r} is not a branch, tag or commit; set it like TRAINPOD_GIT_REF=main"]
+        )
     repos_root.mkdir(parents=True, exist_ok=True)
     last_error = ""
     for attempt in range(1, ATTEMPTS + 1):
@@ -51,6 +59,14 @@ def sync(url: str, ref: str | None, repos_root: Path, sleep=time.sleep) -> Path:
             return target
         except subprocess.CalledProcessError as exc:
             last_error = redact(_git_reason(exc))
+            if any(words in last_error for words in _NO_SUCH_REF):
+                raise ConfigError(
+                    [
+                        f"TRAINPOD_GIT_REF={ref or 'HEAD'} is not in TRAINPOD_GIT_REPO={redact(url)} "
+                        f"({last_error}); set TRAINPOD_GIT_REF to a branch, tag or commit that repo has "
+                        "(pushed)"
+                    ]
+                ) from None
             log.warning("git sync attempt %d/%d failed: %s", attempt, ATTEMPTS, last_error)
             if attempt < ATTEMPTS:
                 sleep(2**attempt)

@@ -97,6 +97,24 @@ def test_sync_again_moves_an_existing_checkout_to_the_new_ref(tmp_path, config_r
     assert not list(repos.glob("*.tmp-*"))
 
 
+def test_the_config_comes_from_the_repo_just_synced_not_another_runs_checkout(tmp_path, config_repo):
+    """repos/ is shared by every run on the volume: another run's checkout, first in name order, holding
+    a file at the same path must not be read instead of the one TRAINPOD_GIT_REPO names."""
+    volume = tmp_path / "volume"
+    other = volume / "repos/aaa-other-run/configs"
+    other.mkdir(parents=True)
+    (other / "data.yaml").write_text(TINY_DATAGEN.read_text().replace("name: tiny-stories", "name: not-mine"))
+    result = boot_process(
+        volume,
+        TRAINPOD_WORKLOAD="datagen",
+        TRAINPOD_CONFIG="configs/data.yaml",
+        TRAINPOD_GIT_REPO=f"file://{config_repo}",
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert (volume / "datasets/from-git/manifest.json").is_file()
+    assert not (volume / "datasets/not-mine").exists()
+
+
 def test_failing_sync_is_retried_then_exits_75(tmp_path):
     result = boot_process(
         tmp_path,

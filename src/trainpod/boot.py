@@ -54,11 +54,14 @@ def boot(environ: dict[str, str] | None = None) -> int:
     try:
         workload = _workload(environ)
         volume.check_writable()
+        synced = None
         if environ.get("TRAINPOD_GIT_REPO"):  # first: the config may live in the synced repo
             from trainpod.gitsync import sync
 
-            sync(environ["TRAINPOD_GIT_REPO"], environ.get("TRAINPOD_GIT_REF"), volume.root / "repos")
-        config = _preflight(workload, volume, environ)
+            synced = sync(
+                environ["TRAINPOD_GIT_REPO"], environ.get("TRAINPOD_GIT_REF"), volume.root / "repos"
+            )
+        config = _preflight(workload, volume, environ, synced)
         _prepare_volume(volume, environ)  # only after preflight: bad input leaves the volume untouched
         ended = None
         if workload.kind.owns_run_folder:  # training and your own code: a run folder that is theirs to mark
@@ -131,7 +134,7 @@ def _prepare_volume(volume: Volume, environ: dict[str, str]) -> None:
         environ.setdefault(name, str(path))
 
 
-def _preflight(workload: Workload, volume: Volume, environ: dict[str, str]):
+def _preflight(workload: Workload, volume: Volume, environ: dict[str, str], synced=None):
     from trainpod.config import parse_overrides
     from trainpod.workloads.lifecycle import load_workload_config, resolve_config_path
 
@@ -139,8 +142,10 @@ def _preflight(workload: Workload, volume: Volume, environ: dict[str, str]):
     cost.check_environment()
     if environ.get("TRAINPOD_RUN"):
         check_run_name(environ["TRAINPOD_RUN"])
-    config_path = resolve_config_path(environ.get("TRAINPOD_CONFIG"), volume)
+    config_path = resolve_config_path(environ.get("TRAINPOD_CONFIG"), volume, synced)
     config = load_workload_config(workload, config_path, parse_overrides(environ.get("TRAINPOD_SET")))
+    # The workload (and each rank launched for it) reads the file checked here, not its own search.
+    environ["TRAINPOD_CONFIG"] = str(config_path.absolute())
     if workload.kind.rank_per_gpu:
         _check_gpu(config, environ)
     check_gpu_memory = getattr(workload.module(), "check_gpu_memory", None)  # optional (workloads/__init__)

@@ -59,8 +59,9 @@ class RunRequest:
         )
 
 
-def resolve_config_path(raw: str | None, volume: Volume) -> Path:
-    """An absolute path, a path relative to here, on the volume, or in a synced checkout under repos/."""
+def resolve_config_path(raw: str | None, volume: Volume, synced: Path | None = None) -> Path:
+    """An absolute path, a path relative to here, on the volume, or in a synced checkout under repos/:
+    `synced` (TRAINPOD_GIT_REPO's, which boot just synced) before the other runs' checkouts there."""
     if not raw:
         raise ConfigError(
             [
@@ -73,8 +74,10 @@ def resolve_config_path(raw: str | None, volume: Volume) -> Path:
         return path
     candidates = [Path.cwd() / path, volume.root / path]
     repos = volume.root / "repos"
+    if synced is not None:
+        candidates.append(synced / path)
     if repos.is_dir():
-        candidates += [repo / path for repo in sorted(repos.iterdir())]
+        candidates += [repo / path for repo in sorted(repos.iterdir()) if repo != synced]
     return next((c for c in candidates if c.is_file()), candidates[0])
 
 

@@ -115,6 +115,23 @@ def test_the_config_comes_from_the_repo_just_synced_not_another_runs_checkout(tm
     assert not (volume / "datasets/not-mine").exists()
 
 
+def test_a_folder_in_the_way_of_the_checkout_exits_2_and_stays_as_it_was(tmp_path, config_repo):
+    volume = tmp_path / "volume"
+    (volume / "repos/configs").mkdir(parents=True)
+    (volume / "repos/configs/notes.txt").write_text("mine")
+    result = boot_process(
+        volume,
+        TRAINPOD_WORKLOAD="datagen",
+        TRAINPOD_CONFIG="configs/data.yaml",
+        TRAINPOD_GIT_REPO=f"file://{config_repo}",
+    )
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+    assert "repos/configs is on the volume but is not a git checkout" in result.stdout
+    assert [p.name for p in (volume / "repos").iterdir()] == ["configs"]
+    assert [p.name for p in (volume / "repos/configs").iterdir()] == ["notes.txt"]
+
+
 def test_failing_sync_is_retried_then_exits_75(tmp_path):
     result = boot_process(
         tmp_path,

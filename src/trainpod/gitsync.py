@@ -19,7 +19,7 @@ import time
 import uuid
 from pathlib import Path
 
-from trainpod.errors import ConfigError, TemporaryError
+from trainpod.errors import ConfigError, InputError, TemporaryError
 from trainpod.log import redact
 
 log = logging.getLogger(__name__)
@@ -80,6 +80,12 @@ def _sync_once(url: str, ref: str, target: Path) -> None:
     if (target / ".git").is_dir():
         _fetch_checkout(url, ref, target)
         return
+    # Something else under the name is never replaced, nor merged into.
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise InputError(
+            f"{target} is on the volume but is not a git checkout (no .git in it), so TRAINPOD_GIT_REPO cannot "
+            "be synced there; move it away (or delete it) and start again"
+        )
     tmp = target.with_name(f"{target.name}.tmp-{uuid.uuid4().hex[:8]}")
     try:
         tmp.mkdir(parents=True)

@@ -166,6 +166,20 @@ def test_a_ref_the_repo_does_not_have_exits_2_at_once_naming_it(tmp_path, config
     assert not (volume / "repos/configs").exists()
 
 
+def test_a_git_that_hangs_is_a_failed_attempt_then_exit_75_not_a_crash(tmp_path, monkeypatch):
+    """A host that accepts the connection and never answers: git runs into its timeout."""
+    from trainpod import gitsync
+    from trainpod.errors import TemporaryError
+
+    def hang(cmd, **kwargs):
+        raise subprocess.TimeoutExpired(cmd, kwargs["timeout"])
+
+    monkeypatch.setattr(gitsync.subprocess, "run", hang)
+    with pytest.raises(TemporaryError, match=r"after 3 attempts \(git init did not finish in 600 s\)"):
+        sync("https://example.com/org/cfg.git", "main", tmp_path / "repos", sleep=lambda _: None)
+    assert list((tmp_path / "repos").iterdir()) == []
+
+
 def test_repo_name_comes_from_the_url():
     assert repo_name("https://github.com/org/my-configs.git") == "my-configs"
     assert repo_name("git@github.com:org/cfg") == "cfg"

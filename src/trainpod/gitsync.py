@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 
 TOKEN_VARS = ("TRAINPOD_GIT_TOKEN", "GIT_TOKEN", "GITHUB_TOKEN")
 ATTEMPTS = 3
+GIT_TIMEOUT_S = 600.0  # one git command; a fetch from a host that never answers is a failed attempt
 # git's words for a ref the remote does not have (a branch never pushed, a typo, an unknown commit): a
 # retry cannot help, and neither can a restart of the pod.
 _NO_SUCH_REF = ("couldn't find remote ref", "not our ref")
@@ -67,9 +68,11 @@ def sync(url: str, ref: str | None, repos_root: Path, sleep=time.sleep) -> Path:
                         "(pushed)"
                     ]
                 ) from None
-            log.warning("git sync attempt %d/%d failed: %s", attempt, ATTEMPTS, last_error)
-            if attempt < ATTEMPTS:
-                sleep(2**attempt)
+        except subprocess.TimeoutExpired as exc:
+            last_error = f"git {exc.cmd[3]} did not finish in {GIT_TIMEOUT_S:g} s"
+        log.warning("git sync attempt %d/%d failed: %s", attempt, ATTEMPTS, last_error)
+        if attempt < ATTEMPTS:
+            sleep(2**attempt)
     raise TemporaryError(
         f"could not sync TRAINPOD_GIT_REPO={redact(url)} at TRAINPOD_GIT_REF={ref or 'HEAD'} after "
         f"{ATTEMPTS} attempts ({last_error}); check the URL, the ref and the token"
@@ -114,7 +117,7 @@ def _git(args: list[str], cwd: Path) -> str:
             env=env,
             capture_output=True,
             text=True,
-            timeout=600,
+            timeout=GIT_TIMEOUT_S,
         )
         result.check_returncode()
         return result.stdout

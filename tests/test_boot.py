@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from trainpod import boot as boot_module
+from trainpod.errors import TemporaryError
 from trainpod.gitsync import repo_name, sync
 
 from support import TINY_DATAGEN, child_env
@@ -130,6 +131,27 @@ def test_a_folder_in_the_way_of_the_checkout_exits_2_and_stays_as_it_was(tmp_pat
     assert "repos/configs is on the volume but is not a git checkout" in result.stdout
     assert [p.name for p in (volume / "repos").iterdir()] == ["configs"]
     assert [p.name for p in (volume / "repos/configs").iterdir()] == ["notes.txt"]
+
+
+def test_locks_left_by_a_killed_git_do_not_block_every_later_sync(tmp_path, config_repo):
+    """A pod SIGKILLed during `git fetch` (or git killed at its timeout) leaves shallow.lock/index.lock."""
+    import os
+    import time
+
+    repos = tmp_path / "repos"
+    checkout = sync(f"file://{config_repo}", "main", repos)
+    stale = time.time() - 3600
+    for name in ("shallow.lock", "index.lock"):
+        (checkout / ".git" / name).write_text("")
+        os.utime(checkout / ".git" / name, (stale, stale))
+    sync(f"file://{config_repo}", "v2", repos, sleep=lambda _: None)
+    assert "name: tagged" in (checkout / "configs/data.yaml").read_text()
+    assert not list((checkout / ".git").glob("*.lock"))
+    # A young lock may be another pod's sync of the same checkout, running now: left alone.
+    (checkout / ".git/shallow.lock").write_text("")
+    with pytest.raises(TemporaryError, match="shallow.lock"):
+        sync(f"file://{config_repo}", "main", repos, sleep=lambda _: None)
+    assert (checkout / ".git/shallow.lock").exists()
 
 
 def test_failing_sync_is_retried_then_exits_75(tmp_path):

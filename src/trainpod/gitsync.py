@@ -9,6 +9,7 @@ does not have is exit 2 at once.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -81,6 +82,7 @@ def sync(url: str, ref: str | None, repos_root: Path, sleep=time.sleep) -> Path:
 
 def _sync_once(url: str, ref: str, target: Path) -> None:
     if (target / ".git").is_dir():
+        _remove_stale_locks(target / ".git")
         _fetch_checkout(url, ref, target)
         return
     # Something else under the name is never replaced, nor merged into.
@@ -97,6 +99,17 @@ def _sync_once(url: str, ref: str, target: Path) -> None:
         os.rename(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _remove_stale_locks(git_dir: Path) -> None:
+    """A git killed mid-sync (SIGKILL, the OOM killer, our own timeout's kill) leaves shallow.lock or
+    index.lock, and every later fetch there fails on it. No git of a sync runs longer than GIT_TIMEOUT_S,
+    so an older lock is nobody's (a younger one may be another pod's sync of the same repo: kept)."""
+    for lock in git_dir.glob("*.lock"):
+        with contextlib.suppress(FileNotFoundError):
+            if time.time() - lock.stat().st_mtime > GIT_TIMEOUT_S:
+                log.warning("removing %s: older than any sync, left by a git that was killed", lock)
+                lock.unlink()
 
 
 def _fetch_checkout(url: str, ref: str, checkout: Path) -> None:

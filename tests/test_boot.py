@@ -222,6 +222,22 @@ def test_pod_with_gpus_on_a_host_without_a_usable_gpu_exits_4_with_one_line(tmp_
     assert "Traceback" not in result.stdout + result.stderr
 
 
+def test_your_own_trainer_on_a_gpu_pod_without_a_usable_gpu_exits_4(tmp_path):
+    """Your own trainer on a broken GPU host: replace the pod (exit 4), not three failed starts of it."""
+    config = tmp_path / "command.yaml"
+    config.write_text("name: gpu-prog\ncommand: [python, -c, \"print('my GPU program ran')\"]\n")
+    result = boot_process(
+        tmp_path,
+        TRAINPOD_WORKLOAD="command",
+        TRAINPOD_CONFIG=str(config),
+        TRAINPOD_IMAGE_CUDA="12.8",
+        RUNPOD_GPU_COUNT="1",
+    )
+    assert result.returncode == 4, result.stdout + result.stderr
+    assert "my GPU program ran" not in result.stdout
+    assert "no NVIDIA driver" in result.stdout and "replace the pod" in result.stdout
+
+
 def test_not_enough_free_space_for_the_checkpoints_exits_5(tmp_path, monkeypatch, capsys):
     # A volume this small cannot be made here without a mount; the measurement itself is faked.
     monkeypatch.setattr(boot_module.shutil, "disk_usage", lambda _: type("U", (), {"free": 2**30})())

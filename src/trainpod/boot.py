@@ -146,6 +146,10 @@ def _preflight(workload: Workload, volume: Volume, environ: dict[str, str], sync
     config = load_workload_config(workload, config_path, parse_overrides(environ.get("TRAINPOD_SET")))
     # The workload (and each rank launched for it) reads the file checked here, not its own search.
     environ["TRAINPOD_CONFIG"] = str(config_path.absolute())
+    if workload.kind.owns_run_folder:  # training, and your own trainer, which is "as training"
+        from trainpod.host import check_host
+
+        check_host(environ)  # a GPU pod whose host cannot run the image's CUDA: exit 4, replace the pod
     if workload.kind.rank_per_gpu:
         _check_gpu(config, environ)
     check_gpu_memory = getattr(workload.module(), "check_gpu_memory", None)  # optional (workloads/__init__)
@@ -158,9 +162,6 @@ def _preflight(workload: Workload, volume: Volume, environ: dict[str, str], sync
 def _check_gpu(config, environ: dict[str, str]) -> None:
     import torch
 
-    from trainpod.host import check_host
-
-    check_host(environ)  # a GPU pod whose host cannot run the image's CUDA: exit 4, replace the pod
     if config.train.precision == "bf16" and not torch.cuda.is_available():
         raise InputError(
             "train.precision=bf16 needs a GPU and none is visible; use a GPU pod or precision=auto"

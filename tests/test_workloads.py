@@ -142,6 +142,9 @@ def test_a_datagen_config_names_its_kind_and_an_old_one_loads_with_a_deprecation
     assert caplog.text.count("deprecated") == 2 and "add `kind: generator`" in caplog.text
     with pytest.raises(ConfigError, match=r"kind = 'shards' is not a datagen kind; set it to one of: tokens"):
         datagen.config_type({"kind": "shards"})
+    for kind in (["sft"], {"sft": True}):  # a YAML slip: a list or a mapping, not a name
+        with pytest.raises(ConfigError, match=r"is not a datagen kind; set it to one of: tokens"):
+            datagen.config_type({"kind": kind})
 
 
 def test_an_unknown_datagen_kind_exits_2_naming_it(tmp_path):

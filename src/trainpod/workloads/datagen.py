@@ -40,7 +40,7 @@ def config_type(tree: dict[str, Any]) -> type:
             kind,
             kind,
         )
-    if kind not in KINDS:
+    if not isinstance(kind, str) or kind not in KINDS:  # `kind: [sft]` is a list: unhashable, not a kind
         raise ConfigError([f"kind = {kind!r} is not a datagen kind; set it to one of: {', '.join(KINDS)}"])
     return KINDS[kind]
 

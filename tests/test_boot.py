@@ -304,6 +304,20 @@ def test_trainpod_run_with_a_run_name_that_leaves_runs_exits_2(tmp_path, capsys)
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_missing_dataset_in_a_pod_exits_2_and_leaves_no_run_folder_nor_failed(tmp_path):
+    """In a pod (RUNPOD_POD_ID) boot marks the start before the workload's preflight: a refusal there is
+    bad input like any other, and a run that never started has no FAILED to delete by hand."""
+    result = boot_process(
+        tmp_path,
+        TRAINPOD_WORKLOAD="pretrain",
+        TRAINPOD_CONFIG="configs/pretrain/tiny.yaml",
+        RUNPOD_POD_ID="pod-without-a-key",
+    )
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "dataset 'tiny-stories' not found" in result.stdout
+    assert list((tmp_path / "runs").iterdir()) == []
+
+
 def test_unknown_on_finish_action_exits_2(tmp_path):
     result = boot_process(
         tmp_path,

@@ -51,6 +51,7 @@ def boot(environ: dict[str, str] | None = None) -> int:
     setup_logging(None, int(environ.get("RANK", "0")))
     start_sshd(environ)  # only with PUBLIC_KEY: key-only, in the background; the workload stays this process
     workload_name, volume, config = environ.get("TRAINPOD_WORKLOAD", ""), Volume.from_env(environ), None
+    new_run = None  # the run folder this start made for its START marker, before the workload's preflight
     try:
         workload = _workload(environ)
         volume.check_writable()
@@ -65,7 +66,9 @@ def boot(environ: dict[str, str] | None = None) -> int:
         _prepare_volume(volume, environ)  # only after preflight: bad input leaves the volume untouched
         ended = None
         if workload.kind.owns_run_folder:  # training and your own code: a run folder that is theirs to mark
-            ended = begin_start(_run_dir(volume, config, environ), environ, workload.name)
+            run = _run_dir(volume, config, environ)
+            new_run = None if run is None or run.root.exists() else run
+            ended = begin_start(run, environ, workload.name)
         if ended is not None:  # the starts before this one all died without a word: FAILED, pod stopped
             return ended
         code = _launch(workload, environ)
@@ -76,6 +79,8 @@ def boot(environ: dict[str, str] | None = None) -> int:
         _log_to_run(_run_dir(volume, config, environ))
         log.exception("the %s workload crashed", workload_name or "?")
         code = 1
+    if code == ExitCode.BAD_INPUT and new_run is not None:
+        _remove_unstarted(new_run)  # bad input leaves the volume as it was: no run folder, so no FAILED
     code = after_workload(code, _run_dir(volume, config, environ), environ, workload_name)
     if environ is os.environ:  # the pod's own boot, not a test's call with its own environment
         _exit_now_when_preempted(code)
@@ -95,6 +100,17 @@ def _exit_now_when_preempted(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _remove_unstarted(run: RunDir) -> None:
+    """The run folder this start made holds nothing but its START marker: the workload's preflight
+    refused (exit 2) before the lifecycle created anything, so the folder goes again."""
+    from trainpod import atomic
+    from trainpod.runpod.finish import START_MARKER
+
+    if run.root.is_dir() and [p.name for p in run.root.iterdir()] == [START_MARKER]:
+        atomic.remove(run.root / START_MARKER)
+        run.root.rmdir()
 
 
 def _log_to_run(run: RunDir | None) -> None:

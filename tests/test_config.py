@@ -104,3 +104,19 @@ def test_override_into_a_scalar_is_refused():
 def test_missing_config_file_says_what_to_set(tmp_path):
     with pytest.raises(ConfigError, match="does not exist; set TRAINPOD_CONFIG"):
         load_config(PretrainConfig, tmp_path / "nope.yaml")
+
+
+def test_a_secret_in_the_command_configs_env_is_refused_before_it_is_copied_to_the_volume(tmp_path):
+    from trainpod.config.command import CommandConfig
+
+    path = write(
+        tmp_path,
+        "name: x\ncommand: [python, train.py]\n"
+        "env: {WANDB_API_KEY: 0123456789abcdef, MY_SERVICE_TOKEN: abcdef123456, WANDB_MODE: offline}\n",
+    )
+    with pytest.raises(ConfigError) as caught:
+        load_config(CommandConfig, path)
+    message = str(caught.value)
+    assert "env.WANDB_API_KEY: a secret does not belong in this file" in message
+    assert "env.MY_SERVICE_TOKEN: a secret" in message and "WANDB_MODE" not in message
+    assert "0123456789abcdef" not in message

@@ -43,10 +43,16 @@ def register_secret(value: str | None) -> None:
         _REGISTERED.add(value)
 
 
+def is_secret_name(name: str) -> bool:
+    """Whether a variable called `name` holds a secret (its value is masked, never written to the volume)."""
+    return name in SECRET_ENV_VARS or (
+        _SECRET_NAME.search(name) is not None and _NOT_SECRET_NAME.search(name) is None
+    )
+
+
 def secret_values(environ: dict[str, str] | None = None) -> list[str]:
     environ = os.environ if environ is None else environ
-    names = {name for name in environ if _SECRET_NAME.search(name) and not _NOT_SECRET_NAME.search(name)}
-    names.update(SECRET_ENV_VARS)
+    names = {name for name in environ if is_secret_name(name)}
     values = {environ[name] for name in names if len(environ.get(name, "")) >= _MIN_SECRET_LENGTH}
     return sorted(values | _REGISTERED, key=len, reverse=True)
 

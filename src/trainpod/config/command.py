@@ -11,6 +11,7 @@ from pydantic import Field, model_validator
 from trainpod.config.checkpoint import CheckpointConfig
 from trainpod.config.deploy import ENV_NAME_PATTERN, NAME_PATTERN
 from trainpod.config.loader import Section
+from trainpod.log import is_secret_name
 
 # What the kit tells the program beyond the pod's own variables (README, "Bring your own trainer").
 PROGRAM_ENV = (
@@ -73,6 +74,13 @@ class CommandConfig(Section):
             f"env.{name}: TRAINPOD_ variables are set by the kit (the program gets them all); remove it"
             for name in self.env
             if name.startswith("TRAINPOD_")
+        ]
+        problems += [
+            f"env.{name}: a secret does not belong in this file, which is copied to runs/<run>/config.yaml "
+            "on the volume; remove it and set it in the pod's environment (the deploy config's `secrets:`), "
+            "which the program inherits"
+            for name in self.env
+            if is_secret_name(name)
         ]
         if problems:
             raise ValueError("; ".join(problems))

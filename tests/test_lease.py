@@ -101,3 +101,53 @@ def test_heartbeat_notices_a_takeover(tmp_path):
     assert lease.lost.wait(timeout=10), "the heartbeat must notice that another writer owns the lease"
     lease.release()
     assert path.exists(), "release must not delete another writer's lease"
+
+
+def test_a_lease_that_cannot_be_renewed_is_lost_before_it_expires_and_a_transient_error_is_retried(
+    tmp_path, monkeypatch
+):
+    """A volume error in the heartbeat ended its thread unnoticed: the lease expired, a second writer took
+    the run over, and the first went on writing with `lost` never set."""
+    from trainpod.checkpoint import lease as lease_module
+
+    path = tmp_path / "LEASE"
+    real = lease_module.atomic.write_json
+    failing = {"writes": 1}
+
+    def write_json(target, obj):
+        if failing["writes"] > 0:
+            failing["writes"] -= 1
+            raise OSError(5, "Input/output error")
+        real(target, obj)
+
+    lease = Lease(path, ttl_seconds=2)  # a beat every 0.5 s
+    lease.acquire()
+    monkeypatch.setattr(lease_module.atomic, "write_json", write_json)
+    time.sleep(1.5)  # one failed renewal, then renewed again
+    assert not lease.lost.is_set() and lease._thread.is_alive()
+    assert json.loads(path.read_text())["expires_unix"] > time.time()
+    failing["writes"] = 10**6  # the volume stays broken
+    deadline = json.loads(path.read_text())["expires_unix"]
+    assert lease.lost.wait(timeout=5), "a lease that can no longer be renewed must be reported lost"
+    assert time.time() < deadline, "lost must be set before another writer may take the lease over"
+    lease.release()
+
+
+def test_a_full_volume_does_not_lose_the_lease(tmp_path, monkeypatch):
+    """On a full volume the heartbeat cannot renew the lease, nor can another writer take it (its write fails
+    the same way): the run goes on to its next commit, which exits 5 naming the full volume, rather than 75."""
+    import errno
+    import os
+
+    from trainpod.checkpoint import lease as lease_module
+
+    def full(target, obj):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    lease = Lease(tmp_path / "LEASE", ttl_seconds=2)
+    lease.acquire()
+    monkeypatch.setattr(lease_module.atomic, "write_json", full)
+    assert not lease.lost.wait(timeout=3)
+    assert lease._thread.is_alive()
+    monkeypatch.undo()
+    lease.release()

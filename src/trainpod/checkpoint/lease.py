@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from trainpod import atomic
+from trainpod.diskspace import is_disk_full
 from trainpod.errors import TemporaryError
 
 log = logging.getLogger(__name__)
@@ -124,13 +125,28 @@ class Lease:
         self._thread.start()
 
     def _heartbeat(self) -> None:
+        expires = time.time() + self.ttl
         while not self._stop.wait(self.ttl / 4):
-            held = self._read()
-            if held and held.get("owner", {}).get("id") != self.owner["id"]:
-                log.error("the lease at %s was taken over by another writer; stopping", self.path)
+            try:
+                held = self._read()
+                if held and held.get("owner", {}).get("id") != self.owner["id"]:
+                    log.error("the lease at %s was taken over by another writer; stopping", self.path)
+                    self.lost.set()
+                    return
+                renewing = time.time() + self.ttl
+                self._write()
+                expires = renewing
+            except OSError as exc:
+                # A volume error must not end the heartbeat unnoticed: the lease would expire and another
+                # writer take the run over while this one goes on writing. Retried at the next beat; lost
+                # once the lease expires before that beat. Not on a full volume: no other writer can write
+                # its lease there either, and the run's next commit ends it with exit 5 (diskspace.py).
+                if time.time() + self.ttl / 4 < expires or is_disk_full(exc):
+                    log.warning("could not renew the lease at %s (%s); trying again", self.path, exc)
+                    continue
+                log.error("could not renew the lease at %s before it expires (%s); stopping", self.path, exc)
                 self.lost.set()
                 return
-            self._write()
 
     def release(self) -> None:
         self._stop.set()

@@ -263,6 +263,28 @@ def test_a_pulled_checkpoint_is_one_the_checkpoint_store_resumes_from(bucket, tm
     assert not (dest / "export").exists()
 
 
+def test_pull_never_moves_a_local_latest_back_over_checkpoints_committed_here(bucket, tmp_path):
+    """A run pulled, continued here (step-20 committed), then pulled again: LATEST was set back to the
+    volume's step-10, and the next start deleted step-20 as the leftover of an interrupted commit."""
+    from trainpod.remote.pull import pull
+
+    name, raw, _ = bucket
+    make_run_on_volume(raw, name, tmp_path / "pod")
+    dest = tmp_path / "laptop"
+    pull(volume_s3(name), "r", "checkpoint", dest, echo=lambda line: None)
+    store = CheckpointStore(dest / "checkpoints")
+    assert store.latest().step == 10
+    pending = store.begin(20)
+    pending.write_bytes("model.safetensors", os.urandom(100))
+    store.commit(pending, 20, {})
+    said = []
+    pull(volume_s3(name), "r", "all", dest, echo=said.append)
+    assert (dest / "checkpoints/LATEST").read_text() == "step-20\n"
+    assert any("kept" in line and "step-20" in line for line in said), said
+    latest = CheckpointStore(dest / "checkpoints").latest()
+    assert latest is not None and latest.step == 20 and (dest / "checkpoints/step-10").is_dir()
+
+
 def test_pull_of_an_unknown_run_exits_2(bucket, tmp_path):
     _, _, env = bucket
     result = trainpod(env, "pull", "nope", "export", str(tmp_path / "x"))

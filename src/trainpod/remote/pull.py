@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import posixpath
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -129,13 +130,43 @@ def pull(s3: VolumeS3, run: str, what: str, dest: Path, echo=print) -> int:
         (dest / path).parent.mkdir(parents=True, exist_ok=True)
         atomic.write_bytes(dest / path, raw)
     if what != "export" and latest:
-        atomic.write_text(dest / "checkpoints" / LATEST, latest + "\n")
+        _point_latest(dest / "checkpoints", latest, echo)
     checked = sum(1 for p in files if p in expected)
     echo(
         f"pulled {run} {what} into {dest}: {len(files)} file(s), {downloaded} downloaded, "
         f"{len(files) - downloaded} already there; {checked} checked against their manifest's sha256"
     )
     return downloaded
+
+
+def _point_latest(checkpoints: Path, latest: str, echo) -> None:
+    """LATEST names the pulled checkpoint, unless it names a newer one this folder holds already (a run
+    continued here): LATEST never moves backwards, or the next start would delete the newer checkpoints as
+    the leftovers of an interrupted commit."""
+    local, pulled = _step(_read_text(checkpoints / LATEST)), _step(latest)
+    if (
+        local is not None
+        and local > (-1 if pulled is None else pulled)
+        and (checkpoints / f"step-{local}").is_dir()
+    ):
+        echo(
+            f"kept {checkpoints / LATEST} at step-{local}, newer than the volume's {latest}; "
+            f"{latest} is beside it in {checkpoints}"
+        )
+        return
+    atomic.write_text(checkpoints / LATEST, latest + "\n")
+
+
+def _read_text(path: Path) -> str | None:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (FileNotFoundError, UnicodeDecodeError):
+        return None
+
+
+def _step(name: str | None) -> int | None:
+    match = re.match(r"^step-(\d+)$", (name or "").strip())
+    return int(match.group(1)) if match else None
 
 
 def _fetch(s3: VolumeS3, prefix: str, path: str, remote: RemoteObject, expected: dict, dest: Path) -> int:

@@ -107,3 +107,30 @@ def test_a_run_name_resolves_under_the_volume(tmp_path, capsys):
         == 0
     )
     assert (tmp_path / "runs/my-run/checkpoints/LATEST").read_text().strip() == "step-9"
+
+
+def test_a_commit_on_a_full_volume_exits_5_and_leaves_no_temp_folder(tmp_path, capsys, monkeypatch):
+    """A full volume mid-copy gave a traceback (exit 1) and left the partial copy in a temp folder, holding
+    the space a retry needed until the next start."""
+    import errno
+    import shutil
+
+    from trainpod.checkpoint import directory
+
+    run = tmp_path / "run"
+    assert main(["checkpoint", "commit", str(run), "--step", "1", str(written(tmp_path, "a"))]) == 0
+    real = shutil.copyfileobj
+
+    def copy_until_full(src, dst, length=0):
+        if src.name.endswith("state.txt"):  # the second file: part of it is written, then the volume is full
+            dst.write(src.read(1))
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(src, dst, length)
+
+    monkeypatch.setattr(directory.shutil, "copyfileobj", copy_until_full)
+    source = written(tmp_path, "b")
+    capsys.readouterr()
+    assert main(["checkpoint", "commit", str(run), "--step", "2", str(source), "--keep-source"]) == 5
+    assert "no space left on the volume" in capsys.readouterr().err
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["LATEST", "step-1"]
+    assert (source / "weights.bin").exists()

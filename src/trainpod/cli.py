@@ -439,6 +439,7 @@ def checkpoint(
 
     from trainpod.checkpoint import CheckpointStore
     from trainpod.checkpoint.directory import commit_directory, verify_committed
+    from trainpod.diskspace import volume_full_as_exit_5
     from trainpod.errors import InputError, TrainpodError
     from trainpod.log import RedactingFormatter
 
@@ -459,8 +460,9 @@ def checkpoint(
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             if step is None or directory is None:
                 raise InputError("checkpoint commit needs --step N and the DIR your program wrote")
-            committed = commit_directory(store, step, Path(directory), {"writer": "trainpod checkpoint commit"},
-                                         keep_source=keep_source)  # fmt: skip
+            with volume_full_as_exit_5(store.root, f"checkpoint step-{step}"):
+                committed = commit_directory(store, step, Path(directory), {"writer": "trainpod checkpoint commit"},
+                                             keep_source=keep_source)  # fmt: skip
             print(committed.path)
         else:
             path, manifest = verify_committed(store, step)

@@ -53,14 +53,14 @@ def commit_directory(
     refuse_older_step(store, step)
     if (store.root / step_dir_name(step)).exists():
         log.warning("step-%d is committed already; the committed one is kept, %s is discarded", step, source)
-    pending = store.begin(step)
-    for name in names:
-        if keep_source:
-            with open(source / name, "rb") as src, pending.open(name) as dst:
-                shutil.copyfileobj(src, dst, 1 << 20)
-        else:
-            pending.adopt(name, source / name)
-    committed = store.commit(pending, step, metadata, eval_loss)
+    with store.writing(step) as pending:  # a failed commit (a full volume) removes its temp folder at once
+        for name in names:
+            if keep_source:
+                with open(source / name, "rb") as src, pending.open(name) as dst:
+                    shutil.copyfileobj(src, dst, 1 << 20)
+            else:
+                pending.adopt(name, source / name)
+        committed = store.commit(pending, step, metadata, eval_loss)
     if not keep_source:
         _remove_empty_tree(source)
     return committed

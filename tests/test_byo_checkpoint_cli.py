@@ -134,3 +134,27 @@ def test_a_commit_on_a_full_volume_exits_5_and_leaves_no_temp_folder(tmp_path, c
     assert "no space left on the volume" in capsys.readouterr().err
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["LATEST", "step-1"]
     assert (source / "weights.bin").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "named"),
+    [
+        (["--keep-last", "1"], None, "--keep-last='1'"),
+        (["--keep-last", "-1"], None, "--keep-last='-1'"),
+        ([], "two", "TRAINPOD_KEEP_LAST='two'"),
+        ([], "0", "TRAINPOD_KEEP_LAST='0'"),
+    ],
+)
+def test_a_retention_below_two_or_not_a_number_is_exit_2_naming_it(
+    tmp_path, capsys, monkeypatch, args, env, named
+):
+    """Was a traceback (exit 1) for a non-number or a negative count, and keep_last=1 was accepted: retention
+    then left no older checkpoint to fall back to when the newest fails verification."""
+    if env is not None:
+        monkeypatch.setenv("TRAINPOD_KEEP_LAST", env)
+    run = tmp_path / "run"
+    source = written(tmp_path)
+    assert main(["checkpoint", "commit", str(run), "--step", "1", str(source), *args]) == 2
+    err = capsys.readouterr().err
+    assert named in err and ">= 2" in err, err
+    assert (source / "weights.bin").exists() and not (run / "checkpoints").exists()

@@ -448,9 +448,8 @@ def checkpoint(
     logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
     vol = Volume(Path(volume)) if volume else Volume.from_env()
     run_dir = Path(run_name) if "/" in run_name or run_name in (".", "..") else vol.run(run_name).root
-    keep = keep_last or int(os.environ.get("TRAINPOD_KEEP_LAST") or 2)
-    store = CheckpointStore(run_dir / "checkpoints", keep_last=keep)
     try:
+        store = CheckpointStore(run_dir / "checkpoints", keep_last=_keep_last(keep_last))
         if action == "latest":
             latest = store.latest() if store.root.parent.is_dir() else None
             if latest is not None:
@@ -471,6 +470,20 @@ def checkpoint(
     except TrainpodError as exc:
         logging.getLogger("trainpod").error("%s", exc)
         return int(exc.exit_code)
+
+
+def _keep_last(flag: int | None) -> int:
+    """--keep-last, else TRAINPOD_KEEP_LAST, else 2: at least 2 (docs/design.md, "Checkpoints"), so a newest
+    checkpoint that fails verification at the next start has an older one to fall back to."""
+    from trainpod.errors import InputError
+
+    raw = str(flag) if flag is not None else os.environ.get("TRAINPOD_KEEP_LAST") or "2"
+    where = "--keep-last" if flag is not None else "TRAINPOD_KEEP_LAST"
+    if not raw.isdigit() or int(raw) < 2:
+        raise InputError(
+            f"{where}={raw!r}: keep at least 2 checkpoints; set it to a whole number >= 2, e.g. 2"
+        )
+    return int(raw)
 
 
 def logs(run_name: str, follow: bool = False, tail: int = 100) -> int:

@@ -341,6 +341,15 @@ def test_a_wrong_volume_id_exits_2_naming_it(bucket):
     )
 
 
+def test_a_part_size_that_is_not_a_number_exits_2_naming_it(bucket, tmp_path):
+    """Was a ValueError traceback (exit 1)."""
+    _, _, env = bucket
+    (tmp_path / "data.jsonl").write_text("{}\n")
+    result = trainpod({**env, "TRAINPOD_S3_PART_MB": "64MB"}, "push", str(tmp_path), "datasets/x")
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "TRAINPOD_S3_PART_MB='64MB' is not a whole number" in result.stdout, result.stdout
+
+
 # ---------------------------------------------------------------------------------------------- secrets
 def test_the_s3_key_and_secret_never_reach_the_output_or_the_volume(bucket, tmp_path):
     name, raw, env = bucket

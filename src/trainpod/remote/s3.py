@@ -148,7 +148,13 @@ class VolumeS3:
         environ = os.environ if environ is None else environ
         self.target = target
         self.bucket = target.volume_id
-        mb = int(environ.get(PART_MB_ENV) or DEFAULT_PART_MB)
+        raw_mb = (environ.get(PART_MB_ENV) or str(DEFAULT_PART_MB)).strip()
+        if not raw_mb.isdigit():
+            raise InputError(
+                f"{PART_MB_ENV}={raw_mb!r} is not a whole number of MiB; set it like {PART_MB_ENV}=64 "
+                f"(at least {MIN_PART_MB}), or unset it for {DEFAULT_PART_MB}"
+            )
+        mb = int(raw_mb)
         self.part_bytes = part_bytes or max(mb, MIN_PART_MB) << 20
         self._client = _make_client(target, max_attempts)
 

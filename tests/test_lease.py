@@ -151,3 +151,25 @@ def test_a_full_volume_does_not_lose_the_lease(tmp_path, monkeypatch):
     assert lease._thread.is_alive()
     monkeypatch.undo()
     lease.release()
+
+
+def test_without_proc_a_live_owner_on_this_host_is_respected_and_a_dead_one_taken_over(tmp_path, monkeypatch):
+    """Where /proc does not exist (macOS) every owner's start time was unknown, so every lease on the same
+    host looked stale: a second writer took over a live one."""
+    from trainpod.checkpoint import lease as lease_module
+
+    monkeypatch.setattr(lease_module, "_process_start_ticks", lambda pid: None)
+    path = tmp_path / "LEASE"
+    first = Lease(path, ttl_seconds=60)
+    first.acquire()
+    with pytest.raises(TemporaryError, match="leased by another writer"):
+        Lease(path, ttl_seconds=60).acquire()
+    first.release()
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    held = {"id": "x", "host": first.owner["host"], "pid": int(dead.stdout), "pid_start": None}
+    path.write_text(json.dumps({"owner": held, "expires_unix": time.time() + 60}))
+    taker = Lease(path, ttl_seconds=60)
+    taker.acquire()
+    taker.release()

@@ -65,6 +65,18 @@ def _process_start_ticks(pid: int) -> int | None:
     return int(stat.rsplit(")", 1)[1].split()[19])
 
 
+def _pid_exists(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 class Lease:
     def __init__(self, path: Path, ttl_seconds: float = 90.0):
         self.path = Path(path)
@@ -88,7 +100,10 @@ class Lease:
             return False
         owner = held.get("owner", {})
         if owner.get("host") == self.owner["host"]:
-            start = _process_start_ticks(int(owner.get("pid", -1)))
+            pid = int(owner.get("pid", -1))
+            if owner.get("pid_start") is None:
+                return _pid_exists(pid)  # no /proc where it ran (macOS): the pid alone, on the safe side
+            start = _process_start_ticks(pid)
             return start is not None and start == owner.get("pid_start")
         log.info(
             "the run is leased by host %s (pod %s) for %.0f s more: waiting for its heartbeat, or for it to "

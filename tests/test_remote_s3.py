@@ -350,6 +350,41 @@ def test_a_part_size_that_is_not_a_number_exits_2_naming_it(bucket, tmp_path):
     assert "TRAINPOD_S3_PART_MB='64MB' is not a whole number" in result.stdout, result.stdout
 
 
+def test_a_connection_dropped_mid_download_is_exit_75_and_keeps_the_bytes_received(tmp_path, monkeypatch):
+    """The body is read after the call that error translation wraps: a dropped connection was botocore's
+    IncompleteReadError, a traceback and exit 1, instead of 75 (run the same pull again)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    from trainpod.errors import ExitCode, TemporaryError
+
+    class Dropping(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            self.send_response(200)
+            self.send_header("Content-Length", "100000")
+            self.end_headers()
+            self.wfile.write(b"x" * 1000)
+            self.wfile.flush()
+            self.connection.shutdown(socket.SHUT_RDWR)
+
+        def log_message(self, *_):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Dropping)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", KEY_ID)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
+    s3 = VolumeS3(S3Target("vol", DC, f"http://127.0.0.1:{server.server_port}"), max_attempts=1)
+    partial = tmp_path / "model.safetensors.tmp-pull"
+    try:
+        with pytest.raises(TemporaryError, match="while receiving it") as caught:
+            s3.download("runs/r/export/hf/model.safetensors", partial, 100000)
+    finally:
+        server.shutdown()
+    assert caught.value.exit_code == ExitCode.TEMPORARY
+    assert partial.read_bytes() == b"x" * 1000, "what arrived stays for the next pull to continue"
+
+
 # ---------------------------------------------------------------------------------------------- secrets
 def test_the_s3_key_and_secret_never_reach_the_output_or_the_volume(bucket, tmp_path):
     name, raw, env = bucket

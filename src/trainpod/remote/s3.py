@@ -22,6 +22,7 @@ only when its upload completes, so no reader ever sees half of one. Downloads ap
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import logging
 import os
@@ -194,7 +195,8 @@ class VolumeS3:
             answer = self._call("read", key, self._client.get_object, Bucket=self.bucket, Key=key)
         except FileNotFoundError:
             return None
-        return answer["Body"].read()
+        with self._receiving("read", key):
+            return answer["Body"].read()
 
     def head(self, key: str) -> RemoteObject | None:
         try:
@@ -230,7 +232,7 @@ class VolumeS3:
             answer = self._call(
                 "download", key, self._client.get_object, Bucket=self.bucket, Key=key, **ranged
             )
-            with open(partial, "ab") as f:
+            with open(partial, "ab") as f, self._receiving("download", key):
                 for chunk in answer["Body"].iter_chunks(READ_CHUNK):
                     f.write(chunk)
                     if on_bytes:
@@ -396,6 +398,21 @@ class VolumeS3:
             )
 
     # ------------------------------------------------------------------ errors
+    @contextlib.contextmanager
+    def _receiving(self, doing: str, key: str) -> Iterator[None]:
+        """A response body being read: the connection dropping midway is as temporary as a failed call
+        (the bytes received so far stay in a download's partial file for the next attempt)."""
+        from botocore.exceptions import BotoCoreError
+
+        try:
+            yield
+        except BotoCoreError as exc:
+            raise TemporaryError(
+                f"could not {doing} s3://{self.bucket}/{key} ({self.target.endpoint_url}): {type(exc).__name__} "
+                "while receiving it; the network or RunPod's S3 API is having trouble: run the same command "
+                "again (it resumes)"
+            ) from None
+
     def _call(self, doing: str, key: str, operation: Callable[..., Any], **kwargs: Any) -> Any:
         """One S3 call: a missing key is FileNotFoundError; anything else a TrainpodError that names the
         volume, the key and what to do, never the credentials or the server's body."""

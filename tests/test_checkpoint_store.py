@@ -248,3 +248,20 @@ def test_a_write_that_fails_removes_its_temp_folder_at_once_and_latest_stays(tmp
         raise OSError(28, "No space left on device")  # what a full volume's write raises (errno ENOSPC)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["LATEST", "step-10"]
     assert store.latest().step == 10
+
+
+def test_every_folder_between_a_nested_file_and_the_checkpoint_is_fsynced_before_the_rename(
+    tmp_path, monkeypatch
+):
+    """Only the files' own folders were fsynced: for a/b/x.bin the entry of b/ in a/ could be lost in a power
+    loss after LATEST moved, and the newest committed checkpoint then failed verification."""
+    synced = []
+    real = atomic.fsync_dir
+    monkeypatch.setattr(atomic, "fsync_dir", lambda path: (synced.append(Path(path)), real(path))[1])
+    store = CheckpointStore(tmp_path)
+    pending = store.begin(1)
+    pending.write_bytes("a/b/x.bin", b"x")
+    pending.write_bytes("top.bin", b"y")
+    store.commit(pending, 1, {})
+    inside = [p.relative_to(pending.dir).as_posix() for p in synced if p.is_relative_to(pending.dir)]
+    assert inside == ["a/b", "a", "."], inside  # deepest first, the checkpoint's folder last

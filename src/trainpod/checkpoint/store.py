@@ -431,8 +431,11 @@ class CheckpointStore:
             f.write(atomic.json_bytes(manifest))
             f.flush()
             os.fsync(f.fileno())
-        for sub in sorted({(pending.dir / name).parent for name in pending.files} - {pending.dir}):
-            atomic.fsync_dir(sub)
+        # Every folder between a file and the checkpoint's own, deepest first: a file at a/b/x is reachable
+        # after a power loss only when a/ (holding b/'s entry) is durable too, not just a/b/.
+        subs = {parent for name in pending.files for parent in Path(name).parents if parent != Path(".")}
+        for sub in sorted(subs, key=lambda sub: -len(sub.parts)):
+            atomic.fsync_dir(pending.dir / sub)
         target = self.root / step_dir_name(step)
         if target.exists():
             # Same step written again (e.g. a resumed run preempted before its first new step):

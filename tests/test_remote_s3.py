@@ -285,6 +285,28 @@ def test_pull_never_moves_a_local_latest_back_over_checkpoints_committed_here(bu
     assert latest is not None and latest.step == 20 and (dest / "checkpoints/step-10").is_dir()
 
 
+def test_pull_never_replaces_a_checkpoint_of_the_same_step_committed_here(bucket, tmp_path):
+    """A step-10 committed in DEST (a run continued locally) had its files replaced one by one with the
+    volume's step-10, and its manifest last: the local checkpoint was gone, torn if the pull was killed."""
+    from trainpod.errors import InputError
+    from trainpod.remote.pull import pull
+
+    name, raw, _ = bucket
+    make_run_on_volume(raw, name, tmp_path / "pod")
+    dest = tmp_path / "laptop"
+    store = CheckpointStore(dest / "checkpoints")
+    pending = store.begin(10)
+    pending.write_bytes("model.safetensors", b"weights trained here")
+    store.commit(pending, 10, {})
+    before = {p: p.read_bytes() for p in (dest / "checkpoints").rglob("*") if p.is_file()}
+    with pytest.raises(InputError, match="holds another checkpoint") as caught:
+        pull(volume_s3(name), "r", "checkpoint", dest, echo=lambda line: None)
+    assert caught.value.exit_code == 2
+    assert {p: p.read_bytes() for p in (dest / "checkpoints").rglob("*") if p.is_file()} == before
+    pull(volume_s3(name), "r", "checkpoint", tmp_path / "elsewhere", echo=lambda line: None)
+    pull(volume_s3(name), "r", "checkpoint", tmp_path / "elsewhere", echo=lambda line: None)  # same one: fine
+
+
 def test_pull_of_an_unknown_run_exits_2(bucket, tmp_path):
     _, _, env = bucket
     result = trainpod(env, "pull", "nope", "export", str(tmp_path / "x"))

@@ -124,6 +124,7 @@ def pull(s3: VolumeS3, run: str, what: str, dest: Path, echo=print) -> int:
             f"{prefix}{missing[0]} is listed in its manifest but not on the volume ({len(missing)} such); the run "
             "may be replacing it right now: run the same pull again later"
         )
+    _refuse_other_checkpoints(manifests, dest, prefix)
     files = [p for p in chosen if p not in manifests]
     downloaded = sum(_fetch(s3, prefix, p, objects[p], expected, dest) for p in files)
     for path, raw in manifests.items():  # after the files they describe, as the workloads write them
@@ -137,6 +138,20 @@ def pull(s3: VolumeS3, run: str, what: str, dest: Path, echo=print) -> int:
         f"{len(files) - downloaded} already there; {checked} checked against their manifest's sha256"
     )
     return downloaded
+
+
+def _refuse_other_checkpoints(manifests: dict[str, bytes], dest: Path, prefix: str) -> None:
+    """A committed checkpoint is never rewritten (checkpoint/store.py): one of the same step that DEST holds
+    with another manifest (committed here, by a run continued from an older pull) is not pulled over."""
+    for path, raw in manifests.items():
+        local = dest / path
+        if path.startswith("checkpoints/") and local.is_file() and local.read_bytes() != raw:
+            folder = posixpath.dirname(path)
+            raise InputError(
+                f"{dest / folder} holds another checkpoint than {prefix}{folder} on the volume (their manifests "
+                "differ); nothing was pulled and nothing is replaced. Pull into another DEST, or move that "
+                "folder away first"
+            )
 
 
 def _point_latest(checkpoints: Path, latest: str, echo) -> None:

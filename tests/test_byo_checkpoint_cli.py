@@ -158,3 +158,29 @@ def test_a_retention_below_two_or_not_a_number_is_exit_2_naming_it(
     err = capsys.readouterr().err
     assert named in err and ">= 2" in err, err
     assert (source / "weights.bin").exists() and not (run / "checkpoints").exists()
+
+
+def test_latest_beside_a_live_writer_removes_nothing_of_its_commit_in_flight(tmp_path, capsys, monkeypatch):
+    """`trainpod checkpoint latest` from a shell on the pod while the run trained removed the temp folder of
+    the run's commit in flight as a leftover (and a step renamed just before LATEST): that commit failed."""
+    from trainpod.checkpoint import CheckpointStore, Lease
+
+    monkeypatch.delenv("TRAINPOD_LEASE_HELD", raising=False)
+    run = tmp_path / "run"
+    assert main(["checkpoint", "commit", str(run), "--step", "1", str(written(tmp_path, "a"))]) == 0
+    lease = Lease(run / "LEASE", ttl_seconds=60)
+    lease.acquire()  # the training run, alive
+    try:
+        store = CheckpointStore(run / "checkpoints")
+        pending = store.begin(2)
+        pending.write_bytes("weights.bin", b"the first file of the commit in flight")
+        capsys.readouterr()
+        assert main(["checkpoint", "latest", str(run)]) == 0
+        assert capsys.readouterr().out == f"{run}/checkpoints/step-1\n"
+        pending.write_bytes("state.txt", b"2")
+        assert store.commit(pending, 2, {}).step == 2
+    finally:
+        lease.release()
+    leftover = store.begin(3)  # the writer is gone: what it left is removed again
+    assert main(["checkpoint", "latest", str(run)]) == 0
+    assert not leftover.dir.exists()

@@ -439,6 +439,7 @@ def checkpoint(
 
     from trainpod.checkpoint import CheckpointStore
     from trainpod.checkpoint.directory import commit_directory, verify_committed
+    from trainpod.checkpoint.lease import held_by_another
     from trainpod.diskspace import volume_full_as_exit_5
     from trainpod.errors import InputError, TrainpodError
     from trainpod.log import RedactingFormatter
@@ -451,7 +452,10 @@ def checkpoint(
     try:
         store = CheckpointStore(run_dir / "checkpoints", keep_last=_keep_last(keep_last))
         if action == "latest":
-            latest = store.latest() if store.root.parent.is_dir() else None
+            # Beside a live writer (a shell on the pod while it trains) this only reads: what looks like a
+            # leftover may be its commit in flight. The program the kit holds the lease for cleans up.
+            clean = os.environ.get("TRAINPOD_LEASE_HELD") == "1" or not held_by_another(run_dir / "LEASE")
+            latest = store.latest(clean) if store.root.parent.is_dir() else None
             if latest is not None:
                 print(latest.path)
         elif action == "commit":

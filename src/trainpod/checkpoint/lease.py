@@ -171,3 +171,15 @@ class Lease:
         if held and held.get("owner", {}).get("id") == self.owner["id"]:
             self.path.unlink(missing_ok=True)
             atomic.fsync_dir(self.path.parent)
+
+
+def held_by_another(path: Path) -> bool:
+    """Whether a live writer holds the lease at `path` (a process other than one holding it through `Lease`
+    here: this asks from outside, e.g. a command run beside a training run)."""
+    held = read_lease(path)
+    if not held or held.get("expires_unix", 0) < time.time():
+        return False
+    probe = Lease(path)
+    if held.get("owner", {}).get("host") != probe.owner["host"]:
+        return True  # another machine's unexpired lease: a reader does not wait to see it renewed
+    return probe._holder_alive(held)

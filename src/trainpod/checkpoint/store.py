@@ -323,10 +323,15 @@ class CheckpointStore:
                 return None, f"{name} does not match its sha256 (bit rot or a torn write)"
         return manifest, ""
 
-    def latest(self) -> CommittedCheckpoint | None:
-        """The newest valid committed checkpoint, cleaning up what a kill may have left behind."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        self.remove_leftovers()
+    def latest(self, clean: bool = True) -> CommittedCheckpoint | None:
+        """The newest valid committed checkpoint, cleaning up what a kill may have left behind.
+
+        `clean=False` for a reader beside a live writer: nothing is removed, moved or rewritten (the temp
+        folder of the writer's commit in flight, or its folder renamed just before LATEST, are not leftovers).
+        """
+        if clean:
+            self.root.mkdir(parents=True, exist_ok=True)
+            self.remove_leftovers()
         latest_name = self._latest_name()
         step_dirs = self._step_dirs()
         latest_step = int(_STEP_DIR.match(latest_name).group(1)) if latest_name else None
@@ -336,6 +341,8 @@ class CheckpointStore:
             )
         for step, path in step_dirs:
             if latest_step is not None and step > latest_step:
+                if not clean:
+                    continue
                 # Renamed into place but never committed by LATEST: a kill between steps 3 and 4.
                 log.warning(
                     "removing %s: written after the committed LATEST (%s) by an interrupted commit",
@@ -346,12 +353,13 @@ class CheckpointStore:
                 continue
             manifest, reason = self.verify(path)
             if manifest is not None:
-                if path.name != latest_name:
+                if path.name != latest_name and clean:
                     atomic.write_text(self.root / LATEST, path.name + "\n")
                     log.warning("resuming from %s instead; LATEST now points to it", path.name)
                 return CommittedCheckpoint(step, path, manifest)
             log.warning("checkpoint %s is invalid (%s); trying the next older one", path.name, reason)
-            self._quarantine(path)
+            if clean:
+                self._quarantine(path)
         if latest_name and not step_dirs:
             log.warning("LATEST names %s but no checkpoint folder exists; starting from scratch", latest_name)
         return None

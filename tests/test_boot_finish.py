@@ -5,6 +5,7 @@ counter on the volume that marks the run FAILED and stops the pod."""
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -273,4 +274,53 @@ def test_a_75_is_counted_when_the_lease_left_is_this_pods_own_or_expires_unrenew
     atomic.write_json(run.lease, {**lease, "owner": {"pod_id": "gone"}, "expires_unix": time.time() + 1.5})
     assert after_workload(75, run, env, "pretrain") == 75
     assert atomic.read_json(run.root / STARTS_FILE)["consecutive_failures"] == 2
+    assert fake.pods[pod["id"]]["desiredStatus"] == "RUNNING"
+
+
+STUBBORN_PROGRAM = """
+import os, signal, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)  # like a long download that never looks at the stop flag
+open("program.pid", "w").write(str(os.getpid()))
+time.sleep(300)
+"""
+
+
+def test_a_spot_stop_whose_sigkill_comes_before_the_workload_exits_is_not_counted(fake, pod, tmp_path):
+    """SIGTERM, then RunPod's SIGKILL before the workload could exit (here a program that ignores SIGTERM;
+    in a pod, a long preflight such as a base model's download): a preemption, not a start that died without
+    a word, so the next start of the pod counts nothing."""
+    workdir, volume = tmp_path / "repo", tmp_path / "volume"
+    workdir.mkdir()
+    volume.mkdir()
+    (workdir / "prog.py").write_text(STUBBORN_PROGRAM)
+    config = tmp_path / "command.yaml"
+    config.write_text(f"name: stubborn\ncommand: [python, prog.py]\nworkdir: {workdir}\n")
+    env = {
+        **pod_env(fake, pod),
+        "TRAINPOD_VOLUME": str(volume),
+        "TRAINPOD_WORKLOAD": "command",
+        "TRAINPOD_CONFIG": str(config),
+        "TRAINPOD_MAX_FAILED_STARTS": "1",
+    }
+    boot = start_trainpod(cmd=[sys.executable, "-m", "trainpod", "boot"], volume=volume, env=env)
+    run = Volume(volume).run("stubborn")
+    try:
+        deadline = time.monotonic() + 120
+        while not (workdir / "program.pid").exists():
+            assert boot.poll() is None and time.monotonic() < deadline, boot.communicate()[0]
+            time.sleep(0.05)
+        assert (run.root / START_MARKER).exists()
+        boot.send_signal(signal.SIGTERM)
+        # Well inside the 5 s before the SIGKILL; without the first-signal hook it stays until the workload
+        # exits, which is after the SIGKILL here.
+        deadline = time.monotonic() + 4
+        while (run.root / START_MARKER).exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not (run.root / START_MARKER).exists(), "START still there when RunPod's SIGKILL comes"
+    finally:
+        boot.kill()
+        boot.communicate()
+        os.kill(int((workdir / "program.pid").read_text()), signal.SIGKILL)
+    assert begin_start(run, pod_env(fake, pod), "command") is None
+    assert not (run.root / STARTS_FILE).exists() and not (run.root / FAILED_MARKER).exists()
     assert fake.pods[pod["id"]]["desiredStatus"] == "RUNNING"

@@ -25,6 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from trainpod.preemption import first_signal_seen
+
 RANK_EXIT_DIR_ENV = "TRAINPOD_RANK_EXIT_DIR"
 # When ranks disagree, the code the node exits with: a preemption anywhere means "start again"
 # (every rank committed or had nothing new), then the verdicts that stop a run, in this order.
@@ -57,6 +59,7 @@ def launch_local(nproc: int, argv: list[str]) -> int:
         procs.append(subprocess.Popen([sys.executable, "-m", "trainpod", *argv], env=env))
 
     def forward(signum: int, _frame: object) -> None:
+        first_signal_seen()
         for proc in procs:
             if proc.poll() is None:
                 proc.send_signal(signum)
@@ -106,6 +109,7 @@ def launch_cluster(nnodes: int, node_rank: int, nproc_per_node: int, master: str
         signalled: list[int] = []
 
         def forward(signum: int, _frame: object) -> None:
+            first_signal_seen()
             signalled.append(signum)
             if torchrun.poll() is None:
                 torchrun.send_signal(signum)  # torchrun passes it on to its ranks

@@ -7,8 +7,43 @@ training loop polls `requested` at step boundaries and asks `seconds_left` wheth
 
 from __future__ import annotations
 
+import logging
 import signal
 import time
+from collections.abc import Callable
+
+log = logging.getLogger(__name__)
+
+# Run once at the first SIGTERM or SIGINT that any handler of trainpod sees in this process: boot forgets
+# its START marker there (runpod/finish.py), since a stop by signal is a preemption, not a start that
+# died without a word, even when the platform's SIGKILL comes before the workload could exit.
+_at_first_signal: list[Callable[[], None]] = []
+
+
+def call_at_first_signal(hook: Callable[[], None]) -> None:
+    _at_first_signal.append(hook)
+
+
+def first_signal_seen() -> None:
+    """Called by every SIGTERM/SIGINT handler trainpod installs (here and in launch.py)."""
+    while _at_first_signal:
+        hook = _at_first_signal.pop()
+        try:
+            hook()
+        except OSError as exc:  # an unreachable volume must not turn a signal into a traceback
+            log.warning("at the stop signal: %s", exc)
+
+
+def end_by_default_at_sigterm_meanwhile() -> None:
+    """Until a workload installs its own handler, SIGTERM keeps its default action (the process ends) but
+    runs the first-signal hooks before."""
+
+    def end(signum: int, _frame: object) -> None:
+        first_signal_seen()
+        signal.signal(signum, signal.SIG_DFL)
+        signal.raise_signal(signum)
+
+    signal.signal(signal.SIGTERM, end)
 
 
 class PreemptionWatch:
@@ -26,6 +61,7 @@ class PreemptionWatch:
         if self.signal_time is None:  # the first signal starts the clock; repeats change nothing
             self.signal_time = time.monotonic()
             self.signal_name = signal.Signals(signum).name
+            first_signal_seen()
 
     def request(self, name: str = "request") -> None:
         """Ask for a stop as if a signal had arrived (used by the budget check and by tests)."""

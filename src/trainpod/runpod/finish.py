@@ -15,8 +15,9 @@ RunPod starts a pod's container again whenever it exits, so the exit code alone 
 In a pod, a workload on one GPU runs in boot's own process, so a death that takes the process with it never
 reaches `after_workload`. Boot therefore writes runs/<run>/START before the workload and
 `after_workload` removes it; a START found by the next boot is a start that ended without a word.
-It counts only when the same pod wrote it (another pod's may be a start still running there) and
-LATEST did not move meanwhile: a crash loop makes no progress, while a spot pod SIGKILLed in its
+The first SIGTERM removes it at once (trainpod.preemption's first-signal hooks): a spot stop is no
+crash even when its SIGKILL comes during a long preflight. It counts only when the same pod wrote it
+(another pod's may be a start still running there) and LATEST did not move meanwhile: a crash loop makes no progress, while a spot pod SIGKILLed in its
 final commit (or a crash after hours of committed steps) has moved on and is not held against the run.
 
 Exit 2 writes no marker into a run folder that does not exist yet: bad input leaves the volume
@@ -42,6 +43,7 @@ from trainpod import atomic
 from trainpod.checkpoint.lease import read_lease, renewed_by_its_holder
 from trainpod.checkpoint.store import LATEST
 from trainpod.errors import ConfigError, ExitCode
+from trainpod.preemption import call_at_first_signal, end_by_default_at_sigterm_meanwhile
 from trainpod.runpod.client import RunPodClient, RunPodError
 from trainpod.volume import RunDir
 
@@ -152,6 +154,10 @@ def begin_start(
             return KILLED
     run.root.mkdir(parents=True, exist_ok=True)
     atomic.write_json(marker, {"unix": time.time(), "latest": latest, "pod": pod})
+    # A SIGTERM from here on is a preemption, not a death without a word, even when RunPod's SIGKILL comes
+    # before the workload can exit (a spot stop during a long preflight, such as a base model's download).
+    call_at_first_signal(lambda: atomic.remove(marker))
+    end_by_default_at_sigterm_meanwhile()  # until the workload installs its own handler
     return None
 
 

@@ -120,3 +120,11 @@ def test_a_secret_in_the_command_configs_env_is_refused_before_it_is_copied_to_t
     assert "env.WANDB_API_KEY: a secret does not belong in this file" in message
     assert "env.MY_SERVICE_TOKEN: a secret" in message and "WANDB_MODE" not in message
     assert "0123456789abcdef" not in message
+
+
+@pytest.mark.parametrize("value", [".inf", ".nan"])
+def test_an_infinite_or_nan_number_is_refused_naming_the_field(value):
+    with pytest.raises(ConfigError) as caught:
+        load_config(PretrainConfig, TINY, [f"checkpoint.lease_ttl_seconds={value}"])
+    assert "checkpoint.lease_ttl_seconds" in str(caught.value) and "finite number" in str(caught.value)
+    assert caught.value.exit_code == ExitCode.BAD_INPUT

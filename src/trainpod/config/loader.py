@@ -19,7 +19,8 @@ from trainpod.errors import ConfigError
 class Section(BaseModel):
     """Base of every config section: unknown keys are errors, values are checked on assignment."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+    # allow_inf_nan=False: `.inf` passed every ge/gt bound (an infinite lease TTL held a dead pod's run forever)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False, allow_inf_nan=False)
 
 
 ConfigT = TypeVar("ConfigT", bound=Section)

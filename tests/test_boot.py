@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -359,3 +360,38 @@ def test_pretrain_config_too_big_for_the_gpu_exits_2_at_boot_naming_the_knobs(tm
     assert "more than this GPU's 24.0 GiB" in out and "train.micro_batch_size" in out
     assert "Traceback" not in out
     assert not (tmp_path / "runs").exists(), "a refused config must leave the volume as it was"
+
+
+def test_a_resume_on_another_commit_of_the_branch_says_so_and_records_it(tmp_path):
+    """Every start syncs the ref's newest commit: a push between two spot starts changes the code that
+    continues the checkpoints. runs/<run>/code.json holds the commit, and a change is logged."""
+    work, volume = tmp_path / "work", tmp_path / "volume"
+    (work / "configs").mkdir(parents=True)
+    volume.mkdir()
+    (work / "configs/cmd.yaml").write_text("name: code-run\ncommand: [python, -c, 'print(1)']\n")
+    git("init", "-q", "-b", "main", cwd=work)
+    git("add", ".", cwd=work)
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one", cwd=work)
+    first = git("rev-parse", "HEAD", cwd=work).strip()
+    env = {
+        "TRAINPOD_WORKLOAD": "command",
+        "TRAINPOD_CONFIG": "configs/cmd.yaml",
+        "TRAINPOD_GIT_REPO": f"file://{work}",
+        "TRAINPOD_GIT_REF": "main",
+        "RUNPOD_POD_ID": "pod-1",  # a pod: its boot makes the run folder before the workload
+    }
+    result = boot_process(volume, **env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    run = volume / "runs/code-run"
+    assert json.loads((run / "code.json").read_text())["commit"] == first
+    (work / "train.py").write_text("# a fix pushed while the pod was stopped\n")
+    git("add", ".", cwd=work)
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "two", cwd=work)
+    second = git("rev-parse", "HEAD", cwd=work).strip()
+    (run / "DONE").unlink()  # as if the spot pod had been stopped before the end
+
+    result = boot_process(volume, **env)
+
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"TRAINPOD_GIT_REF=main is now at {second[:12]}, was at {first[:12]}" in result.stdout
+    assert json.loads((run / "code.json").read_text())["commit"] == second

@@ -57,7 +57,7 @@ def boot(environ: dict[str, str] | None = None) -> int:
         volume.check_writable()
         synced = None
         if environ.get("TRAINPOD_GIT_REPO"):  # first: the config may live in the synced repo
-            from trainpod.gitsync import sync
+            from trainpod.gitsync import note_commit, sync
 
             synced = sync(
                 environ["TRAINPOD_GIT_REPO"], environ.get("TRAINPOD_GIT_REF"), volume.root / "repos"
@@ -69,6 +69,8 @@ def boot(environ: dict[str, str] | None = None) -> int:
             run = _run_dir(volume, config, environ)
             new_run = None if run is None or run.root.exists() else run
             ended = begin_start(run, environ, workload.name)
+            if ended is None and run is not None and synced is not None:
+                note_commit(synced, environ.get("TRAINPOD_GIT_REF"), run.root)
         if ended is not None:  # the starts before this one all died without a word: FAILED, pod stopped
             return ended
         code = _launch(workload, environ)
@@ -103,13 +105,16 @@ def _exit_now_when_preempted(code: int) -> None:
 
 
 def _remove_unstarted(run: RunDir) -> None:
-    """The run folder this start made holds nothing but its START marker: the workload's preflight
-    refused (exit 2) before the lifecycle created anything, so the folder goes again."""
+    """The run folder this start made holds nothing but its START marker (and code.json): the workload's
+    preflight refused (exit 2) before the lifecycle created anything, so the folder goes again."""
     from trainpod import atomic
+    from trainpod.gitsync import CODE_FILE
     from trainpod.runpod.finish import START_MARKER
 
-    if run.root.is_dir() and [p.name for p in run.root.iterdir()] == [START_MARKER]:
-        atomic.remove(run.root / START_MARKER)
+    made = {START_MARKER, CODE_FILE}
+    if run.root.is_dir() and {p.name for p in run.root.iterdir()} <= made:
+        for name in made:
+            atomic.remove(run.root / name)
         run.root.rmdir()
 
 

@@ -20,6 +20,7 @@ import time
 import uuid
 from pathlib import Path
 
+from trainpod import atomic
 from trainpod.errors import ConfigError, InputError, TemporaryError
 from trainpod.log import redact
 
@@ -78,6 +79,33 @@ def sync(url: str, ref: str | None, repos_root: Path, sleep=time.sleep) -> Path:
         f"could not sync TRAINPOD_GIT_REPO={redact(url)} at TRAINPOD_GIT_REF={ref or 'HEAD'} after "
         f"{ATTEMPTS} attempts ({last_error}); check the URL, the ref and the token"
     )
+
+
+CODE_FILE = "code.json"  # runs/<run>/code.json: the commit of TRAINPOD_GIT_REPO the newest start ran
+
+
+def note_commit(checkout: Path, ref: str | None, run_root: Path) -> None:
+    """Record the commit this start runs in the run's folder, and say so when a resume runs another one:
+    every start syncs the branch's newest commit, so a push between two spot starts changes the code that
+    continues the checkpoints (pin TRAINPOD_GIT_REF to a commit or tag to keep it)."""
+    if not run_root.is_dir():  # a first start outside a pod: the workload makes the folder, or refuses
+        return
+    head = _git(["rev-parse", "HEAD"], checkout).strip()
+    path = run_root / CODE_FILE
+    try:
+        before = atomic.read_json(path).get("commit")
+    except (FileNotFoundError, ValueError, AttributeError):
+        before = None
+    if before and before != head:
+        log.warning(
+            "the code changed since the run's previous start: TRAINPOD_GIT_REF=%s is now at %s, was at %s; "
+            "the run continues its checkpoints with the new code",
+            ref or "HEAD",
+            head[:12],
+            before[:12],
+        )
+    if before != head:
+        atomic.write_json(path, {"ref": ref or "HEAD", "commit": head, "unix": time.time()})
 
 
 def _sync_once(url: str, ref: str, target: Path) -> None:

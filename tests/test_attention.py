@@ -114,6 +114,23 @@ def test_flash_attention_asked_for_where_it_cannot_run_is_a_config_error(monkeyp
     assert resolve_attention("flash_attention_2", torch.device("cuda", 0)) == "flash_attention_2"
 
 
+def test_heads_wider_than_flash_attns_kernels_get_sdpa_or_a_config_error(monkeypatch):
+    # hidden_size 4096 over 8 heads is 512 dimensions a head: flash-attn 2 stops at 256 and failed at the
+    # first step, on every start, when `auto` picked it.
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(  # an image with flash-attn
+        importlib.util,
+        "find_spec",
+        lambda name, *a: object() if name == "flash_attn" else real_find_spec(name, *a),
+    )
+    cuda = torch.device("cuda", 0)
+    assert resolve_attention("auto", cuda, head_dim=256) == "flash_attention_2"
+    assert resolve_attention("auto", cuda, head_dim=512) == "sdpa"
+    assert resolve_attention("auto", cuda, packed=True, head_dim=512) == "flex_attention"
+    with pytest.raises(InputError, match=r"train.attention=flash_attention_2 .* heads have 512 dimensions"):
+        resolve_attention("flash_attention_2", cuda, head_dim=512)
+
+
 def test_flex_attention_on_packed_rows_equals_the_masked_reference_and_each_sample_alone(monkeypatch):
     # What this checks is ours: the document mask transformers builds from the packed position ids. Its
     # kernel runs uncompiled here, because inductor's CPU flex-attention kernel gave wrong results on an

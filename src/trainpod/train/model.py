@@ -23,17 +23,30 @@ def padded_vocab(tokenizer_vocab: int) -> int:
     return -(-tokenizer_vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
 
 
+FLASH_ATTN_MAX_HEAD_DIM = 256  # flash-attn 2's kernels stop at 256 dimensions per head
+
+
 def resolve_attention(
-    requested: str, device: torch.device, packed: bool = False, field: str = "train.attention"
+    requested: str,
+    device: torch.device,
+    packed: bool = False,
+    field: str = "train.attention",
+    head_dim: int | None = None,
 ) -> str:
-    """flash-attn 2 on a GPU where it is installed; else, for packed rows on a GPU, flex attention (its
-    block mask skips the blocks across sample boundaries, where SDPA would get a dense mask); else SDPA.
-    flash_attention_2 asked for (in `field`) where it cannot run is an InputError (exit 2): transformers
-    raised ImportError building the model, a crash at every start."""
+    """flash-attn 2 on a GPU where it is installed and the heads fit its kernels; else, for packed rows on
+    a GPU, flex attention (its block mask skips the blocks across sample boundaries, where SDPA would get a
+    dense mask); else SDPA. flash_attention_2 asked for (in `field`) where it cannot run is an InputError
+    (exit 2): transformers raised ImportError building the model (or flash-attn at the first step), a
+    crash at every start."""
     flash_attn = device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None
-    if requested == "flash_attention_2" and not flash_attn:
+    too_wide = head_dim is not None and head_dim > FLASH_ATTN_MAX_HEAD_DIM
+    if requested == "flash_attention_2" and (too_wide or not flash_attn):
         missing = (
-            "this image has no flash-attn package" if device.type == "cuda" else f"this process has {device}"
+            f"these heads have {head_dim} dimensions, over its {FLASH_ATTN_MAX_HEAD_DIM}"
+            if too_wide
+            else "this image has no flash-attn package"
+            if device.type == "cuda"
+            else f"this process has {device}"
         )
         raise InputError(
             f"{field}=flash_attention_2 needs flash-attn on a GPU, and {missing}; set {field}=auto "
@@ -41,7 +54,7 @@ def resolve_attention(
         )
     if requested != "auto":
         return requested
-    if flash_attn:
+    if flash_attn and not too_wide:
         return "flash_attention_2"
     if device.type == "cuda" and packed:
         return "flex_attention"

@@ -118,7 +118,9 @@ class Pretrainer(Trainer):
                 f"({self.tokenizer_vocab}); raise model.vocab_size or leave it unset"
             )
         self.autocast_dtype = autocast_dtype(t.precision, device)
-        attention = causal_fast_path(resolve_attention(t.attention, device))  # whole sequences, never padded
+        head_dim = self.cfg.model.hidden_size // self.cfg.model.num_heads
+        # whole sequences, never padded
+        attention = causal_fast_path(resolve_attention(t.attention, device, head_dim=head_dim))
         self.model_config = llama_config(self.cfg.model, vocab, t.seq_len, attention)
         self.model = build_model(self.model_config, t.seed, device)
         if t.gradient_checkpointing:

@@ -88,6 +88,27 @@ def test_a_conversation_sends_every_earlier_turn_in_the_trained_template(finetun
     assert tokenizer.convert_tokens_to_ids("<|im_end|>") in conversation.stop_ids()
 
 
+def test_a_template_that_renders_earlier_answers_otherwise_still_chats_a_second_turn(tmp_path):
+    """Like Qwen3's: only the latest answer carries an (empty) think block. The conversation is rendered
+    whole, as transformers does for inference; turn-by-turn segments would refuse it."""
+    from sft_support import make_tiny_tokenizer
+
+    template = (
+        "{% set ns = namespace(last=0) %}{% for m in messages %}{% if m['role'] == 'user' %}"
+        "{% set ns.last = loop.index0 %}{% endif %}{% endfor %}{% for m in messages %}"
+        "{% if m['role'] == 'assistant' and loop.index0 > ns.last %}"
+        "{{ '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' + m['content'] + '<|im_end|>\\n' }}"
+        "{% else %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
+    tokenizer = AutoTokenizer.from_pretrained(make_tiny_tokenizer(tmp_path / "tok", template))
+    conversation = Conversation(tokenizer, "tokenizer", history=[("hello", "hi there")])
+    assert tokenizer.decode(conversation.prompt_ids("again")) == (
+        "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\nhi there<|im_end|>\n"
+        "<|im_start|>user\nagain<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
 def test_chat_answers_each_line_on_stdin_until_an_empty_line(finetuned):
     import subprocess
 
@@ -137,3 +158,33 @@ def test_generate_for_a_run_without_an_export_says_what_to_do(tmp_path):
     result = run_trainpod("generate", "unfinished", "--prompt", "x", volume=tmp_path)
     assert result.returncode == 2 and "Traceback" not in result.stderr + result.stdout
     assert "no export/merged or export/hf or export/adapter" in result.stdout + result.stderr
+
+
+def test_a_run_trained_with_the_tokenizers_own_template_is_prompted_with_the_ids_training_made(tmp_path):
+    """`auto` with a chat_template trains as template `tokenizer`: generate must prompt with those segments
+    (apply_chat_template returns a BatchEncoding in transformers 5, which generation cannot take)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from trainpod.chat import stream_reply
+    from trainpod.sft.formats import Sample
+    from trainpod.sft.templates import TokenizerChatTemplate
+
+    from sft_support import CUSTOM_CHAT_TEMPLATE, make_tiny_tokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(make_tiny_tokenizer(tmp_path / "tok", CUSTOM_CHAT_TEMPLATE))
+    conversation = Conversation(tokenizer, "tokenizer", system="be brief", history=[("hello", "hi there")])
+    trained = TokenizerChatTemplate(tokenizer).segments(
+        Sample("be brief", (("hello", "hi there"), ("again", "x")))
+    )
+    texts = [trained.pairs[0][0], trained.pairs[0][1], trained.pairs[1][0]]
+    expected = [i for ids in tokenizer(texts, add_special_tokens=False)["input_ids"] for i in ids]
+    assert conversation.prompt_ids("again") == expected
+
+    torch.manual_seed(0)
+    shape = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), **shape)).eval()
+    written: list[str] = []
+    reply = stream_reply(
+        model, tokenizer, conversation, "again", written.append, max_new_tokens=3, temperature=0
+    )
+    assert reply == "".join(written) and conversation.history[-1] == ("again", reply)

@@ -146,13 +146,21 @@ class Conversation:
         if self.template_name is None:  # a pretrained model continues text
             return self.tokenizer("".join(u + a for u, a in self.history) + user)["input_ids"]
         from trainpod.sft.formats import Sample
+        from trainpod.sft.templates import TokenizerChatTemplate, build_template
 
         sample = Sample(self.system, (*self.history, (user, "")))
-        if self.template_name in ("tokenizer", "auto"):
-            return self.tokenizer.apply_chat_template(sample.messages()[:-1], add_generation_prompt=True)
-        from trainpod.sft.templates import build_template
-
-        segments = build_template(self.template_name, self.tokenizer).segments(sample)
+        # `tokenizer` is what `auto` became when the tokenizer has its own chat_template.
+        template = build_template(
+            "auto" if self.template_name == "tokenizer" else self.template_name, self.tokenizer
+        )
+        if isinstance(template, TokenizerChatTemplate):
+            # Rendered whole, as transformers renders a conversation to answer: a template may render earlier
+            # answers differently once later turns follow (Qwen3 drops their reasoning), which turn-by-turn
+            # segments refuse. Tokenized without adding tokens, as training did: the template has its own.
+            messages = sample.messages()[:-1]
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        segments = template.segments(sample)
         # Segment by segment, as training tokenized them (sft/encode.py): the same ids at every boundary.
         texts = [segments.prefix] + [text for pair in segments.pairs for text in pair][:-1]
         return [i for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"] for i in ids]

@@ -14,7 +14,7 @@ import yaml
 from trainpod import cli
 from trainpod.config import load_config
 from trainpod.config.finetune import FinetuneConfig
-from trainpod.estimate import estimate, size_finetune
+from trainpod.estimate import estimate, load_target, size_finetune
 from trainpod.volume import Volume
 
 from fake_runpod import FakeRunPodServer, api_env, client_for
@@ -91,6 +91,21 @@ def test_estimate_uses_the_mfu_a_previous_run_of_the_config_measured(no_runpod, 
 def test_a_1b_preset_does_not_fit_a_24_gb_gpu(no_runpod, capsys):
     assert cli.main(["estimate", str(CONFIGS / "pretrain/1b.yaml"), "--gpu", "NVIDIA GeForce RTX 4090"]) == 0
     assert "of 24 GB per GPU: DOES NOT FIT" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "gpu, memory_gb",
+    [
+        ("NVIDIA A100-SXM4-80GB", 80),
+        ("NVIDIA A100 80GB PCIe", 80),
+        ("NVIDIA RTX A4000", 16),
+        ("NVIDIA A40", 48),
+    ],
+)
+def test_without_the_catalog_a_gpus_memory_is_read_from_its_whole_type_id(no_runpod, gpu, memory_gb):
+    """RunPod's ids: the SXM A100 is 80 GB though no "A100 80GB" is in its id; "A4000" contains "A40"."""
+    config, _ = load_target(str(PRETRAIN_125M))
+    assert estimate(config, gpu=gpu).gpu_memory_gb == memory_gb
 
 
 def test_finetune_estimate_counts_exactly_the_lora_parameters_peft_trains(finetune_base_volume, no_runpod):

@@ -36,9 +36,11 @@ VOLUME_BYTES_PER_S = (200e6, 400e6)  # network volumes write 200-400 MB/s (runpo
 # torch.compile reaches 40-50% on H100 (torchtitan, nanoGPT reports); LoRA runs are smaller matmuls
 # plus adapter overhead; QLoRA also dequantizes every 4-bit weight on each use (~30% slower than LoRA).
 ASSUMED_MFU = {"pretrain": 0.40, "full": 0.35, "lora": 0.30, "qlora": 0.22}
-# GPU memory in GB by a part of the type id, for when the catalog cannot be asked.
-GPU_MEMORY_GB = {"H200": 141, "H100": 80, "A100 80GB": 80, "A100": 40, "L40": 48, "A6000": 48, "6000 Ada": 48,
-                 "A40": 48, "4090": 24, "A5000": 24, "L4": 24, "3090": 24}  # fmt: skip
+# GPU memory in GB by a part of the type id, for when the catalog cannot be asked. The first part the id
+# contains wins, so a longer name comes before its prefix: "A100-SXM4-80GB" before "A100", "A4000" before "A40".
+GPU_MEMORY_GB = {"H200": 141, "H100": 80, "A100 80GB": 80, "A100-SXM4-80GB": 80, "A100": 40, "L40": 48,
+                 "A6000": 48, "6000 Ada": 48, "A4000": 16, "A40": 48, "4090": 24, "A5000": 24, "L4": 24,
+                 "3090": 24}  # fmt: skip
 HUB_TIMEOUT_S = 5.0
 CUDA_CONTEXT_BYTES = 1.0e9  # CUDA context, cuBLAS workspaces and the allocator's fragmentation
 

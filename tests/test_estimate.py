@@ -88,6 +88,15 @@ def test_estimate_uses_the_mfu_a_previous_run_of_the_config_measured(no_runpod, 
     assert "31% MFU, measured by run pretrain-125m" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("mfu", ["0", "-0.5", "1.5"])
+def test_an_mfu_outside_0_to_1_is_bad_input_not_a_crash_or_a_negative_cost(
+    no_runpod, monkeypatch, mfu, capsys
+):
+    monkeypatch.setenv("TRAINPOD_GPU_HOURLY_USD", "2")
+    assert cli.main(["estimate", str(PRETRAIN_125M), "--mfu", mfu]) == 2
+    assert f"--mfu {float(mfu):g}: a share of the GPU's peak" in capsys.readouterr().out
+
+
 def test_a_1b_preset_does_not_fit_a_24_gb_gpu(no_runpod, capsys):
     assert cli.main(["estimate", str(CONFIGS / "pretrain/1b.yaml"), "--gpu", "NVIDIA GeForce RTX 4090"]) == 0
     assert "of 24 GB per GPU: DOES NOT FIT" in capsys.readouterr().out

@@ -361,6 +361,9 @@ def estimate(
     volume: Volume | None = None,
 ) -> Estimate:
     """The estimate for `config`; `catalog` (RunPodClient.catalog_gpus) gives prices and memory."""
+    # Hours divide by the MFU: 0 would crash, a negative one would make the cost negative.
+    if mfu is not None and not 0 < mfu <= 1:
+        raise InputError(f"--mfu {mfu:g}: a share of the GPU's peak, above 0 and at most 1; e.g. --mfu 0.4")
     gpu = gpu or (deploy.pod.gpu_types[0] if deploy and deploy.pod.gpu_types else DEFAULT_GPU)
     nodes = deploy.nodes if deploy else 1  # an Instant Cluster: every node's GPUs train one run
     gpu_count = (deploy.pod.gpu_count if deploy else 1) * nodes

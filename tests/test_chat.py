@@ -188,3 +188,16 @@ def test_a_run_trained_with_the_tokenizers_own_template_is_prompted_with_the_ids
         model, tokenizer, conversation, "again", written.append, max_new_tokens=3, temperature=0
     )
     assert reply == "".join(written) and conversation.history[-1] == ("again", reply)
+
+
+def test_an_adapter_whose_base_model_is_not_here_is_bad_input_naming_it(tmp_path):
+    """An adapter pulled to a laptop: its base folder was on the pod's volume; one message, exit 2, no traceback."""
+    from trainpod.chat import Export, load
+    from trainpod.errors import InputError
+
+    from sft_support import make_tiny_tokenizer
+
+    adapter, base = make_tiny_tokenizer(tmp_path / "adapter"), tmp_path / "pod-volume/models/base"
+    with pytest.raises(InputError, match=rf"model {base} cannot be loaded: .*pass --volume") as raised:
+        load(Export("adapter", base, adapter, "chatml"))
+    assert raised.value.exit_code == 2

@@ -121,7 +121,15 @@ def load(export: Export) -> tuple[Any, Any]:
             bnb_4bit_compute_dtype=torch.bfloat16,
         )
     tokenizer = AutoTokenizer.from_pretrained(str(export.adapter_dir or export.model_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(export.model_dir), **kwargs)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(export.model_dir), **kwargs)
+    except OSError as exc:  # no folder here, and the hub did not give it (offline, gated, a volume path)
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0].rstrip(".")
+        raise InputError(
+            f"model {export.model_dir} cannot be loaded: {first_line}. It is no folder here and the hub did not "
+            "give it: pass --volume where the run's base model lives (an adapter needs its base), or set HF_TOKEN "
+            "for a gated model"
+        ) from None
     if export.adapter_dir is not None:
         from peft import PeftModel
 

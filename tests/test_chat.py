@@ -201,3 +201,49 @@ def test_an_adapter_whose_base_model_is_not_here_is_bad_input_naming_it(tmp_path
     with pytest.raises(InputError, match=rf"model {base} cannot be loaded: .*pass --volume") as raised:
         load(Export("adapter", base, adapter, "chatml"))
     assert raised.value.exit_code == 2
+
+
+def test_generation_stops_at_the_turn_end_of_the_tokenizers_own_template(tmp_path):
+    """Gemma's template ends a turn with <end_of_turn>, not eos: the model learnt to stop there, and so
+    must generation (before, it ran on to max_new_tokens, past the end of the answer)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    from sft_support import SENTENCES
+
+    gemma = (
+        "{{ bos_token }}{% for m in messages %}{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' "
+        "else m['role']) + '\\n' + m['content'] + '<end_of_turn>\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
+    )
+    special = ["<bos>", "<eos>", "<pad>", "<start_of_turn>", "<end_of_turn>"]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=special, initial_alphabet=alphabet, show_progress=False
+    )
+    bpe.train_from_iterator(SENTENCES, trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+        additional_special_tokens=special[3:], chat_template=gemma,
+    )  # fmt: skip
+    end_of_turn = tokenizer.convert_tokens_to_ids("<end_of_turn>")
+    conversation = Conversation(tokenizer, "tokenizer")
+    assert end_of_turn in conversation.stop_ids()
+
+    # A model that answers <end_of_turn> whatever it reads: one token, then it has finished.
+    shape = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), **shape)).eval()
+    model.lm_head = torch.nn.Linear(16, len(tokenizer), bias=True)
+    with torch.no_grad():
+        model.lm_head.weight.zero_()
+        model.lm_head.bias.copy_(
+            torch.nn.functional.one_hot(torch.tensor(end_of_turn), len(tokenizer)) * 10.0
+        )
+    ids = torch.tensor([conversation.prompt_ids("hi")])
+    out = model.generate(
+        input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+        eos_token_id=conversation.stop_ids(), pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    assert out[0, ids.shape[1] :].tolist() == [end_of_turn]

@@ -174,9 +174,11 @@ class Conversation:
         return [i for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"] for i in ids]
 
     def stop_ids(self) -> list[int]:
-        """eos and the template's end-of-turn token (<|im_end|>, <|eot_id|>), where the answer ends."""
+        """eos and the template's end-of-turn token (<|im_end|>, <|eot_id|>, <end_of_turn>), where the answer ends."""
         ids = {self.tokenizer.eos_token_id} - {None}
-        if self.template_name not in (None, "tokenizer", "auto"):
+        if self.template_name in ("tokenizer", "auto"):
+            ids |= self._own_template_turn_end()
+        elif self.template_name is not None:
             from trainpod.sft.templates import build_template
 
             template = build_template(self.template_name, self.tokenizer)
@@ -186,6 +188,18 @@ class Conversation:
         vocab = self.tokenizer.get_vocab()
         ids |= {vocab[t] for t in ("<|im_end|>", "<|eot_id|>") if t in vocab and self.template_name}
         return sorted(ids)
+
+    def _own_template_turn_end(self) -> set[int]:
+        """The last special token of an answer as the tokenizer's own template renders it (Gemma's
+        <end_of_turn>, Phi-3's <|end|>): training taught the model to end its turns with it."""
+        from trainpod.sft.formats import Sample
+        from trainpod.sft.templates import build_template
+
+        template = build_template("auto", self.tokenizer)
+        answer = template.segments(Sample(None, (("?", "ok"),))).pairs[0][1]
+        special = {i for i, token in self.tokenizer.added_tokens_decoder.items() if token.special}
+        answer_ids = self.tokenizer(answer, add_special_tokens=False)["input_ids"]
+        return {next((i for i in reversed(answer_ids) if i in special), None)} - {None}
 
 
 def stream_reply(

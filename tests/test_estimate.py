@@ -136,6 +136,26 @@ def test_finetune_estimate_counts_exactly_the_lora_parameters_peft_trains(finetu
     assert est.mfu_source.startswith("assumed for qlora") and est.hours > 0
 
 
+def test_finetune_of_a_datagen_dataset_sizes_rows_by_the_cutoff_len_it_was_cut_at(
+    finetune_base_volume, no_runpod, tmp_path
+):
+    """The trainer's rows are the dataset's cutoff_len (its manifest), not a guessed 2048: 16x the tokens."""
+    import shutil
+
+    from trainpod.sft import prepare_sft
+
+    volume = tmp_path / "volume"
+    shutil.copytree(finetune_base_volume, volume)
+    inline = load_config(FinetuneConfig, TINY_FINETUNE, [f"base_model.path={BASE}"])
+    prepare_sft(inline.data.sft, volume / BASE, volume / "datasets/instr", volume)
+    named = load_config(
+        FinetuneConfig, TINY_FINETUNE, [f"base_model.path={BASE}", "data.sft=null", "data.dataset=instr"]
+    )
+    sizing = size_finetune(named, 1, Volume(volume))
+    assert sizing.tokens == size_finetune(inline, 1, Volume(volume)).tokens
+    assert "of 128" in " ".join(sizing.notes)
+
+
 def test_finetune_by_epochs_counts_the_samples_of_its_data(finetune_base_volume, no_runpod):
     config = load_config(
         FinetuneConfig,

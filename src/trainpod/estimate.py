@@ -169,7 +169,9 @@ def size_finetune(config: FinetuneConfig, gpu_count: int, volume: Volume | None)
     shape = base_model_shape(config, volume, notes)
     n, width, layers, vocab = shape["parameters"], shape["width"], shape["layers"], shape["vocab"]
     trainable = n if config.method == "full" else shape["lora_parameters"]
-    cutoff = config.data.sft.cutoff_len if config.data.sft else 2048
+    cutoff = (
+        config.data.sft.cutoff_len if config.data.sft else _dataset_cutoff(config.data.dataset, volume, notes)
+    )
     rows_per_step = t.micro_batch_size * t.grad_accum_steps * gpu_count
     steps = t.max_steps or _steps_for_epochs(config, rows_per_step, volume, notes)
     tokens = steps * rows_per_step * cutoff
@@ -186,6 +188,21 @@ def size_finetune(config: FinetuneConfig, gpu_count: int, volume: Volume | None)
     return Sizing(
         config.method, config.name, n, trainable, steps, tokens, per_token, 12 * trainable, memory, notes
     )
+
+
+def _dataset_cutoff(name: str, volume: Volume | None, notes: list[str]) -> int:
+    """The cutoff_len a datagen-made dataset (data.dataset) was cut at, which the trainer takes as its
+    row length: from its manifest, found as the trainer finds it; 2048 (noted) when it is not at hand."""
+    from trainpod.sft.dataset import read_manifest
+
+    folder = Path(name) if Path(name).is_absolute() else volume.dataset(name) if volume else None
+    manifest = read_manifest(folder) if folder is not None else None
+    if manifest is None:
+        notes.append(
+            f"data.dataset={name!r} not found (pass --volume where it lives): its cutoff_len assumed 2048"
+        )
+        return 2048
+    return int(manifest["settings"]["cutoff_len"])
 
 
 def preflight_memory(config: PretrainConfig, vocab: int, world_size: int) -> dict[str, float] | None:

@@ -97,6 +97,15 @@ def test_an_mfu_outside_0_to_1_is_bad_input_not_a_crash_or_a_negative_cost(
     assert f"--mfu {float(mfu):g}: a share of the GPU's peak" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("variable", ["TRAINPOD_BUDGET_USD", "TRAINPOD_GPU_HOURLY_USD"])
+def test_a_nan_amount_is_malformed_not_a_budget_nothing_ever_exceeds(
+    no_runpod, monkeypatch, variable, capsys
+):
+    monkeypatch.setenv(variable, "nan")
+    assert cli.main(["estimate", str(PRETRAIN_125M)]) == 2
+    assert f"{variable}='nan' is not an amount in USD" in capsys.readouterr().out
+
+
 def test_a_1b_preset_does_not_fit_a_24_gb_gpu(no_runpod, capsys):
     assert cli.main(["estimate", str(CONFIGS / "pretrain/1b.yaml"), "--gpu", "NVIDIA GeForce RTX 4090"]) == 0
     assert "of 24 GB per GPU: DOES NOT FIT" in capsys.readouterr().out

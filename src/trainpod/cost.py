@@ -15,7 +15,7 @@ def _usd(name: str, example: str) -> float | None:
         value = float(raw)
     except ValueError:
         value = -1.0
-    if value < 0:
+    if not value >= 0:  # NaN too: no spend compares as over a NaN budget, so it would never stop a run
         raise ConfigError([f"{name}={raw!r} is not an amount in USD; set it like {name}={example}"])
     return value
 

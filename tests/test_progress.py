@@ -156,6 +156,15 @@ def test_config_fields_of_an_unknown_workload_names_the_known_ones(capsys):
     assert "no config type 'nope'; use one of:" in err and all(name in err for name in REGISTRY), err
 
 
+def test_ls_of_a_volume_that_does_not_exist_says_so_instead_of_empty(tmp_path, monkeypatch, capsys):
+    for name in ("TRAINPOD_S3_VOLUME", "TRAINPOD_VOLUME"):
+        monkeypatch.delenv(name, raising=False)
+    assert cli.main(["ls", "--volume", str(tmp_path / "typo")]) == 2
+    assert f"volume {tmp_path / 'typo'} does not exist here; pass --volume" in capsys.readouterr().out
+    assert cli.main(["ls", "--volume", str(tmp_path)]) == 0
+    assert "empty (no datasets, tokenizers or runs)" in capsys.readouterr().out
+
+
 def test_status_json_is_written_off_the_training_thread_and_the_newest_is_on_disk_at_close(tmp_path):
     writer = StatusWriter(tmp_path / "status.json")
     for step in range(200):  # faster than the writes: the ones overtaken are skipped, never reordered

@@ -211,6 +211,7 @@ def ls(
     The volume mounted here (--volume, else $TRAINPOD_VOLUME), or the network volume through
     RunPod's S3 API (--s3-volume and --datacenter, --config DEPLOY.yaml, or $TRAINPOD_S3_VOLUME).
     """
+    from trainpod.errors import InputError
     from trainpod.remote.listing import LocalFiles, volume_lines
 
     def act() -> int:
@@ -218,7 +219,13 @@ def ls(
             files = _volume_s3(s3_volume, datacenter, config)
             where = f"volume {files.bucket} ({files.target.datacenter}) through S3"
         else:
-            files = LocalFiles((Volume(Path(volume)) if volume else Volume.from_env()).root)
+            root = (Volume(Path(volume)) if volume else Volume.from_env()).root
+            if not root.is_dir():  # a mistyped path, or no volume on this machine: "empty" would mislead
+                raise InputError(
+                    f"volume {root} does not exist here; pass --volume where it is mounted, or reach the network "
+                    "volume through S3 (--s3-volume and --datacenter, or --config DEPLOY.yaml)"
+                )
+            files = LocalFiles(root)
             where = str(files.root)
         lines = volume_lines(files)
         print(f"{where}:" + ("" if lines else " empty (no datasets, tokenizers or runs)"))

@@ -20,6 +20,7 @@ from trainpod.volume import Volume
 from fake_runpod import FakeRunPodServer, api_env, client_for
 from finetune_support import BASE, TINY_FINETUNE
 from support import CONFIGS
+from vlm_support import TINY_VLM_CONFIG
 
 PRETRAIN_125M = CONFIGS / "pretrain/125m.yaml"
 
@@ -183,6 +184,41 @@ def test_finetune_by_epochs_without_its_data_names_the_file_and_the_way_out(no_r
     out = capsys.readouterr().out
     assert code == 2 and "data/train.jsonl" in out and "--set train.max_steps=N" in out
     assert "Traceback" not in out
+
+
+def test_a_finetune_vlm_config_is_estimated_by_its_own_data_not_refused_as_a_text_finetune(
+    vlm_base_volume, no_runpod, capsys
+):
+    """Its data section is the datasets and cutoff_len; 40 OCR rows, 90% train, twice, 4 rows a step."""
+    args = ["estimate", str(TINY_VLM_CONFIG), "--volume", str(vlm_base_volume)]
+    assert cli.main([*args, "--set", "train.max_steps=null", "--set", "train.epochs=2"]) == 0
+    out = capsys.readouterr().out
+    assert "in 18 steps" in out and "full rows of 64" in out and "40 samples counted" in out
+
+
+@pytest.mark.parametrize("overrides", [[], ["lora.train_projector=true"], ["method=full"]])
+def test_finetune_vlm_estimate_counts_exactly_the_parameters_its_trainer_trains(
+    vlm_base_volume, no_runpod, tmp_path, overrides
+):
+    """The language model's linear layers (and the projector's when asked), never the vision tower."""
+    from trainpod.config.finetune_vlm import VlmFinetuneConfig
+
+    from vlm_support import build_vlm_finetuner, fresh
+
+    volume = fresh(vlm_base_volume, tmp_path / "volume")
+    sizing = size_finetune(load_config(VlmFinetuneConfig, TINY_VLM_CONFIG, overrides), 1, Volume(volume))
+    model = build_vlm_finetuner(volume, overrides).model
+    assert sizing.trainable == sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def test_deploying_a_finetune_vlm_run_prints_its_estimate_instead_of_crashing(
+    vlm_base_volume, tmp_path, capsys
+):
+    deploy = deploy_config(tmp_path, run="vlm", workload="finetune-vlm", config=str(TINY_VLM_CONFIG))
+    assert cli.main(["estimate", str(deploy), "--volume", str(vlm_base_volume)]) == 0
+    assert "full rows of 64" in capsys.readouterr().out
+    assert cli.main(["deploy", str(deploy), "--dry-run"]) == 0
+    assert "estimate   not made" in capsys.readouterr().out, "the model is on the volume, not here"
 
 
 # ----------------------------------------------------------------------------------- deploy

@@ -25,7 +25,9 @@ from trainpod import cost, workloads
 from trainpod.config import load_config
 from trainpod.config.deploy import DeployConfig
 from trainpod.config.finetune import FinetuneConfig
+from trainpod.config.finetune_vlm import VisionDataConfig, VisionSourceConfig, VlmFinetuneConfig
 from trainpod.config.pretrain import PretrainConfig
+from trainpod.config.sft import SftDataConfig
 from trainpod.errors import ConfigError, InputError
 from trainpod.train.reporting import PEAK_BF16_FLOPS, peak_flops_of
 from trainpod.volume import Volume
@@ -106,8 +108,10 @@ def load_target(path: str, overrides: list[str] | None = None) -> tuple[Any, Dep
                 "this repo); run the estimate on the workload config itself"
             )
         return load_config(_config_type(deploy.workload), workload_path, overrides or []), deploy
+    data = tree.get("data") if isinstance(tree.get("data"), dict) else {}
+    finetune = "finetune-vlm" if "datasets" in data else "finetune"  # VLM data lists its datasets itself
     workload = (
-        "finetune" if "base_model" in tree else "pretrain" if "model" in tree or "train" in tree else None
+        finetune if "base_model" in tree else "pretrain" if "model" in tree or "train" in tree else None
     )
     if workload is None:
         raise InputError(
@@ -168,12 +172,13 @@ def size_finetune(config: FinetuneConfig, gpu_count: int, volume: Volume | None)
     t, notes = config.train, []
     shape = base_model_shape(config, volume, notes)
     n, width, layers, vocab = shape["parameters"], shape["width"], shape["layers"], shape["vocab"]
-    trainable = n if config.method == "full" else shape["lora_parameters"]
-    cutoff = (
-        config.data.sft.cutoff_len if config.data.sft else _dataset_cutoff(config.data.dataset, volume, notes)
-    )
+    trainable = shape.get("full_parameters", n) if config.method == "full" else shape["lora_parameters"]
+    # finetune-vlm's data section holds its datasets and cutoff_len itself; a text finetune's holds them
+    # in `sft`, or names a datagen-made `dataset` instead.
+    samples = config.data if isinstance(config, VlmFinetuneConfig) else config.data.sft
+    cutoff = samples.cutoff_len if samples else _dataset_cutoff(config.data.dataset, volume, notes)
     rows_per_step = t.micro_batch_size * t.grad_accum_steps * gpu_count
-    steps = t.max_steps or _steps_for_epochs(config, rows_per_step, volume, notes)
+    steps = t.max_steps or _steps_for_epochs(config, samples, rows_per_step, volume, notes)
     tokens = steps * rows_per_step * cutoff
     notes.append(f"tokens counted as full rows of {cutoff} (an upper bound: unpacked rows are shorter)")
     # Forward 2N; backward 2N for activation gradients, plus 2N weight gradients only when every
@@ -248,27 +253,44 @@ def simple_training_memory(
 
 
 def base_model_shape(config: FinetuneConfig, volume: Volume | None, notes: list[str]) -> dict[str, int]:
-    """Parameters, width, layers, vocabulary and LoRA parameters of the base model, on the meta device."""
+    """Parameters, width, layers, vocabulary, LoRA parameters and the parameters a full finetune trains,
+    of the base model on the meta device."""
     model_config = _base_model_config(config, volume)
     if model_config is None:
         return _shape_from_name(config, notes)
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(model_config)
+    from trainpod.workloads.finetune_vlm import PROJECTORS, VISION_TOWERS, _under
+
+    vlm = isinstance(config, VlmFinetuneConfig)
+
+    def frozen(name: str) -> bool:  # finetune-vlm's: the vision tower, and its projector unless trained
+        projector = _under(name, PROJECTORS)
+        return vlm and (
+            projector and not config.lora.train_projector or _under(name, VISION_TOWERS) and not projector
+        )
+
+    with torch.device("meta"):  # a vision-language model is no AutoModelForCausalLM
+        model = (AutoModelForImageTextToText if vlm else AutoModelForCausalLM).from_config(model_config)
     targets = config.lora.target_modules
     lora = 0
     for name, module in model.named_modules():
-        if not isinstance(module, torch.nn.Linear) or name.endswith("lm_head"):
+        if not isinstance(module, torch.nn.Linear) or name.endswith("lm_head") or frozen(name):
             continue
-        if targets == "all-linear" or name.rsplit(".", 1)[-1] in targets:
+        if (
+            targets == "all-linear"
+            or name.rsplit(".", 1)[-1] in targets
+            or (vlm and _under(name, PROJECTORS))
+        ):
             lora += config.lora.r * (module.in_features + module.out_features)
+    text = model_config.get_text_config()  # a VLM's config holds the language model's in text_config
     return {
         "parameters": sum(p.numel() for p in model.parameters()),
-        "width": model_config.hidden_size,
-        "layers": model_config.num_hidden_layers,
-        "vocab": model_config.vocab_size,
+        "full_parameters": sum(p.numel() for name, p in model.named_parameters() if not frozen(name)),
+        "width": text.hidden_size,
+        "layers": text.num_hidden_layers,
+        "vocab": text.vocab_size,
         "lora_parameters": lora,
     }
 
@@ -331,11 +353,15 @@ def _shape_from_name(config: FinetuneConfig, notes: list[str]) -> dict[str, int]
 
 
 def _steps_for_epochs(
-    config: FinetuneConfig, rows_per_step: int, volume: Volume | None, notes: list[str]
+    config: FinetuneConfig,
+    sft: SftDataConfig | VisionDataConfig | None,
+    rows_per_step: int,
+    volume: Volume | None,
+    notes: list[str],
 ) -> int:
     from trainpod.sft.sources import iter_rows
+    from trainpod.sft.vision import count_rows
 
-    sft = config.data.sft
     if sft is None:
         raise InputError(
             f"train.epochs={config.train.epochs} with data.dataset: estimate cannot count its samples; "
@@ -343,7 +369,12 @@ def _steps_for_epochs(
         )
     root = volume.root if volume else Path.cwd()
     try:
-        samples = sum(1 for source in sft.datasets for _ in iter_rows(source, root))
+        samples = sum(
+            count_rows(source, root)
+            if isinstance(source, VisionSourceConfig)
+            else sum(1 for _ in iter_rows(source, root))
+            for source in sft.datasets
+        )
     except InputError as exc:
         raise InputError(
             f"train.epochs needs the data's size: {exc}; "

@@ -356,6 +356,11 @@ def iter_samples(
         yield reader.sample(record, where, base, hf_row)
 
 
+def count_rows(source: VisionSourceConfig, volume_root: Path) -> int:
+    """The rows a dataset gives (at most max_samples), its images unopened: what `trainpod estimate` counts."""
+    return sum(1 for _ in itertools.islice(_records(source, volume_root), source.max_samples))
+
+
 def _records(source: VisionSourceConfig, volume_root: Path) -> Iterator[tuple[dict, str, Path, int | None]]:
     if source.format == "hf":
         folder = _hf_folder(source, volume_root)

@@ -247,3 +247,20 @@ def test_generation_stops_at_the_turn_end_of_the_tokenizers_own_template(tmp_pat
         eos_token_id=conversation.stop_ids(), pad_token_id=tokenizer.pad_token_id,
     )  # fmt: skip
     assert out[0, ids.shape[1] :].tolist() == [end_of_turn]
+
+
+def test_generate_answers_with_a_vision_language_runs_export(vlm_base_volume, tmp_path, capsys):
+    """A finetune-vlm run's model is no AutoModelForCausalLM: it loads as an image-text-to-text model and
+    answers the text conversation in the template it trained with (before: a ValueError traceback)."""
+    import json
+
+    from trainpod import cli
+
+    from vlm_support import VLM_BASE
+
+    export = tmp_path / "volume/runs/ocr/export/hf"
+    shutil.copytree(vlm_base_volume / VLM_BASE, export)
+    (export / "training_summary.json").write_text(json.dumps({"data": {"template": "tokenizer"}}))
+    args = ["generate", "ocr", "--prompt", "read it", "--temperature", "0", "--max-new-tokens", "3"]
+    assert cli.main([*args, "--volume", str(tmp_path / "volume")]) == 0
+    assert "Traceback" not in capsys.readouterr().out

@@ -102,7 +102,7 @@ def _adapter_base(adapter: Path, summary: dict, volume: Volume) -> Path | str:
 def load(export: Export) -> tuple[Any, Any]:
     """(model, tokenizer) on the GPU when there is one (bf16), else on the CPU (fp32), in eval mode."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()
@@ -122,7 +122,7 @@ def load(export: Export) -> tuple[Any, Any]:
         )
     tokenizer = AutoTokenizer.from_pretrained(str(export.adapter_dir or export.model_dir))
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(export.model_dir), **kwargs)
+        model = _model_class(export.model_dir).from_pretrained(str(export.model_dir), **kwargs)
     except OSError as exc:  # no folder here, and the hub did not give it (offline, gated, a volume path)
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0].rstrip(".")
         raise InputError(
@@ -137,6 +137,15 @@ def load(export: Export) -> tuple[Any, Any]:
     if cuda and not export.quantization:
         model = model.to("cuda")
     return model.eval(), tokenizer
+
+
+def _model_class(model_dir: Path | str) -> Any:
+    """AutoModelForCausalLM, or AutoModelForImageTextToText for a vision-language model (a finetune-vlm
+    run's), which AutoModelForCausalLM refuses; it answers a text-only conversation too."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    vision = getattr(AutoConfig.from_pretrained(str(model_dir)), "vision_config", None) is not None
+    return AutoModelForImageTextToText if vision else AutoModelForCausalLM
 
 
 # ----------------------------------------------------------------------------- prompting

@@ -264,3 +264,12 @@ def test_generate_answers_with_a_vision_language_runs_export(vlm_base_volume, tm
     args = ["generate", "ocr", "--prompt", "read it", "--temperature", "0", "--max-new-tokens", "3"]
     assert cli.main([*args, "--volume", str(tmp_path / "volume")]) == 0
     assert "Traceback" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("tokens", ["0", "-1", "many"])
+def test_a_max_new_tokens_below_1_is_refused_before_the_model_loads(tokens, capsys):
+    from trainpod import cli
+
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["generate", "any-run", "--prompt", "x", "--max-new-tokens", tokens])
+    assert exited.value.code == 2 and "argument --max-new-tokens" in capsys.readouterr().err

@@ -748,12 +748,23 @@ def _estimate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--volume", help="a volume holding runs/<run>/status.json (measured MFU) and datasets")
 
 
+def _positive_int(raw: str) -> int:
+    """An argparse type: transformers' generate refuses 0 and below, after the model has loaded."""
+    try:
+        value = int(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{raw} is not 1 or more")
+    return value
+
+
 def _chat_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_name", metavar="RUN")
     p.add_argument("--volume", help="volume root (default: $TRAINPOD_VOLUME, else /workspace)")
     p.add_argument("--export", default="auto", choices=["auto", "merged", "hf", "adapter"])
     p.add_argument("--system", help="a system message, for templates that have one")
-    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--max-new-tokens", type=_positive_int, default=200)
     p.add_argument("--temperature", type=float, default=0.7, help="0: greedy")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (the same seed, the same answer)")
 

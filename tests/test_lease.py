@@ -173,3 +173,27 @@ def test_without_proc_a_live_owner_on_this_host_is_respected_and_a_dead_one_take
     taker = Lease(path, ttl_seconds=60)
     taker.acquire()
     taker.release()
+
+
+def test_of_two_writers_taking_over_the_same_stale_lease_at_once_only_the_last_goes_on(tmp_path):
+    # Two replacement pods that waited for the same lease to expire write theirs within a poll of each
+    # other: the file holds the last write, and the first must stop before it commits anything.
+    path = tmp_path / "LEASE"
+    another_hosts_lease(path, expires_in=-1, beat=0.0)
+    first = Lease(path, ttl_seconds=60)
+    first.takeover_settle_s = 1.0
+    rival = {"id": "rival", "host": "elsewhere-too", "pid": 7, "pod_id": "pod-rival"}
+
+    def rival_writes_once_first_has():
+        deadline = time.monotonic() + 5
+        while (read := json.loads(path.read_text()))["owner"]["id"] != first.owner["id"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        atomic.write_json(path, {**read, "owner": rival})
+
+    writer = threading.Thread(target=rival_writes_once_first_has)
+    writer.start()
+    with pytest.raises(TemporaryError, match="pod pod-rival\\) took this run's stale lease over"):
+        first.acquire()
+    writer.join()
+    assert json.loads(path.read_text())["owner"]["id"] == "rival", "the rival's lease is left alone"

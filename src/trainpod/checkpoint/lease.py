@@ -29,6 +29,10 @@ log = logging.getLogger(__name__)
 
 # How often a lease held by another machine is read again while waiting for its heartbeat (every TTL/4).
 RENEWAL_POLL_S = 1.0
+# After taking a lease over, how long to wait before reading it back: two pods that saw the same lease
+# expire write theirs within a poll of each other, and the one whose write came first must find out
+# before it writes a checkpoint (the file holds the last write; a heartbeat would notice only TTL/4 later).
+TAKEOVER_SETTLE_S = 2 * RENEWAL_POLL_S
 
 
 def read_lease(path: Path) -> dict[str, Any] | None:
@@ -88,6 +92,7 @@ class Lease:
             "pid": os.getpid(),
             "pid_start": _process_start_ticks(os.getpid()),
         }
+        self.takeover_settle_s = TAKEOVER_SETTLE_S
         self.lost = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -136,6 +141,16 @@ class Lease:
                 held.get("owner", {}).get("pid"),
             )
         self._write()
+        if held:
+            time.sleep(self.takeover_settle_s)
+            now = self._read()
+            rival = (now or {}).get("owner", {})
+            if rival.get("id") != self.owner["id"]:
+                raise TemporaryError(
+                    f"another writer (host {rival.get('host')}, pid {rival.get('pid')}, pod "
+                    f"{rival.get('pod_id') or '-'}) took this run's stale lease over at the same moment; it "
+                    "goes on, this start stops"
+                )
         self._thread = threading.Thread(target=self._heartbeat, name="lease-heartbeat", daemon=True)
         self._thread.start()
 

@@ -146,6 +146,24 @@ def test_finetune_estimate_counts_exactly_the_lora_parameters_peft_trains(finetu
     assert est.mfu_source.startswith("assumed for qlora") and est.hours > 0
 
 
+def test_qlora_weights_count_4_bits_only_for_what_4_bit_loading_quantizes(finetune_base_volume, no_runpod):
+    # The embeddings and the output head stay 16-bit under bitsandbytes (transformers keeps lm_head out).
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = load_config(FinetuneConfig, TINY_FINETUNE, [f"base_model.path={BASE}", "method=qlora"])
+    model = AutoModelForCausalLM.from_pretrained(finetune_base_volume / BASE)
+    linear = sum(
+        m.weight.numel()
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and not name.endswith("lm_head")
+    )
+    total = sum(p.numel() for p in model.parameters())
+    assert total - linear > 0.1 * total, "the tiny base's embeddings are a large share, as in small models"
+    sizing = size_finetune(config, 1, Volume(finetune_base_volume))
+    assert sizing.memory["weights"] == pytest.approx(0.52 * linear + 2 * (total - linear))
+
+
 def test_finetune_of_a_datagen_dataset_sizes_rows_by_the_cutoff_len_it_was_cut_at(
     finetune_base_volume, no_runpod, tmp_path
 ):

@@ -184,7 +184,10 @@ def size_finetune(config: FinetuneConfig, gpu_count: int, volume: Volume | None)
     # Forward 2N; backward 2N for activation gradients, plus 2N weight gradients only when every
     # weight trains; gradient checkpointing runs the forward twice.
     per_token = (2 + 2 + (2 if config.method == "full" else 0) + (2 if t.gradient_checkpointing else 0)) * n
-    weights = {"qlora": 0.52 * n, "lora": 2 * n, "full": 4 * n}[config.method]  # NF4 + double quant: 4.15 bit
+    # NF4 with double quantization is 4.15 bits a weight; what 4-bit loading leaves alone stays 16-bit (the
+    # embeddings and output head: 2.2 GB of Qwen2.5-7B, counted at 4 bits they were 1.6 GB short).
+    quantized = shape.get("quantized_parameters", n)
+    weights = {"qlora": 0.52 * quantized + 2 * (n - quantized), "lora": 2 * n, "full": 4 * n}[config.method]
     optimizer = 2 if "8bit" in t.optimizer else 8
     memory = simple_training_memory(
         weights=weights, trainable=trainable, optimizer_bytes_per_param=optimizer, layers=layers, width=width,
@@ -285,8 +288,18 @@ def base_model_shape(config: FinetuneConfig, volume: Volume | None, notes: list[
         ):
             lora += config.lora.r * (module.in_features + module.out_features)
     text = model_config.get_text_config()  # a VLM's config holds the language model's in text_config
+    # What 4-bit loading quantizes: the linear layers, but not the output head (transformers keeps it) nor a
+    # VLM's vision tower and projector (finetune_vlm.py keeps them); embeddings and norms stay 16-bit too.
+    quantized = sum(
+        module.weight.numel()
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear)
+        and not name.endswith("lm_head")
+        and not (vlm and _under(name, VISION_TOWERS + PROJECTORS))
+    )
     return {
         "parameters": sum(p.numel() for p in model.parameters()),
+        "quantized_parameters": quantized,
         "full_parameters": sum(p.numel() for name, p in model.named_parameters() if not frozen(name)),
         "width": text.hidden_size,
         "layers": text.num_hidden_layers,

@@ -185,14 +185,18 @@ class SftBatches:
         return self.world_size * self.micro_batch_size
 
     def _plan(self, epoch: int) -> list[list[int]]:
+        """Epoch `epoch`'s rows: its shuffled samples, packed; from the second epoch on, as many as the
+        first epoch's (`_planned_rows`, set right after planning epoch 0)."""
         order = np.random.default_rng([self.seed, epoch]).permutation(len(self.lengths))
         if not self.packing:
             return [[int(i)] for i in order]
         rows = pack_first_fit(order, self.lengths, self.max_len)
+        if epoch == 0:
+            return rows
         # Every epoch takes the first epoch's steps, but another order may pack into fewer rows: split
         # rows (their last sample into a row of its own) until it has as many. There are enough samples
         # to split off: the first epoch made that many rows of the same samples.
-        missing = getattr(self, "_planned_rows", len(rows)) - len(rows)
+        missing = self._planned_rows - len(rows)
         extra: list[list[int]] = []
         for row in rows:
             while len(extra) < missing and len(row) > 1:

@@ -265,10 +265,13 @@ class VolumeS3:
             return 0
         digests = part_md5s(path, part)
         upload_id, kept = self._resume(key, digests, part, size)
-        self._send_parts(
-            path, key, upload_id, digests, part, sorted(set(range(1, len(digests) + 1)) - kept), on_part
+        sent = self._send_parts(
+            path, key, upload_id, digests, part, sorted(set(range(1, len(digests) + 1)) - set(kept)), on_part
         )
-        parts = [{"PartNumber": n, "ETag": f'"{d.hex()}"'} for n, d in enumerate(digests, 1)]
+        # Each part as the server named it (an MD5 on S3 proper; a gateway may give other tokens, which a
+        # completion naming the local MD5s would be refused with InvalidPart).
+        etags = kept | sent
+        parts = [{"PartNumber": n, "ETag": f'"{etags[n]}"'} for n in range(1, len(digests) + 1)]
         self._call(
             "complete the upload of",
             key,
@@ -287,8 +290,9 @@ class VolumeS3:
         self._check_etag(key, landed.etag, multipart_etag(digests))  # not the file read again
         return len(kept)
 
-    def _resume(self, key: str, digests: list[bytes], part: int, size: int) -> tuple[str, set[int]]:
-        """An unfinished upload of `key` and its parts that match the local bytes, else a new upload."""
+    def _resume(self, key: str, digests: list[bytes], part: int, size: int) -> tuple[str, dict[int, str]]:
+        """An unfinished upload of `key` and its parts that match the local bytes (number: the server's
+        ETag), else a new upload."""
         listed = self._call(
             "list the uploads of", key, self._client.list_multipart_uploads, Bucket=self.bucket, Prefix=key
         )
@@ -308,13 +312,13 @@ class VolumeS3:
             created = self._call(
                 "start the upload of", key, self._client.create_multipart_upload, Bucket=self.bucket, Key=key
             )
-            return created["UploadId"], set()
+            return created["UploadId"], {}
         upload_id = uploads[-1]["UploadId"]
-        kept = set()
+        kept = {}
         for number, etag, part_bytes in self._parts(key, upload_id):
             want = min(part, size - (number - 1) * part)
             if number <= len(digests) and part_bytes == want and etag == digests[number - 1].hex():
-                kept.add(number)
+                kept[number] = etag
         log.info(
             "resuming the upload of %s: %d of %d parts are on the volume already",
             key,
@@ -350,32 +354,36 @@ class VolumeS3:
         part: int,
         numbers: list[int],
         on_part: Callable[[int, int], None] | None,
-    ) -> None:
-        """Upload the parts `numbers`, PARALLEL_PARTS at a time; `on_part(done, total)` after each (it may
-        raise, e.g. KeyboardInterrupt: the parts already sent stay for the next attempt)."""
+    ) -> dict[int, str]:
+        """Upload the parts `numbers`, PARALLEL_PARTS at a time, and return the ETag the server gave each;
+        `on_part(done, total)` after each (it may raise, e.g. KeyboardInterrupt: the parts already sent stay
+        for the next attempt)."""
         fd = os.open(path, os.O_RDONLY)
         pool = ThreadPoolExecutor(max_workers=PARALLEL_PARTS, thread_name_prefix="s3-part")
+        sent: dict[int, str] = {}
         try:
-            pending: set[Future] = set()
+            pending: dict[Future, int] = {}
             queue = list(numbers)
             done = len(digests) - len(numbers)
             while queue or pending:
                 while queue and len(pending) < PARALLEL_PARTS:
                     number = queue.pop(0)
-                    pending.add(
-                        pool.submit(self._send_part, fd, key, upload_id, number, part, digests[number - 1])
+                    future = pool.submit(
+                        self._send_part, fd, key, upload_id, number, part, digests[number - 1]
                     )
-                finished, pending = wait(pending, return_when=FIRST_COMPLETED)
+                    pending[future] = number
+                finished, _ = wait(pending, return_when=FIRST_COMPLETED)
                 for future in finished:
-                    future.result()
+                    sent[pending.pop(future)] = future.result()
                     done += 1
                     if on_part:
                         on_part(done, len(digests))
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
             os.close(fd)
+        return sent
 
-    def _send_part(self, fd: int, key: str, upload_id: str, number: int, part: int, digest: bytes) -> None:
+    def _send_part(self, fd: int, key: str, upload_id: str, number: int, part: int, digest: bytes) -> str:
         data = os.pread(fd, part, (number - 1) * part)
         answer = self._call(
             "upload a part of",
@@ -388,7 +396,9 @@ class VolumeS3:
             Body=data,
             ContentMD5=base64.b64encode(digest).decode(),
         )
-        self._check_etag(key, _etag(answer["ETag"]), digest.hex())
+        etag = _etag(answer["ETag"])
+        self._check_etag(key, etag, digest.hex())
+        return etag
 
     def _check_etag(self, key: str, remote: str, expected: str) -> None:
         if not etag_agrees(remote, expected):

@@ -117,3 +117,27 @@ def test_a_corrupt_checkpoint_is_exit_2_and_nothing_is_written(vol: Volume) -> N
     assert "fails verification" in str(caught.value) and "sha256" in str(caught.value)
     assert not (vol.run(RUN).export / "hf-step-2").exists()
     assert not list(vol.run(RUN).export.glob("hf-step-2.tmp-*"))
+
+
+def test_a_training_export_carries_a_manifest_that_pull_checks_every_file_by(tmp_path: Path) -> None:
+    # RunPod's S3 ETags may be no MD5s: without a manifest, `trainpod pull` could check export/hf by size alone.
+    from trainpod import atomic
+    from trainpod.remote.pull import manifest_expectations
+    from trainpod.train.export import export_hf
+
+    from convert_support import llama_config, save_tokenizer
+
+    tokenizer = tmp_path / "tokenizer"
+    save_tokenizer(tokenizer)
+    target = export_hf(
+        AutoModelForCausalLM.from_config(llama_config()), tokenizer, tmp_path / "hf", torch.float32
+    )
+    manifest = atomic.read_json(target / "manifest.json")
+    on_disk = sorted(p.name for p in target.iterdir() if p.name != "manifest.json")
+    assert sorted(manifest["files"]) == on_disk and "model.safetensors" in on_disk
+    expected = manifest_expectations("export/hf/manifest.json", manifest)
+    for name in on_disk:
+        assert expected[f"export/hf/{name}"].matches(target / name)
+    assert AutoModelForCausalLM.from_pretrained(target) is not None, "the manifest does not disturb loading"
+    (target / "config.json").write_text("{}")  # a file changed after the export no longer matches
+    assert not expected["export/hf/config.json"].matches(target / "config.json")

@@ -7,6 +7,7 @@ fsync is what makes the server persist it).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -125,6 +126,15 @@ def json_bytes(obj: Any) -> bytes:
 
 def write_json(target: Path, obj: Any) -> None:
     write_bytes(target, json_bytes(obj))
+
+
+def file_sha256(path: Path) -> str:
+    """The file's sha256, read 1 MiB at a time (hashlib.file_digest needs Python 3.11)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def read_json(path: Path) -> Any:

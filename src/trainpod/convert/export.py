@@ -109,4 +109,6 @@ def write_export(source: CheckpointSource, folder: Path, dtype: str) -> None:
         load_weights(model, (source.path / "model.safetensors").read_bytes(), state["aliased_weights"])
     except ValueError as exc:
         raise InputError(f"{source.path}: {exc}") from None
-    export_hf(model, source.tokenizer_dir, folder, DTYPES[dtype])
+    export_hf(
+        model, source.tokenizer_dir, folder, DTYPES[dtype], manifest=False
+    )  # the output's own covers it

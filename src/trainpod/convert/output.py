@@ -100,17 +100,16 @@ class Staging:
         unhashed = [name for name in names if name not in self._digests]
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as hashers:
             self._digests.update(
-                zip(unhashed, hashers.map(_file_sha256, [self.folder / n for n in unhashed]), strict=True)
+                zip(
+                    unhashed,
+                    hashers.map(atomic.file_sha256, [self.folder / n for n in unhashed]),
+                    strict=True,
+                )
             )
         return {
             name: {"bytes": (self.folder / name).stat().st_size, "sha256": self._digests[name]}
             for name in names
         }
-
-
-def _file_sha256(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 class _ChunkBuffers:

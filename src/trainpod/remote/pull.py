@@ -7,8 +7,9 @@ DEST (default `./RUN`) mirrors the run folder: `export/...`, `checkpoints/step-N
 downloaded into `<name>.tmp-pull` (an interrupted pull continues it with a ranged GET), checked,
 then renamed into place; files already there and intact are kept. The checks are the manifests':
 a checkpoint's per-piece sha256 (32 MiB pieces, checkpoint/store.py), a conversion output's and a
-dataset's whole-file sha256; a file no manifest covers (export/hf, export/adapter) is checked by
-size and, where the volume gives a plain MD5 ETag, by MD5. Manifests are written after the files
+dataset's, a training export's (export/hf, export/adapter) whole-file sha256; a file no manifest
+covers (an export made before exports had one) is checked by size and, where the volume gives a plain
+MD5 ETag, by MD5. Manifests are written after the files
 they cover, and checkpoints/LATEST last, as the workloads write them. Temp and quarantined folders
 (`*.tmp-*`, `*.invalid-*`) and LEASE are never pulled.
 """
@@ -75,7 +76,7 @@ def manifest_expectations(manifest_path: str, manifest: dict) -> dict[str, Expec
     if fmt.startswith("trainpod-checkpoint/"):
         for name, e in manifest.get("files", {}).items():
             entries[name] = Expected(int(e["bytes"]), pieces=tuple(e["sha256_pieces"]))
-    elif fmt.startswith("trainpod-convert/"):
+    elif fmt.startswith(("trainpod-convert/", "trainpod-export/")):
         for name, e in manifest.get("files", {}).items():
             entries[name] = Expected(int(e["bytes"]), sha256=e["sha256"])
     elif fmt.startswith("trainpod-datagen/"):

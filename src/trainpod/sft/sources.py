@@ -7,7 +7,6 @@ parquet), so a bad row's error can say exactly where to look.
 from __future__ import annotations
 
 import gzip
-import hashlib
 import importlib.resources
 import io
 import json
@@ -15,6 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from trainpod import atomic
 from trainpod.config.sft import BUILTIN_SFT_TINY, SftSourceConfig
 from trainpod.data.sources import expand_path
 from trainpod.errors import InputError
@@ -60,18 +60,10 @@ def resolve_files(source: SftSourceConfig, volume_root: Path) -> list[Path]:
     return files
 
 
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def describe_files(source: SftSourceConfig, volume_root: Path) -> list[dict]:
     """What the manifest records to recognise the inputs: each file's path, size and sha256."""
     return [
-        {"path": str(p), "bytes": p.stat().st_size, "sha256": file_sha256(p)}
+        {"path": str(p), "bytes": p.stat().st_size, "sha256": atomic.file_sha256(p)}
         for p in resolve_files(source, volume_root)
     ]
 

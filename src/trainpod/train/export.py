@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -21,14 +22,38 @@ PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_p
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+EXPORT_FORMAT = "trainpod-export/1"
+MANIFEST = "manifest.json"
+
+
+def publish_export(tmp: Path, target: Path) -> None:
+    """Publish the finished export folder `tmp` as `target` (replacing an older one whole), with a
+    manifest.json listing each file's size and sha256: `trainpod pull` checks the files by it, where RunPod's
+    S3 ETags may be no MD5s (conversions' outputs carry the same in their manifests)."""
+    files = sorted(p for p in tmp.rglob("*") if p.is_file())
+    manifest = {
+        "format": EXPORT_FORMAT,
+        "files": {
+            str(p.relative_to(tmp)): {"bytes": p.stat().st_size, "sha256": atomic.file_sha256(p)}
+            for p in files
+        },
+        "created_unix": time.time(),
+    }
+    atomic.write_json(tmp / MANIFEST, manifest)
+    atomic.replace_dir(tmp, target)
+
+
 def export_hf(
     model: PreTrainedModel,
     tokenizer_dir: Path,
     target: Path,
     dtype: torch.dtype,
     extra_json: dict[str, Any] | None = None,
+    manifest: bool = True,
 ) -> Path:
-    """Write `model`, its tokenizer and `extra_json` files to `target` atomically (replacing an older export)."""
+    """Write `model`, its tokenizer and `extra_json` files to `target` atomically (replacing an older export),
+    with an export manifest unless the caller's own output manifest covers the folder (`manifest=False`:
+    a conversion's, convert/output.py)."""
     tmp = target.with_name(f"{target.name}.tmp-{uuid.uuid4().hex[:12]}")
     tmp.mkdir(parents=True)
     transformers_logging.disable_progress_bar()  # a progress bar per shard clutters the run's log
@@ -42,7 +67,10 @@ def export_hf(
                 atomic.write_bytes(tmp / name, (Path(tokenizer_dir) / name).read_bytes())
         for name, content in (extra_json or {}).items():
             atomic.write_json(tmp / name, content)
-        atomic.replace_dir(tmp, target)
+        if manifest:
+            publish_export(tmp, target)
+        else:
+            atomic.replace_dir(tmp, target)
     except BaseException:  # on a full volume the space comes back at once, not at the next start
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -15,6 +15,7 @@ import json
 import logging
 import math
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,7 @@ from trainpod.sft import IGNORE_INDEX, SftBatches, eval_batches, load_sft, prepa
 from trainpod.train import distributed as D
 from trainpod.train.base_model import load_4bit, load_model, resolve_base_model
 from trainpod.train.batches import rescaled_accumulation, to_device
-from trainpod.train.export import DTYPES, export_hf
+from trainpod.train.export import DTYPES, export_hf, publish_export
 from trainpod.train.loss import CausalLMLoss, fits_chunked_loss, shift_labels
 from trainpod.train.model import autocast_dtype, resolve_attention
 from trainpod.train.optim import build_optimizer
@@ -615,10 +616,14 @@ class Finetuner(Trainer):
             )
         target = self.ctx.run.export / "adapter"
         tmp = atomic.temp_name(target)
-        self.model.save_pretrained(str(tmp), safe_serialization=True)
-        self.save_processor(tmp)
-        atomic.write_json(tmp / "training_summary.json", self.training_summary())
-        atomic.replace_dir(tmp, target)
+        try:
+            self.model.save_pretrained(str(tmp), safe_serialization=True)
+            self.save_processor(tmp)
+            atomic.write_json(tmp / "training_summary.json", self.training_summary())
+            publish_export(tmp, target)
+        except BaseException:  # on a full volume the space comes back at once, not at the next start
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         log.info("exported the PEFT adapter to %s", target)
         return target
 

@@ -121,7 +121,8 @@ class FinetuneTrainConfig(Section):
         "auto",
         description="How several GPUs share a full finetune: 'ddp' replicates the model; 'fsdp' shards weights, "
         "gradients and optimizer state (FSDP2, sharded checkpoints); 'auto' is fsdp for several GPUs and 1B "
-        "parameters or more. LoRA and QLoRA always replicate (their trained state is small).",
+        "parameters or more with train.optimizer=adamw, else ddp (bitsandbytes' optimizers cannot step sharded "
+        "parameters). LoRA and QLoRA always replicate (their trained state is small).",
     )
     gradient_checkpointing: bool = Field(
         True,

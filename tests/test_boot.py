@@ -395,3 +395,26 @@ def test_a_resume_on_another_commit_of_the_branch_says_so_and_records_it(tmp_pat
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"TRAINPOD_GIT_REF=main is now at {second[:12]}, was at {first[:12]}" in result.stdout
     assert json.loads((run / "code.json").read_text())["commit"] == second
+
+
+def test_a_config_in_the_synced_repo_wins_over_the_images_shipped_one_at_the_same_path(tmp_path):
+    """In a pod the working directory is the image's /opt/trainpod, with its configs/ (here: this checkout's,
+    the test's working directory). A user who edits configs/datagen/tiny.yaml in their repo gets their edit."""
+    work, volume = tmp_path / "work", tmp_path / "volume"
+    (work / "configs/datagen").mkdir(parents=True)
+    volume.mkdir()
+    (work / "configs/datagen/tiny.yaml").write_text(
+        TINY_DATAGEN.read_text().replace("name: tiny-stories", "name: my-edit")
+    )
+    git("init", "-q", "-b", "main", cwd=work)
+    git("add", ".", cwd=work)
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one", cwd=work)
+    result = boot_process(
+        volume,
+        TRAINPOD_WORKLOAD="datagen",
+        TRAINPOD_CONFIG="configs/datagen/tiny.yaml",
+        TRAINPOD_GIT_REPO=f"file://{work}",
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert (volume / "datasets/my-edit/manifest.json").is_file()
+    assert not (volume / "datasets/tiny-stories").exists()

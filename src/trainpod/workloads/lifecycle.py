@@ -60,8 +60,9 @@ class RunRequest:
 
 
 def resolve_config_path(raw: str | None, volume: Volume, synced: Path | None = None) -> Path:
-    """An absolute path, a path relative to here, on the volume, or in a synced checkout under repos/:
-    `synced` (TRAINPOD_GIT_REPO's, which boot just synced) before the other runs' checkouts there."""
+    """An absolute path; else the first that exists of: in `synced` (TRAINPOD_GIT_REPO's checkout, which boot
+    just synced: the user's edit of a config must not be shadowed by the image's shipped one at the same
+    path), relative to here (the image's /opt/trainpod), on the volume, in the other checkouts under repos/."""
     if not raw:
         raise ConfigError(
             [
@@ -72,10 +73,8 @@ def resolve_config_path(raw: str | None, volume: Volume, synced: Path | None = N
     path = Path(raw)
     if path.is_absolute():
         return path
-    candidates = [Path.cwd() / path, volume.root / path]
+    candidates = ([synced / path] if synced is not None else []) + [Path.cwd() / path, volume.root / path]
     repos = volume.root / "repos"
-    if synced is not None:
-        candidates.append(synced / path)
     if repos.is_dir():
         candidates += [repo / path for repo in sorted(repos.iterdir()) if repo != synced]
     return next((c for c in candidates if c.is_file()), candidates[0])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from trainpod.log import redact, setup_logging
+from trainpod.log import is_secret_name, redact, setup_logging
 
 
 def test_secret_values_from_the_environment_are_masked(monkeypatch):
@@ -64,3 +64,26 @@ def test_any_variable_named_like_a_secret_is_masked(monkeypatch):
     monkeypatch.setenv("PUBLIC_KEY", "ssh-ed25519 AAAAC3Nzapublic you@laptop")
     text = redact("sk-proj-abcdef123456 svc-token-7890abc hunter2hunter2 s3-secret-value-42 AAAAC3Nzapublic")
     assert text == "*** *** *** *** AAAAC3Nzapublic"
+
+
+def test_one_rule_says_which_variable_names_hold_secrets_for_the_logs_and_for_deploy():
+    from trainpod.config.deploy import DeployConfig
+    from trainpod.deploy_checks import config_problems
+
+    secrets = ["HF_TOKEN", "DB_KEY", "OPENAI_API_KEY", "PASSWORD", "my_secret", "RUNPOD_SECRET_X", "TOKEN"]
+    plain = ["TOKENIZERS_PARALLELISM", "PUBLIC_KEY", "SSH_PUBLIC_KEY", "KEYBOARD", "SORT_KEYS", "MONKEY"]
+    assert [n for n in secrets if not is_secret_name(n)] == []
+    assert [n for n in plain if is_secret_name(n)] == []
+    config = DeployConfig.model_validate(
+        {
+            "run": "r",
+            "workload": "pretrain",
+            "config": "configs/pretrain/tiny.yaml",
+            "image": {"name": "ghcr.io/org/trainpod:0.1.0"},
+            "pod": {"gpu_types": ["NVIDIA H100 80GB HBM3"]},
+            "volume": {"name": "vol", "data_center": "EU-RO-1"},
+            "env": {"extra": {"TOKENIZERS_PARALLELISM": "false", "DB_KEY": "hunter2-long"}},
+        }
+    )
+    problems = [p for p in config_problems(config, "configs/deploy/x.yaml", False) if "env.extra" in p]
+    assert len(problems) == 1 and problems[0].startswith("env.extra.DB_KEY holds a value")

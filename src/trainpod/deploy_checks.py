@@ -22,9 +22,9 @@ from typing import Any
 
 from trainpod.config.deploy import DeployConfig
 from trainpod.errors import ConfigError, InputError, TrainpodError
+from trainpod.log import is_secret_name
 
 PLACEHOLDER_IMAGE = re.compile(r"YOUR_ORG|YOUR_REGISTRY|<[^>]*>")  # what the shipped configs and infra/ carry
-SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSWORD|API_KEY|ACCESS_KEY|PRIVATE_KEY", re.I)
 REFERENCE = re.compile(r"^\{\{\s*RUNPOD_SECRET_[A-Za-z0-9_]+\s*\}\}$")
 
 
@@ -42,7 +42,7 @@ def config_problems(config: DeployConfig, deploy_path: str, secrets_from_env: bo
             "REGISTRY=...` pushed, e.g. ghcr.io/you/trainpod:0.1.0"
         )
     for name, value in config.env.extra.items():
-        if SECRET_NAME.search(name) and not REFERENCE.match(value):
+        if is_secret_name(name) and not REFERENCE.match(value):
             problems.append(
                 f"env.extra.{name} holds a value, and its name says it is a secret: list {name} "
                 "under `secrets` "

@@ -27,8 +27,10 @@ SECRET_ENV_VARS = (
 )
 # Any other variable named like a secret (a deploy config's `secrets:` may name any, OPENAI_API_KEY say):
 # ..._TOKEN, ..._KEY, ..._SECRET, ..._PASSWORD, RunPod's RUNPOD_SECRET_...; not an ssh PUBLIC_KEY.
-_SECRET_NAME = re.compile(r"(_TOKEN|_KEY|_SECRET|_PASSWORD)$|^RUNPOD_SECRET_")
-_NOT_SECRET_NAME = re.compile(r"PUBLIC_KEY$")
+# One rule for the log filter, the command config and `trainpod deploy`'s check of env.extra: a last word
+# TOKEN, KEY, SECRET or PASSWORD (not TOKENIZERS_PARALLELISM, which only starts like one).
+_SECRET_NAME = re.compile(r"(^|_)(TOKEN|KEY|SECRET|PASSWORD)$|^RUNPOD_SECRET_", re.IGNORECASE)
+_NOT_SECRET_NAME = re.compile(r"PUBLIC_KEY$", re.IGNORECASE)
 # Credentials embedded in URLs (https://user:token@host/...), whatever variable they came from.
 _URL_CREDENTIALS = re.compile(r"(https?://)[^/\s:@]+(:[^/\s@]+)?@")
 _MIN_SECRET_LENGTH = 6  # shorter values would mask ordinary words

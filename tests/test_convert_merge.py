@@ -215,3 +215,28 @@ def test_an_output_named_like_its_input_adapter_is_exit_2_and_the_adapter_stays(
         merge(vol, output="adapter")
     assert caught.value.exit_code == ExitCode.BAD_INPUT and "output" in str(caught.value)
     assert tree_snapshot(adapter_dir(vol)) == before
+
+
+def test_a_hub_base_is_fetched_at_the_revision_the_finetune_pinned(
+    vol: Volume, base: Path, monkeypatch
+) -> None:
+    # The hub cannot be reached here: snapshot_download is replaced by one that records what it was asked
+    # and hands back the local base. Merging into the hub's current main instead of the pinned revision
+    # gave a model the adapter was never trained on.
+    import huggingface_hub
+
+    asked = []
+
+    def snapshot_download(repo_id, **kwargs):
+        asked.append((repo_id, kwargs.get("revision"), Path(kwargs["cache_dir"]).name))
+        return str(base)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    summary = {
+        "base_model": "org/tiny-base",
+        "base_model_folder": "/gone/with/the/pod",
+        "base_model_revision": "abc123",
+    }
+    make_adapter(base, adapter_dir(vol), summary=summary)
+    merge(vol)
+    assert asked == [("org/tiny-base", "abc123", "hf")], "the finetune's revision, in the finetune's cache"

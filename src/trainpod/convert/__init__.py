@@ -40,7 +40,14 @@ class AdapterInputs:
     def resolve(cls, config: ConvertConfig, volume: Volume, need_base: bool) -> AdapterInputs:
         adapter = peft_adapter.load_adapter(inputs.resolve_adapter(config.adapter_ref, volume))
         base_ref = inputs.base_reference(config.base_model, adapter.summary, adapter.config)
-        base_dir = inputs.fetch_base(base_ref, volume) if need_base else inputs.local_base(base_ref, volume)
+        summary = adapter.summary or {}
+        # The revision the finetune pinned, when the base is the hub id it trained on (not one set here).
+        revision = summary.get("base_model_revision") if base_ref == summary.get("base_model") else None
+        base_dir = (
+            inputs.fetch_base(base_ref, volume, revision)
+            if need_base
+            else inputs.local_base(base_ref, volume)
+        )
         if base_dir is not None:
             peft_adapter.check_against_base(adapter, base_dir)
         base_name = config.base_model or (adapter.summary or {}).get("base_model") or base_ref

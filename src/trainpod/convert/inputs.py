@@ -63,25 +63,41 @@ def local_base(reference: str, volume: Volume) -> Path | None:
     )
 
 
-def fetch_base(reference: str, volume: Volume) -> Path:
-    """A local folder as it is; a hub id downloaded (once) into the volume's cache/huggingface/."""
+def fetch_base(reference: str, volume: Volume, revision: str | None = None) -> Path:
+    """A local folder as it is; a hub id downloaded (once) at `revision` (the finetune's
+    base_model.revision) into the volume's cache/hf/, where the finetune downloads it too."""
     path = local_base(reference, volume)
     if path is not None:
         return path
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
 
-    log.info("fetching the base model %s from the Hugging Face hub into %s", reference, volume.cache())
+    log.info(
+        "fetching the base model %s (revision %s) from the Hugging Face hub into %s",
+        reference,
+        revision or "main",
+        volume.cache() / "hf",
+    )
     try:
         return Path(
             snapshot_download(
-                reference, cache_dir=volume.cache() / "huggingface", allow_patterns=_HUB_PATTERNS
+                reference,
+                revision=revision,
+                cache_dir=volume.cache() / "hf",
+                allow_patterns=_HUB_PATTERNS,
+                token=os.environ.get("HF_TOKEN") or None,
             )
         )
-    except (RepositoryNotFoundError, GatedRepoError):
+    except (RepositoryNotFoundError, GatedRepoError, RevisionNotFoundError):
         raise InputError(
-            f"base model {reference!r} is not on the Hugging Face hub or needs access: check the name, "
-            "accept its license on the hub and set HF_TOKEN, or set base_model to a local folder"
+            f"base model {reference!r} (revision {revision or 'main'}) is not on the Hugging Face hub or needs "
+            "access: check the name and revision, accept its license on the hub and set HF_TOKEN, or set "
+            "base_model to a local folder"
         ) from None
     except (HfHubHTTPError, OSError) as exc:
         raise TemporaryError(

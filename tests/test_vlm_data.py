@@ -190,3 +190,19 @@ def test_batches_resume_at_the_same_images_in_the_same_order(volume):
 def test_pixels_are_decoded_as_rgb_whatever_the_file_mode(volume):
     Image.new("L", (56, 56), 128).save(volume / "gray.png")
     assert open_image(str(volume / "gray.png")).mode == "RGB"
+
+
+@pytest.mark.parametrize("mode", ["RGBA", "LA", "P"])
+def test_transparent_pixels_are_white_as_the_image_processor_makes_them(volume, mode):
+    """Black text on a transparent background: a plain convert('RGB') makes the page black too."""
+    from PIL import ImageDraw
+
+    page = Image.new("RGBA", (56, 56), (0, 0, 0, 0))
+    ImageDraw.Draw(page).text((2, 20), "ABC", fill=(0, 0, 0, 255))
+    path = volume / f"transparent-{mode}.png"
+    page.convert(mode).save(path)
+    processor = VisionProcessor(volume / VLM_BASE)
+    ours = processor.pixels([open_image(str(path))])["pixel_values"]
+    own = processor.image_processor(images=[Image.open(path)], return_tensors="pt")["pixel_values"]
+    assert torch.equal(ours, own)
+    assert open_image(str(path)).getpixel((0, 0)) == (255, 255, 255)

@@ -126,6 +126,16 @@ def open_image(ref: str) -> Image.Image:
         image = Image.open(io.BytesIO(source["bytes"])) if source.get("bytes") else Image.open(source["path"])
     else:
         image = Image.open(ref)
+    return as_rgb(image)
+
+
+def as_rgb(image: Image.Image) -> Image.Image:
+    """RGB with any transparency composited onto white, as the image processor's own convert_to_rgb does:
+    a plain convert keeps a transparent pixel's colour, often black, so black text on a transparent
+    background became a black square."""
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        background = Image.new("RGBA", image.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, image.convert("RGBA")).convert("RGB")
     return image.convert("RGB")
 
 

@@ -14,7 +14,14 @@ from PIL import Image
 
 from trainpod.config.finetune_vlm import VisionDataConfig
 from trainpod.errors import InputError
-from trainpod.sft.vision import VisionBatches, VisionProcessor, load_vision, open_image, prepare_vision
+from trainpod.sft.vision import (
+    VisionBatches,
+    VisionProcessor,
+    load_vision,
+    open_image,
+    prepare_vision,
+    vision_batch,
+)
 
 from vlm_support import OCR_FILE, PROMPT, VLM_BASE, ocr_rows, render_text
 
@@ -206,3 +213,23 @@ def test_transparent_pixels_are_white_as_the_image_processor_makes_them(volume, 
     own = processor.image_processor(images=[Image.open(path)], return_tensors="pt")["pixel_values"]
     assert torch.equal(ours, own)
     assert open_image(str(path)).getpixel((0, 0)) == (255, 255, 255)
+
+
+def test_a_photo_with_an_exif_orientation_is_trained_upright_with_its_upright_token_count(volume):
+    """A phone photo stored sideways with orientation 6 (turn 90 degrees): every viewer and transformers'
+    load_image show it 56 wide and 112 tall, so its pixels and its image tokens must be of that."""
+    from transformers.image_utils import load_image
+
+    stored = Image.new("RGB", (112, 56), "white")
+    stored.paste((0, 0, 0), (0, 0, 20, 56))  # a black band on the left of the stored pixels
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    stored.save(volume / "data/ocr/photo.jpg", exif=exif, quality=95)
+    path = write_rows(volume, [image_row("photo.jpg")])
+    data = load_vision(prepare(volume, [{"path": path}], max_pixels=56 * 112))
+    processor = VisionProcessor(volume / VLM_BASE, max_pixels=56 * 112)
+    batch = vision_batch(data.train, [0], 64, data.pad_id, processor)
+    assert batch["image_grid_thw"].tolist() == [[1, 8, 4]]  # 112 tall, 56 wide: 8 x 4 patches
+    assert int((batch["input_ids"] == processor.image_token_id).sum()) == 8
+    upright = load_image(str(volume / "data/ocr/photo.jpg"))
+    assert open_image(data.train.images[0][0]).tobytes() == upright.convert("RGB").tobytes()

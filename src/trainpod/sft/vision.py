@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image, UnidentifiedImageError
+from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 from safetensors.numpy import save
 
 from trainpod.atomic import json_bytes, publish_dir, read_json, temp_name, write_bytes
@@ -47,7 +47,7 @@ from trainpod.sft.templates import TokenizerChatTemplate
 
 log = logging.getLogger(__name__)
 
-VISION_FORMAT = "trainpod-vlm/1"
+VISION_FORMAT = "trainpod-vlm/2"  # 2: images turned upright by their EXIF orientation (token counts too)
 PLACEHOLDER = "<image>"  # LLaMA-Factory's image placeholder in string contents
 IMAGE_PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
 HF_IMAGE_REF = re.compile(
@@ -126,7 +126,21 @@ def open_image(ref: str) -> Image.Image:
         image = Image.open(io.BytesIO(source["bytes"])) if source.get("bytes") else Image.open(source["path"])
     else:
         image = Image.open(ref)
+    # A phone photo: upright, as every viewer (and transformers' load_image) shows it.
+    if exif_orientation(image) != 1:
+        image = ImageOps.exif_transpose(image)
     return as_rgb(image)
+
+
+QUARTER_TURNS = (5, 6, 7, 8)  # EXIF orientations that swap width and height
+
+
+def exif_orientation(image: Image.Image) -> int:
+    """The EXIF orientation tag (1: stored upright), read from the header without decoding the pixels (a
+    PNG's EXIF after its pixels counts as upright: reading it would decode them)."""
+    if image.format == "PNG" and "exif" not in image.info:
+        return 1
+    return int(image.getexif().get(ExifTags.Base.Orientation, 1))
 
 
 def as_rgb(image: Image.Image) -> Image.Image:
@@ -165,6 +179,8 @@ def check_image(ref: str, where: str, field: str) -> tuple[int, int]:
             return image.size
         with Image.open(ref) as image:
             size = image.size
+            if exif_orientation(image) in QUARTER_TURNS:  # open_image's upright pixels are size[::-1]
+                size = size[::-1]
             image.verify()  # reads the whole file and checks its structure (PNG CRCs) without decoding
         return size
     except FileNotFoundError:

@@ -233,3 +233,14 @@ def test_a_photo_with_an_exif_orientation_is_trained_upright_with_its_upright_to
     assert int((batch["input_ids"] == processor.image_token_id).sum()) == 8
     upright = load_image(str(volume / "data/ocr/photo.jpg"))
     assert open_image(data.train.images[0][0]).tobytes() == upright.convert("RGB").tobytes()
+
+
+def test_an_image_the_processor_refuses_for_its_aspect_ratio_is_named_with_its_row(volume):
+    """Qwen-VL's resize raises ValueError over 200:1; preparing crashed with it (exit 1, no row named)."""
+    Image.new("RGB", (4100, 20), "white").save(volume / "data/ocr/images/line.png")
+    path = write_rows(volume, [image_row("images/00000.png"), image_row("images/line.png")])
+    with pytest.raises(InputError) as error:
+        prepare(volume, [{"path": path}])
+    message = str(error.value)
+    for part in (str(volume / path), "line 2", "line.png", "4100x20", "aspect ratio"):
+        assert part in message, f"{part!r} missing from: {message}"

@@ -422,7 +422,7 @@ def encode_sample(
 ) -> EncodedVision | None:
     """Ids with each image's pad token repeated to its token count; None when over cutoff_len."""
     segments = template.segments(sample)  # type: ignore[arg-type]
-    counts = iter(processor.image_tokens(*size) for size in sample.sizes)
+    counts = iter([_image_tokens(processor, sample, k) for k in range(len(sample.images))])
     pad = processor.image_token
     texts = [segments.prefix]
     for prompt, answer in segments.pairs:
@@ -434,6 +434,19 @@ def encode_sample(
     if encoded is None:
         return None
     return EncodedVision(encoded.input_ids, encoded.trained, sample.images)
+
+
+def _image_tokens(processor: VisionProcessor, sample: VisionSample, k: int) -> int:
+    """The token count of the sample's k-th image; InputError naming it where the processor refuses its size
+    (Qwen-VL's resize refuses an aspect ratio over 200:1, e.g. a 4,100 x 20 text line)."""
+    width, height = sample.sizes[k]
+    try:
+        return processor.image_tokens(width, height)
+    except ValueError as exc:
+        raise InputError(
+            f"{sample.where}: image {sample.images[k]} ({width}x{height} pixels) is refused by the model's image "
+            f"processor ({exc}); crop or pad the image, or drop the row"
+        ) from None
 
 
 # ------------------------------------------------------------------------------ the cache

@@ -244,3 +244,16 @@ def test_an_image_the_processor_refuses_for_its_aspect_ratio_is_named_with_its_r
     message = str(error.value)
     for part in (str(volume / path), "line 2", "line.png", "4100x20", "aspect ratio"):
         assert part in message, f"{part!r} missing from: {message}"
+
+
+def test_an_image_over_pillows_size_limit_is_named_with_its_row(volume, monkeypatch):
+    """Pillow raises DecompressionBombError (not an OSError) over twice MAX_IMAGE_PIXELS (179 M pixels by
+    default: a large scan); the limit is lowered here so that a small file is over it."""
+    Image.new("RGB", (200, 100), "white").save(volume / "data/ocr/images/scan.png")
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 5000)
+    path = write_rows(volume, [image_row("images/00000.png"), image_row("images/scan.png")])
+    with pytest.raises(InputError) as error:
+        prepare(volume, [{"path": path}])
+    message = str(error.value)
+    for part in (str(volume / path), "line 2", "'images'", "scan.png", "too large"):
+        assert part in message, f"{part!r} missing from: {message}"

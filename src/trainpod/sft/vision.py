@@ -187,6 +187,11 @@ def check_image(ref: str, where: str, field: str) -> tuple[int, int]:
         raise InputError(
             f"{where}: field {field!r}: image {ref} does not exist; fix the path or add the file"
         ) from None
+    except Image.DecompressionBombError as exc:  # not an OSError: Pillow refuses over 2 x MAX_IMAGE_PIXELS
+        raise InputError(
+            f"{where}: field {field!r}: image {ref} is too large to decode ({exc}); downscale it (the image "
+            "processor resizes it to data.max_pixels anyway) or drop the row"
+        ) from None
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
         raise InputError(
             f"{where}: field {field!r}: image {ref} is not a readable image ({type(exc).__name__}: {exc}); "

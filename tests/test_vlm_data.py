@@ -257,3 +257,30 @@ def test_an_image_over_pillows_size_limit_is_named_with_its_row(volume, monkeypa
     message = str(error.value)
     for part in (str(volume / path), "line 2", "'images'", "scan.png", "too large"):
         assert part in message, f"{part!r} missing from: {message}"
+
+
+def test_the_exported_image_processor_resizes_images_as_training_did(vlm_base_volume, tmp_path):
+    """With data.max_pixels set, the processor saved beside the adapter (and over the base model's copy in a
+    full export) must make as many image tokens of an image as training gave it: it held the base's sizes."""
+    from transformers import AutoImageProcessor
+
+    from vlm_support import build_vlm_finetuner, fresh
+
+    volume = fresh(vlm_base_volume, tmp_path / "volume")
+    trainer = build_vlm_finetuner(volume, ["method=lora", "data.max_pixels=3136", "data.min_pixels=3136"])
+    trained = trainer.processor.image_tokens(112, 112)
+    assert trained == 4  # 112 x 112 down to 56 x 56: 2 x 2 merged patches
+    assert int((trainer.data.train[0].input_ids == trainer.processor.image_token_id).sum()) == 4
+
+    def exported_tokens(folder: Path) -> int:
+        exported = AutoImageProcessor.from_pretrained(str(folder))
+        grid = exported(images=[Image.new("RGB", (112, 112), "white")], return_tensors="pt")["image_grid_thw"]
+        return int(grid.prod(-1).sum()) // trainer.processor.merge**2
+
+    trainer.save_processor(tmp_path / "adapter")
+    assert exported_tokens(tmp_path / "adapter") == trained
+    full = tmp_path / "full"  # export_hf writes these files over the base model's copies
+    full.mkdir()
+    for name, content in trainer.processor_json().items():
+        (full / name).write_text(json.dumps(content))
+    assert exported_tokens(full) == trained

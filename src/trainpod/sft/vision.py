@@ -74,8 +74,15 @@ class VisionProcessor:
                 "a vision-language model (e.g. Qwen/Qwen2-VL-2B-Instruct) ships one: point base_model.path at it"
             )
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        # data.min_pixels/max_pixels set on the image processor itself (its `size`), not passed per call: so
+        # the processor saved into the export resizes images as training did.
+        self.image_kwargs = {
+            k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if v is not None
+        }
         try:
-            self.image_processor = AutoImageProcessor.from_pretrained(str(model_dir), local_files_only=True)
+            self.image_processor = AutoImageProcessor.from_pretrained(
+                str(model_dir), local_files_only=True, **self.image_kwargs
+            )
         except ImportError as exc:  # transformers before 5.23 load no image processor without torchvision
             import transformers
 
@@ -86,9 +93,6 @@ class VisionProcessor:
                 f"{torch.__version__.split('+')[0]}, or transformers 5.23 or newer (its PIL processor needs "
                 "none); the trainpod image has what it needs"
             ) from exc
-        self.image_kwargs = {
-            k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if v is not None
-        }
         self.image_token = getattr(self.tokenizer, "image_token", None) or "<|image_pad|>"
         self.image_token_id = self.tokenizer.convert_tokens_to_ids(self.image_token)
         self.merge = int(getattr(self.image_processor, "merge_size", 1))
@@ -100,12 +104,12 @@ class VisionProcessor:
 
     def image_tokens(self, width: int, height: int) -> int:
         """How many pad tokens an image of this size becomes (the processor's resize rule, no pixels read)."""
-        patches = self.image_processor.get_number_of_image_patches(height, width, dict(self.image_kwargs))
+        patches = self.image_processor.get_number_of_image_patches(height, width, {})
         return int(patches) // (self.merge * self.merge)
 
     def pixels(self, images: list[Image.Image]) -> dict[str, torch.Tensor]:
         """pixel_values and image_grid_thw of the images, in order."""
-        out = self.image_processor(images=images, return_tensors="pt", **self.image_kwargs)
+        out = self.image_processor(images=images, return_tensors="pt")
         return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
 
     def files_hash(self, model_dir: Path) -> str:

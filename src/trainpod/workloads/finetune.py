@@ -612,7 +612,7 @@ class Finetuner(Trainer):
                 self.base_dir,
                 self.ctx.run.export / "hf",
                 DTYPES[dtype_name],
-                extra_json={"training_summary.json": self.training_summary()},
+                extra_json={"training_summary.json": self.training_summary(), **self.processor_json()},
             )
         target = self.ctx.run.export / "adapter"
         tmp = atomic.temp_name(target)
@@ -630,6 +630,10 @@ class Finetuner(Trainer):
     def save_processor(self, folder: Path) -> None:
         """What the adapter folder needs beside the weights to be used: the tokenizer (VLMs: and more)."""
         self.tokenizer.save_pretrained(str(folder))
+
+    def processor_json(self) -> dict[str, Any]:
+        """Files of the full export that replace the base model's copies (VLMs: the image processor)."""
+        return {}
 
     def training_summary(self) -> dict[str, Any]:
         """What convert and a reader need beside the weights: method, base model, quantization, results."""

@@ -18,6 +18,7 @@ Finetuner; this subclass changes only what images change:
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from pathlib import Path
@@ -234,6 +235,11 @@ class VlmFinetuner(Finetuner):
     def save_processor(self, folder: Path) -> None:
         self.tokenizer.save_pretrained(str(folder))
         self.processor.image_processor.save_pretrained(str(folder))
+
+    def processor_json(self) -> dict[str, Any]:
+        """The image processor with data.min_pixels/max_pixels, over the base model's copy: loaded from the
+        export, it resizes images as training did."""
+        return {"preprocessor_config.json": json.loads(self.processor.image_processor.to_json_string())}
 
     def training_summary(self) -> dict[str, Any]:
         summary = super().training_summary()

@@ -5,6 +5,7 @@ that resume where they were."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from vlm_support import OCR_FILE, PROMPT, VLM_BASE, ocr_rows, render_text
 
 
 def prepare(volume: Path, datasets: list[dict], **settings) -> Path:
-    data = VisionDataConfig(datasets=datasets, cutoff_len=64, **settings)
+    data = VisionDataConfig(datasets=datasets, **{"cutoff_len": 64, **settings})
     processor = VisionProcessor(volume / VLM_BASE)
     out = volume / "cache" / "vlm" / "test"
     shutil.rmtree(out, ignore_errors=True)
@@ -284,3 +285,27 @@ def test_the_exported_image_processor_resizes_images_as_training_did(vlm_base_vo
     for name, content in trainer.processor_json().items():
         (full / name).write_text(json.dumps(content))
     assert exported_tokens(full) == trained
+
+
+def test_an_inline_image_before_an_images_column_one_keeps_its_place(volume):
+    """A row whose first turn holds an inline image part and whose second turn an <image> placeholder of the
+    images column: the first turn's image tokens and pixels must be the inline image's."""
+    Image.new("RGB", (112, 56), "white").save(volume / "data/ocr/images/wide.png")  # 8 tokens
+    turns = [
+        {
+            "role": "user",
+            "content": [{"type": "image", "image": "images/wide.png"}, {"type": "text", "text": "A?"}],
+        },
+        {"role": "assistant", "content": "A"},
+        {"role": "user", "content": "<image>B?"},
+        {"role": "assistant", "content": "B"},
+    ]
+    path = write_rows(volume, [{"messages": turns, "images": ["images/00000.png"]}])  # 56 x 56: 4 tokens
+    data = load_vision(prepare(volume, [{"path": path}], max_images=2, cutoff_len=256))
+    folder = volume / "data/ocr/images"
+    assert data.train.images[0] == [str(folder / "wide.png"), str(folder / "00000.png")]
+    processor = VisionProcessor(volume / VLM_BASE)
+    text = processor.tokenizer.decode(data.train[0].input_ids.tolist())
+    runs = [len(run) // len("<|image_pad|>") for run in re.findall(r"(?:<\|image_pad\|>)+", text)]
+    assert runs == [8, 4]
+    assert text.index("A?") < text.index("B?")

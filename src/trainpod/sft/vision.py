@@ -268,6 +268,19 @@ class VisionRowReader:
                 content, where, f"{field}.{content_key}", base, images, used, listed
             )
             parsed.append(("user", parts))
+        # The images column's images are numbered first and inline parts' after, but the template places
+        # image tokens (and the model takes pixels) in the order the turns show them: number them so.
+        shown = [part for role, parts in parsed if role == "user" for part in parts if isinstance(part, int)]
+        if shown != sorted(shown):
+            number = {old: new for new, old in enumerate(shown)}
+            parsed = [
+                (
+                    role,
+                    tuple(number[p] if isinstance(p, int) else p for p in parts) if role == "user" else parts,
+                )
+                for role, parts in parsed
+            ]
+            images = [images[old] for old in shown]
         sizes = self._check_images(where, used, listed, images)
         refs = tuple(ref for ref, _ in images)
         return VisionSample(system, self._pairs(where, parsed), refs, sizes, where)

@@ -309,3 +309,24 @@ def test_an_inline_image_before_an_images_column_one_keeps_its_place(volume):
     runs = [len(run) // len("<|image_pad|>") for run in re.findall(r"(?:<\|image_pad\|>)+", text)]
     assert runs == [8, 4]
     assert text.index("A?") < text.index("B?")
+
+
+def test_the_same_volume_mounted_elsewhere_does_not_reuse_image_paths_of_the_old_mount(volume, tmp_path):
+    """A pod mounts the network volume at another path (volume.mount_path, TRAINPOD_VOLUME): the stored
+    samples name their images by absolute path, so the old mount's cache crashed the first batch."""
+    from trainpod.sft.vision import vision_key
+
+    data = VisionDataConfig(datasets=[{"path": OCR_FILE}], cutoff_len=64)
+
+    def first_batch(root: Path) -> dict:
+        processor = VisionProcessor(root / VLM_BASE)
+        key = vision_key(data, processor, root / VLM_BASE, root)
+        prepared = load_vision(
+            prepare_vision(data, processor, root / VLM_BASE, root / "cache/vlm" / key, root)
+        )
+        return vision_batch(prepared.train, [0, 1], 64, prepared.pad_id, processor)
+
+    first = first_batch(volume)
+    moved = volume.rename(tmp_path / "mounted-elsewhere")
+    again = first_batch(moved)
+    assert torch.equal(first["pixel_values"], again["pixel_values"])

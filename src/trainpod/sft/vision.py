@@ -473,8 +473,9 @@ def _image_tokens(processor: VisionProcessor, sample: VisionSample, k: int) -> i
 
 # ------------------------------------------------------------------------------ the cache
 def vision_key(data: VisionDataConfig, processor: VisionProcessor, model_dir: Path, volume_root: Path) -> str:
-    """Settings, the tokenizer and image processor files, and the data files' contents (images are
-    referenced by path: replacing an image file without touching the data file is not detected)."""
+    """Settings, the tokenizer and image processor files, the data files' contents, and where the volume is
+    mounted (images are referenced by absolute path: replacing an image file without touching the data
+    file is not detected, and the same volume mounted elsewhere needs its own copy of the paths)."""
     files = [
         [f["sha256"] for f in describe_files(s, volume_root)]
         if s.format != "hf"
@@ -486,6 +487,7 @@ def vision_key(data: VisionDataConfig, processor: VisionProcessor, model_dir: Pa
         "settings": data.model_dump(mode="json"),
         "processor": processor.files_hash(model_dir),
         "files": files,
+        "volume_root": str(volume_root),
     }
     return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()[:16]
 

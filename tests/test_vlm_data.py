@@ -330,3 +330,28 @@ def test_the_same_volume_mounted_elsewhere_does_not_reuse_image_paths_of_the_old
     moved = volume.rename(tmp_path / "mounted-elsewhere")
     again = first_batch(moved)
     assert torch.equal(first["pixel_values"], again["pixel_values"])
+
+
+def test_a_jpeg_cut_short_is_named_while_preparing_not_crashed_on_in_its_batch(volume):
+    """Pillow's verify checks PNG CRCs but nothing of a JPEG: a truncated JPEG passed preparation and its
+    batch crashed training with OSError (exit 1, at the same step at every restart)."""
+    import numpy as np
+
+    noise = np.random.default_rng(0).integers(0, 255, (56, 56, 3), dtype=np.uint8)
+    Image.fromarray(noise).save(volume / "data/ocr/images/whole.jpg", quality=95)
+    whole = (volume / "data/ocr/images/whole.jpg").read_bytes()
+    (volume / "data/ocr/images/cut.jpg").write_bytes(whole[: len(whole) // 2])
+    path = write_rows(volume, [image_row("images/00000.png"), image_row("images/cut.jpg")])
+    with pytest.raises(InputError) as error:
+        prepare(volume, [{"path": path}])
+    message = str(error.value)
+    for part in (str(volume / path), "line 2", "'images'", "cut.jpg", "truncated"):
+        assert part in message, f"{part!r} missing from: {message}"
+
+
+def test_an_image_damaged_after_preparing_stops_its_batch_with_an_input_error(volume):
+    path = write_rows(volume, [image_row("images/00000.png"), image_row("images/00001.png")])
+    data = load_vision(prepare(volume, [{"path": path}]))
+    (volume / "data/ocr/images/00001.png").unlink()
+    with pytest.raises(InputError, match=r"00001\.png of samples \[0, 1\] cannot be read"):
+        vision_batch(data.train, [0, 1], 64, data.pad_id, VisionProcessor(volume / VLM_BASE))

@@ -355,3 +355,26 @@ def test_an_image_damaged_after_preparing_stops_its_batch_with_an_input_error(vo
     (volume / "data/ocr/images/00001.png").unlink()
     with pytest.raises(InputError, match=r"00001\.png of samples \[0, 1\] cannot be read"):
         vision_batch(data.train, [0, 1], 64, data.pad_id, VisionProcessor(volume / VLM_BASE))
+
+
+def test_the_eval_decodes_a_batch_of_images_at_a_time_and_a_stop_ends_it_before_the_rest(
+    vlm_base_volume, tmp_path, monkeypatch
+):
+    """A validation split of pages is gigabytes of pixels (a 2 MP page at Qwen2-VL's defaults: ~50 MB in
+    fp32); the eval made every batch, every image decoded, before its first forward and first stop check."""
+    import trainpod.sft.vision as vision
+    from trainpod.train.trainer import EvalInterrupted
+
+    from vlm_support import build_vlm_finetuner, fresh
+
+    volume = fresh(vlm_base_volume, tmp_path / "volume")
+    trainer = build_vlm_finetuner(volume, ["method=lora", "data.val_ratio=0.3", "train.micro_batch_size=1"])
+    assert len(trainer.data.val) >= 3
+    decoded = []
+    monkeypatch.setattr(
+        vision, "open_image", lambda ref, real=vision.open_image: decoded.append(ref) or real(ref)
+    )
+    trainer.ctx.watch.request("test")
+    with pytest.raises(EvalInterrupted):
+        trainer.evaluate(trainer.model, step=1)
+    assert len(decoded) <= 1, f"{len(decoded)} of {len(trainer.data.val)} validation images decoded"

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,21 @@ def preflight(ctx: RunContext, config: VlmFinetuneConfig) -> None:
 
 def _under(name: str, parts: tuple[str, ...]) -> bool:
     return any(part in name.split(".") for part in parts)
+
+
+class EvalBatches(Sequence):
+    """Eval batches made when read (a rank's share is a slice of them: `batches[rank::world_size]`)."""
+
+    def __init__(self, make: Callable[[int], dict[str, torch.Tensor]], starts: range):
+        self.make, self.starts = make, starts
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return EvalBatches(self.make, self.starts[index])
+        return self.make(self.starts[index])
 
 
 class VlmFinetuner(Finetuner):
@@ -188,18 +204,21 @@ class VlmFinetuner(Finetuner):
             log.warning("cutoff_len %d exceeds the model's %d positions", self.max_len, positions)
 
     # ------------------------------------------------------------------------------- eval
-    def _eval_batches(self) -> list[dict[str, torch.Tensor]]:
-        t, val = self.train_cfg, self.data.val
-        starts = range(0, len(val), t.micro_batch_size)
+    def _eval_batches(self) -> EvalBatches:
+        """The validation split's batches, each made (its images decoded) when the eval reaches it: made all
+        at once, a split of pages held gigabytes of pixels and took its decoding before the first stop check."""
+        t = self.train_cfg
+        starts = range(0, len(self.data.val), t.micro_batch_size)
         if t.eval_batches is not None:
             starts = starts[: t.eval_batches]
-        out = []
-        for start in starts:
-            indices = list(range(start, min(start + t.micro_batch_size, len(val))))
-            batch = vision_batch(val, indices, self.max_len, self.data.pad_id, self.processor)
-            batch["sample_index"] = torch.tensor(indices)
-            out.append(batch)
-        return out
+        return EvalBatches(self._eval_batch, starts)
+
+    def _eval_batch(self, start: int) -> dict[str, torch.Tensor]:
+        val = self.data.val
+        indices = list(range(start, min(start + self.train_cfg.micro_batch_size, len(val))))
+        batch = vision_batch(val, indices, self.max_len, self.data.pad_id, self.processor)
+        batch["sample_index"] = torch.tensor(indices)
+        return batch
 
     def generation_prompts(self, limit: int) -> list[Prompt]:
         """The first `limit` validation samples up to their first answer, with their images."""

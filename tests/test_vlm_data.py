@@ -378,3 +378,20 @@ def test_the_eval_decodes_a_batch_of_images_at_a_time_and_a_stop_ends_it_before_
     with pytest.raises(EvalInterrupted):
         trainer.evaluate(trainer.model, step=1)
     assert len(decoded) <= 1, f"{len(decoded)} of {len(trainer.data.val)} validation images decoded"
+
+
+@pytest.mark.parametrize("where", ["prompt", "answer"])
+def test_a_row_whose_text_holds_the_image_token_itself_is_named(volume, where):
+    """Text holding `<|image_pad|>` (a row about the model's own tokens): in a prompt it crashed preparing
+    (RuntimeError: generator raised StopIteration, exit 1), in an answer its batch said an image changed."""
+    row = image_row("images/00000.png")
+    if where == "prompt":
+        row["messages"][0]["content"] += " What is <|image_pad|>?"
+    else:
+        row["messages"][1]["content"] = "It is <|image_pad|>"
+    path = write_rows(volume, [image_row("images/00001.png"), row])
+    with pytest.raises(InputError) as error:
+        prepare(volume, [{"path": path}])
+    message = str(error.value)
+    for part in (str(volume / path), "line 2", "2 image token(s) <|image_pad|> for 1 image(s)"):
+        assert part in message, f"{part!r} missing from: {message}"

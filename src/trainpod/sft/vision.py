@@ -463,6 +463,13 @@ def encode_sample(
     segments = template.segments(sample)  # type: ignore[arg-type]
     counts = iter([_image_tokens(processor, sample, k) for k in range(len(sample.images))])
     pad = processor.image_token
+    rendered = [segments.prefix, *(text for pair in segments.pairs for text in pair)]
+    placed = sum(text.count(pad) for text in rendered)
+    if placed != len(sample.images):  # one per image part, unless the row's own text holds the token
+        raise InputError(
+            f"{sample.where}: the chat template rendered {placed} image token(s) {pad} for {len(sample.images)} "
+            f"image(s); the row's text must not hold {pad} itself: remove it from the text, or drop the row"
+        )
     texts = [segments.prefix]
     for prompt, answer in segments.pairs:
         pieces = prompt.split(pad)

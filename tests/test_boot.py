@@ -29,6 +29,21 @@ def git(*args: str, cwd: Path) -> str:
     return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True).stdout
 
 
+def boot_datagen_from_repo(volume: Path, repo: Path, config: str) -> subprocess.CompletedProcess:
+    return boot_process(
+        volume, TRAINPOD_WORKLOAD="datagen", TRAINPOD_CONFIG=config, TRAINPOD_GIT_REPO=f"file://{repo}"
+    )
+
+
+def commit_all(work: Path, message: str) -> str:
+    """Commit everything in `work` (a repo made on `main` when there is none yet); returns the commit."""
+    if not (work / ".git").is_dir():
+        git("init", "-q", "-b", "main", cwd=work)
+    git("add", ".", cwd=work)
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", message, cwd=work)
+    return git("rev-parse", "HEAD", cwd=work).strip()
+
+
 @pytest.fixture
 def config_repo(tmp_path: Path) -> Path:
     """A bare git repo holding a datagen config on `main` and a different one at tag v2."""
@@ -106,12 +121,7 @@ def test_the_config_comes_from_the_repo_just_synced_not_another_runs_checkout(tm
     other = volume / "repos/aaa-other-run/configs"
     other.mkdir(parents=True)
     (other / "data.yaml").write_text(TINY_DATAGEN.read_text().replace("name: tiny-stories", "name: not-mine"))
-    result = boot_process(
-        volume,
-        TRAINPOD_WORKLOAD="datagen",
-        TRAINPOD_CONFIG="configs/data.yaml",
-        TRAINPOD_GIT_REPO=f"file://{config_repo}",
-    )
+    result = boot_datagen_from_repo(volume, config_repo, "configs/data.yaml")
     assert result.returncode == 0, result.stdout + result.stderr
     assert (volume / "datasets/from-git/manifest.json").is_file()
     assert not (volume / "datasets/not-mine").exists()
@@ -121,12 +131,7 @@ def test_a_folder_in_the_way_of_the_checkout_exits_2_and_stays_as_it_was(tmp_pat
     volume = tmp_path / "volume"
     (volume / "repos/configs").mkdir(parents=True)
     (volume / "repos/configs/notes.txt").write_text("mine")
-    result = boot_process(
-        volume,
-        TRAINPOD_WORKLOAD="datagen",
-        TRAINPOD_CONFIG="configs/data.yaml",
-        TRAINPOD_GIT_REPO=f"file://{config_repo}",
-    )
+    result = boot_datagen_from_repo(volume, config_repo, "configs/data.yaml")
     assert result.returncode == 2, result.stdout + result.stderr
     assert "Traceback" not in result.stdout + result.stderr
     assert "repos/configs is on the volume but is not a git checkout" in result.stdout
@@ -369,10 +374,7 @@ def test_a_resume_on_another_commit_of_the_branch_says_so_and_records_it(tmp_pat
     (work / "configs").mkdir(parents=True)
     volume.mkdir()
     (work / "configs/cmd.yaml").write_text("name: code-run\ncommand: [python, -c, 'print(1)']\n")
-    git("init", "-q", "-b", "main", cwd=work)
-    git("add", ".", cwd=work)
-    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one", cwd=work)
-    first = git("rev-parse", "HEAD", cwd=work).strip()
+    first = commit_all(work, "one")
     env = {
         "TRAINPOD_WORKLOAD": "command",
         "TRAINPOD_CONFIG": "configs/cmd.yaml",
@@ -385,9 +387,7 @@ def test_a_resume_on_another_commit_of_the_branch_says_so_and_records_it(tmp_pat
     run = volume / "runs/code-run"
     assert json.loads((run / "code.json").read_text())["commit"] == first
     (work / "train.py").write_text("# a fix pushed while the pod was stopped\n")
-    git("add", ".", cwd=work)
-    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "two", cwd=work)
-    second = git("rev-parse", "HEAD", cwd=work).strip()
+    second = commit_all(work, "two")
     (run / "DONE").unlink()  # as if the spot pod had been stopped before the end
 
     result = boot_process(volume, **env)
@@ -406,15 +406,8 @@ def test_a_config_in_the_synced_repo_wins_over_the_images_shipped_one_at_the_sam
     (work / "configs/datagen/tiny.yaml").write_text(
         TINY_DATAGEN.read_text().replace("name: tiny-stories", "name: my-edit")
     )
-    git("init", "-q", "-b", "main", cwd=work)
-    git("add", ".", cwd=work)
-    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one", cwd=work)
-    result = boot_process(
-        volume,
-        TRAINPOD_WORKLOAD="datagen",
-        TRAINPOD_CONFIG="configs/datagen/tiny.yaml",
-        TRAINPOD_GIT_REPO=f"file://{work}",
-    )
+    commit_all(work, "one")
+    result = boot_datagen_from_repo(volume, work, "configs/datagen/tiny.yaml")
     assert result.returncode == 0, result.stdout + result.stderr
     assert (volume / "datasets/my-edit/manifest.json").is_file()
     assert not (volume / "datasets/tiny-stories").exists()

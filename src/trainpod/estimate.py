@@ -264,15 +264,12 @@ def base_model_shape(config: FinetuneConfig, volume: Volume | None, notes: list[
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    from trainpod.workloads.finetune_vlm import PROJECTORS, VISION_TOWERS, _under
+    from trainpod.workloads.finetune_vlm import PROJECTORS, VISION_TOWERS, _under, frozen_in_vlm_training
 
     vlm = isinstance(config, VlmFinetuneConfig)
 
-    def frozen(name: str) -> bool:  # finetune-vlm's: the vision tower, and its projector unless trained
-        projector = _under(name, PROJECTORS)
-        return vlm and (
-            projector and not config.lora.train_projector or _under(name, VISION_TOWERS) and not projector
-        )
+    def frozen(name: str) -> bool:
+        return vlm and frozen_in_vlm_training(name, config.lora.train_projector)
 
     with torch.device("meta"):  # a vision-language model is no AutoModelForCausalLM
         model = (AutoModelForImageTextToText if vlm else AutoModelForCausalLM).from_config(model_config)

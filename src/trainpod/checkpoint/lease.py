@@ -46,12 +46,12 @@ def read_lease(path: Path) -> dict[str, Any] | None:
     return held if isinstance(held, dict) else None
 
 
-def renewed_by_its_holder(path: Path, held: dict[str, Any], sleep=time.sleep) -> bool:
+def renewed_by_its_holder(path: Path, held: dict[str, Any]) -> bool:
     """Whether the lease at `path`, read as `held`, is renewed (or taken by yet another writer) before it
     expires: a live writer heartbeats every TTL/4. Waits at most until that expiry; False when it
     expires unrenewed or is released."""
     while (left := held.get("expires_unix", 0) - time.time()) > 0:
-        sleep(min(RENEWAL_POLL_S, left))
+        time.sleep(min(RENEWAL_POLL_S, left))
         now = read_lease(path)
         if now is None:
             return False

@@ -54,6 +54,12 @@ def step_dir_name(step: int) -> str:
     return f"step-{step}"
 
 
+def step_of(name: str | None) -> int | None:
+    """The step a checkpoint folder's name (or LATEST's text) holds, else None."""
+    match = _STEP_DIR.match((name or "").strip())
+    return int(match.group(1)) if match else None
+
+
 @dataclass(frozen=True)
 class CommittedCheckpoint:
     step: int

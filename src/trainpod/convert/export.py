@@ -109,6 +109,5 @@ def write_export(source: CheckpointSource, folder: Path, dtype: str) -> None:
         load_weights(model, (source.path / "model.safetensors").read_bytes(), state["aliased_weights"])
     except ValueError as exc:
         raise InputError(f"{source.path}: {exc}") from None
-    export_hf(
-        model, source.tokenizer_dir, folder, DTYPES[dtype], manifest=False
-    )  # the output's own covers it
+    # No export manifest: the conversion output's own (convert/output.py) covers the folder.
+    export_hf(model, source.tokenizer_dir, folder, DTYPES[dtype], manifest=False)

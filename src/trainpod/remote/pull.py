@@ -21,12 +21,11 @@ import json
 import logging
 import os
 import posixpath
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from trainpod import atomic
-from trainpod.checkpoint.store import LATEST, PIECE_BYTES
+from trainpod.checkpoint.store import LATEST, PIECE_BYTES, step_dir_name, step_of
 from trainpod.errors import InputError, TemporaryError
 from trainpod.remote.s3 import RemoteObject, VolumeS3
 
@@ -159,11 +158,11 @@ def _point_latest(checkpoints: Path, latest: str, echo) -> None:
     """LATEST names the pulled checkpoint, unless it names a newer one this folder holds already (a run
     continued here): LATEST never moves backwards, or the next start would delete the newer checkpoints as
     the leftovers of an interrupted commit."""
-    local, pulled = _step(_read_text(checkpoints / LATEST)), _step(latest)
+    local, pulled = step_of(_read_text(checkpoints / LATEST)), step_of(latest)
     if (
         local is not None
         and local > (-1 if pulled is None else pulled)
-        and (checkpoints / f"step-{local}").is_dir()
+        and (checkpoints / step_dir_name(local)).is_dir()
     ):
         echo(
             f"kept {checkpoints / LATEST} at step-{local}, newer than the volume's {latest}; "
@@ -178,11 +177,6 @@ def _read_text(path: Path) -> str | None:
         return path.read_text(encoding="utf-8")
     except (FileNotFoundError, UnicodeDecodeError):
         return None
-
-
-def _step(name: str | None) -> int | None:
-    match = re.match(r"^step-(\d+)$", (name or "").strip())
-    return int(match.group(1)) if match else None
 
 
 def _fetch(s3: VolumeS3, prefix: str, path: str, remote: RemoteObject, expected: dict, dest: Path) -> int:

@@ -17,8 +17,9 @@ reaches `after_workload`. Boot therefore writes runs/<run>/START before the work
 `after_workload` removes it; a START found by the next boot is a start that ended without a word.
 The first SIGTERM removes it at once (trainpod.preemption's first-signal hooks): a spot stop is no
 crash even when its SIGKILL comes during a long preflight. It counts only when the same pod wrote it
-(another pod's may be a start still running there) and LATEST did not move meanwhile: a crash loop makes no progress, while a spot pod SIGKILLed in its
-final commit (or a crash after hours of committed steps) has moved on and is not held against the run.
+(another pod's may be a start still running there) and LATEST did not move meanwhile: a crash loop
+makes no progress, while a spot pod SIGKILLed in its final commit (or a crash after hours of committed
+steps) has moved on and is not held against the run.
 
 Exit 2 writes no marker into a run folder that does not exist yet: bad input leaves the volume
 untouched. The pod acts through the API with its own key (RUNPOD_API_KEY, RUNPOD_POD_ID, both set

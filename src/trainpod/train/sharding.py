@@ -4,8 +4,9 @@
     torchrun --nproc_per_node 8 -m trainpod run pretrain --config configs/pretrain/1b.yaml
 
 - `resolve_parallel`: `auto` is FSDP when there are several ranks and the model has at least
-  FSDP_AUTO_PARAMS parameters (and the optimizer can step sharded parameters), else DDP. Below that DDP is as fast and simpler: a replica of a
-  350M model's weights, gradients and AdamW state is 5.6 GB, 7% of an 80 GB GPU.
+  FSDP_AUTO_PARAMS parameters (and the optimizer can step sharded parameters), else DDP. Below that
+  DDP is as fast and simpler: a replica of a 350M model's weights, gradients and AdamW state is
+  5.6 GB, 7% of an 80 GB GPU.
 - `shard_model`: `fully_shard` on every decoder layer and then on the module that runs the loss
   (torchtitan's layout): each layer's weights are gathered just before it runs and freed after,
   so a rank holds 1/N of the weights, gradients and optimizer state plus one layer in full. With

@@ -68,6 +68,12 @@ def _under(name: str, parts: tuple[str, ...]) -> bool:
     return any(part in name.split(".") for part in parts)
 
 
+def frozen_in_vlm_training(name: str, train_projector: bool) -> bool:
+    """Whether finetune-vlm leaves the parameter (or module) `name` untrained: the vision tower, and the
+    projector inside or beside it unless lora.train_projector (estimate.py counts by the same rule)."""
+    return not train_projector if _under(name, PROJECTORS) else _under(name, VISION_TOWERS)
+
+
 class EvalBatches(Sequence):
     """Eval batches made when read (a rank's share is a slice of them: `batches[rank::world_size]`)."""
 
@@ -191,10 +197,7 @@ class VlmFinetuner(Finetuner):
     def _freeze_for_full(self, model: torch.nn.Module) -> None:
         """A full finetune trains the language model (and the projector with lora.train_projector)."""
         for name, param in model.named_parameters():
-            projector = _under(name, PROJECTORS)
-            if (projector and not self.cfg.lora.train_projector) or (
-                _under(name, VISION_TOWERS) and not projector
-            ):
+            if frozen_in_vlm_training(name, self.cfg.lora.train_projector):
                 param.requires_grad_(False)
 
     def _check_positions(self, model: torch.nn.Module) -> None:

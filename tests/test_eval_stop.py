@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import socket
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -101,6 +102,23 @@ def test_a_stop_during_an_eval_commits_the_step_and_the_resumed_run_evaluates_it
     assert eval_losses(volume) == eval_losses(whole), "the eval of step 4 ran after the resume, then step 8's"
     resumed, expected = final_weights(second), final_weights(uninterrupted)
     assert all(torch.equal(resumed[name], expected[name]) for name in expected)
+
+
+def test_the_cost_counts_the_evals_too_not_only_the_steps(volume: Path, monkeypatch: pytest.MonkeyPatch):
+    """The pod bills evals, commits and loading as much as steps: TRAINPOD_BUDGET_USD counted steps alone."""
+    trainer = pretrainer(volume)
+    evaluate = trainer.evaluate
+
+    def slow_evaluate(model: torch.nn.Module, step: int) -> float:
+        time.sleep(1.5)  # an eval of many batches, as on a real validation split
+        return evaluate(model, step)
+
+    monkeypatch.setattr(trainer, "evaluate", slow_evaluate)
+    trainer.train()
+    assert trainer.progress.step == 8
+    assert trainer.progress.elapsed_s >= 3.0, "the two evals' 3 s are counted"
+    status = json.loads((volume / "runs" / RUN / "status.json").read_text())
+    assert status["elapsed_s"] >= 3.0
 
 
 def test_with_compile_the_eval_graph_is_built_before_the_first_step(

@@ -63,7 +63,9 @@ class Progress:
 
     step: int = 0
     tokens_seen: int = 0
-    elapsed_s: float = 0.0  # training time over every attempt, for cost and ETA
+    # Wall time of every attempt since its trainer started (loading, steps, evals, commits), for the cost
+    # and TRAINPOD_BUDGET_USD: the pod bills all of it, not only the steps.
+    elapsed_s: float = 0.0
     best_eval_loss: float | None = None
     last_eval_loss: float | None = None
     last_eval_step: int | None = None
@@ -127,6 +129,7 @@ class Trainer:
         self._last_metrics: dict[str, Any] = {}  # the newest logged metrics, for status.json and DONE
         self._lr = 0.0
         self._budget_warned = False
+        self._uncounted_since = time.perf_counter()  # this attempt's time not yet in progress.elapsed_s
         self.eval_metrics: dict[str, float] = {}  # more metrics of the latest eval (set by evaluate)
         self.reporter: RunReporter | None = None  # made in train(): rank 0 writes, the others do not
         self.autocast_dtype: torch.dtype | None = None  # the workload's mixed precision (bf16), if any
@@ -309,13 +312,12 @@ class Trainer:
         window_start, window_tokens, window_steps = time.perf_counter(), 0, 0
         loss_sum = torch.zeros((), device=self.dist.device)
         for step in range(start_step + 1, self.max_steps + 1):
-            step_started = time.perf_counter()
             result = self.train_step(model, step)
             self._note_nonfinite(step, result)
             loss_sum += result.loss
             tokens = result.tokens * self.dist.world_size
             self.progress.step, self.progress.tokens_seen = step, self.progress.tokens_seen + tokens
-            self.progress.elapsed_s += time.perf_counter() - step_started
+            self._count_elapsed()  # the step, and all since the one before: its eval, log line and commit
             window_tokens, window_steps = window_tokens + tokens, window_steps + 1
             metrics: dict[str, Any] = {}
             if self._eval_due(step):
@@ -340,6 +342,11 @@ class Trainer:
             self._after_step(step)
             if self.finished_early:
                 return
+
+    def _count_elapsed(self) -> None:
+        now = time.perf_counter()
+        self.progress.elapsed_s += now - self._uncounted_since
+        self._uncounted_since = now
 
     def _note_nonfinite(self, step: int, result: StepResult) -> None:
         finite = torch.isfinite(result.loss) & torch.isfinite(result.grad_norm)
@@ -682,6 +689,7 @@ class Trainer:
         }
 
     def _write_status(self, state: str, metrics: dict[str, Any]) -> None:
+        self._count_elapsed()  # up to now: a log line's eval, a commit
         if not self.dist.is_main:
             return
         checkpoint = None

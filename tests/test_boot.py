@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import base64
+import http.server
 import json
+import os
+import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -411,3 +416,82 @@ def test_a_config_in_the_synced_repo_wins_over_the_images_shipped_one_at_the_sam
     assert result.returncode == 0, result.stdout + result.stderr
     assert (volume / "datasets/my-edit/manifest.json").is_file()
     assert not (volume / "datasets/tiny-stories").exists()
+
+
+class _GitOverHttp(http.server.BaseHTTPRequestHandler):
+    """git's smart HTTP protocol (git-http-backend as CGI) behind basic auth, as GitHub answers it."""
+
+    project_root = Path()
+    user, password = "", ""
+
+    def do_GET(self) -> None:
+        self._serve()
+
+    def do_POST(self) -> None:
+        self._serve()
+
+    def _serve(self) -> None:
+        expected = base64.b64encode(f"{self.user}:{self.password}".encode()).decode()
+        if self.headers.get("Authorization") != f"Basic {expected}":
+            self.send_response(401)
+            self.send_header("WWW-Authenticate", 'Basic realm="git"')
+            self.end_headers()
+            return
+        path, _, query = self.path.partition("?")
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        cgi_env = {
+            "PATH": os.environ["PATH"],
+            "GIT_PROJECT_ROOT": str(self.project_root),
+            "GIT_HTTP_EXPORT_ALL": "1",
+            "PATH_INFO": path,
+            "QUERY_STRING": query,
+            "REQUEST_METHOD": self.command,
+            "CONTENT_TYPE": self.headers.get("Content-Type", ""),
+            "CONTENT_LENGTH": str(len(body)),
+            "REMOTE_USER": self.user,
+        }
+        backend = Path(git("--exec-path", cwd=self.project_root).strip()) / "git-http-backend"
+        out = subprocess.run([backend], input=body, env=cgi_env, capture_output=True, check=True).stdout
+        head, _, payload = out.partition(b"\r\n\r\n")
+        headers = [line.split(":", 1) for line in head.decode().split("\r\n") if ":" in line]
+        status = next((int(value.split()[0]) for name, value in headers if name.lower() == "status"), 200)
+        self.send_response(status)
+        for name, value in headers:
+            if name.lower() != "status":
+                self.send_header(name, value.strip())
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def log_message(self, *_: object) -> None:
+        pass
+
+
+def test_credentials_in_the_repo_url_reach_git_by_askpass_never_in_its_arguments(
+    tmp_path: Path, config_repo: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """https://user:token@host/... works as before, but git's argv (`ps`, readable by every process)
+    and the checkout never hold the token."""
+    handler = type(
+        "Handler", (_GitOverHttp,), {"project_root": config_repo.parent, "user": "me", "password": TOKEN}
+    )
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    argv_log = tmp_path / "git-argv.log"
+    real_git = shutil.which("git")
+    (shim / "git").write_text(f'#!/bin/sh\necho "$@" >> {argv_log}\nexec {real_git} "$@"\n')
+    (shim / "git").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{shim}:{os.environ['PATH']}")
+    try:
+        url = f"http://me:{TOKEN}@127.0.0.1:{server.server_port}/{config_repo.name}"
+        checkout = sync(url, "v2", tmp_path / "repos", sleep=lambda _: None)
+    finally:
+        server.shutdown()
+    assert "name: tagged" in (checkout / "configs/data.yaml").read_text(), "fetched with the URL's token"
+    assert "fetch" in argv_log.read_text()
+    assert TOKEN not in argv_log.read_text()
+    for path in checkout.rglob("*"):
+        if path.is_file():
+            assert TOKEN.encode() not in path.read_bytes(), path

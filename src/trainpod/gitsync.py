@@ -2,7 +2,8 @@
 
 The token (TRAINPOD_GIT_TOKEN, GIT_TOKEN or GITHUB_TOKEN) reaches git only through GIT_ASKPASS, a
 script that reads it from the environment: it is never part of a URL, an argument, .git/config on
-the volume, or a log line. A first clone goes to a temp folder renamed into place, so a kill
+the volume, or a log line. Credentials written into the URL itself (https://user:token@host/...) are
+taken out of it and handed to git the same way: git's argv is readable by every process (`ps`). A first clone goes to a temp folder renamed into place, so a kill
 mid-clone leaves no half checkout under the name. Failures are retried, then exit 75; a ref the remote
 does not have is exit 2 at once.
 """
@@ -19,6 +20,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 from trainpod import atomic
 from trainpod.errors import ConfigError, InputError, TemporaryError
@@ -32,10 +34,12 @@ GIT_TIMEOUT_S = 600.0  # one git command; a fetch from a host that never answers
 # git's words for a ref the remote does not have (a branch never pushed, a typo, an unknown commit): a
 # retry cannot help, and neither can a restart of the pod.
 _NO_SUCH_REF = ("couldn't find remote ref", "not our ref")
-_ASKPASS = """#!/bin/sh
+# The URL's own user and password, for the askpass script (set only in git's environment).
+_URL_USER, _URL_PASSWORD = "TRAINPOD_GIT_URL_USER", "TRAINPOD_GIT_URL_PASSWORD"
+_ASKPASS = f"""#!/bin/sh
 case "$1" in
-  Username*) echo "${TRAINPOD_GIT_USER:-x-access-token}" ;;
-  *) echo "${TRAINPOD_GIT_TOKEN:-${GIT_TOKEN:-$GITHUB_TOKEN}}" ;;
+  Username*) echo "${{{_URL_USER}:-${{TRAINPOD_GIT_USER:-x-access-token}}}}" ;;
+  *) echo "${{{_URL_PASSWORD}:-${{TRAINPOD_GIT_TOKEN:-${{GIT_TOKEN:-$GITHUB_TOKEN}}}}}}" ;;
 esac
 """
 
@@ -45,9 +49,23 @@ def repo_name(url: str) -> str:
     return name.removesuffix(".git") or "repo"
 
 
+def without_credentials(url: str) -> tuple[str, dict[str, str]]:
+    """`url` without the user and password an http(s) URL may carry, and those as askpass variables."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or "@" not in parts.netloc:
+        return url, {}
+    userinfo, host = parts.netloc.rsplit("@", 1)
+    user, _, password = userinfo.partition(":")
+    credentials = {_URL_USER: unquote(user)} if user else {}
+    if password:
+        credentials[_URL_PASSWORD] = unquote(password)
+    return urlunsplit(parts._replace(netloc=host)), credentials
+
+
 def sync(url: str, ref: str | None, repos_root: Path, sleep=time.sleep) -> Path:
     """Make repos/<name> hold `ref` (a branch, tag or commit; default: the remote's HEAD)."""
     target = repos_root / repo_name(url)
+    plain_url, credentials = without_credentials(url)
     if ref and ref.startswith("-"):  # git would read it as an option
         raise ConfigError(
             [f"TRAINPOD_GIT_REF={ref!r} is not a branch, tag or commit; set it like TRAINPOD_GIT_REF=main"]
@@ -56,7 +74,7 @@ def sync(url: str, ref: str | None, repos_root: Path, sleep=time.sleep) -> Path:
     last_error = ""
     for attempt in range(1, ATTEMPTS + 1):
         try:
-            _sync_once(url, ref or "HEAD", target)
+            _sync_once(plain_url, ref or "HEAD", target, credentials)
             head = _git(["rev-parse", "HEAD"], target).strip()
             log.info("synced %s at %s (%s) into %s", redact(url), ref or "HEAD", head[:12], target)
             return target
@@ -108,10 +126,10 @@ def note_commit(checkout: Path, ref: str | None, run_root: Path) -> None:
         atomic.write_json(path, {"ref": ref or "HEAD", "commit": head, "unix": time.time()})
 
 
-def _sync_once(url: str, ref: str, target: Path) -> None:
+def _sync_once(url: str, ref: str, target: Path, credentials: dict[str, str]) -> None:
     if (target / ".git").is_dir():
         _remove_stale_locks(target / ".git")
-        _fetch_checkout(url, ref, target)
+        _fetch_checkout(url, ref, target, credentials)
         return
     # Something else under the name is never replaced, nor merged into.
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
@@ -123,7 +141,7 @@ def _sync_once(url: str, ref: str, target: Path) -> None:
     try:
         tmp.mkdir(parents=True)
         _git(["init", "--quiet"], tmp)
-        _fetch_checkout(url, ref, tmp)
+        _fetch_checkout(url, ref, tmp, credentials)
         os.rename(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -140,18 +158,18 @@ def _remove_stale_locks(git_dir: Path) -> None:
                 lock.unlink()
 
 
-def _fetch_checkout(url: str, ref: str, checkout: Path) -> None:
+def _fetch_checkout(url: str, ref: str, checkout: Path, credentials: dict[str, str]) -> None:
     # The URL is passed on each fetch, never stored as a remote: .git/config stays credential-free.
-    _git(["fetch", "--quiet", "--depth", "1", url, ref], checkout)
+    _git(["fetch", "--quiet", "--depth", "1", url, ref], checkout, credentials)
     _git(["checkout", "--quiet", "--force", "FETCH_HEAD"], checkout)
 
 
-def _git(args: list[str], cwd: Path) -> str:
+def _git(args: list[str], cwd: Path, credentials: dict[str, str] | None = None) -> str:
     with tempfile.TemporaryDirectory(prefix="trainpod-askpass-") as folder:
         askpass = Path(folder) / "askpass.sh"
         askpass.write_text(_ASKPASS)
         askpass.chmod(stat.S_IRWXU)
-        env = dict(os.environ, GIT_ASKPASS=str(askpass), GIT_TERMINAL_PROMPT="0")
+        env = dict(os.environ, **(credentials or {}), GIT_ASKPASS=str(askpass), GIT_TERMINAL_PROMPT="0")
         result = subprocess.run(
             ["git", "-c", "advice.detachedHead=false", *args],
             cwd=cwd,

@@ -124,6 +124,27 @@ def test_a_successful_or_preempted_start_resets_the_count(fake, pod, run):
     assert fake.pods[pod["id"]]["desiredStatus"] == "RUNNING", "1 failure since the reset, 2 allowed"
 
 
+@pytest.mark.parametrize("workload", ["convert", "datagen"])
+def test_a_convert_or_datagen_pod_under_a_runs_name_never_marks_that_run(fake, pod, run, workload):
+    """A convert of a DONE run that keeps failing stops its pod, but the run stays DONE, not FAILED (a
+    supervisor would stop the run's pods); its success leaves a FAILED training run FAILED."""
+    env = pod_env(fake, pod, TRAINPOD_MAX_FAILED_STARTS="2")
+    atomic.write_json(run.root / STARTS_FILE, {"consecutive_failures": 1, "last_exit_code": 1})
+    for code in (1, 1):
+        after_workload(code, run, env, workload)
+    assert fake.pods[pod["id"]]["desiredStatus"] == "EXITED", "its own crash loop still stops the pod"
+    assert atomic.read_json(run.root / f"starts-{workload}.json")["consecutive_failures"] == 2
+    assert atomic.read_json(run.root / STARTS_FILE)["consecutive_failures"] == 1, "the run's count is its own"
+    assert not (run.root / FAILED_MARKER).exists()
+    after_workload(2, run, env, workload)
+    assert not (run.root / FAILED_MARKER).exists()
+
+    atomic.write_json(run.root / FAILED_MARKER, {"reason": "the training's crash loop"})
+    after_workload(0, run, pod_env(fake, pod, TRAINPOD_ON_FINISH="idle"), workload)
+    assert not (run.root / f"starts-{workload}.json").exists()
+    assert (run.root / FAILED_MARKER).exists() and (run.root / STARTS_FILE).exists()
+
+
 def test_bad_input_stops_the_pod_at_once_and_marks_an_existing_run(fake, pod, run):
     assert after_workload(2, run, pod_env(fake, pod), "pretrain") == 2
     assert "bad config or input (exit 2)" in atomic.read_json(run.root / FAILED_MARKER)["reason"]

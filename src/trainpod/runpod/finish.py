@@ -22,7 +22,10 @@ makes no progress, while a spot pod SIGKILLed in its final commit (or a crash af
 steps) has moved on and is not held against the run.
 
 Exit 2 writes no marker into a run folder that does not exist yet: bad input leaves the volume
-untouched. The pod acts through the API with its own key (RUNPOD_API_KEY, RUNPOD_POD_ID, both set
+untouched. A workload that does not own the run folder (datagen, convert: workloads.Kind) counts its
+failed starts in starts-<workload>.json beside the run's and writes no FAILED marker: a convert of a
+DONE run that fails, or a datagen pod started under the run's name, must not mark the training run
+FAILED (a supervisor would then stop its pod), nor clear the run's FAILED when it succeeds. The pod acts through the API with its own key (RUNPOD_API_KEY, RUNPOD_POD_ID, both set
 by RunPod in every pod); when either is missing it says so and exits normally.
 
 On an Instant Cluster (NUM_NODES > 1) node 0 (NODE_RANK 0) acts for the whole run, and `stop` and
@@ -47,6 +50,7 @@ from trainpod.errors import ConfigError, ExitCode
 from trainpod.preemption import call_at_first_signal, end_by_default_at_sigterm_meanwhile
 from trainpod.runpod.client import RunPodClient, RunPodError
 from trainpod.volume import RunDir
+from trainpod.workloads import REGISTRY
 
 log = logging.getLogger("trainpod.finish")
 
@@ -194,14 +198,15 @@ def _decide(code: int, run: RunDir | None, environ: dict[str, str], workload: st
     if workload == "supervise":
         # A supervisor that ended has nothing left to watch; 75 (RunPod unreachable) is worth another start.
         return "restart" if code == ExitCode.TEMPORARY else on_finish(environ)
+    marks_run = _owns_run_folder(workload)
     if code in START_WORKED:
-        _reset_failures(run)
+        _reset_failures(run, workload)
         return on_finish(environ) if code == ExitCode.DONE else "idle"
     if code == ExitCode.MACHINE_UNFIT:
         return _machine_unfit(run, environ)
     if code in STOP_AT_ONCE:
         reason = f"{STOP_AT_ONCE[ExitCode(code)]} (exit {code}); restarting cannot help"
-        if run is not None and run.root.is_dir():
+        if run is not None and run.root.is_dir() and marks_run:
             _mark_failed(run, reason, code, failures=1)
         # A warning: the error itself is already logged, as the one ERROR line a user looks for.
         log.warning("stopping this pod: %s", reason)
@@ -218,13 +223,14 @@ def _decide(code: int, run: RunDir | None, environ: dict[str, str], workload: st
             holder,
         )
         return "stop"
-    failures = _count_failure(run, code)
+    failures = _count_failure(run, code, workload)
     limit = max_failed_starts(environ)
     if failures < limit:
         log.warning("failed start %d/%d (exit %d); RunPod starts the container again", failures, limit, code)
         return "restart"
     reason = f"{failures} failed starts in a row, the last with exit {code}; look at runs/{run.name}/logs/"
-    _mark_failed(run, reason, code, failures)
+    if marks_run:
+        _mark_failed(run, reason, code, failures)
     log.error("crash loop: %s; stopping this pod (TRAINPOD_MAX_FAILED_STARTS=%d)", reason, limit)
     return "stop"
 
@@ -257,16 +263,27 @@ def _mark_unfit(run: RunDir | None, environ: dict[str, str]) -> None:
         atomic.write_json(run.root / UNFIT_MARKER, {"pod_id": pod_id, "unix": time.time()})
 
 
-def _reset_failures(run: RunDir | None) -> None:
+def _owns_run_folder(workload: str) -> bool:
+    """Whether the workload's outcome is the run's (training, your own code), not a datagen's or convert's."""
+    known = REGISTRY.get(workload)
+    return known is None or known.kind.owns_run_folder  # unknown: boot failed before naming it
+
+
+def _starts_file(workload: str) -> str:
+    return STARTS_FILE if _owns_run_folder(workload) else f"starts-{workload}.json"
+
+
+def _reset_failures(run: RunDir | None, workload: str) -> None:
     if run is None:
         return
     # Only what exists is removed: a DONE run's folder stays unchanged.
-    atomic.remove(run.root / STARTS_FILE)
-    atomic.remove(run.root / FAILED_MARKER)
+    atomic.remove(run.root / _starts_file(workload))
+    if _owns_run_folder(workload):
+        atomic.remove(run.root / FAILED_MARKER)
 
 
-def _count_failure(run: RunDir, code: int) -> int:
-    path = run.root / STARTS_FILE
+def _count_failure(run: RunDir, code: int, workload: str) -> int:
+    path = run.root / _starts_file(workload)
     try:
         failures = int(atomic.read_json(path).get("consecutive_failures", 0))
     except (FileNotFoundError, ValueError, AttributeError):

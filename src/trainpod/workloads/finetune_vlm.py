@@ -179,13 +179,10 @@ class VlmFinetuner(Finetuner):
         for name, module in model.named_modules():
             if not isinstance(module, linear) or name.split(".")[-1] == "lm_head":
                 continue
-            if _under(name, PROJECTORS):
-                if self.cfg.lora.train_projector:
-                    names.append(name)
+            if frozen_in_vlm_training(name, self.cfg.lora.train_projector):
                 continue
-            if _under(name, VISION_TOWERS):
-                continue
-            if wanted == "all-linear" or name.split(".")[-1] in wanted:
+            # A trained projector is adapted whole; the language model's layers as lora.target_modules says.
+            if _under(name, PROJECTORS) or wanted == "all-linear" or name.split(".")[-1] in wanted:
                 names.append(name)
         if not names:
             raise InputError(

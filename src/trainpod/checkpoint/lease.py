@@ -81,6 +81,15 @@ def _pid_exists(pid: int) -> bool:
     return True
 
 
+def _process_alive_here(owner: dict[str, Any]) -> bool:
+    """Whether the lease owner's process, on this host, still runs (its pid, not reused since)."""
+    pid = int(owner.get("pid", -1))
+    if owner.get("pid_start") is None:
+        return _pid_exists(pid)  # no /proc where it ran (macOS): the pid alone, on the safe side
+    start = _process_start_ticks(pid)
+    return start is not None and start == owner.get("pid_start")
+
+
 class Lease:
     def __init__(self, path: Path, ttl_seconds: float = 90.0):
         self.path = Path(path)
@@ -105,11 +114,7 @@ class Lease:
             return False
         owner = held.get("owner", {})
         if owner.get("host") == self.owner["host"]:
-            pid = int(owner.get("pid", -1))
-            if owner.get("pid_start") is None:
-                return _pid_exists(pid)  # no /proc where it ran (macOS): the pid alone, on the safe side
-            start = _process_start_ticks(pid)
-            return start is not None and start == owner.get("pid_start")
+            return _process_alive_here(owner)
         log.info(
             "the run is leased by host %s (pod %s) for %.0f s more: waiting for its heartbeat, or for it to "
             "expire unrenewed and be taken over",
@@ -194,7 +199,7 @@ def held_by_another(path: Path) -> bool:
     held = read_lease(path)
     if not held or held.get("expires_unix", 0) < time.time():
         return False
-    probe = Lease(path)
-    if held.get("owner", {}).get("host") != probe.owner["host"]:
+    owner = held.get("owner", {})
+    if owner.get("host") != socket.gethostname():
         return True  # another machine's unexpired lease: a reader does not wait to see it renewed
-    return probe._holder_alive(held)
+    return _process_alive_here(owner)

@@ -10,12 +10,13 @@ import shutil
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from trainpod import boot as boot_module
-from trainpod.errors import TemporaryError
+from trainpod.errors import ConfigError, TemporaryError
 from trainpod.gitsync import repo_name, sync
 
 from support import TINY_DATAGEN, child_env
@@ -467,16 +468,25 @@ class _GitOverHttp(http.server.BaseHTTPRequestHandler):
         pass
 
 
-def test_credentials_in_the_repo_url_reach_git_by_askpass_never_in_its_arguments(
-    tmp_path: Path, config_repo: Path, monkeypatch: pytest.MonkeyPatch
-):
-    """https://user:token@host/... works as before, but git's argv (`ps`, readable by every process)
-    and the checkout never hold the token."""
+@pytest.fixture
+def git_over_http(config_repo: Path) -> Iterator[str]:
+    """config_repo served at http://127.0.0.1:<port>/configs.git to user "me" with password TOKEN."""
     handler = type(
         "Handler", (_GitOverHttp,), {"project_root": config_repo.parent, "user": "me", "password": TOKEN}
     )
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"127.0.0.1:{server.server_port}/{config_repo.name}"
+    finally:
+        server.shutdown()
+
+
+def test_credentials_in_the_repo_url_reach_git_by_askpass_never_in_its_arguments(
+    tmp_path: Path, git_over_http: str, monkeypatch: pytest.MonkeyPatch
+):
+    """https://user:token@host/... works as before, but git's argv (`ps`, readable by every process)
+    and the checkout never hold the token."""
     shim = tmp_path / "bin"
     shim.mkdir()
     argv_log = tmp_path / "git-argv.log"
@@ -484,14 +494,30 @@ def test_credentials_in_the_repo_url_reach_git_by_askpass_never_in_its_arguments
     (shim / "git").write_text(f'#!/bin/sh\necho "$@" >> {argv_log}\nexec {real_git} "$@"\n')
     (shim / "git").chmod(0o755)
     monkeypatch.setenv("PATH", f"{shim}:{os.environ['PATH']}")
-    try:
-        url = f"http://me:{TOKEN}@127.0.0.1:{server.server_port}/{config_repo.name}"
-        checkout = sync(url, "v2", tmp_path / "repos", sleep=lambda _: None)
-    finally:
-        server.shutdown()
+    checkout = sync(f"http://me:{TOKEN}@{git_over_http}", "v2", tmp_path / "repos", sleep=lambda _: None)
     assert "name: tagged" in (checkout / "configs/data.yaml").read_text(), "fetched with the URL's token"
     assert "fetch" in argv_log.read_text()
     assert TOKEN not in argv_log.read_text()
     for path in checkout.rglob("*"):
         if path.is_file():
             assert TOKEN.encode() not in path.read_bytes(), path
+
+
+def test_a_refused_token_or_a_missing_repo_is_bad_input_at_once_not_a_retry(
+    tmp_path: Path, git_over_http: str, monkeypatch: pytest.MonkeyPatch
+):
+    """Retries cannot fix a wrong token or URL: each restart billed a pod start and ended the same way."""
+    sleeps: list[float] = []
+    wrong = "ghp_wrongtoken0123456789"
+    monkeypatch.setenv("TRAINPOD_GIT_TOKEN", wrong)
+    with pytest.raises(ConfigError, match="Authentication failed") as refused:
+        sync(f"http://{git_over_http}", None, tmp_path / "repos", sleep=sleeps.append)
+    assert "TRAINPOD_GIT_TOKEN" in str(refused.value) and wrong not in str(refused.value)
+
+    monkeypatch.setenv("TRAINPOD_GIT_USER", "me")
+    monkeypatch.setenv("TRAINPOD_GIT_TOKEN", TOKEN)
+    missing_repo = f"http://{git_over_http}".replace("configs.git", "nope.git")
+    with pytest.raises(ConfigError, match=r"TRAINPOD_GIT_REPO=http://127\.0\.0\.1:\d+/nope\.git .*not found"):
+        sync(missing_repo, None, tmp_path / "repos", sleep=sleeps.append)
+    assert sleeps == [], "not retried"
+    assert not (tmp_path / "repos/configs").exists() and not (tmp_path / "repos/nope").exists()

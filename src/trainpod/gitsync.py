@@ -5,7 +5,7 @@ script that reads it from the environment: it is never part of a URL, an argumen
 the volume, or a log line. Credentials written into the URL itself (https://user:token@host/...) are
 taken out of it and handed to git the same way: git's argv is readable by every process (`ps`). A first clone goes to a temp folder renamed into place, so a kill
 mid-clone leaves no half checkout under the name. Failures are retried, then exit 75; a ref the remote
-does not have is exit 2 at once.
+does not have, a token the server refuses and a repo it says is not there are exit 2 at once.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -34,6 +35,12 @@ GIT_TIMEOUT_S = 600.0  # one git command; a fetch from a host that never answers
 # git's words for a ref the remote does not have (a branch never pushed, a typo, an unknown commit): a
 # retry cannot help, and neither can a restart of the pod.
 _NO_SUCH_REF = ("couldn't find remote ref", "not our ref")
+# A server refusing the credentials, or answering that no such repository is there (GitHub says so for
+# a private one the token cannot read): a wrong token or URL, which no retry or pod restart fixes.
+_REFUSED = re.compile(
+    r"Authentication failed|could not read (Username|Password)|repository '[^']*' not found|"
+    r"The requested URL returned error: 40[134]\b"
+)
 # The URL's own user and password, for the askpass script (set only in git's environment).
 _URL_USER, _URL_PASSWORD = "TRAINPOD_GIT_URL_USER", "TRAINPOD_GIT_URL_PASSWORD"
 _ASKPASS = f"""#!/bin/sh
@@ -86,6 +93,13 @@ def sync(url: str, ref: str | None, repos_root: Path, sleep=time.sleep) -> Path:
                         f"TRAINPOD_GIT_REF={ref or 'HEAD'} is not in TRAINPOD_GIT_REPO={redact(url)} "
                         f"({last_error}); set TRAINPOD_GIT_REF to a branch, tag or commit that repo has "
                         "(pushed)"
+                    ]
+                ) from None
+            if _REFUSED.search(last_error):
+                raise ConfigError(
+                    [
+                        f"git could not fetch TRAINPOD_GIT_REPO={redact(url)} ({last_error}); check the URL "
+                        "and that TRAINPOD_GIT_TOKEN (and TRAINPOD_GIT_USER) holds a token that can read it"
                     ]
                 ) from None
         except subprocess.TimeoutExpired as exc:

@@ -16,6 +16,7 @@ import yaml
 from trainpod import atomic, cli
 from trainpod.config import load_config
 from trainpod.config.deploy import DeployConfig
+from trainpod.runpod.client import RunPodUnavailable
 from trainpod.runpod.cluster import cluster_body
 from trainpod.runpod.deploy import deploy, pod_env
 from trainpod.runpod.finish import FAILED_MARKER, after_workload
@@ -113,6 +114,26 @@ def test_gpu_types_are_tried_in_the_configs_order_one_cluster_at_a_time(fake, tm
     fake.no_capacity.add(GPUS[0])
     done = deploy(client_for(fake), config(tmp_path))
     assert done.cluster.gpu_type_id == GPUS[1] and len(fake.clusters) == 1
+
+
+def test_a_cluster_create_whose_answer_was_lost_is_not_followed_by_one_of_the_next_gpu_type(fake, tmp_path):
+    """RunPod made the cluster but its answer came after the timeout: asking for the next GPU type
+    would rent a second cluster of every node beside it."""
+    import time
+
+    handle = fake.handle
+
+    def late(method, raw_path, headers, raw_body):
+        answer = handle(method, raw_path, headers, raw_body)
+        if method == "POST" and raw_path.endswith("/v2/clusters"):
+            time.sleep(0.5)
+        return answer
+
+    fake.handle = late
+    with pytest.raises(RunPodUnavailable, match="not sent again"):
+        deploy(client_for(fake, timeout_s=0.2), config(tmp_path))
+    time.sleep(0.6)
+    assert len(fake.calls("POST", "/v2/clusters")) == 1 and len(fake.clusters_named("big-pretrain")) == 1
 
 
 def test_dry_run_shows_the_v2_cluster_request_with_secrets_masked_and_sends_nothing(

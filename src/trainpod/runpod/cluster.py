@@ -30,10 +30,12 @@ from trainpod.runpod.client import (
     RunPodClient,
     RunPodError,
     RunPodNotFound,
+    RunPodUnavailable,
 )
 
 log = logging.getLogger("trainpod.deploy")
 
+GATEWAY_ERRORS = (502, 504)  # a proxy in front of RunPod answered: what RunPod did behind it is unknown
 ALIVE = ("PROVISIONING", "STARTING", "RUNNING")  # v2 PodStatus values of a node that is coming or working
 # What RunPod itself puts into a node's environment (docs/runpod/runpod-platform.md): a recreated
 # cluster gets its own, so these never travel from an old node's env into the new cluster's request.
@@ -149,6 +151,10 @@ def create(client: RunPodClient, config: DeployConfig, volume_id: str, env: dict
         except RunPodAuthError:
             raise
         except RunPodError as exc:
+            if _outcome_unknown(exc):
+                # RunPod may have made this one: asking for the next GPU type would rent a second cluster
+                # beside it. The caller's next look by name finds it (or finds nothing and creates it).
+                raise
             refusals.append(exc)
             log.info(
                 "cluster of %d x %s refused (%s); trying the next GPU type",
@@ -157,6 +163,12 @@ def create(client: RunPodClient, config: DeployConfig, volume_id: str, env: dict
                 exc.status,
             )
     raise refusals[-1]
+
+
+def _outcome_unknown(exc: RunPodError) -> bool:
+    """No answer from RunPod itself (a timeout, a dropped connection, a gateway's 502 or 504): the
+    create may have been done. A 500 with RunPod's own answer (no capacity) is a refusal."""
+    return isinstance(exc, RunPodUnavailable) and exc.status in (None, *GATEWAY_ERRORS)
 
 
 def delete(client: RunPodClient, cluster: Cluster, why: str) -> None:

@@ -180,6 +180,20 @@ def test_budget_from_the_api_alone_counts_the_running_pods_price(fake):
     assert sup.step() == 3
 
 
+def test_hours_without_a_look_are_not_charged_at_the_price_of_a_pod_started_since(fake):
+    """The supervisor's last look saw the pod EXITED (nothing billing); five hours later the user
+    deploys again and supervises: those hours cost nothing, the run's $10 budget is not spent."""
+    deploy(client_for(fake), deploy_config())
+    fake.interrupt(the_pod(fake)["id"])
+    clock = Clock()
+    sup = supervisor(fake, None, clock, max_restarts=0)  # a look that leaves the EXITED pod as it is
+    assert sup.step() == 2
+    clock.now += 5 * 3600
+    deploy(client_for(fake), deploy_config())  # started again: $2.00/hr from now on
+    assert sup.step() is None, "nothing has billed since the last look"
+    assert the_pod(fake)["desiredStatus"] == "RUNNING"
+
+
 def test_without_the_volume_an_exited_pod_is_started_and_the_log_says_done_is_unknown(fake, caplog):
     deploy(client_for(fake), deploy_config())
     fake.interrupt(the_pod(fake)["id"])

@@ -58,6 +58,7 @@ class SupervisorState:
     next_attempt_unix: float = 0.0
     observed_cost_usd: float = 0.0
     last_look_unix: float | None = None
+    last_hourly_usd: float = 0.0  # what was billing at that look: the price of the time until the next
     whole_cluster: str | None = None  # the cluster seen with every node RUNNING: a node missing later is lost
     stopped_unix: float | None = None  # `trainpod stop` ran here: never bring the run back (deploy clears it)
 
@@ -278,10 +279,12 @@ class Supervisor:
         atomic.fsync_dir(marker.parent)
 
     def _account(self, state: SupervisorState, hourly_usd: float, now: float) -> None:
-        """Cost since the last look of what is billing now (its pods' hourly prices)."""
+        """Cost since the last look of what was billing at it (its pods' hourly prices). Not at today's
+        price: after days without a look (a stopped run deployed again) a pod started a minute ago
+        would be charged for all of them, and the supervisor would stop it as over budget."""
         if state.last_look_unix is not None:
-            state.observed_cost_usd += hourly_usd * max(0.0, now - state.last_look_unix) / 3600
-        state.last_look_unix = now
+            state.observed_cost_usd += state.last_hourly_usd * max(0.0, now - state.last_look_unix) / 3600
+        state.last_look_unix, state.last_hourly_usd = now, hourly_usd
 
     def _stop(self, why: str) -> None:
         for line in self.unit.stop(why):

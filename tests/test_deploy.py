@@ -163,6 +163,21 @@ def test_secrets_from_env_that_are_not_set_are_an_error(fake, tmp_path, monkeypa
     assert "HF_TOKEN" in capsys.readouterr().out and fake.requests == []
 
 
+def test_deploy_on_demand_then_supervise_keeps_replacement_pods_on_demand(fake, tmp_path, monkeypatch):
+    """The YAML says spot; --on-demand overrides it for the deploy and for the supervisor it starts,
+    whose replacement pods (start refused, pod gone) are made from that config."""
+    import trainpod.runpod.supervise as supervising
+
+    supervised = []
+    monkeypatch.setattr(supervising, "supervise", lambda cfg, volume, once=False: supervised.append(cfg) or 0)
+    monkeypatch.setenv("TRAINPOD_VOLUME", str(tmp_path / "not-mounted"))
+    assert cli.main(["deploy", str(write_config(tmp_path)), "--on-demand", "--supervise"]) == 0
+    (pod,) = fake.pods.values()
+    assert pod["interruptible"] is False
+    (cfg,) = supervised
+    assert cfg.pod.spot is False, "the supervisor would replace the on-demand pod with a spot one"
+
+
 def test_stop_and_terminate_act_on_the_runs_pods_only(fake, tmp_path, capsys):
     deploy(client_for(fake), config(tmp_path))
     deploy(client_for(fake), config(tmp_path, run="other"))

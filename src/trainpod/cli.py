@@ -382,11 +382,18 @@ def deploy(
 
     code = _reported(act)
     if code == ExitCode.DONE and then_supervise and not dry_run:
-        return supervise(load_config(DeployConfig, config).run, config)
+        # --spot/--on-demand hold for the supervisor too: its replacement pods are made from its config.
+        return supervise(load_config(DeployConfig, config).run, config, spot=spot)
     return code
 
 
-def supervise(run_name: str, config: str | None = None, once: bool = False, volume: str | None = None) -> int:
+def supervise(
+    run_name: str,
+    config: str | None = None,
+    once: bool = False,
+    volume: str | None = None,
+    spot: bool | None = None,
+) -> int:
     """Bring the run's interrupted spot pod back until it is DONE, FAILED or over budget.
 
     Needs the run's deploy config (--config, else $TRAINPOD_CONFIG, else the one YAML under
@@ -403,6 +410,8 @@ def supervise(run_name: str, config: str | None = None, once: bool = False, volu
         path = config or os.environ.get("TRAINPOD_CONFIG") or find_deploy_config(run_name)
         cfg = load_config(DeployConfig, path)
         cfg.run = run_name
+        if spot is not None:  # `deploy --spot/--on-demand --supervise`: what the deploy rented
+            cfg.pod.spot = spot
         return supervise_run(cfg, Volume(Path(volume)) if volume else Volume.from_env(), once=once)
 
     return _reported(act)

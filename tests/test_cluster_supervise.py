@@ -141,6 +141,30 @@ def test_a_gone_cluster_is_created_again(fake, volume):
     assert len(fake.nodes_of(the_cluster(fake)["id"])) == 2
 
 
+def test_a_cluster_deleted_between_its_listing_and_its_nodes_is_gone_not_the_end_of_supervising(
+    fake, volume, caplog
+):
+    """Node 0 exits 4 and deletes its cluster while the supervisor looks: the cluster is in the list,
+    its nodes are a 404 a moment later. The supervisor goes on and replaces it."""
+    deploy(client_for(fake), cluster_config())
+    cluster_id = the_cluster(fake)["id"]
+    node_0 = fake.nodes_of(cluster_id)[0]["id"]
+    atomic.write_json(volume.run("big").root / UNFIT_MARKER, {"pod_id": node_0, "unix": 1.0})
+    handle = fake.handle
+
+    def node_0_deletes_it_meanwhile(method, raw_path, headers, raw_body):
+        answer = handle(method, raw_path, headers, raw_body)
+        if method == "GET" and raw_path == "/v2/clusters" and cluster_id in fake.clusters:
+            fake._deleteCluster({}, {}, None, id=cluster_id)
+        return answer
+
+    fake.handle = node_0_deletes_it_meanwhile
+    caplog.set_level(logging.INFO, "trainpod")
+    assert supervisor(fake, volume).step() is None
+    assert "gone after a node's exit 4" in caplog.text
+    assert the_cluster(fake)["id"] != cluster_id, "replaced by a new cluster"
+
+
 def test_recreations_are_bounded_by_max_restarts(fake, volume, caplog):
     deploy(client_for(fake), cluster_config())
     sup = supervisor(fake, volume, max_restarts=2)

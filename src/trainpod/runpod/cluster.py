@@ -114,7 +114,11 @@ def look(client: RunPodClient, config: DeployConfig, whole_before: str | None = 
         return ClusterLook(None, [], "gone")
     cluster = clusters[0]
     seen_whole = whole_before == cluster.id
-    nodes = sorted(client.cluster_pods(cluster.id), key=lambda p: (p.node_rank is None, p.node_rank or 0))
+    try:
+        members = client.cluster_pods(cluster.id)
+    except RunPodNotFound:  # deleted since it was listed (node 0 deletes its cluster at DONE or exit 4)
+        return ClusterLook(None, [], "gone")
+    nodes = sorted(members, key=lambda p: (p.node_rank is None, p.node_rank or 0))
     dead = [p for p in nodes if p.desired_status not in ALIVE]
     if dead:
         return ClusterLook(cluster, nodes, f"node {node_label(dead[0])} {dead[0].desired_status}")

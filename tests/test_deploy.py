@@ -188,6 +188,30 @@ def test_stop_and_terminate_act_on_the_runs_pods_only(fake, tmp_path, capsys):
     assert [p["name"] for p in fake.pods.values()] == ["other-pretrain"]
 
 
+def test_stop_goes_on_past_a_pod_that_terminated_itself_meanwhile(fake, tmp_path, monkeypatch):
+    """The supervisor pod (stopped first) terminates itself between the listing and its stop: the
+    training pod must still be stopped and the run marked stopped, or it keeps billing."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("TRAINPOD_VOLUME", str(tmp_path / "not-mounted"))
+    deploy(client_for(fake), config(tmp_path))
+    deploy(client_for(fake), config(tmp_path, workload="supervise"))
+    (supervisor_pod,) = fake.pods_named("tiny-supervise")
+    handle = fake.handle
+
+    def terminated_meanwhile(method, raw_path, headers, raw_body):
+        answer = handle(method, raw_path, headers, raw_body)
+        if method == "GET" and raw_path.startswith("/v1/pods"):
+            fake.pods.pop(supervisor_pod["id"], None)  # on_finish: terminate, at its own DONE
+        return answer
+
+    fake.handle = terminated_meanwhile
+    assert cli.main(["stop", "tiny"]) == 0
+    assert fake.pods_named("tiny-pretrain")[0]["desiredStatus"] == "EXITED"
+    from trainpod.runpod.supervise import SupervisorState, state_path
+
+    assert SupervisorState.load(state_path(None, "tiny")).stopped_unix is not None
+
+
 def test_status_shows_the_runs_pods_when_a_key_is_at_hand(fake, tmp_path, capsys):
     deploy(client_for(fake), config(tmp_path))
     assert cli.main(["status", "tiny", "--volume", str(tmp_path)]) == 0

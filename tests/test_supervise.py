@@ -114,6 +114,23 @@ def test_a_gone_pod_is_created_again(fake, volume):
     assert the_pod(fake)["networkVolumeId"] == first.network_volume_id
 
 
+def test_done_ends_with_0_when_the_pod_terminated_itself_since_the_look(fake, volume):
+    """TRAINPOD_ON_FINISH=terminate: the pod is gone between the supervisor's listing and its stop."""
+    deploy(client_for(fake), deploy_config())
+    pod_id = the_pod(fake)["id"]
+    atomic.write_json(volume.run("tiny").done, {"step": 40})
+    handle = fake.handle
+
+    def terminated_meanwhile(method, raw_path, headers, raw_body):
+        answer = handle(method, raw_path, headers, raw_body)
+        if method == "GET" and raw_path.startswith("/v1/pods"):
+            fake.pods.pop(pod_id, None)
+        return answer
+
+    fake.handle = terminated_meanwhile
+    assert supervisor(fake, volume).step() == 0
+
+
 def test_the_runs_failure_marker_stops_supervising(fake, volume, caplog):
     deploy(client_for(fake), deploy_config())
     fake.interrupt(the_pod(fake)["id"])

@@ -20,7 +20,15 @@ from typing import Any
 
 from trainpod.config.deploy import CUDA_VERSIONS, MAX_POD_ENV, DeployConfig
 from trainpod.errors import ConfigError
-from trainpod.runpod.client import NetworkVolume, Pod, RunPodAuthError, RunPodClient, RunPodError, Template
+from trainpod.runpod.client import (
+    NetworkVolume,
+    Pod,
+    RunPodAuthError,
+    RunPodClient,
+    RunPodError,
+    RunPodNotFound,
+    Template,
+)
 from trainpod.runpod.cluster import ClusterDeployment, delete_run_clusters, deploy_cluster
 
 log = logging.getLogger("trainpod.deploy")
@@ -303,6 +311,16 @@ def pod_line(pod: Pod) -> str:
     return f"  pod {pod.name} ({pod.id}): {pod.desired_status} | {gpu} | {cost} | {kind}"
 
 
+def stop_pod(client: RunPodClient, pod: Pod, terminate: bool = False) -> bool:
+    """Stop (or terminate) the pod; False when it was gone already. A pod that terminated itself
+    since it was listed (TRAINPOD_ON_FINISH=terminate) must not keep the run's other pods billing."""
+    try:
+        (client.terminate_pod if terminate else client.stop_pod)(pod.id)
+    except RunPodNotFound:
+        return False
+    return True
+
+
 def stop_run(
     client: RunPodClient,
     run: str,
@@ -316,8 +334,10 @@ def stop_run(
         key=lambda p: not p.name.endswith("-supervise")
     )  # its supervisor first: it cannot undo the rest
     for pod in pods:
-        (client.terminate_pod if terminate else client.stop_pod)(pod.id)
-        echo(f"pod {pod.name} ({pod.id}) {'terminated' if terminate else 'stopped'}")
+        done = "terminated" if terminate else "stopped"
+        if not stop_pod(client, pod, terminate):
+            done = "already gone (terminated since it was listed)"
+        echo(f"pod {pod.name} ({pod.id}) {done}")
     clusters = delete_run_clusters(client, run_unit_names(run, workloads))
     for cluster in clusters:
         echo(

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Protocol
 from trainpod.config.deploy import DeployConfig
 from trainpod.runpod import cluster as clusters
 from trainpod.runpod.client import Pod, RunPodClient
-from trainpod.runpod.deploy import bring_back
+from trainpod.runpod.deploy import bring_back, stop_pod
 
 if TYPE_CHECKING:
     from trainpod.runpod.supervise import SupervisorState
@@ -73,9 +73,8 @@ class PodUnit:
         return Look(None, UNFIT if unfit else "EXITED" if self._exited else "gone", hourly, unfit)
 
     def stop(self, why: str) -> list[str]:
-        for pod in self._running:
-            self.client.stop_pod(pod.id)
-        return [f"stopped pod {pod.id}: {why}" for pod in self._running]
+        # A pod gone since the look (it terminated itself at DONE) needs no stop, and ends nothing.
+        return [f"stopped pod {pod.id}: {why}" for pod in self._running if stop_pod(self.client, pod)]
 
     def bring_back(self, replace: bool) -> str:
         pod, action = bring_back(self.client, self.config, self._exited, replace=replace)

@@ -224,6 +224,64 @@ def test_the_scheduled_supervisor_restarts_an_interrupted_pod(tmp_path: Path, fa
     assert "restart 1/50" in result.stdout
 
 
+def test_the_scheduled_supervisors_state_is_carried_from_one_run_to_the_next(tmp_path: Path, fake_runpod):
+    """Every scheduled run gets a fresh runner: without its state (supervise.json: restarts, backoff,
+    cost) carried over, supervise.max_restarts never ends anything, and a run that is DONE (invisible
+    without the volume) has its pod started again every 10 minutes, forever. The workflow restores the
+    state folder before `trainpod supervise` and saves it after, whatever it exited with; this runs the
+    step twice on two runners that share only what the cache steps carry."""
+    import shutil
+
+    from trainpod.config import load_config
+    from trainpod.config.deploy import DeployConfig
+    from trainpod.runpod.deploy import deploy
+
+    from fake_runpod import client_for
+
+    workflow = yaml.safe_load((REPO / ".github/workflows/supervise.yml").read_text())
+    steps = workflow["jobs"]["supervise"]["steps"]
+    names = [s.get("uses", "").split("@")[0] for s in steps]
+    restore = steps[names.index("actions/cache/restore")] if "actions/cache/restore" in names else None
+    save = steps[names.index("actions/cache/save")] if "actions/cache/save" in names else None
+    assert restore is not None and save is not None, "the supervisor's state is not carried between runs"
+    step_index = next(i for i, s in enumerate(steps) if "trainpod supervise" in s.get("run", ""))
+    assert names.index("actions/cache/restore") < step_index < names.index("actions/cache/save")
+    assert save.get("if") == "always()", "a supervisor that ends with 2 or 75 must keep its state too"
+    assert restore["with"]["path"] == save["with"]["path"]
+    prefix = restore["with"]["restore-keys"].strip()
+    assert save["with"]["key"].startswith(prefix) and "github.run_id" in save["with"]["key"]
+    deployed = deploy(
+        client_for(fake_runpod), load_config(DeployConfig, REPO / "configs/deploy/pretrain-spot.yaml")
+    )
+    step = steps[step_index]
+    env = workflow_step_env(
+        step["env"], {"RUNPOD_API_KEY": fake_runpod.key}, {"SUPERVISE_RUN": "pretrain-125m"}
+    )
+    shim = tmp_path / "bin" / "trainpod"
+    shim.parent.mkdir()
+    shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m trainpod "$@"\n')
+    shim.chmod(0o755)
+    cache = tmp_path / "actions-cache"
+    for run in (1, 2):
+        home = tmp_path / f"runner-{run}"  # a fresh runner: its home holds only what the cache restores
+        home.mkdir()
+        cached = Path(restore["with"]["path"].replace("~", str(home), 1))
+        if cache.exists():
+            shutil.copytree(cache, cached)
+        fake_runpod.interrupt(deployed.pod.id)
+        runner = {k: v for k, v in os.environ.items() if not k.startswith(("TRAINPOD_", "RUNPOD_", "XDG_"))}
+        runner |= {"PATH": f"{shim.parent}:{runner['PATH']}", "HOME": str(home)}
+        runner |= {"TRAINPOD_RUNPOD_API_URL": fake_runpod.url}
+        result = subprocess.run(
+            ["bash", "--noprofile", "--norc", "-eo", "pipefail", "-c", step["run"]],
+            cwd=REPO, env=runner | env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert result.returncode == 0, f"the scheduled supervisor failed:\n{result.stdout}{result.stderr}"
+        assert f"restart {run}/50" in result.stdout, result.stdout
+        shutil.rmtree(cache, ignore_errors=True)
+        shutil.copytree(cached, cache)
+
+
 def _pins(path: Path) -> dict[str, str]:
     lines = path.read_text().splitlines()
     return {

@@ -195,6 +195,27 @@ def test_stop_deletes_the_runs_cluster_and_leaves_other_runs_alone(fake, tmp_pat
     assert f"cluster big-pretrain ({mine.id}) deleted" in capsys.readouterr().out
 
 
+def test_stop_goes_on_past_a_cluster_node_0_deleted_meanwhile(fake, tmp_path, monkeypatch):
+    """Node 0 deletes its cluster at DONE between the listing and the delete: the stop must still
+    end well and mark the run stopped, or a supervisor creates the whole cluster again."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("TRAINPOD_VOLUME", str(tmp_path / "not-mounted"))
+    cluster_id = deploy(client_for(fake), config(tmp_path)).cluster.id
+    handle = fake.handle
+
+    def deleted_meanwhile(method, raw_path, headers, raw_body):
+        answer = handle(method, raw_path, headers, raw_body)
+        if method == "GET" and raw_path == "/v2/clusters" and cluster_id in fake.clusters:
+            fake._deleteCluster({}, {}, None, id=cluster_id)
+        return answer
+
+    fake.handle = deleted_meanwhile
+    assert cli.main(["stop", "big"]) == 0
+    from trainpod.runpod.supervise import SupervisorState, state_path
+
+    assert SupervisorState.load(state_path(None, "big")).stopped_unix is not None
+
+
 def test_logs_of_a_cluster_run_are_node_0s(fake, tmp_path, capsys):
     cluster = deploy(client_for(fake), config(tmp_path)).cluster
     node_0, node_1 = fake.nodes_of(cluster.id)

@@ -96,6 +96,18 @@ def test_a_missing_pod_is_none_not_an_error(fake):
     assert client_for(fake).get_pod("nope") is None
 
 
+def test_a_key_with_a_line_end_works_and_one_broken_inside_is_a_clear_error_never_shown(fake):
+    """A .env file written on Windows gives RUNPOD_API_KEY a trailing CR: http.client refused the
+    header with a ValueError quoting it, and `trainpod stop` printed the key in a raw traceback."""
+    from fake_runpod import api_env
+
+    assert RunPodClient.from_env(api_env(fake) | {"RUNPOD_API_KEY": fake.key + "\r"}).list_pods() == []
+    broken = api_env(fake) | {"RUNPOD_API_KEY": "fake-runpod-\nkey-for-tests"}
+    with pytest.raises(RunPodAuthError, match="line break, a space or a control character") as caught:
+        RunPodClient.from_env(broken).list_pods()
+    assert "fake-runpod" not in str(caught.value) and "key-for-tests" not in str(caught.value)
+
+
 def test_key_comes_from_the_environment_first(tmp_path):
     (tmp_path / ".runpod").mkdir()
     (tmp_path / ".runpod/config.toml").write_text('[default]\napi_key = "from-file"\n')

@@ -250,12 +250,19 @@ def _key_in_toml(text: str) -> str | None:
 def api_key(environ: dict[str, str] | None = None, home: Path | None = None) -> str:
     """The key from RUNPOD_API_KEY, else the runpod CLI's config file; RunPodAuthError when neither."""
     environ = os.environ if environ is None else environ
-    key = environ.get(KEY_ENV) or _key_from_cli_config(home)
+    # A key has no whitespace: a line end from a .env file written on Windows (CR) is not part of it.
+    key = (environ.get(KEY_ENV) or "").strip() or (_key_from_cli_config(home) or "").strip()
     if not key:
         raise RunPodAuthError(
             f"no RunPod API key: {KEY_ENV} is unset and no api_key is in {' or '.join(CLI_CONFIG_FILES)}; "
             f"create a key at https://console.runpod.io/user/settings and export {KEY_ENV}=... "
             "(or run `runpod config`)"
+        )
+    if any(char.isspace() or not char.isprintable() for char in key):
+        # http.client would refuse the header with a ValueError that quotes it, key and all.
+        raise RunPodAuthError(
+            f"the RunPod API key ({KEY_ENV} or the runpod CLI's config file) has a line break, a space or a "
+            "control character inside; copy it again from https://console.runpod.io/user/settings"
         )
     return key
 

@@ -77,6 +77,27 @@ def test_after_done_the_pod_acts_on_trainpod_on_finish(fake, pod, run, action, e
         assert fake.requests == []
 
 
+def test_a_stop_answered_with_a_body_that_is_not_json_still_counts_as_done(fake, pod, run, caplog):
+    """RunPod's description of POST /pods/{id}/stop declares no content for its 200, and RunPod's own
+    clients take any non-JSON answer to a pod action as success. Decoding it raised out of the finish
+    hook: the pod was stopped, but boot crashed after DONE."""
+    from fake_runpod import LogStream
+
+    handle = fake.handle
+
+    def plain_text_answer(method, raw_path, headers, raw_body):
+        status, result, extra = handle(method, raw_path, headers, raw_body)
+        if raw_path.endswith("/stop") and status == 200:
+            return status, LogStream(iter([b"Pod stopped"])), {"Content-Type": "text/plain"}
+        return status, result, extra
+
+    fake.handle = plain_text_answer
+    with caplog.at_level(logging.INFO):
+        assert after_workload(0, run, pod_env(fake, pod), "pretrain") == 0
+    assert fake.pods[pod["id"]]["desiredStatus"] == "EXITED"
+    assert f"asked RunPod to stop this pod ({pod['id']})" in caplog.text
+
+
 def test_without_the_pods_key_it_says_so_and_exits_normally(fake, pod, run, caplog):
     env = {"RUNPOD_POD_ID": pod["id"], "TRAINPOD_RUNPOD_API_URL": fake.url}
     with caplog.at_level(logging.INFO):

@@ -315,11 +315,14 @@ class RunPodClient:
         stream: bool = False,
         timeout_s: float | None = None,
         idempotent: bool = True,
+        answer_needed: bool = True,
     ) -> Any:
         """Send one call, retrying 429/5xx/timeouts; returns the decoded JSON (None when empty).
 
         `api="v2"` sends it to the v2 base URL. `stream=True` returns the open response once its
         status is 200 (the caller reads and closes it: Server-Sent Events); only opening is retried.
+        `answer_needed=False` (a pod action, whose 200 RunPod's description gives no content): the
+        status alone says it was done, and the body, JSON or not, is read and dropped.
         """
         endpoint = f"{method} {'/v2' if api == 'v2' else ''}{path}"
         url = (self.base_url_v2 if api == "v2" else self.base_url) + path
@@ -328,7 +331,8 @@ class RunPodClient:
         data = json.dumps(body).encode() if body is not None else None
         for attempt in range(1, self.max_attempts + 1):
             try:
-                return self._send(method, url, data, headers or {}, stream, timeout_s or self.timeout_s)
+                timeout = timeout_s or self.timeout_s
+                return self._send(method, url, data, headers or {}, stream, timeout, answer_needed)
             except urllib.error.HTTPError as exc:
                 retry_after = exc.headers.get("Retry-After") if exc.headers else None
                 exc.close()
@@ -375,7 +379,14 @@ class RunPodClient:
         raise AssertionError("not reached")
 
     def _send(
-        self, method: str, url: str, data: bytes | None, extra: dict[str, str], stream: bool, timeout_s: float
+        self,
+        method: str,
+        url: str,
+        data: bytes | None,
+        extra: dict[str, str],
+        stream: bool,
+        timeout_s: float,
+        answer_needed: bool = True,
     ) -> Any:
         accept = "text/event-stream" if stream else "application/json"
         headers = {**extra, "Authorization": f"Bearer {self._key}", "Accept": accept}
@@ -387,7 +398,7 @@ class RunPodClient:
             return response
         with response:
             raw = response.read()
-        return json.loads(raw) if raw.strip() else None
+        return json.loads(raw) if answer_needed and raw.strip() else None
 
     def _delay(self, attempt: int, retry_after: str | None) -> float:
         if retry_after:
@@ -413,13 +424,13 @@ class RunPodClient:
         return Pod.from_api(self.request("POST", "/pods", body, idempotent=False))
 
     def start_pod(self, pod_id: str) -> None:
-        self.request("POST", f"/pods/{_segment(pod_id)}/start")
+        self.request("POST", f"/pods/{_segment(pod_id)}/start", answer_needed=False)
 
     def stop_pod(self, pod_id: str) -> None:
-        self.request("POST", f"/pods/{_segment(pod_id)}/stop")
+        self.request("POST", f"/pods/{_segment(pod_id)}/stop", answer_needed=False)
 
     def terminate_pod(self, pod_id: str) -> None:
-        self.request("DELETE", f"/pods/{_segment(pod_id)}")
+        self.request("DELETE", f"/pods/{_segment(pod_id)}", answer_needed=False)
 
     def open_pod_logs(
         self, pod_id: str, tail: int | None, last_event_id: str | None, read_timeout_s: float
@@ -453,7 +464,7 @@ class RunPodClient:
 
     def delete_cluster(self, cluster_id: str) -> None:
         """Deletes the cluster and terminates every node (v2 has no stop for clusters); the volume stays."""
-        self.request("DELETE", f"/clusters/{_segment(cluster_id)}", api="v2")
+        self.request("DELETE", f"/clusters/{_segment(cluster_id)}", api="v2", answer_needed=False)
 
     def cluster_pods(self, cluster_id: str) -> list[Pod]:
         answer = self.request("GET", f"/clusters/{_segment(cluster_id)}/pods", api="v2") or {}

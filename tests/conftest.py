@@ -4,6 +4,8 @@ a tiny base model and SFT rows for the finetune tests, also made once."""
 from __future__ import annotations
 
 import shutil
+import socket
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -47,3 +49,17 @@ def vlm_base_volume(tmp_path_factory: pytest.TempPathFactory) -> Path:
     make_tiny_vlm(volume / VLM_BASE)
     write_ocr_jsonl(volume / OCR_FILE, 40, seed=5)
     return volume
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[str]:
+    """A real S3 server on 127.0.0.1 (moto's server mode), standing in for RunPod's S3-compatible API."""
+    from moto.server import ThreadedMotoServer
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    yield f"http://127.0.0.1:{port}"
+    server.stop()

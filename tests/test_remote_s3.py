@@ -18,7 +18,6 @@ from pathlib import Path
 
 import boto3
 import pytest
-from moto.server import ThreadedMotoServer
 
 from trainpod.checkpoint.store import CheckpointStore
 from trainpod.data.datagen import load_dataset_manifest
@@ -33,17 +32,6 @@ KEY_ID = "user_2f21CfO73Mm2Uq2lEGFiEF24IPw"
 SECRET = "rps_FAKESECRETFORTESTS0123456789"
 DC = "EU-RO-1"
 PART = 5 << 20  # S3's smallest part, so a few MiB make a multipart upload
-
-
-@pytest.fixture(scope="module")
-def s3_server():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    yield f"http://127.0.0.1:{port}"
-    server.stop()
 
 
 @pytest.fixture

@@ -4,6 +4,7 @@ injected clock makes backoff and cost instant: no test sleeps."""
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 
 from trainpod import atomic, cli
 from trainpod.config.deploy import DeployConfig
+from trainpod.remote.s3 import S3Target, VolumeS3
 from trainpod.runpod.deploy import deploy
 from trainpod.runpod.finish import FAILED_MARKER, STARTS_FILE, UNFIT_MARKER, after_workload
 from trainpod.runpod.supervise import RunView, Supervisor
@@ -362,3 +364,48 @@ def test_a_look_that_fails_unforeseen_is_logged_and_tried_again_but_not_forever(
     assert caplog.text.count("look failed (") == 2 + 4
     assert "look failed (2/5 in a row)" in caplog.text and "look failed (4/5 in a row)" in caplog.text
     assert "is RUNNING (spent $0.00); nothing to do" in caplog.text
+
+
+@pytest.fixture
+def volume_s3(fake, s3_server, monkeypatch) -> VolumeS3:
+    """The deployed run's network volume as a bucket of a real S3 server, named by its RunPod id."""
+    import boto3
+
+    deploy(client_for(fake), deploy_config())
+    (volume_id,) = fake.volumes
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "user_2f21CfO73Mm2Uq2lEGFiEF24IPw")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "rps_FAKESECRETFORTESTS0123456789")
+    monkeypatch.setenv("TRAINPOD_S3_ENDPOINT_URL", s3_server)
+    boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1").create_bucket(Bucket=volume_id)
+    return VolumeS3(S3Target(volume_id, "EU-RO-1", s3_server))
+
+
+def test_away_from_the_volume_its_s3_api_shows_failed_and_done(fake, volume_s3):
+    """A laptop or CI supervisor saw neither: it started a FAILED or DONE run's pod again at every look."""
+    fake.interrupt(the_pod(fake)["id"])
+    sup = Supervisor(client_for(fake), deploy_config(), None, volume_less_state() / "s.json",
+                     clock=Clock(), sleep=lambda s: None, volume_s3=volume_s3)  # fmt: skip
+    volume_s3.put_bytes("runs/tiny/FAILED", json.dumps({"reason": "budget exhausted (exit 3)"}).encode())
+    assert sup.step() == 2
+    assert the_pod(fake)["desiredStatus"] == "EXITED", "a FAILED run is not started again"
+    volume_s3.remove("runs/tiny/FAILED")
+    volume_s3.put_bytes("runs/tiny/DONE", b"{}")
+    assert sup.step() == 0
+    assert the_pod(fake)["desiredStatus"] == "EXITED", "a DONE run is not started again"
+
+
+def test_supervise_from_a_laptop_reads_the_markers_through_s3_when_its_key_is_exported(
+    fake, volume_s3, tmp_path, monkeypatch
+):
+    import yaml
+
+    fake.interrupt(the_pod(fake)["id"])
+    for name, value in api_env(fake).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("TRAINPOD_VOLUME", str(tmp_path / "not-mounted-here"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    path = tmp_path / "deploy.yaml"
+    path.write_text(yaml.safe_dump(deploy_config().model_dump(mode="json")))
+    volume_s3.put_bytes("runs/tiny/DONE", b"{}")
+    assert cli.main(["supervise", "tiny", "--config", str(path), "--once"]) == 0
+    assert the_pod(fake)["desiredStatus"] == "EXITED"

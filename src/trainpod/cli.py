@@ -399,7 +399,8 @@ def supervise(
     Needs the run's deploy config (--config, else $TRAINPOD_CONFIG, else the one YAML under
     configs/deploy/ whose `run:` is RUN). Reads DONE, FAILED and
     status.json from the volume when it is mounted here (--volume, else $TRAINPOD_VOLUME), else
-    works from the API alone. --once: one look and one decision (for cron or a CI schedule).
+    through the volume's S3 API when its key is exported (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY),
+    else works from the API alone. --once: one look and one decision (for cron or a CI schedule).
     """
     from trainpod.config import load_config
     from trainpod.config.deploy import DeployConfig
@@ -412,9 +413,26 @@ def supervise(
         cfg.run = run_name
         if spot is not None:  # `deploy --spot/--on-demand --supervise`: what the deploy rented
             cfg.pod.spot = spot
-        return supervise_run(cfg, Volume(Path(volume)) if volume else Volume.from_env(), once=once)
+        mounted = Volume(Path(volume)) if volume else Volume.from_env()
+        volume_s3 = None if mounted.root.is_dir() else _supervised_volume_s3(path)
+        return supervise_run(cfg, mounted, once=once, volume_s3=volume_s3)
 
     return _reported(act)
+
+
+def _supervised_volume_s3(deploy_config: str):
+    """The deploy config's volume through S3 when the S3 API key is exported, so that a supervisor away
+    from the volume still sees DONE and FAILED; None (the API alone) without a key, or for a volume in a
+    data center RunPod serves no S3 in."""
+    from trainpod.errors import InputError
+
+    if not (os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY")):
+        return None
+    try:
+        return _volume_s3(None, None, deploy_config)
+    except InputError as exc:
+        logging.getLogger("trainpod.supervise").warning("not reading the run's markers through S3: %s", exc)
+        return None
 
 
 def stop(run_name: str, terminate: bool = False) -> int:

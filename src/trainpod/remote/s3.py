@@ -241,6 +241,10 @@ class VolumeS3:
                 os.fsync(f.fileno())
         return had
 
+    def remove(self, key: str) -> None:
+        """Delete one object (S3 answers a missing key with success too)."""
+        self._call("remove", key, self._client.delete_object, Bucket=self.bucket, Key=key)
+
     # ------------------------------------------------------------------ uploading
     def put_bytes(self, key: str, data: bytes) -> None:
         digest = hashlib.md5(data, usedforsecurity=False)

@@ -18,8 +18,10 @@ With `nodes: N` > 1 the unit is the run's Instant Cluster (runpod/units.py): DON
 budget delete it (v2 has no stop for clusters); any node EXITED, ERROR, TERMINATED, lost, or named by
 MACHINE_UNFIT deletes it and creates it again on the same volume with its nodes' env, within the same
 bounds (max_restarts, failed starts with backoff, max_replacements for exit 4).
-Without the volume (a laptop) DONE and MACHINE_UNFIT are invisible: the pod stops itself after DONE and a restarted
-one exits at once, so restarts are bounded by supervise.max_restarts. The recommended mode is the
+Away from the volume (a laptop, a CI runner) the same markers are read through the volume's S3 API when
+RunPod's S3 key is exported (`trainpod supervise`). With neither, DONE, FAILED and MACHINE_UNFIT are
+invisible: the pod stops itself after DONE and a restarted one exits at once, so restarts are bounded by
+supervise.max_restarts. The recommended mode is the
 `supervise` workload in a cheap on-demand CPU pod with the same network volume. A look that raises
 something unforeseen is logged with its traceback and tried again at the next poll; five in a row end
 the loop with exit 1.
@@ -27,20 +29,25 @@ the loop with exit 1.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from trainpod import atomic
 from trainpod.config.deploy import DeployConfig
-from trainpod.errors import ConfigError, ExitCode, TrainpodError
+from trainpod.errors import ConfigError, ExitCode, TemporaryError, TrainpodError
 from trainpod.runpod.client import RunPodAuthError, RunPodClient, RunPodError, RunPodUnavailable
 from trainpod.runpod.finish import FAILED_MARKER, UNFIT_MARKER
 from trainpod.runpod.units import Look, build_unit
 from trainpod.volume import Volume
+
+if TYPE_CHECKING:
+    from trainpod.remote.s3 import VolumeS3
 
 log = logging.getLogger("trainpod.supervise")
 
@@ -89,31 +96,56 @@ class RunView:
     def read(cls, volume: Volume | None, run: str) -> RunView:
         if volume is None:
             return cls(visible=False)
-        run_dir = volume.run(run)
-        failed = None
-        if (run_dir.root / FAILED_MARKER).exists():
+        root = volume.run(run).root
+
+        def read_file(name: str) -> bytes | None:
             try:
-                failed = atomic.read_json(run_dir.root / FAILED_MARKER).get("reason", "no reason recorded")
+                return (root / name).read_bytes()
+            except FileNotFoundError:
+                return None
+
+        return cls._from_markers(read_file)
+
+    @classmethod
+    def read_s3(cls, s3: VolumeS3, run: str) -> RunView:
+        """The same markers through the volume's S3 API, where it is not mounted (a laptop, a CI runner):
+        without them a supervisor cannot see DONE or FAILED and starts a finished pod again and again."""
+        return cls._from_markers(lambda name: s3.read(f"runs/{run}/{name}"))
+
+    @classmethod
+    def _from_markers(cls, read: Callable[[str], bytes | None]) -> RunView:
+        """From `read(name)`: the bytes of a file in the run's folder, None when it is not there."""
+
+        def fields(name: str) -> dict | None:
+            raw = read(name)
+            if raw is None:
+                return None
+            try:
+                value = json.loads(raw)
             except ValueError:
-                failed = "the marker is unreadable"
-        try:
-            cost = atomic.read_json(run_dir.status).get("cost_usd")
-        except (FileNotFoundError, ValueError):
-            cost = None
-        try:
-            unfit_pod = atomic.read_json(run_dir.root / UNFIT_MARKER).get("pod_id")
-        except (FileNotFoundError, ValueError, AttributeError):
-            unfit_pod = None
+                value = None
+            return value if isinstance(value, dict) else {UNREADABLE: True}
+
+        failed, status, unfit = fields(FAILED_MARKER), fields(STATUS_FILE) or {}, fields(UNFIT_MARKER) or {}
+        reason = None
+        if failed is not None:
+            reason = (
+                "the marker is unreadable"
+                if UNREADABLE in failed
+                else failed.get("reason", "no reason recorded")
+            )
         return cls(
             visible=True,
-            done=run_dir.done.exists(),
-            failed=failed,
-            cost_usd=cost,
-            unfit_pod=unfit_pod,
-            stopped=(run_dir.root / STOPPED_MARKER).exists(),
+            done=read(DONE_MARKER) is not None,
+            failed=reason,
+            cost_usd=status.get("cost_usd"),
+            unfit_pod=unfit.get("pod_id"),
+            stopped=read(STOPPED_MARKER) is not None,
         )
 
 
+UNREADABLE = "_unreadable"  # a marker whose bytes are not a JSON object (cut short, say)
+DONE_MARKER, STATUS_FILE = "DONE", "status.json"  # volume.RunDir's done and status, by name
 STOPPED_MARKER = "STOPPED"  # written by `trainpod stop`, removed by `trainpod deploy`
 
 
@@ -151,8 +183,10 @@ class Supervisor:
         state_file: Path,
         clock: Callable[[], float] = time.time,
         sleep: Callable[[float], None] = time.sleep,
+        volume_s3: VolumeS3 | None = None,
     ):
         self.client, self.config, self.volume = client, config, volume
+        self.volume_s3 = volume_s3  # the volume through its S3 API, when it is not mounted here
         self.state_file, self.clock, self.sleep = state_file, clock, sleep
         self.policy = config.supervise
         self.unit = build_unit(client, config)
@@ -204,7 +238,7 @@ class Supervisor:
 
     def _decide(self, state: SupervisorState) -> int | None:
         now = self.clock()
-        view = RunView.read(self.volume, self.config.run)
+        view = self._view()
         seen = self.unit.look(state, view.unfit_pod)
         self._account(state, seen.hourly_usd, now)
         spent = max(state.observed_cost_usd, view.cost_usd or 0.0)
@@ -272,8 +306,21 @@ class Supervisor:
             f"(restart {state.restarts}/{self.policy.max_restarts})"
         )
 
+    def _view(self) -> RunView:
+        if self.volume is not None or self.volume_s3 is None:
+            return RunView.read(self.volume, self.config.run)
+        try:
+            return RunView.read_s3(self.volume_s3, self.config.run)
+        except TemporaryError as exc:  # RunPod's S3 API having trouble: this look goes by the pods alone
+            log.warning("supervise %s: %s; this look goes by the API alone", self.config.run, exc)
+            return RunView(visible=False)
+
     def _clear_unfit_marker(self) -> None:
         """The marker named the replaced pod; the new pod writes its own if its machine is unfit too."""
+        if self.volume is None:
+            if self.volume_s3 is not None:
+                self.volume_s3.remove(f"runs/{self.config.run}/{UNFIT_MARKER}")
+            return
         marker = self.volume.run(self.config.run).root / UNFIT_MARKER
         marker.unlink(missing_ok=True)
         atomic.fsync_dir(marker.parent)
@@ -334,11 +381,16 @@ def supervise(
     clock: Callable[[], float] = time.time,
     sleep: Callable[[float], None] = time.sleep,
     stop_requested: Callable[[], bool] = lambda: False,
+    volume_s3: VolumeS3 | None = None,
 ) -> int:
-    """Build the supervisor for `config` (the volume when it is mounted here) and run it."""
+    """Build the supervisor for `config` (the volume when it is mounted here, else through `volume_s3`
+    when given) and run it."""
     client = client or RunPodClient.from_env()
     mounted = volume if volume is not None and volume.root.is_dir() else None
-    supervisor = Supervisor(client, config, mounted, state_path(mounted, config.run), clock, sleep)
-    log.info("supervise %s: watching pods named %s; volume %s", config.run, config.pod_name,
-             mounted.root if mounted else "not mounted here (API only)")  # fmt: skip
+    volume_s3 = None if mounted else volume_s3
+    supervisor = Supervisor(client, config, mounted, state_path(mounted, config.run), clock, sleep, volume_s3)
+    where = (
+        mounted.root if mounted else f"{volume_s3!r} (S3 API)" if volume_s3 else "not mounted here (API only)"
+    )
+    log.info("supervise %s: watching pods named %s; volume %s", config.run, config.pod_name, where)
     return supervisor.run(once, stop_requested)

@@ -169,7 +169,9 @@ def test_deploy_on_demand_then_supervise_keeps_replacement_pods_on_demand(fake, 
     import trainpod.runpod.supervise as supervising
 
     supervised = []
-    monkeypatch.setattr(supervising, "supervise", lambda cfg, volume, once=False: supervised.append(cfg) or 0)
+    monkeypatch.setattr(
+        supervising, "supervise", lambda cfg, volume, once=False, **_: supervised.append(cfg) or 0
+    )
     monkeypatch.setenv("TRAINPOD_VOLUME", str(tmp_path / "not-mounted"))
     assert cli.main(["deploy", str(write_config(tmp_path)), "--on-demand", "--supervise"]) == 0
     (pod,) = fake.pods.values()

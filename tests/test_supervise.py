@@ -409,3 +409,29 @@ def test_supervise_from_a_laptop_reads_the_markers_through_s3_when_its_key_is_ex
     volume_s3.put_bytes("runs/tiny/DONE", b"{}")
     assert cli.main(["supervise", "tiny", "--config", str(path), "--once"]) == 0
     assert the_pod(fake)["desiredStatus"] == "EXITED"
+
+
+def test_a_stop_from_a_laptop_reaches_supervisors_elsewhere_through_s3_and_deploy_clears_it(
+    fake, volume_s3, tmp_path, monkeypatch
+):
+    """The scheduled supervise.yml keeps its own state: only the volume's STOPPED tells it of a laptop's stop."""
+    import yaml
+
+    for name, value in api_env(fake).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("TRAINPOD_VOLUME", str(tmp_path / "not-mounted-here"))
+    path = tmp_path / "deploy.yaml"
+    path.write_text(yaml.safe_dump(deploy_config().model_dump(mode="json")))
+    monkeypatch.setenv("TRAINPOD_CONFIG", str(path))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "laptop"))
+    assert cli.main(["stop", "tiny"]) == 0
+    assert volume_s3.read("runs/tiny/STOPPED") is not None
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "ci-runner"))
+    assert cli.main(["supervise", "tiny", "--once"]) == 0
+    assert the_pod(fake)["desiredStatus"] == "EXITED", "the stopped run is not brought back"
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "laptop"))
+    assert cli.main(["deploy", str(path)]) == 0
+    assert volume_s3.read("runs/tiny/STOPPED") is None
+    assert the_pod(fake)["desiredStatus"] == "RUNNING"

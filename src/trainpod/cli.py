@@ -374,7 +374,9 @@ def deploy(
         from trainpod.runpod.supervise import mark_stopped
 
         volume = Volume.from_env()
-        mark_stopped(cfg.run, volume if volume.root.is_dir() else None, stopped=False)  # deploy: resume
+        mounted = volume if volume.root.is_dir() else None
+        # deploy: resume (a supervisor that still saw STOPPED would end at once)
+        mark_stopped(cfg.run, mounted, False, None if mounted else _supervised_volume_s3(config))
         done = deploying.deploy(client, cfg, secrets)
         print(f"{done.summary()}; supervise it with: "
               f"trainpod supervise {cfg.run} --config {config}")  # fmt: skip
@@ -420,13 +422,26 @@ def supervise(
     return _reported(act)
 
 
-def _supervised_volume_s3(deploy_config: str):
+def _deploy_config_of(run_name: str) -> str | None:
+    """The run's deploy config ($TRAINPOD_CONFIG, else the one under configs/deploy/), None when unknown."""
+    from trainpod.errors import TrainpodError
+    from trainpod.runpod.supervise import find_deploy_config
+
+    try:
+        return os.environ.get("TRAINPOD_CONFIG") or find_deploy_config(run_name)
+    except TrainpodError:
+        return None
+
+
+def _supervised_volume_s3(deploy_config: str | None):
     """The deploy config's volume through S3 when the S3 API key is exported, so that a supervisor away
     from the volume still sees DONE and FAILED; None (the API alone) without a key, or for a volume in a
     data center RunPod serves no S3 in."""
     from trainpod.errors import InputError
 
-    if not (os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY")):
+    if deploy_config is None or not (
+        os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY")
+    ):
         return None
     try:
         return _volume_s3(None, None, deploy_config)
@@ -445,7 +460,9 @@ def stop(run_name: str, terminate: bool = False) -> int:
     def act() -> int:
         stop_run(RunPodClient.from_env(), run_name, terminate, tuple(workloads.REGISTRY))
         volume = Volume.from_env()
-        mark_stopped(run_name, volume if volume.root.is_dir() else None)  # supervisors must not undo it
+        mounted = volume if volume.root.is_dir() else None
+        volume_s3 = None if mounted else _supervised_volume_s3(_deploy_config_of(run_name))
+        mark_stopped(run_name, mounted, volume_s3=volume_s3)  # supervisors must not undo it
         return ExitCode.DONE
 
     return _reported(act)

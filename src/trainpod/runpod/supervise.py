@@ -149,9 +149,12 @@ DONE_MARKER, STATUS_FILE = "DONE", "status.json"  # volume.RunDir's done and sta
 STOPPED_MARKER = "STOPPED"  # written by `trainpod stop`, removed by `trainpod deploy`
 
 
-def mark_stopped(run: str, volume: Volume | None, stopped: bool = True) -> None:
+def mark_stopped(
+    run: str, volume: Volume | None, stopped: bool = True, volume_s3: VolumeS3 | None = None
+) -> None:
     """Record (or, `stopped=False`, clear) a user's `trainpod stop` where supervisors look: this
-    machine's supervisor state and, when the volume is mounted here, a STOPPED marker beside the run."""
+    machine's supervisor state and a STOPPED marker beside the run, on the volume when it is mounted
+    here, else through its S3 API when given (what a supervisor away from the volume reads)."""
     for where in {state_path(None, run), *([state_path(volume, run)] if volume is not None else [])}:
         state = SupervisorState.load(where)
         if stopped or state.stopped_unix is not None:
@@ -163,6 +166,12 @@ def mark_stopped(run: str, volume: Volume | None, stopped: bool = True) -> None:
             atomic.write_json(marker, {"unix": time.time()})
         else:
             atomic.remove(marker)
+    elif volume_s3 is not None:
+        key = f"runs/{run}/{STOPPED_MARKER}"
+        if stopped:
+            volume_s3.put_bytes(key, json.dumps({"unix": time.time()}).encode())
+        else:
+            volume_s3.remove(key)
 
 
 def state_path(volume: Volume | None, run: str, environ: dict[str, str] | None = None) -> Path:

@@ -131,6 +131,24 @@ def test_a_changed_adapter_is_converted_again(vol: Volume, base: Path) -> None:
     assert not list(out.parent.glob("*.tmp-*")), "no temp folder may stay behind"
 
 
+def test_an_output_folder_another_workload_wrote_is_exit_2_and_stays(vol: Volume, base: Path) -> None:
+    # Run ft2 is a finetune whose own adapter is in export/adapter; converting ft1's adapter into ft2's
+    # export with output: adapter replaced that folder whole, and the finetune's adapter was gone.
+    make_adapter(base, adapter_dir(vol, "ft1"))
+    make_adapter(base, adapter_dir(vol, "ft2"), seed=5)
+    before = tree_snapshot(adapter_dir(vol, "ft2"))
+    with pytest.raises(InputError) as caught:
+        run_convert(
+            convert_config({"kind": "mlx", "output": "adapter"}, name="ft2", adapter="run:ft1"),
+            vol,
+            PreemptionWatch(),
+        )
+    assert caught.value.exit_code == ExitCode.BAD_INPUT
+    assert str(adapter_dir(vol, "ft2")) in str(caught.value) and "`output`" in str(caught.value)
+    assert tree_snapshot(adapter_dir(vol, "ft2")) == before
+    assert sorted(p.name for p in vol.run("ft2").export.iterdir()) == ["adapter"], "no temp folder either"
+
+
 @pytest.mark.parametrize(
     ("lora", "feature"),
     [

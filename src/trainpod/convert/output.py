@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 FORMAT = "trainpod-convert/2"  # 1 hashed inputs' contents in 32 MiB pieces; its outputs are converted again
+FORMAT_FAMILY = "trainpod-convert/"  # every version's outputs are this module's to replace
 CHUNK_BYTES = 32 << 20  # large enough that a chunk's write and hash dwarf the hand-over between threads
 CHUNK_BUFFERS = 3  # one being filled, one being written and hashed, one spare against uneven speeds
 # O_DIRECT wants buffer addresses, file offsets and lengths in multiples of the device's logical block
@@ -294,6 +295,16 @@ def is_finished(target: Path, manifest: dict[str, Any] | None, key: str) -> bool
     return True
 
 
+def made_by_a_conversion(target: Path) -> bool:
+    """Whether the existing folder `target` is a conversion's output (of any format version), which a
+    conversion may replace; anything else there is another workload's export or the user's own folder."""
+    try:
+        manifest = atomic.read_json(target / MANIFEST)
+    except (FileNotFoundError, NotADirectoryError, ValueError, UnicodeDecodeError):
+        return False
+    return isinstance(manifest, dict) and str(manifest.get("format", "")).startswith(FORMAT_FAMILY)
+
+
 def remove_leftovers(target: Path) -> None:
     """Temp folders of this output left by a kill mid-write (never anything else's)."""
     for path in target.parent.glob(f"{target.name}.tmp-*"):
@@ -321,6 +332,14 @@ def produce(
     key = output_key(inputs, settings)
     if is_finished(target, read_manifest(target), key):
         return False
+    if target.exists() and not made_by_a_conversion(target):
+        # Publishing replaces the folder whole: a finetune's adapter/, a pretrain's hf/ or the user's own
+        # files there would be deleted without a word.
+        raise InputError(
+            f"the output folder {target} exists and was not written by a conversion (no conversion "
+            f"{MANIFEST} in it), so publishing this output would delete what is there; give the task another "
+            "`output` name, or move that folder away first"
+        )
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Staging(atomic.temp_name(target))
     try:

@@ -96,6 +96,28 @@ def test_transformers_loads_and_generates_with_the_sharded_merged_model(vol: Vol
     assert tokenizer.decode(generated[0, -5:]).strip(), "the tokenizer must travel with the model"
 
 
+@pytest.mark.parametrize(
+    "lora", [pytest.param({}, id="tensor-level"), pytest.param({"use_dora": True}, id="peft")]
+)
+def test_every_shard_size_unit_the_config_takes_shards_the_merge(vol: Volume, base: Path, lora: dict) -> None:
+    # The config took '100KiB' (and 'B'), which huggingface_hub's size parser refused: a ValueError and
+    # exit 1 once the merge had run, a failed start the supervisor retried to the same end.
+    make_adapter(base, adapter_dir(vol), **lora)
+    out = merge(vol, dtype="float32", max_shard_size="100KiB")
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    assert all(path.stat().st_size <= 100 * 1024 + 4096 for path in out.glob("*.safetensors"))
+    AutoModelForCausalLM.from_pretrained(str(out))
+
+
+def test_a_shard_size_of_nothing_is_a_config_error() -> None:
+    from trainpod.errors import ConfigError
+
+    with pytest.raises(ConfigError) as caught:
+        convert_config({"kind": "merge", "max_shard_size": "0GB"})
+    assert "max_shard_size" in str(caught.value) and "0GB" in str(caught.value)
+
+
 def test_dtype_casts_after_merging_in_fp32(vol: Volume, base: Path) -> None:
     make_adapter(base, adapter_dir(vol))
     out = merge(vol, dtype="bfloat16")

@@ -13,6 +13,7 @@ checkpoint to an HF model. Outputs go to $TRAINPOD_VOLUME/runs/<name>/export/<ou
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator
@@ -22,6 +23,17 @@ from trainpod.config.loader import Section
 
 RUN_PREFIX = "run:"
 DTYPE_CHOICES = Literal["auto", "float32", "bfloat16", "float16"]
+SHARD_SIZE_PATTERN = r"^\d+(\.\d+)?\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)$"
+_SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_SIZE_UNITS |= {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+
+
+def shard_size_bytes(size: str) -> int:
+    """'5GB' -> 5_000_000_000, '4GiB' -> 4 * 2**30. Passed on as bytes: huggingface_hub's own parser
+    (save_pretrained's, split_torch_state_dict_into_shards') knows KB/MB/GB/TB only and raised on the
+    binary units and 'B' after the whole merge had run."""
+    number, unit = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([A-Za-z]+)", size.strip()).groups()
+    return int(float(number) * _SIZE_UNITS[unit])
 
 
 class MlxTask(Section):
@@ -54,9 +66,20 @@ class MergeTask(Section):
     )
     max_shard_size: str = Field(
         "5GB",
-        pattern=r"^\d+(\.\d+)?\s*(B|KB|MB|GB|KiB|MiB|GiB)$",
-        description="Largest safetensors shard, like '5GB' or '500MB' (transformers' max_shard_size).",
+        pattern=SHARD_SIZE_PATTERN,
+        description="Largest safetensors shard, like '5GB', '500MB' or '4GiB' (transformers' max_shard_size).",
     )
+
+    @field_validator("max_shard_size")
+    @classmethod
+    def _shard_size_positive(cls, size: str) -> str:
+        if shard_size_bytes(size) < 1:
+            raise ValueError("a shard holds at least one byte; give a size like '5GB' or '500MB'")
+        return size
+
+    @property
+    def max_shard_bytes(self) -> int:
+        return shard_size_bytes(self.max_shard_size)
 
 
 class ExportTask(Section):

@@ -141,7 +141,7 @@ def _merge(task: MergeTask, sources: AdapterInputs, export_root: Path) -> Path:
             dtype,
             quantization,
             task.qlora_base,
-            task.max_shard_size,
+            task.max_shard_bytes,
         ),
     )
 

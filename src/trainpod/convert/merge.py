@@ -146,7 +146,7 @@ def write_merged(
     dtype: str,
     quantization: dict[str, Any] | None,
     qlora_base: str,
-    max_shard_size: str,
+    max_shard_size: int | str,
 ) -> None:
     """The merged model (weights, config, tokenizer) into `staging.folder` (created here).
 
@@ -192,7 +192,7 @@ def write_merged_with_peft(
     dtype: str,
     quantization: dict[str, Any] | None,
     qlora_base: str,
-    max_shard_size: str,
+    max_shard_size: int | str,
     vision: dict[str, Any] | None = None,
 ) -> None:
     """Weights and configs of the merged model by peft's merge_and_unload and save_pretrained."""

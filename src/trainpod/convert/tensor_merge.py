@@ -90,7 +90,7 @@ def write_merged(
     staging: Staging,
     dtype: str,
     round_trip: Any | None,
-    max_shard_size: str,
+    max_shard_size: int | str,
 ) -> None:
     """Write the merged weights and config.json/generation_config.json as save_pretrained would.
 

@@ -190,6 +190,32 @@ def test_merge_into_a_base_of_another_shape_is_exit_2_before_anything_is_written
     assert sorted(p.name for p in vol.run("ft").export.iterdir()) == ["adapter"]
 
 
+@pytest.mark.parametrize(
+    ("config_change", "named"),
+    [
+        pytest.param({"model_type": "brand_new_arch"}, "brand_new_arch", id="unknown-model-type"),
+        pytest.param(
+            {"model_type": "own_code", "auto_map": {"AutoConfig": "configuration_own.OwnConfig"}},
+            "custom code",
+            id="own-python-code",
+        ),
+    ],
+)
+def test_a_base_transformers_cannot_build_is_exit_2_before_anything_is_written(
+    vol: Volume, base: Path, config_change: dict, named: str
+) -> None:
+    # transformers' ValueError came out of the merge itself: a traceback, exit 1, and a retried start.
+    make_adapter(base, adapter_dir(vol))
+    config = json.loads((base / "config.json").read_text())
+    (base / "config.json").write_text(json.dumps(config | config_change))
+    with pytest.raises(InputError) as caught:
+        merge(vol)
+    message = str(caught.value)
+    assert caught.value.exit_code == ExitCode.BAD_INPUT
+    assert str(base) in message and named in message and "kind: mlx" in message, message
+    assert sorted(p.name for p in vol.run("ft").export.iterdir()) == ["adapter"]
+
+
 def test_an_unknown_base_model_is_exit_2_saying_what_to_set(vol: Volume, base: Path) -> None:
     make_adapter(base, adapter_dir(vol), summary={"base_model": "runs/nowhere/export/hf"})
     with pytest.raises(InputError) as caught:

@@ -48,6 +48,9 @@ class AdapterInputs:
             if need_base
             else inputs.local_base(base_ref, volume)
         )
+        vision = merge.vision_settings(adapter.summary) is not None
+        if base_dir is not None and (need_base or vision):  # mlx-lm may build what transformers cannot
+            merge.check_base_buildable(base_dir, vision)
         if base_dir is not None:
             peft_adapter.check_against_base(adapter, base_dir)
         base_name = config.base_model or (adapter.summary or {}).get("base_model") or base_ref

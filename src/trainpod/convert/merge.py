@@ -82,6 +82,28 @@ def nf4_round_trip(quantization: dict[str, Any]) -> Callable[[torch.Tensor], tor
     return round_trip
 
 
+def check_base_buildable(base_dir: Path, vision: bool) -> None:
+    """Exit 2 before anything is written when transformers cannot build the base model from its config.json
+    (a model type this transformers does not know, or one that needs the model's own Python code, which a
+    merge does not run): the merge builds it, and failed there with a ValueError (exit 1, retried)."""
+    import transformers
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    auto_class = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+    try:
+        config = AutoConfig.from_pretrained(str(base_dir), trust_remote_code=False)
+        with torch.device("meta"):
+            auto_class.from_config(config)
+    except (ValueError, KeyError) as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise InputError(
+            f"base model {base_dir}: transformers {transformers.__version__} cannot build it as "
+            f"{auto_class.__name__} ({reason}). A merge builds the base with transformers and does not run "
+            "a model's own Python code (trust_remote_code); merge into a model type transformers has (a "
+            "newer trainpod image for a newer architecture), or convert with a `kind: mlx` task alone"
+        ) from None
+
+
 def load_base_fp32(base_dir: Path, vision: bool = False) -> torch.nn.Module:
     from transformers import AutoModelForImageTextToText
 

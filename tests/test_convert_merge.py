@@ -288,3 +288,36 @@ def test_a_hub_base_is_fetched_at_the_revision_the_finetune_pinned(
     make_adapter(base, adapter_dir(vol), summary=summary)
     merge(vol)
     assert asked == [("org/tiny-base", "abc123", "hf")], "the finetune's revision, in the finetune's cache"
+
+
+def test_an_adapter_of_conv1d_layers_merges_into_the_base_it_was_trained_on(
+    vol: Volume, tmp_path: Path
+) -> None:
+    # GPT-2's Conv1D layers store weights as (in, out) and peft saves their adapters with fan_in_fan_out;
+    # the shape check compared them as (out, in) and refused the adapter's own base as "does not fit" (exit 2).
+    from peft import LoraConfig, get_peft_model
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from convert_support import VOCAB, randomize_adapter, save_tokenizer
+
+    torch.manual_seed(0)
+    base = tmp_path / "gpt2"
+    GPT2LMHeadModel(
+        GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64)
+    ).save_pretrained(base)
+    save_tokenizer(base)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_proj", "c_fc"], fan_in_fan_out=True)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(str(base)), lora)
+    randomize_adapter(model, seed=1)
+    model.save_pretrained(adapter_dir(vol))
+    summary = {"method": "lora", "base_model": str(base), "quantization": None}
+    (adapter_dir(vol) / "training_summary.json").write_text(json.dumps(summary))
+    out = merge(vol, dtype="float32")
+    trained = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(str(base)), str(adapter_dir(vol))
+    )
+    merged = AutoModelForCausalLM.from_pretrained(str(out))
+    with torch.no_grad():
+        expected = trained.eval()(input_ids=torch.tensor(INPUT_IDS)).logits[0]
+        got = merged.eval()(input_ids=torch.tensor(INPUT_IDS)).logits[0]
+    assert (got - expected).abs().max().item() <= 1e-4

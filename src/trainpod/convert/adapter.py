@@ -169,20 +169,22 @@ def check_against_base(adapter: PeftAdapter, base_dir: Path) -> None:
     vision = bool((adapter.summary or {}).get("vision"))
     shapes = vision_module_shapes(base_dir) if vision else base_weight_shapes(base_dir)
     tied = base_config(base_dir).get("tie_word_embeddings", False)
+    # GPT-2's Conv1D layers store their weight as (in, out); peft marks adapters of them fan_in_fan_out.
+    layout = "(in, out)" if adapter.config.get("fan_in_fan_out") else "(out, in)"
     problems = []
     for module in adapter.modules.values():
         key = f"{module.name}.weight"
         if key not in shapes and tied and module.name.endswith("lm_head"):
             key = key.replace("lm_head", "model.embed_tokens")  # tied heads are stored once, as the embedding
-        expected = module.weight_shape
+        expected = module.weight_shape if layout == "(out, in)" else module.weight_shape[::-1]
         if key not in shapes:
             problems.append(
-                f"module {module.name}: the adapter adapts a weight of shape {expected} (out, in), "
+                f"module {module.name}: the adapter adapts a weight of shape {expected} {layout}, "
                 f"the base model has no {module.name}.weight"
             )
         elif tuple(shapes[key][:2]) != expected:
             problems.append(
-                f"module {module.name}: the adapter expects weight shape {expected} (out, in), "
+                f"module {module.name}: the adapter expects weight shape {expected} {layout}, "
                 f"the base model's is {shapes[key]}"
             )
     if problems:

@@ -177,6 +177,19 @@ def test_merging_again_rewrites_nothing(vol: Volume, base: Path) -> None:
     assert "base/model.safetensors" in manifest["inputs"] and manifest["settings"]["dtype"] == "float32"
 
 
+def test_a_tokenizer_changed_in_the_adapter_folder_is_merged_again(vol: Volume, base: Path) -> None:
+    # The merged model takes its tokenizer from the adapter folder, but only the adapter's weights and
+    # configs keyed the output: a chat template fixed there left the merged model with none, "up to date".
+    make_adapter(base, adapter_dir(vol))
+    out = merge(vol)
+    assert AutoTokenizer.from_pretrained(str(out)).chat_template is None
+    tokenizer = AutoTokenizer.from_pretrained(str(adapter_dir(vol)))
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    tokenizer.save_pretrained(adapter_dir(vol))
+    merge(vol)
+    assert AutoTokenizer.from_pretrained(str(out)).chat_template == tokenizer.chat_template
+
+
 def test_merge_into_a_base_of_another_shape_is_exit_2_before_anything_is_written(
     vol: Volume, base: Path, tmp_path: Path
 ) -> None:

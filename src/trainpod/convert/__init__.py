@@ -57,13 +57,22 @@ class AdapterInputs:
         return cls(adapter, base_ref, base_dir, str(base_name))
 
     def base_files(self) -> dict[str, Path]:
-        files = sorted(p for p in self.base_dir.iterdir() if p.is_file() and not p.name.startswith("."))
-        return {f"base/{p.name}": p for p in files}
+        return _folder_files(self.base_dir, "base")
+
+    def merge_files(self) -> dict[str, Path]:
+        """Every input a merge reads: the adapter, the files beside it (the tokenizer and processor the merged
+        model takes from there, so that a chat template fixed in them is merged again) and the base."""
+        return self.adapter.files() | _folder_files(self.adapter.folder, "adapter") | self.base_files()
 
     def base_layers(self) -> int | None:
         if self.base_dir is None:
             return None
         return peft_adapter.base_config(self.base_dir).get("num_hidden_layers")
+
+
+def _folder_files(folder: Path, label: str) -> dict[str, Path]:
+    files = sorted(p for p in folder.iterdir() if p.is_file() and not p.name.startswith("."))
+    return {f"{label}/{p.name}": p for p in files}
 
 
 def run_convert(config: ConvertConfig, volume: Volume, watch: PreemptionWatch) -> list[Path]:
@@ -135,7 +144,7 @@ def _merge(task: MergeTask, sources: AdapterInputs, export_root: Path) -> Path:
     }
     return _produce(
         export_root / task.output,
-        sources.adapter.files() | sources.base_files(),
+        sources.merge_files(),
         settings,
         lambda staging: merge.write_merged(
             sources.adapter,

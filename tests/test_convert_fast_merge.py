@@ -301,3 +301,27 @@ def test_an_input_changed_during_the_conversion_is_exit_75_and_nothing_is_publis
     with pytest.raises(TemporaryError, match="input.bin changed while out was being made"):
         output.produce(tmp_path / "out", {"in": source}, {}, write_while_the_input_changes)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["input.bin"]
+
+
+@pytest.mark.parametrize(
+    "read_after_removal", [False, True], ids=["removed-after-reading", "removed-before-reading"]
+)
+def test_an_input_removed_during_the_conversion_is_exit_75_and_nothing_is_published(
+    tmp_path: Path, read_after_removal: bool
+) -> None:
+    # Another run's retention deletes the checkpoint being exported, or a finetune publishes its adapter
+    # again (the old folder renamed away): the stat of the vanished input, or the write's own read of it,
+    # was a FileNotFoundError traceback, exit 1, instead of the exit 75 of any other changed input.
+    source = tmp_path / "input.bin"
+    source.write_bytes(b"version 1")
+
+    def write_while_the_input_is_removed(staging: output.Staging) -> None:
+        staging.folder.mkdir()
+        if not read_after_removal:
+            staging.write_file("out.bin", source.read_bytes())
+        source.unlink()
+        staging.write_file("more.bin", source.read_bytes() if read_after_removal else b"")
+
+    with pytest.raises(TemporaryError, match="input.bin was removed while out was being made"):
+        output.produce(tmp_path / "out", {"in": source}, {}, write_while_the_input_is_removed)
+    assert list(tmp_path.iterdir()) == []

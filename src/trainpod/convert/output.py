@@ -343,13 +343,12 @@ def produce(
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Staging(atomic.temp_name(target))
     try:
-        write(staging)
-        changed = [label for label, entry in describe_inputs(files).items() if entry != inputs[label]]
-        if changed:
-            raise TemporaryError(
-                f"{inputs[changed[0]]['path']} changed while {target.name} was being made from it, so the "
-                "result would mix two versions of it and is not kept; the next start converts it again"
-            )
+        try:
+            write(staging)
+        except FileNotFoundError:
+            _refuse_changed_inputs(files, inputs, target)  # an input removed under the write
+            raise
+        _refuse_changed_inputs(files, inputs, target)
         manifest = {
             "format": FORMAT,
             "key": key,
@@ -365,6 +364,22 @@ def produce(
         shutil.rmtree(staging.folder, ignore_errors=True)
         raise
     return True
+
+
+def _refuse_changed_inputs(files: dict[str, Path], inputs: dict[str, dict[str, Any]], target: Path) -> None:
+    """Exit 75 when an input was changed, replaced or removed since `inputs` described it (another run's
+    retention deleting the checkpoint being exported, a finetune publishing its adapter again): the
+    output would mix two versions, and the next start converts what is there then, or says it is gone."""
+    for label, path in files.items():
+        try:
+            now = describe_inputs({label: path})[label]
+        except FileNotFoundError:
+            now = None
+        if now != inputs[label]:
+            raise TemporaryError(
+                f"{path} {'was removed' if now is None else 'changed'} while {target.name} was being made from "
+                "it, so the result would mix two versions of it and is not kept; the next start converts it again"
+            ) from None
 
 
 def _versions() -> dict[str, str]:

@@ -334,3 +334,51 @@ def test_an_adapter_of_conv1d_layers_merges_into_the_base_it_was_trained_on(
         expected = trained.eval()(input_ids=torch.tensor(INPUT_IDS)).logits[0]
         got = merged.eval()(input_ids=torch.tensor(INPUT_IDS)).logits[0]
     assert (got - expected).abs().max().item() <= 1e-4
+
+
+def trained_adapter(base: Path, folder: Path, **lora) -> torch.Tensor:
+    """Save an adapter made by `get_peft_model` (so its init changes the base as in training) with random
+    weights, and return the logits of that model in memory: what the merged model must give."""
+    from peft import LoraConfig, get_peft_model
+
+    from convert_support import randomize_adapter, save_tokenizer
+
+    model = get_peft_model(
+        load_base(base), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", **lora)
+    )
+    randomize_adapter(model, seed=1)
+    model.save_pretrained(folder)
+    save_tokenizer(folder)
+    (folder / "training_summary.json").write_text(json.dumps({"method": "lora", "base_model": str(base)}))
+    with torch.no_grad():
+        return model.eval()(input_ids=torch.tensor(INPUT_IDS)).logits[0]
+
+
+@pytest.mark.parametrize("init", ["pissa", "olora"])
+def test_an_adapter_whose_init_changed_the_base_repeatably_merges_to_the_trained_model(
+    vol: Volume, base: Path, init: str
+) -> None:
+    expected = trained_adapter(base, adapter_dir(vol), init_lora_weights=init)
+    out = merge(vol, dtype="float32")
+    with torch.no_grad():
+        got = (
+            AutoModelForCausalLM.from_pretrained(str(out)).eval()(input_ids=torch.tensor(INPUT_IDS)).logits[0]
+        )
+    assert (got - expected).abs().max().item() <= 1e-4
+
+
+def test_an_adapter_whose_init_changed_the_base_unrepeatably_is_exit_2_before_anything_is_written(
+    vol: Volume, base: Path
+) -> None:
+    # PiSSA's fast variant takes a randomized SVD of the base: peft's load made another one and the merged
+    # model's logits differed from the trained model's by 0.1, silently, exit 0.
+    trained_adapter(base, adapter_dir(vol), init_lora_weights="pissa_niter_2")
+    with pytest.raises(InputError) as caught:
+        merge(vol)
+    message = str(caught.value)
+    assert caught.value.exit_code == ExitCode.BAD_INPUT
+    assert (
+        "init_lora_weights='pissa_niter_2'" in message
+        and "path_initial_model_for_weight_conversion" in message
+    )
+    assert sorted(p.name for p in vol.run("ft").export.iterdir()) == ["adapter"]

@@ -94,6 +94,13 @@ def run_convert(config: ConvertConfig, volume: Volume, watch: PreemptionWatch) -
                     f"the adapter {sources.adapter.folder} cannot be converted to an mlx-lm adapter without "
                     "changing what it computes:\n  - " + "\n  - ".join(problems)
                 )
+        if need_base:
+            problems = merge.refusals(sources.adapter)
+            if problems:
+                raise InputError(
+                    f"the adapter {sources.adapter.folder} cannot be merged into its base:\n  - "
+                    + "\n  - ".join(problems)
+                )
     done: list[Path] = []
     for task in config.task:
         if watch.requested:

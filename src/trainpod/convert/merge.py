@@ -32,6 +32,25 @@ log = logging.getLogger(__name__)
 BNB_DEFAULT_BLOCKSIZE = 64  # bitsandbytes' 4-bit block size, which transformers' loader uses
 
 
+# init_lora_weights values whose change to the base (PEFT subtracts the initial adapter from it) PEFT cannot
+# make again when it loads the adapter: randomized SVD (PiSSA's fast variant), or data the training had
+# (CorDA's covariances, LoRA-GA's gradients; LoRA-GA falls back to a plain init and leaves the base as it is).
+_UNREPEATABLE_INITS = ("pissa_niter_", "corda", "lora_ga")
+
+
+def refusals(adapter: PeftAdapter) -> list[str]:
+    """Why this adapter cannot be merged into its original base and give the trained model (empty: it can)."""
+    init = adapter.config.get("init_lora_weights", True)
+    if isinstance(init, str) and init.lower().startswith(_UNREPEATABLE_INITS):
+        return [
+            f"init_lora_weights={init!r}: PEFT changed the base weights when it created this adapter, in a way "
+            "that cannot be repeated here, so a merge into the original base would give other weights than the "
+            "trained model's. Save the adapter as a plain LoRA with PEFT (save_pretrained(..., "
+            "path_initial_model_for_weight_conversion=<the adapter saved before training>)) and merge that"
+        ]
+    return []
+
+
 def base_dtype(base_dir_config: dict[str, Any]) -> str:
     recorded = base_dir_config.get("dtype") or base_dir_config.get("torch_dtype") or "float32"
     return recorded if recorded in DTYPES else "float32"

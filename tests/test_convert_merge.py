@@ -382,3 +382,42 @@ def test_an_adapter_whose_init_changed_the_base_unrepeatably_is_exit_2_before_an
         and "path_initial_model_for_weight_conversion" in message
     )
     assert sorted(p.name for p in vol.run("ft").export.iterdir()) == ["adapter"]
+
+
+def test_a_hub_base_brings_its_chat_template_file_into_the_merged_model(
+    vol: Volume, tmp_path: Path, monkeypatch
+) -> None:
+    # transformers writes a tokenizer's chat template to chat_template.jinja; the fetch of a hub base left
+    # that file out, so a merged model whose tokenizer came from the base had no chat template, silently.
+    import fnmatch
+    import shutil
+
+    import huggingface_hub
+
+    hub_repo = make_base(tmp_path / "hub-repo")
+    tokenizer = AutoTokenizer.from_pretrained(str(hub_repo))
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    tokenizer.save_pretrained(hub_repo)
+    assert (hub_repo / "chat_template.jinja").is_file()
+
+    def snapshot_download(repo_id, allow_patterns, cache_dir, **kwargs):
+        """The hub's: only the files the patterns allow."""
+        snapshot = Path(cache_dir) / "snapshot"
+        snapshot.mkdir(parents=True)
+        for path in hub_repo.iterdir():
+            if any(fnmatch.fnmatch(path.name, pattern) for pattern in allow_patterns):
+                shutil.copy(path, snapshot / path.name)
+        return str(snapshot)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    make_adapter(
+        hub_repo, adapter_dir(vol), summary={"base_model": "org/tiny-base", "base_model_folder": "/gone"}
+    )
+    for name in (
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+    ):  # a tokenizer-less adapter
+        (adapter_dir(vol) / name).unlink(missing_ok=True)
+    out = merge(vol)
+    assert AutoTokenizer.from_pretrained(str(out)).chat_template == tokenizer.chat_template

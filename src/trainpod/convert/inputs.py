@@ -14,8 +14,9 @@ from trainpod.volume import Volume
 log = logging.getLogger(__name__)
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-# What a merge needs from a hub model: weights, configs, tokenizer (not other formats' copies).
-_HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]
+# What a merge needs from a hub model: weights, configs, tokenizer with its chat template (transformers
+# writes that to chat_template.jinja), not other formats' copies.
+_HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
 
 
 def on_volume(raw: str, volume: Volume) -> Path:

@@ -76,6 +76,42 @@ def test_a_base_with_tied_embeddings_goes_through_peft(tmp_path: Path) -> None:
     assert "ties" in reason(make_adapter(tied, tmp_path / "adapter"), tied)
 
 
+@pytest.mark.parametrize("sharded", [False, True], ids=["single-file", "sharded"])
+def test_weights_in_another_layout_beside_the_models_are_not_read(tmp_path: Path, sharded: bool) -> None:
+    # Mistral's hub repos hold the weights twice: the HF files and consolidated.safetensors under Mistral's
+    # own names. Every *.safetensors counted as the model's, so its names "differed" and a plain LoRA took
+    # peft's path (the whole model built in float32 in memory) instead of the streamed tensor merge.
+    base = make_base(tmp_path / "base")
+    if sharded:
+        model = safetensors.torch.load_file(base / "model.safetensors")
+        (base / "model.safetensors").unlink()
+        names = sorted(model)
+        halves = {
+            "model-00001-of-00002.safetensors": names[::2],
+            "model-00002-of-00002.safetensors": names[1::2],
+        }
+        for shard, shard_names in halves.items():
+            safetensors.torch.save_file(
+                {n: model[n] for n in shard_names}, base / shard, metadata={"format": "pt"}
+            )
+        weight_map = {n: shard for shard, shard_names in halves.items() for n in shard_names}
+        (base / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {}, "weight_map": weight_map})
+        )
+    consolidated = {"tok_embeddings.weight": torch.zeros(4, 4), "output.weight": torch.zeros(4, 4)}
+    safetensors.torch.save_file(consolidated, base / "consolidated.safetensors")
+    adapter_dir = make_adapter(base, tmp_path / "adapter")
+    assert reason(adapter_dir, base) is None
+    vol = Volume(tmp_path / "volume")
+    config = convert_config(
+        {"kind": "merge", "dtype": "float32"}, adapter=str(adapter_dir), base_model=str(base)
+    )
+    [out] = run_convert(config, vol, PreemptionWatch())
+    merged = merge.merged_model(adapter_dir, base, None, "dequantized").state_dict()
+    got = safetensors.torch.load_file(out / "model.safetensors")
+    assert set(got) == set(merged) and all(torch.equal(got[n], merged[n]) for n in got)
+
+
 def write_both(base: Path, adapter_dir: Path, tmp_path: Path, **task) -> tuple[Path, Path]:
     """The same merge by the tensor-level path and by peft's path, into two folders."""
     adapter = peft_adapter.load_adapter(adapter_dir)

@@ -130,9 +130,28 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------ the base model
+def weight_files(base_dir: Path) -> list[Path]:
+    """The safetensors files transformers loads from a model folder: model.safetensors, else the shards its
+    index names. Other *.safetensors beside them are not the model's weights (Mistral's repos carry the
+    same weights again as consolidated.safetensors, under other names)."""
+    if (base_dir / "model.safetensors").is_file():
+        return [base_dir / "model.safetensors"]
+    index = base_dir / "model.safetensors.index.json"
+    if not index.is_file():
+        return sorted(base_dir.glob("*.safetensors"))
+    shards = sorted({base_dir / name for name in _read_json(index).get("weight_map", {}).values()})
+    missing = [path.name for path in shards if not path.is_file()]
+    if missing:
+        raise InputError(
+            f"base model {base_dir}: {index.name} names {', '.join(missing[:3])}, which the folder lacks; "
+            "download or copy the model again"
+        )
+    return shards
+
+
 def base_weight_shapes(base_dir: Path) -> dict[str, tuple[int, ...]]:
     """Every tensor's shape in a HF safetensors model folder, read from the headers (no weights loaded)."""
-    files = sorted(base_dir.glob("*.safetensors"))
+    files = weight_files(base_dir)
     if not files:
         raise InputError(
             f"base model {base_dir} holds no *.safetensors weights; give `base_model` a folder written by "

@@ -27,7 +27,7 @@ from huggingface_hub import split_torch_state_dict_into_shards
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
 from trainpod import tensorfile
-from trainpod.convert.adapter import PeftAdapter
+from trainpod.convert.adapter import PeftAdapter, weight_files
 from trainpod.convert.output import Staging
 from trainpod.train.export import DTYPES
 
@@ -56,7 +56,7 @@ _FLOATING = {"F64", "F32", "F16", "BF16"}  # safetensors' dtype names
 def base_tensors(base_dir: Path) -> dict[str, tensorfile.StoredTensor]:
     """Every tensor of the base's weight files, from their headers."""
     found = {}
-    for path in sorted(base_dir.glob("*.safetensors")):
+    for path in weight_files(base_dir):
         found.update(tensorfile.read_index(path))
     return found
 

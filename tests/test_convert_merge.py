@@ -421,3 +421,20 @@ def test_a_hub_base_brings_its_chat_template_file_into_the_merged_model(
         (adapter_dir(vol) / name).unlink(missing_ok=True)
     out = merge(vol)
     assert AutoTokenizer.from_pretrained(str(out)).chat_template == tokenizer.chat_template
+
+
+@pytest.mark.parametrize("damaged", ["adapter", "base"])
+def test_a_truncated_weights_file_is_exit_2_naming_it_before_anything_is_written(
+    vol: Volume, base: Path, damaged: str
+) -> None:
+    # A copy cut short: safetensors' SafetensorError came out as a traceback, exit 1, and retried starts.
+    make_adapter(base, adapter_dir(vol))
+    path = (
+        adapter_dir(vol) / "adapter_model.safetensors" if damaged == "adapter" else base / "model.safetensors"
+    )
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(InputError) as caught:
+        run_convert(convert_config(["mlx", {"kind": "merge"}]), vol, PreemptionWatch())
+    assert caught.value.exit_code == ExitCode.BAD_INPUT
+    assert str(path) in str(caught.value) and "truncated" in str(caught.value)
+    assert sorted(p.name for p in vol.run("ft").export.iterdir()) == ["adapter"]

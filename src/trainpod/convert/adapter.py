@@ -17,7 +17,7 @@ from typing import Any
 import safetensors.torch
 import torch
 from peft.utils.other import get_pattern_key
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from trainpod.errors import InputError
 
@@ -98,7 +98,11 @@ def load_adapter(folder: Path) -> PeftAdapter:
     summary = _read_json(folder / TRAINING_SUMMARY) if (folder / TRAINING_SUMMARY).is_file() else None
     modules: dict[str, LoraModule] = {}
     others: list[str] = []
-    for key, tensor in safetensors.torch.load_file(folder / ADAPTER_WEIGHTS).items():
+    try:
+        tensors = safetensors.torch.load_file(folder / ADAPTER_WEIGHTS)
+    except SafetensorError as exc:
+        raise _damaged(folder / ADAPTER_WEIGHTS, exc) from None
+    for key, tensor in tensors.items():
         match = _LORA_KEY.match(key.removeprefix(PEFT_PREFIX))
         if not key.startswith(PEFT_PREFIX) or match is None:
             others.append(key)
@@ -159,10 +163,21 @@ def base_weight_shapes(base_dir: Path) -> dict[str, tuple[int, ...]]:
         )
     shapes: dict[str, tuple[int, ...]] = {}
     for path in files:
-        with safe_open(path, "pt") as f:
-            for key in f.keys():  # noqa: SIM118 - safe_open handles have keys(), not iteration
-                shapes[key] = tuple(f.get_slice(key).get_shape())
+        try:
+            with safe_open(path, "pt") as f:
+                for key in f.keys():  # noqa: SIM118 - safe_open handles have keys(), not iteration
+                    shapes[key] = tuple(f.get_slice(key).get_shape())
+        except SafetensorError as exc:
+            raise _damaged(path, exc) from None
     return shapes
+
+
+def _damaged(path: Path, exc: Exception) -> InputError:
+    """safetensors checks a file's header and length when it opens it: a file cut short by an interrupted
+    copy fails there, which is a bad input (exit 2), not a crash."""
+    return InputError(
+        f"{path} is not a readable safetensors file ({exc}); it is truncated or damaged: copy or save it again"
+    )
 
 
 def base_config(base_dir: Path) -> dict[str, Any]:
@@ -186,7 +201,10 @@ def vision_module_shapes(base_dir: Path) -> dict[str, tuple[int, ...]]:
 def check_against_base(adapter: PeftAdapter, base_dir: Path) -> None:
     """Exit 2 naming the module and both shapes when the adapter was not trained on this base."""
     vision = bool((adapter.summary or {}).get("vision"))
-    shapes = vision_module_shapes(base_dir) if vision else base_weight_shapes(base_dir)
+    # The weight files are read for a VLM too: a damaged one is exit 2 here, not a crash in the merge.
+    shapes = base_weight_shapes(base_dir)
+    if vision:
+        shapes = vision_module_shapes(base_dir)
     tied = base_config(base_dir).get("tie_word_embeddings", False)
     # GPT-2's Conv1D layers store their weight as (in, out); peft marks adapters of them fan_in_fan_out.
     layout = "(in, out)" if adapter.config.get("fan_in_fan_out") else "(out, in)"

@@ -438,3 +438,16 @@ def test_a_truncated_weights_file_is_exit_2_naming_it_before_anything_is_written
     assert caught.value.exit_code == ExitCode.BAD_INPUT
     assert str(path) in str(caught.value) and "truncated" in str(caught.value)
     assert sorted(p.name for p in vol.run("ft").export.iterdir()) == ["adapter"]
+
+
+def test_a_lora_bias_on_layers_without_a_bias_is_exit_2_before_anything_is_written(
+    vol: Volume, base: Path
+) -> None:
+    # peft raised RuntimeError ("the base layer has no bias") once the whole model was built: exit 1.
+    make_adapter(base, adapter_dir(vol), lora_bias=True)
+    with pytest.raises(InputError) as caught:
+        merge(vol)
+    message = str(caught.value)
+    assert caught.value.exit_code == ExitCode.BAD_INPUT
+    assert "lora_bias=True" in message and "model.layers.0." in message and "PEFT" in message, message
+    assert sorted(p.name for p in vol.run("ft").export.iterdir()) == ["adapter"]

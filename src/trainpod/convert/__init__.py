@@ -95,7 +95,7 @@ def run_convert(config: ConvertConfig, volume: Volume, watch: PreemptionWatch) -
                     "changing what it computes:\n  - " + "\n  - ".join(problems)
                 )
         if need_base:
-            problems = merge.refusals(sources.adapter)
+            problems = merge.refusals(sources.adapter, sources.base_dir)
             if problems:
                 raise InputError(
                     f"the adapter {sources.adapter.folder} cannot be merged into its base:\n  - "

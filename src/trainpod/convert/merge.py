@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as transformers_logging
 
 from trainpod.convert import tensor_merge
-from trainpod.convert.adapter import PeftAdapter
+from trainpod.convert.adapter import PeftAdapter, base_weight_shapes, vision_module_shapes
 from trainpod.convert.output import Staging
 from trainpod.errors import InputError
 from trainpod.train.export import DTYPES, PROCESSOR_FILES, write_top_level_rope
@@ -38,17 +38,34 @@ BNB_DEFAULT_BLOCKSIZE = 64  # bitsandbytes' 4-bit block size, which transformers
 _UNREPEATABLE_INITS = ("pissa_niter_", "corda", "lora_ga")
 
 
-def refusals(adapter: PeftAdapter) -> list[str]:
+def refusals(adapter: PeftAdapter, base_dir: Path) -> list[str]:
     """Why this adapter cannot be merged into its original base and give the trained model (empty: it can)."""
+    problems = []
     init = adapter.config.get("init_lora_weights", True)
     if isinstance(init, str) and init.lower().startswith(_UNREPEATABLE_INITS):
-        return [
+        problems.append(
             f"init_lora_weights={init!r}: PEFT changed the base weights when it created this adapter, in a way "
             "that cannot be repeated here, so a merge into the original base would give other weights than the "
             "trained model's. Save the adapter as a plain LoRA with PEFT (save_pretrained(..., "
             "path_initial_model_for_weight_conversion=<the adapter saved before training>)) and merge that"
-        ]
-    return []
+        )
+    if adapter.config.get("lora_bias"):
+        # peft merges lora_B's bias into the base layer's and raises (after the whole model is built) for a
+        # layer without one: a model of the base's architecture has nowhere to put it.
+        shapes = (
+            vision_module_shapes(base_dir)
+            if vision_settings(adapter.summary)
+            else base_weight_shapes(base_dir)
+        )
+        lacking = [m.name for m in adapter.modules.values() if f"{m.name}.bias" not in shapes]
+        if lacking:
+            more = f" and {len(lacking) - 1} more" if len(lacking) > 1 else ""
+            problems.append(
+                f"lora_bias=True trained a bias for {lacking[0]}{more}, a layer the base model has no bias for, "
+                "so a merged model of the base's architecture cannot hold it; load the adapter with PEFT on the "
+                "base instead of merging it"
+            )
+    return problems
 
 
 def base_dtype(base_dir_config: dict[str, Any]) -> str:

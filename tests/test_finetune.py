@@ -205,6 +205,39 @@ def test_an_unreachable_hub_model_is_a_temporary_failure_for_the_supervisor(volu
     assert "downloading base_model.path='someorg/somemodel' failed" in output
 
 
+def test_a_hub_base_is_fetched_without_its_weights_in_another_layout(tmp_path, monkeypatch):
+    """Mistral's repos hold consolidated.safetensors beside the HF weights, as large as the model, which
+    transformers never reads: it doubled the download and the volume space."""
+    import fnmatch
+
+    import huggingface_hub
+
+    from trainpod.config.finetune import BaseModelConfig
+    from trainpod.train.base_model import resolve_base_model
+    from trainpod.volume import Volume
+
+    hub_repo = {
+        "config.json": "{}",
+        "model.safetensors": "w",
+        "consolidated.safetensors": "w",
+        "params.json": "{}",
+    }
+
+    def snapshot_download(repo_id, allow_patterns, ignore_patterns=(), cache_dir=None, **kwargs):
+        """The hub's: the files the patterns allow and do not ignore."""
+        snapshot = Path(cache_dir) / "snapshot"
+        snapshot.mkdir(parents=True)
+        for name, text in hub_repo.items():
+            allowed = any(fnmatch.fnmatch(name, p) for p in allow_patterns)
+            if allowed and not any(fnmatch.fnmatch(name, p) for p in ignore_patterns or ()):
+                (snapshot / name).write_text(text)
+        return str(snapshot)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    folder = resolve_base_model(BaseModelConfig(path="mistralai/Tiny-v0.3"), Volume(tmp_path))
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors", "params.json"]
+
+
 def test_the_paged_8bit_optimizer_state_round_trips_through_a_checkpoint(volume):
     paged = ("--set", "train.optimizer=paged_adamw_8bit", "--set", "checkpoint.every_steps=3")
     ok(run_trainpod(*finetune_args(*paged, "--set", "train.max_steps=3"), volume=volume))

@@ -17,8 +17,6 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 # What a merge needs from a hub model: weights, configs, tokenizer with its chat template (transformers
 # writes that to chat_template.jinja), not other formats' copies.
 _HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
-# The weights again in another layout, which transformers never reads (Mistral's repos: as large as the model).
-_HUB_OTHER_FORMATS = ["consolidated*.safetensors"]
 
 
 def on_volume(raw: str, volume: Volume) -> Path:
@@ -80,6 +78,8 @@ def fetch_base(reference: str, volume: Volume, revision: str | None = None) -> P
         RevisionNotFoundError,
     )
 
+    from trainpod.train.base_model import HUB_OTHER_FORMATS  # the finetune's rule: both fill cache/hf
+
     log.info(
         "fetching the base model %s (revision %s) from the Hugging Face hub into %s",
         reference,
@@ -93,7 +93,7 @@ def fetch_base(reference: str, volume: Volume, revision: str | None = None) -> P
                 revision=revision,
                 cache_dir=volume.cache() / "hf",
                 allow_patterns=_HUB_PATTERNS,
-                ignore_patterns=_HUB_OTHER_FORMATS,
+                ignore_patterns=HUB_OTHER_FORMATS,
                 token=os.environ.get("HF_TOKEN") or None,
             )
         )

@@ -22,6 +22,9 @@ log = logging.getLogger(__name__)
 
 # What a model folder needs from the hub: weights, configs, tokenizer (no pickles, no other formats).
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.py"]
+# The weights again in another layout, which transformers never reads (Mistral's repos: as large as the
+# model, so a download of twice its size on the volume and on the clock).
+HUB_OTHER_FORMATS = ["consolidated*.safetensors"]
 
 
 def resolve_base_model(cfg: BaseModelConfig, volume: Volume, download: bool = True) -> Path:
@@ -57,6 +60,7 @@ def _download(cfg: BaseModelConfig, volume: Volume) -> Path:
                 revision=cfg.revision,
                 cache_dir=volume.cache() / "hf",
                 allow_patterns=HUB_PATTERNS,
+                ignore_patterns=HUB_OTHER_FORMATS,
                 token=os.environ.get("HF_TOKEN") or None,
             )
         )

@@ -107,6 +107,19 @@ def test_a_step_that_is_not_committed_is_exit_2_listing_the_committed_ones(vol: 
     assert "step-3" in str(caught.value) and "2, 4" in str(caught.value)
 
 
+def test_a_finetune_run_is_exit_2_saying_export_takes_pretrain_runs(vol: Volume) -> None:
+    """Its config read as a pretrain one listed eight unrelated config problems instead."""
+    from finetune_support import TINY_FINETUNE
+
+    finetune_run = vol.run("tiny-finetune")
+    finetune_run.create()
+    finetune_run.config.write_text(TINY_FINETUNE.read_text())
+    with pytest.raises(InputError) as caught:
+        export(vol, run="tiny-finetune")
+    assert caught.value.exit_code == ExitCode.BAD_INPUT
+    assert "tiny-finetune is a finetune run" in str(caught.value) and "`merge` task" in str(caught.value)
+
+
 def test_a_corrupt_checkpoint_is_exit_2_and_nothing_is_written(vol: Volume) -> None:
     weights = vol.run(RUN).checkpoints / "step-2" / "model.safetensors"
     data = bytearray(weights.read_bytes())

@@ -59,6 +59,7 @@ def resolve_checkpoint(
             f"run {run.name} has no {run.config}: it is not a pretrain run on this volume. Set the export "
             "task's `run` to a pretrain run's name (the folder under runs/)"
         )
+    _refuse_a_finetune_run(run)
     config = load_config(PretrainConfig, run.config)
     step = _step(task.step, run)
     path = run.checkpoints / step_dir_name(step)
@@ -68,6 +69,22 @@ def resolve_checkpoint(
     tokenizer_dir = ctx.resolve_tokenizer(config.data.tokenizer, manifest)
     vocab = config.model.vocab_size or padded_vocab(manifest["tokenizer"]["vocab_size"])
     return CheckpointSource(run, step, path, config, tokenizer_dir, vocab)
+
+
+def _refuse_a_finetune_run(run: RunDir) -> None:
+    """A finetune's config read as a pretrain one gave a list of eight unrelated config problems."""
+    import yaml
+
+    try:
+        tree = yaml.safe_load(run.config.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError, UnicodeDecodeError):
+        return  # load_config names what is wrong with it
+    if isinstance(tree, dict) and "base_model" in tree:
+        raise InputError(
+            f"run {run.name} is a finetune run, and `export` converts a pretrain run's checkpoints; a finetune "
+            f"exports itself (runs/{run.name}/export/adapter or export/hf): use a `merge` task to fold its "
+            "adapter into the base, or set the export task's `run` to a pretrain run"
+        )
 
 
 def _step(requested: int | str, run: RunDir) -> int:

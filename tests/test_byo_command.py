@@ -23,6 +23,15 @@ RUN = "byo-command"
 
 PROGRAM = """
 import json, os, signal, subprocess, sys, time
+TIMED_CHILD = '''
+import signal, sys, time
+def noted(*_):
+    open("child.term", "w").write(repr(time.time()))
+    sys.exit(0)
+signal.signal(signal.SIGTERM, noted)
+open("child.ready", "w").write("1")
+time.sleep(600)
+'''
 mode = sys.argv[1]
 print("run dir", os.environ["TRAINPOD_RUN_DIR"], flush=True)
 print("secret", os.environ.get("HF_TOKEN", ""), flush=True)
@@ -40,6 +49,8 @@ if mode == "fail":
 if mode == "with-child":
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     open("child.pid", "w").write(str(child.pid))
+if mode == "with-timed-child":  # a DataLoader worker's stand-in: notes when its SIGTERM came
+    subprocess.Popen([sys.executable, "-c", TIMED_CHILD])
 for i in range(100000):
     print(f"working {i}", flush=True)
     time.sleep(0.05)
@@ -116,6 +127,24 @@ def test_sigterm_reaches_the_programs_whole_process_group_and_exits_143(tmp_path
         not Path(f"/proc/{grandchild}").exists()
         or "Z" in Path(f"/proc/{grandchild}/stat").read_text().split()[2]
     )
+
+
+def test_what_the_program_leaves_in_its_group_gets_sigterm_at_once_not_after_its_output_pipes(tmp_path):
+    """Its children inherit the program's stdout and stderr. The kit waited 2 s per pipe for them to close
+    before it sent the group its SIGTERM: 4 s of the 5 s window gone, the kit's own exit after SIGKILL."""
+    config, volume = write_setup(tmp_path, "with-timed-child")
+    proc = start_trainpod("run", "command", "--config", str(config), volume=volume)
+    wait_for(lambda: (tmp_path / "repo/child.ready").exists(), proc, "the program's child")
+    wait_for(lambda: "working 3" in program_log(volume), proc, "the program's fourth line")
+    signalled = time.time()
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 143, out
+    child_stopped = float((tmp_path / "repo/child.term").read_text())
+    assert child_stopped - signalled < 2.0, (
+        f"the child got SIGTERM {child_stopped - signalled:.1f} s after the kit"
+    )
+    assert "working 3" in program_log(volume), "the program's output before the stop is still logged"
 
 
 def test_a_program_that_ignores_sigterm_is_killed_when_the_window_ends(tmp_path):

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import BinaryIO, TextIO
 
@@ -90,11 +91,17 @@ class Program:
         return True
 
     def poll(self) -> int | None:
+        """The program's exit code once it has exited, at once: its output pipes may stay open while what
+        it left in its group (DataLoader workers, a wrapper's child) runs on; `wait_for_output` after."""
         code = self.proc.poll()
-        if code is not None:
-            for pump in self._pumps:
-                pump.join(timeout=2)  # the rest of its output
         return None if code is None else exit_code(code)
+
+    def wait_for_output(self, timeout: float) -> None:
+        """Let the pumps copy the rest of the output, for at most `timeout` seconds in all (a process that
+        left the group may hold the pipes open for good)."""
+        deadline = time.monotonic() + max(timeout, 0.0)
+        for pump in self._pumps:
+            pump.join(timeout=max(deadline - time.monotonic(), 0.0))
 
     def _pump(self, pipe: BinaryIO, console: TextIO) -> None:
         """Copy the program's output line by line ('\\r' ends a progress bar's line too), masked."""

@@ -46,6 +46,8 @@ log = logging.getLogger(__name__)
 
 POLL_S = 0.05  # how often the kit looks at the program, its signals and the budget
 FORWARD_DELAY_S = 0.1  # the window the program is told is this much shorter: the kit forwards SIGTERM
+OUTPUT_WAIT_S = 2.0  # for the program's last output once it and its group have exited
+OUTPUT_WAIT_MIN_S = 0.2  # ... even when the window is spent: its pipes are at their end by then
 
 
 class ProgramFailed(TemporaryError):
@@ -135,7 +137,11 @@ def _supervise(
             next_status = time.monotonic() + config.status_every_seconds
         time.sleep(POLL_S)
     log.info("the program exited with %d", code)
+    # Its group first, its last output after: what it left in its group holds the output pipes open, and
+    # waiting for them before (2 s a pipe) spent 4 s of a stop's 5 s window before that group got its
+    # SIGTERM, and the kit's own exit (status.json, the lease) came after the platform's SIGKILL.
     _end_group(program, ctx, killed)
+    program.wait_for_output(min(OUTPUT_WAIT_S, max(_window_left(ctx), OUTPUT_WAIT_MIN_S)))
     return code, stopped_by
 
 
@@ -145,13 +151,17 @@ def _end_group(program: Program, ctx: RunContext, killed: bool) -> None:
     once the kit has released its lease."""
     if killed or not program.group_alive():
         return
-    window = ctx.watch.seconds_left() if ctx.watch.requested else ctx.watch.window_seconds
-    deadline = time.monotonic() + max(window, 0.0)
+    deadline = time.monotonic() + _window_left(ctx)
     log.warning("the program left processes in its group: SIGTERM to its process group")
     program.signal_group(signal.SIGTERM)
     while program.group_alive() and time.monotonic() < deadline:
         time.sleep(POLL_S)
     program.signal_group(signal.SIGKILL)
+
+
+def _window_left(ctx: RunContext) -> float:
+    """Seconds of the stop window left (a whole window when no stop was asked for)."""
+    return max(ctx.watch.seconds_left() if ctx.watch.requested else ctx.watch.window_seconds, 0.0)
 
 
 def _stop_reason(ctx: RunContext, status: CommandStatus) -> str | None:

@@ -197,17 +197,34 @@ def test_a_spent_budget_stops_the_program_and_exits_3(tmp_path):
     assert json.loads((run_dir(volume) / "status.json").read_text())["cost_usd"] >= 2
 
 
+SCRIPTS_EXEC_REFUSES = {
+    "no-shebang.sh": b"echo hi\n",
+    "crlf.sh": b"#!/bin/sh\r\necho hi\r\n",
+    "missing-interpreter.sh": b"#!/no/such/sh\necho hi\n",
+}
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
         ({"command": ["no-such-program-xyz"]}, "command[0]='no-such-program-xyz' is not on PATH"),
         ({"command": ["./missing.sh"]}, "does not exist"),
         ({"workdir": "/nonexistent/dir"}, "workdir /nonexistent/dir does not exist"),
+        # exec refuses these: a traceback and exit 1 before, a crash every start of the pod repeated
+        ({"command": ["./no-shebang.sh"]}, "has no first line naming its interpreter"),
+        ({"command": ["./crlf.sh"]}, "has Windows line ends"),
+        (
+            {"command": ["./missing-interpreter.sh"]},
+            "names the interpreter /no/such/sh, which does not exist",
+        ),
         ({"env": {"TRAINPOD_RUN_DIR": "/x"}}, "env.TRAINPOD_RUN_DIR: TRAINPOD_ variables are set by the kit"),
     ],
 )
 def test_bad_input_exits_2_naming_the_field_and_writes_nothing(tmp_path, change, message):
     config, volume = write_setup(tmp_path, "env", **change)
+    for script, text in SCRIPTS_EXEC_REFUSES.items():
+        (tmp_path / "repo" / script).write_bytes(text)
+        (tmp_path / "repo" / script).chmod(0o755)
     result = run_trainpod("run", "command", "--config", str(config), volume=volume)
     assert result.returncode == 2, result.stdout + result.stderr
     assert message in result.stdout + result.stderr

@@ -23,6 +23,7 @@ program means by them, and a failed start is bounded by the crash-loop limit any
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
@@ -116,7 +117,7 @@ def _supervise(
     program: Program, ctx: RunContext, config: CommandConfig, status: CommandStatus
 ) -> tuple[int, str | None]:
     """Run the program to its end: (its exit code, what stopped it: a signal's name, budget, lease, or None)."""
-    program.start()
+    _start(program)
     log.info("started %s (pid %d) in %s", " ".join(program.argv), program.proc.pid, program.workdir)
     stopped_by, killed, next_status = None, False, 0.0
     while (code := program.poll()) is None:
@@ -143,6 +144,21 @@ def _supervise(
     _end_group(program, ctx, killed)
     program.wait_for_output(min(OUTPUT_WAIT_S, max(_window_left(ctx), OUTPUT_WAIT_MIN_S)))
     return code, stopped_by
+
+
+def _start(program: Program) -> None:
+    """Start the program; a file the system cannot run is bad input (exit 2), not a crash that every start
+    of the pod repeats until the crash-loop limit."""
+    try:
+        program.start()
+    except OSError as exc:
+        if exc.errno not in (errno.ENOEXEC, errno.ENOENT, errno.EACCES):
+            raise
+        raise InputError(
+            f"command[0]: {program.argv[0]} cannot be run ({exc.strerror}). A script needs a first line naming "
+            "its interpreter, like #!/bin/sh or #!/usr/bin/env python3, with Unix line ends (a '\\r' after it "
+            "names an interpreter that does not exist); or run it through one: command: [sh, train.sh]"
+        ) from None
 
 
 def _end_group(program: Program, ctx: RunContext, killed: bool) -> None:
@@ -204,6 +220,7 @@ def resolve_program(config: CommandConfig, workdir: Path, path: str) -> str:
     if "/" in name:
         found = workdir / name
         if found.is_file() and os.access(found, os.X_OK):
+            _check_interpreter_line(found, name)
             return str(found)
         problem = "is not executable (chmod +x it)" if found.is_file() else "does not exist"
         raise InputError(f"command[0]={name!r}: {found} {problem}; fix command or workdir")
@@ -214,6 +231,26 @@ def resolve_program(config: CommandConfig, workdir: Path, path: str) -> str:
             "relative to workdir like ./train.sh"
         )
     return found
+
+
+def _check_interpreter_line(path: Path, name: str) -> None:
+    """A script the system can run: its first line names an interpreter that exists (a program started
+    without a shell is exec'd, and exec refuses a script without one)."""
+    with open(path, "rb") as f:
+        head = f.read(512)
+    if head.startswith(b"\x7fELF"):
+        return
+    line = head[2:].split(b"\n", 1)[0] if head.startswith(b"#!") else None
+    interpreter = line.split()[0].decode(errors="replace") if line and line.split() else None
+    if line is None or interpreter is None:
+        problem = "has no first line naming its interpreter; add one like #!/bin/sh or #!/usr/bin/env python3"
+    elif line.endswith(b"\r"):
+        problem = "has Windows line ends (its first line ends in '\\r'); save it with Unix line ends (LF)"
+    elif not os.access(interpreter, os.X_OK):
+        problem = f"names the interpreter {interpreter}, which does not exist here; fix its first line"
+    else:
+        return
+    raise InputError(f"command[0]={name!r}: {path} {problem}, or run it through one: command: [sh, {name}]")
 
 
 def program_env(ctx: RunContext, config: CommandConfig) -> dict[str, str]:

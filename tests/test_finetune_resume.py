@@ -4,6 +4,7 @@ data position all restored)."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import signal
 import sys
@@ -103,3 +104,45 @@ def test_a_checkpoint_that_does_not_fit_the_model_is_refused_not_replaced_by_fre
     assert "does not fit this model" in output
     assert "other shapes" in output
     assert latest_step(volume) == committed, "the refused start must leave the checkpoints as they were"
+
+
+def _hub_cache_snapshot(volume: Path, repo: str, commit: str, weights_seed: int) -> Path:
+    """A hub download as huggingface_hub lays it out in cache/hf: snapshots/<commit>/, refs/main."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    cached = volume / "cache/hf" / f"models--{repo.replace('/', '--')}"
+    snapshot = cached / "snapshots" / commit
+    shutil.copytree(volume / "models/base", snapshot)
+    weights = load_file(snapshot / "model.safetensors")
+    generator = torch.Generator().manual_seed(weights_seed)
+    save_file({k: v + 0.01 * torch.randn(v.shape, generator=generator) for k, v in weights.items()},
+              snapshot / "model.safetensors", metadata={"format": "pt"})  # fmt: skip
+    return cached
+
+
+def test_a_resumed_run_trains_on_the_hub_commit_it_started_on_when_main_moved_meanwhile(
+    finetune_base_volume, tmp_path
+):
+    """base_model.revision unset means main: a resume after the model's owner pushed to main downloaded the
+    new commit and went on training the adapter on another base than its first steps (and convert merged
+    it into that one), with nothing said."""
+    volume = fresh_volume(finetune_base_volume, tmp_path)
+    first, pushed = "a" * 40, "b" * 40
+    cached = _hub_cache_snapshot(volume, "acme/tiny", first, weights_seed=1)
+    _hub_cache_snapshot(volume, "acme/tiny", pushed, weights_seed=2)
+    (cached / "refs").mkdir()
+    (cached / "refs/main").write_text(first)
+    offline = {"HF_HUB_OFFLINE": "1"}  # the cache stands in for the hub: main is what refs/main names
+    args = finetune_args("--set", "base_model.path=acme/tiny")
+    proc = start_trainpod(*args, volume=volume, env=offline)
+    signal_when_step_reached(proc, volume, 12, signal.SIGTERM, run=FINETUNE_RUN)
+    assert proc.returncode == 143
+    (cached / "refs/main").write_text(pushed)  # the owner pushes to main while the pod is down
+    result = run_trainpod(*args, volume=volume, env=offline)
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = json.loads(
+        (volume / "runs" / FINETUNE_RUN / "export/adapter/training_summary.json").read_text()
+    )
+    assert Path(summary["base_model_folder"]).name == first, "the resumed run must train on the same base"
+    assert summary["base_model_revision"] == first, "and convert must merge into that commit"

@@ -27,7 +27,11 @@ class BaseModelConfig(Section):
         "runs/tiny-pretrain/export/hf) or a Hugging Face hub id such as Qwen/Qwen2.5-7B-Instruct "
         "(downloaded once into the volume's cache/, with HF_TOKEN for gated models).",
     )
-    revision: str | None = Field(None, description="Hub branch, tag or commit (hub ids only).")
+    revision: str | None = Field(
+        None,
+        description="Hub branch, tag or commit (hub ids only; default main). The commit it names at the run's "
+        "first start is kept in runs/<run>/base_model.json and used by every resume.",
+    )
     trust_remote_code: bool = Field(False, description="Allow the model's own Python code from the hub.")
     attention: Literal["auto", "sdpa", "flash_attention_2", "eager"] = Field(
         "auto", description="'auto' uses flash-attn 2 when installed on a GPU, else PyTorch SDPA."

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from trainpod import atomic
 from trainpod.config.finetune import BaseModelConfig, QuantizationSettings
 from trainpod.errors import InputError, TemporaryError
 from trainpod.volume import Volume
@@ -27,8 +28,13 @@ HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.py"
 HUB_OTHER_FORMATS = ["consolidated*.safetensors"]
 
 
-def resolve_base_model(cfg: BaseModelConfig, volume: Volume, download: bool = True) -> Path:
-    """The base model's local folder: given as a folder, or downloaded from the hub into cache/hf."""
+def resolve_base_model(
+    cfg: BaseModelConfig, volume: Volume, download: bool = True, pin: Path | None = None
+) -> Path:
+    """The base model's local folder: given as a folder, or downloaded from the hub into cache/hf.
+
+    `pin` (a run's base_model.json): a hub id is taken at the commit the run's first start downloaded, so
+    that a resume after a push to the branch trains on the same base as the steps before it."""
     raw = Path(cfg.path).expanduser()
     candidates = [raw] if raw.is_absolute() else [volume.root / raw, Path.cwd() / raw]
     for folder in candidates:
@@ -45,10 +51,43 @@ def resolve_base_model(cfg: BaseModelConfig, volume: Volume, download: bool = Tr
         )
     if not download:
         return volume.cache() / "hf"  # preflight: a hub id is checked when it is downloaded
-    return _download(cfg, volume)
+    pinned = _pinned_commit(cfg, pin)
+    revision = pinned or cfg.revision
+    folder = _download(cfg, volume, revision, pin if pinned else None)
+    if pin is not None and revision != folder.name:  # hub snapshots are folders named by their commit
+        atomic.write_json(pin, {"path": cfg.path, "revision": cfg.revision, "commit": folder.name})
+        log.info("base model %s pinned at commit %s for this run (%s)", cfg.path, folder.name, pin)
+    return folder
 
 
-def _download(cfg: BaseModelConfig, volume: Volume) -> Path:
+def pinned_commit(cfg: BaseModelConfig, pin: Path | None) -> str | None:
+    """The hub commit `pin` holds for this base model and revision, else None."""
+    return _pinned_commit(cfg, pin, quiet=True)
+
+
+def _pinned_commit(cfg: BaseModelConfig, pin: Path | None, quiet: bool = False) -> str | None:
+    try:
+        pinned = atomic.read_json(pin) if pin is not None else None
+    except (FileNotFoundError, ValueError):
+        return None
+    if not isinstance(pinned, dict) or not pinned.get("commit"):
+        return None
+    if (pinned.get("path"), pinned.get("revision")) != (cfg.path, cfg.revision):
+        if not quiet:
+            log.warning(
+                "base_model is %s (revision %s) but this run started on %s (revision %s, commit %s); using the "
+                "configured one",
+                cfg.path,
+                cfg.revision,
+                pinned.get("path"),
+                pinned.get("revision"),
+                pinned["commit"],
+            )
+        return None
+    return str(pinned["commit"])
+
+
+def _download(cfg: BaseModelConfig, volume: Volume, revision: str | None, pinned_by: Path | None) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
 
@@ -57,7 +96,7 @@ def _download(cfg: BaseModelConfig, volume: Volume) -> Path:
         return Path(
             snapshot_download(
                 cfg.path,
-                revision=cfg.revision,
+                revision=revision,
                 cache_dir=volume.cache() / "hf",
                 allow_patterns=HUB_PATTERNS,
                 ignore_patterns=HUB_OTHER_FORMATS,
@@ -71,8 +110,14 @@ def _download(cfg: BaseModelConfig, volume: Volume) -> Path:
         ) from None
     except (RepositoryNotFoundError, RevisionNotFoundError):
         raise InputError(
-            f"base_model.path={cfg.path!r} (revision {cfg.revision or 'main'}) is not on the hub, or is private "
+            f"base_model.path={cfg.path!r} (revision {revision or 'main'}) is not on the hub, or is private "
             "and HF_TOKEN is missing; fix the id, or set HF_TOKEN"
+            + (
+                f" (this run trains on that commit, pinned in {pinned_by} at its first start; if it was removed "
+                "from the hub, delete that file to resume on the branch's newest commit)"
+                if pinned_by
+                else ""
+            )
         ) from None
     except Exception as exc:  # network and hub outages: the supervisor starts us again later
         raise TemporaryError(

@@ -32,7 +32,7 @@ from trainpod.context import RunContext
 from trainpod.errors import InputError
 from trainpod.sft import IGNORE_INDEX, SftBatches, eval_batches, load_sft, prepare_sft, sft_key
 from trainpod.train import distributed as D
-from trainpod.train.base_model import load_4bit, load_model, resolve_base_model
+from trainpod.train.base_model import load_4bit, load_model, pinned_commit, resolve_base_model
 from trainpod.train.batches import rescaled_accumulation, to_device
 from trainpod.train.export import DTYPES, export_hf, publish_export
 from trainpod.train.loss import CausalLMLoss, fits_chunked_loss, shift_labels
@@ -60,6 +60,7 @@ from trainpod.train.trainer import EvalInterrupted, StepResult, Trainer, train_a
 log = logging.getLogger(__name__)
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "labels")
+BASE_MODEL_PIN = "base_model.json"  # runs/<run>/: the hub commit of the base model the run trains on
 
 
 def config_type(tree: dict[str, Any]) -> type:
@@ -102,7 +103,11 @@ class Finetuner(Trainer):
         self.improvement_threshold = t.early_stopping_min_delta
         self.ranked_metric = config.ranked_metric
         self.tracker_run_id: str | None = None
-        self.base_dir = self._on_main_first(lambda: resolve_base_model(config.base_model, ctx.volume))
+        # Rank 0 pins a hub id's commit in the run folder at the first start; the others, and every resume, read it.
+        self.base_pin = ctx.run.root / BASE_MODEL_PIN
+        self.base_dir = self._on_main_first(
+            lambda: resolve_base_model(config.base_model, ctx.volume, pin=self.base_pin)
+        )
         self.attention = resolve_attention(
             config.base_model.attention, dist.device, config.data.use_packing, "base_model.attention"
         )
@@ -642,7 +647,8 @@ class Finetuner(Trainer):
             "method": self.method,
             "base_model": cfg.base_model.path,
             "base_model_folder": str(self.base_dir),
-            "base_model_revision": cfg.base_model.revision,
+            # The commit trained on, for a hub id (convert fetches that one when the folder is gone).
+            "base_model_revision": pinned_commit(cfg.base_model, self.base_pin) or cfg.base_model.revision,
             "quantization": (
                 {
                     "quant_type": cfg.quantization.quant_type,

@@ -85,6 +85,36 @@ def test_restore_falls_back_to_the_older_checkpoint_when_the_newest_is_corrupt(t
     assert (tmp_path / "run/checkpoints/LATEST").read_text().strip() == "step-1"
 
 
+@pytest.mark.parametrize("moved_before", ["verify", "_file_digests"])
+def test_every_rank_restoring_at_once_falls_back_together_when_the_newest_is_corrupt(
+    tmp_path, monkeypatch, moved_before
+):
+    """Every rank restores (the HF callback's resume_from_checkpoint() runs on each): the first rank to find
+    the damaged checkpoint moves it aside, and the others, which had listed it or were hashing its files,
+    crashed (FileNotFoundError, exit 1) instead of falling back to the older one with it."""
+    from trainpod.checkpoint import CheckpointStore
+
+    model, _ = trained_pair()
+    with Checkpointer(tmp_path / "run", keep_last=3, watch_signals=False) as ckpt:
+        ckpt.commit(1, model=model, extra={"at": 1})
+        newest = ckpt.commit(2, model=model, extra={"at": 2})
+    weights = newest.path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-3] + b"xyz")
+    original = getattr(CheckpointStore, moved_before)
+
+    def another_rank_moves_it_aside_first(store, path):
+        damaged = newest.path if moved_before == "verify" else path.parent
+        if damaged.name == "step-2" and damaged.exists():
+            CheckpointStore(store.root)._quarantine(damaged)
+        return original(store, path)
+
+    monkeypatch.setattr(CheckpointStore, moved_before, another_rank_moves_it_aside_first)
+    monkeypatch.setenv("TRAINPOD_LEASE_HELD", "1")  # the kit (or rank 0) holds the lease
+    restored = Checkpointer(tmp_path / "run", watch_signals=False).open().restore()
+    assert (restored.step, restored.extra) == (1, {"at": 1})
+    assert len(list((tmp_path / "run/checkpoints").glob("step-2.invalid-*"))) == 1
+
+
 def test_retention_keeps_the_newest_k(tmp_path):
     model, _ = trained_pair()
     with Checkpointer(tmp_path / "run", keep_last=2, watch_signals=False) as ckpt:

@@ -321,12 +321,12 @@ class CheckpointStore:
             file = path / name
             try:
                 size = file.stat().st_size
-            except FileNotFoundError:
+                if size != expected["bytes"]:
+                    return None, f"{name} has {size} bytes, the manifest says {expected['bytes']}"
+                if self.verify_mode == "sha256" and self._file_digests(file) != expected["sha256_pieces"]:
+                    return None, f"{name} does not match its sha256 (bit rot or a torn write)"
+            except FileNotFoundError:  # also while it is read: another rank restoring moved the folder aside
                 return None, f"{name} is missing"
-            if size != expected["bytes"]:
-                return None, f"{name} has {size} bytes, the manifest says {expected['bytes']}"
-            if self.verify_mode == "sha256" and self._file_digests(file) != expected["sha256_pieces"]:
-                return None, f"{name} does not match its sha256 (bit rot or a torn write)"
         return manifest, ""
 
     def latest(self, clean: bool = True) -> CommittedCheckpoint | None:
@@ -509,7 +509,10 @@ class CheckpointStore:
     def _quarantine(self, path: Path) -> None:
         """Keep an invalid checkpoint for inspection, out of the way of the step it would collide with."""
         aside = path.with_name(f"{path.name}.invalid-{uuid.uuid4().hex[:8]}")
-        os.rename(path, aside)
+        try:
+            os.rename(path, aside)
+        except FileNotFoundError:  # another rank restoring at the same time moved it aside first
+            return
         log.warning("moved the invalid checkpoint to %s (delete it when you no longer need it)", aside.name)
 
 

@@ -140,6 +140,18 @@ def test_under_the_command_workload_the_kit_holds_the_lease_for_the_program(tmp_
         assert not (tmp_path / "run/LEASE").exists()
 
 
+def test_run_alone_under_torchrun_rank_0_holds_the_lease_for_every_rank(tmp_path, monkeypatch):
+    """Every rank makes a Checkpointer (the HF callback on each): the others crashed with exit 75, the run
+    'leased by another writer', their own rank 0."""
+    monkeypatch.delenv("TRAINPOD_LEASE_HELD", raising=False)
+    monkeypatch.setenv("RANK", "0")
+    with Checkpointer(tmp_path / "run", watch_signals=False) as rank0:
+        monkeypatch.setenv("RANK", "1")
+        with Checkpointer(tmp_path / "run", watch_signals=False) as rank1:
+            assert rank1.lease is None and rank0.lease is not None
+    assert not (tmp_path / "run/LEASE").exists(), "rank 0 released it"
+
+
 def test_the_run_folder_and_window_come_from_the_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("TRAINPOD_RUN_DIR", str(tmp_path / "run"))
     monkeypatch.setenv("TRAINPOD_CHECKPOINT_DIR", str(tmp_path / "elsewhere"))

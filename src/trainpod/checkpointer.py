@@ -21,7 +21,8 @@
 It writes through the same CheckpointStore (temp folder, hashes, manifest, rename, LATEST,
 retention) and the same Lease as the stock trainers: there is no second commit path. Under the
 `command` workload the kit holds the run's lease for the program (TRAINPOD_LEASE_HELD=1); run
-alone, the Checkpointer takes it itself. One process commits (rank 0 under torchrun).
+alone, the Checkpointer takes it itself (rank 0's, under torchrun). One process commits (rank 0 under
+torchrun).
 """
 
 from __future__ import annotations
@@ -168,9 +169,11 @@ class Checkpointer:
         self.close()
 
     def open(self) -> Checkpointer:
-        """Take the run's lease, unless the kit holds it for this program (TRAINPOD_LEASE_HELD=1)."""
+        """Take the run's lease, unless the kit holds it for this program (TRAINPOD_LEASE_HELD=1). Under
+        torchrun rank 0 takes it for every rank: another rank found it taken by rank 0 and exited 75."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        if os.environ.get("TRAINPOD_LEASE_HELD") != "1" and self.lease is None:
+        rank = int(os.environ.get("RANK") or 0)
+        if os.environ.get("TRAINPOD_LEASE_HELD") != "1" and self.lease is None and rank == 0:
             self.lease = Lease(self.run_dir / "LEASE")
             self.lease.acquire()
             # Released at any exit Python sees (sys.exit, the end of the script); after a SIGKILL the

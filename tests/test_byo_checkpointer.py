@@ -72,13 +72,19 @@ def test_objects_load_with_weights_only_and_tied_tensors_are_stored_once(tmp_pat
         assert len(list(f.keys())) == 1, "the tied head weight must not be written a second time"
 
 
-def test_restore_falls_back_to_the_older_checkpoint_when_the_newest_is_corrupt(tmp_path):
+def commit_two_and_damage_the_newest(run):
+    """Steps 1 and 2 committed, then step 2's weights damaged; returns step 2's checkpoint."""
     model, _ = trained_pair()
-    with Checkpointer(tmp_path / "run", keep_last=3, watch_signals=False) as ckpt:
+    with Checkpointer(run, keep_last=3, watch_signals=False) as ckpt:
         ckpt.commit(1, model=model, extra={"at": 1})
         newest = ckpt.commit(2, model=model, extra={"at": 2})
     weights = newest.path / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-3] + b"xyz")
+    return newest
+
+
+def test_restore_falls_back_to_the_older_checkpoint_when_the_newest_is_corrupt(tmp_path):
+    commit_two_and_damage_the_newest(tmp_path / "run")
     with Checkpointer(tmp_path / "run", watch_signals=False) as ckpt:
         restored = ckpt.restore()
     assert (restored.step, restored.extra) == (1, {"at": 1})
@@ -94,12 +100,7 @@ def test_every_rank_restoring_at_once_falls_back_together_when_the_newest_is_cor
     crashed (FileNotFoundError, exit 1) instead of falling back to the older one with it."""
     from trainpod.checkpoint import CheckpointStore
 
-    model, _ = trained_pair()
-    with Checkpointer(tmp_path / "run", keep_last=3, watch_signals=False) as ckpt:
-        ckpt.commit(1, model=model, extra={"at": 1})
-        newest = ckpt.commit(2, model=model, extra={"at": 2})
-    weights = newest.path / "model.safetensors"
-    weights.write_bytes(weights.read_bytes()[:-3] + b"xyz")
+    newest = commit_two_and_damage_the_newest(tmp_path / "run")
     original = getattr(CheckpointStore, moved_before)
 
     def another_rank_moves_it_aside_first(store, path):

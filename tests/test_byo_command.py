@@ -218,6 +218,9 @@ SCRIPTS_EXEC_REFUSES = {
             "names the interpreter /no/such/sh, which does not exist",
         ),
         ({"env": {"TRAINPOD_RUN_DIR": "/x"}}, "env.TRAINPOD_RUN_DIR: TRAINPOD_ variables are set by the kit"),
+        # python's own exit 2 for a missing script was a failed start, repeated until the run was FAILED
+        ({"command": ["python", "-u", "trian.py"]}, "command[2]='trian.py': "),
+        ({"command": ["bash", "missing.sh", "--epochs", "3"]}, "command[1]='missing.sh': "),
     ],
 )
 def test_bad_input_exits_2_naming_the_field_and_writes_nothing(tmp_path, change, message):
@@ -230,6 +233,15 @@ def test_bad_input_exits_2_naming_the_field_and_writes_nothing(tmp_path, change,
     assert message in result.stdout + result.stderr
     assert "Traceback" not in result.stdout + result.stderr
     assert not (volume / "runs").exists()
+
+
+@pytest.mark.parametrize(
+    "command", [["python", "-m", "json.tool", "--help"], ["python", "-c", "print(1)"], ["sh", "-c", "exit 0"]]
+)
+def test_an_interpreter_given_a_module_or_inline_code_needs_no_script_file(tmp_path, command):
+    config, volume = write_setup(tmp_path, "env", command=command)
+    result = run_trainpod("run", "command", "--config", str(config), volume=volume)
+    assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_boot_runs_the_program_from_the_synced_git_repo_by_default(tmp_path):

@@ -26,6 +26,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import re
 import shutil
 import signal
 import sys
@@ -230,7 +231,36 @@ def resolve_program(config: CommandConfig, workdir: Path, path: str) -> str:
             f"command[0]={name!r} is not on PATH ({path}); install it in the image, or give a path "
             "relative to workdir like ./train.sh"
         )
+    _check_script_argument(config.command, workdir)
     return found
+
+
+SCRIPT_RUNNERS = re.compile(r"^(python[0-9.]*|sh|bash|dash|zsh)$")
+# Options of those interpreters that take the next word as their value, so that it is no script name.
+_OPTIONS_WITH_A_VALUE = {"-W", "-X", "-o", "-O"}
+
+
+def _check_script_argument(command: list[str], workdir: Path) -> None:
+    """`python train.py` or `bash train.sh` whose script is not in workdir: the interpreter's own exit 2
+    counted as a failed start at every restart until the run was FAILED, its real reason in program.log."""
+    if not SCRIPT_RUNNERS.match(Path(command[0]).name):
+        return
+    words = iter(enumerate(command[1:], start=1))
+    for index, word in words:
+        if word == "-" or word[:2] in ("-c", "-m"):
+            return  # inline code, a module or stdin: no script file
+        if word in _OPTIONS_WITH_A_VALUE:
+            next(words, None)
+            continue
+        if word.startswith("-"):
+            continue
+        script = Path(word) if os.path.isabs(word) else workdir / word
+        if not script.is_file():
+            raise InputError(
+                f"command[{index}]={word!r}: {script} does not exist, so {command[0]} has no script to run; fix "
+                "command or workdir (relative paths start at workdir)"
+            )
+        return
 
 
 def _check_interpreter_line(path: Path, name: str) -> None:

@@ -155,6 +155,24 @@ def test_a_missing_base_model_is_exit_2_naming_the_field_and_nothing_is_written(
     assert tree_snapshot(volume) == before
 
 
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        ("data.sft.val_ratio=0", "train.early_stopping_patience=3 needs a validation split"),
+        ("train.eval_every=0", "train.early_stopping_patience=3 never acts with train.eval_every=0"),
+    ],
+)
+def test_early_stopping_that_could_never_act_is_exit_2_before_anything_is_written(volume, setting, message):
+    """It trained, silently, to the last paid step."""
+    before = tree_snapshot(volume)
+    settings = ("--set", "train.early_stopping_patience=3", "--set", setting)
+    result = run_trainpod(*finetune_args(*settings), volume=volume)
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output
+    assert message in output and "Traceback" not in output
+    assert tree_snapshot(volume) == before
+
+
 def test_tracking_asked_for_without_wandb_installed_is_exit_2_before_anything_is_written(volume, tmp_path):
     """wandb is an extra (trainpod[tracking]; the image has it): hidden from the child here, as on a machine
     without it, the key in the environment is refused at preflight, and never printed."""

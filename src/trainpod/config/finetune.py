@@ -140,7 +140,10 @@ class FinetuneTrainConfig(Section):
         None, ge=1, description="Micro-batches per evaluation; default: the whole validation split."
     )
     early_stopping_patience: int = Field(
-        0, ge=0, description="Stop after this many evals without improvement (0: never stop early)."
+        0,
+        ge=0,
+        description="Stop after this many evals without improvement (0: never stop early); needs eval_every "
+        "and a validation split (sft.val_ratio).",
     )
     early_stopping_metric: Literal["eval_loss", "cer", "wer", "cer_normalized", "wer_normalized"] = Field(
         "eval_loss",
@@ -163,6 +166,15 @@ class FinetuneTrainConfig(Section):
         if (self.max_steps is None) == (self.epochs is None):
             raise ValueError(
                 f"train has max_steps={self.max_steps} and epochs={self.epochs}; give exactly one of them"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _early_stopping_can_act(self) -> FinetuneTrainConfig:
+        if self.early_stopping_patience and not self.eval_every:
+            raise ValueError(
+                f"train.early_stopping_patience={self.early_stopping_patience} never acts with train.eval_every=0 "
+                "(no evals to compare); set eval_every to how often to evaluate, or early_stopping_patience to 0"
             )
         return self
 

@@ -78,6 +78,26 @@ def preflight(ctx: RunContext, config: FinetuneConfig) -> None:
     resolve_base_model(config.base_model, ctx.volume, download=False)
     if config.data.dataset is not None:
         _dataset_dir(ctx, config.data.dataset)
+    _check_validation_for_early_stopping(ctx, config)
+
+
+def _check_validation_for_early_stopping(ctx: RunContext, config: FinetuneConfig) -> None:
+    """Early stopping with no validation split never stops: a run paid to its last step, silently."""
+    patience = config.train.early_stopping_patience
+    if not patience:
+        return
+    if config.data.sft is not None:
+        held_out = config.data.sft.val_ratio > 0
+        fix = "set data.sft.val_ratio (0.02, say)"
+    else:
+        manifest = atomic.read_json(_dataset_dir(ctx, config.data.dataset) / "manifest.json")
+        held_out = manifest.get("counts", {}).get("val_samples", 1) > 0
+        fix = f"prepare {config.data.dataset} again with sft.val_ratio > 0 in its datagen config"
+    if not held_out:
+        raise InputError(
+            f"train.early_stopping_patience={patience} needs a validation split, and the data has none; {fix}, "
+            "or set early_stopping_patience to 0"
+        )
 
 
 def _dataset_dir(ctx: RunContext, name: str) -> Path:

@@ -10,6 +10,7 @@ import pytest
 
 from trainpod.errors import ExitCode
 from trainpod.runpod.client import (
+    Pod,
     RunPodAuthError,
     RunPodClient,
     RunPodError,
@@ -185,3 +186,16 @@ def test_a_create_refused_with_429_is_still_retried(fake):
     fake.fail_next(429)
     client_for(fake, sleeps).create_template({"name": "x", "imageName": "y"})
     assert sleeps == [1.0] and len(fake.templates) == 1
+
+
+@pytest.mark.parametrize(
+    ("prices", "expected"),
+    [
+        ({"adjustedCostPerHr": 2.49, "costPerHr": 2.99}, 2.49),
+        ({"adjustedCostPerHr": None, "costPerHr": 2.99}, 2.99),  # it was None: a supervisor counted $0/h
+        ({"costPerHr": 2.99}, 2.99),
+        ({}, None),
+    ],
+)
+def test_a_pods_price_is_the_adjusted_one_else_the_listed_one(prices, expected):
+    assert Pod.from_api({"id": "p1", **prices}).cost_per_hr == expected

@@ -117,7 +117,8 @@ class Pod:
     def from_api(cls, data: dict[str, Any]) -> Pod:
         gpu = data.get("gpu") or {}
         machine = data.get("machine") or {}
-        cost = data.get("adjustedCostPerHr", data.get("costPerHr"))
+        # The adjusted price (discounts) when RunPod gives one; the field may be there as null.
+        cost = next((data[k] for k in ("adjustedCostPerHr", "costPerHr") if data.get(k) is not None), None)
         return cls(
             id=data["id"],
             name=data.get("name") or "",

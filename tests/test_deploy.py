@@ -56,6 +56,30 @@ def config(tmp_path: Path, **changes) -> DeployConfig:
     return load_config(DeployConfig, write_config(tmp_path, **changes))
 
 
+def test_a_volume_in_a_data_center_rest_v1_does_not_list_gets_its_pod_by_the_volume_alone(fake, tmp_path):
+    """RunPod's v1 description lists no US-MD-1 for dataCenterIds: naming it was a request RunPod refuses."""
+    from trainpod.remote.s3 import S3_DATACENTERS
+    from trainpod.runpod.deploy import POD_CREATE_DATA_CENTERS
+
+    assert "US-MD-1" in S3_DATACENTERS and "US-MD-1" not in POD_CREATE_DATA_CENTERS
+    deploy(client_for(fake), config(tmp_path, **{"volume.data_center": "US-MD-1"}))
+    (volume,) = fake.volumes.values()
+    (_, _, body) = fake.calls("POST", "/pods")[0]
+    assert body["networkVolumeId"] == volume["id"] and volume["dataCenterId"] == "US-MD-1"
+    assert "dataCenterIds" not in body
+    assert not fake.violations
+
+
+def test_the_data_centers_named_in_pod_bodies_are_those_runpods_description_lists():
+    import json
+
+    schema = json.loads((Path(__file__).parent / "runpod_schema.json").read_text())
+    listed = schema["schemas"]["PodCreateInput"]["properties"]["dataCenterIds"]["items"]["enum"]
+    from trainpod.runpod.deploy import POD_CREATE_DATA_CENTERS
+
+    assert frozenset(listed) == POD_CREATE_DATA_CENTERS
+
+
 def test_deploy_creates_template_volume_and_pod_with_the_right_bodies(fake, tmp_path):
     done = deploy(client_for(fake), config(tmp_path))
     (template,) = fake.templates.values()

@@ -138,6 +138,17 @@ def template_body(config: DeployConfig) -> dict[str, Any]:
     }
 
 
+# PodCreateInput.dataCenterIds' enum in RunPod's REST v1 description. Newer data centers with network
+# volumes (US-MD-1, US-MO-1, ...: remote/s3.py's list) are not in it, and a request naming one is refused
+# as invalid; RunPod places a pod with a networkVolumeId in the volume's data center anyway, so for those
+# the field is left out.
+POD_CREATE_DATA_CENTERS = frozenset(
+    ("EU-RO-1", "CA-MTL-1", "EU-SE-1", "US-IL-1", "EUR-IS-1", "EU-CZ-1", "US-TX-3", "EUR-IS-2", "US-KS-2",
+     "US-GA-2", "US-WA-1", "US-TX-1", "CA-MTL-3", "EU-NL-1", "US-TX-4", "US-CA-2", "US-NC-1", "OC-AU-1",
+     "US-DE-1", "EUR-IS-3", "CA-MTL-2", "AP-JP-1", "EUR-NO-1", "EU-FR-1", "US-KS-3", "US-GA-1")
+)  # fmt: skip
+
+
 def pod_body(
     config: DeployConfig, template_id: str, volume_id: str, env: dict[str, str] | None = None
 ) -> dict[str, Any]:
@@ -150,11 +161,12 @@ def pod_body(
         "networkVolumeId": volume_id,
         "volumeMountPath": config.volume.mount_path,
         "containerDiskInGb": config.pod.container_disk_gb,
-        "dataCenterIds": [config.volume.data_center],  # a network volume attaches only in its data center
         "ports": list(config.pod.ports),
         "dockerStartCmd": [f"{IMAGE_ROOT}/entrypoints/{config.workload}"],
         "env": env if env else pod_env(config),
     }
+    if config.volume.data_center in POD_CREATE_DATA_CENTERS:  # a network volume attaches only in its own
+        body["dataCenterIds"] = [config.volume.data_center]
     if config.image.flavour == "cuda":
         body |= {
             "computeType": "GPU",

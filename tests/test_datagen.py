@@ -399,3 +399,17 @@ def test_an_hf_source_without_the_text_field_is_exit_2_naming_its_columns(volume
     with pytest.raises(InputError, match=r"has no column 'text' \(columns: content\).*text_field") as caught:
         run(make_config(sources=[{"hf": str(folder)}], mode="full"), volume)
     assert caught.value.exit_code == ExitCode.BAD_INPUT
+
+
+def test_sources_without_a_document_are_exit_2_and_leave_nothing_to_reuse_once_fixed(volume):
+    # It finished (exit 0) with an empty dataset and a byte-only tokenizer, and a run after the files
+    # were filled in reused both as "complete and matching this config".
+    (volume.root / "corpus" / "empty.txt").write_text("\n\n   \n")
+    config = make_config(sources=[{"path": "corpus/empty.txt"}])
+    with pytest.raises(InputError, match=r"corpus/empty\.txt hold no document.*text_field") as caught:
+        run(config, volume)
+    assert caught.value.exit_code == ExitCode.BAD_INPUT
+    assert not volume.dataset("stories").exists() and not volume.tokenizer("stories").exists()
+    (volume.root / "corpus" / "empty.txt").write_text("\n\n".join(corpus_documents()) + "\n")
+    manifest = json.loads((run(config, volume) / "manifest.json").read_text())
+    assert manifest["documents"] == STORY_COUNT and manifest["tokenizer"]["vocab_size"] == 400

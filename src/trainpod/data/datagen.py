@@ -70,6 +70,7 @@ def run_datagen(config: DatagenConfig, volume: Volume, watch: PreemptionWatch) -
     manifest = _existing_manifest(folder, expected_hash)
     if manifest is None:  # a finished dataset stays usable after its source files are gone
         check_sources(config.sources, volume.root)
+        _refuse_empty_sources(config, volume)
     tokenizer = prepare_tokenizer(
         config.tokenizer,
         volume.tokenizer(config.tokenizer_name),
@@ -101,6 +102,21 @@ def run_datagen(config: DatagenConfig, volume: Volume, watch: PreemptionWatch) -
         sum(len(p.shards) for p in progress.values()),
     )
     return folder
+
+
+def _refuse_empty_sources(config: DatagenConfig, volume: Volume) -> None:
+    """Sources without one non-empty document are bad input, before a tokenizer is trained on nothing.
+
+    Finished, that empty dataset and its byte-only tokenizer would be reused as they are once the
+    files were fixed: neither records what the source files held.
+    """
+    if next(iter_documents(config.sources, volume.root), None) is None:
+        described = ", ".join(source.describe() for source in config.sources)
+        raise InputError(
+            f"sources {described} hold no document (text files empty or only whitespace; JSONL, parquet "
+            "or hub records whose text_field is null or empty); nothing is written. Point sources[].path "
+            "at the data, or set sources[].text_field to the column holding the text"
+        )
 
 
 def _existing_manifest(folder: Path, expected_hash: str) -> dict | None:

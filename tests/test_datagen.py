@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 import struct
 from pathlib import Path
 
@@ -413,3 +414,41 @@ def test_sources_without_a_document_are_exit_2_and_leave_nothing_to_reuse_once_f
     (volume.root / "corpus" / "empty.txt").write_text("\n\n".join(corpus_documents()) + "\n")
     manifest = json.loads((run(config, volume) / "manifest.json").read_text())
     assert manifest["documents"] == STORY_COUNT and manifest["tokenizer"]["vocab_size"] == 400
+
+
+STORIES_TEXT = "\n\n".join(corpus_documents())
+
+
+def damaged_parquet(path: Path) -> None:
+    pq.write_table(pa.table({"text": corpus_documents()}), path, row_group_size=100)
+    raw = bytearray(path.read_bytes())
+    raw[200:2000] = b"\x07" * 1800  # pages garbled, footer intact: pyarrow's OSError has no errno
+    path.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize(
+    ("name", "write", "words"),
+    [
+        ("latin1.txt", lambda p: p.write_bytes("un café\n\nñandú".encode("latin-1")), "is not UTF-8 text"),
+        (
+            "latin1.jsonl",
+            lambda p: p.write_bytes('{"text": "café"}\n'.encode("latin-1")),
+            "is not UTF-8 text",
+        ),
+        (
+            "cut.txt.gz",
+            lambda p: p.write_bytes(gzip.compress(STORIES_TEXT.encode())[:5000]),
+            "is not a whole gzip",
+        ),
+        ("plain.txt.gz", lambda p: p.write_text("not gzip"), "is not a whole gzip"),
+        ("cut.parquet", lambda p: p.write_bytes(b"PAR1" + b"\0" * 64), "is not a readable parquet"),
+        ("garbled.parquet", damaged_parquet, "is not a readable parquet"),
+    ],
+)
+def test_a_source_file_that_cannot_be_read_as_its_format_is_exit_2_naming_it(volume, name, write, words):
+    # Each was a bare UnicodeDecodeError, BadGzipFile, EOFError, ArrowInvalid or OSError: exit 1, a
+    # crash retried at every start with the same file, then FAILED without saying which file.
+    write(volume.root / "corpus" / name)
+    with pytest.raises(InputError, match=rf"source file \S+/corpus/{re.escape(name)} {words}") as caught:
+        run(make_config(sources=[{"path": "corpus/stories.txt"}, {"path": f"corpus/{name}"}]), volume)
+    assert caught.value.exit_code == ExitCode.BAD_INPUT

@@ -13,6 +13,7 @@ import importlib.resources
 import io
 import json
 import re
+import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -195,12 +196,35 @@ def _stripped(documents: Iterator[str]) -> Iterator[str]:
 def _iter_files(source: SourceConfig, files: list[Path]) -> Iterator[str]:
     for path in files:
         fmt = _format_of(path, "text" if source.path == BUILTIN_TINY_STORIES else source.format)
-        if fmt == "text":
-            yield from _stripped(_text_documents(path, source.separator))
-        elif fmt == "jsonl":
-            yield from _jsonl_documents(path, source.text_field)
-        else:
-            yield from _parquet_documents(path, source.text_field)
+        try:
+            if fmt == "text":
+                yield from _stripped(_text_documents(path, source.separator))
+            elif fmt == "jsonl":
+                yield from _jsonl_documents(path, source.text_field)
+            else:
+                yield from _parquet_documents(path, source.text_field)
+        except Exception as exc:
+            problem = _unreadable_file_problem(exc, fmt)
+            if problem is None:
+                raise
+            # A damaged or mis-encoded file fails the same way at every start: exit 2, not a crash retried.
+            raise InputError(f"source file {path} {problem}") from None
+
+
+def _unreadable_file_problem(exc: Exception, fmt: str) -> str | None:
+    """What is wrong with a source file whose bytes cannot be read as its format; None for anything else."""
+    if isinstance(exc, UnicodeDecodeError):
+        return (
+            f"is not UTF-8 text (byte {exc.object[exc.start : exc.start + 1]!r}: {exc.reason}); convert it "
+            "to UTF-8 (e.g. `iconv -f latin1 -t utf-8`) or drop it from sources[].path"
+        )
+    if isinstance(exc, (gzip.BadGzipFile, EOFError, zlib.error)):
+        return f"is not a whole gzip file ({exc}); copy it again or decompress it to check it"
+    if fmt == "parquet" and isinstance(exc, (ValueError, OSError)) and getattr(exc, "errno", None) is None:
+        # pyarrow reports a non-parquet or truncated file as ArrowInvalid and a damaged page as an
+        # OSError without errno; an OSError from the kernel (a volume's I/O error) always has one.
+        return f"is not a readable parquet file ({exc}); copy it again or rewrite it"
+    return None
 
 
 def iter_documents(sources: list[SourceConfig], volume_root: Path) -> Iterator[str]:

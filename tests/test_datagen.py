@@ -452,3 +452,30 @@ def test_a_source_file_that_cannot_be_read_as_its_format_is_exit_2_naming_it(vol
     with pytest.raises(InputError, match=rf"source file \S+/corpus/{re.escape(name)} {words}") as caught:
         run(make_config(sources=[{"path": "corpus/stories.txt"}, {"path": f"corpus/{name}"}]), volume)
     assert caught.value.exit_code == ExitCode.BAD_INPUT
+
+
+@pytest.mark.parametrize(
+    ("damaged", "content", "words"),
+    [
+        ("manifest.json", '{"complete": tr', "JSONDecodeError"),
+        ("manifest.json", "[]", "a JSON list, not an object"),
+        ("progress.json", "", "JSONDecodeError"),
+        ("progress.json", "drop splits", "KeyError: 'splits'"),
+    ],
+)
+def test_a_damaged_manifest_or_progress_file_is_exit_2_and_the_shards_stay(volume, damaged, content, words):
+    # It was a bare JSONDecodeError or KeyError (exit 1): a crash at every start until FAILED.
+    folder = run(make_config(), volume)
+    if damaged == "progress.json":
+        (folder / "manifest.json").unlink()  # as if killed before the manifest
+    path = folder / damaged
+    if content == "drop splits":
+        content = json.dumps({k: v for k, v in json.loads(path.read_text()).items() if k != "splits"})
+    path.write_text(content)
+    shards = {p.name: p.read_bytes() for p in folder.glob("*.bin")}
+    with pytest.raises(
+        InputError, match=rf"{re.escape(str(path))} is damaged \(.*{re.escape(words)}"
+    ) as caught:
+        run(make_config(), volume)
+    assert caught.value.exit_code == ExitCode.BAD_INPUT and "delete the folder" in str(caught.value)
+    assert {p.name: p.read_bytes() for p in folder.glob("*.bin")} == shards

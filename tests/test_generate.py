@@ -416,3 +416,17 @@ def test_split_files_load_as_an_alpaca_dataset_with_hugging_face_datasets(volume
         split: metadata["splits"][split]["records"] for split in files
     }
     assert loaded["train"].column_names == ["id", "kind", "instruction", "input", "output"]
+
+
+@pytest.mark.parametrize("damaged", ["metadata.json", "generation.json"])
+def test_a_damaged_metadata_or_generation_file_is_exit_2_and_nothing_is_rewritten(volume, damaged):
+    # A truncated file was a bare JSONDecodeError (exit 1), a crash at every start until FAILED.
+    folder = run(make_config(), volume)
+    if damaged == "generation.json":
+        (folder / "metadata.json").unlink()  # as if killed before the splits were published
+    (folder / damaged).write_text('{"config_hash": "')
+    before = tree_snapshot(folder)
+    with pytest.raises(InputError, match=rf"{damaged} is damaged \(JSONDecodeError") as caught:
+        run(make_config(), volume)
+    assert caught.value.exit_code == ExitCode.BAD_INPUT
+    assert tree_snapshot(folder) == before

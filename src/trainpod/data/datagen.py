@@ -124,9 +124,33 @@ def _existing_manifest(folder: Path, expected_hash: str) -> dict | None:
     path = folder / MANIFEST_FILE
     if not path.is_file():
         return None
-    manifest = read_json(path)
+    manifest = read_record(path)
     refuse_other_config(folder, "a dataset", manifest.get("config_hash"), expected_hash)
     return manifest if manifest.get("complete") else None
+
+
+def read_record(path: Path) -> dict:
+    """A JSON object that a datagen run wrote (manifest, progress); InputError naming it when damaged.
+
+    They are written atomically, so only a hand edit, a copy cut short or a failing disk damages one.
+    What it described cannot be trusted then, and the files beside it are not overwritten either.
+    """
+    try:
+        record = read_json(path)
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError alike
+        record, problem = None, f"{type(exc).__name__}: {exc}"
+    else:
+        problem = f"a JSON {type(record).__name__}, not an object"
+    if not isinstance(record, dict):
+        raise damaged_record(path, problem)
+    return record
+
+
+def damaged_record(path: Path, problem: str) -> InputError:
+    return InputError(
+        f"{path} is damaged ({problem}); nothing in {path.parent} is overwritten. Restore the file, or "
+        "delete the folder to build it again"
+    )
 
 
 def refuse_other_config(folder: Path, what: str, recorded_hash: str | None, expected_hash: str) -> None:
@@ -161,10 +185,14 @@ def _load_progress(
     path = folder / PROGRESS_FILE
     progress = {split: SplitProgress() for split in config.splits}
     if path.is_file():
-        recorded = read_json(path)
+        recorded = read_record(path)
         refuse_other_config(folder, "a partly written dataset", recorded.get("config_hash"), expected_hash)
-        _check_same_tokenizer(path, recorded["tokenizer_sha256"], tokenizer)
-        progress = {split: SplitProgress.from_json(recorded["splits"][split]) for split in config.splits}
+        try:
+            recorded_sha = str(recorded["tokenizer_sha256"])
+            progress = {split: SplitProgress.from_json(recorded["splits"][split]) for split in config.splits}
+        except (KeyError, TypeError, ValueError) as exc:
+            raise damaged_record(path, f"a field missing or malformed: {type(exc).__name__}: {exc}") from None
+        _check_same_tokenizer(path, recorded_sha, tokenizer)
         if not _shards_intact(folder, progress):
             progress = {split: SplitProgress() for split in config.splits}
         else:

@@ -55,9 +55,9 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
-from trainpod.atomic import read_json, write_bytes, write_json, write_parts
+from trainpod.atomic import write_bytes, write_json, write_parts
 from trainpod.config.generate import GeneratorDatagenConfig, exact_ratio
-from trainpod.data.datagen import refuse_other_config
+from trainpod.data.datagen import read_record, refuse_other_config
 from trainpod.errors import ConfigError, InputError, Preempted, TemporaryError
 from trainpod.preemption import PreemptionWatch
 from trainpod.volume import Volume
@@ -396,7 +396,7 @@ def _is_complete(folder: Path, expected_hash: str) -> bool:
     path = folder / METADATA_FILE
     if not path.is_file():
         return False
-    metadata = read_json(path)
+    metadata = read_record(path)
     refuse_other_config(folder, "a generated dataset", metadata.get("config_hash"), expected_hash)
     return bool(metadata.get("complete"))
 
@@ -405,7 +405,7 @@ def _recorded_generation(folder: Path, expected_hash: str) -> dict | None:
     """generation.json of a half-made dataset of this config; refuses a folder holding anything else."""
     path = folder / GENERATION_FILE
     if path.is_file():
-        recorded = read_json(path)
+        recorded = read_record(path)
         refuse_other_config(folder, "a partly generated dataset", recorded.get("config_hash"), expected_hash)
         return recorded
     others = sorted(p.name for p in folder.glob("*") if ".tmp-" not in p.name)

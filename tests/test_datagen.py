@@ -479,3 +479,23 @@ def test_a_damaged_manifest_or_progress_file_is_exit_2_and_the_shards_stay(volum
         run(make_config(), volume)
     assert caught.value.exit_code == ExitCode.BAD_INPUT and "delete the folder" in str(caught.value)
     assert {p.name: p.read_bytes() for p in folder.glob("*.bin")} == shards
+
+
+def test_a_tokenizer_with_an_id_beyond_its_token_count_gets_uint32_shards_and_its_id_space(volume):
+    # Its 400 tokens fitted uint16, but the end-of-text id 70000 did not: OverflowError, exit 1. The
+    # manifest's vocab_size (the model's embedding rows in pretrain) was the count, 400, too.
+    run(make_config(mode="full"), volume)
+    folder = volume.root / "sparse-tokenizer"
+    folder.mkdir()
+    tree = json.loads((volume.tokenizer("stories") / "tokenizer.json").read_text())
+    old_id = tree["model"]["vocab"].pop("<|endoftext|>")
+    tree["added_tokens"][0]["id"] = 70000
+    tree["model"]["vocab"]["<|endoftext|>"] = 70000
+    (folder / "tokenizer.json").write_text(json.dumps(tree))
+    dataset = run(make_config(name="sparse", mode="full", tokenizer={"path": str(folder)}), volume)
+    manifest = json.loads((dataset / "manifest.json").read_text())
+    assert manifest["dtype"] == "uint32" and manifest["tokenizer"]["vocab_size"] == 70001
+    reference = json.loads((volume.dataset("stories") / "manifest.json").read_text())
+    expected = split_stream(volume.dataset("stories"), reference, "train").astype(np.int64)
+    expected[expected == old_id] = 70000
+    assert np.array_equal(split_stream(dataset, manifest, "train"), expected)

@@ -85,11 +85,14 @@ def describe_tokenizer(folder: Path, eot_token: str, name: str | None = None) ->
             f"tokenizer {folder} has no token {eot_token!r}; set tokenizer.eot_token to its "
             "end-of-text token (e.g. '</s>')"
         )
+    # The id space, not the token count: a tokenizer.json may leave ids unused (an added token at
+    # 70000 after 400 others), and both the shards' dtype and the model's embedding rows need the top id.
+    vocab_size = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1) + 1
     return TokenizerInfo(
         Path(folder),
         name,
         tokenizer_hash(folder),
-        tokenizer.get_vocab_size(with_added_tokens=True),
+        max(vocab_size, tokenizer.get_vocab_size(with_added_tokens=True)),
         eot_token,
         eot_id,
     )

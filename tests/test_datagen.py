@@ -499,3 +499,32 @@ def test_a_tokenizer_with_an_id_beyond_its_token_count_gets_uint32_shards_and_it
     expected = split_stream(volume.dataset("stories"), reference, "train").astype(np.int64)
     expected[expected == old_id] = 70000
     assert np.array_equal(split_stream(dataset, manifest, "train"), expected)
+
+
+def test_a_folder_holding_files_datagen_did_not_make_is_refused_and_kept(volume):
+    # Shards from llm.c pushed under this name were deleted (every unlisted *.bin was taken for a
+    # shard of a killed run), and a generated dataset's folder got token shards mixed into it.
+    folder = volume.dataset("stories")
+    folder.mkdir(parents=True)
+    (folder / "fineweb_train_000001.bin").write_bytes(b"\0" * 2048)
+    (folder / "train.jsonl").write_text('{"instruction": "x"}\n')
+    with pytest.raises(
+        InputError, match=r"holds files \(fineweb_train_000001\.bin, train\.jsonl\)"
+    ) as caught:
+        run(make_config(), volume)
+    assert caught.value.exit_code == ExitCode.BAD_INPUT and "not overwritten" in str(caught.value)
+    assert sorted(p.name for p in folder.iterdir()) == ["fineweb_train_000001.bin", "train.jsonl"]
+    assert not volume.tokenizer("stories").exists(), "refused before a tokenizer is trained"
+
+
+def test_a_shard_committed_before_the_first_progress_file_is_made_again(volume):
+    # A kill between the first shard's rename and progress.json leaves that shard alone in the folder.
+    folder = run(make_config(), volume)
+    expected = {p.name: p.read_bytes() for p in folder.glob("*.bin")}
+    for path in folder.iterdir():
+        if path.name not in ("train_000000.bin",):
+            path.unlink()
+    (folder / "train_000000.bin").write_bytes(b"partial")
+    (folder / "progress.json.tmp-1a2b").write_text("{")
+    run(make_config(), volume)
+    assert {p.name: p.read_bytes() for p in folder.glob("*.bin")} == expected

@@ -15,6 +15,7 @@ import itertools
 import json
 import logging
 import os
+import re
 import time
 from collections.abc import Iterator
 from concurrent.futures.process import BrokenProcessPool
@@ -38,6 +39,7 @@ log = logging.getLogger(__name__)
 MANIFEST_FILE = "manifest.json"
 PROGRESS_FILE = "progress.json"
 MANIFEST_FORMAT = "trainpod-datagen/1"
+SHARD_NAME = re.compile(r"^(train|val)_\d{6}\.bin$")  # as SplitWriter names its shards
 # A batch is also cut at this many characters, so a corpus of book-length documents does not put
 # gigabytes in flight (1000 fineweb documents are ~4 MB).
 MAX_BATCH_CHARACTERS = 8_000_000
@@ -71,6 +73,8 @@ def run_datagen(config: DatagenConfig, volume: Volume, watch: PreemptionWatch) -
     if manifest is None:  # a finished dataset stays usable after its source files are gone
         check_sources(config.sources, volume.root)
         _refuse_empty_sources(config, volume)
+        if folder.is_dir() and not (folder / PROGRESS_FILE).is_file():
+            _refuse_files_of_others(folder)
     tokenizer = prepare_tokenizer(
         config.tokenizer,
         volume.tokenizer(config.tokenizer_name),
@@ -202,9 +206,26 @@ def _load_progress(
             )
     listed = {s.file for p in progress.values() for s in p.shards}
     for shard in folder.glob("*.bin"):
-        if shard.name not in listed:  # renamed into place but the crash came before progress.json
+        # renamed into place but the crash came before progress.json; another program's .bin stays
+        if SHARD_NAME.match(shard.name) and shard.name not in listed:
             shard.unlink()
     return progress
+
+
+def _refuse_files_of_others(folder: Path) -> None:
+    """A folder without progress.json holds at most shards that a killed first run committed.
+
+    Anything else was put there by someone else (llm.c shards pushed under this name, a generated
+    dataset, notes): it is not deleted or mixed with this dataset's shards.
+    """
+    others = sorted(
+        p.name for p in folder.iterdir() if not SHARD_NAME.match(p.name) and ".tmp-" not in p.name
+    )
+    if others:
+        raise InputError(
+            f"{folder} already holds files ({', '.join(others[:5])}) that datagen did not make; they are "
+            "not overwritten. Pick another dataset name, or move them away"
+        )
 
 
 def _shards_intact(folder: Path, progress: dict[str, SplitProgress]) -> bool:

@@ -528,3 +528,21 @@ def test_a_shard_committed_before_the_first_progress_file_is_made_again(volume):
     (folder / "progress.json.tmp-1a2b").write_text("{")
     run(make_config(), volume)
     assert {p.name: p.read_bytes() for p in folder.glob("*.bin")} == expected
+
+
+def test_pretrain_refuses_a_tokenizer_replaced_under_the_datasets_recorded_name(volume):
+    # The folder under the recorded name was taken as it was: pretrain and its export paired shards
+    # of one tokenizer with another (here 300 tokens for shards of 400), and the model shipped with it.
+    from trainpod.context import RunContext
+
+    folder = run(make_config(), volume)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    context = RunContext(volume, None, PreemptionWatch())
+    assert context.resolve_tokenizer(None, manifest) == volume.tokenizer("stories")
+    kept = volume.root / "kept-tokenizer"
+    volume.tokenizer("stories").rename(kept)
+    run(make_config(name="other", tokenizer={"name": "stories", "vocab_size": 300}), volume)
+    with pytest.raises(InputError, match=r"tokenizers/stories is not the one the dataset's shards") as caught:
+        context.resolve_tokenizer(None, manifest)
+    assert caught.value.exit_code == ExitCode.BAD_INPUT and "data.tokenizer" in str(caught.value)
+    assert context.resolve_tokenizer(str(kept), manifest) == kept

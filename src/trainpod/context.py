@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from trainpod import cost
+from trainpod.atomic import file_sha256
 from trainpod.checkpoint import Lease
 from trainpod.errors import InputError
 from trainpod.preemption import PreemptionWatch
@@ -52,9 +53,22 @@ class RunContext:
                 candidates.append(Path(recorded["path"]))
         else:
             candidates = [Path(name) if os.path.isabs(name) else self.volume.tokenizer(name)]
-        for path in candidates:
-            if (path / "tokenizer.json").is_file():
-                return path
+        found = [path for path in candidates if (path / "tokenizer.json").is_file()]
+        if name is None:
+            # The recorded name may hold another tokenizer by now (deleted and trained again with other
+            # settings): its ids would not mean the shards' tokens, and the export would ship it.
+            recorded_sha = manifest["tokenizer"].get("sha256")
+            same = [path for path in found if file_sha256(path / "tokenizer.json") == recorded_sha]
+            if found and not same:
+                raise InputError(
+                    f"tokenizer {found[0]} is not the one the dataset's shards were made with (its tokenizer.json "
+                    f"has another sha256 than the manifest's {str(recorded_sha)[:12]}): it was replaced after "
+                    "datagen ran. Set data.tokenizer to a folder holding the dataset's tokenizer, or run datagen "
+                    "again under a new dataset name to make shards with this one"
+                )
+            found = same
+        if found:
+            return found[0]
         shown = ", ".join(str(p) for p in candidates) or "(none recorded in the dataset manifest)"
         raise InputError(
             f"tokenizer not found at {shown}; run datagen again or set data.tokenizer to its folder"

@@ -546,3 +546,30 @@ def test_pretrain_refuses_a_tokenizer_replaced_under_the_datasets_recorded_name(
         context.resolve_tokenizer(None, manifest)
     assert caught.value.exit_code == ExitCode.BAD_INPUT and "data.tokenizer" in str(caught.value)
     assert context.resolve_tokenizer(str(kept), manifest) == kept
+
+
+def test_a_hub_lost_in_the_middle_of_a_stream_is_exit_75_and_keeps_the_committed_shards(volume, monkeypatch):
+    # `datasets` fetches a streamed dataset while it is iterated and, after its own retries, raises
+    # ConnectionError("Server Disconnected"); that was a crash (exit 1) where a lost hub is temporary.
+    import datasets
+
+    from trainpod.errors import TemporaryError
+
+    def disconnecting_stream(*args, **kwargs):
+        for document in corpus_documents()[:200]:
+            yield {"text": document}
+        raise ConnectionError("Server Disconnected")
+
+    monkeypatch.setattr(datasets, "load_dataset", disconnecting_stream)
+    config = make_config(
+        sources=[{"hf": "someone/stories"}],
+        mode="full",
+        tokenizer={"vocab_size": 300, "max_train_documents": 50},
+    )
+    with pytest.raises(
+        TemporaryError, match=r"hf:someone/stories\[train\] \(ConnectionError: Server Disconnected\)"
+    ) as caught:
+        run(config, volume)
+    assert caught.value.exit_code == ExitCode.TEMPORARY
+    progress = json.loads((volume.dataset("stories") / "progress.json").read_text())
+    assert len(progress["splits"]["train"]["shards"]) >= 2, "the shards committed before the loss stay"

@@ -14,7 +14,7 @@ import io
 import json
 import re
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from trainpod.config.datagen import BUILTIN_TINY_STORIES, SourceConfig
@@ -152,13 +152,31 @@ def _hf_documents(source: SourceConfig) -> Iterator[str]:
             f"Hugging Face dataset {source.describe()} could not be opened ({exc}); "
             "check sources[].hf, hf_config and hf_split"
         ) from None
-    for row in stream:
+    for row in _rows_or_temporary_error(stream, source):
         if source.text_field not in row:
             raise InputError(
                 f"Hugging Face dataset {source.describe()} has no column {source.text_field!r} (columns: "
                 f"{', '.join(row)}); set sources[].text_field"
             )
         yield _text(row[source.text_field], source.describe(), source.text_field)
+
+
+def _rows_or_temporary_error(stream: Iterable[dict], source: SourceConfig) -> Iterator[dict]:
+    """The rows of a streamed dataset; a hub lost mid-stream is temporary (exit 75), like one lost at
+    the start: `datasets` fetches the data while it is iterated, and after its own retries raises
+    ConnectionError("Server Disconnected")."""
+    rows = iter(stream)
+    while True:
+        try:
+            row = next(rows)
+        except StopIteration:
+            return
+        except (ConnectionError, TimeoutError) as exc:
+            raise TemporaryError(
+                f"lost the Hugging Face hub while streaming {source.describe()} ({type(exc).__name__}: {exc}); "
+                "the committed shards are kept and the pod will retry from them"
+            ) from None
+        yield row
 
 
 def _text(value: object, where: str, field: str) -> str | None:

@@ -573,3 +573,16 @@ def test_a_hub_lost_in_the_middle_of_a_stream_is_exit_75_and_keeps_the_committed
     assert caught.value.exit_code == ExitCode.TEMPORARY
     progress = json.loads((volume.dataset("stories") / "progress.json").read_text())
     assert len(progress["splits"]["train"]["shards"]) >= 2, "the shards committed before the loss stay"
+
+
+def test_a_jsonl_file_starting_with_a_byte_order_mark_is_read_like_one_without(volume):
+    # Its first line was refused (exit 2) as "not a JSON object with a 'text' string", though it is one.
+    lines = "".join(json.dumps({"text": document}) + "\n" for document in corpus_documents())
+    (volume.root / "corpus" / "plain.jsonl").write_text(lines, encoding="utf-8")
+    (volume.root / "corpus" / "bom.jsonl").write_text(lines, encoding="utf-8-sig")
+    plain = run(make_config(name="plain", sources=[{"path": "corpus/plain.jsonl"}]), volume)
+    tokenizer = {"path": str(volume.tokenizer("plain"))}
+    bom = run(make_config(name="bom", tokenizer=tokenizer, sources=[{"path": "corpus/bom.jsonl"}]), volume)
+    assert {p.name: p.read_bytes() for p in bom.glob("*.bin")} == {
+        p.name: p.read_bytes() for p in plain.glob("*.bin")
+    }

@@ -79,10 +79,10 @@ def _format_of(path: Path, declared: str, strict: bool = True) -> str | None:
     return fmt
 
 
-def _open_text(path: Path) -> io.TextIOBase:
+def _open_text(path: Path, encoding: str = "utf-8") -> io.TextIOBase:
     if path.suffix == ".gz":
-        return gzip.open(path, "rt", encoding="utf-8")
-    return open(path, encoding="utf-8")
+        return gzip.open(path, "rt", encoding=encoding)
+    return open(path, encoding=encoding)
 
 
 def _text_documents(path: Path, separator: str) -> Iterator[str]:
@@ -101,7 +101,9 @@ def _text_documents(path: Path, separator: str) -> Iterator[str]:
 
 
 def _jsonl_documents(path: Path, field: str) -> Iterator[str]:
-    with _open_text(path) as f:
+    # utf-8-sig: a byte-order mark that Windows tools put before the first line is not JSON, and the
+    # first line was refused as "not a JSON object" though it reads as one.
+    with _open_text(path, "utf-8-sig") as f:
         for line_number, line in enumerate(f, 1):
             if not line.strip():
                 continue

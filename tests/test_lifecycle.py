@@ -219,3 +219,23 @@ def test_status_shows_step_loss_throughput_and_newest_checkpoint(volume):
     line = result.stdout.splitlines()[0]
     assert line.startswith("tiny-pretrain: done | step 10/10 (100%) | loss ")
     assert "tok/s" in line and "checkpoint step-10" in line
+
+
+def test_a_split_dataset_whose_validation_split_is_empty_exits_2_before_the_first_step(volume):
+    # datagen's `mode: split` on a small corpus with a small val_ratio can put no document in val. The
+    # run then trained without a single eval (no eval_loss, no best checkpoints) and said nothing.
+    manifest_path = volume / "datasets" / "tiny-stories" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    for shard in manifest["splits"]["val"]["shards"]:
+        (manifest_path.parent / shard["file"]).unlink()
+    manifest["splits"]["val"] = {"shards": [], "tokens": 0}
+    manifest_path.write_text(json.dumps(manifest))
+    result = run_trainpod(*PRETRAIN, volume=volume)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert (
+        "no validation shard holds one eval batch" in result.stdout and "train.eval_every=0" in result.stdout
+    )
+    assert not list((volume / "runs" / RUN / "checkpoints").glob("step-*")), "no step ran"
+    no_eval = ["--set", "train.eval_every=0", "--set", "train.max_steps=2", "--set", "train.warmup_steps=0"]
+    result = run_trainpod(*PRETRAIN, *no_eval, volume=volume)
+    assert result.returncode == 0, result.stdout + result.stderr

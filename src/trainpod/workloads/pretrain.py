@@ -105,7 +105,9 @@ class Pretrainer(Trainer):
                 self.dist.rank,
                 self.dist.world_size,
             )
-            if self.val_shards and t.eval_every
+            # A split dataset whose val split got no document (a small corpus, a small val_ratio) has
+            # none to read: that is the same error, not a run that silently never evaluates.
+            if t.eval_every and (self.val_shards or "val" in manifest["splits"])
             else []
         )
 

@@ -586,3 +586,63 @@ def test_a_jsonl_file_starting_with_a_byte_order_mark_is_read_like_one_without(v
     assert {p.name: p.read_bytes() for p in bom.glob("*.bin")} == {
         p.name: p.read_bytes() for p in plain.glob("*.bin")
     }
+
+
+def documents_quoting_the_end_of_text_token() -> list[str]:
+    """The corpus with the eot token's text inside every 10th document from the 300th on."""
+    return [
+        f"{document[:40]} <|endoftext|> {document[40:]}" if index >= 300 and index % 10 == 0 else document
+        for index, document in enumerate(corpus_documents())
+    ]
+
+
+def full_stream(folder: Path) -> np.ndarray:
+    return split_stream(folder, json.loads((folder / "manifest.json").read_text()), "train")
+
+
+@pytest.mark.parametrize("workers", [2, MAX_THREAD_ENCODERS + 2], ids=["threads", "threads+processes"])
+def test_a_documents_own_end_of_text_text_is_encoded_as_text_not_as_a_boundary(volume, workers):
+    # The tokenizer matched the special token's text inside a document, so "<|endoftext|>" (or "</s>",
+    # an HTML tag, with eot_token "</s>") in a web page split it in two for the model. llm.c's
+    # fineweb.py encodes with encode_ordinary for that reason.
+    documents = documents_quoting_the_end_of_text_token()
+    (volume.root / "corpus" / "stories.txt").write_text("\n\n".join(documents) + "\n", encoding="utf-8")
+    folder = run(make_config(mode="full", workers=workers), volume)
+    tokenizer = Tokenizer.from_file(str(volume.tokenizer("stories") / "tokenizer.json"))
+    eot = tokenizer.token_to_id("<|endoftext|>")
+    stream = full_stream(folder)
+    assert int((stream == eot).sum()) == len(documents), "one end-of-text per document, none inside one"
+    tokenizer.encode_special_tokens = True
+    assert np.array_equal(stream, expected_stream(tokenizer, documents, None, 0.1))
+    assert json.loads((folder / "manifest.json").read_text())["special_tokens_as_text"] is True
+
+
+def test_a_dataset_begun_before_goes_on_encoding_special_token_text_as_it_began(volume, monkeypatch):
+    # Its first shards hold the eot id where a document quoted it; resumed, it must go on so, or its
+    # shards would be those of no single run.
+    import trainpod.data.split_writer as split_writer
+
+    documents = documents_quoting_the_end_of_text_token()
+    (volume.root / "corpus" / "stories.txt").write_text("\n\n".join(documents) + "\n", encoding="utf-8")
+    real_write_shard = split_writer.write_shard
+
+    def killed_after_the_first_shard(path, tokens):
+        if path.name != "train_000000.bin":
+            raise KeyboardInterrupt  # stands for the kill
+        return real_write_shard(path, tokens)
+
+    monkeypatch.setattr(split_writer, "write_shard", killed_after_the_first_shard)
+    with pytest.raises(KeyboardInterrupt):
+        run(make_config(mode="full"), volume)
+    monkeypatch.setattr(split_writer, "write_shard", real_write_shard)
+    folder = volume.dataset("stories")
+    progress = json.loads((folder / "progress.json").read_text())
+    assert (
+        progress.pop("special_tokens_as_text") is True
+        and progress["splits"]["train"]["resume"]["document"] < 300
+    )
+    (folder / "progress.json").write_text(json.dumps(progress))  # as the version before wrote it
+    run(make_config(mode="full"), volume)
+    tokenizer = Tokenizer.from_file(str(volume.tokenizer("stories") / "tokenizer.json"))
+    assert np.array_equal(full_stream(folder), expected_stream(tokenizer, documents, None, 0.1))
+    assert json.loads((folder / "manifest.json").read_text())["special_tokens_as_text"] is False

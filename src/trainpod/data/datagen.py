@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 MANIFEST_FILE = "manifest.json"
 PROGRESS_FILE = "progress.json"
 MANIFEST_FORMAT = "trainpod-datagen/1"
+SPECIAL_TOKENS_AS_TEXT = "special_tokens_as_text"  # in progress.json and manifest.json
 SHARD_NAME = re.compile(r"^(train|val)_\d{6}\.bin$")  # as SplitWriter names its shards
 # A batch is also cut at this many characters, so a corpus of book-length documents does not put
 # gigabytes in flight (1000 fineweb documents are ~4 MB).
@@ -93,10 +94,10 @@ def run_datagen(config: DatagenConfig, volume: Volume, watch: PreemptionWatch) -
     folder.mkdir(parents=True, exist_ok=True)
     _remove_leftovers(folder)
     progress = _load_progress(folder, config, expected_hash, tokenizer)
-    documents_read = _write_shards(config, volume, folder, tokenizer, progress, expected_hash, watch)
-    write_json(
-        folder / MANIFEST_FILE, _manifest(config, volume, tokenizer, progress, expected_hash, documents_read)
-    )
+    as_text = _special_tokens_as_text(folder)
+    documents_read = _write_shards(config, volume, folder, tokenizer, progress, expected_hash, as_text, watch)
+    manifest = _manifest(config, volume, tokenizer, progress, expected_hash, documents_read)
+    write_json(folder / MANIFEST_FILE, manifest | {SPECIAL_TOKENS_AS_TEXT: as_text})
     total = sum(p.tokens for p in progress.values())
     log.info(
         "dataset %s complete: %d documents, %d tokens in %d shards",
@@ -212,6 +213,16 @@ def _load_progress(
     return progress
 
 
+def _special_tokens_as_text(folder: Path) -> bool:
+    """Whether a special token's text inside a document is encoded as text (llm.c's encode_ordinary).
+
+    True for every dataset begun now; a dataset begun before, whose progress.json does not say, goes on
+    as it began (the text became the token's id), so its shards stay those of one uninterrupted run.
+    """
+    path = folder / PROGRESS_FILE
+    return bool(read_record(path).get(SPECIAL_TOKENS_AS_TEXT, False)) if path.is_file() else True
+
+
 def _refuse_files_of_others(folder: Path) -> None:
     """A folder without progress.json holds at most shards that a killed first run committed.
 
@@ -288,6 +299,7 @@ def _write_shards(
     tokenizer: TokenizerInfo,
     progress: dict[str, SplitProgress],
     expected_hash: str,
+    special_tokens_as_text: bool,
     watch: PreemptionWatch,
 ) -> int:
     """Encode and commit every remaining shard; returns the number of documents read."""
@@ -298,6 +310,7 @@ def _write_shards(
             {
                 "config_hash": expected_hash,
                 "tokenizer_sha256": tokenizer.sha256,
+                SPECIAL_TOKENS_AS_TEXT: special_tokens_as_text,
                 "splits": {split: p.to_json() for split, p in progress.items()},
             },
         )
@@ -318,7 +331,13 @@ def _write_shards(
             "run it again to continue from there"
         )
 
-    with BatchEncoder(tokenizer.folder / TOKENIZER_FILE, tokenizer.eot_id, dtype, workers) as encoder:
+    with BatchEncoder(
+        tokenizer.folder / TOKENIZER_FILE,
+        tokenizer.eot_id,
+        dtype,
+        workers,
+        special_tokens_as_text=special_tokens_as_text,
+    ) as encoder:
         try:
             for batch in encoder.map(iter(batcher)):
                 writers[batch.split].feed(batch)

@@ -66,20 +66,23 @@ def encode_documents(
     return np.fromiter(ids, dtype, int(lengths.sum())), lengths
 
 
-def _load_encoder(tokenizer_file: str, eot_id: int, dtype: str) -> None:
+def _load_encoder(tokenizer_file: str, eot_id: int, dtype: str, special_tokens_as_text: bool = False) -> None:
     from tokenizers import Tokenizer
 
     _encoder.tokenizer = Tokenizer.from_file(tokenizer_file)
+    # Like llm.c's encode_ordinary: a document holding the text "<|endoftext|>" (or "</s>", an HTML tag)
+    # is encoded as that text, so the end-of-text id appears only where the kit puts it, between documents.
+    _encoder.tokenizer.encode_special_tokens = special_tokens_as_text
     _encoder.eot_id, _encoder.dtype = eot_id, np.dtype(dtype)
 
 
-def _start_worker_process(tokenizer_file: str, eot_id: int, dtype: str) -> None:
+def _start_worker_process(tokenizer_file: str, eot_id: int, dtype: str, special_tokens_as_text: bool) -> None:
     os.environ[PARALLELISM_VARIABLE] = "false"
     os.environ["RAYON_NUM_THREADS"] = "1"
     # The main process decides when to stop (SIGTERM/SIGINT); a Ctrl-C in the terminal reaches the
     # whole process group and must not kill a worker mid-batch with a traceback.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _load_encoder(tokenizer_file, eot_id, dtype)
+    _load_encoder(tokenizer_file, eot_id, dtype, special_tokens_as_text)
 
 
 def _encode(split: str, doc_indices: np.ndarray, documents: list[str]) -> EncodedBatch:
@@ -90,12 +93,14 @@ def _encode(split: str, doc_indices: np.ndarray, documents: list[str]) -> Encode
 class _ThreadEncoders:
     """Encoder threads in this process, each with a tokenizer of its own."""
 
-    def __init__(self, tokenizer_file: Path, eot_id: int, dtype: np.dtype, threads: int):
+    def __init__(
+        self, tokenizer_file: Path, eot_id: int, dtype: np.dtype, threads: int, special_tokens_as_text: bool
+    ):
         self._executor = concurrent.futures.ThreadPoolExecutor(
             threads,
             thread_name_prefix="encoder",
             initializer=_load_encoder,
-            initargs=(str(tokenizer_file), eot_id, np.dtype(dtype).str),
+            initargs=(str(tokenizer_file), eot_id, np.dtype(dtype).str, special_tokens_as_text),
         )
 
     def submit(self, split: str, doc_indices: np.ndarray, documents: list[str]) -> Callable[[], EncodedBatch]:
@@ -114,12 +119,14 @@ class _ProcessEncoders:
     a SIGTERM that `tini -g` sends to the whole group) and never completes the batch it held, so the
     main process waited for it forever. Here every waiting batch raises BrokenProcessPool instead."""
 
-    def __init__(self, tokenizer_file: Path, eot_id: int, dtype: np.dtype, processes: int):
+    def __init__(
+        self, tokenizer_file: Path, eot_id: int, dtype: np.dtype, processes: int, special_tokens_as_text: bool
+    ):
         self._executor = concurrent.futures.ProcessPoolExecutor(
             processes,
             mp_context=multiprocessing.get_context("spawn"),
             initializer=_start_worker_process,
-            initargs=(str(tokenizer_file), eot_id, np.dtype(dtype).str),
+            initargs=(str(tokenizer_file), eot_id, np.dtype(dtype).str, special_tokens_as_text),
         )
 
     def submit(self, split: str, doc_indices: np.ndarray, documents: list[str]) -> Callable[[], EncodedBatch]:
@@ -142,10 +149,17 @@ class BatchEncoder:
             ...
 
     `threads` (default: up to MAX_THREAD_ENCODERS) says how many of the encoders are threads.
+    `special_tokens_as_text`: a special token's text inside a document is encoded as text, not as its id.
     """
 
     def __init__(
-        self, tokenizer_file: Path, eot_id: int, dtype: np.dtype, workers: int, threads: int | None = None
+        self,
+        tokenizer_file: Path,
+        eot_id: int,
+        dtype: np.dtype,
+        workers: int,
+        threads: int | None = None,
+        special_tokens_as_text: bool = False,
     ):
         threads = min(workers, MAX_THREAD_ENCODERS) if threads is None else threads
         if not 0 <= threads <= workers:
@@ -158,7 +172,7 @@ class BatchEncoder:
         try:
             for kind, count in ((_ThreadEncoders, threads), (_ProcessEncoders, workers - threads)):
                 if count:
-                    self._groups.append(kind(tokenizer_file, eot_id, dtype, count))
+                    self._groups.append(kind(tokenizer_file, eot_id, dtype, count, special_tokens_as_text))
                     self._turns += [self._groups[-1]] * count
         except BaseException:
             self.close()

@@ -16,9 +16,15 @@ OPENAPI = RUNPOD_REFERENCE / "runpod-rest-openapi.json"
 INFRA = REPO / "infra/runpod"
 VARIABLE = re.compile(r"\bTRAINPOD_[A-Z_]+\b")
 SECRETS = ("HF_TOKEN", "WANDB_API_KEY")
-# Set by the kit itself, never by a user or a template: the image's CUDA (docker/Dockerfile) and the
-# folder where the ranks of a multi-node run report their exit codes (trainpod.launch).
-SET_BY_THE_KIT = {"TRAINPOD_IMAGE_CUDA", "TRAINPOD_RANK_EXIT_DIR"}
+# Set by the kit itself, never by a user or a template: the image's CUDA (docker/Dockerfile), the
+# folder where the ranks of a multi-node run report their exit codes (trainpod.launch), and the
+# credentials git sync takes out of a repo URL for git's askpass (trainpod.gitsync).
+SET_BY_THE_KIT = {
+    "TRAINPOD_IMAGE_CUDA",
+    "TRAINPOD_RANK_EXIT_DIR",
+    "TRAINPOD_GIT_URL_USER",
+    "TRAINPOD_GIT_URL_PASSWORD",
+}
 
 
 def variables_in(paths: list[Path]) -> set[str]:

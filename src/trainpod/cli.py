@@ -653,6 +653,7 @@ def generate(
     from trainpod import chat as chatting
 
     def act() -> int:
+        _notes_to_stderr()  # stdout carries the answer alone (a library's warning went into it)
         vol = Volume(Path(volume)) if volume else Volume.from_env()
         found = chatting.find_export(vol, run_name, export)
         print(f"[{chatting.describe(found)}]", file=sys.stderr)
@@ -683,6 +684,7 @@ def chat(
     from trainpod import chat as chatting
 
     def act() -> int:
+        _notes_to_stderr()  # stdout carries the replies alone
         vol = Volume(Path(volume)) if volume else Volume.from_env()
         found = chatting.find_export(vol, run_name, export)
         print(f"[{chatting.describe(found)}; an empty line ends]", file=sys.stderr)

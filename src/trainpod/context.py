@@ -54,10 +54,10 @@ class RunContext:
         else:
             candidates = [Path(name) if os.path.isabs(name) else self.volume.tokenizer(name)]
         found = [path for path in candidates if (path / "tokenizer.json").is_file()]
-        if name is None:
+        recorded_sha = manifest["tokenizer"].get("sha256")
+        if name is None and recorded_sha:  # a manifest written by hand may record none: nothing to check by
             # The recorded name may hold another tokenizer by now (deleted and trained again with other
             # settings): its ids would not mean the shards' tokens, and the export would ship it.
-            recorded_sha = manifest["tokenizer"].get("sha256")
             same = [path for path in found if file_sha256(path / "tokenizer.json") == recorded_sha]
             if found and not same:
                 raise InputError(

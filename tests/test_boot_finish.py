@@ -152,16 +152,16 @@ def test_a_convert_or_datagen_pod_under_a_runs_name_never_marks_that_run(fake, p
     env = pod_env(fake, pod, TRAINPOD_MAX_FAILED_STARTS="2")
     atomic.write_json(run.root / STARTS_FILE, {"consecutive_failures": 1, "last_exit_code": 1})
     for code in (1, 1):
-        after_workload(code, run, env, workload)
+        after_workload(code, run, env, workload, owns_run=False)
     assert fake.pods[pod["id"]]["desiredStatus"] == "EXITED", "its own crash loop still stops the pod"
     assert atomic.read_json(run.root / f"starts-{workload}.json")["consecutive_failures"] == 2
     assert atomic.read_json(run.root / STARTS_FILE)["consecutive_failures"] == 1, "the run's count is its own"
     assert not (run.root / FAILED_MARKER).exists()
-    after_workload(2, run, env, workload)
+    after_workload(2, run, env, workload, owns_run=False)
     assert not (run.root / FAILED_MARKER).exists()
 
     atomic.write_json(run.root / FAILED_MARKER, {"reason": "the training's crash loop"})
-    after_workload(0, run, pod_env(fake, pod, TRAINPOD_ON_FINISH="idle"), workload)
+    after_workload(0, run, pod_env(fake, pod, TRAINPOD_ON_FINISH="idle"), workload, owns_run=False)
     assert not (run.root / f"starts-{workload}.json").exists()
     assert (run.root / FAILED_MARKER).exists() and (run.root / STARTS_FILE).exists()
 
@@ -221,6 +221,27 @@ def test_a_real_boot_stops_its_own_pod_after_done(fake, pod, tmp_path):
     assert fake.pods[pod["id"]]["desiredStatus"] == "EXITED"
     assert f"asked RunPod to stop this pod ({pod['id']})" in result.stdout
     assert fake.key not in result.stdout + result.stderr
+
+
+def test_a_real_convert_boot_that_fails_under_a_done_runs_name_leaves_the_run_done(fake, pod, tmp_path):
+    run = Volume(tmp_path).run("tiny")
+    run.create()
+    atomic.write_json(run.done, {"step": 10})
+    env = child_env(
+        {
+            **pod_env(fake, pod),
+            "TRAINPOD_VOLUME": str(tmp_path),
+            "TRAINPOD_RUN": "tiny",
+            "TRAINPOD_WORKLOAD": "convert",
+            "TRAINPOD_CONFIG": str(tmp_path / "no-such-convert.yaml"),
+        }
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "trainpod", "boot"], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert fake.pods[pod["id"]]["desiredStatus"] == "EXITED", "bad input stops the pod at once"
+    assert not (run.root / FAILED_MARKER).exists() and run.done.exists()
 
 
 # A start that died with boot's own process (a segfault, the OOM killer: no after_workload) leaves its

@@ -83,7 +83,9 @@ def boot(environ: dict[str, str] | None = None) -> int:
         code = 1
     if code == ExitCode.BAD_INPUT and new_run is not None:
         _remove_unstarted(new_run)  # bad input leaves the volume as it was: no run folder, so no FAILED
-    code = after_workload(code, _run_dir(volume, config, environ), environ, workload_name)
+    known = workloads.REGISTRY.get(workload_name)  # unknown: boot failed before naming it
+    owns_run = known is None or known.kind.owns_run_folder
+    code = after_workload(code, _run_dir(volume, config, environ), environ, workload_name, owns_run=owns_run)
     if environ is os.environ:  # the pod's own boot, not a test's call with its own environment
         _exit_now_when_preempted(code)
     return code

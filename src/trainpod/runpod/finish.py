@@ -50,7 +50,6 @@ from trainpod.errors import ConfigError, ExitCode
 from trainpod.preemption import call_at_first_signal, end_by_default_at_sigterm_meanwhile
 from trainpod.runpod.client import RunPodClient, RunPodError
 from trainpod.volume import RunDir
-from trainpod.workloads import REGISTRY
 
 log = logging.getLogger("trainpod.finish")
 
@@ -99,8 +98,10 @@ def after_workload(
     environ: dict[str, str],
     workload: str,
     client_factory: Callable[[dict[str, str]], RunPodClient] = RunPodClient.from_env,
+    owns_run: bool = True,
 ) -> int:
-    """Count, mark and stop the pod as the table above says; returns `code` unchanged.
+    """Count, mark and stop the pod as the table above says; returns `code` unchanged. `owns_run`: the
+    workload's outcome is the run's (workloads.Kind.owns_run_folder), not a datagen's or a convert's.
 
     On an Instant Cluster only node 0 (NODE_RANK 0, which holds global rank 0) acts for the run;
     the other nodes return their code and leave markers, counters and pods alone (but for exit 4).
@@ -114,7 +115,7 @@ def after_workload(
         return code
     try:
         _end_start(run)
-        action = _decide(code, run, environ, workload)
+        action = _decide(code, run, environ, workload, owns_run)
     except (ConfigError, OSError) as exc:  # a bad setting or an unwritable volume must not hide `code`
         log.warning("after exit %d: %s; the pod is left as it is", code, exc)
         return code
@@ -193,20 +194,22 @@ def _act(
         _act_on_pod(action, environ, client_factory)
 
 
-def _decide(code: int, run: RunDir | None, environ: dict[str, str], workload: str) -> str:
+def _decide(
+    code: int, run: RunDir | None, environ: dict[str, str], workload: str, owns_run: bool = True
+) -> str:
     """What to do with this pod: stop, terminate, idle (leave it) or restart (let RunPod start it again)."""
     if workload == "supervise":
         # A supervisor that ended has nothing left to watch; 75 (RunPod unreachable) is worth another start.
         return "restart" if code == ExitCode.TEMPORARY else on_finish(environ)
-    marks_run = _owns_run_folder(workload)
+    starts_file = STARTS_FILE if owns_run else f"starts-{workload}.json"
     if code in START_WORKED:
-        _reset_failures(run, workload)
+        _reset_failures(run, starts_file, owns_run)
         return on_finish(environ) if code == ExitCode.DONE else "idle"
     if code == ExitCode.MACHINE_UNFIT:
         return _machine_unfit(run, environ)
     if code in STOP_AT_ONCE:
         reason = f"{STOP_AT_ONCE[ExitCode(code)]} (exit {code}); restarting cannot help"
-        if run is not None and run.root.is_dir() and marks_run:
+        if run is not None and run.root.is_dir() and owns_run:
             _mark_failed(run, reason, code, failures=1)
         # A warning: the error itself is already logged, as the one ERROR line a user looks for.
         log.warning("stopping this pod: %s", reason)
@@ -223,13 +226,13 @@ def _decide(code: int, run: RunDir | None, environ: dict[str, str], workload: st
             holder,
         )
         return "stop"
-    failures = _count_failure(run, code, workload)
+    failures = _count_failure(run, code, starts_file)
     limit = max_failed_starts(environ)
     if failures < limit:
         log.warning("failed start %d/%d (exit %d); RunPod starts the container again", failures, limit, code)
         return "restart"
     reason = f"{failures} failed starts in a row, the last with exit {code}; look at runs/{run.name}/logs/"
-    if marks_run:
+    if owns_run:
         _mark_failed(run, reason, code, failures)
     log.error("crash loop: %s; stopping this pod (TRAINPOD_MAX_FAILED_STARTS=%d)", reason, limit)
     return "stop"
@@ -263,27 +266,17 @@ def _mark_unfit(run: RunDir | None, environ: dict[str, str]) -> None:
         atomic.write_json(run.root / UNFIT_MARKER, {"pod_id": pod_id, "unix": time.time()})
 
 
-def _owns_run_folder(workload: str) -> bool:
-    """Whether the workload's outcome is the run's (training, your own code), not a datagen's or convert's."""
-    known = REGISTRY.get(workload)
-    return known is None or known.kind.owns_run_folder  # unknown: boot failed before naming it
-
-
-def _starts_file(workload: str) -> str:
-    return STARTS_FILE if _owns_run_folder(workload) else f"starts-{workload}.json"
-
-
-def _reset_failures(run: RunDir | None, workload: str) -> None:
+def _reset_failures(run: RunDir | None, starts_file: str, owns_run: bool) -> None:
     if run is None:
         return
     # Only what exists is removed: a DONE run's folder stays unchanged.
-    atomic.remove(run.root / _starts_file(workload))
-    if _owns_run_folder(workload):
+    atomic.remove(run.root / starts_file)
+    if owns_run:
         atomic.remove(run.root / FAILED_MARKER)
 
 
-def _count_failure(run: RunDir, code: int, workload: str) -> int:
-    path = run.root / _starts_file(workload)
+def _count_failure(run: RunDir, code: int, starts_file: str) -> int:
+    path = run.root / starts_file
     try:
         failures = int(atomic.read_json(path).get("consecutive_failures", 0))
     except (FileNotFoundError, ValueError, AttributeError):

@@ -3,5 +3,8 @@
 import sys
 
 from trainpod.cli import main
+from trainpod.preemption import exit_now_when_preempted
 
-sys.exit(main())
+code = main()
+exit_now_when_preempted(code)  # the ranks of a stopped run end here: their commit is made
+sys.exit(code)

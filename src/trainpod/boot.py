@@ -24,12 +24,12 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import sys
 from pathlib import Path
 
 from trainpod import cost, workloads
 from trainpod.errors import ConfigError, ExitCode, InputError, TrainpodError, VolumeFull
 from trainpod.log import attach_log_file, setup_logging
+from trainpod.preemption import exit_now_when_preempted
 from trainpod.runpod.finish import after_workload, begin_start
 from trainpod.runpod.finish import check_environment as check_finish_environment
 from trainpod.sshd import start_sshd
@@ -87,23 +87,8 @@ def boot(environ: dict[str, str] | None = None) -> int:
     owns_run = known is None or known.kind.owns_run_folder
     code = after_workload(code, _run_dir(volume, config, environ), environ, workload_name, owns_run=owns_run)
     if environ is os.environ:  # the pod's own boot, not a test's call with its own environment
-        _exit_now_when_preempted(code)
+        exit_now_when_preempted(code)
     return code
-
-
-def _exit_now_when_preempted(code: int) -> None:
-    """After SIGTERM everything is committed: exit at once, before SIGKILL comes 5 s after SIGTERM.
-
-    The interpreter's normal exit joins library threads and runs their atexit hooks; with
-    `train.compile=true` Inductor's compile-worker pool alone took over 5 s to shut down in the
-    container tier (exit 137 instead of 143). Logs are flushed first; nothing else is pending.
-    """
-    if code != ExitCode.PREEMPTED:
-        return
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 def _remove_unstarted(run: RunDir) -> None:

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING
 from trainpod import atomic
 from trainpod.config.deploy import DeployConfig
 from trainpod.errors import ConfigError, ExitCode, TemporaryError, TrainpodError
+from trainpod.remote.listing import LocalFiles, VolumeFiles
 from trainpod.runpod.client import RunPodAuthError, RunPodClient, RunPodError, RunPodUnavailable
 from trainpod.runpod.finish import FAILED_MARKER, UNFIT_MARKER
 from trainpod.runpod.units import Look, build_unit
@@ -94,30 +95,19 @@ class RunView:
 
     @classmethod
     def read(cls, volume: Volume | None, run: str) -> RunView:
-        if volume is None:
-            return cls(visible=False)
-        root = volume.run(run).root
-
-        def read_file(name: str) -> bytes | None:
-            try:
-                return (root / name).read_bytes()
-            except FileNotFoundError:
-                return None
-
-        return cls._from_markers(read_file)
+        return cls(visible=False) if volume is None else cls.read_files(LocalFiles(volume.root), run)
 
     @classmethod
-    def read_s3(cls, s3: VolumeS3, run: str) -> RunView:
-        """The same markers through the volume's S3 API, where it is not mounted (a laptop, a CI runner):
-        without them a supervisor cannot see DONE or FAILED and starts a finished pod again and again."""
-        return cls._from_markers(lambda name: s3.read(f"runs/{run}/{name}"))
+    def read_files(cls, files: VolumeFiles, run: str) -> RunView:
+        """From the volume mounted here (LocalFiles) or through its S3 API (VolumeS3: a laptop, a CI runner,
+        where a supervisor without it cannot see DONE or FAILED and starts a finished pod again and again)."""
+        run_dir = Volume(Path()).run(run)  # the paths relative to the volume's root: the files' keys
 
-    @classmethod
-    def _from_markers(cls, read: Callable[[str], bytes | None]) -> RunView:
-        """From `read(name)`: the bytes of a file in the run's folder, None when it is not there."""
+        def read(path: Path) -> bytes | None:
+            return files.read(path.as_posix())
 
-        def fields(name: str) -> dict | None:
-            raw = read(name)
+        def fields(path: Path) -> dict | None:
+            raw = read(path)
             if raw is None:
                 return None
             try:
@@ -126,7 +116,7 @@ class RunView:
                 value = None
             return value if isinstance(value, dict) else {UNREADABLE: True}
 
-        failed, status, unfit = fields(FAILED_MARKER), fields(STATUS_FILE) or {}, fields(UNFIT_MARKER) or {}
+        failed, status = fields(run_dir.root / FAILED_MARKER), fields(run_dir.status) or {}
         reason = None
         if failed is not None:
             reason = (
@@ -136,16 +126,15 @@ class RunView:
             )
         return cls(
             visible=True,
-            done=read(DONE_MARKER) is not None,
+            done=read(run_dir.done) is not None,
             failed=reason,
             cost_usd=status.get("cost_usd"),
-            unfit_pod=unfit.get("pod_id"),
-            stopped=read(STOPPED_MARKER) is not None,
+            unfit_pod=(fields(run_dir.root / UNFIT_MARKER) or {}).get("pod_id"),
+            stopped=read(run_dir.root / STOPPED_MARKER) is not None,
         )
 
 
 UNREADABLE = "_unreadable"  # a marker whose bytes are not a JSON object (cut short, say)
-DONE_MARKER, STATUS_FILE = "DONE", "status.json"  # volume.RunDir's done and status, by name
 STOPPED_MARKER = "STOPPED"  # written by `trainpod stop`, removed by `trainpod deploy`
 
 
@@ -319,7 +308,7 @@ class Supervisor:
         if self.volume is not None or self.volume_s3 is None:
             return RunView.read(self.volume, self.config.run)
         try:
-            return RunView.read_s3(self.volume_s3, self.config.run)
+            return RunView.read_files(self.volume_s3, self.config.run)
         except TemporaryError as exc:  # RunPod's S3 API having trouble: this look goes by the pods alone
             log.warning("supervise %s: %s; this look goes by the API alone", self.config.run, exc)
             return RunView(visible=False)

@@ -3,9 +3,10 @@
 The token (TRAINPOD_GIT_TOKEN, GIT_TOKEN or GITHUB_TOKEN) reaches git only through GIT_ASKPASS, a
 script that reads it from the environment: it is never part of a URL, an argument, .git/config on
 the volume, or a log line. Credentials written into the URL itself (https://user:token@host/...) are
-taken out of it and handed to git the same way: git's argv is readable by every process (`ps`). A first clone goes to a temp folder renamed into place, so a kill
-mid-clone leaves no half checkout under the name. Failures are retried, then exit 75; a ref the remote
-does not have, a token the server refuses and a repo it says is not there are exit 2 at once.
+taken out of it and handed to git the same way: git's argv is readable by every process (`ps`). A
+first clone goes to a temp folder renamed into place, so a kill mid-clone leaves no half checkout
+under the name. Failures are retried, then exit 75; a ref the remote does not have, a token the
+server refuses and a repo it says is not there are exit 2 at once.
 """
 
 from __future__ import annotations

@@ -236,7 +236,14 @@ def test_bad_input_exits_2_naming_the_field_and_writes_nothing(tmp_path, change,
 
 
 @pytest.mark.parametrize(
-    "command", [["python", "-m", "json.tool", "--help"], ["python", "-c", "print(1)"], ["sh", "-c", "exit 0"]]
+    "command",
+    [
+        ["python", "-m", "json.tool", "--help"],
+        ["python", "-c", "print(1)"],
+        ["sh", "-c", "exit 0"],
+        ["python", "-O", "prog.py", "env"],  # python's -O takes no value: prog.py is the script
+        ["python", "-W", "ignore", "prog.py", "env"],
+    ],
 )
 def test_an_interpreter_given_a_module_or_inline_code_needs_no_script_file(tmp_path, command):
     config, volume = write_setup(tmp_path, "env", command=command)

@@ -236,8 +236,10 @@ def resolve_program(config: CommandConfig, workdir: Path, path: str) -> str:
 
 
 SCRIPT_RUNNERS = re.compile(r"^(python[0-9.]*|sh|bash|dash|zsh)$")
-# Options of those interpreters that take the next word as their value, so that it is no script name.
-_OPTIONS_WITH_A_VALUE = {"-W", "-X", "-o", "-O"}
+# Options of those interpreters that take the next word as their value, so that it is no script name
+# (python's -O takes none: it is the shells' -O that does).
+_PYTHON_OPTIONS_WITH_A_VALUE = {"-W", "-X"}
+_SHELL_OPTIONS_WITH_A_VALUE = {"-o", "-O"}
 
 
 def _check_script_argument(command: list[str], workdir: Path) -> None:
@@ -245,11 +247,13 @@ def _check_script_argument(command: list[str], workdir: Path) -> None:
     counted as a failed start at every restart until the run was FAILED, its real reason in program.log."""
     if not SCRIPT_RUNNERS.match(Path(command[0]).name):
         return
+    python = Path(command[0]).name.startswith("python")
+    options_with_a_value = _PYTHON_OPTIONS_WITH_A_VALUE if python else _SHELL_OPTIONS_WITH_A_VALUE
     words = iter(enumerate(command[1:], start=1))
     for index, word in words:
         if word == "-" or word[:2] in ("-c", "-m"):
             return  # inline code, a module or stdin: no script file
-        if word in _OPTIONS_WITH_A_VALUE:
+        if word in options_with_a_value:
             next(words, None)
             continue
         if word.startswith("-"):

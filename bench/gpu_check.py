@@ -45,6 +45,9 @@ sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(REPO / "bench"))
 
 UNIT_TIMEOUT_S = 540  # under the 10 minutes one call to a lent GPU machine may take
+# Less than this before the deadline and a unit is not started: its process alone takes longer to start,
+# and comparing against zero made "the deadline has passed" depend on how fast the machine reached the check.
+TOO_LITTLE_TIME_TO_START_S = 0.1
 TARGETS = {
     "mfu_125m": 0.45,
     "mfu_1b": 0.50,
@@ -232,7 +235,7 @@ def run_units(
     for part, preset in todo:
         name = unit_name(part, preset)
         limit = UNIT_TIMEOUT_S if deadline is None else min(UNIT_TIMEOUT_S, deadline - time.monotonic())
-        if limit <= 0:
+        if limit < TOO_LITTLE_TIME_TO_START_S:
             print(f"gpu-check: {name} not started: the deadline has passed", flush=True)
             failures += 1
             continue
@@ -317,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.resume:
             done = done_units(results, args.dry)
             todo = [(part, preset) for part, preset in todo if unit_name(part, preset) not in done]
-        deadline = time.monotonic() + args.deadline_s if args.deadline_s else None
+        deadline = None if args.deadline_s is None else time.monotonic() + args.deadline_s
         failures = run_units(todo, results, args.dry, deadline)
     from gpu_report import write_report
 

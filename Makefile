@@ -11,17 +11,31 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup demo demo-vlm test test-container bench lint clean gpu-wheels gpu-check
+.PHONY: setup lock-dev demo demo-vlm test test-container bench lint clean gpu-wheels gpu-check
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+# constraints-dev.txt: the venv's lock; PyPI releases change nothing here until it is regenerated.
+DEV_LOCK ?= constraints-dev.txt
+
+$(VENV)/.installed: pyproject.toml $(DEV_LOCK)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch first and alone: a later install sees it satisfied and never swaps it for a CUDA build.
 	$(PY) -m pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e '.[dev,hub,tracking]'
+	$(PY) -m pip install -q -c $(DEV_LOCK) -e '.[dev,hub,tracking]'
 	touch $@
+
+# The newest versions PyPI resolves for the dev extras, written as the lock; run `make test` on it.
+lock-dev:
+	rm -rf .venv-lock
+	$(PYTHON) -m venv .venv-lock
+	.venv-lock/bin/python -m pip install -q --upgrade pip
+	.venv-lock/bin/python -m pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
+	.venv-lock/bin/python -m pip install -q -e '.[dev,hub,tracking]'
+	{ sed -n '/^#/p' $(DEV_LOCK); .venv-lock/bin/python -m pip freeze --exclude-editable | grep -v '^torch=='; } \
+	  > $(DEV_LOCK).new && mv $(DEV_LOCK).new $(DEV_LOCK)
+	rm -rf .venv-lock
 
 demo: setup
 	$(PY) -m trainpod.demo

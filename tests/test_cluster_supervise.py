@@ -256,3 +256,16 @@ def test_a_cluster_node_0_deleted_between_the_supervisors_look_and_its_delete_is
     assert sup.unit.stop("the run is DONE") == [f"deleted cluster {cluster_id} (every node): the run is DONE"]
     atomic.write_json(volume.run("big").done, {"step": 40})
     assert sup.step() == 0
+
+
+def test_a_gone_cluster_deployed_with_secret_values_is_created_again_with_them(fake, volume, monkeypatch):
+    secrets = {"HF_TOKEN": "hf_shellvalue1", "WANDB_API_KEY": "wandb_shellvalue2"}
+    for name, value in secrets.items():
+        monkeypatch.setenv(name, value)  # the supervisor's own environment: where the values come from
+    deploy(client_for(fake), cluster_config(), secret_values=secrets)
+    sup = supervisor(fake, volume)
+    assert sup.step() is None
+    client_for(fake).delete_cluster(the_cluster(fake)["id"])  # every node gone: no env to copy
+    assert sup.step() is None
+    for node in fake.nodes_of(the_cluster(fake)["id"]):
+        assert {n: node["env"][n] for n in secrets} == secrets, "the new cluster lost the secrets' values"

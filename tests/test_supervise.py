@@ -12,6 +12,7 @@ import pytest
 
 from trainpod import atomic, cli
 from trainpod.config.deploy import DeployConfig
+from trainpod.errors import ConfigError
 from trainpod.remote.s3 import S3Target, VolumeS3
 from trainpod.runpod.deploy import deploy
 from trainpod.runpod.finish import FAILED_MARKER, STARTS_FILE, UNFIT_MARKER, after_workload
@@ -435,3 +436,59 @@ def test_a_stop_from_a_laptop_reaches_supervisors_elsewhere_through_s3_and_deplo
     assert cli.main(["deploy", str(path)]) == 0
     assert volume_s3.read("runs/tiny/STOPPED") is None
     assert the_pod(fake)["desiredStatus"] == "RUNNING"
+
+
+def secrets_config() -> DeployConfig:
+    cfg = deploy_config()
+    cfg.secrets = ["HF_TOKEN", "WANDB_API_KEY"]
+    return cfg
+
+
+SHELL_SECRETS = {"HF_TOKEN": "hf_realsecretvalue123", "WANDB_API_KEY": "wandb_realsecret456"}
+
+
+def test_a_gone_pod_deployed_with_secret_values_is_created_again_with_them(fake, volume, monkeypatch):
+    """deploy --secrets-from-env sent values, not RunPod secrets: the new pod needs them too (from the
+    supervisor's own environment), and the supervisor's state on the volume never holds one."""
+    for name, value in SHELL_SECRETS.items():
+        monkeypatch.setenv(name, value)
+    cfg = secrets_config()
+    first = deploy(client_for(fake), cfg, dict(SHELL_SECRETS)).pod
+    state = volume.run("tiny").root / "supervise.json"
+    sup = Supervisor(client_for(fake), cfg, volume, state, clock=Clock(), sleep=lambda s: None)
+    assert sup.step() is None  # the pod RUNNING: the supervisor sees how its secrets were sent
+    client_for(fake).terminate_pod(first.id)  # reclaimed, and gone from the account
+    assert sup.step() is None
+    new = the_pod(fake)
+    assert new["id"] != first.id
+    assert {n: new["env"][n] for n in SHELL_SECRETS} == SHELL_SECRETS, "the new pod lost the secrets' values"
+    assert not any(value in state.read_text() for value in SHELL_SECRETS.values())
+
+
+def test_a_gone_pod_with_secret_values_the_supervisor_lacks_is_not_created_blind(fake, volume, monkeypatch):
+    cfg = secrets_config()
+    first = deploy(client_for(fake), cfg, dict(SHELL_SECRETS)).pod
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setenv("WANDB_API_KEY", SHELL_SECRETS["WANDB_API_KEY"])
+    sup = Supervisor(client_for(fake), cfg, volume, volume.run("tiny").root / "supervise.json",
+                     clock=Clock(), sleep=lambda s: None)  # fmt: skip
+    assert sup.step() is None
+    client_for(fake).terminate_pod(first.id)
+    with pytest.raises(ConfigError) as raised:
+        sup.step()
+    assert "HF_TOKEN" in str(raised.value) and "--secrets-from-env" in str(raised.value)
+    assert "WANDB_API_KEY" not in str(raised.value).split("deploy")[0]
+    assert not fake.pods_named("tiny-pretrain"), "no pod is made to run without its secrets"
+
+
+def test_a_gone_pod_deployed_with_runpod_secrets_keeps_the_references(fake, volume, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "hf_realsecretvalue123")  # in the supervisor's shell, never sent
+    cfg = secrets_config()
+    first = deploy(client_for(fake), cfg).pod
+    sup = supervisor(fake, volume)
+    sup.config.secrets = cfg.secrets
+    assert sup.step() is None
+    client_for(fake).terminate_pod(first.id)
+    assert sup.step() is None
+    assert the_pod(fake)["env"]["HF_TOKEN"] == "{{ RUNPOD_SECRET_HF_TOKEN }}"
+    assert "hf_realsecretvalue123" not in str(fake.requests)

@@ -17,6 +17,7 @@ on the same volume with its nodes' env. This module speaks in clusters; HTTP liv
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -187,14 +188,15 @@ def delete(client: RunPodClient, cluster: Cluster, why: str) -> None:
 
 
 def recreate(
-    client: RunPodClient, config: DeployConfig, seen: ClusterLook, volume_id: str | None = None
+    client: RunPodClient, config: DeployConfig, seen: ClusterLook, fresh_env: Callable[[], dict[str, str]]
 ) -> Cluster:
-    """Delete the broken cluster (if any) and create it again: same volume, the old nodes' env (else the config's)."""
-    from trainpod.runpod.deploy import ensure_volume, pod_env
+    """Delete the broken cluster (if any) and create it again: same volume, the old nodes' env (else
+    `fresh_env()`: the config's, with the secrets as the run's pods had them)."""
+    from trainpod.runpod.deploy import ensure_volume
 
     old_volume = next((n.network_volume_id for n in seen.nodes if n.network_volume_id), None)
-    volume_id = old_volume or volume_id or ensure_volume(client, config).id
-    env = node_env(seen.nodes) or pod_env(config)
+    volume_id = old_volume or ensure_volume(client, config).id
+    env = node_env(seen.nodes) or fresh_env()
     if seen.cluster is not None:
         delete(client, seen.cluster, seen.broken or "replaced")
     return create(client, config, volume_id, env)

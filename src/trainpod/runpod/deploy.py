@@ -110,6 +110,15 @@ def secrets_from_shell(config: DeployConfig, environ: dict[str, str]) -> dict[st
     return {name: environ[name] for name in config.secrets}
 
 
+def secrets_sent_as_values(config: DeployConfig, env: dict[str, str] | None) -> bool | None:
+    """Whether a pod's `env` holds the config's secrets as values (deploy --secrets-from-env) rather than
+    RunPod references; None when it holds none of them (no secrets in the config, or no env to read)."""
+    sent = {name: env[name] for name in config.secrets if env and name in env}
+    if not sent:
+        return None
+    return any(value != secret_reference(name) for name, value in sent.items())
+
+
 def _usd(value: float | None) -> str:
     return "" if value is None else f"{value:g}"
 

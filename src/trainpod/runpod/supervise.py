@@ -10,7 +10,9 @@ then exactly one decision, logged in one line with its reason:
   DONE -> stop a pod still running, exit 0;  FAILED marker (the pod's exit 2, 3 or 5, or a crash
   loop; runpod/finish.py) -> exit 2, never a restart;  budget spent -> stop, exit 3;
   a pod RUNNING -> wait;  EXITED or gone -> start it again, or create a new pod on the same volume
-  with the same env (GPU types in order); failed attempts back off exponentially and are bounded;
+  with the same env (GPU types in order; a gone pod's secrets as the run's pods had them: references, or
+  deploy --secrets-from-env's values from this supervisor's environment, never from a file); failed
+  attempts back off exponentially and are bounded;
   EXITED with a MACHINE_UNFIT marker naming it (exit 4: its machine cannot run the image) -> never
   started again but replaced by a new pod, same volume, env and GPU-type priority (RunPod places it;
   its API cannot exclude a machine), at most supervise.max_replacements times in a row, then exit 4.
@@ -43,6 +45,7 @@ from trainpod.config.deploy import DeployConfig
 from trainpod.errors import ConfigError, ExitCode, TemporaryError, TrainpodError
 from trainpod.remote.listing import LocalFiles, VolumeFiles
 from trainpod.runpod.client import RunPodAuthError, RunPodClient, RunPodError, RunPodUnavailable
+from trainpod.runpod.deploy import pod_env
 from trainpod.runpod.finish import FAILED_MARKER, UNFIT_MARKER
 from trainpod.runpod.units import Look, build_unit
 from trainpod.volume import Volume
@@ -69,6 +72,9 @@ class SupervisorState:
     last_hourly_usd: float = 0.0  # what was billing at that look: the price of the time until the next
     whole_cluster: str | None = None  # the cluster seen with every node RUNNING: a node missing later is lost
     stopped_unix: float | None = None  # `trainpod stop` ran here: never bring the run back (deploy clears it)
+    # The run's pods had the secrets' values (deploy --secrets-from-env), not RunPod references: a pod made
+    # with none left to copy the env from takes them from this supervisor's environment. Never a value here.
+    secrets_as_values: bool = False
 
     @classmethod
     def load(cls, path: Path) -> SupervisorState:
@@ -238,6 +244,8 @@ class Supervisor:
         now = self.clock()
         view = self._view()
         seen = self.unit.look(state, view.unfit_pod)
+        if seen.secrets_as_values is not None:
+            state.secrets_as_values = seen.secrets_as_values
         self._account(state, seen.hourly_usd, now)
         spent = max(state.observed_cost_usd, view.cost_usd or 0.0)
         budget = self.config.budget.budget_usd
@@ -276,7 +284,7 @@ class Supervisor:
                              "image (image.cuda_version 12.8) for older drivers")  # fmt: skip
         unseen = "" if view.visible else " (the volume is not mounted here: DONE is unknown)"
         try:
-            action = self.unit.bring_back(replace=seen.unfit)
+            action = self.unit.bring_back(seen.unfit, lambda: self._fresh_env(state))
         except RunPodAuthError:
             raise
         except RunPodError as exc:
@@ -303,6 +311,21 @@ class Supervisor:
             f"{noun} {seen.down} and the run not DONE{unseen}: {action} "
             f"(restart {state.restarts}/{self.policy.max_restarts})"
         )
+
+    def _fresh_env(self, state: SupervisorState) -> dict[str, str]:
+        """The env of a pod (or cluster) made with none left to copy it from: the config's, with the secrets
+        as the run's pods had them. Values come from this supervisor's environment, never from a file."""
+        if not state.secrets_as_values:
+            return pod_env(self.config)
+        missing = [name for name in self.config.secrets if not os.environ.get(name)]
+        if missing:
+            raise ConfigError(
+                [f"the run's pod is gone and a new one needs the secrets' values it was deployed with "
+                 f"(deploy --secrets-from-env), but {', '.join(missing)} not set where this supervisor runs: "
+                 "export them here and supervise again, or create RunPod secrets of those names and "
+                 "`trainpod deploy` without --secrets-from-env"]
+            )  # fmt: skip
+        return pod_env(self.config, {name: os.environ[name] for name in self.config.secrets})
 
     def _view(self) -> RunView:
         if self.volume is not None or self.volume_s3 is None:

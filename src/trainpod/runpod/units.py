@@ -2,7 +2,7 @@
 
     unit = build_unit(client, config)     # PodUnit for nodes: 1, ClusterUnit for nodes > 1
     seen = unit.look(state, unfit_pod)    # up or down, why, what bills now
-    unit.bring_back(replace=seen.unfit)   # "started pod X", "created cluster Y (2 nodes)"
+    unit.bring_back(seen.unfit, fresh_env)   # "started pod X", "created cluster Y (2 nodes)"
 
 A pod is started again, or replaced by a new one on the same volume (deploy.bring_back). A cluster
 cannot be started again (REST v2 has no stop or start for clusters, and its member pods are out of
@@ -12,13 +12,14 @@ marker makes the whole cluster down, and it is deleted and created again (cluste
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
 from trainpod.config.deploy import DeployConfig
 from trainpod.runpod import cluster as clusters
 from trainpod.runpod.client import Pod, RunPodClient
-from trainpod.runpod.deploy import bring_back, stop_pod
+from trainpod.runpod.deploy import bring_back, secrets_sent_as_values, stop_pod
 
 if TYPE_CHECKING:
     from trainpod.runpod.supervise import SupervisorState
@@ -32,6 +33,7 @@ class Look:
     down: str  # why it is down: "EXITED", "gone", "node 1 (pod7) EXITED"
     hourly_usd: float  # what bills now
     unfit: bool = False  # down because a machine cannot run the image: replace, never start again
+    secrets_as_values: bool | None = None  # the pods' env holds the secrets' values (None: no pod to tell)
 
 
 class Unit(Protocol):
@@ -41,7 +43,9 @@ class Unit(Protocol):
 
     def stop(self, why: str) -> list[str]: ...
 
-    def bring_back(self, replace: bool) -> str: ...
+    def bring_back(self, replace: bool, fresh_env: Callable[[], dict[str, str]]) -> str:
+        """Start or replace the unit; `fresh_env()` is the env of one made with no old one to copy."""
+        ...
 
 
 def build_unit(client: RunPodClient, config: DeployConfig) -> Unit:
@@ -67,17 +71,22 @@ class PodUnit:
         self._running = [p for p in pods if p.desired_status == "RUNNING"]
         self._exited = next((p for p in pods if p.desired_status == "EXITED"), None)
         hourly = sum(_price(p, self.config) for p in self._running)
+        as_values = next(
+            (v for p in pods if (v := secrets_sent_as_values(self.config, p.env)) is not None), None
+        )
         if self._running:
-            return Look(f"pod {self._running[0].id} is RUNNING", "", hourly)
+            return Look(f"pod {self._running[0].id} is RUNNING", "", hourly, secrets_as_values=as_values)
         unfit = self._exited is not None and self._exited.id == unfit_pod
-        return Look(None, UNFIT if unfit else "EXITED" if self._exited else "gone", hourly, unfit)
+        down = UNFIT if unfit else "EXITED" if self._exited else "gone"
+        return Look(None, down, hourly, unfit, as_values)
 
     def stop(self, why: str) -> list[str]:
         # A pod gone since the look (it terminated itself at DONE) needs no stop, and ends nothing.
         return [f"stopped pod {pod.id}: {why}" for pod in self._running if stop_pod(self.client, pod)]
 
-    def bring_back(self, replace: bool) -> str:
-        pod, action = bring_back(self.client, self.config, self._exited, replace=replace)
+    def bring_back(self, replace: bool, fresh_env: Callable[[], dict[str, str]]) -> str:
+        env = fresh_env() if self._exited is None else None  # else the old pod's env, secrets and all
+        pod, action = bring_back(self.client, self.config, self._exited, env=env, replace=replace)
         return f"{action} pod {pod.id}"
 
 
@@ -92,6 +101,10 @@ class ClusterUnit:
 
     def look(self, state: SupervisorState, unfit_pod: str | None) -> Look:
         seen = self._seen = clusters.look(self.client, self.config, state.whole_cluster)
+        as_values = secrets_sent_as_values(self.config, clusters.node_env(seen.nodes))
+        return replace(self._look(seen, state, unfit_pod), secrets_as_values=as_values)
+
+    def _look(self, seen: clusters.ClusterLook, state: SupervisorState, unfit_pod: str | None) -> Look:
         hourly = sum(_price(node, self.config) for node in seen.running)
         if seen.all_running:
             state.whole_cluster = seen.cluster.id  # from now on a missing node means a lost node
@@ -113,7 +126,7 @@ class ClusterUnit:
         clusters.delete(self.client, self._seen.cluster, why)
         return [f"deleted cluster {self._seen.cluster.id} (every node): {why}"]
 
-    def bring_back(self, replace: bool) -> str:
-        new = clusters.recreate(self.client, self.config, self._seen)
+    def bring_back(self, replace: bool, fresh_env: Callable[[], dict[str, str]]) -> str:
+        new = clusters.recreate(self.client, self.config, self._seen, fresh_env)
         old = f"deleted {self._seen.cluster.id} and " if self._seen.cluster is not None else ""
         return f"{old}created cluster {new.id} ({self.config.nodes} nodes)"

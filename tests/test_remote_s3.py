@@ -485,13 +485,21 @@ class OpaqueEtagGateway:
     tokens, and a completion must name them, as such a gateway would require (InvalidPart otherwise)."""
 
     def __init__(self, client):
-        self._client, self._real = client, {}
+        self._client, self._real, self._tokens = client, {}, {}
+        self.parts_sent: list[int] = []
 
     def upload_part(self, **kwargs):
         answer = self._client.upload_part(**kwargs)
+        self.parts_sent.append(kwargs["PartNumber"])
         token = f'"part-{kwargs["PartNumber"]}-{uuid.uuid4().hex[:8]}"'
         self._real[token] = answer["ETag"]
+        self._tokens[(kwargs["UploadId"], kwargs["PartNumber"])] = token
         return {**answer, "ETag": token}
+
+    def list_parts(self, **kwargs):
+        answer = self._client.list_parts(**kwargs)
+        tokens = [{**p, "ETag": self._tokens[(kwargs["UploadId"], p["PartNumber"])]} for p in answer["Parts"]]
+        return {**answer, "Parts": tokens}
 
     def complete_multipart_upload(self, **kwargs):
         parts = kwargs["MultipartUpload"]["Parts"]
@@ -512,3 +520,56 @@ def test_a_multipart_upload_is_completed_with_the_etags_the_server_gave_its_part
     s3._client = OpaqueEtagGateway(s3._client)
     s3.upload_file(local, "datasets/w/weights.bin")
     assert objects(raw, name, "datasets/w/")["datasets/w/weights.bin"] == local.read_bytes()
+
+
+def interrupted_upload(s3: VolumeS3, local: Path, key: str, after_parts: int) -> None:
+    def interrupt(done: int, total: int) -> None:
+        if done >= after_parts:
+            raise KeyboardInterrupt  # Ctrl-C, or a laptop closing its lid
+
+    with pytest.raises(KeyboardInterrupt):
+        s3.upload_file(local, key, on_part=interrupt)
+
+
+def test_a_resumed_upload_keeps_its_parts_on_a_gateway_whose_part_etags_are_not_md5s(
+    bucket, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    name, raw, _ = bucket
+    local = tmp_path / "train.bin"
+    local.write_bytes(os.urandom(6 * PART + 99))  # 7 parts
+    gateway = OpaqueEtagGateway(volume_s3(name)._client)  # one gateway: it remembers the tokens it gave
+    s3 = volume_s3(name)
+    s3._client = gateway
+    interrupted_upload(s3, local, "datasets/d/train.bin", after_parts=3)
+    s3 = volume_s3(name)
+    s3._client = gateway
+    sent: list[int] = []
+    kept = s3.upload_file(local, "datasets/d/train.bin", on_part=lambda done, total: sent.append(done))
+    assert kept >= 3, f"{kept} part(s) kept: a resumed upload sent every part again"
+    assert len(sent) == 7 - kept
+    assert objects(raw, name, "datasets/d/")["datasets/d/train.bin"] == local.read_bytes()
+    assert not list((tmp_path / "cache").rglob("*.json")), (
+        "the record of the parts goes once the upload is done"
+    )
+
+
+def test_a_part_changed_since_the_interrupted_upload_is_sent_again_on_a_gateway_without_md5_etags(
+    bucket, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    name, raw, _ = bucket
+    local = tmp_path / "train.bin"
+    local.write_bytes(os.urandom(4 * PART + 7))
+    gateway = OpaqueEtagGateway(volume_s3(name)._client)
+    s3 = volume_s3(name)
+    s3._client = gateway
+    interrupted_upload(s3, local, "datasets/d/train.bin", after_parts=3)
+    with open(local, "r+b") as f:  # same size, other bytes in the first part
+        f.write(b"\0" * 1000)
+    s3 = volume_s3(name)
+    s3._client = gateway
+    gateway.parts_sent.clear()
+    s3.upload_file(local, "datasets/d/train.bin")
+    assert 1 in gateway.parts_sent, "a part whose local bytes changed was kept from the interrupted upload"
+    assert objects(raw, name, "datasets/d/")["datasets/d/train.bin"] == local.read_bytes()

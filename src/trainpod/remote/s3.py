@@ -11,12 +11,16 @@ local S3 server). Credentials come from boto3's usual chain (AWS_* variables, AW
 files of `aws configure`); both halves are registered with trainpod.log's mask, so neither reaches
 a log line or an error, and nothing here writes them anywhere.
 
-Uploads are multipart and resumable without local state: the parts of an unfinished upload are
-listed from the server, and a part whose size and MD5 (its ETag) match the local bytes is kept. Each
-part is sent with Content-MD5 and its returned ETag compared; the finished object's size and its
-multipart ETag (the MD5 of the parts' MD5s) are checked against the local file. An object appears
-only when its upload completes, so no reader ever sees half of one. Downloads append to a
-`.tmp-pull` file with ranged GETs, so an interrupted one continues where it stopped.
+Uploads are multipart and resumable: the parts of an unfinished upload are listed from the server,
+and a part whose size and MD5 (its ETag) match the local bytes is kept. A gateway whose part ETags are
+not MD5s (opaque tokens) proves nothing by them alone, so each part sent is also recorded on this
+machine (UploadRecord: its MD5 and the ETag the server gave it, never a credential): a listed part of
+the right size whose ETag is the one recorded for it, recorded with the MD5 the local bytes have now,
+is kept too; anything else is sent again. Each part is sent with Content-MD5 and its returned ETag
+compared; the finished object's size and its multipart ETag (the MD5 of the parts' MD5s) are checked
+against the local file. An object appears only when its upload completes, so no reader ever sees half
+of one. Downloads append to a `.tmp-pull` file with ranged GETs, so an interrupted one continues where
+it stopped.
 """
 
 from __future__ import annotations
@@ -27,12 +31,13 @@ import hashlib
 import logging
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trainpod import atomic
 from trainpod.errors import InputError, TemporaryError
 from trainpod.log import register_secret
 
@@ -136,6 +141,55 @@ def etag_agrees(remote: str, expected: str) -> bool:
     return remote == expected or not _MD5_ETAG.match(remote)
 
 
+class UploadRecord:
+    """What this machine sent of one unfinished multipart upload: per part, the MD5 of the bytes sent
+    (which the server checked against Content-MD5) and the ETag it answered. In the user's cache folder,
+    one small JSON per bucket and key, rewritten after each part and deleted once the upload completes."""
+
+    def __init__(self, folder: Path, bucket: str, key: str):
+        name = hashlib.sha256(f"{bucket}/{key}".encode()).hexdigest()[:32]
+        self.path = folder / f"{name}.json"
+        self.upload_id, self.part_bytes = "", 0
+        self.parts: dict[int, tuple[str, str]] = {}  # number: (MD5 of the local bytes, the server's ETag)
+
+    def load(self, upload_id: str, part_bytes: int) -> dict[int, tuple[str, str]]:
+        """The parts recorded for `upload_id` cut in `part_bytes`; none for another upload or a torn file."""
+        try:
+            data = atomic.read_json(self.path)
+            if data["upload_id"] == upload_id and data["part_bytes"] == part_bytes:
+                return {int(n): (md5, etag) for n, (md5, etag) in data["parts"].items()}
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        return {}
+
+    def start(self, upload_id: str, part_bytes: int, parts: dict[int, tuple[str, str]]) -> None:
+        self.upload_id, self.part_bytes, self.parts = upload_id, part_bytes, dict(parts)
+        self._save()
+
+    def add(self, number: int, md5: str, etag: str) -> None:
+        self.parts[number] = (md5, etag)
+        self._save()
+
+    def _save(self) -> None:
+        parts = {str(n): list(pair) for n, pair in sorted(self.parts.items())}
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            atomic.write_json(
+                self.path, {"upload_id": self.upload_id, "part_bytes": self.part_bytes, "parts": parts}
+            )
+        except OSError as exc:  # a read-only cache folder: the upload goes on; only a resume sends more
+            log.debug("could not record the parts of an upload in %s: %s", self.path, exc)
+
+    def remove(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+def upload_records_folder(environ: Mapping[str, str]) -> Path:
+    """Where UploadRecords live: the user's cache folder, like a supervisor's state away from the volume."""
+    cache = Path(environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "trainpod" / "uploads"
+
+
 class VolumeS3:
     """A network volume through the S3 API; every call translates S3's errors into trainpod's."""
 
@@ -157,6 +211,7 @@ class VolumeS3:
             )
         mb = int(raw_mb)
         self.part_bytes = part_bytes or max(mb, MIN_PART_MB) << 20
+        self._records = upload_records_folder(environ)
         self._client = _make_client(target, max_attempts)
 
     def __repr__(self) -> str:  # never the credentials, not even in a traceback's locals
@@ -268,10 +323,13 @@ class VolumeS3:
             self.put_bytes(key, path.read_bytes())
             return 0
         digests = part_md5s(path, part)
-        upload_id, kept = self._resume(key, digests, part, size)
+        record = UploadRecord(self._records, self.bucket, key)
+        upload_id, kept = self._resume(key, digests, part, size, record)
+        record.start(upload_id, part, {n: (digests[n - 1].hex(), etag) for n, etag in kept.items()})
         sent = self._send_parts(
-            path, key, upload_id, digests, part, sorted(set(range(1, len(digests) + 1)) - set(kept)), on_part
-        )
+            path, key, upload_id, digests, part, sorted(set(range(1, len(digests) + 1)) - set(kept)), on_part,
+            record,
+        )  # fmt: skip
         # Each part as the server named it (an MD5 on S3 proper; a gateway may give other tokens, which a
         # completion naming the local MD5s would be refused with InvalidPart).
         etags = kept | sent
@@ -292,11 +350,15 @@ class VolumeS3:
                 f"upload, {size} here; run the same push again"
             )
         self._check_etag(key, landed.etag, multipart_etag(digests))  # not the file read again
+        record.remove()
         return len(kept)
 
-    def _resume(self, key: str, digests: list[bytes], part: int, size: int) -> tuple[str, dict[int, str]]:
+    def _resume(
+        self, key: str, digests: list[bytes], part: int, size: int, record: UploadRecord
+    ) -> tuple[str, dict[int, str]]:
         """An unfinished upload of `key` and its parts that match the local bytes (number: the server's
-        ETag), else a new upload."""
+        ETag), else a new upload. A part matches by its ETag being the bytes' MD5, or (a gateway's opaque
+        ETag) by being the ETag this machine recorded when it sent those same bytes as that part."""
         listed = self._call(
             "list the uploads of", key, self._client.list_multipart_uploads, Bucket=self.bucket, Prefix=key
         )
@@ -318,10 +380,14 @@ class VolumeS3:
             )
             return created["UploadId"], {}
         upload_id = uploads[-1]["UploadId"]
+        recorded = record.load(upload_id, part)
         kept = {}
         for number, etag, part_bytes in self._parts(key, upload_id):
             want = min(part, size - (number - 1) * part)
-            if number <= len(digests) and part_bytes == want and etag == digests[number - 1].hex():
+            if number > len(digests) or part_bytes != want:
+                continue
+            md5 = digests[number - 1].hex()
+            if etag == md5 or recorded.get(number) == (md5, etag):
                 kept[number] = etag
         log.info(
             "resuming the upload of %s: %d of %d parts are on the volume already",
@@ -358,6 +424,7 @@ class VolumeS3:
         part: int,
         numbers: list[int],
         on_part: Callable[[int, int], None] | None,
+        record: UploadRecord,
     ) -> dict[int, str]:
         """Upload the parts `numbers`, PARALLEL_PARTS at a time, and return the ETag the server gave each;
         `on_part(done, total)` after each (it may raise, e.g. KeyboardInterrupt: the parts already sent stay
@@ -378,7 +445,9 @@ class VolumeS3:
                     pending[future] = number
                 finished, _ = wait(pending, return_when=FIRST_COMPLETED)
                 for future in finished:
-                    sent[pending.pop(future)] = future.result()
+                    number = pending.pop(future)
+                    sent[number] = future.result()
+                    record.add(number, digests[number - 1].hex(), sent[number])
                     done += 1
                     if on_part:
                         on_part(done, len(digests))

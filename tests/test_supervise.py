@@ -492,3 +492,32 @@ def test_a_gone_pod_deployed_with_runpod_secrets_keeps_the_references(fake, volu
     assert sup.step() is None
     assert the_pod(fake)["env"]["HF_TOKEN"] == "{{ RUNPOD_SECRET_HF_TOKEN }}"
     assert "hf_realsecretvalue123" not in str(fake.requests)
+
+
+def test_a_supervisor_that_sees_neither_the_volume_nor_its_s3_api_says_so_once_at_start_with_the_fix(
+    fake, tmp_path, monkeypatch, capfd
+):
+    """From the API alone a DONE or FAILED run looks like an interrupted one (no exit code in RunPod's
+    Pod, v1 or v2): the user must learn at start, not after max_restarts paid restarts."""
+    import yaml
+
+    deploy(client_for(fake), deploy_config())
+    for name, value in api_env(fake).items():
+        monkeypatch.setenv(name, value)
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TRAINPOD_VOLUME", str(tmp_path / "not-mounted-here"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    path = tmp_path / "deploy.yaml"
+    path.write_text(yaml.safe_dump(deploy_config(max_restarts=7).model_dump(mode="json")))
+    assert cli.main(["supervise", "tiny", "--config", str(path), "--once"]) == 0
+    out = capfd.readouterr()
+    (warning,) = [line for line in (out.out + out.err).splitlines() if "WARNING" in line]
+    for needed in (
+        "DONE",
+        "FAILED",
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "supervise.max_restarts (7)",
+    ):
+        assert needed in warning, f"{needed!r} missing from the start warning: {warning}"

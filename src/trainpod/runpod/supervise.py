@@ -414,4 +414,28 @@ def supervise(
         mounted.root if mounted else f"{volume_s3!r} (S3 API)" if volume_s3 else "not mounted here (API only)"
     )
     log.info("supervise %s: watching pods named %s; volume %s", config.run, config.pod_name, where)
+    if mounted is None and volume_s3 is None:
+        _warn_blind(config, volume)
     return supervisor.run(once, stop_requested)
+
+
+def _warn_blind(config: DeployConfig, volume: Volume | None) -> None:
+    """Said once at start: RunPod's API has no exit code for a pod (v1 and v2 alike; lastStatusChange is
+    free text), so without the volume a pod that stopped itself at DONE or FAILED looks interrupted."""
+    keys = "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"
+    unset = not (os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY"))
+    log.warning(
+        "supervise %s: the run's volume is not mounted here (%s) and its S3 API is not used (%s), so DONE, "
+        "FAILED, STOPPED and the run's recorded cost are invisible: a finished or failed run's pod is started "
+        "again at each look, up to supervise.max_restarts (%d). Export RunPod's S3 API key as %s (console, "
+        "Settings, S3 API Keys; in GitHub the secrets RUNPOD_S3_ACCESS_KEY_ID and RUNPOD_S3_SECRET_ACCESS_KEY), "
+        "or run the supervise workload in a CPU pod on the same volume",
+        config.run,
+        volume.root if volume is not None else "no volume given",
+        f"{keys} are not both set"
+        if unset
+        else f"the volume's data center {config.volume.data_center} or "
+        "the deploy config gave no S3 endpoint; see the warning above",
+        config.supervise.max_restarts,
+        keys,
+    )

@@ -387,3 +387,37 @@ def test_a_spot_stop_whose_sigkill_comes_before_the_workload_exits_is_not_counte
     assert begin_start(run, pod_env(fake, pod), "command") is None
     assert not (run.root / STARTS_FILE).exists() and not (run.root / FAILED_MARKER).exists()
     assert fake.pods[pod["id"]]["desiredStatus"] == "RUNNING"
+
+
+def test_a_hand_made_pod_whose_boot_keeps_failing_before_its_run_is_known_stops_itself(
+    fake, pod, tmp_path, monkeypatch
+):
+    """No TRAINPOD_RUN and a git sync that cannot reach its server (exit 75) before the config names the
+    run: nothing counted these starts, and RunPod started the container again forever, billing."""
+    from functools import partial
+
+    from trainpod import gitsync
+
+    monkeypatch.setattr(gitsync, "sync", partial(gitsync.sync, sleep=lambda s: None))
+    env = pod_env(
+        fake,
+        pod,
+        TRAINPOD_VOLUME=str(tmp_path),
+        TRAINPOD_WORKLOAD="pretrain",
+        TRAINPOD_CONFIG="configs/pretrain/tiny.yaml",
+        TRAINPOD_GIT_REPO="http://127.0.0.1:9/nowhere.git",  # nothing listens on port 9: refused at once
+    )
+    for start in (1, 2):
+        assert boot_module.boot(dict(env)) == 75
+        assert fake.pods[pod["id"]]["desiredStatus"] == "RUNNING", f"start {start}: RunPod restarts it"
+    assert boot_module.boot(dict(env)) == 75
+    assert fake.pods[pod["id"]]["desiredStatus"] == "EXITED", "a crash loop before the run is known goes on"
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir()), "no run is marked"
+
+
+def test_a_start_that_gets_to_its_run_clears_the_count_of_failures_before_it(fake, pod, tmp_path, run):
+    env = pod_env(fake, pod, TRAINPOD_VOLUME=str(tmp_path), TRAINPOD_MAX_FAILED_STARTS="2")
+    assert after_workload(75, None, env, "pretrain") == 75
+    assert after_workload(143, run, env, "pretrain") == 143  # a start that knew its run, then a spot stop
+    assert after_workload(75, None, env, "pretrain") == 75
+    assert fake.pods[pod["id"]]["desiredStatus"] == "RUNNING", "1 failure since the last start that worked"

@@ -9,7 +9,7 @@ RunPod starts a pod's container again whenever it exits, so the exit code alone 
 | 2, 3, 5 | bad input, budget spent, volume full | FAILED marker (when the run folder exists) and the pod stopped at once |
 | 4 | this machine cannot run the image (trainpod.host) | MACHINE_UNFIT marker naming this pod, not counted as a failed start; the pod stopped: the supervisor replaces it with a new pod on another machine |
 | 75 while another pod holds the run's LEASE and renews it | this pod is a duplicate (two deploys, a replacement racing the original) | not counted, no marker: this pod stopped, the one training goes on |
-| other (75, 1, ...) | temporary failure or crash | counted in runs/<run>/starts.json; at TRAINPOD_MAX_FAILED_STARTS in a row (default 3): FAILED marker, pod stopped |
+| other (75, 1, ...) | temporary failure or crash | counted in runs/<run>/starts.json; at TRAINPOD_MAX_FAILED_STARTS in a row (default 3): FAILED marker, pod stopped; before the run is known (no TRAINPOD_RUN, the config not loaded yet) counted per pod in cache/starts/<pod id>.json, and the pod stopped at the same bound, with no marker |
 | none: boot itself was killed | a segfault, the OOM killer, SIGKILL | found at the next start (`begin_start`): counted as exit 137 when no checkpoint was committed during it |
 
 In a pod, a workload on one GPU runs in boot's own process, so a death that takes the process with it never
@@ -40,8 +40,10 @@ marker names the node so that the supervisor recreates the cluster.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from trainpod import atomic
 from trainpod.checkpoint.lease import read_lease, renewed_by_its_holder
@@ -49,7 +51,7 @@ from trainpod.checkpoint.store import LATEST
 from trainpod.errors import ConfigError, ExitCode
 from trainpod.preemption import call_at_first_signal, end_by_default_at_sigterm_meanwhile
 from trainpod.runpod.client import RunPodClient, RunPodError
-from trainpod.volume import RunDir
+from trainpod.volume import RunDir, Volume
 
 log = logging.getLogger("trainpod.finish")
 
@@ -202,6 +204,8 @@ def _decide(
         # A supervisor that ended has nothing left to watch; 75 (RunPod unreachable) is worth another start.
         return "restart" if code == ExitCode.TEMPORARY else on_finish(environ)
     starts_file = STARTS_FILE if owns_run else f"starts-{workload}.json"
+    if run is not None or code in START_WORKED:
+        _forget_failures_before_the_run(environ)  # this start got past them: a new count begins
     if code in START_WORKED:
         _reset_failures(run, starts_file, owns_run)
         return on_finish(environ) if code == ExitCode.DONE else "idle"
@@ -215,8 +219,7 @@ def _decide(
         log.warning("stopping this pod: %s", reason)
         return "stop"
     if run is None:
-        log.warning("exit %d before the run was known: not counted", code)
-        return "restart"
+        return _failure_before_the_run(code, environ)
     holder = _live_holder_elsewhere(run, environ) if code == ExitCode.TEMPORARY else None
     if holder is not None:
         # Counting it would FAIL the run after three starts, and a supervisor then stops the pod that trains.
@@ -226,7 +229,7 @@ def _decide(
             holder,
         )
         return "stop"
-    failures = _count_failure(run, code, starts_file)
+    failures = _count_failure(run.root / starts_file, code)
     limit = max_failed_starts(environ)
     if failures < limit:
         log.warning("failed start %d/%d (exit %d); RunPod starts the container again", failures, limit, code)
@@ -275,13 +278,45 @@ def _reset_failures(run: RunDir | None, starts_file: str, owns_run: bool) -> Non
         atomic.remove(run.root / FAILED_MARKER)
 
 
-def _count_failure(run: RunDir, code: int, starts_file: str) -> int:
-    path = run.root / starts_file
+def _failure_before_the_run(code: int, environ: dict[str, str]) -> str:
+    """A start that failed before it knew its run (no TRAINPOD_RUN, and the config never loaded: a git
+    sync that kept failing, a crash) is counted per pod, else a hand-made pod would restart forever."""
+    path = _starts_before_the_run(environ)
+    if path is None:
+        log.warning("exit %d before the run was known: not counted (no pod id or no volume here)", code)
+        return "restart"
+    failures, limit = _count_failure(path, code), max_failed_starts(environ)
+    if failures < limit:
+        log.warning("failed start %d/%d before the run was known (exit %d); RunPod starts the container again",
+                    failures, limit, code)  # fmt: skip
+        return "restart"
+    atomic.remove(path)  # the pod is stopped: starting it again by hand (the cause fixed) counts anew
+    log.error("crash loop: %d failed starts in a row before the run was known, the last with exit %d; stopping "
+              "this pod (TRAINPOD_MAX_FAILED_STARTS=%d); its log says why", failures, code, limit)  # fmt: skip
+    return "stop"
+
+
+def _starts_before_the_run(environ: dict[str, str]) -> Path | None:
+    """cache/starts/<pod id>.json on the volume: RunPod restarts the same pod's container, and the container
+    disk does not outlive a restart. None outside a pod or without the volume."""
+    pod, root = environ.get("RUNPOD_POD_ID") or "", Volume.from_env(environ).root
+    if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", pod) or not root.is_dir():
+        return None
+    return root / "cache" / "starts" / f"{pod}.json"
+
+
+def _forget_failures_before_the_run(environ: dict[str, str]) -> None:
+    path = _starts_before_the_run(environ)
+    if path is not None:
+        atomic.remove(path)
+
+
+def _count_failure(path: Path, code: int) -> int:
     try:
         failures = int(atomic.read_json(path).get("consecutive_failures", 0))
     except (FileNotFoundError, ValueError, AttributeError):
         failures = 0
-    run.root.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
     atomic.write_json(
         path, {"consecutive_failures": failures + 1, "last_exit_code": code, "unix": time.time()}
     )

@@ -21,6 +21,7 @@ import pytest
 
 from trainpod.checkpoint.store import CheckpointStore
 from trainpod.data.datagen import load_dataset_manifest
+from trainpod.errors import InputError
 from trainpod.log import redact
 from trainpod.remote.push import push
 from trainpod.remote.s3 import S3Target, VolumeS3
@@ -35,7 +36,7 @@ PART = 5 << 20  # S3's smallest part, so a few MiB make a multipart upload
 
 
 @pytest.fixture
-def bucket(s3_server, monkeypatch):
+def bucket(s3_server, monkeypatch, tmp_path_factory):
     """A fresh network volume (bucket) and this process's environment pointed at it."""
     name = f"vol{uuid.uuid4().hex[:10]}"
     env = {
@@ -45,6 +46,7 @@ def bucket(s3_server, monkeypatch):
         "TRAINPOD_S3_PART_MB": "5",
         "AWS_ACCESS_KEY_ID": KEY_ID,
         "AWS_SECRET_ACCESS_KEY": SECRET,
+        "XDG_CACHE_HOME": str(tmp_path_factory.mktemp("cache")),  # where push records its parts
     }
     for k, v in env.items():
         monkeypatch.setenv(k, v)
@@ -508,6 +510,15 @@ class OpaqueEtagGateway:
         real = [{**p, "ETag": self._real[p["ETag"]]} for p in parts]
         return self._client.complete_multipart_upload(**{**kwargs, "MultipartUpload": {"Parts": real}})
 
+    def list_objects_v2(self, **kwargs):  # an object's ETag: an opaque token too, never its MD5
+        answer = self._client.list_objects_v2(**kwargs)
+        opaque = [{**o, "ETag": f'"obj-{o["Size"]}-{len(o["Key"])}"'} for o in answer.get("Contents", [])]
+        return {**answer, "Contents": opaque} if "Contents" in answer else answer
+
+    def head_object(self, **kwargs):
+        answer = self._client.head_object(**kwargs)
+        return {**answer, "ETag": f'"obj-{answer["ContentLength"]}-{len(kwargs["Key"])}"'}
+
     def __getattr__(self, name):
         return getattr(self._client, name)
 
@@ -573,3 +584,26 @@ def test_a_part_changed_since_the_interrupted_upload_is_sent_again_on_a_gateway_
     s3.upload_file(local, "datasets/d/train.bin")
     assert 1 in gateway.parts_sent, "a part whose local bytes changed was kept from the interrupted upload"
     assert objects(raw, name, "datasets/d/")["datasets/d/train.bin"] == local.read_bytes()
+
+
+def test_push_onto_a_gateway_without_md5_etags_never_takes_other_bytes_of_the_same_size_for_its_own(
+    bucket, tmp_path, monkeypatch
+):
+    """Token shards of one size, another dataset's under the same name: a size alone proved 'already there',
+    and the volume kept the other data while push said every file was there."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    name, raw, _ = bucket
+    theirs, mine = tmp_path / "theirs", tmp_path / "mine"
+    for folder, seed in ((theirs, b"a"), (mine, b"b")):
+        folder.mkdir()
+        (folder / "train.bin").write_bytes(seed * (2 * PART + 5))  # multipart, same size
+        (folder / "small.bin").write_bytes(seed * 100)  # one request, same size
+    gateway = OpaqueEtagGateway(volume_s3(name)._client)
+    s3 = volume_s3(name)
+    s3._client = gateway
+    push(s3, theirs, "datasets/d", echo=lambda line: None)
+    with pytest.raises(InputError, match="other content"):
+        push(s3, mine, "datasets/d", echo=lambda line: None)
+    assert objects(raw, name, "datasets/d/")["datasets/d/small.bin"] == b"a" * 100, "nothing replaced"
+    lines: list[str] = []
+    assert push(s3, theirs, "datasets/d", echo=lines.append) == 0, "its own files are recognised as there"

@@ -21,7 +21,7 @@ from pathlib import Path, PurePosixPath
 from trainpod.data.datagen import MANIFEST_FORMAT as DATAGEN_FORMAT
 from trainpod.data.datagen import load_dataset_manifest
 from trainpod.errors import InputError
-from trainpod.remote.s3 import VolumeS3, etag_agrees, expected_etag, part_size
+from trainpod.remote.s3 import RemoteObject, VolumeS3, expected_etag, file_md5, md5_form, part_size
 
 log = logging.getLogger("trainpod.push")
 
@@ -76,7 +76,7 @@ def push(s3: VolumeS3, source: Path, dest: str, echo=print) -> int:
     dest = check_destination(dest)
     files = local_files(source)
     remote = s3.list_files(dest + "/")
-    already = _already_there(s3, files, remote, dest)
+    already = _already_there(s3, files, remote, dest, echo)
     sent = 0
     for name in upload_order(list(files)):
         if name in already:
@@ -109,16 +109,14 @@ def _hint_tokenizer(s3: VolumeS3, source: Path, echo) -> None:
         )
 
 
-def _already_there(s3: VolumeS3, files: dict[str, Path], remote: dict, dest: str) -> set[str]:
+def _already_there(s3: VolumeS3, files: dict[str, Path], remote: dict, dest: str, echo=print) -> set[str]:
     """Local files the volume holds already (same size and checksum); InputError when it holds anything else."""
     conflicts, same = [], set()
     for name, obj in sorted(remote.items()):
         local = files.get(name)
         if local is None:
             conflicts.append(f"{name} (not in the local folder)")
-        elif obj.size != local.stat().st_size or not etag_agrees(
-            obj.etag, expected_etag(local, part_size(obj.size, s3.part_bytes))
-        ):
+        elif obj.size != local.stat().st_size or not _same_bytes(s3, f"{dest}/{name}", obj, local, echo):
             conflicts.append(f"{name} (other content)")
         else:
             same.add(name)
@@ -129,6 +127,22 @@ def _already_there(s3: VolumeS3, files: dict[str, Path], remote: dict, dest: str
             "is replaced. Push to another name, or delete that folder on the volume first"
         )
     return same
+
+
+def _same_bytes(s3: VolumeS3, key: str, obj: RemoteObject, local: Path, echo) -> bool:
+    """Whether the object of `local`'s size holds its bytes: its ETag when that is the MD5 form trainpod's
+    upload gives, else the file's MD5 trainpod recorded in its metadata (a gateway's ETag may be an opaque
+    token, and another part size gives another MD5-of-MD5s). Neither: taken as there, and said so."""
+    if obj.etag == expected_etag(local, part_size(obj.size, s3.part_bytes)):
+        return True
+    head = s3.head(key)
+    if head is not None and head.md5 is not None:
+        return head.md5 == file_md5(local)
+    if md5_form(obj.etag):  # S3 proper's checksum, and it differs: other bytes
+        return False
+    echo(f"kept s3://{s3.bucket}/{key}: same size, and the volume has no checksum of it to compare "
+         "(not uploaded by trainpod push); delete it on the volume to have it sent again")  # fmt: skip
+    return True
 
 
 def _progress(echo, key: str, done: int, total: int) -> None:

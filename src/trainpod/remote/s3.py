@@ -18,9 +18,12 @@ machine (UploadRecord: its MD5 and the ETag the server gave it, never a credenti
 the right size whose ETag is the one recorded for it, recorded with the MD5 the local bytes have now,
 is kept too; anything else is sent again. Each part is sent with Content-MD5 and its returned ETag
 compared; the finished object's size and its multipart ETag (the MD5 of the parts' MD5s) are checked
-against the local file. An object appears only when its upload completes, so no reader ever sees half
-of one. Downloads append to a `.tmp-pull` file with ranged GETs, so an interrupted one continues where
-it stopped.
+against the local file. Every object uploaded carries the whole file's MD5 as user metadata
+(`trainpod-md5`), which tells a file already on the volume from other bytes of its size on any
+gateway; an upload is resumed only by the machine that started it, for the same bytes, so that
+metadata never misnames an object. An object appears only when its upload completes, so no reader
+ever sees half of one. Downloads append to a `.tmp-pull` file with ranged GETs, so an interrupted one
+continues where it stopped.
 """
 
 from __future__ import annotations
@@ -71,6 +74,14 @@ class S3Target:
 class RemoteObject:
     size: int
     etag: str  # without quotes; an MD5 (or MD5-of-MD5s-N) on S3 proper, maybe something else elsewhere
+    md5: str | None = (
+        None  # the whole file's MD5 as trainpod recorded it (head only; None: not uploaded by it)
+    )
+
+
+# User metadata (x-amz-meta-trainpod-md5) on every object trainpod uploads: the whole file's MD5, a
+# checksum that holds on any gateway and for any part size, where the ETag may be an opaque token.
+METADATA_MD5 = "trainpod-md5"
 
 
 def endpoint_for(datacenter: str, environ: dict[str, str] | None = None) -> str:
@@ -117,12 +128,23 @@ def part_size(size: int, part_bytes: int) -> int:
     return max(part_bytes, -(-needed // (1 << 20)) << 20)
 
 
-def part_md5s(path: Path, part: int) -> list[bytes]:
+def part_md5s(path: Path, part: int, whole: Any = None) -> list[bytes]:
+    """Each part's MD5; `whole` (a hashlib MD5), when given, is fed the whole file in the same pass."""
     size = path.stat().st_size
+    digests = []
     with open(path, "rb") as f:
-        return [
-            hashlib.md5(f.read(part), usedforsecurity=False).digest() for _ in range(max(1, -(-size // part)))
-        ]
+        for _ in range(max(1, -(-size // part))):
+            chunk = f.read(part)
+            if whole is not None:
+                whole.update(chunk)
+            digests.append(hashlib.md5(chunk, usedforsecurity=False).digest())
+    return digests
+
+
+def file_md5(path: Path) -> str:
+    whole = hashlib.md5(usedforsecurity=False)
+    part_md5s(path, READ_CHUNK, whole)
+    return whole.hexdigest()
 
 
 def expected_etag(path: Path, part: int) -> str:
@@ -136,9 +158,14 @@ def multipart_etag(digests: list[bytes]) -> str:
     return hashlib.md5(b"".join(digests), usedforsecurity=False).hexdigest() + f"-{len(digests)}"
 
 
+def md5_form(etag: str) -> bool:
+    """Whether an ETag is an MD5 (or MD5-of-MD5s-N), as S3 proper gives; a gateway may give opaque tokens."""
+    return _MD5_ETAG.match(etag) is not None
+
+
 def etag_agrees(remote: str, expected: str) -> bool:
     """False only when the server's ETag is an MD5 form and differs; another form proves nothing."""
-    return remote == expected or not _MD5_ETAG.match(remote)
+    return remote == expected or not md5_form(remote)
 
 
 class UploadRecord:
@@ -149,21 +176,22 @@ class UploadRecord:
     def __init__(self, folder: Path, bucket: str, key: str):
         name = hashlib.sha256(f"{bucket}/{key}".encode()).hexdigest()[:32]
         self.path = folder / f"{name}.json"
-        self.upload_id, self.part_bytes = "", 0
+        self.upload_id, self.part_bytes, self.md5 = "", 0, ""
         self.parts: dict[int, tuple[str, str]] = {}  # number: (MD5 of the local bytes, the server's ETag)
 
-    def load(self, upload_id: str, part_bytes: int) -> dict[int, tuple[str, str]]:
-        """The parts recorded for `upload_id` cut in `part_bytes`; none for another upload or a torn file."""
+    def load(self, upload_id: str, part_bytes: int, md5: str) -> dict[int, tuple[str, str]] | None:
+        """The parts recorded for `upload_id`, made by this machine for a file of MD5 `md5` (its metadata)
+        cut in `part_bytes`; None for another upload, another file, or a torn record."""
         try:
             data = atomic.read_json(self.path)
-            if data["upload_id"] == upload_id and data["part_bytes"] == part_bytes:
-                return {int(n): (md5, etag) for n, (md5, etag) in data["parts"].items()}
+            if (data["upload_id"], data["part_bytes"], data["md5"]) == (upload_id, part_bytes, md5):
+                return {int(n): (part_md5, etag) for n, (part_md5, etag) in data["parts"].items()}
         except (OSError, ValueError, KeyError, TypeError):
             pass
-        return {}
+        return None
 
-    def start(self, upload_id: str, part_bytes: int, parts: dict[int, tuple[str, str]]) -> None:
-        self.upload_id, self.part_bytes, self.parts = upload_id, part_bytes, dict(parts)
+    def start(self, upload_id: str, part_bytes: int, md5: str, parts: dict[int, tuple[str, str]]) -> None:
+        self.upload_id, self.part_bytes, self.md5, self.parts = upload_id, part_bytes, md5, dict(parts)
         self._save()
 
     def add(self, number: int, md5: str, etag: str) -> None:
@@ -174,9 +202,8 @@ class UploadRecord:
         parts = {str(n): list(pair) for n, pair in sorted(self.parts.items())}
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            atomic.write_json(
-                self.path, {"upload_id": self.upload_id, "part_bytes": self.part_bytes, "parts": parts}
-            )
+            atomic.write_json(self.path, {"upload_id": self.upload_id, "part_bytes": self.part_bytes,
+                                          "md5": self.md5, "parts": parts})  # fmt: skip
         except OSError as exc:  # a read-only cache folder: the upload goes on; only a resume sends more
             log.debug("could not record the parts of an upload in %s: %s", self.path, exc)
 
@@ -258,7 +285,8 @@ class VolumeS3:
             answer = self._call("look at", key, self._client.head_object, Bucket=self.bucket, Key=key)
         except FileNotFoundError:
             return None
-        return RemoteObject(answer["ContentLength"], _etag(answer["ETag"]))
+        recorded = (answer.get("Metadata") or {}).get(METADATA_MD5)
+        return RemoteObject(answer["ContentLength"], _etag(answer["ETag"]), recorded)
 
     def _pages(self, **kwargs: Any) -> Iterator[dict]:
         token = None
@@ -311,6 +339,7 @@ class VolumeS3:
             Key=key,
             Body=data,
             ContentMD5=base64.b64encode(digest.digest()).decode(),
+            Metadata={METADATA_MD5: digest.hexdigest()},
         )
         self._check_etag(key, _etag(answer["ETag"]), digest.hexdigest())
 
@@ -322,10 +351,13 @@ class VolumeS3:
         if size <= part:
             self.put_bytes(key, path.read_bytes())
             return 0
-        digests = part_md5s(path, part)
+        whole = hashlib.md5(usedforsecurity=False)
+        digests = part_md5s(path, part, whole)
         record = UploadRecord(self._records, self.bucket, key)
-        upload_id, kept = self._resume(key, digests, part, size, record)
-        record.start(upload_id, part, {n: (digests[n - 1].hex(), etag) for n, etag in kept.items()})
+        upload_id, kept = self._resume(key, digests, part, size, record, whole.hexdigest())
+        record.start(
+            upload_id, part, whole.hexdigest(), {n: (digests[n - 1].hex(), e) for n, e in kept.items()}
+        )
         sent = self._send_parts(
             path, key, upload_id, digests, part, sorted(set(range(1, len(digests) + 1)) - set(kept)), on_part,
             record,
@@ -354,18 +386,22 @@ class VolumeS3:
         return len(kept)
 
     def _resume(
-        self, key: str, digests: list[bytes], part: int, size: int, record: UploadRecord
+        self, key: str, digests: list[bytes], part: int, size: int, record: UploadRecord, md5: str
     ) -> tuple[str, dict[int, str]]:
-        """An unfinished upload of `key` and its parts that match the local bytes (number: the server's
-        ETag), else a new upload. A part matches by its ETag being the bytes' MD5, or (a gateway's opaque
-        ETag) by being the ETag this machine recorded when it sent those same bytes as that part."""
+        """An unfinished upload of `key` that this machine started for this file (its record says so: the
+        upload's metadata names the file's MD5) and its parts that match the local bytes (number: the
+        server's ETag), else a new upload. A part matches by its ETag being the bytes' MD5, or (a gateway's
+        opaque ETag) by being the ETag this machine recorded when it sent those same bytes as that part."""
         listed = self._call(
             "list the uploads of", key, self._client.list_multipart_uploads, Bucket=self.bucket, Prefix=key
         )
         uploads = sorted(
             (u for u in listed.get("Uploads", []) if u["Key"] == key), key=lambda u: u["Initiated"]
         )
-        for stale in uploads[:-1]:  # older attempts: their parts are never completed
+        recorded = record.load(uploads[-1]["UploadId"], part, md5) if uploads else None
+        # Older attempts are never completed; nor is one this machine has no record of (made elsewhere, or by
+        # an older trainpod) or made for other bytes: the file's MD5 in its metadata would misname the object.
+        for stale in uploads if recorded is None else uploads[:-1]:
             self._call(
                 "abort an old upload of",
                 key,
@@ -374,20 +410,24 @@ class VolumeS3:
                 Key=key,
                 UploadId=stale["UploadId"],
             )
-        if not uploads:
+        if recorded is None:
             created = self._call(
-                "start the upload of", key, self._client.create_multipart_upload, Bucket=self.bucket, Key=key
+                "start the upload of",
+                key,
+                self._client.create_multipart_upload,
+                Bucket=self.bucket,
+                Key=key,
+                Metadata={METADATA_MD5: md5},
             )
             return created["UploadId"], {}
         upload_id = uploads[-1]["UploadId"]
-        recorded = record.load(upload_id, part)
         kept = {}
         for number, etag, part_bytes in self._parts(key, upload_id):
             want = min(part, size - (number - 1) * part)
             if number > len(digests) or part_bytes != want:
                 continue
-            md5 = digests[number - 1].hex()
-            if etag == md5 or recorded.get(number) == (md5, etag):
+            part_md5 = digests[number - 1].hex()
+            if etag == part_md5 or recorded.get(number) == (part_md5, etag):
                 kept[number] = etag
         log.info(
             "resuming the upload of %s: %d of %d parts are on the volume already",

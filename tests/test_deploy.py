@@ -281,3 +281,15 @@ def test_deploying_the_same_config_still_starts_the_exited_pod(fake, tmp_path):
     first = deploy(client_for(fake), config(tmp_path))
     fake.pods[first.pod.id]["desiredStatus"] = "EXITED"
     assert deploy(client_for(fake), config(tmp_path)).action == "started"
+
+
+def test_deploying_a_changed_config_while_the_pod_runs_says_the_old_one_goes_on_and_how_to_switch(
+    fake, tmp_path, caplog
+):
+    """A fixed image pushed and deployed: 'reusing it' alone left the user paying for the old image."""
+    first = deploy(client_for(fake), config(tmp_path, **{"env.extra": {"MY_TOKEN": "{{ RUNPOD_SECRET_X }}"}}))
+    caplog.set_level("INFO", "trainpod")
+    again = deploy(client_for(fake), config(tmp_path, **{"image.name": "ghcr.io/org/trainpod:0.1.1"}))
+    assert again.action == "reused" and again.pod.id == first.pod.id, "a running pod is never replaced"
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert "image" in warning and "trainpod stop tiny" in warning and "RUNPOD_SECRET" not in warning

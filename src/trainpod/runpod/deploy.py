@@ -293,9 +293,14 @@ def deploy(
     running = next((p for p in pods if p.desired_status == "RUNNING"), None)
     if running is not None:
         log.info("pod %s (%s) is already running: reusing it", running.name, running.id)
+        changes = _differences(running, pod_body(config, template.id, volume.id, env))
+        if changes:  # never replaced while it trains; but the user must know the new config is not running
+            log.warning("pod %s (%s) was made from another config (its %s differ): it goes on as it is; to run "
+                        "this config, `trainpod stop %s` and deploy again (it resumes from the last checkpoint)",
+                        running.name, running.id, ", ".join(changes), config.run)  # fmt: skip
         return Deployment(template, volume, running, "reused")
     exited = next((p for p in pods if p.desired_status == "EXITED"), None)
-    changed = exited is not None and _differs(exited, pod_body(config, template.id, volume.id, env))
+    changed = exited is not None and bool(_differences(exited, pod_body(config, template.id, volume.id, env)))
     if changed:
         log.info("pod %s (%s) was made from another config (image, env or spot): replacing it", exited.name,
                  exited.id)  # fmt: skip
@@ -304,13 +309,14 @@ def deploy(
     return Deployment(template, volume, pod, action)
 
 
-def _differs(pod: Pod, body: dict[str, Any]) -> bool:
-    """Whether starting `pod` again would run something else than `body` asks for."""
-    return (
-        pod.image != body["imageName"]
-        or pod.env != body["env"]
-        or pod.interruptible != body.get("interruptible", False)
-    )
+def _differences(pod: Pod, body: dict[str, Any]) -> list[str]:
+    """What `pod` runs otherwise than `body` asks for, by name only (an env may hold secrets' values)."""
+    differs = {
+        "image": pod.image != body["imageName"],
+        "env": pod.env != body["env"],
+        "spot setting": pod.interruptible != body.get("interruptible", False),
+    }
+    return [name for name, different in differs.items() if different]
 
 
 def run_unit_names(run: str, workloads: Collection[str]) -> set[str]:

@@ -607,3 +607,33 @@ def test_push_onto_a_gateway_without_md5_etags_never_takes_other_bytes_of_the_sa
     assert objects(raw, name, "datasets/d/")["datasets/d/small.bin"] == b"a" * 100, "nothing replaced"
     lines: list[str] = []
     assert push(s3, theirs, "datasets/d", echo=lines.append) == 0, "its own files are recognised as there"
+
+
+def test_a_push_interrupted_with_ctrl_c_ends_with_one_line_and_130_not_a_traceback(bucket, tmp_path):
+    import signal
+
+    name, raw, env = bucket
+    local = tmp_path / "big"
+    local.mkdir()
+    (local / "train.bin").write_bytes(os.urandom(20 * PART))
+    child = subprocess.Popen(
+        [sys.executable, "-m", "trainpod", "push", str(local), "datasets/big"],
+        env=child_env(env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    parts: list = []
+    while child.poll() is None and not parts:
+        time.sleep(0.05)
+        uploads = raw.list_multipart_uploads(Bucket=name).get("Uploads", [])
+        if uploads:
+            parts = raw.list_parts(Bucket=name, Key=uploads[0]["Key"], UploadId=uploads[0]["UploadId"]).get(
+                "Parts", []
+            )
+    child.send_signal(signal.SIGINT)  # Ctrl-C
+    out, err = child.communicate(timeout=120)
+    assert parts, "the push finished before it could be interrupted; make the file larger"
+    assert child.returncode == 130, out + err
+    assert "Traceback" not in out + err
+    assert "run the same command again" in out + err

@@ -588,6 +588,13 @@ def _reported(act) -> int:
 
         logging.getLogger("trainpod").error("%s", exc)
         return int(exc.exit_code)
+    except KeyboardInterrupt:  # Ctrl-C: how a user ends a supervise loop or a long push, not a crash
+        import logging
+
+        logging.getLogger("trainpod").warning(
+            "interrupted (Ctrl-C); what was done is kept: run the same command again to go on"
+        )
+        return int(ExitCode.INTERRUPTED)
 
 
 def estimate(

@@ -21,6 +21,7 @@ class ExitCode(enum.IntEnum):
     VOLUME_FULL = 5  # the network volume has no room for the next write: do not restart until it is freed
     TEMPORARY = 75  # network, hub, volume busy: restart with backoff (EX_TEMPFAIL)
     PREEMPTED = 143  # stopped by SIGTERM after committing: restart (128 + SIGTERM)
+    INTERRUPTED = 130  # a laptop verb (push, pull, supervise, deploy) ended with Ctrl-C (128 + SIGINT)
 
 
 class TrainpodError(Exception):

@@ -521,3 +521,25 @@ def test_a_supervisor_that_sees_neither_the_volume_nor_its_s3_api_says_so_once_a
         "supervise.max_restarts (7)",
     ):
         assert needed in warning, f"{needed!r} missing from the start warning: {warning}"
+
+
+def test_a_run_deployed_on_demand_is_never_brought_back_as_spot_by_a_supervisor_reading_the_spot_yaml(
+    fake, volume
+):
+    """`deploy --on-demand` of a spot YAML, then a supervisor elsewhere (cron, CI, a supervise pod) with
+    the YAML alone: its new pods (start refused, or the pod gone) were spot, interruptible against the
+    user's choice; the reverse made a spot run's new pods on-demand, at about twice the price."""
+    cfg = deploy_config()
+    cfg.pod.spot = False  # what --on-demand did for the deploy
+    first = deploy(client_for(fake), cfg).pod
+    sup = supervisor(fake, volume)  # the YAML: spot
+    assert sup.config.pod.spot is True
+    assert sup.step() is None
+    fake.refuse_start.add(first.id)
+    fake.interrupt(first.id)
+    assert sup.step() is None  # start refused: a new pod on the same volume
+    (second,) = fake.pods_named("tiny-pretrain")
+    assert second["id"] != first.id and second["interruptible"] is False, "the replacement became spot"
+    client_for(fake).terminate_pod(second["id"])  # gone: nothing left to copy
+    assert sup.step() is None
+    assert the_pod(fake)["interruptible"] is False, "the new pod became spot"

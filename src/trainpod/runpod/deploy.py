@@ -159,9 +159,14 @@ POD_CREATE_DATA_CENTERS = frozenset(
 
 
 def pod_body(
-    config: DeployConfig, template_id: str, volume_id: str, env: dict[str, str] | None = None
+    config: DeployConfig,
+    template_id: str,
+    volume_id: str,
+    env: dict[str, str] | None = None,
+    spot: bool | None = None,
 ) -> dict[str, Any]:
-    """A PodCreateInput for `<run>-<workload>` on the volume; `env` overrides the config's (same pod again)."""
+    """A PodCreateInput for `<run>-<workload>` on the volume; `env` and `spot` override the config's (the
+    same pod again, as it was deployed: `--on-demand` of a spot YAML stays on demand)."""
     body: dict[str, Any] = {
         "name": config.pod_name,
         "templateId": template_id,
@@ -182,7 +187,7 @@ def pod_body(
             "gpuTypeIds": list(config.pod.gpu_types),
             "gpuTypePriority": "custom",  # RunPod tries the types in our order, not by availability
             "gpuCount": config.pod.gpu_count,
-            "interruptible": config.pod.spot,
+            "interruptible": config.pod.spot if spot is None else spot,
             "allowedCudaVersions": allowed_cuda_versions(config),
         }
     else:
@@ -243,7 +248,8 @@ def bring_back(
 
     `replace`: never start `old` again (its machine cannot run the image): a new pod, which RunPod
     places on a machine with a free GPU of the config's types, in the config's order.
-    `env` (deploy: from the config) wins; without it a replacement keeps the old pod's env.
+    `env` (deploy: from the config) wins; without it a replacement keeps the old pod's env and its
+    spot setting (a supervisor reads the YAML, which `deploy --spot/--on-demand` may have overridden).
     Returns the pod and what was done ("started" or "created"); RunPodError when both fail.
     """
     if old is not None and not replace:
@@ -261,9 +267,11 @@ def bring_back(
         volume_id = old.network_volume_id or volume_id
     if template_id is None or volume_id is None:
         template_id, volume_id = ensure_template(client, config).id, ensure_volume(client, config).id
+    spot = None
     if env is None and old is not None:
-        env = old.env  # the supervisor's replacement gets exactly the env the interrupted pod had
-    pod = client.create_pod(pod_body(config, template_id, volume_id, env=env))
+        # The supervisor's replacement gets exactly the env and spot setting the interrupted pod had.
+        env, spot = old.env, old.interruptible
+    pod = client.create_pod(pod_body(config, template_id, volume_id, env=env, spot=spot))
     if old is not None:
         _terminate_quietly(client, old)  # one pod per name: the replacement takes over
     return pod, "created"

@@ -10,7 +10,7 @@ then exactly one decision, logged in one line with its reason:
   DONE -> stop a pod still running, exit 0;  FAILED marker (the pod's exit 2, 3 or 5, or a crash
   loop; runpod/finish.py) -> exit 2, never a restart;  budget spent -> stop, exit 3;
   a pod RUNNING -> wait;  EXITED or gone -> start it again, or create a new pod on the same volume
-  with the same env (GPU types in order; a gone pod's secrets as the run's pods had them: references, or
+  with the same env and spot setting as deployed (GPU types in order; a gone pod's secrets as the run's pods had them: references, or
   deploy --secrets-from-env's values from this supervisor's environment, never from a file); failed
   attempts back off exponentially and are bounded;
   EXITED with a MACHINE_UNFIT marker naming it (exit 4: its machine cannot run the image) -> never
@@ -75,6 +75,8 @@ class SupervisorState:
     # The run's pods had the secrets' values (deploy --secrets-from-env), not RunPod references: a pod made
     # with none left to copy the env from takes them from this supervisor's environment. Never a value here.
     secrets_as_values: bool = False
+    # The run's pods are spot (deploy --spot/--on-demand may differ from the YAML): so is a pod made anew.
+    spot: bool | None = None
 
     @classmethod
     def load(cls, path: Path) -> SupervisorState:
@@ -246,6 +248,8 @@ class Supervisor:
         seen = self.unit.look(state, view.unfit_pod)
         if seen.secrets_as_values is not None:
             state.secrets_as_values = seen.secrets_as_values
+        if seen.spot is not None:
+            state.spot = seen.spot
         self._account(state, seen.hourly_usd, now)
         spent = max(state.observed_cost_usd, view.cost_usd or 0.0)
         budget = self.config.budget.budget_usd
@@ -283,6 +287,8 @@ class Supervisor:
                              "machines that cannot run the image (exit 4); pick other GPU types, or the cu128 "
                              "image (image.cuda_version 12.8) for older drivers")  # fmt: skip
         unseen = "" if view.visible else " (the volume is not mounted here: DONE is unknown)"
+        if state.spot is not None:  # as the run was deployed, not as its YAML says (a pod made anew)
+            self.config.pod.spot = state.spot
         try:
             action = self.unit.bring_back(seen.unfit, lambda: self._fresh_env(state))
         except RunPodAuthError:

@@ -34,6 +34,7 @@ class Look:
     hourly_usd: float  # what bills now
     unfit: bool = False  # down because a machine cannot run the image: replace, never start again
     secrets_as_values: bool | None = None  # the pods' env holds the secrets' values (None: no pod to tell)
+    spot: bool | None = None  # the run's pods are interruptible, as deployed (None: no pod to tell)
 
 
 class Unit(Protocol):
@@ -74,11 +75,12 @@ class PodUnit:
         as_values = next(
             (v for p in pods if (v := secrets_sent_as_values(self.config, p.env)) is not None), None
         )
+        spot = pods[0].interruptible if pods else None
         if self._running:
-            return Look(f"pod {self._running[0].id} is RUNNING", "", hourly, secrets_as_values=as_values)
+            return Look(f"pod {self._running[0].id} is RUNNING", "", hourly, False, as_values, spot)
         unfit = self._exited is not None and self._exited.id == unfit_pod
         down = UNFIT if unfit else "EXITED" if self._exited else "gone"
-        return Look(None, down, hourly, unfit, as_values)
+        return Look(None, down, hourly, unfit, as_values, spot)
 
     def stop(self, why: str) -> list[str]:
         # A pod gone since the look (it terminated itself at DONE) needs no stop, and ends nothing.

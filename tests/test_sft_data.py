@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -254,6 +255,38 @@ def test_max_samples_takes_the_first_rows_of_each_dataset(tmp_path, tokenizer_di
 
 
 # Bad input: file, line and field in the message, exit code 2.
+
+
+LATIN1_ROWS = '{"instruction": "a", "output": "b"}\n{"instruction": "c", "output": "d"}\n{"instruction": "café", "output": "e"}\n'
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "words"),
+    [
+        ("latin1.jsonl", LATIN1_ROWS.encode("latin-1"), r"is not UTF-8 text \(line 3, byte b'\\xe9'"),
+        (
+            "latin1.json",
+            f"[{LATIN1_ROWS.strip().replace(chr(10), ',' + chr(10))}]".encode("latin-1"),
+            r"is not UTF-8 text \(line 3,",
+        ),
+        ("windows.jsonl", LATIN1_ROWS.encode("utf-16"), r"is UTF-16 text, not UTF-8 .* `iconv -f utf-16"),
+        ("cut.jsonl.gz", gzip.compress(LATIN1_ROWS.encode())[:-12], "is not a whole gzip file"),
+        ("plain.jsonl.gz", LATIN1_ROWS.encode(), "is not a whole gzip file"),
+        ("cut.parquet", b"PAR1" + b"\0" * 64, "is not a readable parquet file"),
+    ],
+)
+def test_a_file_that_cannot_be_read_as_its_format_is_exit_2_naming_it(
+    tmp_path, tokenizer_dir, name, content, words
+):
+    # Each was a bare UnicodeDecodeError, BadGzipFile, EOFError or ArrowInvalid: exit 1, a crash retried at
+    # every start with the same file until FAILED, naming neither the file nor the fix.
+    (tmp_path / "vol").mkdir()
+    (tmp_path / "vol" / name).write_bytes(content)
+    config = data_config([{"path": name}], template="chatml")
+    with pytest.raises(InputError, match=rf"sft dataset file \S+/vol/{re.escape(name)} {words}") as caught:
+        prepare_sft(config, tokenizer_dir, tmp_path / "out", tmp_path / "vol")
+    assert caught.value.exit_code == ExitCode.BAD_INPUT
+    assert not (tmp_path / "out").exists()
 
 
 def test_invalid_json_line_names_file_and_line(tmp_path, tokenizer_dir):

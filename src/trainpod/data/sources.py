@@ -7,6 +7,7 @@ on timing: globs are sorted, files are read front to back.
 
 from __future__ import annotations
 
+import codecs
 import glob
 import gzip
 import importlib.resources
@@ -224,19 +225,28 @@ def _iter_files(source: SourceConfig, files: list[Path]) -> Iterator[str]:
             else:
                 yield from _parquet_documents(path, source.text_field)
         except Exception as exc:
-            problem = _unreadable_file_problem(exc, fmt)
+            problem = unreadable_file_problem(exc, fmt, path, "sources[].path")
             if problem is None:
                 raise
             # A damaged or mis-encoded file fails the same way at every start: exit 2, not a crash retried.
             raise InputError(f"source file {path} {problem}") from None
 
 
-def _unreadable_file_problem(exc: Exception, fmt: str) -> str | None:
-    """What is wrong with a source file whose bytes cannot be read as its format; None for anything else."""
+def unreadable_file_problem(exc: Exception, fmt: str, path: Path, listed_in: str) -> str | None:
+    """What is wrong with a source file whose bytes cannot be read as its format; None for anything else.
+
+    `listed_in` is the config field that names the file, for the fix (`sources[].path`).
+    """
     if isinstance(exc, UnicodeDecodeError):
+        line, utf16 = _where_not_utf8(path)
+        if utf16:  # Windows' "Unicode" (PowerShell's > and Out-File, Notepad): latin1 advice would garble it
+            return (
+                "is UTF-16 text, not UTF-8 (it starts with a UTF-16 byte-order mark); convert it (e.g. "
+                f"`iconv -f utf-16 -t utf-8`) or drop it from {listed_in}"
+            )
         return (
-            f"is not UTF-8 text (byte {exc.object[exc.start : exc.start + 1]!r}: {exc.reason}); convert it "
-            "to UTF-8 (e.g. `iconv -f latin1 -t utf-8`) or drop it from sources[].path"
+            f"is not UTF-8 text ({f'line {line}, ' if line else ''}byte {exc.object[exc.start : exc.start + 1]!r}: "
+            f"{exc.reason}); convert it to UTF-8 (e.g. `iconv -f latin1 -t utf-8`) or drop it from {listed_in}"
         )
     if isinstance(exc, (gzip.BadGzipFile, EOFError, zlib.error)):
         return f"is not a whole gzip file ({exc}); copy it again or decompress it to check it"
@@ -245,6 +255,28 @@ def _unreadable_file_problem(exc: Exception, fmt: str) -> str | None:
         # OSError without errno; an OSError from the kernel (a volume's I/O error) always has one.
         return f"is not a readable parquet file ({exc}); copy it again or rewrite it"
     return None
+
+
+def _where_not_utf8(path: Path) -> tuple[int | None, bool]:
+    """(the line, from 1, holding the first bytes of `path` that are not UTF-8; whether it starts with a
+    UTF-16 byte-order mark), read again to say where: a text reader decodes blocks ahead of the line it
+    hands out, so its error does not know the line."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    lines, utf16 = 0, False
+    try:
+        with gzip.open(path, "rb") if path.suffix.lower() == ".gz" else open(path, "rb") as f:
+            while block := f.read(1 << 20):
+                utf16 = utf16 or (lines == 0 and block.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)))
+                try:
+                    decoder.decode(block)
+                except (
+                    UnicodeDecodeError
+                ) as exc:  # exc.object: the block behind a cut character's first bytes
+                    return lines + exc.object[: exc.start].count(b"\n") + 1, utf16
+                lines += block.count(b"\n")
+    except (OSError, EOFError, zlib.error):
+        pass
+    return None, utf16
 
 
 def iter_documents(sources: list[SourceConfig], volume_root: Path) -> Iterator[str]:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from trainpod import atomic
 from trainpod.config.sft import BUILTIN_SFT_TINY, SftSourceConfig
-from trainpod.data.sources import expand_path
+from trainpod.data.sources import expand_path, unreadable_file_problem
 from trainpod.errors import InputError
 
 SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -134,8 +134,19 @@ def _parquet_rows(path: Path) -> Iterator[Row]:
 
 
 def rows_of_file(path: Path) -> Iterator[Row]:
-    """Every row of one data file (.json, .jsonl, .parquet, optionally .gz) in order."""
-    return _parquet_rows(path) if _data_suffix(path) == ".parquet" else _json_rows(path)
+    """Every row of one data file (.json, .jsonl, .parquet, optionally .gz) in order.
+
+    A file that is not UTF-8, a cut gzip or a damaged parquet fails the same way at every start: exit 2
+    naming it, not a crash retried until the pod is FAILED.
+    """
+    fmt = "parquet" if _data_suffix(path) == ".parquet" else "json"
+    try:
+        yield from _parquet_rows(path) if fmt == "parquet" else _json_rows(path)
+    except Exception as exc:
+        problem = unreadable_file_problem(exc, fmt, path, "the datasets[].path that names it")
+        if problem is None:
+            raise
+        raise InputError(f"sft dataset file {path} {problem}") from None
 
 
 def iter_rows(source: SftSourceConfig, volume_root: Path) -> Iterator[Row]:

@@ -257,6 +257,25 @@ def test_max_samples_takes_the_first_rows_of_each_dataset(tmp_path, tokenizer_di
 # Bad input: file, line and field in the message, exit code 2.
 
 
+@pytest.mark.parametrize("name", ["data.jsonl", "data.json", "data.jsonl.gz"])
+def test_a_file_starting_with_a_byte_order_mark_reads_like_one_without(tmp_path, tokenizer_dir, name):
+    # Windows tools and pandas' encoding='utf-8-sig' write one; line 1 was refused as "not valid JSON".
+    rows = [ROWS["alpaca"], {"instruction": "Hi", "input": "", "output": "Yo"}]
+    text = json.dumps(rows) if name == "data.json" else "".join(json.dumps(row) + "\n" for row in rows)
+    volume = tmp_path / "vol"
+    write_jsonl(volume / "plain" / "data.jsonl", rows)
+    raw = ("\ufeff" + text).encode("utf-8")
+    (volume / "bom").mkdir()
+    (volume / "bom" / name).write_bytes(gzip.compress(raw) if name.endswith(".gz") else raw)
+
+    def ids(path: str) -> list[list[int]]:
+        config = data_config([{"path": path}], template="chatml")
+        data = load_sft(prepare_sft(config, tokenizer_dir, tmp_path / path.replace("/", "-"), volume))
+        return [e.input_ids.tolist() for e in data.train]
+
+    assert ids(f"bom/{name}") == ids("plain/data.jsonl")
+
+
 LATIN1_ROWS = '{"instruction": "a", "output": "b"}\n{"instruction": "c", "output": "d"}\n{"instruction": "café", "output": "e"}\n'
 
 

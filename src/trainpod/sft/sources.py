@@ -69,9 +69,11 @@ def describe_files(source: SftSourceConfig, volume_root: Path) -> list[dict]:
 
 
 def _open_text(path: Path) -> io.TextIOBase:
+    # utf-8-sig: the byte-order mark Windows tools (and pandas' to_json with encoding='utf-8-sig') put
+    # first is not JSON; the first row was refused for it though it reads as one.
     if path.suffix.lower() == ".gz":
-        return gzip.open(path, "rt", encoding="utf-8")
-    return open(path, encoding="utf-8")
+        return gzip.open(path, "rt", encoding="utf-8-sig")
+    return open(path, encoding="utf-8-sig")
 
 
 def _json_lines(path: Path, f: io.TextIOBase, first_line: str) -> Iterator[Row]:

@@ -174,3 +174,76 @@ def test_killed_and_terminated_runs_resume_to_byte_identical_shards(reference, t
     assert manifest["splits"] == expected["splits"] and manifest["total_tokens"] == expected["total_tokens"]
     assert len(manifest["splits"]["train"]["shards"]) > before_term
     assert not half_written_file(folder)
+
+
+CLI_DRIVER = (
+    DRIVER.split("from trainpod.config.datagen")[0]
+    + """
+from trainpod.cli import main
+sys.exit(main(["run", "datagen", "--config", sys.argv[1]]))
+"""
+)
+
+
+def start_pod(volume_root: Path, config_file: Path, slow_fsync: float) -> subprocess.Popen:
+    """`trainpod run datagen` as a pod runs it (the workload's lifecycle, its exit code)."""
+    env = {**os.environ, "SLOW_FSYNC_SECONDS": str(slow_fsync), "TRAINPOD_VOLUME": str(volume_root)}
+    return subprocess.Popen(
+        [sys.executable, "-c", CLI_DRIVER, str(config_file)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+@pytest.mark.slow
+def test_a_second_datagen_on_a_dataset_being_built_exits_75_and_the_first_ends_byte_identical(
+    reference, tmp_path
+):
+    # Without a lease the second pod deleted the first's half-written *.tmp-* and unlisted shards, and its
+    # own renames then failed (a crash, exit 1, counted as a failed start), or both wrote the same shards.
+    reference_root, tree = reference
+    root = tmp_path / "volume"
+    (root / "corpus").mkdir(parents=True)
+    (root / "corpus" / "stories.txt.gz").write_bytes(
+        (reference_root / "corpus" / "stories.txt.gz").read_bytes()
+    )
+    config_file = root / "datagen.yaml"
+    config_file.write_text(json.dumps({"kind": "tokens", **tree}))
+    folder = root / "datasets" / "stories"
+
+    first = start_pod(root, config_file, slow_fsync=0.02)
+    wait_until(first, lambda: committed_shards(folder) >= 2, "2 committed shards")
+    second = start_pod(root, config_file, slow_fsync=0.0)
+    output, _ = second.communicate(timeout=TIMEOUT)
+    assert second.returncode == 75, f"the second datagen should wait its turn (exit 75):\n{output[-2000:]}"
+    assert "dataset stories is leased by another writer" in output and ".stories.LEASE" in output
+    assert first.poll() is None, "the second datagen should leave the first running"
+    output, _ = first.communicate(timeout=TIMEOUT)
+    assert first.returncode == 0, output[-2000:]
+
+    reference_folder = reference_root / "datasets" / "stories"
+    assert shard_bytes(folder) == shard_bytes(reference_folder)
+    assert not (root / "datasets" / ".stories.LEASE").exists(), "the lease is released at the end"
+
+    # A complete dataset is reused without the lease: pods reading it never wait on one another.
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from trainpod.checkpoint import Lease; "
+            "Lease(sys.argv[1], ttl_seconds=600).acquire(); print('held', flush=True); time.sleep(60)",
+            str(root / "datasets" / ".stories.LEASE"),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        reuse = start_pod(root, config_file, slow_fsync=0.0)
+        output, _ = reuse.communicate(timeout=TIMEOUT)
+        assert reuse.returncode == 0 and "reusing it" in output, output[-2000:]
+    finally:
+        holder.kill()
+        holder.wait()

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from trainpod.checkpoint import Lease
 from trainpod.config.generate import GeneratorDatagenConfig
 from trainpod.config.loader import load_config, validate_tree
 from trainpod.data.generate import (
@@ -28,7 +29,7 @@ from trainpod.data.generate import (
     split_of,
     split_thresholds,
 )
-from trainpod.errors import ConfigError, ExitCode, InputError
+from trainpod.errors import ConfigError, ExitCode, InputError, TemporaryError
 from trainpod.preemption import PreemptionWatch
 from trainpod.volume import Volume
 
@@ -224,6 +225,28 @@ def test_complete_dataset_is_reused_and_another_config_under_its_name_is_refused
     assert str(folder) in str(caught.value) and "another dataset name" in str(caught.value)
     assert caught.value.exit_code == ExitCode.BAD_INPUT
     assert tree_snapshot(folder) == before
+
+
+def test_a_dataset_another_writer_is_making_is_left_to_it_and_a_complete_one_is_reused_meanwhile(volume):
+    # A second pod on the same name deleted the first's leftovers and chunks mid-write: it exits 75 now.
+    (volume.root / "datasets").mkdir(exist_ok=True)
+    lease = Lease(volume.root / "datasets" / ".edits.LEASE", ttl_seconds=600)  # another live writer's
+    lease.acquire()
+    try:
+        with pytest.raises(
+            TemporaryError, match="generated dataset edits is leased by another writer"
+        ) as caught:
+            run(make_config(), volume)
+        assert caught.value.exit_code == ExitCode.TEMPORARY
+        assert not volume.dataset("edits").exists()
+    finally:
+        lease.release()
+    folder = run(make_config(), volume)
+    lease.acquire()
+    try:
+        assert run(make_config(), volume) == folder
+    finally:
+        lease.release()
 
 
 def test_folder_holding_a_token_dataset_is_not_overwritten(volume):

@@ -17,9 +17,10 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer
 
+from trainpod.checkpoint import Lease
 from trainpod.config.loader import load_config, validate_tree
 from trainpod.config.sft import SftDataConfig, SftDatagenConfig
-from trainpod.errors import ConfigError, ExitCode, InputError, Preempted
+from trainpod.errors import ConfigError, ExitCode, InputError, Preempted, TemporaryError
 from trainpod.preemption import PreemptionWatch
 from trainpod.sft import IGNORE_INDEX, load_sft, prepare_sft, run_sft_datagen, sft_key
 from trainpod.sft.demo_rows import demo_jsonl
@@ -406,6 +407,32 @@ def test_other_settings_are_refused_without_overwriting(tmp_path, tokenizer_dir)
     with pytest.raises(InputError, match="built from other contents of 'a.jsonl'"):
         prepare_sft(config, tokenizer_dir, out, tmp_path / "vol")
     assert tree_snapshot(out) == before
+
+
+def test_a_dataset_another_writer_is_building_is_left_to_it_and_a_complete_one_is_reused_meanwhile(
+    tmp_path, tokenizer_dir
+):
+    # Two pods (or two finetune runs sharing cache/sft/<key>) deleted each other's temp folder mid-build,
+    # and the second rename onto the published one crashed: the second exits 75 now.
+    write_jsonl(tmp_path / "vol" / "data.jsonl", [ROWS["alpaca"]])
+    config = data_config([{"path": "data.jsonl"}], template="chatml")
+    out = tmp_path / "vol" / "datasets" / "sft"
+    out.parent.mkdir()
+    lease = Lease(out.with_name(".sft.LEASE"), ttl_seconds=600)  # another live writer's
+    lease.acquire()
+    try:
+        with pytest.raises(TemporaryError, match="SFT dataset sft is leased by another writer") as caught:
+            prepare_sft(config, tokenizer_dir, out, tmp_path / "vol")
+        assert caught.value.exit_code == ExitCode.TEMPORARY
+        assert sorted(p.name for p in out.parent.iterdir()) == [".sft.LEASE"]
+    finally:
+        lease.release()
+    prepare_sft(config, tokenizer_dir, out, tmp_path / "vol")
+    lease.acquire()
+    try:
+        assert prepare_sft(config, tokenizer_dir, out, tmp_path / "vol") == out
+    finally:
+        lease.release()
 
 
 def test_a_folder_holding_something_else_is_not_overwritten(tmp_path, tokenizer_dir):

@@ -91,9 +91,10 @@ def _process_alive_here(owner: dict[str, Any]) -> bool:
 
 
 class Lease:
-    def __init__(self, path: Path, ttl_seconds: float = 90.0):
+    def __init__(self, path: Path, ttl_seconds: float = 90.0, what: str = "run"):
         self.path = Path(path)
         self.ttl = ttl_seconds
+        self.what = what  # what the lease guards, for messages: "run", "dataset tiny-stories"
         self.owner = {
             "id": uuid.uuid4().hex,
             "host": socket.gethostname(),
@@ -116,8 +117,9 @@ class Lease:
         if owner.get("host") == self.owner["host"]:
             return _process_alive_here(owner)
         log.info(
-            "the run is leased by host %s (pod %s) for %.0f s more: waiting for its heartbeat, or for it to "
+            "the %s is leased by host %s (pod %s) for %.0f s more: waiting for its heartbeat, or for it to "
             "expire unrenewed and be taken over",
+            self.what,
             owner.get("host"),
             owner.get("pod_id") or "-",
             held.get("expires_unix", 0) - time.time(),
@@ -135,7 +137,7 @@ class Lease:
         if held and held.get("owner", {}).get("id") != self.owner["id"] and self._holder_alive(held):
             owner = held.get("owner", {})
             raise TemporaryError(
-                f"run is leased by another writer (host {owner.get('host')}, pid {owner.get('pid')}, "
+                f"{self.what} is leased by another writer (host {owner.get('host')}, pid {owner.get('pid')}, "
                 f"pod {owner.get('pod_id') or '-'}), which is alive and renews it every {self.ttl / 4:.0f} s "
                 f"or so; stop that process or pod first (its lease at {self.path} is then released)"
             )
@@ -153,7 +155,7 @@ class Lease:
             if rival.get("id") != self.owner["id"]:
                 raise TemporaryError(
                     f"another writer (host {rival.get('host')}, pid {rival.get('pid')}, pod "
-                    f"{rival.get('pod_id') or '-'}) took this run's stale lease over at the same moment; it "
+                    f"{rival.get('pod_id') or '-'}) took this {self.what}'s stale lease over at the same moment; it "
                     "goes on, this start stops"
                 )
         self._thread = threading.Thread(target=self._heartbeat, name="lease-heartbeat", daemon=True)

@@ -6,6 +6,7 @@ Output in $TRAINPOD_VOLUME/datasets/<name>/: `train_000000.bin ...`, `val_000000
 format, see shards.py), `progress.json` (updated after every committed shard) and, last,
 `manifest.json`. Killed at any moment and started again, it continues from progress.json and the
 shards come out byte-identical to an uninterrupted run; a complete dataset is reused as it is.
+One datagen writes a dataset at a time: it holds `datasets/.<name>.LEASE` while it builds (`one_writer`).
 """
 
 from __future__ import annotations
@@ -19,11 +20,13 @@ import re
 import time
 from collections.abc import Iterator
 from concurrent.futures.process import BrokenProcessPool
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 
 from trainpod.atomic import read_json, write_json
+from trainpod.checkpoint import Lease
 from trainpod.config.datagen import DatagenConfig
 from trainpod.data.encoding import BatchEncoder
 from trainpod.data.shards import HEADER_BYTES, shard_header, token_dtype
@@ -45,6 +48,8 @@ SHARD_NAME = re.compile(r"^(train|val)_\d{6}\.bin$")  # as SplitWriter names its
 # gigabytes in flight (1000 fineweb documents are ~4 MB).
 MAX_BATCH_CHARACTERS = 8_000_000
 _MASK64 = (1 << 64) - 1
+# As a training run's: a replacement pod on another machine waits at most this long for a killed one's.
+DATASET_LEASE_TTL_S = 90.0
 
 
 def settings_hash(config: DatagenConfig) -> str:
@@ -65,37 +70,88 @@ def run_datagen(config: DatagenConfig, volume: Volume, watch: PreemptionWatch) -
     """Build (or reuse, or resume) the dataset `config.name`; returns its folder.
 
     Raises InputError (exit 2) for missing sources or a folder holding another config's dataset,
-    Preempted (exit 143) when `watch` saw SIGTERM: the committed shards and progress stay.
+    Preempted (exit 143) when `watch` saw SIGTERM: the committed shards and progress stay;
+    TemporaryError (exit 75) while another datagen builds the same dataset.
     """
     volume.check_writable()
     folder = volume.dataset(config.name)
     expected_hash = settings_hash(config)
     manifest = _existing_manifest(folder, expected_hash)
-    if manifest is None:  # a finished dataset stays usable after its source files are gone
-        check_sources(config.sources, volume.root)
-        _refuse_empty_sources(config, volume)
-        if folder.is_dir() and not (folder / PROGRESS_FILE).is_file():
-            _refuse_files_of_others(folder)
-    tokenizer = prepare_tokenizer(
+    if manifest is None:
+        with one_writer(folder) as lease:
+            # read again under the lease: the writer this one waited out may have finished meanwhile
+            manifest = _existing_manifest(folder, expected_hash)
+            if manifest is None:
+                return _build(config, volume, folder, expected_hash, watch, lease)
+    tokenizer = _tokenizer(config, volume)
+    _check_same_tokenizer(folder / MANIFEST_FILE, manifest["tokenizer"]["sha256"], tokenizer)
+    log.info(
+        "dataset %s is complete and matches this config (hash %s): reusing it, nothing to do",
+        folder,
+        expected_hash,
+    )
+    return folder
+
+
+@contextmanager
+def one_writer(folder: Path, what: str = "dataset") -> Iterator[Lease]:
+    """Hold the lease of `folder` (a dataset being built) while this process writes it.
+
+    Two pods building one dataset (deployed twice, or a replacement while the old pod still runs) would
+    each delete the other's temp files and unlisted shards; the second exits 75 instead, as a second
+    training pod does. The lease is a sibling file, `.<name>.LEASE`: an SFT dataset is renamed into
+    place whole, and a dataset name never starts with a dot. A complete dataset is read without it.
+    """
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    lease = Lease(
+        folder.with_name(f".{folder.name}.LEASE"), DATASET_LEASE_TTL_S, what=f"{what} {folder.name}"
+    )
+    lease.acquire()
+    try:
+        yield lease
+    finally:
+        lease.release()
+
+
+def lease_lost(folder: Path) -> TemporaryError:
+    return TemporaryError(
+        f"another writer took over the lease of {folder} (this process could not renew it in time); "
+        "stopping without writing more: the pod that holds it goes on"
+    )
+
+
+def _tokenizer(config: DatagenConfig, volume: Volume) -> TokenizerInfo:
+    return prepare_tokenizer(
         config.tokenizer,
         volume.tokenizer(config.tokenizer_name),
         volume.root,
         itertools.islice(iter_documents(config.sources, volume.root), config.tokenizer.max_train_documents),
         [source.model_dump(mode="json") for source in config.sources],
     )
-    if manifest is not None:
-        _check_same_tokenizer(folder / MANIFEST_FILE, manifest["tokenizer"]["sha256"], tokenizer)
-        log.info(
-            "dataset %s is complete and matches this config (hash %s): reusing it, nothing to do",
-            folder,
-            expected_hash,
-        )
-        return folder
+
+
+def _build(
+    config: DatagenConfig,
+    volume: Volume,
+    folder: Path,
+    expected_hash: str,
+    watch: PreemptionWatch,
+    lease: Lease,
+) -> Path:
+    """Write (or finish) the shards, then the manifest: only under the dataset's lease."""
+    # Only a build checks the sources: a finished dataset stays usable after its source files are gone.
+    check_sources(config.sources, volume.root)
+    _refuse_empty_sources(config, volume)
+    if folder.is_dir() and not (folder / PROGRESS_FILE).is_file():
+        _refuse_files_of_others(folder)
+    tokenizer = _tokenizer(config, volume)
     folder.mkdir(parents=True, exist_ok=True)
     _remove_leftovers(folder)
     progress = _load_progress(folder, config, expected_hash, tokenizer)
     as_text = _special_tokens_as_text(folder)
-    documents_read = _write_shards(config, volume, folder, tokenizer, progress, expected_hash, as_text, watch)
+    documents_read = _write_shards(
+        config, volume, folder, tokenizer, progress, expected_hash, as_text, watch, lease
+    )
     manifest = _manifest(config, volume, tokenizer, progress, expected_hash, documents_read)
     write_json(folder / MANIFEST_FILE, manifest | {SPECIAL_TOKENS_AS_TEXT: as_text})
     total = sum(p.tokens for p in progress.values())
@@ -301,6 +357,7 @@ def _write_shards(
     expected_hash: str,
     special_tokens_as_text: bool,
     watch: PreemptionWatch,
+    lease: Lease | None = None,
 ) -> int:
     """Encode and commit every remaining shard; returns the number of documents read."""
 
@@ -344,6 +401,8 @@ def _write_shards(
                 encoded += len(batch.tokens)
                 if watch.requested:
                     raise stopped()
+                if lease is not None and lease.lost.is_set():
+                    raise lease_lost(folder)
         except BrokenProcessPool:
             if watch.requested:  # the SIGTERM reached the encoder workers too (tini -g signals the group)
                 raise stopped() from None

@@ -57,7 +57,7 @@ from typing import Any
 
 from trainpod.atomic import write_bytes, write_json, write_parts
 from trainpod.config.generate import GeneratorDatagenConfig, exact_ratio
-from trainpod.data.datagen import read_record, refuse_other_config
+from trainpod.data.datagen import one_writer, read_record, refuse_other_config
 from trainpod.errors import ConfigError, InputError, Preempted, TemporaryError
 from trainpod.preemption import PreemptionWatch
 from trainpod.volume import Volume
@@ -353,16 +353,24 @@ def run_generator(config: GeneratorDatagenConfig, volume: Volume, watch: Preempt
 
     Raises ConfigError (exit 2) when the generator cannot be imported, InputError (exit 2) when it
     raises or yields bad records, or the folder holds something else; Preempted (exit 143) when
-    `watch` saw SIGTERM (committed chunks stay); TemporaryError (exit 75) when a worker process died.
+    `watch` saw SIGTERM (committed chunks stay); TemporaryError (exit 75) when a worker process died or
+    another datagen is making the same dataset.
     """
     volume.check_writable()
     folder = volume.dataset(config.name)
     expected_hash = settings_hash(config)
-    if _is_complete(folder, expected_hash):
-        log.info(
-            "dataset %s is complete and matches this config (hash %s): reusing it", folder, expected_hash
-        )
-        return folder
+    if not _is_complete(folder, expected_hash):
+        with one_writer(folder, "generated dataset"):
+            # read again under the lease: the writer this one waited out may have finished meanwhile
+            if not _is_complete(folder, expected_hash):
+                return _generate(config, volume, watch, folder, expected_hash)
+    log.info("dataset %s is complete and matches this config (hash %s): reusing it", folder, expected_hash)
+    return folder
+
+
+def _generate(
+    config: GeneratorDatagenConfig, volume: Volume, watch: PreemptionWatch, folder: Path, expected_hash: str
+) -> Path:
     recorded = _recorded_generation(folder, expected_hash)
     _remove_leftovers(folder)
     plan = plan_chunks(config)

@@ -20,7 +20,9 @@ from pathlib import Path
 from safetensors.numpy import save
 
 from trainpod.atomic import json_bytes, publish_dir, temp_name, write_bytes
+from trainpod.checkpoint import Lease
 from trainpod.config.sft import SftDataConfig, SftDatagenConfig
+from trainpod.data.datagen import lease_lost, one_writer
 from trainpod.errors import InputError, Preempted
 from trainpod.preemption import PreemptionWatch
 from trainpod.sft.dataset import MANIFEST_FILE, MANIFEST_FORMAT, read_manifest, split_arrays
@@ -107,9 +109,24 @@ def prepare_sft(
     """
     tokenizer_dir, out_dir = Path(tokenizer_dir), Path(out_dir)
     key = sft_key(data, tokenizer_dir)
-    if _reusable(out_dir, key, data, volume_root):
-        log.info("SFT dataset %s is complete and matches (key %s): reusing it", out_dir, key)
-        return out_dir
+    if not _reusable(out_dir, key, data, volume_root):
+        with one_writer(out_dir, "SFT dataset") as lease:
+            # read again under the lease: the writer this one waited out may have finished meanwhile
+            if not _reusable(out_dir, key, data, volume_root):
+                return _build_and_publish(data, tokenizer_dir, out_dir, volume_root, key, watch, lease)
+    log.info("SFT dataset %s is complete and matches (key %s): reusing it", out_dir, key)
+    return out_dir
+
+
+def _build_and_publish(
+    data: SftDataConfig,
+    tokenizer_dir: Path,
+    out_dir: Path,
+    volume_root: Path,
+    key: str,
+    watch: PreemptionWatch | None,
+    lease: Lease,
+) -> Path:
     sources = [
         {"path": source.path, "format": source.format, "files": describe_files(source, volume_root)}
         for source in data.datasets
@@ -122,7 +139,7 @@ def prepare_sft(
     tmp = temp_name(out_dir)
     tmp.mkdir()
     try:
-        manifest = _build(data, tokenizer, template, volume_root, tmp, watch or PreemptionWatch())
+        manifest = _build(data, tokenizer, template, volume_root, tmp, watch or PreemptionWatch(), lease)
         manifest.update(key=key, sources=sources, tokenizer=_tokenizer_record(tokenizer, tokenizer_dir))
         write_bytes(tmp / MANIFEST_FILE, json_bytes(manifest))
         if out_dir.exists():
@@ -211,7 +228,9 @@ def _chunks(items: Iterator[Segments], size: int) -> Iterator[list[Segments]]:
         yield chunk
 
 
-def _build(data: SftDataConfig, tokenizer, template: Template, volume_root: Path, tmp: Path, watch) -> dict:
+def _build(
+    data: SftDataConfig, tokenizer, template: Template, volume_root: Path, tmp: Path, watch, lease: Lease
+) -> dict:
     encoder = SegmentEncoder(tokenizer, data.cutoff_len, data.overflow, data.train_on_prompt)
     splits: dict[str, list] = {"train": [], "val": []}
     rows = dropped = truncated = 0
@@ -220,6 +239,8 @@ def _build(data: SftDataConfig, tokenizer, template: Template, volume_root: Path
             raise Preempted(
                 f"SFT datagen stopped by {watch.signal_name} after {rows} rows; run it again to rebuild"
             )
+        if lease.lost.is_set():
+            raise lease_lost(tmp)
         for encoded in encoder.encode(chunk):
             split = "val" if data.val_ratio and is_validation(rows, data.val_ratio, data.seed) else "train"
             if encoded is None:

@@ -15,9 +15,15 @@ import pyarrow.parquet as pq
 import pytest
 from tokenizers import Tokenizer
 
-from trainpod.config.datagen import DatagenConfig
+from trainpod.config.datagen import SETTINGS_ADDED_LATER, DatagenConfig, SourceConfig, TokenizerSettings
 from trainpod.config.loader import load_config, validate_tree
-from trainpod.data.datagen import dataset_shards, is_validation, load_dataset_manifest, run_datagen
+from trainpod.data.datagen import (
+    dataset_shards,
+    is_validation,
+    load_dataset_manifest,
+    run_datagen,
+    settings_hash,
+)
 from trainpod.data.encoding import MAX_THREAD_ENCODERS, PARALLELISM_VARIABLE, BatchEncoder
 from trainpod.data.synthetic_corpus import stories
 from trainpod.errors import ConfigError, ExitCode, InputError
@@ -646,3 +652,50 @@ def test_a_dataset_begun_before_goes_on_encoding_special_token_text_as_it_began(
     tokenizer = Tokenizer.from_file(str(volume.tokenizer("stories") / "tokenizer.json"))
     assert np.array_equal(full_stream(folder), expected_stream(tokenizer, documents, None, 0.1))
     assert json.loads((folder / "manifest.json").read_text())["special_tokens_as_text"] is False
+
+
+def test_the_settings_hash_of_todays_settings_is_pinned():
+    # Every dataset made so far is recognised by this hash; a new setting that changes it makes every resume
+    # after an upgrade refuse a half-made dataset. Add the setting to SETTINGS_ADDED_LATER with its value of
+    # before (config/datagen.py), instead of changing this number.
+    assert settings_hash(make_config()) == "37e14cbededff287"
+
+
+class UpgradedTokenizer(TokenizerSettings):
+    byte_fallback: bool = False
+
+
+class UpgradedSource(SourceConfig):
+    strip_html: bool = False
+
+
+class UpgradedConfig(DatagenConfig):
+    """A later kit's config: one new setting per level, each with a value that changes nothing."""
+
+    tokenizer: UpgradedTokenizer = UpgradedTokenizer()
+    sources: list[UpgradedSource]
+    dedupe: str = "off"
+
+
+def test_a_half_made_dataset_resumes_after_an_upgrade_that_adds_settings_at_their_old_values(
+    volume, monkeypatch
+):
+    for path, before in {
+        ("tokenizer", "byte_fallback"): False,
+        ("sources", "*", "strip_html"): False,
+        ("dedupe",): "off",
+    }.items():
+        monkeypatch.setitem(SETTINGS_ADDED_LATER, path, before)
+    tree = make_config().model_dump(mode="json")
+    folder = run(make_config(), volume)
+    made = json.loads((folder / "manifest.json").read_text())
+    (folder / "manifest.json").unlink()  # killed before its manifest: progress.json and the tokenizer stay
+
+    upgraded = validate_tree(UpgradedConfig, tree)
+    assert run(upgraded, volume) == folder  # was exit 2: "made from a different config", delete the folder
+    resumed = json.loads((folder / "manifest.json").read_text())
+    assert resumed["splits"] == made["splits"] and resumed["config_hash"] == made["config_hash"]
+
+    changed = validate_tree(UpgradedConfig, {**tree, "dedupe": "exact"})
+    with pytest.raises(InputError, match="made from a different config"):
+        run(changed, volume)

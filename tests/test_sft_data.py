@@ -7,6 +7,7 @@ tokenizing the answers alone, never by calling trainpod's own masking code.
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import re
 import shutil
@@ -506,3 +507,12 @@ def test_missing_tokenizer_folder_is_named(tmp_path):
     volume = Volume(tmp_path)
     with pytest.raises(InputError, match="tokenizer folder .*tokenizers/tiny-stories-1k .* does not exist"):
         run_sft_datagen(config, volume, PreemptionWatch())
+
+
+def test_the_stored_settings_of_todays_config_are_pinned():
+    # They are hashed into every SFT dataset's key; a new setting that changes them makes the reuse of every
+    # dataset made before refused after an upgrade. Add the setting to SETTINGS_ADDED_LATER with its value of
+    # before (config/sft.py), instead of changing this number.
+    settings = data_config([{"path": "data.jsonl", "format": "alpaca"}], template="chatml").stored_settings()
+    canonical = json.dumps(settings, sort_keys=True, separators=(",", ":"))
+    assert hashlib.sha256(canonical.encode()).hexdigest()[:16] == "203f97ae52eb6b75"

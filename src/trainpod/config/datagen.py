@@ -9,12 +9,17 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from trainpod.config.loader import Section
+from trainpod.config.loader import Section, without_settings_added_later
 
 BUILTIN_TINY_STORIES = "builtin:tiny-stories"
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 # llm.c's header stores the token count as int32 (data_common.py asserts len(toks) < 2**31).
 MAX_SHARD_TOKENS = 2**31 - 1
+# Output settings added since the first datasets were made (trainpod 0.1.0), each with the value that
+# gives the output of before it existed (without_settings_added_later). A new field of DatagenConfig,
+# TokenizerSettings or SourceConfig that shards or the tokenizer depend on goes here; tests/test_datagen.py
+# pins the hash of today's settings so that one left out fails there.
+SETTINGS_ADDED_LATER: dict[tuple[str, ...], object] = {}
 
 
 class TokenizerSettings(Section):
@@ -147,5 +152,11 @@ class DatagenConfig(Section):
         return ("train", "val")
 
     def output_settings(self) -> dict:
-        """The settings the shards depend on (tuning knobs left out), hashed to recognise a dataset."""
-        return self.model_dump(mode="json", exclude={"kind", "workers", "batch_documents"})
+        """The settings the shards depend on (tuning knobs left out), hashed to recognise a dataset.
+
+        A setting added after datasets were first made (SETTINGS_ADDED_LATER) counts only when it is set to
+        something else than its value of before: a kit upgrade that adds one must leave the hash of a half-made
+        dataset (and its tokenizer's training record) as it was, or its resume is refused.
+        """
+        settings = self.model_dump(mode="json", exclude={"kind", "workers", "batch_documents"})
+        return without_settings_added_later(settings, SETTINGS_ADDED_LATER)

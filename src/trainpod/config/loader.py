@@ -26,6 +26,31 @@ class Section(BaseModel):
 ConfigT = TypeVar("ConfigT", bound=Section)
 
 
+def without_settings_added_later(settings: dict, added_later: dict[tuple[str, ...], object]) -> dict:
+    """`settings` (a model_dump) less each setting added later that holds its value of before.
+
+    What identifies a made dataset (its settings hash, its key) must not change when a kit upgrade only
+    adds a setting whose default gives the same output: a half-made dataset's resume, or a finished one's
+    reuse, would be refused. `added_later` maps the setting's path ("*" for every item of a list) to the
+    value that gives the output of before it existed; set to anything else, it counts.
+    """
+    for path, before in added_later.items():
+        _drop_where(settings, path, before)
+    return settings
+
+
+def _drop_where(tree: object, path: tuple[str, ...], value: object) -> None:
+    head, rest = path[0], path[1:]
+    if head == "*" and isinstance(tree, list):
+        for item in tree:
+            _drop_where(item, rest, value)
+    elif isinstance(tree, dict) and head in tree:
+        if rest:
+            _drop_where(tree[head], rest, value)
+        elif tree[head] == value:
+            del tree[head]
+
+
 def parse_overrides(text: str | None) -> list[str]:
     """Split TRAINPOD_SET ("a.b=1 c=x" or one per line; shell quoting allowed) into assignments."""
     if not text or not text.strip():

@@ -12,7 +12,11 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from trainpod.config.loader import Section
+from trainpod.config.loader import Section, without_settings_added_later
+
+# Settings added since the first SFT datasets, with their value of before (config/loader.py,
+# without_settings_added_later); tests/test_sft_data.py pins the key of today's settings.
+SETTINGS_ADDED_LATER: dict[tuple[str, ...], object] = {}
 
 BUILTIN_SFT_TINY = "builtin:sft-tiny"
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
@@ -172,7 +176,8 @@ class SftDataConfig(Section):
 
     def stored_settings(self) -> dict:
         """The settings the stored token ids depend on (packing happens at batch time, so it is not one)."""
-        return self.model_dump(mode="json", exclude={"packing"})
+        settings = self.model_dump(mode="json", exclude={"packing"})
+        return without_settings_added_later(settings, SETTINGS_ADDED_LATER)
 
 
 class SftDatagenConfig(Section):

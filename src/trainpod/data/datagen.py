@@ -126,7 +126,7 @@ def _tokenizer(config: DatagenConfig, volume: Volume) -> TokenizerInfo:
         volume.tokenizer(config.tokenizer_name),
         volume.root,
         itertools.islice(iter_documents(config.sources, volume.root), config.tokenizer.max_train_documents),
-        [source.model_dump(mode="json") for source in config.sources],
+        config.output_settings(),
     )
 
 

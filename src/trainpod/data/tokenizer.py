@@ -152,17 +152,20 @@ def prepare_tokenizer(
     target: Path,
     volume_root: Path,
     training_documents: Iterable[str],
-    sources_settings: list[dict],
+    output_settings: dict,
 ) -> TokenizerInfo:
-    """Reuse `settings.path`, or the folder at `target` when it was trained the same way; else train it."""
+    """Reuse `settings.path`, or the folder at `target` when it was trained the same way; else train it.
+
+    `output_settings` is the dataset config's (DatagenConfig.output_settings): its tokenizer settings
+    and sources are what a tokenizer trained here records and is recognised by."""
     if settings.path is not None:
         folder = Path(settings.path).expanduser()
         folder = folder if folder.is_absolute() else volume_root / folder
         log.info("using the existing tokenizer %s (tokenizer.path)", folder)
         return describe_tokenizer(folder, settings.eot_token)
     record = {
-        "settings": settings.model_dump(mode="json", exclude={"name", "path"}),
-        "sources": sources_settings,
+        "settings": {k: v for k, v in output_settings["tokenizer"].items() if k not in ("name", "path")},
+        "sources": output_settings["sources"],
     }
     if target.exists():
         _check_same_training(target, record)

@@ -17,6 +17,7 @@ from tokenizers import Tokenizer
 
 from trainpod.config.datagen import SETTINGS_ADDED_LATER, DatagenConfig, SourceConfig, TokenizerSettings
 from trainpod.config.loader import load_config, validate_tree
+from trainpod.data import sources
 from trainpod.data.datagen import (
     dataset_shards,
     is_validation,
@@ -699,3 +700,54 @@ def test_a_half_made_dataset_resumes_after_an_upgrade_that_adds_settings_at_thei
     changed = validate_tree(UpgradedConfig, {**tree, "dedupe": "exact"})
     with pytest.raises(InputError, match="made from a different config"):
         run(changed, volume)
+
+
+def blank_line_documents(path: Path) -> list[str]:
+    return list(sources._text_documents(path, "blank_line"))
+
+
+def test_blank_line_documents_are_the_same_whatever_the_read_blocks_cut(tmp_path, monkeypatch):
+    # The documents of one split of the whole text (what every dataset so far was made from), with blocks
+    # cutting separators, CRLFs and runs of blank lines at every place.
+    rng = np.random.default_rng(5)
+    path = tmp_path / "t.txt"
+    for _ in range(200):
+        text = "".join(
+            rng.choice(["a", "b", "\n", "\n", " ", "\t", "\r\n", "\r"], size=int(rng.integers(0, 60)))
+        )
+        path.write_bytes(text.encode())
+        whole = sources.BLANK_LINE.split(path.read_text(encoding="utf-8"))
+        for block in (1, 2, 3, 5, 8):
+            monkeypatch.setattr(sources, "READ_BLOCK_CHARS", block)
+            assert blank_line_documents(path) == whole, (repr(text), block)
+
+
+class CountingScans:
+    """BLANK_LINE that adds up the characters the splitter scans."""
+
+    def __init__(self, pattern: re.Pattern):
+        self.pattern = pattern
+        self.scanned = 0
+
+    def split(self, text: str) -> list[str]:
+        self.scanned += len(text)
+        return self.pattern.split(text)
+
+
+def test_blank_line_reading_holds_one_block_and_one_document_and_scans_each_block_once(tmp_path, monkeypatch):
+    # A long stretch without a blank line (a one-line-per-sentence file left at the default separator) was
+    # scanned again with every block: quadratic, and held twice (rest + block) while it grew.
+    path = tmp_path / "t.txt"
+    long_document = "".join(f"sentence {i}.\n" for i in range(5000))  # ~70 000 characters, 700 blocks
+    path.write_text("short one\n\n" + long_document + "\nlast one\n")
+    expected = sources.BLANK_LINE.split(path.read_text())
+    monkeypatch.setattr(sources, "READ_BLOCK_CHARS", 100)
+    counting = CountingScans(sources.BLANK_LINE)
+    monkeypatch.setattr(sources, "BLANK_LINE", counting)
+    documents = sources._text_documents(path, "blank_line")
+    assert next(documents) == "short one"
+    assert counting.scanned <= 200, "the first document comes after at most two blocks, not the whole file"
+    assert [next(documents), *documents] == expected[1:] == [long_document[:-1], "last one\n"]
+    assert counting.scanned <= path.stat().st_size * 1.1, (
+        "each block is scanned once (the text since the last blank line is not scanned again)"
+    )

@@ -93,12 +93,30 @@ def _text_documents(path: Path, separator: str) -> Iterator[str]:
         elif separator == "line":
             yield from f
         else:
-            rest = ""
-            while block := f.read(READ_BLOCK_CHARS):
-                parts = BLANK_LINE.split(rest + block)
-                rest = parts.pop()  # may continue in the next block
-                yield from parts
-            yield rest
+            yield from _blank_line_documents(f)
+
+
+def _blank_line_documents(f: io.TextIOBase) -> Iterator[str]:
+    """BLANK_LINE.split of the whole text, read in blocks: one block and the document in progress are held,
+    and each block is scanned once. Scanning the document in progress again with every block made a long one
+    quadratic (a 20 GB file of single lines at the default separator never finished)."""
+    pieces: list[str] = []  # the document in progress, less `tail`
+    tail = ""  # its end, when a separator can begin there and end in the next block: "\n" then [ \t\r]*
+    while block := f.read(READ_BLOCK_CHARS):
+        parts = BLANK_LINE.split(tail + block)
+        if len(parts) > 1:
+            pieces.append(parts[0])
+            yield "".join(pieces)
+            yield from parts[1:-1]
+            pieces = []
+        rest = parts[-1]
+        # Nothing before the last "\n" of `rest` can begin a separator (it would have matched in `rest`).
+        start = rest.rfind("\n")
+        cut = start if start >= 0 and not rest[start + 1 :].strip(" \t\r") else len(rest)
+        pieces.append(rest[:cut])
+        tail = rest[cut:]
+    pieces.append(tail)
+    yield "".join(pieces)
 
 
 def _jsonl_documents(path: Path, field: str) -> Iterator[str]:

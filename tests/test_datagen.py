@@ -751,3 +751,20 @@ def test_blank_line_reading_holds_one_block_and_one_document_and_scans_each_bloc
     assert counting.scanned <= path.stat().st_size * 1.1, (
         "each block is scanned once (the text since the last blank line is not scanned again)"
     )
+
+
+def test_a_file_without_blank_lines_at_the_blank_line_separator_is_exit_2_before_memory_runs_out(
+    volume, monkeypatch
+):
+    # A 20 GB file of single lines at the default separator is one 20 GB document: it was held whole until
+    # the OOM killer ended the pod (a crash, retried), after hours of reading.
+    monkeypatch.setattr(sources, "READ_BLOCK_CHARS", 100)
+    monkeypatch.setattr(sources, "MAX_DOCUMENT_CHARS", 5000)
+    (volume.root / "corpus" / "lines.txt").write_text("".join(f"sentence {i}.\n" for i in range(1000)))
+    with pytest.raises(InputError, match=r"source file \S+/lines.txt: a document runs past 5,000") as caught:
+        run(make_config(sources=[{"path": "corpus/lines.txt"}]), volume)
+    assert "sources[].separator: line" in str(caught.value)
+    assert caught.value.exit_code == ExitCode.BAD_INPUT
+    assert not any((volume.root / "datasets").iterdir()), "nothing written, the lease released"
+    folder = run(make_config(sources=[{"path": "corpus/lines.txt", "separator": "line"}]), volume)
+    assert load_dataset_manifest(folder)["documents"] == 1000

@@ -31,6 +31,9 @@ SUFFIX_FORMATS = {
 }
 BLANK_LINE = re.compile(r"\n[ \t\r]*\n")
 READ_BLOCK_CHARS = 4 << 20  # text files are split in 4 Mi-character blocks: memory stays flat
+# A document is held whole to be encoded; one this long split on blank lines is a file without any (one
+# sentence per line, at the default separator), which would be held whole until the pod runs out of memory.
+MAX_DOCUMENT_CHARS = 1 << 30
 PARQUET_BATCH_ROWS = 1024
 
 
@@ -93,14 +96,15 @@ def _text_documents(path: Path, separator: str) -> Iterator[str]:
         elif separator == "line":
             yield from f
         else:
-            yield from _blank_line_documents(f)
+            yield from _blank_line_documents(f, path)
 
 
-def _blank_line_documents(f: io.TextIOBase) -> Iterator[str]:
+def _blank_line_documents(f: io.TextIOBase, path: Path) -> Iterator[str]:
     """BLANK_LINE.split of the whole text, read in blocks: one block and the document in progress are held,
     and each block is scanned once. Scanning the document in progress again with every block made a long one
     quadratic (a 20 GB file of single lines at the default separator never finished)."""
     pieces: list[str] = []  # the document in progress, less `tail`
+    held = 0  # characters in `pieces`
     tail = ""  # its end, when a separator can begin there and end in the next block: "\n" then [ \t\r]*
     while block := f.read(READ_BLOCK_CHARS):
         parts = BLANK_LINE.split(tail + block)
@@ -108,13 +112,20 @@ def _blank_line_documents(f: io.TextIOBase) -> Iterator[str]:
             pieces.append(parts[0])
             yield "".join(pieces)
             yield from parts[1:-1]
-            pieces = []
+            pieces, held = [], 0
         rest = parts[-1]
         # Nothing before the last "\n" of `rest` can begin a separator (it would have matched in `rest`).
         start = rest.rfind("\n")
         cut = start if start >= 0 and not rest[start + 1 :].strip(" \t\r") else len(rest)
         pieces.append(rest[:cut])
+        held += cut
         tail = rest[cut:]
+        if held > MAX_DOCUMENT_CHARS:
+            raise InputError(
+                f"source file {path}: a document runs past {MAX_DOCUMENT_CHARS:,} characters without a blank line "
+                "ending it (sources[].separator: blank_line, the default); if the file holds one document per "
+                "line, set sources[].separator: line"
+            )
     pieces.append(tail)
     yield "".join(pieces)
 

@@ -768,3 +768,28 @@ def test_a_file_without_blank_lines_at_the_blank_line_separator_is_exit_2_before
     assert not any((volume.root / "datasets").iterdir()), "nothing written, the lease released"
     folder = run(make_config(sources=[{"path": "corpus/lines.txt", "separator": "line"}]), volume)
     assert load_dataset_manifest(folder)["documents"] == 1000
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        (lambda m: [m], "does not describe a complete"),
+        (
+            lambda m: {k: v for k, v in m.items() if k != "splits"},
+            "is damaged (a field missing or malformed: KeyError",
+        ),
+        (lambda m: {**m, "tokenizer": None}, "is damaged (a field missing or malformed: TypeError"),
+        (
+            lambda m: {**m, "splits": {"train": {"shards": [{"file": "train_000000.bin"}]}}},
+            "is damaged (a field missing or malformed: KeyError: 'bytes'",
+        ),
+    ],
+)
+def test_a_dataset_manifest_cut_or_edited_by_hand_is_exit_2_for_its_readers(volume, change, words):
+    # pretrain, convert and push read it: a list or a missing key was an AttributeError or KeyError (exit 1).
+    folder = run(make_config(), volume)
+    path = folder / "manifest.json"
+    path.write_text(json.dumps(change(json.loads(path.read_text()))))
+    with pytest.raises(InputError, match=re.escape(f"{path} {words}")) as caught:
+        load_dataset_manifest(folder)
+    assert caught.value.exit_code == ExitCode.BAD_INPUT and "trainpod run datagen" in str(caught.value)

@@ -497,14 +497,25 @@ def load_dataset_manifest(dataset_dir: Path) -> dict:
         data = read_json(path)
     except (OSError, ValueError) as exc:
         raise InputError(f"{path} is unreadable ({exc}); delete {dataset_dir} and {make_it}") from None
-    if not data.get("complete") or data.get("format") != MANIFEST_FORMAT:
+    if not isinstance(data, dict) or not data.get("complete") or data.get("format") != MANIFEST_FORMAT:
         raise InputError(f"{path} does not describe a complete {MANIFEST_FORMAT} dataset; {make_it}")
-    for recorded in data["splits"].values():
-        for shard in recorded["shards"]:
-            shard_path = dataset_dir / shard["file"]
-            if not shard_path.is_file() or shard_path.stat().st_size != shard["bytes"]:
-                raise InputError(
-                    f"{shard_path} is listed in {path} but is missing or has another size; "
-                    f"delete {dataset_dir} and {make_it}"
-                )
+    try:  # what pretrain and convert read from it: a manifest cut or edited by hand crashed them (exit 1)
+        int(data["tokenizer"]["vocab_size"])
+        listed = [
+            (shard["file"], int(shard["bytes"]))
+            for split in data["splits"].values()
+            for shard in split["shards"]
+        ]
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise InputError(
+            f"{path} is damaged (a field missing or malformed: {type(exc).__name__}: {exc}); "
+            f"delete {dataset_dir} and {make_it}"
+        ) from None
+    for file, size in listed:
+        shard_path = dataset_dir / file
+        if not shard_path.is_file() or shard_path.stat().st_size != size:
+            raise InputError(
+                f"{shard_path} is listed in {path} but is missing or has another size; "
+                f"delete {dataset_dir} and {make_it}"
+            )
     return data

@@ -328,6 +328,34 @@ def test_a_duplicate_pod_that_finds_the_run_leased_by_a_live_pod_stops_itself_un
     assert not (run.root / STARTS_FILE).exists() and not (run.root / FAILED_MARKER).exists()
 
 
+def test_a_duplicate_datagen_pod_that_finds_its_dataset_being_built_stops_itself_uncounted(
+    fake, pod, tmp_path, monkeypatch, capsys
+):
+    # Its 75 came from the dataset's lease, not the run's: it was counted in starts-datagen.json, which the
+    # pod building the dataset shares (one per name), so that pod's first hiccup later could stop it.
+    monkeypatch.setenv("RUNPOD_POD_ID", "the-pod-that-builds")
+    (tmp_path / "datasets").mkdir()
+    building = Lease(tmp_path / "datasets" / ".tiny-stories.LEASE", ttl_seconds=2)  # renewed every 0.5 s
+    building.acquire()
+    try:
+        environ = {
+            **pod_env(fake, pod),
+            "TRAINPOD_VOLUME": str(tmp_path),
+            "TRAINPOD_WORKLOAD": "datagen",
+            "TRAINPOD_CONFIG": str(TINY_DATAGEN),
+        }
+        assert boot_module.boot(environ) == 75
+    finally:
+        building.release()
+    output = capsys.readouterr().out
+    assert "dataset tiny-stories is leased by another writer" in output
+    assert "pod the-pod-that-builds holds" in output and "this pod is a duplicate" in output
+    assert fake.pods[pod["id"]]["desiredStatus"] == "EXITED", (
+        "a duplicate restarted over and over bills a pod"
+    )
+    assert not (tmp_path / "runs" / "tiny-stories" / "starts-datagen.json").exists()
+
+
 def test_a_75_is_counted_when_the_lease_left_is_this_pods_own_or_expires_unrenewed(fake, pod, run):
     env = pod_env(fake, pod)
     lease = {"owner": {"pod_id": pod["id"]}, "heartbeat_unix": time.time(), "expires_unix": time.time() + 60}

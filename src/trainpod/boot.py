@@ -27,6 +27,7 @@ import shutil
 from pathlib import Path
 
 from trainpod import cost, workloads
+from trainpod.checkpoint.lease import sibling_lease
 from trainpod.errors import ConfigError, ExitCode, InputError, TrainpodError, VolumeFull
 from trainpod.log import attach_log_file, setup_logging
 from trainpod.preemption import exit_now_when_preempted
@@ -34,7 +35,7 @@ from trainpod.runpod.finish import after_workload, begin_start
 from trainpod.runpod.finish import check_environment as check_finish_environment
 from trainpod.sshd import start_sshd
 from trainpod.volume import RunDir, Volume, check_run_name, is_run_name
-from trainpod.workloads import Workload
+from trainpod.workloads import Kind, Workload
 
 log = logging.getLogger("trainpod.boot")
 
@@ -85,10 +86,24 @@ def boot(environ: dict[str, str] | None = None) -> int:
         _remove_unstarted(new_run)  # bad input leaves the volume as it was: no run folder, so no FAILED
     known = workloads.REGISTRY.get(workload_name)  # unknown: boot failed before naming it
     owns_run = known is None or known.kind.owns_run_folder
-    code = after_workload(code, _run_dir(volume, config, environ), environ, workload_name, owns_run=owns_run)
+    code = after_workload(
+        code,
+        _run_dir(volume, config, environ),
+        environ,
+        workload_name,
+        owns_run=owns_run,
+        lease=_dataset_lease(volume, config) if known is not None and known.kind is Kind.DATA else None,
+    )
     if environ is os.environ:  # the pod's own boot, not a test's call with its own environment
         exit_now_when_preempted(code)
     return code
+
+
+def _dataset_lease(volume: Volume, config) -> Path | None:
+    """The lease a datagen holds while it builds its dataset (data/datagen.one_writer): a duplicate datagen
+    pod's exit 75 came from it, not from the run's."""
+    name = getattr(config, "name", None)
+    return sibling_lease(volume.dataset(name)) if name else None
 
 
 def _remove_unstarted(run: RunDir) -> None:

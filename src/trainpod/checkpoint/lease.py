@@ -35,6 +35,12 @@ RENEWAL_POLL_S = 1.0
 TAKEOVER_SETTLE_S = 2 * RENEWAL_POLL_S
 
 
+def sibling_lease(folder: Path) -> Path:
+    """The lease of a folder written by one process at a time that is not a run (a dataset being built):
+    `.<name>.LEASE` beside it, so that the folder itself can be renamed into place whole."""
+    return Path(folder).with_name(f".{Path(folder).name}.LEASE")
+
+
 def read_lease(path: Path) -> dict[str, Any] | None:
     try:
         held = json.loads(Path(path).read_text(encoding="utf-8"))

@@ -27,6 +27,7 @@ import numpy as np
 
 from trainpod.atomic import read_json, write_json
 from trainpod.checkpoint import Lease
+from trainpod.checkpoint.lease import sibling_lease
 from trainpod.config.datagen import DatagenConfig
 from trainpod.data.encoding import BatchEncoder
 from trainpod.data.shards import HEADER_BYTES, shard_header, token_dtype
@@ -103,9 +104,7 @@ def one_writer(folder: Path, what: str = "dataset") -> Iterator[Lease]:
     place whole, and a dataset name never starts with a dot. A complete dataset is read without it.
     """
     folder.parent.mkdir(parents=True, exist_ok=True)
-    lease = Lease(
-        folder.with_name(f".{folder.name}.LEASE"), DATASET_LEASE_TTL_S, what=f"{what} {folder.name}"
-    )
+    lease = Lease(sibling_lease(folder), DATASET_LEASE_TTL_S, what=f"{what} {folder.name}")
     lease.acquire()
     try:
         yield lease

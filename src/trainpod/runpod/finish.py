@@ -8,7 +8,7 @@ RunPod starts a pod's container again whenever it exits, so the exit code alone 
 | 143 | SIGTERM (spot interruption) | count reset: the start itself worked; RunPod stops the pod |
 | 2, 3, 5 | bad input, budget spent, volume full | FAILED marker (when the run folder exists) and the pod stopped at once |
 | 4 | this machine cannot run the image (trainpod.host) | MACHINE_UNFIT marker naming this pod, not counted as a failed start; the pod stopped: the supervisor replaces it with a new pod on another machine |
-| 75 while another pod holds the run's LEASE and renews it | this pod is a duplicate (two deploys, a replacement racing the original) | not counted, no marker: this pod stopped, the one training goes on |
+| 75 while another pod holds the run's LEASE (a datagen's: its dataset's) and renews it | this pod is a duplicate (two deploys, a replacement racing the original) | not counted, no marker: this pod stopped, the one training goes on |
 | other (75, 1, ...) | temporary failure or crash | counted in runs/<run>/starts.json; at TRAINPOD_MAX_FAILED_STARTS in a row (default 3): FAILED marker, pod stopped; before the run is known (no TRAINPOD_RUN, the config not loaded yet) counted per pod in cache/starts/<pod id>.json, and the pod stopped at the same bound, with no marker |
 | none: boot itself was killed | a segfault, the OOM killer, SIGKILL | found at the next start (`begin_start`): counted as exit 137 when no checkpoint was committed during it |
 
@@ -101,9 +101,11 @@ def after_workload(
     workload: str,
     client_factory: Callable[[dict[str, str]], RunPodClient] = RunPodClient.from_env,
     owns_run: bool = True,
+    lease: Path | None = None,
 ) -> int:
     """Count, mark and stop the pod as the table above says; returns `code` unchanged. `owns_run`: the
     workload's outcome is the run's (workloads.Kind.owns_run_folder), not a datagen's or a convert's.
+    `lease`: the one a duplicate of this pod runs into, when not the run's (a datagen's dataset lease).
 
     On an Instant Cluster only node 0 (NODE_RANK 0, which holds global rank 0) acts for the run;
     the other nodes return their code and leave markers, counters and pods alone (but for exit 4).
@@ -117,7 +119,7 @@ def after_workload(
         return code
     try:
         _end_start(run)
-        action = _decide(code, run, environ, workload, owns_run)
+        action = _decide(code, run, environ, workload, owns_run, lease)
     except (ConfigError, OSError) as exc:  # a bad setting or an unwritable volume must not hide `code`
         log.warning("after exit %d: %s; the pod is left as it is", code, exc)
         return code
@@ -197,7 +199,12 @@ def _act(
 
 
 def _decide(
-    code: int, run: RunDir | None, environ: dict[str, str], workload: str, owns_run: bool = True
+    code: int,
+    run: RunDir | None,
+    environ: dict[str, str],
+    workload: str,
+    owns_run: bool = True,
+    lease: Path | None = None,
 ) -> str:
     """What to do with this pod: stop, terminate, idle (leave it) or restart (let RunPod start it again)."""
     if workload == "supervise":
@@ -220,13 +227,14 @@ def _decide(
         return "stop"
     if run is None:
         return _failure_before_the_run(code, environ)
-    holder = _live_holder_elsewhere(run, environ) if code == ExitCode.TEMPORARY else None
+    holder = _live_holder_elsewhere(lease or run.lease, environ) if code == ExitCode.TEMPORARY else None
     if holder is not None:
-        # Counting it would FAIL the run after three starts, and a supervisor then stops the pod that trains.
+        # Counting it would FAIL the run after three starts, and a supervisor then stops the pod that trains;
+        # a datagen duplicate's count would be the building pod's too (one starts-datagen.json per name).
         log.warning(
-            "pod %s holds this run's lease and is training it: this pod is a duplicate; stopping it "
-            "(not counted as a failed start)",
+            "pod %s holds %s: this pod is a duplicate; stopping it (not counted as a failed start)",
             holder,
+            "this run's lease and is training it" if lease is None else f"{lease} and is writing it",
         )
         return "stop"
     failures = _count_failure(run.root / starts_file, code)
@@ -241,18 +249,18 @@ def _decide(
     return "stop"
 
 
-def _live_holder_elsewhere(run: RunDir, environ: dict[str, str]) -> str | None:
-    """The pod id in the run's LEASE when another pod holds it and renews it, else None.
+def _live_holder_elsewhere(lease: Path, environ: dict[str, str]) -> str | None:
+    """The pod id in `lease` (the run's LEASE, a dataset's) when another pod holds it and renews it, else None.
 
     This start has ended and released any lease of its own, so a lease left is another writer's; one
     that expires unrenewed was a pod killed before it could release it (waited for: at most one TTL).
     """
-    held = read_lease(run.lease)
+    held = read_lease(lease)
     owner = held.get("owner") if held else None
     holder = owner.get("pod_id") if isinstance(owner, dict) else None
     if not holder or holder == environ.get("RUNPOD_POD_ID"):
         return None
-    return holder if renewed_by_its_holder(run.lease, held) else None
+    return holder if renewed_by_its_holder(lease, held) else None
 
 
 def _machine_unfit(run: RunDir | None, environ: dict[str, str]) -> str:

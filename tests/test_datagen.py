@@ -15,6 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 from tokenizers import Tokenizer
 
+from trainpod.checkpoint import Lease
 from trainpod.config.datagen import SETTINGS_ADDED_LATER, DatagenConfig, SourceConfig, TokenizerSettings
 from trainpod.config.loader import load_config, validate_tree
 from trainpod.data import sources
@@ -27,7 +28,7 @@ from trainpod.data.datagen import (
 )
 from trainpod.data.encoding import MAX_THREAD_ENCODERS, PARALLELISM_VARIABLE, BatchEncoder
 from trainpod.data.synthetic_corpus import stories
-from trainpod.errors import ConfigError, ExitCode, InputError
+from trainpod.errors import ConfigError, ExitCode, InputError, TemporaryError
 from trainpod.preemption import PreemptionWatch
 from trainpod.volume import Volume
 
@@ -793,3 +794,29 @@ def test_a_dataset_manifest_cut_or_edited_by_hand_is_exit_2_for_its_readers(volu
     with pytest.raises(InputError, match=re.escape(f"{path} {words}")) as caught:
         load_dataset_manifest(folder)
     assert caught.value.exit_code == ExitCode.BAD_INPUT and "trainpod run datagen" in str(caught.value)
+
+
+def test_a_tokenizer_another_writer_is_training_is_left_to_it_then_reused(volume):
+    # Two datasets naming one tokenizer on two pods at once removed each other's temp folder, and the second
+    # rename onto the first's folder crashed (exit 1). The second exits 75 now, and reuses it afterwards.
+    (volume.root / "tokenizers").mkdir()
+    training = Lease(volume.root / "tokenizers" / ".shared.LEASE", ttl_seconds=600)  # another live writer's
+    training.acquire()
+    try:
+        with pytest.raises(TemporaryError, match="tokenizer shared is leased by another writer") as caught:
+            run(make_config(name="first", tokenizer={"name": "shared", "vocab_size": 400}), volume)
+        assert caught.value.exit_code == ExitCode.TEMPORARY
+        assert sorted(p.name for p in (volume.root / "tokenizers").iterdir()) == [".shared.LEASE"]
+    finally:
+        training.release()
+    run(make_config(name="first", tokenizer={"name": "shared", "vocab_size": 400}), volume)
+    made = (volume.tokenizer("shared") / "tokenizer.json").read_bytes()
+    training.acquire()
+    try:  # a trained tokenizer is reused without its lease
+        run(
+            make_config(name="second", tokenizer={"name": "shared", "vocab_size": 400}, shard_tokens=5000),
+            volume,
+        )
+    finally:
+        training.release()
+    assert (volume.tokenizer("shared") / "tokenizer.json").read_bytes() == made

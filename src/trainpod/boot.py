@@ -100,7 +100,7 @@ def boot(environ: dict[str, str] | None = None) -> int:
 
 
 def _dataset_lease(volume: Volume, config) -> Path | None:
-    """The lease a datagen holds while it builds its dataset (data/datagen.one_writer): a duplicate datagen
+    """The lease a datagen holds while it builds its dataset (checkpoint/lease.one_writer): a duplicate datagen
     pod's exit 75 came from it, not from the run's."""
     name = getattr(config, "name", None)
     return sibling_lease(volume.dataset(name)) if name else None

@@ -18,6 +18,8 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -33,12 +35,34 @@ RENEWAL_POLL_S = 1.0
 # expire write theirs within a poll of each other, and the one whose write came first must find out
 # before it writes a checkpoint (the file holds the last write; a heartbeat would notice only TTL/4 later).
 TAKEOVER_SETTLE_S = 2 * RENEWAL_POLL_S
+# As a training run's: a replacement pod on another machine waits at most this long for a killed one's.
+FOLDER_LEASE_TTL_S = 90.0
 
 
 def sibling_lease(folder: Path) -> Path:
     """The lease of a folder written by one process at a time that is not a run (a dataset being built):
     `.<name>.LEASE` beside it, so that the folder itself can be renamed into place whole."""
     return Path(folder).with_name(f".{Path(folder).name}.LEASE")
+
+
+@contextmanager
+def one_writer(folder: Path, what: str) -> Iterator[Lease]:
+    """Hold the lease of `folder` (a dataset or tokenizer being made, `what` names it) while this process
+    writes it.
+
+    Two pods making one dataset (deployed twice, or a replacement while the old pod still runs) would each
+    delete the other's temp files and unlisted shards; the second exits 75 instead, as a second training
+    pod does. The lease is a sibling file (sibling_lease); a dataset or tokenizer name never starts with a
+    dot. A complete folder is read without it, by any number of pods at once.
+    """
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    lease = Lease(sibling_lease(folder), FOLDER_LEASE_TTL_S, what=f"{what} {folder.name}")
+    lease.acquire()
+    try:
+        yield lease
+    finally:
+        lease.release()
 
 
 def read_lease(path: Path) -> dict[str, Any] | None:

@@ -6,7 +6,7 @@ Output in $TRAINPOD_VOLUME/datasets/<name>/: `train_000000.bin ...`, `val_000000
 format, see shards.py), `progress.json` (updated after every committed shard) and, last,
 `manifest.json`. Killed at any moment and started again, it continues from progress.json and the
 shards come out byte-identical to an uninterrupted run; a complete dataset is reused as it is.
-One datagen writes a dataset at a time: it holds `datasets/.<name>.LEASE` while it builds (`one_writer`).
+One datagen writes a dataset at a time: it holds `datasets/.<name>.LEASE` while it builds (checkpoint/lease.one_writer).
 """
 
 from __future__ import annotations
@@ -20,14 +20,13 @@ import re
 import time
 from collections.abc import Iterator
 from concurrent.futures.process import BrokenProcessPool
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 
 from trainpod.atomic import read_json, write_json
 from trainpod.checkpoint import Lease
-from trainpod.checkpoint.lease import sibling_lease
+from trainpod.checkpoint.lease import one_writer
 from trainpod.config.datagen import DatagenConfig
 from trainpod.data.encoding import BatchEncoder
 from trainpod.data.shards import HEADER_BYTES, shard_header, token_dtype
@@ -49,8 +48,6 @@ SHARD_NAME = re.compile(r"^(train|val)_\d{6}\.bin$")  # as SplitWriter names its
 # gigabytes in flight (1000 fineweb documents are ~4 MB).
 MAX_BATCH_CHARACTERS = 8_000_000
 _MASK64 = (1 << 64) - 1
-# As a training run's: a replacement pod on another machine waits at most this long for a killed one's.
-DATASET_LEASE_TTL_S = 90.0
 
 
 def settings_hash(config: DatagenConfig) -> str:
@@ -79,7 +76,7 @@ def run_datagen(config: DatagenConfig, volume: Volume, watch: PreemptionWatch) -
     expected_hash = settings_hash(config)
     manifest = _existing_manifest(folder, expected_hash)
     if manifest is None:
-        with one_writer(folder) as lease:
+        with one_writer(folder, "dataset") as lease:
             # read again under the lease: the writer this one waited out may have finished meanwhile
             manifest = _existing_manifest(folder, expected_hash)
             if manifest is None:
@@ -92,24 +89,6 @@ def run_datagen(config: DatagenConfig, volume: Volume, watch: PreemptionWatch) -
         expected_hash,
     )
     return folder
-
-
-@contextmanager
-def one_writer(folder: Path, what: str = "dataset") -> Iterator[Lease]:
-    """Hold the lease of `folder` (a dataset being built) while this process writes it.
-
-    Two pods building one dataset (deployed twice, or a replacement while the old pod still runs) would
-    each delete the other's temp files and unlisted shards; the second exits 75 instead, as a second
-    training pod does. The lease is a sibling file, `.<name>.LEASE`: an SFT dataset is renamed into
-    place whole, and a dataset name never starts with a dot. A complete dataset is read without it.
-    """
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    lease = Lease(sibling_lease(folder), DATASET_LEASE_TTL_S, what=f"{what} {folder.name}")
-    lease.acquire()
-    try:
-        yield lease
-    finally:
-        lease.release()
 
 
 def lease_lost(folder: Path) -> TemporaryError:

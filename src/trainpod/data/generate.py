@@ -56,8 +56,9 @@ from pathlib import Path
 from typing import Any
 
 from trainpod.atomic import write_bytes, write_json, write_parts
+from trainpod.checkpoint.lease import one_writer
 from trainpod.config.generate import GeneratorDatagenConfig, exact_ratio
-from trainpod.data.datagen import one_writer, read_record, refuse_other_config
+from trainpod.data.datagen import read_record, refuse_other_config
 from trainpod.errors import ConfigError, InputError, Preempted, TemporaryError
 from trainpod.preemption import PreemptionWatch
 from trainpod.volume import Volume

@@ -19,6 +19,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from trainpod.atomic import publish_dir, read_json, temp_name, write_json
+from trainpod.checkpoint.lease import one_writer
 from trainpod.config.datagen import TokenizerSettings
 from trainpod.errors import InputError
 
@@ -167,10 +168,20 @@ def prepare_tokenizer(
         "settings": {k: v for k, v in output_settings["tokenizer"].items() if k not in ("name", "path")},
         "sources": output_settings["sources"],
     }
-    if target.exists():
-        _check_same_training(target, record)
-        log.info("reusing tokenizer %s: trained earlier with the same settings", target)
-        return describe_tokenizer(target, settings.eot_token, target.name)
+    if not target.exists():
+        # Two datasets naming one tokenizer, made at once on two pods, removed each other's temp folder and
+        # the second rename hit the first's folder (a crash): one trains it, the other exits 75 and reuses it.
+        with one_writer(target, "tokenizer"):
+            if not target.exists():  # read again under the lease: the writer waited out may have made it
+                return _train(settings, target, training_documents, record)
+    _check_same_training(target, record)
+    log.info("reusing tokenizer %s: trained earlier with the same settings", target)
+    return describe_tokenizer(target, settings.eot_token, target.name)
+
+
+def _train(
+    settings: TokenizerSettings, target: Path, training_documents: Iterable[str], record: dict
+) -> TokenizerInfo:
     for leftover in target.parent.glob(f"{target.name}.tmp-*"):
         shutil.rmtree(leftover, ignore_errors=True)
     log.info(
@@ -178,7 +189,6 @@ def prepare_tokenizer(
         settings.vocab_size,
         settings.max_train_documents,
     )
-    target.parent.mkdir(parents=True, exist_ok=True)
     save_tokenizer_folder(train_bpe(training_documents, settings), target, record, settings.eot_token)
     info = describe_tokenizer(target, settings.eot_token, target.name)
     log.info("tokenizer saved to %s (vocab %d, sha256 %s)", target, info.vocab_size, info.sha256[:12])

@@ -148,6 +148,48 @@ def test_config_fields_lists_every_field_with_type_default_and_description(capsy
         assert not missing, f"fields not listed: {missing}"
 
 
+def test_config_fields_of_convert_lists_each_task_kinds_own_fields(capsys):
+    assert cli.main(["config", "fields", "convert"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^task\s+list\[MlxTask \| MergeTask \| ExportTask\]\s+default \(required\)$", out, re.M)
+    assert re.search(
+        r"^task\[kind=merge\]\.qlora_base\s+one of: dequantized, original\s+default 'dequantized'$", out, re.M
+    )
+    assert re.search(r"^task\[kind=export\]\.step\s+int \| one of: latest\s+default 'latest'$", out, re.M)
+    assert re.search(r"^task\[kind=mlx\]\.output\s+str\s+default 'mlx'$", out, re.M)
+
+
+@pytest.mark.parametrize("workload", sorted(cli._config_types()))
+def test_config_fields_lists_every_field_of_every_section_a_config_holds(workload, capsys):
+    """README: `trainpod config fields` shows every field; a section inside a list or a union is one too."""
+    assert cli.main(["config", "fields", workload]) == 0
+    listed = {
+        line.split()[0] for line in capsys.readouterr().out.splitlines() if line and not line[0].isspace()
+    }
+    leaves = {re.sub(r"\[[^]]*\]", "", path).rsplit(".", 1)[-1] for path in listed}
+    for model in sections_of(cli._config_types()[workload]):
+        missing = set(model.model_fields) - leaves
+        assert not missing, f"{workload}: {model.__name__}'s fields {sorted(missing)} are not listed"
+
+
+def sections_of(model) -> list:
+    """Every pydantic model a config holds, found through any nesting of its fields' types."""
+    import typing
+
+    from pydantic import BaseModel
+
+    found, todo = [], [model]
+    while todo:
+        current = todo.pop()
+        if isinstance(current, type) and issubclass(current, BaseModel):
+            if current not in found:
+                found.append(current)
+                todo += [info.annotation for info in current.model_fields.values()]
+        else:
+            todo += list(typing.get_args(current))
+    return found
+
+
 def test_config_fields_of_an_unknown_workload_names_the_known_ones(capsys):
     assert cli.main(["config", "fields", "nope"]) == 2
     err = capsys.readouterr().err

@@ -2,7 +2,8 @@
 
     trainpod config fields finetune     # or pretrain, datagen, datagen-sft, convert, deploy, ...
 
-Nested sections are walked (`train.lr`); a list of sections shows its items as `path[].field`.
+Nested sections are walked (`train.lr`); a list of sections shows its items as `path[].field`, and one
+of several sections its own fields under its tag (`task[kind=merge].dtype`).
 """
 
 from __future__ import annotations
@@ -37,20 +38,38 @@ def field_rows(model: type[BaseModel], prefix: str = "") -> list[FieldRow]:
 
 
 def _sections(annotation: Any) -> list[tuple[type[BaseModel], str]]:
-    """Config sections inside a field's type: itself, Optional[...] or list[...] of one."""
+    """Config sections inside a field's type: itself, Optional[...], Annotated[...] or list[...] of one.
+    One of several sections (convert's `task`: mlx, merge or export) is told apart by its tag, as in
+    `task[kind=merge].dtype`: their fields share names but not defaults."""
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return [(annotation, "")]
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Annotated:
+        return _sections(args[0])
     if origin is list and args:
-        return [(model, "[]") for model, _ in _sections(args[0])]
+        return [(model, f"[{suffix.strip('[]')}]") for model, suffix in _sections(args[0])]
     if origin in (typing.Union, types.UnionType):
-        return [found for arg in args for found in _sections(arg)]
+        found = [model for arg in args for model, _ in _sections(arg)]
+        return [(model, _tag(model) if len(found) > 1 else "") for model in found]
     return []
+
+
+def _tag(model: type[BaseModel]) -> str:
+    """`[kind=merge]`: the field whose one allowed value names this section among the union's."""
+    for name, info in model.model_fields.items():
+        if (
+            typing.get_origin(info.annotation) is typing.Literal
+            and len(typing.get_args(info.annotation)) == 1
+        ):
+            return f"[{name}={typing.get_args(info.annotation)[0]}]"
+    return f"[{model.__name__}]"
 
 
 def type_name(annotation: Any) -> str:
     """`int`, `str | None`, `list[str]`, `one of: nf4, fp4`: types as a config writer reads them."""
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Annotated:
+        return type_name(args[0])
     if origin is typing.Literal:
         return "one of: " + ", ".join(str(a) for a in args)
     if origin in (typing.Union, types.UnionType):

@@ -19,7 +19,7 @@ from trainpod import boot as boot_module
 from trainpod.errors import ConfigError, TemporaryError
 from trainpod.gitsync import repo_name, sync
 
-from support import TINY_DATAGEN, child_env
+from support import TINY_DATAGEN, TINY_PRETRAIN, child_env
 
 TOKEN = "ghp_supersecrettoken0123456789"
 
@@ -354,6 +354,27 @@ def test_malformed_price_exits_2_at_boot_not_hours_into_the_run(tmp_path):
         in result.stdout
     )
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_budget_without_a_price_exits_2_at_boot_instead_of_never_capping_the_run(tmp_path):
+    """The pod counts its cost as hours x TRAINPOD_GPU_HOURLY_USD: without a price, a budget would never be spent."""
+    result = boot_process(
+        tmp_path,
+        TRAINPOD_WORKLOAD="pretrain",
+        TRAINPOD_CONFIG=str(TINY_PRETRAIN),
+        TRAINPOD_BUDGET_USD="50",
+    )
+    assert result.returncode == 2
+    assert "TRAINPOD_BUDGET_USD='50' is set but TRAINPOD_GPU_HOURLY_USD is not" in result.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_workload_that_counts_no_cost_runs_beside_a_budget_without_a_price(tmp_path):
+    """Datagen and convert have no budget to keep: a TRAINPOD_BUDGET_USD left in the shell or a template is no error."""
+    result = boot_process(
+        tmp_path, TRAINPOD_WORKLOAD="datagen", TRAINPOD_CONFIG=str(TINY_DATAGEN), TRAINPOD_BUDGET_USD="50"
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_pretrain_config_too_big_for_the_gpu_exits_2_at_boot_naming_the_knobs(tmp_path, monkeypatch, capsys):

@@ -279,7 +279,7 @@ def test_deploy_warns_when_no_chosen_gpu_has_a_free_machine_on_its_cuda_versions
 
 
 def test_deploy_refuses_an_estimate_over_the_budget_unless_forced(fake, tmp_path, capsys):
-    path = str(deploy_config(tmp_path, **{"budget.budget_usd": 1.0}))
+    path = str(deploy_config(tmp_path, **{"budget.budget_usd": 1.0, "budget.hourly_usd": 2.69}))
     assert cli.main(["deploy", path]) == 2
     out = capsys.readouterr().out
     assert "exceeds the budget ($1.00" in out and "--force" in out
@@ -291,6 +291,23 @@ def test_trainpod_budget_usd_caps_the_deploy_too(fake, tmp_path, monkeypatch, ca
     monkeypatch.setenv("TRAINPOD_BUDGET_USD", "0.5")
     assert cli.main(["deploy", str(deploy_config(tmp_path))]) == 2
     assert "exceeds the budget ($0.50" in capsys.readouterr().out and not fake.pods
+
+
+@pytest.mark.parametrize("dry_run", [[], ["--dry-run"]], ids=["deploy", "dry-run"])
+def test_deploy_refuses_a_budget_without_the_pods_price(fake, tmp_path, capsys, dry_run):
+    """The pod stops itself at the budget by counting hours x budget.hourly_usd; without it, never."""
+    path = str(deploy_config(tmp_path, **{"budget.budget_usd": 1000.0}))
+    assert cli.main(["deploy", path, "--force", *dry_run]) == 2
+    out = capsys.readouterr().out
+    assert "budget.budget_usd=1000.0 without budget.hourly_usd" in out and "set budget.hourly_usd" in out
+    assert not fake.calls("POST"), "nothing was rented"
+
+
+def test_a_datagen_deploy_with_a_budget_and_no_price_is_not_refused(fake, tmp_path, capsys):
+    """Datagen counts no cost against a budget in its pod (the supervisor keeps it from RunPod's): nothing to refuse."""
+    changes = {"budget.budget_usd": 1000.0, "workload": "datagen", "config": "configs/datagen/tiny.yaml"}
+    path = str(deploy_config(tmp_path, **changes, **{"image.flavour": "cpu", "image.cuda_version": None}))
+    assert cli.main(["deploy", path, "--dry-run"]) == 0, capsys.readouterr().out
 
 
 def test_dry_run_says_what_it_would_create_and_sends_nothing(fake, tmp_path, capsys):

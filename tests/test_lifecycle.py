@@ -168,6 +168,13 @@ def test_budget_exhaustion_commits_and_exits_3(volume):
     assert latest == f"step-{status['step']}", "the step the budget ran out on is committed"
 
 
+def test_a_budget_without_a_price_is_exit_2_before_anything_is_written(volume):
+    result = run_trainpod(*PRETRAIN, volume=volume, env={"TRAINPOD_BUDGET_USD": "0.5"})
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "set it like TRAINPOD_GPU_HOURLY_USD=2.49" in result.stdout, "the fix: the pod's price"
+    assert not (volume / "runs" / RUN).exists(), "a run that could never be capped must not start"
+
+
 def test_secrets_never_reach_logs_or_the_volume(volume):
     secrets = {
         "HF_TOKEN": "hf_secretvalue0123456789",

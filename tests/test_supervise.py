@@ -422,7 +422,9 @@ def test_a_stop_from_a_laptop_reaches_supervisors_elsewhere_through_s3_and_deplo
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("TRAINPOD_VOLUME", str(tmp_path / "not-mounted-here"))
     path = tmp_path / "deploy.yaml"
-    path.write_text(yaml.safe_dump(deploy_config().model_dump(mode="json")))
+    tree = deploy_config().model_dump(mode="json")
+    tree["budget"]["hourly_usd"] = 2.0  # deploy refuses a budget the pod could not count without its price
+    path.write_text(yaml.safe_dump(tree))
     monkeypatch.setenv("TRAINPOD_CONFIG", str(path))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "laptop"))
     assert cli.main(["stop", "tiny"]) == 0

@@ -162,7 +162,7 @@ def _preflight(workload: Workload, volume: Volume, environ: dict[str, str], sync
     from trainpod.workloads.lifecycle import load_workload_config, resolve_config_path
 
     check_finish_environment(environ)
-    cost.check_environment()
+    cost.check_environment(counts_cost=workload.kind.owns_run_folder)
     if environ.get("TRAINPOD_RUN"):
         check_run_name(environ["TRAINPOD_RUN"])
     config_path = resolve_config_path(environ.get("TRAINPOD_CONFIG"), volume, synced)

@@ -30,7 +30,17 @@ def budget_usd() -> float | None:
     return _usd("TRAINPOD_BUDGET_USD", "50")
 
 
-def check_environment() -> None:
-    """Fail at boot (exit 2), not hours into a run, when either amount is malformed."""
-    hourly_usd()
-    budget_usd()
+def check_environment(counts_cost: bool = True) -> None:
+    """Fail at the start (exit 2), not hours into a run, when either amount is malformed, or when a workload
+    that `counts_cost` (training, your own program) has a budget without the price its cost is counted with:
+    that budget would never be spent."""
+    hourly, budget = hourly_usd(), budget_usd()
+    if counts_cost and hourly is None and budget is not None:
+        raise ConfigError(
+            [
+                f"TRAINPOD_BUDGET_USD={os.environ['TRAINPOD_BUDGET_USD']!r} is set but TRAINPOD_GPU_HOURLY_USD is "
+                "not: a run's cost is its hours x that price, so without it the budget never stops the run; "
+                "set it like TRAINPOD_GPU_HOURLY_USD=2.49 (the pod's price per hour; a cluster's: all its "
+                "nodes'), or unset TRAINPOD_BUDGET_USD"
+            ]
+        )

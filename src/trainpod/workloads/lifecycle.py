@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainpod import atomic, workloads
+from trainpod import atomic, cost, workloads
 from trainpod.checkpoint import Lease
 from trainpod.config import dump_config, parse_overrides
 from trainpod.config.loader import load_tree, validate_tree
@@ -124,6 +124,8 @@ def _log_crash(request: RunRequest, rank: int) -> int:
 
 def _execute(request: RunRequest, rank: int) -> int:
     workload = workloads.get(request.workload)
+    # A malformed price, or a budget a run could never spend (no price): exit 2 before anything is written.
+    cost.check_environment(counts_cost=workload.kind.owns_run_folder)
     config_path = resolve_config_path(request.config_path, request.volume)
     config = load_workload_config(workload, config_path, request.overrides)
     request.run_name = run_name(request, config)  # where a crash is logged

@@ -158,6 +158,17 @@ def test_exactly_50_env_variables_are_fine(tmp_path):
     assert len(pod_env(config(tmp_path, **{"env.extra": extra}))) == 50
 
 
+def test_a_git_repo_without_a_ref_is_synced_at_the_remotes_head_as_the_pods_contract_says(tmp_path):
+    """README: TRAINPOD_GIT_REF unset is the remote's HEAD; a deploy sent `main`, which a repo whose default
+    branch is another (master, trunk) lacks: exit 2 at the pod's boot, after it was paid for."""
+    env = pod_env(config(tmp_path, **{"env.git_repo": "https://github.com/org/trainer.git"}))
+    assert env["TRAINPOD_GIT_REPO"] == "https://github.com/org/trainer.git" and "TRAINPOD_GIT_REF" not in env
+    pinned = pod_env(
+        config(tmp_path, **{"env.git_repo": "https://github.com/org/t.git", "env.git_ref": "v2"})
+    )
+    assert pinned["TRAINPOD_GIT_REF"] == "v2"
+
+
 def test_dry_run_prints_the_requests_and_sends_nothing(fake, tmp_path, capsys):
     code = cli.main(["deploy", str(write_config(tmp_path)), "--dry-run", "--on-demand"])
     out = capsys.readouterr().out

@@ -107,7 +107,11 @@ class EnvSettings(Section):
     git_repo: str = Field(
         "", description="TRAINPOD_GIT_REPO: a repo of configs cloned under repos/ (optional)."
     )
-    git_ref: str = Field("main", description="TRAINPOD_GIT_REF: branch, tag or commit of git_repo.")
+    git_ref: str = Field(
+        "",
+        description="TRAINPOD_GIT_REF: branch, tag or commit of git_repo; empty: the remote's HEAD (its default "
+        "branch), as in a pod without TRAINPOD_GIT_REF.",
+    )
     on_finish: Literal["stop", "terminate", "idle"] = Field(
         "stop", description="TRAINPOD_ON_FINISH: what the pod does after DONE: stop, terminate or idle."
     )

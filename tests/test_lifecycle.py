@@ -175,6 +175,23 @@ def test_a_budget_without_a_price_is_exit_2_before_anything_is_written(volume):
     assert not (volume / "runs" / RUN).exists(), "a run that could never be capped must not start"
 
 
+def test_what_a_kill_during_the_export_left_is_removed_at_the_next_start(volume):
+    """docs/design.md, "Crash-safe writes": a `*.tmp-*` is a kill's leftover, removed at the next start. A kill
+    while the final model was written (GBs for a large one) left export/hf.tmp-<id>/ on the volume for good."""
+    run = volume / "runs" / RUN
+    half_written = run / "export/hf.tmp-0123456789ab"
+    half_written.mkdir(parents=True)
+    (half_written / "model.safetensors").write_bytes(b"\0" * 4096)
+    moved_aside = run / "export/hf.tmp-replaced-01234567"  # atomic.replace_dir killed between its renames
+    moved_aside.mkdir()
+    (run / "status.json.tmp-0123456789ab").write_text('{"state": ')
+    result = run_trainpod(*PRETRAIN, "--set", "train.max_steps=6", volume=volume)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert (run / "export/hf/model.safetensors").is_file()
+    left = sorted(str(p.relative_to(run)) for p in run.rglob("*.tmp-*"))
+    assert left == [], f"leftovers of the killed start are still on the volume: {left}"
+
+
 def test_secrets_never_reach_logs_or_the_volume(volume):
     secrets = {
         "HF_TOKEN": "hf_secretvalue0123456789",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +28,7 @@ from trainpod.diskspace import volume_full_as_exit_5
 from trainpod.errors import ConfigError, ExitCode, TrainpodError, stop_reason
 from trainpod.log import attach_log_file, setup_logging
 from trainpod.preemption import PreemptionWatch
-from trainpod.volume import Volume, check_run_name
+from trainpod.volume import RunDir, Volume, check_run_name
 from trainpod.workloads import Kind, Workload
 
 log = logging.getLogger("trainpod")
@@ -178,6 +179,7 @@ def _run_in_run_folder(workload: Workload, ctx: RunContext, config: Any, rank: i
             ctx.lease.release()
             log.info("run %s is already DONE (%s); nothing to do", run.name, run.done)
             return ExitCode.DONE
+        _remove_leftovers(run)
     setup_logging(
         run.logs / (f"{workload.name}.log" if rank == 0 else f"{workload.name}.rank{rank}.log"), rank
     )
@@ -205,6 +207,27 @@ def _run_in_run_folder(workload: Workload, ctx: RunContext, config: Any, rank: i
     finally:
         if ctx.lease is not None:
             ctx.lease.release()
+
+
+# Top-level files of a run written only under its lease (by the lifecycle and the workloads); a supervisor
+# (supervise.json) and `trainpod stop` (STOPPED) write beside them without it, so theirs are never touched.
+LEASED_FILES = ("config.yaml", "status.json", "DONE", "loss.png", "base_model.json")
+
+
+def _remove_leftovers(run: RunDir) -> None:
+    """What a kill left half-written (docs/design.md, "Crash-safe writes"): export/ is written under the
+    run's lease alone (the final model, conversions), so every temp folder there is a leftover; an
+    interrupted export of a large model left gigabytes there that no later start removed."""
+    leftovers = [
+        *run.export.glob("*.tmp-*"),
+        *(p for name in LEASED_FILES for p in run.root.glob(f"{name}.tmp-*")),
+    ]
+    for path in leftovers:
+        log.info("removing %s, left by an interrupted start", path.relative_to(run.root))
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
 
 
 def done_line(name: str, summary: dict[str, Any], done_file: Path) -> str:

@@ -104,3 +104,18 @@ def test_the_vlm_configs_load_as_vision_finetunes_with_the_ocr_settings():
     assert (ocr.checkpoint.keep_best, ocr.checkpoint.keep_last) == (5, 5)
     tiny = load_config(config_type(CONFIGS / "finetune/tiny-vlm.yaml"), CONFIGS / "finetune/tiny-vlm.yaml")
     assert tiny.method == "qlora" and tiny.train.cpu_threads
+
+
+EXAMPLES = CONFIGS.parent / "examples"
+
+
+@pytest.mark.parametrize("path", sorted(EXAMPLES.glob("*/*.yaml")), ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_every_example_config_validates_and_runs_a_program_that_exists(path):
+    """README: `trainpod run command --config examples/<example>/command.yaml` from the repository's root."""
+    from trainpod.config.command import CommandConfig
+
+    config = load_config(CommandConfig, path)
+    program = next(word for word in config.command if "/" in word)  # `python examples/x/train.py` or `./x.sh`
+    assert (CONFIGS.parent / program).is_file(), (
+        f"{path.name}: command names {program}, which is not in the repo"
+    )

@@ -1,0 +1,113 @@
+"""What README.md and docs/design.md tell a user to type is what the code takes: every `trainpod ...` command
+line in their code blocks (and in examples/) parses with the CLI's own parser, and every config field they
+name (`train.micro_batch_size`, `supervise.max_replacements`) is a field of some config. The environment's
+side of the same contract is tests/test_env_contract.py."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from trainpod import cli
+from trainpod.config.fields import field_rows
+
+REPO = Path(__file__).resolve().parents[1]
+DOCS = [REPO / "README.md", REPO / "docs/design.md"]
+CODE_BLOCK = re.compile(r"^```(\w*)\n(.*?)^```", re.M | re.S)  # (language, text): fences never nest
+ASSIGNMENT = re.compile(r"^[A-Z_][A-Z0-9_]*=\S*$")
+FILE_SUFFIXES = {
+    "json",
+    "jsonl",
+    "yaml",
+    "yml",
+    "py",
+    "png",
+    "md",
+    "pt",
+    "safetensors",
+    "txt",
+    "gz",
+    "sh",
+    "log",
+}
+
+
+def command_lines() -> list[tuple[str, str]]:
+    """(file, command) for each `trainpod ...` line of the docs' shell blocks, and of the scripts, configs and
+    their comments under examples/ and configs/ (`#   trainpod supervise pretrain-125m --config ...`)."""
+    sources = [
+        (doc, block)
+        for doc in DOCS
+        for language, block in CODE_BLOCK.findall(doc.read_text(encoding="utf-8"))
+        if language in ("sh", "bash", "shell")
+    ]
+    for folder in ("examples", "configs"):
+        for path in sorted((REPO / folder).rglob("*")):
+            if path.suffix in (".sh", ".py", ".yaml"):
+                sources.append((path, path.read_text(encoding="utf-8")))
+    found = []
+    for path, text in sources:
+        for line in text.replace("\\\n", " ").splitlines():
+            line = line.strip().removeprefix("#").strip()
+            for command in [*re.findall(r"\$\((trainpod [^)]*)\)", line), line.split(" #", 1)[0].strip()]:
+                words = command.split()
+                while words and ASSIGNMENT.match(words[0]):  # VAR=value before the command
+                    words.pop(0)
+                if words[:1] == ["trainpod"] and len(words) > 1:
+                    found.append((str(path.relative_to(REPO)), " ".join(words)))
+    return list(dict.fromkeys(found))
+
+
+def test_the_docs_hold_trainpod_command_lines():
+    assert len(command_lines()) >= 25, "the scan found too few command lines: its patterns are broken"
+
+
+@pytest.mark.parametrize(("source", "command"), command_lines(), ids=lambda v: v)
+def test_every_trainpod_command_line_in_the_docs_parses(source, command):
+    # `[--terminate]` and `[STEP]` are optional parts, shown as such; `"$VAR"` is a value like any other.
+    argv = [word for word in shlex.split(command)[1:] if not (word.startswith("[") and word.endswith("]"))]
+    errors = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(errors):
+            cli._parser().parse_args(argv)
+    except SystemExit:
+        pytest.fail(f"{source}: `{command}` is refused by the CLI: {errors.getvalue()}")
+
+
+def config_fields() -> set[str]:
+    """Every dotted field path of every config `trainpod config fields` knows, list and tag marks dropped."""
+    return {
+        re.sub(r"\[[^]]*\]", "", row.path)
+        for config_type in cli._config_types().values()
+        for row in field_rows(config_type)
+    }
+
+
+def named_fields() -> list[tuple[str, str]]:
+    """(file, name) for each `section.field` the docs name in backticks (`train.seq_len`, `pod.spot: true`)
+    whose first part is a config's top-level field; file names (`config.yaml`) are not fields."""
+    sections = {path.split(".")[0] for path in config_fields()}
+    found = []
+    for doc in DOCS:
+        for name in re.findall(
+            r"`([a-z_]+(?:\.[a-z_0-9]+)+)(?:[:=][^`]*)?`", doc.read_text(encoding="utf-8")
+        ):
+            if name.split(".")[0] in sections and name.rsplit(".", 1)[-1] not in FILE_SUFFIXES:
+                found.append((str(doc.relative_to(REPO)), name))
+    return sorted(set(found))
+
+
+def test_the_docs_name_config_fields():
+    assert len(named_fields()) >= 30, "the scan found too few field names: its pattern is broken"
+
+
+@pytest.mark.parametrize(("source", "name"), named_fields(), ids=lambda v: v)
+def test_every_config_field_the_docs_name_exists(source, name):
+    assert name in config_fields(), (
+        f"{source} names `{name}`, which no config has; fix the name (`trainpod config fields WORKLOAD` lists them)"
+    )

@@ -153,3 +153,29 @@ def test_every_rank_stops_at_the_same_step_when_sigterm_reached_only_one_of_them
     mp.spawn(_rank_decides_at_step_end, args=args, nprocs=2, join=True)
     decisions = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert decisions == [True, True], "rank 0 must save with rank 1, which saw the SIGTERM"
+
+
+def test_load_best_model_at_end_is_refused_when_the_trainer_is_made_not_ignored_at_its_end(tmp_path):
+    """README: `load_best_model_at_end` is not supported. HF looked for the best checkpoint-<N>/ in the staging
+    folder at the end, found it moved into the store, warned, and left the last weights in place of the best."""
+    import torch
+    from transformers import Trainer, TrainingArguments
+
+    from trainpod import Checkpointer
+    from trainpod.errors import ConfigError
+    from trainpod.integrations.hf import TrainpodCallback
+
+    callback = TrainpodCallback(Checkpointer(tmp_path / "run", watch_signals=False))
+    args = TrainingArguments(
+        output_dir=callback.staging_dir,
+        load_best_model_at_end=True,
+        eval_strategy="steps",
+        save_strategy="steps",
+        report_to=[],
+        use_cpu=True,
+    )
+    try:
+        with pytest.raises(ConfigError, match=r"load_best_model_at_end=True is not supported.*keep_best"):
+            Trainer(model=torch.nn.Linear(2, 2), args=args, eval_dataset=[0], callbacks=[callback])
+    finally:
+        callback.ckpt.close()

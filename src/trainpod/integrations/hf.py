@@ -34,7 +34,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 import trainpod
 from trainpod.checkpoint.directory import commit_directory
 from trainpod.checkpointer import COMMIT_MARGIN, Checkpointer
-from trainpod.errors import ExitCode
+from trainpod.errors import ConfigError, ExitCode
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +55,19 @@ class TrainpodCallback(TrainerCallback):
         return str(restored.path) if restored else None
 
     # ------------------------------------------------------------------------ HF's events
+    def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **_: Any):
+        if args.load_best_model_at_end:  # refused when the Trainer is made, before any paid training
+            raise ConfigError(
+                [
+                    "TrainingArguments.load_best_model_at_end=True is not supported with TrainpodCallback: each "
+                    "checkpoint-<N>/ is moved into the run's store when it is saved, so HF would not find the best "
+                    "one at the end and would keep the last weights instead. Set it to False, keep the best "
+                    "checkpoints with keep_best (TRAINPOD_KEEP_BEST, or checkpoint.keep_best in the command "
+                    "config) and load the one you want from checkpoints/step-<N>/"
+                ]
+            )
+        return control
+
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **_: Any):
         if Path(args.output_dir).resolve() != Path(self.staging_dir).resolve():
             log.warning(

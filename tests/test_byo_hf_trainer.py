@@ -179,3 +179,62 @@ def test_load_best_model_at_end_is_refused_when_the_trainer_is_made_not_ignored_
             Trainer(model=torch.nn.Linear(2, 2), args=args, eval_dataset=[0], callbacks=[callback])
     finally:
         callback.ckpt.close()
+
+
+class _Regression(__import__("torch").nn.Module):
+    """A model HF's Trainer can train in a second: y = w.x + b, squared error as its loss."""
+
+    def __init__(self):
+        import torch
+
+        super().__init__()
+        self.linear = torch.nn.Linear(2, 1)
+
+    def forward(self, x, labels):
+        return {"loss": ((self.linear(x).squeeze(-1) - labels) ** 2).mean()}
+
+
+def test_each_hf_checkpoint_records_its_eval_loss_so_keep_best_ranks_them(tmp_path):
+    """README: use `keep_best` (instead of load_best_model_at_end). The callback committed HF's checkpoints
+    without their eval loss, so best-k retention had nothing to rank and kept no best one."""
+    import json
+
+    import torch
+    from transformers import Trainer, TrainingArguments
+
+    from trainpod import Checkpointer
+    from trainpod.integrations.hf import TrainpodCallback
+
+    generator = torch.Generator().manual_seed(0)
+    rows = [{"x": x, "labels": x.sum()} for x in torch.randn(16, 2, generator=generator)]
+    callback = TrainpodCallback(Checkpointer(tmp_path / "run", keep_last=2, keep_best=1, watch_signals=False))
+    args = TrainingArguments(
+        output_dir=callback.staging_dir,
+        max_steps=6,
+        per_device_train_batch_size=4,
+        learning_rate=1.0,  # too high, and constant: the evals overshoot, so the best is not the newest
+        lr_scheduler_type="constant",
+        eval_strategy="steps",
+        eval_steps=1,
+        save_steps=1,
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+    )
+    torch.manual_seed(0)  # the model's initial weights: HF seeds only once it trains
+    trainer = Trainer(
+        model=_Regression(), args=args, train_dataset=rows, eval_dataset=rows, callbacks=[callback]
+    )
+    try:
+        trainer.train()
+    finally:
+        callback.ckpt.close()
+    logged = {e["step"]: e["eval_loss"] for e in trainer.state.log_history if "eval_loss" in e}
+    kept = {
+        int(p.name.split("-")[1]): json.loads((p / "manifest.json").read_text()).get("eval_loss")
+        for p in (tmp_path / "run/checkpoints").glob("step-*")
+    }
+    assert kept and all(kept[step] == logged[step] for step in kept), f"manifests {kept}, HF logged {logged}"
+    best = min(logged, key=lambda step: (logged[step], -step))
+    assert best not in (5, 6), f"the evals {logged} no longer overshoot: this test cannot tell best from last"
+    assert set(kept) == {best, 5, 6}, f"keep_last=2 and keep_best=1 keep {sorted(kept)}; HF logged {logged}"

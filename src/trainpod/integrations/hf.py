@@ -16,7 +16,8 @@ checkpoint that verifies (older ones are tried in turn) or None; anything left i
 discarded. On SIGTERM the step in flight ends, a save is made when the last one's duration (x 1.5)
 fits the window, and the process exits 143.
 
-Not supported: `load_best_model_at_end` (it wants HF's own folder layout); use the store's keep_best.
+Not supported: `load_best_model_at_end` (it wants HF's own folder layout; refused when the Trainer is made): use the
+store's keep_best, which ranks each checkpoint by the eval loss HF logged at its step.
 """
 
 from __future__ import annotations
@@ -118,7 +119,9 @@ class TrainpodCallback(TrainerCallback):
         _barrier()  # every rank has written its part (rng_state_<rank>.pth) before rank 0 publishes
         if state.is_world_process_zero:
             metadata = {"writer": "trainpod.integrations.hf", "versions": {"trainpod": trainpod.__version__}}
-            commit_directory(self.ckpt.store, state.global_step, folder, metadata)
+            commit_directory(
+                self.ckpt.store, state.global_step, folder, metadata, eval_loss=_eval_loss(state)
+            )
             log.info("committed %s as step-%d", folder.name, state.global_step)
         _barrier()
         self.ckpt.last_committed_step = (
@@ -140,6 +143,18 @@ class TrainpodCallback(TrainerCallback):
     def _exit(self, code: ExitCode) -> None:
         self.ckpt.close()
         sys.exit(int(code))
+
+
+def _eval_loss(state: TrainerState) -> float | None:
+    """The eval loss HF logged at this step (it evaluates before it saves), which keep_best ranks by."""
+    return next(
+        (
+            e["eval_loss"]
+            for e in reversed(state.log_history)
+            if e.get("step") == state.global_step and "eval_loss" in e
+        ),
+        None,
+    )
 
 
 def _on_any_rank(flags: list[bool]) -> list[bool]:

@@ -107,6 +107,17 @@ def test_a_nan_amount_is_malformed_not_a_budget_nothing_ever_exceeds(
     assert f"{variable}='nan' is not an amount in USD" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("path", ["convert/tiny.yaml", "datagen/tiny.yaml"])
+def test_a_config_that_trains_nothing_is_named_as_such_not_reported_as_a_broken_finetune(
+    no_runpod, capsys, path
+):
+    """A convert config has a `base_model` too: estimate read it as a finetune and listed five "problems"
+    (adapter: unknown key, train: missing, ...) in a config that is fine."""
+    assert cli.main(["estimate", str(CONFIGS / path)]) == 2
+    out = capsys.readouterr().out
+    assert "neither a pretrain, a finetune nor a deploy config" in out and "config problem" not in out, out
+
+
 def test_a_1b_preset_does_not_fit_a_24_gb_gpu(no_runpod, capsys):
     assert cli.main(["estimate", str(CONFIGS / "pretrain/1b.yaml"), "--gpu", "NVIDIA GeForce RTX 4090"]) == 0
     assert "of 24 GB per GPU: DOES NOT FIT" in capsys.readouterr().out

@@ -109,10 +109,11 @@ def load_target(path: str, overrides: list[str] | None = None) -> tuple[Any, Dep
             )
         return load_config(_config_type(deploy.workload), workload_path, overrides or []), deploy
     data = tree.get("data") if isinstance(tree.get("data"), dict) else {}
-    finetune = "finetune-vlm" if "datasets" in data else "finetune"  # VLM data lists its datasets itself
-    workload = (
-        finetune if "base_model" in tree else "pretrain" if "model" in tree or "train" in tree else None
-    )
+    workload = None  # a convert config (its `task`) names a base_model too, and trains nothing
+    if "base_model" in tree and "task" not in tree:
+        workload = "finetune-vlm" if "datasets" in data else "finetune"  # VLM data lists its datasets itself
+    elif "model" in tree or "train" in tree:
+        workload = "pretrain"
     if workload is None:
         raise InputError(
             f"{path}: neither a pretrain, a finetune nor a deploy config; estimate needs one of them"

@@ -207,6 +207,19 @@ def test_ls_of_a_volume_that_does_not_exist_says_so_instead_of_empty(tmp_path, m
     assert "empty (no datasets, tokenizers or runs)" in capsys.readouterr().out
 
 
+def test_status_away_from_the_volume_says_it_is_not_here_instead_of_no_runs(tmp_path, monkeypatch, capsys):
+    """On a laptop without the S3 settings, `trainpod status` read /workspace, found nothing and said "no runs"
+    (or a named run's "no status yet"), as if the run had never started."""
+    for name in ("TRAINPOD_S3_VOLUME", "TRAINPOD_VOLUME", "RUNPOD_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    for argv in (["status"], ["status", RUN]):
+        assert cli.main([*argv, "--volume", str(tmp_path / "typo")]) == 2
+        out = capsys.readouterr().out
+        assert f"volume {tmp_path / 'typo'} does not exist here" in out and "--s3-volume" in out, out
+    assert cli.main(["status", "--volume", str(tmp_path)]) == 0
+    assert "no runs under" in capsys.readouterr().out
+
+
 def test_status_json_is_written_off_the_training_thread_and_the_newest_is_on_disk_at_close(tmp_path):
     writer = StatusWriter(tmp_path / "status.json")
     for step in range(200):  # faster than the writes: the ones overtaken are skipped, never reordered

@@ -84,7 +84,10 @@ def status(
     """
     if _wants_s3(volume, s3_volume, config):
         return _reported(lambda: _status_via_s3(run_name, s3_volume, datacenter, config))
-    vol = Volume(Path(volume)) if volume else Volume.from_env()
+    return _reported(lambda: _status_here(run_name, Volume(_mounted_root(volume))))
+
+
+def _status_here(run_name: str | None, vol: Volume) -> int:
     runs_root = vol.root / "runs"
     names = [run_name] if run_name else sorted(p.name for p in runs_root.glob("*") if p.is_dir())
     if not names:
@@ -112,7 +115,7 @@ def _status_via_s3(
     with tempfile.TemporaryDirectory(prefix="trainpod-status-") as snapshot:
         snapshot_runs(s3, [run_name] if run_name else None, Path(snapshot))
         print(f"volume {s3.bucket} ({s3.target.datacenter}) through S3:")
-        return status(run_name, volume=snapshot)
+        return _status_here(run_name, Volume(Path(snapshot)))
 
 
 def _wants_s3(volume: str | None, s3_volume: str | None, config: str | None) -> bool:
@@ -211,7 +214,6 @@ def ls(
     The volume mounted here (--volume, else $TRAINPOD_VOLUME), or the network volume through
     RunPod's S3 API (--s3-volume and --datacenter, --config DEPLOY.yaml, or $TRAINPOD_S3_VOLUME).
     """
-    from trainpod.errors import InputError
     from trainpod.remote.listing import LocalFiles, volume_lines
 
     def act() -> int:
@@ -219,13 +221,7 @@ def ls(
             files = _volume_s3(s3_volume, datacenter, config)
             where = f"volume {files.bucket} ({files.target.datacenter}) through S3"
         else:
-            root = (Volume(Path(volume)) if volume else Volume.from_env()).root
-            if not root.is_dir():  # a mistyped path, or no volume on this machine: "empty" would mislead
-                raise InputError(
-                    f"volume {root} does not exist here; pass --volume where it is mounted, or reach the network "
-                    "volume through S3 (--s3-volume and --datacenter, or --config DEPLOY.yaml)"
-                )
-            files = LocalFiles(root)
+            files = LocalFiles(_mounted_root(volume))
             where = str(files.root)
         lines = volume_lines(files)
         print(f"{where}:" + ("" if lines else " empty (no datasets, tokenizers or runs)"))
@@ -234,6 +230,20 @@ def ls(
         return ExitCode.DONE
 
     return _reported(act)
+
+
+def _mounted_root(volume: str | None) -> Path:
+    """The volume mounted here (--volume, else $TRAINPOD_VOLUME, else /workspace); exit 2 when it is not here:
+    a mistyped path, or a laptop without the volume, where "empty" or "no runs" would mislead."""
+    from trainpod.errors import InputError
+
+    root = (Volume(Path(volume)) if volume else Volume.from_env()).root
+    if not root.is_dir():
+        raise InputError(
+            f"volume {root} does not exist here; pass --volume where it is mounted, or reach the network "
+            "volume through S3 (--s3-volume and --datacenter, or --config DEPLOY.yaml)"
+        )
+    return root
 
 
 def _s3_flags(p: argparse.ArgumentParser) -> None:

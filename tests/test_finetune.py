@@ -173,6 +173,31 @@ def test_early_stopping_that_could_never_act_is_exit_2_before_anything_is_writte
     assert tree_snapshot(volume) == before
 
 
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        (("train.parallel=fsdp",), "train.parallel=fsdp shards full finetuning; method qlora"),
+        (
+            ("method=full", "train.parallel=fsdp", "train.optimizer=adamw_8bit"),
+            "cannot step the sharded parameters",
+        ),
+        (
+            ("method=full", "train.parallel=fsdp", "generation_eval.every_evals=1"),
+            "generation_eval runs on rank 0 alone",
+        ),
+    ],
+)
+def test_what_fsdp_cannot_do_is_exit_2_before_anything_is_written(volume, settings, message):
+    """README: fsdp with an 8-bit optimizer is exit 2; so is fsdp for an adapter. Both were found only once the
+    base model had loaded (a download of GBs on a paid GPU), after the run folder, lease and config were written."""
+    before = tree_snapshot(volume)
+    result = run_trainpod(*finetune_args(*(arg for s in settings for arg in ("--set", s))), volume=volume)
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output
+    assert message in output and "Traceback" not in output
+    assert tree_snapshot(volume) == before
+
+
 def test_tracking_asked_for_without_wandb_installed_is_exit_2_before_anything_is_written(volume, tmp_path):
     """wandb is an extra (trainpod[tracking]; the image has it): hidden from the child here, as on a machine
     without it, the key in the environment is refused at preflight, and never printed."""

@@ -15,6 +15,7 @@ from pydantic import Field, model_validator
 
 from trainpod.config.checkpoint import CheckpointConfig
 from trainpod.config.loader import Section
+from trainpod.config.pretrain import SHARDABLE_OPTIMIZERS, unshardable_optimizer
 from trainpod.config.sft import SftDataConfig
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
@@ -211,6 +212,19 @@ class FinetuneExportConfig(Section):
     )
 
 
+def fsdp_needs_full(method: str) -> str:
+    return (
+        f"train.parallel=fsdp shards full finetuning; method {method} trains a small adapter that every GPU "
+        "holds whole. Set train.parallel=ddp (or auto), or method: full"
+    )
+
+
+FSDP_WITHOUT_GENERATION = (
+    "generation_eval runs on rank 0 alone, and a sharded (train.parallel=fsdp) model needs every rank for each "
+    "forward: set generation_eval.every_evals=0, or train.parallel=ddp"
+)
+
+
 class FinetuneConfig(Section):
     name: str = Field(
         pattern=NAME_PATTERN,
@@ -239,6 +253,21 @@ class FinetuneConfig(Section):
                 f"train.early_stopping_metric={metric!r} is measured by generation, which is off; set "
                 "generation_eval.every_evals to 1 (or k: every k-th eval), or rank by eval_loss"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _fsdp_can_run_it(self) -> FinetuneConfig:
+        """What train.parallel=fsdp cannot do, refused at load (exit 2, nothing written), not once the base
+        model has downloaded and loaded on a paid GPU. `auto` picks fsdp only where it can
+        (workloads/finetune.py), but for the generation eval, checked there."""
+        if self.train.parallel != "fsdp":
+            return self
+        if self.method != "full":
+            raise ValueError(fsdp_needs_full(self.method))
+        if self.train.optimizer not in SHARDABLE_OPTIMIZERS:
+            raise ValueError(unshardable_optimizer(self.train.optimizer))
+        if self.generation_eval.every_evals:
+            raise ValueError(FSDP_WITHOUT_GENERATION)
         return self
 
     @property

@@ -27,7 +27,7 @@ from transformers import AutoTokenizer
 
 from trainpod import atomic
 from trainpod.checkpoint.tree import load_state_file
-from trainpod.config.finetune import FinetuneConfig
+from trainpod.config.finetune import FSDP_WITHOUT_GENERATION, FinetuneConfig, fsdp_needs_full
 from trainpod.context import RunContext
 from trainpod.errors import InputError
 from trainpod.sft import IGNORE_INDEX, SftBatches, eval_batches, load_sft, prepare_sft, sft_key
@@ -276,18 +276,12 @@ class Finetuner(Trainer):
         """DDP or FSDP (train/sharding.py); FSDP shards full finetuning only."""
         requested = self.train_cfg.parallel
         if self.method != "full":
-            if requested == "fsdp":
-                raise InputError(
-                    f"train.parallel=fsdp shards full finetuning; method {self.method} trains a small adapter "
-                    "that every GPU holds whole. Set train.parallel=ddp (or auto), or method: full"
-                )
+            if requested == "fsdp":  # refused at load already (config/finetune.py); a config built in code
+                raise InputError(fsdp_needs_full(self.method))
             return "ddp"
         parallel = resolve_parallel(requested, self.dist.world_size, self.n_params, self.train_cfg.optimizer)
-        if parallel == "fsdp" and self.cfg.generation_eval.every_evals:
-            raise InputError(
-                "generation_eval runs on rank 0 alone, and a sharded (train.parallel=fsdp) model needs every rank "
-                "for each forward: set generation_eval.every_evals=0, or train.parallel=ddp"
-            )
+        if parallel == "fsdp" and self.cfg.generation_eval.every_evals:  # `auto` chose fsdp
+            raise InputError(FSDP_WITHOUT_GENERATION)
         return parallel
 
     def _load_4bit(self, attention: str) -> torch.nn.Module:

@@ -304,6 +304,18 @@ def test_trainpod_budget_usd_caps_the_deploy_too(fake, tmp_path, monkeypatch, ca
     assert "exceeds the budget ($0.50" in capsys.readouterr().out and not fake.pods
 
 
+def test_the_deploy_configs_budget_caps_the_deploy_even_when_the_shell_has_a_larger_one(
+    fake, tmp_path, monkeypatch, capsys
+):
+    """README: deploy refuses an estimate over TRAINPOD_BUDGET_USD or budget.budget_usd. A shell's larger
+    TRAINPOD_BUDGET_USD (left from a local run) let through a run over the budget its pod stops at, exit 3,
+    unfinished."""
+    monkeypatch.setenv("TRAINPOD_BUDGET_USD", "100000")
+    path = str(deploy_config(tmp_path, **{"budget.budget_usd": 1.0, "budget.hourly_usd": 2.69}))
+    assert cli.main(["deploy", path]) == 2
+    assert "exceeds the budget ($1.00" in capsys.readouterr().out and not fake.pods
+
+
 @pytest.mark.parametrize("dry_run", [[], ["--dry-run"]], ids=["deploy", "dry-run"])
 def test_deploy_refuses_a_budget_without_the_pods_price(fake, tmp_path, capsys, dry_run):
     """The pod stops itself at the budget by counting hours x budget.hourly_usd; without it, never."""

@@ -448,9 +448,9 @@ def estimate(
         mfu_source = f"assumed for {sizing.workload} (no run measured it yet; --mfu to change)"
     hours = sizing.flops / (peak * mfu * gpu_count) / 3600
     hourly, source = _hourly_price(offer, gpu_count, cloud, spot, deploy, nodes)
-    budget = cost.budget_usd()
-    if budget is None and deploy is not None:
-        budget = deploy.budget.budget_usd
+    # Over either budget is over: the pod stops at the deploy config's, whatever this shell's says.
+    budgets = [b for b in (cost.budget_usd(), deploy.budget.budget_usd if deploy else None) if b is not None]
+    budget = min(budgets, default=None)
     memory_gb = offer.memory_gb if offer else next((gb for k, gb in GPU_MEMORY_GB.items() if k in gpu), None)
     return Estimate(sizing, gpu, gpu_count, memory_gb, mfu, mfu_source, hours, hourly, source, budget)
 

@@ -65,6 +65,16 @@ def test_estimate_of_a_pretrain_preset_gives_tokens_flops_hours_and_its_mfu_assu
     assert "cost       unknown" in out, "no key and no TRAINPOD_GPU_HOURLY_USD: no made-up price"
 
 
+def test_a_deploy_configs_env_set_is_part_of_the_run_it_estimates(no_runpod, tmp_path, capsys):
+    """The pod runs the workload config with env.set (TRAINPOD_SET) applied; the estimate, and deploy's budget
+    check on it, read the YAML without it: a run 10x longer was priced at the YAML's length."""
+    path = deploy_config(tmp_path, **{"env.set": "train.max_steps=200000", "budget.hourly_usd": 2.0})
+    assert cli.main(["estimate", str(path), "--set", "train.seq_len=512"]) == 0
+    t = yaml.safe_load(PRETRAIN_125M.read_text())["train"]
+    tokens = 200000 * 512 * t["micro_batch_size"] * t.get("grad_accum_steps", 1)
+    assert int(number_after("tokens", capsys.readouterr().out)) == tokens, "env.set first, then --set"
+
+
 def test_estimate_prices_from_runpods_catalog_when_a_key_is_set(fake, capsys):
     assert cli.main(["estimate", str(PRETRAIN_125M), "--gpu", "NVIDIA L40S"]) == 0
     out = capsys.readouterr().out

@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 
 from trainpod import cost, workloads
-from trainpod.config import load_config
+from trainpod.config import load_config, parse_overrides
 from trainpod.config.deploy import DeployConfig
 from trainpod.config.finetune import FinetuneConfig
 from trainpod.config.finetune_vlm import VisionDataConfig, VisionSourceConfig, VlmFinetuneConfig
@@ -107,7 +107,9 @@ def load_target(path: str, overrides: list[str] | None = None) -> tuple[Any, Dep
                 "and in "
                 "this repo); run the estimate on the workload config itself"
             )
-        return load_config(_config_type(deploy.workload), workload_path, overrides or []), deploy
+        # What the pod runs: the YAML with env.set (its TRAINPOD_SET) applied, then this command's --set.
+        pod_overrides = [*parse_overrides(deploy.env.set), *(overrides or [])]
+        return load_config(_config_type(deploy.workload), workload_path, pod_overrides), deploy
     data = tree.get("data") if isinstance(tree.get("data"), dict) else {}
     workload = None  # a convert config (its `task`) names a base_model too, and trains nothing
     if "base_model" in tree and "task" not in tree:

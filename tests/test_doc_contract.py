@@ -111,3 +111,18 @@ def test_every_config_field_the_docs_name_exists(source, name):
     assert name in config_fields(), (
         f"{source} names `{name}`, which no config has; fix the name (`trainpod config fields WORKLOAD` lists them)"
     )
+
+
+@pytest.mark.parametrize("verb", sorted(cli.VERBS))
+def test_each_verbs_summary_in_trainpod_help_is_a_whole_sentence(verb):
+    """`trainpod --help` showed deploy's as "... and pod `<run>-<workload>`", cut at its docstring's line break."""
+    summary = cli._summary(cli.VERBS[verb][0])
+    assert summary.endswith((".", ")")) and "  " not in summary, f"{verb}: {summary!r}"
+
+
+def test_stop_says_in_its_help_that_supervisors_leave_the_run_down(capsys):
+    """README: the stop is recorded as runs/<run>/STOPPED, which supervisors honour until `trainpod deploy`."""
+    with pytest.raises(SystemExit):
+        cli.main(["stop", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "STOPPED" in help_text and "trainpod deploy" in help_text, help_text

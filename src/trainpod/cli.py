@@ -461,7 +461,12 @@ def _supervised_volume_s3(deploy_config: str | None):
 
 
 def stop(run_name: str, terminate: bool = False) -> int:
-    """Stop the run's pods (they keep their disk and can start again), or --terminate them; delete its clusters."""
+    """Stop the run's pods (they keep their disk and can start again), or --terminate them; delete its clusters.
+
+    The supervisor's pod goes first, and the stop is recorded where supervisors look (runs/RUN/STOPPED on the
+    volume when it is mounted here, else through its S3 API when RunPod's S3 key is exported; and this
+    machine's supervisor state), so they leave the run down until `trainpod deploy` clears it.
+    """
     from trainpod import workloads
     from trainpod.runpod.client import RunPodClient
     from trainpod.runpod.deploy import stop_run
@@ -942,7 +947,8 @@ def _version() -> str:
 
 
 def _summary(fn: object) -> str:
-    return (inspect.getdoc(fn) or "").split("\n")[0]
+    """The docstring's first paragraph, which may wrap over several lines (deploy's does)."""
+    return " ".join((inspect.getdoc(fn) or "").split("\n\n")[0].split())
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -82,7 +82,10 @@ def pod_env(config: DeployConfig, secret_values: dict[str, str] | None = None) -
         "TRAINPOD_GPU_HOURLY_USD": _usd(
             None if config.budget.hourly_usd is None else config.budget.hourly_usd * config.nodes
         ),
-        "TRAINPOD_BUDGET_USD": _usd(config.budget.budget_usd),
+        # Only with its price: a pod given a budget alone refuses to start (exit 2), as it could never spend
+        # it. Deploy refuses such a config; a supervisor's replacement pod of one deployed before still runs,
+        # its budget kept by the supervisor from RunPod's cost.
+        "TRAINPOD_BUDGET_USD": _usd(config.budget.budget_usd) if config.budget.hourly_usd is not None else "",
     }
     env.update({name: value for name, value in optional.items() if value})
     env.update(config.env.extra)

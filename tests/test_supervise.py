@@ -440,6 +440,22 @@ def test_a_stop_from_a_laptop_reaches_supervisors_elsewhere_through_s3_and_deplo
     assert the_pod(fake)["desiredStatus"] == "RUNNING"
 
 
+def test_a_stop_that_no_supervisor_elsewhere_can_see_says_so(fake, tmp_path, monkeypatch, capsys):
+    """README: with neither the volume here nor RunPod's S3 key, STOPPED is recorded nowhere a scheduled supervisor
+    (supervise.yml) looks, and it starts the run again. The stop said nothing of it: the pod came back and billed."""
+    for name, value in api_env(fake).items():
+        monkeypatch.setenv(name, value)
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "TRAINPOD_CONFIG"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TRAINPOD_VOLUME", str(tmp_path / "not-mounted-here"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "laptop"))
+    deploy(client_for(fake), deploy_config())
+    assert cli.main(["stop", "tiny"]) == 0
+    out = capsys.readouterr().out
+    assert the_pod(fake)["desiredStatus"] == "EXITED"
+    assert "STOPPED is not recorded on the volume" in out and "SUPERVISE_RUN" in out, out
+
+
 def secrets_config() -> DeployConfig:
     cfg = deploy_config()
     cfg.secrets = ["HF_TOKEN", "WANDB_API_KEY"]

@@ -478,6 +478,15 @@ def stop(run_name: str, terminate: bool = False) -> int:
         mounted = volume if volume.root.is_dir() else None
         volume_s3 = None if mounted else _supervised_volume_s3(_deploy_config_of(run_name))
         mark_stopped(run_name, mounted, volume_s3=volume_s3)  # supervisors must not undo it
+        if mounted is None and volume_s3 is None:
+            logging.getLogger("trainpod.stop").warning(
+                "runs/%s/STOPPED is not recorded on the volume: it is not mounted here (TRAINPOD_VOLUME, %s) and "
+                "RunPod's S3 key (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) with the run's deploy config is not at "
+                "hand; a supervisor elsewhere (supervise.yml, another machine) does not see this stop and starts "
+                "the run again: export the key and stop again, or unset SUPERVISE_RUN",
+                run_name,
+                volume.root,
+            )
         return ExitCode.DONE
 
     return _reported(act)

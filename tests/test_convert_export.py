@@ -132,6 +132,40 @@ def test_a_corrupt_checkpoint_is_exit_2_and_nothing_is_written(vol: Volume) -> N
     assert not list(vol.run(RUN).export.glob("hf-step-2.tmp-*"))
 
 
+def convert(vol: Volume, tasks: list[dict]) -> list[Path]:
+    return run_convert(
+        convert_config([{"kind": "export"} | task for task in tasks], name=RUN), vol, PreemptionWatch()
+    )
+
+
+def test_a_bad_export_task_is_exit_2_before_any_task_is_written(vol: Volume) -> None:
+    """Each export task's step was looked up when its turn came: the tasks before it (an hour's merge, say)
+    were written first, and the typo found after them."""
+    with pytest.raises(InputError) as caught:
+        convert(vol, [{"step": 2}, {"step": 3}])
+    assert "step-3" in str(caught.value)
+    assert not list(vol.run(RUN).export.glob("hf-step-2*")), "the first task was written before the check"
+
+
+def test_a_corrupt_checkpoint_of_a_later_task_is_exit_2_before_any_task_is_written(vol: Volume) -> None:
+    weights = vol.run(RUN).checkpoints / "step-4" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-10] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(InputError) as caught:
+        convert(vol, [{"step": 2}, {"step": 4}])
+    assert "step-4" in str(caught.value) and "fails verification" in str(caught.value)
+    assert not list(vol.run(RUN).export.glob("hf-step-2*")), "the first task was written before the check"
+
+
+def test_a_finished_export_is_not_verified_again(vol: Volume) -> None:
+    """Reading every checkpoint file to skip an output that is up to date would cost as much as writing it."""
+    out = export(vol, step=2)
+    before = tree_snapshot(out)
+    (vol.run(RUN).checkpoints / "step-2" / "optimizer.safetensors").write_bytes(b"not read")
+    assert export(vol, step=2) == out and tree_snapshot(out) == before
+
+
 def test_a_training_export_carries_a_manifest_that_pull_checks_every_file_by(tmp_path: Path) -> None:
     # RunPod's S3 ETags may be no MD5s: without a manifest, `trainpod pull` could check export/hf by size alone.
     from trainpod import atomic

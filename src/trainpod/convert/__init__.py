@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainpod.config.convert import ConvertConfig, ExportTask, MergeTask, MlxTask
+from trainpod.config.convert import ConvertConfig, ExportTask, MergeTask, MlxTask, Task
 from trainpod.convert import adapter as peft_adapter
 from trainpod.convert import export, inputs, merge, mlx, output
 from trainpod.errors import InputError, Preempted
@@ -26,7 +26,7 @@ from trainpod.volume import Volume
 
 log = logging.getLogger(__name__)
 
-__all__ = ["run_convert"]
+__all__ = ["ConvertPlan", "plan_convert", "run_convert"]
 
 
 @dataclass
@@ -81,6 +81,52 @@ def run_convert(config: ConvertConfig, volume: Volume, watch: PreemptionWatch) -
     Raises InputError (exit 2) for inputs that are missing, refused or do not fit, and Preempted
     (exit 143) when a stop is requested between tasks; finished outputs stay and are skipped next time.
     """
+    return plan_convert(config, volume).make(watch)
+
+
+@dataclass
+class Output:
+    """One task's output: where it goes, what it is made from, and how."""
+
+    task: Task
+    target: Path
+    files: dict[str, Path]
+    settings: dict[str, Any]
+    write: Callable[[output.Staging], None]
+    # Checks of the inputs too slow to make for an output that is finished already (a checkpoint's hashes).
+    check: Callable[[], None] = lambda: None
+
+    def finished(self) -> bool:
+        key = output.output_key(output.describe_inputs(self.files), self.settings)
+        return output.is_finished(self.target, output.read_manifest(self.target), key)
+
+
+@dataclass
+class ConvertPlan:
+    """Every task's output, its inputs resolved and checked: what `make` writes."""
+
+    outputs: list[Output]
+
+    def make(self, watch: PreemptionWatch) -> list[Path]:
+        """Check the inputs of every output not finished yet, all before the first is written (a corrupt
+        checkpoint is exit 2 at the start, not after an hour's merge), then make them in task order."""
+        for item in self.outputs:
+            if not item.finished():
+                item.check()
+        done: list[Path] = []
+        for item in self.outputs:
+            if watch.requested:
+                raise Preempted(
+                    f"stopped by {watch.signal_name or 'signal'} before the {item.task.kind} task; finished: "
+                    f"{', '.join(p.name for p in done) or 'nothing'}. Run the same config again to continue"
+                )
+            done.append(_produce(item))
+        return done
+
+
+def plan_convert(config: ConvertConfig, volume: Volume) -> ConvertPlan:
+    """Resolve and check every task's inputs, writing nothing; InputError (exit 2) for the first that is
+    missing, refused or does not fit."""
     export_root = volume.run(config.name).export
     adapter_tasks = [t for t in config.task if isinstance(t, MlxTask | MergeTask)]
     sources: AdapterInputs | None = None
@@ -101,37 +147,31 @@ def run_convert(config: ConvertConfig, volume: Volume, watch: PreemptionWatch) -
                     f"the adapter {sources.adapter.folder} cannot be merged into its base:\n  - "
                     + "\n  - ".join(problems)
                 )
-    done: list[Path] = []
+    outputs: list[Output] = []
     for task in config.task:
-        if watch.requested:
-            raise Preempted(
-                f"stopped by {watch.signal_name or 'signal'} before the {task.kind} task; finished: "
-                f"{', '.join(p.name for p in done) or 'nothing'}. Run the same config again to continue"
-            )
         if isinstance(task, MlxTask):
-            done.append(_mlx(task, sources, export_root))
+            outputs.append(_mlx(task, sources, export_root))
         elif isinstance(task, MergeTask):
-            done.append(_merge(task, sources, export_root))
+            outputs.append(_merge(task, sources, export_root))
         else:
-            done.append(_export(task, config.name, volume, watch, export_root))
-    return done
+            outputs.append(_export(task, config.name, volume, export_root))
+    return ConvertPlan(outputs)
 
 
-def _produce(
-    target: Path, files: dict[str, Path], settings: dict[str, Any], write: Callable[[output.Staging], None]
-) -> Path:
+def _produce(item: Output) -> Path:
     started = time.monotonic()
-    if output.produce(target, files, settings, write):
-        log.info("wrote %s in %.1f s", target, time.monotonic() - started)
+    if output.produce(item.target, item.files, item.settings, item.write):
+        log.info("wrote %s in %.1f s", item.target, time.monotonic() - started)
     else:
-        log.info("%s is up to date (same inputs and settings); skipping", target)
-    return target
+        log.info("%s is up to date (same inputs and settings); skipping", item.target)
+    return item.target
 
 
-def _mlx(task: MlxTask, sources: AdapterInputs, export_root: Path) -> Path:
+def _mlx(task: MlxTask, sources: AdapterInputs, export_root: Path) -> Output:
     layers = sources.base_layers()
     settings = {"task": task.model_dump(mode="json"), "base_model": sources.base_name, "base_layers": layers}
-    return _produce(
+    return Output(
+        task,
         export_root / task.output,
         sources.adapter.files(),
         settings,
@@ -139,7 +179,7 @@ def _mlx(task: MlxTask, sources: AdapterInputs, export_root: Path) -> Path:
     )
 
 
-def _merge(task: MergeTask, sources: AdapterInputs, export_root: Path) -> Path:
+def _merge(task: MergeTask, sources: AdapterInputs, export_root: Path) -> Output:
     dtype = task.dtype
     if dtype == "auto":
         dtype = merge.base_dtype(peft_adapter.base_config(sources.base_dir))
@@ -149,7 +189,8 @@ def _merge(task: MergeTask, sources: AdapterInputs, export_root: Path) -> Path:
         "dtype": dtype,
         "quantization": quantization if task.qlora_base == "dequantized" else None,
     }
-    return _produce(
+    return Output(
+        task,
         export_root / task.output,
         sources.merge_files(),
         settings,
@@ -165,13 +206,15 @@ def _merge(task: MergeTask, sources: AdapterInputs, export_root: Path) -> Path:
     )
 
 
-def _export(task: ExportTask, name: str, volume: Volume, watch: PreemptionWatch, export_root: Path) -> Path:
-    source = export.resolve_checkpoint(task, name, volume, watch)
+def _export(task: ExportTask, name: str, volume: Volume, export_root: Path) -> Output:
+    source = export.resolve_checkpoint(task, name, volume)
     dtype = source.dtype(task.dtype)
     settings = {"task": task.model_dump(mode="json"), "step": source.step, "dtype": dtype}
-    return _produce(
+    return Output(
+        task,
         export_root / (task.output or f"hf-step-{source.step}"),
         source.files(),
         settings,
         lambda staging: export.write_export(source, staging.folder, dtype),
+        check=lambda: export.verify_checkpoint(source),
     )

@@ -50,9 +50,7 @@ class CheckpointSource:
         return "float32" if recorded == "auto" else recorded
 
 
-def resolve_checkpoint(
-    task: ExportTask, run_name: str, volume: Volume, watch: PreemptionWatch
-) -> CheckpointSource:
+def resolve_checkpoint(task: ExportTask, run_name: str, volume: Volume) -> CheckpointSource:
     run = volume.run(task.run or run_name)
     if not run.config.is_file():
         raise InputError(
@@ -63,7 +61,7 @@ def resolve_checkpoint(
     config = load_config(PretrainConfig, run.config)
     step = _step(task.step, run)
     path = run.checkpoints / step_dir_name(step)
-    ctx = RunContext(volume, run, watch)
+    ctx = RunContext(volume, run, PreemptionWatch())  # for its dataset and tokenizer lookups alone
     dataset_dir = ctx.resolve_dataset(config.data.dataset)
     manifest = load_dataset_manifest(dataset_dir)
     tokenizer_dir = ctx.resolve_tokenizer(config.data.tokenizer, manifest)
@@ -110,8 +108,8 @@ def _step(requested: int | str, run: RunDir) -> int:
     return int(requested)
 
 
-def write_export(source: CheckpointSource, folder: Path, dtype: str) -> None:
-    """Verify the checkpoint against its manifest, load it, and export it to `folder` (made here)."""
+def verify_checkpoint(source: CheckpointSource) -> None:
+    """Every file of the checkpoint against its manifest's hashes (exit 2 when one fails)."""
     store = CheckpointStore(source.run.checkpoints)
     manifest, reason = store.verify(source.path)
     if manifest is None:
@@ -119,6 +117,10 @@ def write_export(source: CheckpointSource, folder: Path, dtype: str) -> None:
             f"checkpoint {source.path} fails verification ({reason}); export another step "
             f"(committed: {', '.join(str(c.step) for c in store.committed())})"
         )
+
+
+def write_export(source: CheckpointSource, folder: Path, dtype: str) -> None:
+    """Load the checkpoint (verified by verify_checkpoint) and export it to `folder` (made here)."""
     model_config = llama_config(source.config.model, source.vocab_size, source.config.train.seq_len, "sdpa")
     model = build_model(model_config, source.config.train.seed)
     state = json.loads((source.path / "trainer_state.json").read_text(encoding="utf-8"))

@@ -166,6 +166,31 @@ def test_a_finished_export_is_not_verified_again(vol: Volume) -> None:
     assert export(vol, step=2) == out and tree_snapshot(out) == before
 
 
+def test_two_exports_into_the_same_folder_are_exit_2_before_anything_is_written(vol: Volume) -> None:
+    """Both went to hf-step-4: the bfloat16 one replaced the float32 one, and every rerun wrote both again."""
+    with pytest.raises(InputError) as caught:
+        convert(vol, [{"step": 4, "dtype": "float32"}, {"step": 4, "dtype": "bfloat16"}])
+    assert "tasks 1 (export, step 4, dtype float32) and 2 (export, step 4, dtype bfloat16)" in str(
+        caught.value
+    )
+    assert "hf-step-4" in str(caught.value) and "`output`" in str(caught.value)
+    assert not list(vol.run(RUN).export.glob("hf-step-4*"))
+
+
+def test_an_export_named_like_another_tasks_default_folder_is_exit_2(vol: Volume) -> None:
+    with pytest.raises(InputError) as caught:
+        convert(vol, [{"step": 2, "output": "hf-step-4"}, {"step": 4}])
+    assert "tasks 1 (export, step 2" in str(caught.value)
+
+
+def test_two_tasks_naming_the_same_export_differently_make_it_once(vol: Volume) -> None:
+    outputs = convert(vol, [{"step": 4}, {"step": "latest", "dtype": "float32"}])
+    assert outputs == [vol.run(RUN).export / "hf-step-4"] * 2
+    before = tree_snapshot(outputs[0])
+    convert(vol, [{"step": 4}, {"step": "latest", "dtype": "float32"}])
+    assert tree_snapshot(outputs[0]) == before, "a rerun rewrote the export"
+
+
 def test_a_training_export_carries_a_manifest_that_pull_checks_every_file_by(tmp_path: Path) -> None:
     # RunPod's S3 ETags may be no MD5s: without a manifest, `trainpod pull` could check export/hf by size alone.
     from trainpod import atomic

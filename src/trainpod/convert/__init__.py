@@ -110,11 +110,14 @@ class ConvertPlan:
     def make(self, watch: PreemptionWatch) -> list[Path]:
         """Check the inputs of every output not finished yet, all before the first is written (a corrupt
         checkpoint is exit 2 at the start, not after an hour's merge), then make them in task order."""
-        for item in self.outputs:
+        for item in {id(item): item for item in self.outputs}.values():  # one made for two tasks: once
             if not item.finished():
                 item.check()
         done: list[Path] = []
         for item in self.outputs:
+            if item.target in done:  # made for an earlier task already (_one_output_per_folder)
+                done.append(item.target)
+                continue
             if watch.requested:
                 raise Preempted(
                     f"stopped by {watch.signal_name or 'signal'} before the {item.task.kind} task; finished: "
@@ -155,7 +158,39 @@ def plan_convert(config: ConvertConfig, volume: Volume) -> ConvertPlan:
             outputs.append(_merge(task, sources, export_root))
         else:
             outputs.append(_export(task, config.name, volume, export_root))
-    return ConvertPlan(outputs)
+    return ConvertPlan(_one_output_per_folder(outputs))
+
+
+def _one_output_per_folder(outputs: list[Output]) -> list[Output]:
+    """Two tasks that name the same folder (`export` of step 4 and of `latest` at 4, both hf-step-4): the
+    same conversion is made once for both; different ones are exit 2, since the second replaced the first
+    and the user got one of the two outputs asked for, each rerun writing both again."""
+    first_by_target: dict[Path, tuple[int, Output]] = {}
+    planned = []
+    for number, item in enumerate(outputs, start=1):
+        first_number, first = first_by_target.setdefault(item.target, (number, item))
+        if first is not item and _made_alike(first, item):
+            item = first
+        elif first is not item:
+            raise InputError(
+                f"tasks {first_number} ({_described(first)}) and {number} ({_described(item)}) both write "
+                f"{item.target}, so the second would replace the first; give one of them its own `output`"
+            )
+        planned.append(item)
+    return planned
+
+
+def _made_alike(one: Output, other: Output) -> bool:
+    """Two exports of the same checkpoint in the same dtype, however the tasks name them (step 4, or `latest`
+    at step 4; dtype auto, or the dtype auto means): their inputs and resolved settings are the same."""
+    settings = [{k: v for k, v in o.settings.items() if k != "task"} for o in (one, other)]
+    exports = isinstance(one.task, ExportTask) and isinstance(other.task, ExportTask)
+    return exports and one.files == other.files and settings[0] == settings[1]
+
+
+def _described(item: Output) -> str:
+    details = {k: v for k, v in item.settings.items() if k in ("step", "dtype")}
+    return ", ".join([item.task.kind, *(f"{k} {v}" for k, v in details.items())])
 
 
 def _produce(item: Output) -> Path:

@@ -191,6 +191,34 @@ def test_two_tasks_naming_the_same_export_differently_make_it_once(vol: Volume) 
     assert tree_snapshot(outputs[0]) == before, "a rerun rewrote the export"
 
 
+def run_convert_workload(vol: Volume, tmp_path: Path, name: str, task: dict):
+    config = tmp_path / "convert.yaml"
+    config.write_text(json.dumps({"name": name, "task": [{"kind": "export"} | task]}))
+    return run_trainpod("run", "convert", "--config", str(config), volume=vol.root)
+
+
+def test_a_bad_input_is_exit_2_while_a_training_run_holds_the_lease(vol: Volume, tmp_path: Path) -> None:
+    """The lease was taken before the inputs were checked: a typo was exit 75, 'leased by another writer',
+    at every start of the convert pod until the training run ended, and only then exit 2."""
+    from trainpod.checkpoint import Lease
+
+    training = Lease(vol.run(RUN).lease)
+    training.acquire()
+    try:
+        result = run_convert_workload(vol, tmp_path, RUN, {"step": 3})
+    finally:
+        training.release()
+    assert result.returncode == ExitCode.BAD_INPUT, result.stdout + result.stderr
+    assert "step-3" in result.stdout and "leased" not in result.stdout
+
+
+def test_a_misspelt_run_name_is_exit_2_and_leaves_no_run_folder(vol: Volume, tmp_path: Path) -> None:
+    result = run_convert_workload(vol, tmp_path, "tiny-pretrian", {"step": 2})
+    assert result.returncode == ExitCode.BAD_INPUT, result.stdout + result.stderr
+    assert "tiny-pretrian" in result.stdout
+    assert not vol.run("tiny-pretrian").root.exists(), "an empty run folder was left under the typo"
+
+
 def test_a_training_export_carries_a_manifest_that_pull_checks_every_file_by(tmp_path: Path) -> None:
     # RunPod's S3 ETags may be no MD5s: without a manifest, `trainpod pull` could check export/hf by size alone.
     from trainpod import atomic

@@ -20,13 +20,22 @@ def config_type(tree: dict[str, Any]) -> type:
 
 
 def preflight(ctx: RunContext, config: ConvertConfig) -> None:
-    """run_convert checks every input before it writes anything."""
+    """Every task's inputs, checked before the run's lease is taken and its export/ made: a typo was exit 75
+    ('leased by another writer') for as long as a training run held the lease, or left an empty run folder
+    under a misspelt name. `run` looks them up again under the lease, where they may have moved on."""
+    from trainpod.convert import plan_convert
+
+    plan_convert(_named(ctx, config), ctx.volume)
 
 
 def run(ctx: RunContext, config: ConvertConfig) -> list[Path]:
     from trainpod.convert import run_convert
 
-    return run_convert(config.model_copy(update={"name": ctx.run.name}), ctx.volume, ctx.watch)
+    return run_convert(_named(ctx, config), ctx.volume, ctx.watch)
+
+
+def _named(ctx: RunContext, config: ConvertConfig) -> ConvertConfig:
+    return config.model_copy(update={"name": ctx.run.name})  # TRAINPOD_RUN or --run, when given
 
 
 def disk_estimate(config: ConvertConfig) -> int | None:

@@ -7,6 +7,7 @@ volume, and stops it the way a spot pod is stopped: SIGTERM, then SIGKILL.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -49,6 +50,10 @@ if mode == "fail":
 if mode == "with-child":
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     open("child.pid", "w").write(str(child.pid))
+if mode == "with-torchrun-like-children":  # one in its group, one in a session of its own (torchrun's workers)
+    pids = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=new).pid
+            for new in (False, True)]
+    open("children.pids", "w").write(" ".join(map(str, pids)))
 if mode == "with-timed-child":  # a DataLoader worker's stand-in: notes when its SIGTERM came
     subprocess.Popen([sys.executable, "-c", TIMED_CHILD])
 for i in range(100000):
@@ -168,6 +173,27 @@ def test_sigkill_of_the_kit_takes_the_program_down_with_it(tmp_path):
     while _alive(program_pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _alive(program_pid), "an orphaned program would write checkpoints with no lease held for it"
+
+
+def test_sigkill_of_the_kit_takes_the_programs_children_down_too(tmp_path):
+    """PR_SET_PDEATHSIG reaches the program alone: a shell wrapper's python, torchrun's workers (each in a
+    session of its own) went on training, holding the GPU and writing checkpoints with no lease held."""
+    config, volume = write_setup(tmp_path, "with-torchrun-like-children")
+    proc = start_trainpod("run", "command", "--config", str(config), volume=volume)
+    pids_file = tmp_path / "repo/children.pids"
+    wait_for(
+        lambda: pids_file.exists() and "working 2" in program_log(volume), proc, "the program's children"
+    )
+    children = [int(pid) for pid in pids_file.read_text().split()]
+    proc.kill()
+    proc.communicate(timeout=60)
+    deadline = time.monotonic() + 10
+    while any(map(_alive, children)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = [pid for pid in children if _alive(pid)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"the program's children {left} outlived the SIGKILLed kit"
 
 
 def _alive(pid: int) -> bool:

@@ -1,6 +1,12 @@
 """A user's program as a child process the kit can stop: its own process group, dead with its parent,
 its output on the console and in a log file (secrets masked), its last line kept for status.json.
 
+Dead with its parent, all of it: PR_SET_PDEATHSIG reaches the program alone, so a watchdog process
+outside the program's group waits on a pipe from the kit, and when the kit dies without standing it
+down (SIGKILL, the OOM killer: no container's PID 1 takes everything with it on a laptop or a bare VM)
+it kills the program's group and every process that carries the program's TRAINPOD_PROGRAM_ID in its
+environment (torchrun starts each worker in a session of its own, out of the group's reach).
+
 The `command` workload (workloads/command.py) runs one with the run's lifecycle around it.
 """
 
@@ -15,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import BinaryIO, TextIO
 
@@ -23,6 +30,41 @@ from trainpod.log import redact
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None  # loaded before any fork
 _LINE_END = re.compile(rb"[\r\n]")
+PROGRAM_ID_ENV = "TRAINPOD_PROGRAM_ID"  # in the program's environment, inherited by all it starts
+STAND_DOWN = b"done"
+# Run by the kit's own Python, so nothing here is imported: it reads the program's pid, then waits for
+# the kit to write STAND_DOWN, or for the pipe's end when the kit dies first.
+_WATCHDOG = f"""
+import os, signal, sys, time
+received = b""
+while chunk := os.read(0, 64):
+    received += chunk
+words = received.split()
+if {STAND_DOWN!r} in words:
+    sys.exit(0)
+group = int(words[0]) if words else None
+marker = b"\\0{PROGRAM_ID_ENV}=" + sys.argv[1].encode() + b"\\0"
+for _ in range(40):  # until nothing is left to kill: a process may start another while this looks
+    hit = False
+    if group is not None:
+        try:
+            os.killpg(group, signal.SIGKILL)
+            hit = True
+        except OSError:
+            pass
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        try:
+            with open(f"/proc/{{entry}}/environ", "rb") as f:
+                found = marker in b"\\0" + f.read()
+            if found:
+                os.kill(int(entry), signal.SIGKILL)
+                hit = True
+        except (OSError, ValueError):
+            pass
+    if not hit:
+        break
+    time.sleep(0.05)
+"""
 
 
 def _in_own_group_dying_with_parent(parent: int) -> None:
@@ -50,25 +92,57 @@ class Program:
         self.proc: subprocess.Popen | None = None
         self._pumps: list[threading.Thread] = []
         self._log_lock = threading.Lock()
+        self._watchdog: subprocess.Popen | None = None
+        self._watchdog_pipe: int | None = None
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         parent = os.getpid()
-        self.proc = subprocess.Popen(
-            self.argv,
-            cwd=self.workdir,
-            env=self.env,
-            stdin=subprocess.DEVNULL,  # a pod has no terminal; in a shell, a read would stop its group
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            preexec_fn=lambda: _in_own_group_dying_with_parent(parent),  # noqa: PLW1509
-        )
+        program_id = uuid.uuid4().hex
+        self._start_watchdog(program_id)  # first: a kit killed while the program starts leaves nothing behind
+        try:
+            self.proc = subprocess.Popen(
+                self.argv,
+                cwd=self.workdir,
+                env={**self.env, PROGRAM_ID_ENV: program_id},
+                stdin=subprocess.DEVNULL,  # a pod has no terminal; in a shell, a read would stop its group
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                preexec_fn=lambda: _in_own_group_dying_with_parent(parent),  # noqa: PLW1509
+            )
+        except BaseException:
+            self.stand_down()  # nothing started: nothing to kill
+            raise
+        with contextlib.suppress(OSError):  # a watchdog gone (killed by hand) must not end the kit's start
+            os.write(self._watchdog_pipe, f"{self.proc.pid}\n".encode())  # the program's group
         with open(self.log_path, "ab") as log:
             log.write(f"--- started {self.argv} in {self.workdir} (pid {self.proc.pid})\n".encode())
         for pipe, console in ((self.proc.stdout, sys.stdout), (self.proc.stderr, sys.stderr)):
             pump = threading.Thread(target=self._pump, args=(pipe, console), daemon=True)
             pump.start()
             self._pumps.append(pump)
+
+    def _start_watchdog(self, program_id: str) -> None:
+        read_end, self._watchdog_pipe = os.pipe()  # not inherited: the program never holds the write end
+        try:
+            self._watchdog = subprocess.Popen(
+                [sys.executable, "-c", _WATCHDOG, program_id],
+                stdin=read_end,
+                stdout=subprocess.DEVNULL,
+                start_new_session=True,  # out of reach of the kit's group: a Ctrl-C, a kill of that group
+            )
+        finally:
+            os.close(read_end)
+
+    def stand_down(self) -> None:
+        """Tell the watchdog that the program and its group have ended and nothing is left to kill."""
+        if self._watchdog_pipe is None:
+            return
+        with contextlib.suppress(OSError):
+            os.write(self._watchdog_pipe, STAND_DOWN)
+        os.close(self._watchdog_pipe)
+        self._watchdog_pipe = None
+        self._watchdog.wait()
 
     def signal(self, signum: int) -> None:
         """The program itself, not its group: its helpers (torch DataLoader workers) die at a SIGTERM

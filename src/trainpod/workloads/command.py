@@ -143,6 +143,7 @@ def _supervise(
     # waiting for them before (2 s a pipe) spent 4 s of a stop's 5 s window before that group got its
     # SIGTERM, and the kit's own exit (status.json, the lease) came after the platform's SIGKILL.
     _end_group(program, ctx, killed)
+    program.stand_down()
     program.wait_for_output(min(OUTPUT_WAIT_S, max(_window_left(ctx), OUTPUT_WAIT_MIN_S)))
     return code, stopped_by
 

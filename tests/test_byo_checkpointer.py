@@ -247,3 +247,82 @@ def test_a_step_older_than_latest_is_refused_and_the_newer_checkpoints_stay(tmp_
     with Checkpointer(tmp_path, watch_signals=False) as ckpt:
         assert ckpt.restore().step == 300
     assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*")) == ["step-200", "step-300"]
+
+
+TWO_RANK_LOOP = """
+import sys, time
+import torch
+import torch.distributed as dist
+from trainpod import Checkpointer
+
+dist.init_process_group("gloo")
+rank, run = dist.get_rank(), sys.argv[1]
+model = torch.nn.Linear(4, 4)
+with Checkpointer(run) as ckpt:
+    step = 0
+    while True:
+        grad = torch.ones(4)
+        dist.all_reduce(grad)  # DDP's gradient all-reduce, in every step
+        with torch.no_grad():
+            model.weight.add_(grad.sum() * 1e-4)
+        step += 1
+        open(f"{run}/rank{rank}.step", "w").write(str(step))
+        time.sleep(0.02)
+        stop = ckpt.should_stop()
+        if rank == 0 and (step % 5 == 0 or (stop and ckpt.commit_fits())):
+            ckpt.commit(step, model=model)
+        if stop:
+            open(f"{run}/rank{rank}.stopped", "w").write(str(step))
+            ckpt.exit_preempted()
+"""
+
+
+def test_a_sigterm_to_one_rank_stops_every_rank_after_the_same_step_with_its_commit(tmp_path):
+    """Each rank read its own flag: rank 1 stopped after step N, and rank 0 went on into step N+1's
+    all-reduce, which failed (gloo; NCCL hangs) before it committed: the stop's commit was lost."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from support import child_env
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (tmp_path / "loop.py").write_text(TWO_RANK_LOOP)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, str(tmp_path / "loop.py"), str(run)],
+            env=child_env(
+                {"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+            ),
+        )
+        for rank in range(2)
+    ]
+    try:
+        deadline = time.monotonic() + 60
+        while not (run / "rank1.step").exists() or int((run / "rank1.step").read_text() or 0) < 8:
+            assert time.monotonic() < deadline and all(r.poll() is None for r in ranks), "the ranks never ran"
+            time.sleep(0.01)
+        ranks[1].send_signal(signal.SIGTERM)  # one rank alone, as when the signal reaches them apart
+        codes = [rank.wait(timeout=30) for rank in ranks]
+    finally:
+        for rank in ranks:
+            rank.kill()
+    stopped = [
+        (run / f"rank{r}.stopped").read_text() for r in range(2) if (run / f"rank{r}.stopped").exists()
+    ]
+    assert codes == [143, 143] and len(stopped) == 2 and stopped[0] == stopped[1], (codes, stopped)
+    assert (run / "checkpoints/LATEST").read_text().strip() == f"step-{stopped[0]}", (
+        "the stop's commit was lost"
+    )
+
+
+def test_should_stop_without_torch_distributed_is_this_processs_own_flag(tmp_path, signals_restored):
+    ckpt = Checkpointer(tmp_path / "run", watch_signals=True)
+    assert not ckpt.should_stop()
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert ckpt.should_stop() and ckpt.stop_requested

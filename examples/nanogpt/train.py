@@ -130,9 +130,10 @@ def main() -> None:
             print(f"step {step} loss {loss.item():.4f}", flush=True)
             time.sleep(args.sleep_per_step)
             due = step % args.commit_every == 0 or step == args.max_steps
-            if due or (ckpt.stop_requested and ckpt.commit_fits()):
+            stop = ckpt.should_stop()  # under torchrun, every rank agrees on the same step
+            if due or (stop and ckpt.commit_fits()):
                 ckpt.commit(step, model=model, optimizer=optimizer, extra={"loss": loss.item()})
-            if ckpt.stop_requested:
+            if stop:
                 ckpt.exit_preempted()  # exit 143: the supervisor starts the pod again
         print(f"finished: weights at {export(model, ckpt.run_dir)}", flush=True)
 

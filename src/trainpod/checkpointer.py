@@ -13,9 +13,10 @@
         while step < max_steps:
             train_one_step(model, optimizer, step)
             step += 1
-            if step % 100 == 0 or (ckpt.stop_requested and ckpt.commit_fits()):
+            stop = ckpt.should_stop()         # once a step, on every rank: under torchrun all agree
+            if step % 100 == 0 or (stop and ckpt.commit_fits()):   # rank 0 alone under torchrun
                 ckpt.commit(step, model=model, optimizer=optimizer, extra={"data_position": step})
-            if ckpt.stop_requested:
+            if stop:
                 ckpt.exit_preempted()         # exit 143: the supervisor starts the pod again
 
 It writes through the same CheckpointStore (temp folder, hashes, manifest, rename, LATEST,
@@ -236,6 +237,16 @@ class Checkpointer:
         """SIGTERM (or SIGINT) arrived, or the lease was lost: commit if it fits, then exit."""
         return self.watch.requested or (self.lease is not None and self.lease.lost.is_set())
 
+    def should_stop(self) -> bool:
+        """`stop_requested`, agreed by every rank: under torch.distributed (torchrun) each rank calls it once
+        per step, and one all-reduce makes all of them stop after the same step. A rank that read its own
+        flag stopped a step before the others (the SIGTERM reaches each rank at its own moment, or one rank
+        alone), and rank 0's next collective then failed or hung: its last commit was lost."""
+        [agreed] = on_any_rank([self.stop_requested])
+        if agreed and not self.watch.requested:
+            self.watch.request("another rank's stop")  # starts this rank's clock: seconds_left, commit_fits
+        return agreed
+
     def seconds_left(self) -> float:
         """Seconds until the platform's SIGKILL is expected (infinite when no signal came)."""
         return self.watch.seconds_left()
@@ -259,6 +270,19 @@ class Checkpointer:
         )
         self.close()
         sys.exit(int(ExitCode.PREEMPTED))
+
+
+def on_any_rank(flags: list[bool]) -> list[bool]:
+    """Each flag set on any rank (one small all-reduce under torch.distributed; as given alone)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return flags
+    nccl = dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    tensor = torch.tensor([float(f) for f in flags], device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return [bool(v) for v in tensor.tolist()]
 
 
 def _state_file(name: str, state: Any) -> tuple[str, Any]:

@@ -34,7 +34,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 import trainpod
 from trainpod.checkpoint.directory import commit_directory
-from trainpod.checkpointer import COMMIT_MARGIN, Checkpointer
+from trainpod.checkpointer import COMMIT_MARGIN, Checkpointer, on_any_rank
 from trainpod.errors import ConfigError, ExitCode
 
 log = logging.getLogger(__name__)
@@ -85,7 +85,7 @@ class TrainpodCallback(TrainerCallback):
         # Every rank takes the same decision at the same step: SIGTERM reaches the ranks at slightly
         # different moments, and a rank that saves while another trains on (or exits) waits in the save's
         # barrier until SIGKILL, losing the commit.
-        stop, lease_lost, no_time = _on_any_rank(self._stop_flags())
+        stop, lease_lost, no_time = on_any_rank(self._stop_flags())
         if not stop:
             return control
         if lease_lost:
@@ -155,20 +155,6 @@ def _eval_loss(state: TrainerState) -> float | None:
         ),
         None,
     )
-
-
-def _on_any_rank(flags: list[bool]) -> list[bool]:
-    """Each flag set on any rank (one small all-reduce per step under DDP/FSDP; as given alone)."""
-    import torch
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return flags
-    nccl = dist.get_backend() == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-    tensor = torch.tensor([float(f) for f in flags], device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return [bool(v) for v in tensor.tolist()]
 
 
 def _barrier() -> None:

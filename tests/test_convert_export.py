@@ -107,6 +107,16 @@ def test_a_step_that_is_not_committed_is_exit_2_listing_the_committed_ones(vol: 
     assert "step-3" in str(caught.value) and "2, 4" in str(caught.value)
 
 
+def test_latest_naming_a_checkpoint_that_is_gone_is_exit_2_listing_the_committed_ones(vol: Volume) -> None:
+    """A step-4 folder deleted by hand (LATEST still naming it) was a FileNotFoundError traceback, exit 1."""
+    import shutil
+
+    shutil.rmtree(vol.run(RUN).checkpoints / "step-4")
+    with pytest.raises(InputError) as caught:
+        export(vol)
+    assert "LATEST names step-4" in str(caught.value) and "committed steps: 2" in str(caught.value)
+
+
 def test_a_finetune_run_is_exit_2_saying_export_takes_pretrain_runs(vol: Volume) -> None:
     """Its config read as a pretrain one listed eight unrelated config problems instead."""
     from finetune_support import TINY_FINETUNE

@@ -91,7 +91,7 @@ def _step(requested: int | str, run: RunDir) -> int:
     if requested == "latest":
         try:
             name = (run.checkpoints / LATEST).read_text(encoding="utf-8").strip()
-            return int(name.removeprefix("step-"))
+            latest = int(name.removeprefix("step-"))
         except (FileNotFoundError, ValueError):
             if steps:
                 return steps[-1]
@@ -99,6 +99,12 @@ def _step(requested: int | str, run: RunDir) -> int:
                 f"run {run.name} has no committed checkpoint under {run.checkpoints}; train it first "
                 f"(`trainpod run pretrain`) or export another run"
             ) from None
+        if latest not in steps:  # its folder deleted by hand, or moved aside as invalid
+            raise InputError(
+                f"run {run.name}'s checkpoints/LATEST names {name}, which is not among its committed checkpoints "
+                f"(committed steps: {', '.join(map(str, steps)) or 'none'}); set step to one of them"
+            )
+        return latest
     if requested not in steps:
         raise InputError(
             f"run {run.name} has no committed checkpoint step-{requested}; committed steps: "

@@ -117,6 +117,20 @@ def test_latest_naming_a_checkpoint_that_is_gone_is_exit_2_listing_the_committed
     assert "LATEST names step-4" in str(caught.value) and "committed steps: 2" in str(caught.value)
 
 
+def test_a_checkpoint_removed_after_the_plan_is_exit_75_not_a_traceback(vol: Volume) -> None:
+    """Another run's retention may delete the step an export of it planned while earlier tasks are made."""
+    import shutil
+
+    from trainpod.convert import plan_convert
+    from trainpod.errors import TemporaryError
+
+    plan = plan_convert(convert_config([{"kind": "export", "step": 2}], name=RUN), vol)
+    shutil.rmtree(vol.run(RUN).checkpoints / "step-2")
+    with pytest.raises(TemporaryError) as caught:
+        plan.make(PreemptionWatch())
+    assert "step-2" in str(caught.value) and "was removed" in str(caught.value)
+
+
 def test_a_finetune_run_is_exit_2_saying_export_takes_pretrain_runs(vol: Volume) -> None:
     """Its config read as a pretrain one listed eight unrelated config problems instead."""
     from finetune_support import TINY_FINETUNE

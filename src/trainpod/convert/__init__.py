@@ -97,7 +97,7 @@ class Output:
     check: Callable[[], None] = lambda: None
 
     def finished(self) -> bool:
-        key = output.output_key(output.describe_inputs(self.files), self.settings)
+        key = output.output_key(output.describe_present_inputs(self.files, self.target), self.settings)
         return output.is_finished(self.target, output.read_manifest(self.target), key)
 
 

@@ -269,6 +269,18 @@ def describe_inputs(files: dict[str, Path]) -> dict[str, dict[str, Any]]:
     return described
 
 
+def describe_present_inputs(files: dict[str, Path], target: Path) -> dict[str, dict[str, Any]]:
+    """describe_inputs, with an input gone since it was looked up (another run's retention deleting the
+    checkpoint an export planned while earlier tasks were made) as exit 75, not a traceback."""
+    try:
+        return describe_inputs(files)
+    except FileNotFoundError as exc:
+        raise TemporaryError(
+            f"{exc.filename} was removed after {target.name} was planned from it; the next start converts what "
+            "is there then, or says it is gone"
+        ) from None
+
+
 def read_manifest(target: Path) -> dict[str, Any] | None:
     try:
         manifest = atomic.read_json(target / MANIFEST)
@@ -328,7 +340,7 @@ def produce(
             "output would delete it; give the task another `output` name"
         )
     remove_leftovers(target)
-    inputs = describe_inputs(files)
+    inputs = describe_present_inputs(files, target)
     key = output_key(inputs, settings)
     if is_finished(target, read_manifest(target), key):
         return False

@@ -269,7 +269,18 @@ class Checkpointer:
             "stopped by %s; newest checkpoint: step %s", self.watch.signal_name, self.last_committed_step
         )
         self.close()
+        _leave_process_group()
         sys.exit(int(ExitCode.PREEMPTED))
+
+
+def _leave_process_group() -> None:
+    """Under torch.distributed, this rank's group is closed before it exits: a rank that exited with its gloo
+    group open was at times aborted in the interpreter's teardown ('terminate called without an active
+    exception': SIGABRT, not 143, and torchrun then reports a failed worker)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def on_any_rank(flags: list[bool]) -> list[bool]:

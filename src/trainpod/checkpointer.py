@@ -173,8 +173,7 @@ class Checkpointer:
         """Take the run's lease, unless the kit holds it for this program (TRAINPOD_LEASE_HELD=1). Under
         torchrun rank 0 takes it for every rank: another rank found it taken by rank 0 and exited 75."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        rank = int(os.environ.get("RANK") or 0)
-        if os.environ.get("TRAINPOD_LEASE_HELD") != "1" and self.lease is None and rank == 0:
+        if os.environ.get("TRAINPOD_LEASE_HELD") != "1" and self.lease is None and _rank() == 0:
             self.lease = Lease(self.run_dir / "LEASE")
             self.lease.acquire()
             # Released at any exit Python sees (sys.exit, the end of the script); after a SIGKILL the
@@ -208,13 +207,20 @@ class Checkpointer:
         eval_loss: float | None = None,
         rng: bool = True,
         **states: Any,
-    ) -> CommittedCheckpoint:
+    ) -> CommittedCheckpoint | None:
         """Commit the state after `step` atomically: nothing of it is visible until LATEST names it.
 
         Each keyword is one named state: a module or a flat mapping of tensors goes to
         `<name>.safetensors`; anything else with `state_dict()` (optimizer, scheduler, scaler), or a
         plain dict, to `<name>.pt` (loadable with weights_only=True). `extra` must be JSON.
+
+        Under torchrun rank 0 commits for every rank: on the others this writes nothing and returns None.
+        Every rank writing the same step raced to rename its folder into place, and the loser crashed
+        (ENOTEMPTY), taking the job down; a rank other than 0 holds no lease to commit under anyway.
         """
+        if _rank() != 0:
+            self.last_committed_step = step
+            return None
         if self.lease is not None and self.lease.lost.is_set():
             raise TemporaryError("another writer took over this run's lease; stopping without a commit")
         refuse_older_step(self.store, step)
@@ -281,6 +287,10 @@ def _leave_process_group() -> None:
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK") or 0)
 
 
 def on_any_rank(flags: list[bool]) -> list[bool]:

@@ -196,6 +196,25 @@ def test_sigkill_of_the_kit_takes_the_programs_children_down_too(tmp_path):
     assert not left, f"the program's children {left} outlived the SIGKILLed kit"
 
 
+def test_a_stopped_program_leaves_nothing_running_in_sessions_of_its_own(tmp_path):
+    """SIGTERM and SIGKILL went to the program's group: torchrun's workers, each in a session of its own,
+    went on after the kit had released the lease and exited 143."""
+    config, volume = write_setup(tmp_path, "with-torchrun-like-children")
+    proc = start_trainpod("run", "command", "--config", str(config), volume=volume)
+    pids_file = tmp_path / "repo/children.pids"
+    wait_for(
+        lambda: pids_file.exists() and "working 2" in program_log(volume), proc, "the program's children"
+    )
+    children = [int(pid) for pid in pids_file.read_text().split()]
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    left = [pid for pid in children if _alive(pid)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == 143, out
+    assert not left, f"the program's children {left} outlived the kit's stop"
+
+
 def _alive(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"

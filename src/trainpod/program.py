@@ -2,10 +2,11 @@
 its output on the console and in a log file (secrets masked), its last line kept for status.json.
 
 Dead with its parent, all of it: PR_SET_PDEATHSIG reaches the program alone, so a watchdog process
-outside the program's group waits on a pipe from the kit, and when the kit dies without standing it
-down (SIGKILL, the OOM killer: no container's PID 1 takes everything with it on a laptop or a bare VM)
-it kills the program's group and every process that carries the program's TRAINPOD_PROGRAM_ID in its
-environment (torchrun starts each worker in a session of its own, out of the group's reach).
+outside the program's group waits on a pipe from the kit, and when the kit dies (SIGKILL, the OOM
+killer: no container's PID 1 takes everything with it on a laptop or a bare VM) it kills the program's
+group and every process that carries the program's TRAINPOD_PROGRAM_ID in its environment (torchrun
+starts each worker in a session of its own, out of the group's reach). The kit has it do the same
+once the program has ended (`sweep`), for what no signal to the group reached.
 
 The `command` workload (workloads/command.py) runs one with the run's lifecycle around it.
 """
@@ -32,8 +33,9 @@ _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None  
 _LINE_END = re.compile(rb"[\r\n]")
 PROGRAM_ID_ENV = "TRAINPOD_PROGRAM_ID"  # in the program's environment, inherited by all it starts
 STAND_DOWN = b"done"
-# Run by the kit's own Python, so nothing here is imported: it reads the program's pid, then waits for
-# the kit to write STAND_DOWN, or for the pipe's end when the kit dies first.
+# Run by the kit's own Python, so nothing here is imported: it reads the program's pid, then the pipe's
+# end: with STAND_DOWN before it (nothing was started) it leaves, without (the kit died, or swept once the
+# program had ended) it kills.
 _WATCHDOG = f"""
 import os, signal, sys, time
 received = b""
@@ -45,13 +47,12 @@ if {STAND_DOWN!r} in words:
 group = int(words[0]) if words else None
 marker = b"\\0{PROGRAM_ID_ENV}=" + sys.argv[1].encode() + b"\\0"
 for _ in range(40):  # until nothing is left to kill: a process may start another while this looks
-    hit = False
     if group is not None:
         try:
             os.killpg(group, signal.SIGKILL)
-            hit = True
         except OSError:
             pass
+    hit = False  # a process found by its environment (a zombie has none: it does not count)
     for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
         try:
             with open(f"/proc/{{entry}}/environ", "rb") as f:
@@ -134,8 +135,18 @@ class Program:
         finally:
             os.close(read_end)
 
+    def sweep(self) -> None:
+        """Once the program has exited and its group had its window: SIGKILL, through the watchdog, whatever
+        carrying the program's id is left in sessions of its own (torchrun's workers once torchrun itself
+        was killed), which no signal to the group reaches. Nothing writes to the run after the kit's lease."""
+        if self._watchdog_pipe is None:
+            return
+        os.close(self._watchdog_pipe)  # the pipe's end without a word: what the kit's death looks like
+        self._watchdog_pipe = None
+        self._watchdog.wait()
+
     def stand_down(self) -> None:
-        """Tell the watchdog that the program and its group have ended and nothing is left to kill."""
+        """Tell the watchdog that nothing was started, so nothing is left to kill."""
         if self._watchdog_pipe is None:
             return
         with contextlib.suppress(OSError):

@@ -143,7 +143,7 @@ def _supervise(
     # waiting for them before (2 s a pipe) spent 4 s of a stop's 5 s window before that group got its
     # SIGTERM, and the kit's own exit (status.json, the lease) came after the platform's SIGKILL.
     _end_group(program, ctx, killed)
-    program.stand_down()
+    program.sweep()
     program.wait_for_output(min(OUTPUT_WAIT_S, max(_window_left(ctx), OUTPUT_WAIT_MIN_S)))
     return code, stopped_by
 
@@ -166,7 +166,7 @@ def _start(program: Program) -> None:
 def _end_group(program: Program, ctx: RunContext, killed: bool) -> None:
     """What the program left running in its group (a shell wrapper's child, a background process) is
     stopped like the program: SIGTERM, then SIGKILL when the window ends. Nothing keeps writing to the run
-    once the kit has released its lease."""
+    once the kit has released its lease (what left the group gets its SIGKILL from Program.sweep)."""
     if killed or not program.group_alive():
         return
     deadline = time.monotonic() + _window_left(ctx)

@@ -243,6 +243,40 @@ def test_a_misspelt_run_name_is_exit_2_and_leaves_no_run_folder(vol: Volume, tmp
     assert not vol.run("tiny-pretrian").root.exists(), "an empty run folder was left under the typo"
 
 
+def test_another_runs_step_is_not_exported_over_a_finished_export_of_the_same_step(vol: Volume) -> None:
+    """One convert config collecting several runs' exports: run B's step 2 went to hf-step-2, replacing
+    run A's export of its step 2 without a word (and A's weights, once its retention had deleted step-2)."""
+    import shutil
+
+    shutil.copytree(vol.run(RUN).root, vol.run("other-pretrain").root)
+    collect = {"name": "collected"}
+    [first] = run_convert(
+        convert_config({"kind": "export", "run": RUN, "step": 2}, **collect), vol, PreemptionWatch()
+    )
+    before = tree_snapshot(first)
+    with pytest.raises(InputError) as caught:
+        run_convert(
+            convert_config({"kind": "export", "run": "other-pretrain", "step": 2}, **collect),
+            vol,
+            PreemptionWatch(),
+        )
+    assert "holds the export of another run's step 2" in str(caught.value)
+    assert "hf-other-pretrain-step-2" in str(caught.value)
+    assert tree_snapshot(first) == before
+    [again] = run_convert(
+        convert_config({"kind": "export", "run": RUN, "step": 2, "dtype": "bfloat16"}, **collect),
+        vol,
+        PreemptionWatch(),
+    )
+    assert again == first, "the same run's step in another dtype is made again in its place"
+    shutil.move(vol.root, vol.root.with_name("mounted-elsewhere"))  # another pod mounts the volume elsewhere
+    elsewhere = Volume(vol.root.with_name("mounted-elsewhere"))
+    [moved] = run_convert(
+        convert_config({"kind": "export", "run": RUN, "step": 2}, **collect), elsewhere, PreemptionWatch()
+    )
+    assert moved == elsewhere.run("collected").export / "hf-step-2"
+
+
 def test_a_training_export_carries_a_manifest_that_pull_checks_every_file_by(tmp_path: Path) -> None:
     # RunPod's S3 ETags may be no MD5s: without a manifest, `trainpod pull` could check export/hf by size alone.
     from trainpod import atomic

@@ -245,11 +245,27 @@ def _export(task: ExportTask, name: str, volume: Volume, export_root: Path) -> O
     source = export.resolve_checkpoint(task, name, volume)
     dtype = source.dtype(task.dtype)
     settings = {"task": task.model_dump(mode="json"), "step": source.step, "dtype": dtype}
+    target = export_root / (task.output or f"hf-step-{source.step}")
+    if task.output is None:
+        _refuse_another_runs_export(target, source)
     return Output(
         task,
-        export_root / (task.output or f"hf-step-{source.step}"),
+        target,
         source.files(),
         settings,
         lambda staging: export.write_export(source, staging.folder, dtype),
         check=lambda: export.verify_checkpoint(source),
     )
+
+
+def _refuse_another_runs_export(target: Path, source: export.CheckpointSource) -> None:
+    """hf-step-<N> by default: a name the user did not choose, which another run's step N may hold already
+    (one convert config collecting several runs' exports); replacing it lost that export without a word,
+    and with it that run's weights once its retention had deleted the checkpoint."""
+    recorded = (output.read_manifest(target) or {}).get("inputs", {}).get("run/config.yaml", {}).get("path")
+    # By the run's name: the volume may have been mounted elsewhere (/workspace, /runpod-volume) then.
+    if recorded is not None and Path(recorded).parent.name != source.run.name:
+        raise InputError(
+            f"{target} holds the export of another run's step {source.step} (made from {recorded}); give this "
+            f"task its own `output`, like hf-{source.run.name}-step-{source.step}"
+        )

@@ -175,42 +175,46 @@ def test_sigkill_of_the_kit_takes_the_program_down_with_it(tmp_path):
     assert not _alive(program_pid), "an orphaned program would write checkpoints with no lease held for it"
 
 
-def test_sigkill_of_the_kit_takes_the_programs_children_down_too(tmp_path):
-    """PR_SET_PDEATHSIG reaches the program alone: a shell wrapper's python, torchrun's workers (each in a
-    session of its own) went on training, holding the GPU and writing checkpoints with no lease held."""
+def _start_a_program_with_children(tmp_path):
+    """The kit running a program that starts a child in its group and one in a session of its own (as
+    torchrun starts its workers), once both are working; with the children's pids."""
     config, volume = write_setup(tmp_path, "with-torchrun-like-children")
     proc = start_trainpod("run", "command", "--config", str(config), volume=volume)
     pids_file = tmp_path / "repo/children.pids"
     wait_for(
         lambda: pids_file.exists() and "working 2" in program_log(volume), proc, "the program's children"
     )
-    children = [int(pid) for pid in pids_file.read_text().split()]
+    return proc, [int(pid) for pid in pids_file.read_text().split()]
+
+
+def _kill_the_living(pids):
+    """Those of `pids` still alive, killed so that a failing test leaves nothing running."""
+    left = [pid for pid in pids if _alive(pid)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    return left
+
+
+def test_sigkill_of_the_kit_takes_the_programs_children_down_too(tmp_path):
+    """PR_SET_PDEATHSIG reaches the program alone: a shell wrapper's python, torchrun's workers (each in a
+    session of its own) went on training, holding the GPU and writing checkpoints with no lease held."""
+    proc, children = _start_a_program_with_children(tmp_path)
     proc.kill()
     proc.communicate(timeout=60)
     deadline = time.monotonic() + 10
     while any(map(_alive, children)) and time.monotonic() < deadline:
         time.sleep(0.05)
-    left = [pid for pid in children if _alive(pid)]
-    for pid in left:
-        os.kill(pid, signal.SIGKILL)
+    left = _kill_the_living(children)
     assert not left, f"the program's children {left} outlived the SIGKILLed kit"
 
 
 def test_a_stopped_program_leaves_nothing_running_in_sessions_of_its_own(tmp_path):
     """SIGTERM and SIGKILL went to the program's group: torchrun's workers, each in a session of its own,
     went on after the kit had released the lease and exited 143."""
-    config, volume = write_setup(tmp_path, "with-torchrun-like-children")
-    proc = start_trainpod("run", "command", "--config", str(config), volume=volume)
-    pids_file = tmp_path / "repo/children.pids"
-    wait_for(
-        lambda: pids_file.exists() and "working 2" in program_log(volume), proc, "the program's children"
-    )
-    children = [int(pid) for pid in pids_file.read_text().split()]
+    proc, children = _start_a_program_with_children(tmp_path)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=60)
-    left = [pid for pid in children if _alive(pid)]
-    for pid in left:
-        os.kill(pid, signal.SIGKILL)
+    left = _kill_the_living(children)
     assert proc.returncode == 143, out
     assert not left, f"the program's children {left} outlived the kit's stop"
 

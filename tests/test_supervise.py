@@ -440,15 +440,20 @@ def test_a_stop_from_a_laptop_reaches_supervisors_elsewhere_through_s3_and_deplo
     assert the_pod(fake)["desiredStatus"] == "RUNNING"
 
 
-def test_a_stop_that_no_supervisor_elsewhere_can_see_says_so(fake, tmp_path, monkeypatch, capsys):
-    """README: with neither the volume here nor RunPod's S3 key, STOPPED is recorded nowhere a scheduled supervisor
-    (supervise.yml) looks, and it starts the run again. The stop said nothing of it: the pod came back and billed."""
+def on_a_laptop_that_sees_neither_the_volume_nor_its_s3_api(fake, monkeypatch, tmp_path):
+    """The RunPod key of `fake`, no S3 key, a volume path that is not mounted here, a cache of its own."""
     for name, value in api_env(fake).items():
         monkeypatch.setenv(name, value)
-    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "TRAINPOD_CONFIG"):
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE", "TRAINPOD_CONFIG"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("TRAINPOD_VOLUME", str(tmp_path / "not-mounted-here"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "laptop"))
+
+
+def test_a_stop_that_no_supervisor_elsewhere_can_see_says_so(fake, tmp_path, monkeypatch, capsys):
+    """README: with neither the volume here nor RunPod's S3 key, STOPPED is recorded nowhere a scheduled supervisor
+    (supervise.yml) looks, and it starts the run again. The stop said nothing of it: the pod came back and billed."""
+    on_a_laptop_that_sees_neither_the_volume_nor_its_s3_api(fake, monkeypatch, tmp_path)
     deploy(client_for(fake), deploy_config())
     assert cli.main(["stop", "tiny"]) == 0
     out = capsys.readouterr().out
@@ -520,12 +525,7 @@ def test_a_supervisor_that_sees_neither_the_volume_nor_its_s3_api_says_so_once_a
     import yaml
 
     deploy(client_for(fake), deploy_config())
-    for name, value in api_env(fake).items():
-        monkeypatch.setenv(name, value)
-    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("TRAINPOD_VOLUME", str(tmp_path / "not-mounted-here"))
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    on_a_laptop_that_sees_neither_the_volume_nor_its_s3_api(fake, monkeypatch, tmp_path)
     path = tmp_path / "deploy.yaml"
     path.write_text(yaml.safe_dump(deploy_config(max_restarts=7).model_dump(mode="json")))
     assert cli.main(["supervise", "tiny", "--config", str(path), "--once"]) == 0

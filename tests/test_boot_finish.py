@@ -223,6 +223,29 @@ def test_a_real_boot_stops_its_own_pod_after_done(fake, pod, tmp_path):
     assert fake.key not in result.stdout + result.stderr
 
 
+def test_a_pod_given_a_budget_and_no_price_counts_its_cost_at_the_price_runpod_bills_it(fake, pod, volume):
+    """deploy sends a single pod's budget without a price (which GPU type RunPod places it on decides that):
+    the pod reads its own price with its pod-scoped key, and the budget stops the run (exit 3) as with a
+    price given. Before, such a budget was exit 2 at every start, or no cap at all."""
+    env = child_env(
+        {
+            **pod_env(fake, pod),
+            "TRAINPOD_VOLUME": str(volume),
+            "TRAINPOD_WORKLOAD": "pretrain",
+            "TRAINPOD_CONFIG": str(TINY_PRETRAIN),
+            "TRAINPOD_BUDGET_USD": "0.000001",  # a fraction of a second at $2/h: spent at the first step
+        }
+    )
+    env.pop("TRAINPOD_GPU_HOURLY_USD", None)
+    result = subprocess.run(
+        [sys.executable, "-m", "trainpod", "boot"], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 3, result.stdout + result.stderr
+    assert f"this pod's price, from RunPod: ${pod['costPerHr']:g}/h" in result.stdout + result.stderr
+    assert fake.pods[pod["id"]]["desiredStatus"] == "EXITED", "a spent budget stops the pod"
+    assert fake.key not in result.stdout + result.stderr
+
+
 def test_a_real_convert_boot_that_fails_under_a_done_runs_name_leaves_the_run_done(fake, pod, tmp_path):
     run = Volume(tmp_path).run("tiny")
     run.create()

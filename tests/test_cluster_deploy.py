@@ -163,8 +163,18 @@ def test_dry_run_shows_the_v2_cluster_request_with_secrets_masked_and_sends_noth
         ({"nodes": 251}, "nodes = 251"),
         ({"nodes": 0}, "nodes = 0"),
         ({"workload": "datagen"}, "nodes=2 with workload='datagen': every node would run it on its own"),
+        ({"budget": {"budget_usd": 100.0}}, "budget.budget_usd=100.0 without budget.hourly_usd on a cluster"),
     ],
-    ids=["spot", "cpu", "community", "no-data-center", "too-many-nodes", "no-nodes", "datagen"],
+    ids=[
+        "spot",
+        "cpu",
+        "community",
+        "no-data-center",
+        "too-many-nodes",
+        "no-nodes",
+        "datagen",
+        "budget-no-price",
+    ],
 )
 def test_a_bad_cluster_config_exits_2_naming_the_field_the_value_and_the_fix(
     fake, tmp_path, capsys, change, expected
@@ -179,6 +189,16 @@ def test_the_spot_flag_on_a_cluster_config_is_refused_before_anything_is_sent(fa
     assert cli.main(["deploy", str(write_config(tmp_path)), "--spot"]) == 2
     assert "set pod.spot: false" in capsys.readouterr().out
     assert not fake.calls("POST")
+
+
+def test_a_cluster_node_gets_the_budget_only_with_the_price_node_0_counts_it_with(tmp_path):
+    """A node cannot read the cluster's price (all its nodes'): given a budget alone it refuses to start (exit 2).
+    A supervisor replacing a cluster deployed before deploy refused that must not make nodes that refuse to run;
+    the supervisor caps such a run from RunPod's own cost."""
+    env = pod_env(config(tmp_path, budget={"budget_usd": 40}))
+    assert "TRAINPOD_BUDGET_USD" not in env and "TRAINPOD_GPU_HOURLY_USD" not in env
+    env = pod_env(config(tmp_path, budget={"hourly_usd": 2.5, "budget_usd": 40}))
+    assert (env["TRAINPOD_GPU_HOURLY_USD"], env["TRAINPOD_BUDGET_USD"]) == ("5", "40")
 
 
 def test_one_node_keeps_the_single_pod_path(fake, tmp_path):

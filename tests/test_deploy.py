@@ -169,12 +169,10 @@ def test_a_git_repo_without_a_ref_is_synced_at_the_remotes_head_as_the_pods_cont
     assert pinned["TRAINPOD_GIT_REF"] == "v2"
 
 
-def test_a_pod_gets_the_budget_only_with_the_price_it_counts_its_cost_with(tmp_path):
-    """A budget without a price is exit 2 at the pod's start; a supervisor replacing a pod of a config deployed
-    before deploy refused that (budget_usd, no hourly_usd) must not start pods that refuse to run: without the
-    price the pod cannot count the budget anyway, and the supervisor caps it from RunPod's own cost."""
+def test_a_single_pod_gets_its_budget_with_or_without_a_price(tmp_path):
+    """Without budget.hourly_usd the pod reads its own price from RunPod at boot (boot._learn_the_pods_price)."""
     env = pod_env(config(tmp_path, budget={"budget_usd": 40}))
-    assert "TRAINPOD_BUDGET_USD" not in env and "TRAINPOD_GPU_HOURLY_USD" not in env
+    assert env["TRAINPOD_BUDGET_USD"] == "40" and "TRAINPOD_GPU_HOURLY_USD" not in env
     env = pod_env(config(tmp_path, budget={"hourly_usd": 2.5, "budget_usd": 40}))
     assert (env["TRAINPOD_GPU_HOURLY_USD"], env["TRAINPOD_BUDGET_USD"]) == ("2.5", "40")
 

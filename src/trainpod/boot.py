@@ -28,7 +28,7 @@ from pathlib import Path
 
 from trainpod import cost, workloads
 from trainpod.checkpoint.lease import sibling_lease
-from trainpod.errors import ConfigError, ExitCode, InputError, TrainpodError, VolumeFull
+from trainpod.errors import ConfigError, ExitCode, InputError, TemporaryError, TrainpodError, VolumeFull
 from trainpod.log import attach_log_file, setup_logging
 from trainpod.preemption import exit_now_when_preempted
 from trainpod.runpod.finish import after_workload, begin_start
@@ -157,12 +157,41 @@ def _prepare_volume(volume: Volume, environ: dict[str, str]) -> None:
         environ.setdefault(name, str(path))
 
 
+def _learn_the_pods_price(workload: Workload, environ: dict[str, str]) -> None:
+    """A budget is counted as hours x TRAINPOD_GPU_HOURLY_USD (cost.py). A single pod given a budget and no
+    price reads its own from RunPod with its pod-scoped key: what RunPod bills for the GPU type it placed
+    the pod on, where a price written in a config can only guess which of the allowed types that is. The
+    ranks inherit it. A cluster's price is all its nodes' (deploy sets it), so a cluster is not asked."""
+    wanted = workload.kind.owns_run_folder and environ.get("TRAINPOD_BUDGET_USD")
+    if not wanted or environ.get("TRAINPOD_GPU_HOURLY_USD") or int(environ.get("NUM_NODES") or 1) > 1:
+        return
+    if not (environ.get("RUNPOD_POD_ID") and environ.get("RUNPOD_API_KEY")):
+        return  # not a pod: cost.check_environment says what to set
+    from trainpod.runpod.client import RunPodClient, RunPodError
+
+    try:
+        pod = RunPodClient.from_env(environ).get_pod(environ["RUNPOD_POD_ID"])
+    except RunPodError as exc:
+        raise TemporaryError(
+            f"could not read this pod's price from RunPod for TRAINPOD_BUDGET_USD ({exc}); the next start asks "
+            "again, or set TRAINPOD_GPU_HOURLY_USD"
+        ) from None
+    if pod is None or not pod.cost_per_hr:
+        log.warning(
+            "RunPod gives no price for pod %s: the budget cannot be counted", environ["RUNPOD_POD_ID"]
+        )
+        return
+    environ["TRAINPOD_GPU_HOURLY_USD"] = f"{pod.cost_per_hr:g}"
+    log.info("this pod's price, from RunPod: $%g/h (TRAINPOD_GPU_HOURLY_USD was not set)", pod.cost_per_hr)
+
+
 def _preflight(workload: Workload, volume: Volume, environ: dict[str, str], synced=None):
     from trainpod.config import parse_overrides
     from trainpod.workloads.lifecycle import load_workload_config, resolve_config_path
 
     check_finish_environment(environ)
-    cost.check_environment(counts_cost=workload.kind.owns_run_folder)
+    _learn_the_pods_price(workload, environ)
+    cost.check_environment(counts_cost=workload.kind.owns_run_folder, environ=environ)
     if environ.get("TRAINPOD_RUN"):
         check_run_name(environ["TRAINPOD_RUN"])
     config_path = resolve_config_path(environ.get("TRAINPOD_CONFIG"), volume, synced)

@@ -5,7 +5,8 @@
 - the workload config the deploy config names is loaded and validated when this repo holds it;
 - a cluster (nodes > 1) runs a workload that trains across nodes (one rank per GPU);
 - the image is not the shipped placeholder (ghcr.io/YOUR_ORG/...), which no registry serves;
-- a budget comes with the pod's price, which the pod counts its cost with;
+- a cluster's budget comes with one node's price, which node 0 counts the cost with (a single pod reads
+  its own price from RunPod at boot);
 - secrets reach the pod as {{ RUNPOD_SECRET_<name> }} references, and env.extra holds no value that
   looks like a secret;
 - the estimate (trainpod.estimate) is printed and, over the budget, refused unless --force;
@@ -49,11 +50,13 @@ def config_problems(config: DeployConfig, deploy_path: str, secrets_from_env: bo
                 "under `secrets` "
                 f"(sent as {{{{ RUNPOD_SECRET_{name} }}}}) and create the secret in RunPod's console"
             )
-    if config.budget.budget_usd is not None and config.budget.hourly_usd is None and _counts_cost(config):
+    no_price = config.budget.budget_usd is not None and config.budget.hourly_usd is None
+    if no_price and config.nodes > 1 and _counts_cost(config):  # a single pod reads its price from RunPod
         problems.append(
-            f"budget.budget_usd={config.budget.budget_usd} without budget.hourly_usd: the pod counts its cost "
-            "as hours x budget.hourly_usd and would never stop at the budget; set budget.hourly_usd to the "
-            "pod's price per hour (per node), e.g. the spot price RunPod's console shows for the GPU"
+            f"budget.budget_usd={config.budget.budget_usd} without budget.hourly_usd on a cluster of "
+            f"{config.nodes} nodes: node 0 counts the cluster's cost as hours x budget.hourly_usd x nodes and "
+            "would never stop at the budget; set budget.hourly_usd to one node's price per hour, e.g. the "
+            "price RunPod's console shows for the GPU"
         )
     problems += cluster_workload_problems(config)
     problems += workload_config_problems(config, deploy_path)

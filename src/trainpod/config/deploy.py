@@ -130,7 +130,8 @@ class BudgetSettings(Section):
         None,
         ge=0,
         description="The pod's price per hour (per node of a cluster); the pod gets it times `nodes` as "
-        "TRAINPOD_GPU_HOURLY_USD, the run's price.",
+        "TRAINPOD_GPU_HOURLY_USD, the run's price. Unset, a single pod reads its own from RunPod at boot; "
+        "a cluster with a budget needs it.",
     )
     budget_usd: float | None = Field(
         None, ge=0, description="TRAINPOD_BUDGET_USD: the most the run may spend; unset: no cap."

@@ -82,10 +82,13 @@ def pod_env(config: DeployConfig, secret_values: dict[str, str] | None = None) -
         "TRAINPOD_GPU_HOURLY_USD": _usd(
             None if config.budget.hourly_usd is None else config.budget.hourly_usd * config.nodes
         ),
-        # Only with its price: a pod given a budget alone refuses to start (exit 2), as it could never spend
-        # it. Deploy refuses such a config; a supervisor's replacement pod of one deployed before still runs,
-        # its budget kept by the supervisor from RunPod's cost.
-        "TRAINPOD_BUDGET_USD": _usd(config.budget.budget_usd) if config.budget.hourly_usd is not None else "",
+        # A single pod without a price reads its own from RunPod at boot; a cluster's node cannot (its price is
+        # all the nodes'), and given a budget alone it would refuse to start (exit 2). Deploy refuses such a
+        # cluster config; a supervisor's replacement of one deployed before still runs, its budget kept by
+        # the supervisor from RunPod's cost.
+        "TRAINPOD_BUDGET_USD": _usd(config.budget.budget_usd)
+        if config.budget.hourly_usd is not None or config.nodes == 1
+        else "",
     }
     env.update({name: value for name, value in optional.items() if value})
     env.update(config.env.extra)

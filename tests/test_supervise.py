@@ -180,6 +180,23 @@ def test_restarts_are_bounded(fake, volume, caplog):
     assert sup.step() == 2
 
 
+def test_a_run_that_makes_progress_between_interruptions_is_restarted_past_max_restarts(fake, volume):
+    """A week-long spot run is interrupted more often than supervise.max_restarts: the bound is for restarts
+    that get the run nowhere. Before, the supervisor gave up (exit 2) after max_restarts interruptions of a
+    run that resumed and trained on after each."""
+    deploy(client_for(fake), deploy_config())
+    sup = supervisor(fake, volume, max_restarts=2)
+    for step in range(10, 60, 10):  # five interruptions, each after the run went on from the last restart
+        atomic.write_json(volume.run("tiny").status, {"step": step})
+        fake.interrupt(the_pod(fake)["id"])
+        assert sup.step() is None
+        assert the_pod(fake)["desiredStatus"] == "RUNNING"
+    fake.interrupt(the_pod(fake)["id"])  # no progress since the last restart: these count
+    assert sup.step() is None
+    fake.interrupt(the_pod(fake)["id"])
+    assert sup.step() == 2
+
+
 def test_budget_spent_on_the_volume_stops_the_pod(fake, volume, caplog):
     deploy(client_for(fake), deploy_config())
     atomic.write_json(volume.run("tiny").status, {"step": 5, "cost_usd": 10.5})

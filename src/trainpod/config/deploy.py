@@ -142,7 +142,13 @@ class SuperviseSettings(Section):
     """How `trainpod supervise` brings interrupted pods back."""
 
     poll_s: float = Field(60.0, gt=0, description="Seconds between looks at the pods and the volume.")
-    max_restarts: int = Field(50, ge=0, description="Starts or new pods the supervisor makes at most.")
+    max_restarts: int = Field(
+        50,
+        ge=0,
+        description="Starts or new pods the supervisor makes at most without the run's progress in between: "
+        "a restart after which status.json's step moves on starts the count anew (a long spot run's "
+        "interruptions); a supervisor that cannot see the volume counts every restart.",
+    )
     backoff_s: float = Field(30.0, ge=0, description="First wait after a failed start; doubles each time.")
     max_backoff_s: float = Field(900.0, ge=0, description="Longest wait between failed starts.")
     max_failed_starts: int = Field(

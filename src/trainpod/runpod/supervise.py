@@ -77,6 +77,7 @@ class SupervisorState:
     secrets_as_values: bool = False
     # The run's pods are spot (deploy --spot/--on-demand may differ from the YAML): so is a pod made anew.
     spot: bool | None = None
+    step_at_restart: int | None = None  # the run's step at the last restart: one past it means progress
 
     @classmethod
     def load(cls, path: Path) -> SupervisorState:
@@ -100,6 +101,7 @@ class RunView:
     cost_usd: float | None = None
     unfit_pod: str | None = None  # the pod whose machine could not run the image (MACHINE_UNFIT)
     stopped: bool = False  # a STOPPED marker: `trainpod stop` asked for the run to stay down
+    step: int | None = None  # the step status.json last recorded: the run's progress
 
     @classmethod
     def read(cls, volume: Volume | None, run: str) -> RunView:
@@ -139,6 +141,7 @@ class RunView:
             cost_usd=status.get("cost_usd"),
             unfit_pod=(fields(run_dir.root / UNFIT_MARKER) or {}).get("pod_id"),
             stopped=read(run_dir.root / STOPPED_MARKER) is not None,
+            step=status.get("step") if isinstance(status.get("step"), int) else None,
         )
 
 
@@ -251,6 +254,7 @@ class Supervisor:
         if seen.spot is not None:
             state.spot = seen.spot
         self._account(state, seen.hourly_usd, now)
+        self._count_restarts_since_progress(state, view)
         spent = max(state.observed_cost_usd, view.cost_usd or 0.0)
         budget = self.config.budget.budget_usd
         noun = self.unit.noun
@@ -280,6 +284,22 @@ class Supervisor:
             )
         return self._restart(state, seen, now, view)
 
+    def _count_restarts_since_progress(self, state: SupervisorState, view: RunView) -> None:
+        """supervise.max_restarts bounds restarts that get the run nowhere (a DONE run this supervisor cannot
+        see, a pod that dies before its first commit), not a long spot run's interruptions: a run whose
+        status.json step moved past the step of the last restart starts the count anew. Blind to the volume,
+        the count is never reset: the bound is then what ends a DONE run's restarts."""
+        if view.step is None or state.step_at_restart is None or view.step <= state.step_at_restart:
+            return
+        if state.restarts:
+            log.info(
+                "the run went on from step %d to %d since the last restart: the restart count starts anew",
+                state.step_at_restart,
+                view.step,
+            )
+        state.restarts = 0
+        state.step_at_restart = view.step
+
     def _restart(self, state: SupervisorState, seen: Look, now: float, view: RunView) -> int | None:
         noun = self.unit.noun
         if seen.unfit and state.replacements >= self.policy.max_replacements:
@@ -308,6 +328,8 @@ class Supervisor:
                 f"{noun} {seen.down} and no start possible ({exc}); next attempt in {wait:.0f} s"
             )
         state.restarts += 1
+        # No status.json yet: any step recorded later is progress. Blind: unknown, the count never resets.
+        state.step_at_restart = (-1 if view.step is None else view.step) if view.visible else None
         state.failed_starts = 0
         state.next_attempt_unix = 0.0
         state.replacements = state.replacements + 1 if seen.unfit else 0

@@ -87,7 +87,9 @@ def status(
     return _reported(lambda: _status_here(run_name, Volume(_mounted_root(volume))))
 
 
-def _status_here(run_name: str | None, vol: Volume) -> int:
+def _status_here(run_name: str | None, vol: Volume, snapshot: bool = False) -> int:
+    """`snapshot`: `vol` is a temporary copy of the S3 volume's small files, gone when the command ends, so
+    the loss curve is named by its place on the volume, not by a path here."""
     runs_root = vol.root / "runs"
     names = [run_name] if run_name else sorted(p.name for p in runs_root.glob("*") if p.is_dir())
     if not names:
@@ -97,8 +99,9 @@ def _status_here(run_name: str | None, vol: Volume) -> int:
         print(_status_line(vol, name))
         run = vol.run(name)
         if run.loss_plot.exists():
-            print(f"  loss curve  {run.loss_plot}")
-        if run.tensorboard.is_dir():
+            where = f"{run.loss_plot.relative_to(vol.root)} on the volume" if snapshot else run.loss_plot
+            print(f"  loss curve  {where}")
+        if run.tensorboard.is_dir() and not snapshot:
             print(f"  tensorboard --logdir {run.tensorboard}")
     _print_pods(run_name, names)
     return ExitCode.DONE
@@ -115,7 +118,7 @@ def _status_via_s3(
     with tempfile.TemporaryDirectory(prefix="trainpod-status-") as snapshot:
         snapshot_runs(s3, [run_name] if run_name else None, Path(snapshot))
         print(f"volume {s3.bucket} ({s3.target.datacenter}) through S3:")
-        return _status_here(run_name, Volume(Path(snapshot)))
+        return _status_here(run_name, Volume(Path(snapshot)), snapshot=True)
 
 
 def _wants_s3(volume: str | None, s3_volume: str | None, config: str | None) -> bool:

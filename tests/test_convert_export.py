@@ -144,11 +144,16 @@ def test_a_finetune_run_is_exit_2_saying_export_takes_pretrain_runs(vol: Volume)
     assert "tiny-finetune is a finetune run" in str(caught.value) and "`merge` task" in str(caught.value)
 
 
+def flip_a_byte_near_the_end(path: Path) -> None:
+    """Damage a checkpoint file the way a bad disk would: same size, one byte changed (sha256 finds it)."""
+    data = bytearray(path.read_bytes())
+    data[-10] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
 def test_a_corrupt_checkpoint_is_exit_2_and_nothing_is_written(vol: Volume) -> None:
     weights = vol.run(RUN).checkpoints / "step-2" / "model.safetensors"
-    data = bytearray(weights.read_bytes())
-    data[-10] ^= 0xFF
-    weights.write_bytes(bytes(data))
+    flip_a_byte_near_the_end(weights)
     with pytest.raises(InputError) as caught:
         export(vol, step=2)
     assert "fails verification" in str(caught.value) and "sha256" in str(caught.value)
@@ -173,9 +178,7 @@ def test_a_bad_export_task_is_exit_2_before_any_task_is_written(vol: Volume) -> 
 
 def test_a_corrupt_checkpoint_of_a_later_task_is_exit_2_before_any_task_is_written(vol: Volume) -> None:
     weights = vol.run(RUN).checkpoints / "step-4" / "model.safetensors"
-    data = bytearray(weights.read_bytes())
-    data[-10] ^= 0xFF
-    weights.write_bytes(bytes(data))
+    flip_a_byte_near_the_end(weights)
     with pytest.raises(InputError) as caught:
         convert(vol, [{"step": 2}, {"step": 4}])
     assert "step-4" in str(caught.value) and "fails verification" in str(caught.value)

@@ -65,6 +65,14 @@ def one_writer(folder: Path, what: str) -> Iterator[Lease]:
         lease.release()
 
 
+def lease_lost(folder: Path) -> TemporaryError:
+    """What a one_writer holder raises when it finds its lease taken over (Lease.lost): it writes no more."""
+    return TemporaryError(
+        f"another writer took over the lease of {folder} (this process could not renew it in time); "
+        "stopping without writing more: the pod that holds it goes on"
+    )
+
+
 def read_lease(path: Path) -> dict[str, Any] | None:
     try:
         held = json.loads(Path(path).read_text(encoding="utf-8"))

@@ -26,7 +26,7 @@ import numpy as np
 
 from trainpod.atomic import read_json, write_json
 from trainpod.checkpoint import Lease
-from trainpod.checkpoint.lease import one_writer
+from trainpod.checkpoint.lease import lease_lost, one_writer
 from trainpod.config.datagen import DatagenConfig
 from trainpod.data.encoding import BatchEncoder
 from trainpod.data.shards import HEADER_BYTES, shard_header, token_dtype
@@ -89,13 +89,6 @@ def run_datagen(config: DatagenConfig, volume: Volume, watch: PreemptionWatch) -
         expected_hash,
     )
     return folder
-
-
-def lease_lost(folder: Path) -> TemporaryError:
-    return TemporaryError(
-        f"another writer took over the lease of {folder} (this process could not renew it in time); "
-        "stopping without writing more: the pod that holds it goes on"
-    )
 
 
 def _tokenizer(config: DatagenConfig, volume: Volume) -> TokenizerInfo:

@@ -21,9 +21,8 @@ from safetensors.numpy import save
 
 from trainpod.atomic import json_bytes, publish_dir, temp_name, write_bytes
 from trainpod.checkpoint import Lease
-from trainpod.checkpoint.lease import one_writer
+from trainpod.checkpoint.lease import lease_lost, one_writer
 from trainpod.config.sft import SftDataConfig, SftDatagenConfig
-from trainpod.data.datagen import lease_lost
 from trainpod.errors import InputError, Preempted
 from trainpod.preemption import PreemptionWatch
 from trainpod.sft.dataset import MANIFEST_FILE, MANIFEST_FORMAT, read_manifest, split_arrays

@@ -139,18 +139,19 @@ class Program:
         """Once the program has exited and its group had its window: SIGKILL, through the watchdog, whatever
         carrying the program's id is left in sessions of its own (torchrun's workers once torchrun itself
         was killed), which no signal to the group reaches. Nothing writes to the run after the kit's lease."""
-        if self._watchdog_pipe is None:
-            return
-        os.close(self._watchdog_pipe)  # the pipe's end without a word: what the kit's death looks like
-        self._watchdog_pipe = None
-        self._watchdog.wait()
+        self._end_watchdog(b"")  # the pipe's end without a word: what the kit's death looks like
 
     def stand_down(self) -> None:
         """Tell the watchdog that nothing was started, so nothing is left to kill."""
+        self._end_watchdog(STAND_DOWN)
+
+    def _end_watchdog(self, last_words: bytes) -> None:
+        """Close the pipe after `last_words` and wait for the watchdog to act on them (once)."""
         if self._watchdog_pipe is None:
             return
-        with contextlib.suppress(OSError):
-            os.write(self._watchdog_pipe, STAND_DOWN)
+        if last_words:
+            with contextlib.suppress(OSError):
+                os.write(self._watchdog_pipe, last_words)
         os.close(self._watchdog_pipe)
         self._watchdog_pipe = None
         self._watchdog.wait()

@@ -326,6 +326,23 @@ def test_the_deploy_configs_budget_caps_the_deploy_even_when_the_shell_has_a_lar
     assert "exceeds the budget ($1.00" in capsys.readouterr().out and not fake.pods
 
 
+@pytest.mark.parametrize("spot", [True, False])
+def test_a_deploy_is_priced_at_the_budget_hourly_usd_its_pod_counts_with_not_the_shells_price(
+    fake, tmp_path, monkeypatch, capsys, spot
+):
+    """The pod counts its cost with the deploy config's budget.hourly_usd (deploy sends it; the shell's
+    TRAINPOD_GPU_HOURLY_USD never reaches it). A cheap price left in the shell let a spot run through the
+    budget refusal, and a catalog price lower than the config's let an on-demand one through; either pod
+    then stopped at its budget unfinished, exit 3."""
+    monkeypatch.setenv("TRAINPOD_GPU_HOURLY_USD", "0.01")
+    changes = {"budget.budget_usd": 1.0, "budget.hourly_usd": 50.0, "pod.spot": spot}
+    path = str(deploy_config(tmp_path, **changes))
+    assert cli.main(["estimate", path]) == 0
+    assert "at $50.00/h (the deploy config's budget.hourly_usd" in capsys.readouterr().out
+    assert cli.main(["deploy", path]) == 2
+    assert "exceeds the budget ($1.00" in capsys.readouterr().out and not fake.pods
+
+
 def test_a_single_pod_deploy_with_a_budget_and_no_price_is_not_refused(fake, tmp_path, capsys):
     """The pod reads its own price from RunPod at boot (a cluster's nodes cannot: test_cluster_deploy)."""
     path = str(deploy_config(tmp_path, **{"budget.budget_usd": 1000.0}))

@@ -7,7 +7,8 @@ CONFIG is a workload config (pretrain, finetune) or a deploy config (its workloa
 from the repo). The estimate gives tokens and FLOPs, hours at an MFU (measured by a previous run of
 the same name on the volume, else assumed: the assumption is printed), the GPU memory fit, the
 checkpoint's size and commit time at network-volume speed (200-400 MB/s), and dollars from RunPod's
-v2 catalog (GET /v2/catalog/gpus) when a RunPod key is at hand, else from TRAINPOD_GPU_HOURLY_USD.
+v2 catalog (GET /v2/catalog/gpus) when a RunPod key is at hand, else from TRAINPOD_GPU_HOURLY_USD; a deploy
+config's budget.hourly_usd, the price its pod counts its cost with, comes first (`_hourly_price`).
 `trainpod deploy` prints the same estimate and refuses one over the budget unless --force.
 """
 
@@ -460,27 +461,41 @@ def estimate(
 def _hourly_price(
     offer: Any, gpu_count: int, cloud: str, spot: bool, deploy: DeployConfig | None, nodes: int = 1
 ) -> tuple[float | None, str]:
-    """$/hour of the pod (of all `nodes` of a cluster: `gpu_count` counts them all): the catalog's list
-    price, else TRAINPOD_GPU_HOURLY_USD (or the deploy config's), which is per pod, per node."""
-    configured = cost.hourly_usd()
-    if configured is None and deploy is not None:
-        configured = deploy.budget.hourly_usd
-    if configured is not None:
-        configured *= nodes
+    """$/hour of the pod (of all `nodes` of a cluster: `gpu_count` counts them all), as the pod counts it.
+
+    The precedence, the pod's own (cost.py reads TRAINPOD_GPU_HOURLY_USD in the pod): the price a deploy
+    config sends it (runpod/deploy.pod_env: budget.hourly_usd x nodes, or env.extra's), which its budget is
+    counted with; else what RunPod bills, which a pod without one reads at boot: the catalog's list price;
+    else this shell's TRAINPOD_GPU_HOURLY_USD, per pod, a guess for what the catalog does not list (spot).
+    The shell's price never reaches a deployed pod, so it never overrides the deploy config's."""
+    sent = deploy_hourly_usd(deploy) if deploy is not None else None
+    if sent is not None:
+        return sent, "the deploy config's budget.hourly_usd, which the pod counts its cost with"
+    guessed = cost.hourly_usd()
+    if guessed is not None:
+        guessed *= nodes
     listed = offer.price(cloud) if offer else None
-    if spot and configured is not None:
-        return (
-            configured,
-            "TRAINPOD_GPU_HOURLY_USD / budget.hourly_usd (RunPod's catalog lists no spot price)",
-        )
+    if spot and guessed is not None:
+        return guessed, "TRAINPOD_GPU_HOURLY_USD (RunPod's catalog lists no spot price)"
     if listed is not None:
         why = f"RunPod catalog, {cloud.lower()} cloud on-demand list price"
         if spot:
-            why += " (the catalog lists no spot price: an upper bound; set TRAINPOD_GPU_HOURLY_USD for spot)"
+            why += " (the catalog lists no spot price: an upper bound; set budget.hourly_usd for spot)"
         return listed * gpu_count, why
-    if configured is not None:
-        return configured, "TRAINPOD_GPU_HOURLY_USD / budget.hourly_usd"
-    return None, "no price: no RunPod key for the catalog and TRAINPOD_GPU_HOURLY_USD is unset"
+    if guessed is not None:
+        return guessed, "TRAINPOD_GPU_HOURLY_USD"
+    return (
+        None,
+        "no price: no RunPod key for the catalog, no budget.hourly_usd, TRAINPOD_GPU_HOURLY_USD unset",
+    )
+
+
+def deploy_hourly_usd(deploy: DeployConfig) -> float | None:
+    """The run's price per hour the deploy config sends its pod (None: the pod reads RunPod's at boot)."""
+    from trainpod.runpod.deploy import pod_env
+
+    sent = pod_env(deploy).get("TRAINPOD_GPU_HOURLY_USD")
+    return None if sent is None else cost.hourly_usd({"TRAINPOD_GPU_HOURLY_USD": sent})
 
 
 # ---------------------------------------------------------------------------------- report

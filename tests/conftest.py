@@ -63,3 +63,89 @@ def s3_server() -> Iterator[str]:
     server.start()
     yield f"http://127.0.0.1:{port}"
     server.stop()
+
+
+class FaultyS3Proxy:
+    """A proxy in front of a real S3 server (moto's) that breaks the next `faults` GETs of keys ending in
+    `suffix`, as a flaky network or gateway does, and forwards everything else untouched. A fault:
+    'drop' answers 200 and closes the connection midway through the body (a connection reset while
+    receiving), '503' answers Service Unavailable."""
+
+    def __init__(self, upstream: str):
+        import http.client
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        from urllib.parse import urlsplit
+
+        self.faults, self.suffix, self.kind, self.broken = 0, "", "drop", 0
+        proxy = self
+        host = urlsplit(upstream).netloc
+
+        class Forward(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def _forward(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                path = self.path.split("?", 1)[0]
+                if self.command == "GET" and proxy.faults and proxy.suffix and path.endswith(proxy.suffix):
+                    proxy.faults -= 1
+                    proxy.broken += 1
+                    return self._break()
+                upstream_conn = http.client.HTTPConnection(host, timeout=30)
+                upstream_conn.request(self.command, self.path, body, dict(self.headers))
+                answer = upstream_conn.getresponse()
+                data = answer.read()
+                self.send_response(answer.status)
+                for name, value in answer.getheaders():
+                    if name.lower() not in (
+                        "content-length",
+                        "transfer-encoding",
+                        "connection",
+                        "server",
+                        "date",
+                    ):
+                        self.send_header(name, value)
+                length = answer.getheader("Content-Length") if self.command == "HEAD" else None
+                self.send_header("Content-Length", length or str(len(data)))  # HEAD: the object's size
+                self.end_headers()
+                self.wfile.write(data)
+                upstream_conn.close()
+
+            def _break(self):
+                if proxy.kind == "503":
+                    error = b"<Error><Code>ServiceUnavailable</Code></Error>"
+                    self.send_response(503)
+                    self.send_header("Content-Length", str(len(error)))
+                    self.end_headers()
+                    self.wfile.write(error)
+                    return
+                self.send_response(200)
+                self.send_header("Content-Length", "1000")
+                self.end_headers()
+                self.wfile.write(b"{")
+                self.wfile.flush()
+                self.connection.shutdown(socket.SHUT_RDWR)
+                self.close_connection = True
+
+            do_GET = do_PUT = do_HEAD = do_DELETE = do_POST = _forward  # noqa: N815 - http.server's names
+
+            def log_message(self, *_):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Forward)
+        self.url = f"http://127.0.0.1:{self.server.server_port}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def break_next(self, suffix: str, faults: int = 1, kind: str = "drop") -> None:
+        self.suffix, self.faults, self.kind = suffix, faults, kind
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def faulty_s3(s3_server) -> Iterator[FaultyS3Proxy]:
+    proxy = FaultyS3Proxy(s3_server)
+    yield proxy
+    proxy.close()

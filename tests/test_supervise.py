@@ -412,6 +412,46 @@ def test_away_from_the_volume_its_s3_api_shows_failed_and_done(fake, volume_s3):
     assert the_pod(fake)["desiredStatus"] == "EXITED", "a DONE run is not started again"
 
 
+@pytest.mark.parametrize("fault", ["drop", "503"])
+def test_one_failed_s3_read_of_a_done_runs_marker_does_not_start_its_pod_again(
+    fake, volume_s3, faulty_s3, fault
+):
+    """A connection reset while receiving DONE made the whole look blind: the pod that stopped itself at DONE
+    looked interrupted and was started again (a boot paid for, to stop again). Reads that fail are tried
+    again; the S3 server is real (moto), the failures come from a proxy in front of it."""
+    fake.interrupt(the_pod(fake)["id"])  # the pod stopped itself after DONE
+    volume_s3.put_bytes("runs/tiny/DONE", b"{}")
+    through_proxy = VolumeS3(S3Target(volume_s3.bucket, "EU-RO-1", faulty_s3.url), sleep=lambda s: None)
+    sup = Supervisor(client_for(fake), deploy_config(), None, volume_less_state() / "s.json",
+                     clock=Clock(), sleep=lambda s: None, volume_s3=through_proxy)  # fmt: skip
+    faulty_s3.break_next("runs/tiny/DONE", kind=fault)
+    assert sup.step() == 0
+    assert faulty_s3.broken == 1, "the proxy broke the read of DONE"
+    assert the_pod(fake)["desiredStatus"] == "EXITED", "a DONE run is not started again"
+
+
+def test_a_look_whose_s3_reads_keep_failing_starts_nothing_for_a_few_looks_then_goes_by_the_api(
+    fake, volume_s3, faulty_s3, caplog
+):
+    """Could not read is not absent: while the reads of DONE fail (after their retries) the supervisor waits
+    rather than start a pod that may have stopped itself at DONE; an S3 API down for longer is no reason to
+    leave an interrupted run down, so after UNREADABLE_LOOKS_BEFORE_BLIND looks the pods alone decide."""
+    from trainpod.runpod.supervise import UNREADABLE_LOOKS_BEFORE_BLIND
+
+    fake.interrupt(the_pod(fake)["id"])
+    through_proxy = VolumeS3(S3Target(volume_s3.bucket, "EU-RO-1", faulty_s3.url), sleep=lambda s: None)
+    sup = Supervisor(client_for(fake), deploy_config(), None, volume_less_state() / "s.json",
+                     clock=Clock(), sleep=lambda s: None, volume_s3=through_proxy)  # fmt: skip
+    faulty_s3.break_next("runs/tiny/DONE", faults=1000)
+    for _ in range(UNREADABLE_LOOKS_BEFORE_BLIND):
+        with caplog.at_level(logging.INFO, logger="trainpod.supervise"):
+            assert sup.step() is None
+        assert the_pod(fake)["desiredStatus"] == "EXITED", caplog.text
+    assert "not starting it on a guess" in caplog.text
+    assert sup.step() is None
+    assert the_pod(fake)["desiredStatus"] == "RUNNING", "then the API alone: the interrupted run comes back"
+
+
 def test_supervise_from_a_laptop_reads_the_markers_through_s3_when_its_key_is_exported(
     fake, volume_s3, tmp_path, monkeypatch
 ):

@@ -34,6 +34,7 @@ import hashlib
 import logging
 import os
 import re
+import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -60,6 +61,7 @@ MIN_PART_MB = 5  # S3's smallest part but the last
 MAX_PARTS = 10_000
 PARALLEL_PARTS = 4  # one TCP stream rarely fills a link to another continent; 4 parts in flight usually do
 READ_CHUNK = 8 << 20
+READ_ATTEMPTS = 3  # a small object's read, body included: 1 s and 2 s between them
 _MD5_ETAG = re.compile(r"^[0-9a-f]{32}(-\d+)?$")
 
 
@@ -226,9 +228,10 @@ class VolumeS3:
         environ: dict[str, str] | None = None,
         part_bytes: int | None = None,
         max_attempts: int = 10,
+        sleep: Callable[[float], None] = time.sleep,
     ):
         environ = os.environ if environ is None else environ
-        self.target = target
+        self.target, self.sleep = target, sleep
         self.bucket = target.volume_id
         raw_mb = (environ.get(PART_MB_ENV) or str(DEFAULT_PART_MB)).strip()
         if not raw_mb.isdigit():
@@ -273,12 +276,24 @@ class VolumeS3:
         }
 
     def read(self, key: str) -> bytes | None:
-        try:
-            answer = self._call("read", key, self._client.get_object, Bucket=self.bucket, Key=key)
-        except FileNotFoundError:
-            return None
-        with self._receiving("read", key):
-            return answer["Body"].read()
+        """The object's bytes; None when there is no such object. A connection lost while receiving them
+        (which botocore's retries do not cover: they end with the response's headers) is tried again
+        READ_ATTEMPTS times in all, a second apart and more, before it is a TemporaryError: a supervisor
+        that could not read DONE would take the run for unfinished."""
+        for attempt in range(1, READ_ATTEMPTS + 1):
+            try:
+                answer = self._call("read", key, self._client.get_object, Bucket=self.bucket, Key=key)
+            except FileNotFoundError:
+                return None
+            try:
+                with self._receiving("read", key):
+                    return answer["Body"].read()
+            except TemporaryError as exc:
+                if attempt == READ_ATTEMPTS:
+                    raise
+                log.info("%s; trying again (%d/%d)", exc, attempt + 1, READ_ATTEMPTS)
+                self.sleep(2 ** (attempt - 1))
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     def head(self, key: str) -> RemoteObject | None:
         try:

@@ -21,7 +21,8 @@ budget delete it (v2 has no stop for clusters); any node EXITED, ERROR, TERMINAT
 MACHINE_UNFIT deletes it and creates it again on the same volume with its nodes' env, within the same
 bounds (max_restarts, failed starts with backoff, max_replacements for exit 4).
 Away from the volume (a laptop, a CI runner) the same markers are read through the volume's S3 API when
-RunPod's S3 key is exported (`trainpod supervise`). With neither, DONE, FAILED and MACHINE_UNFIT are
+RunPod's S3 key is exported (`trainpod supervise`); a read that fails is tried again, and a look whose reads
+still fail starts nothing, for up to 3 looks in a row, then goes by the pods alone. With neither, DONE, FAILED and MACHINE_UNFIT are
 invisible: the pod stops itself after DONE and a restarted one exits at once, so restarts are bounded by
 supervise.max_restarts. The recommended mode is the
 `supervise` workload in a cheap on-demand CPU pod with the same network volume. A look that raises
@@ -57,6 +58,9 @@ log = logging.getLogger("trainpod.supervise")
 
 # Looks in a row that raise something unforeseen before the supervisor gives up with exit 1.
 UNFORESEEN_LOOKS_IN_A_ROW = 5
+# Looks in a row whose S3 reads failed (after retries) that start nothing: a DONE run's pod looks interrupted
+# to a supervisor that cannot read DONE. After them the S3 API counts as down and the pods alone decide.
+UNREADABLE_LOOKS_BEFORE_BLIND = 3
 
 
 @dataclass
@@ -78,6 +82,7 @@ class SupervisorState:
     # The run's pods are spot (deploy --spot/--on-demand may differ from the YAML): so is a pod made anew.
     spot: bool | None = None
     step_at_restart: int | None = None  # the run's step at the last restart: one past it means progress
+    unreadable_looks: int = 0  # looks in a row whose S3 reads of the run's markers failed
 
     @classmethod
     def load(cls, path: Path) -> SupervisorState:
@@ -102,6 +107,7 @@ class RunView:
     unfit_pod: str | None = None  # the pod whose machine could not run the image (MACHINE_UNFIT)
     stopped: bool = False  # a STOPPED marker: `trainpod stop` asked for the run to stay down
     step: int | None = None  # the step status.json last recorded: the run's progress
+    unreadable: str | None = None  # why the volume's S3 API could not be read at this look (not: absent)
 
     @classmethod
     def read(cls, volume: Volume | None, run: str) -> RunView:
@@ -255,6 +261,7 @@ class Supervisor:
             state.spot = seen.spot
         self._account(state, seen.hourly_usd, now)
         self._count_restarts_since_progress(state, view)
+        state.unreadable_looks = state.unreadable_looks + 1 if view.unreadable else 0
         spent = max(state.observed_cost_usd, view.cost_usd or 0.0)
         budget = self.config.budget.budget_usd
         noun = self.unit.noun
@@ -282,6 +289,11 @@ class Supervisor:
             return self._say(
                 f"no {noun} running; next start attempt in {state.next_attempt_unix - now:.0f} s"
             )
+        if view.unreadable and state.unreadable_looks <= UNREADABLE_LOOKS_BEFORE_BLIND:
+            # The pod may have stopped itself at DONE: a restart on a guess pays for a boot that stops again.
+            return self._say(f"no {noun} running, but the run's markers could not be read through S3; not "
+                             f"starting it on a guess (look {state.unreadable_looks}/"
+                             f"{UNREADABLE_LOOKS_BEFORE_BLIND}, then by the API alone)")  # fmt: skip
         return self._restart(state, seen, now, view)
 
     def _count_restarts_since_progress(self, state: SupervisorState, view: RunView) -> None:
@@ -360,9 +372,9 @@ class Supervisor:
             return RunView.read(self.volume, self.config.run)
         try:
             return RunView.read_files(self.volume_s3, self.config.run)
-        except TemporaryError as exc:  # RunPod's S3 API having trouble: this look goes by the pods alone
+        except TemporaryError as exc:  # RunPod's S3 API having trouble after retries: DONE is unknown
             log.warning("supervise %s: %s; this look goes by the API alone", self.config.run, exc)
-            return RunView(visible=False)
+            return RunView(visible=False, unreadable=str(exc))
 
     def _clear_unfit_marker(self) -> None:
         """The marker named the replaced pod; the new pod writes its own if its machine is unfit too."""

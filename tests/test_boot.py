@@ -113,7 +113,7 @@ def test_config_from_the_synced_repo_at_a_ref_and_the_token_never_lands(tmp_path
 
 def test_sync_again_moves_an_existing_checkout_to_the_new_ref(tmp_path, config_repo):
     repos = tmp_path / "repos"
-    checkout = sync(f"file://{config_repo}", "v2", repos)
+    checkout = sync(f"file://{config_repo}", "v2", repos).path
     assert "name: tagged" in (checkout / "configs/data.yaml").read_text()
     sync(f"file://{config_repo}", "main", repos)
     assert "name: from-git" in (checkout / "configs/data.yaml").read_text()
@@ -151,7 +151,7 @@ def test_locks_left_by_a_killed_git_do_not_block_every_later_sync(tmp_path, conf
     import time
 
     repos = tmp_path / "repos"
-    checkout = sync(f"file://{config_repo}", "main", repos)
+    checkout = sync(f"file://{config_repo}", "main", repos).path
     stale = time.time() - 3600
     for name in ("shallow.lock", "index.lock"):
         (checkout / ".git" / name).write_text("")
@@ -424,6 +424,32 @@ def test_a_resume_on_another_commit_of_the_branch_says_so_and_records_it(tmp_pat
     assert json.loads((run / "code.json").read_text())["commit"] == second
 
 
+def test_code_json_records_the_commit_the_sync_checked_out_asking_git_once(tmp_path):
+    """boot asked git for HEAD twice, after the sync and again for code.json: a second git on the network
+    volume, and a read of whatever the shared checkout held by then rather than of what this start synced."""
+    work, volume, shim = tmp_path / "work", tmp_path / "volume", tmp_path / "bin"
+    (work / "configs").mkdir(parents=True)
+    volume.mkdir()
+    shim.mkdir()
+    (work / "configs/cmd.yaml").write_text("name: code-run\ncommand: [python, -c, 'print(1)']\n")
+    commit = commit_all(work, "one")
+    argv_log = tmp_path / "git-argv.log"
+    (shim / "git").write_text(f'#!/bin/sh\necho "$@" >> {argv_log}\nexec {shutil.which("git")} "$@"\n')
+    (shim / "git").chmod(0o755)
+    env = {
+        "TRAINPOD_WORKLOAD": "command",
+        "TRAINPOD_CONFIG": "configs/cmd.yaml",
+        "TRAINPOD_GIT_REPO": f"file://{work}",
+        "RUNPOD_POD_ID": "pod-1",  # a pod: its boot makes the run folder before the workload
+        "PATH": f"{shim}:{os.environ['PATH']}",
+    }
+    result = boot_process(volume, **env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert json.loads((volume / "runs/code-run/code.json").read_text())["commit"] == commit
+    asked = [line for line in argv_log.read_text().splitlines() if "rev-parse" in line]
+    assert len(asked) == 1, asked
+
+
 def test_a_config_in_the_synced_repo_wins_over_the_images_shipped_one_at_the_same_path(tmp_path):
     """In a pod the working directory is the image's /opt/trainpod, with its configs/ (here: this checkout's,
     the test's working directory). A user who edits configs/datagen/tiny.yaml in their repo gets their edit."""
@@ -515,7 +541,7 @@ def test_credentials_in_the_repo_url_reach_git_by_askpass_never_in_its_arguments
     (shim / "git").write_text(f'#!/bin/sh\necho "$@" >> {argv_log}\nexec {real_git} "$@"\n')
     (shim / "git").chmod(0o755)
     monkeypatch.setenv("PATH", f"{shim}:{os.environ['PATH']}")
-    checkout = sync(f"http://me:{TOKEN}@{git_over_http}", "v2", tmp_path / "repos", sleep=lambda _: None)
+    checkout = sync(f"http://me:{TOKEN}@{git_over_http}", "v2", tmp_path / "repos", sleep=lambda _: None).path
     assert "name: tagged" in (checkout / "configs/data.yaml").read_text(), "fetched with the URL's token"
     assert "fetch" in argv_log.read_text()
     assert TOKEN not in argv_log.read_text()

@@ -63,7 +63,7 @@ def boot(environ: dict[str, str] | None = None) -> int:
             synced = sync(
                 environ["TRAINPOD_GIT_REPO"], environ.get("TRAINPOD_GIT_REF"), volume.root / "repos"
             )
-        config = _preflight(workload, volume, environ, synced)
+        config = _preflight(workload, volume, environ, synced and synced.path)
         _prepare_volume(volume, environ)  # only after preflight: bad input leaves the volume untouched
         ended = None
         if workload.kind.owns_run_folder:  # training and your own code: a run folder that is theirs to mark

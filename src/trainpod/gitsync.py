@@ -21,6 +21,7 @@ import subprocess
 import tempfile
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlsplit, urlunsplit
 
@@ -70,7 +71,15 @@ def without_credentials(url: str) -> tuple[str, dict[str, str]]:
     return urlunsplit(parts._replace(netloc=host)), credentials
 
 
-def sync(url: str, ref: str | None, repos_root: Path, sleep=time.sleep) -> Path:
+@dataclass(frozen=True)
+class Synced:
+    """A checkout `sync` made: where it is, and the commit it checked out there."""
+
+    path: Path
+    commit: str
+
+
+def sync(url: str, ref: str | None, repos_root: Path, sleep=time.sleep) -> Synced:
     """Make repos/<name> hold `ref` (a branch, tag or commit; default: the remote's HEAD)."""
     target = repos_root / repo_name(url)
     plain_url, credentials = without_credentials(url)
@@ -85,7 +94,7 @@ def sync(url: str, ref: str | None, repos_root: Path, sleep=time.sleep) -> Path:
             _sync_once(plain_url, ref or "HEAD", target, credentials)
             head = _git(["rev-parse", "HEAD"], target).strip()
             log.info("synced %s at %s (%s) into %s", redact(url), ref or "HEAD", head[:12], target)
-            return target
+            return Synced(target, head)
         except subprocess.CalledProcessError as exc:
             last_error = redact(_git_reason(exc))
             if any(words in last_error for words in _NO_SUCH_REF):
@@ -117,13 +126,14 @@ def sync(url: str, ref: str | None, repos_root: Path, sleep=time.sleep) -> Path:
 CODE_FILE = "code.json"  # runs/<run>/code.json: the commit of TRAINPOD_GIT_REPO the newest start ran
 
 
-def note_commit(checkout: Path, ref: str | None, run_root: Path) -> None:
-    """Record the commit this start runs in the run's folder, and say so when a resume runs another one:
-    every start syncs the branch's newest commit, so a push between two spot starts changes the code that
-    continues the checkpoints (pin TRAINPOD_GIT_REF to a commit or tag to keep it)."""
+def note_commit(synced: Synced, ref: str | None, run_root: Path) -> None:
+    """Record the commit this start runs (the one `sync` checked out) in the run's folder, and say so when
+    a resume runs another one: every start syncs the branch's newest commit, so a push between two spot
+    starts changes the code that continues the checkpoints (pin TRAINPOD_GIT_REF to a commit or tag to
+    keep it)."""
     if not run_root.is_dir():  # a first start outside a pod: the workload makes the folder, or refuses
         return
-    head = _git(["rev-parse", "HEAD"], checkout).strip()
+    head = synced.commit
     path = run_root / CODE_FILE
     try:
         before = atomic.read_json(path).get("commit")

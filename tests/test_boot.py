@@ -108,16 +108,50 @@ def test_config_from_the_synced_repo_at_a_ref_and_the_token_never_lands(tmp_path
     for path in volume.rglob("*"):
         if path.is_file():
             assert TOKEN.encode() not in path.read_bytes(), path
-    assert "url" not in (volume / "repos/configs/.git/config").read_text(), "no remote URL is stored"
+    assert "url" not in (volume / "repos/configs@v2/.git/config").read_text(), "no remote URL is stored"
 
 
-def test_sync_again_moves_an_existing_checkout_to_the_new_ref(tmp_path, config_repo):
+def test_pods_on_two_refs_of_one_repo_never_sync_into_the_checkout_the_other_runs_from(tmp_path, config_repo):
+    """repos/ is shared by every pod on the volume: a pod on `main` booting while one on tag v2 ran checked
+    main out into the v2 pod's checkout, under its running program (its next import, its shell script, its
+    workdir), and two syncing at once could each check out the other's FETCH_HEAD. A checkout per ref."""
     repos = tmp_path / "repos"
-    checkout = sync(f"file://{config_repo}", "v2", repos).path
-    assert "name: tagged" in (checkout / "configs/data.yaml").read_text()
-    sync(f"file://{config_repo}", "main", repos)
-    assert "name: from-git" in (checkout / "configs/data.yaml").read_text()
+    on_v2 = sync(f"file://{config_repo}", "v2", repos).path
+    on_main = sync(f"file://{config_repo}", "main", repos).path
+    assert "name: tagged" in (on_v2 / "configs/data.yaml").read_text(), "the v2 pod's code stayed v2's"
+    assert "name: from-git" in (on_main / "configs/data.yaml").read_text()
+    assert sorted(p.name for p in repos.iterdir()) == ["configs@main", "configs@v2"]
+    feature = sync(f"file://{config_repo}", "refs/tags/v2", repos).path
+    assert feature.parent == repos and feature.name == "configs@refs%2Ftags%2Fv2", (
+        "a ref's / stays in the name"
+    )
+    assert sync(f"file://{config_repo}", None, repos).path == repos / "configs", (
+        "the remote's HEAD: as before"
+    )
     assert not list(repos.glob("*.tmp-*"))
+
+
+def test_a_checkouts_folder_never_takes_its_name_from_the_urls_password():
+    """A URL with credentials and no path named its checkout after `token@host`: a password on the volume."""
+    from trainpod.gitsync import checkout_name
+
+    assert checkout_name(f"https://me:{TOKEN}@example.com", "main") == "example.com@main"
+    assert checkout_name(f"https://me:{TOKEN}@example.com/org/cfg.git", None) == "cfg"
+
+
+def test_a_workload_reads_its_own_refs_checkout_never_the_same_repo_at_another_ref(tmp_path, config_repo):
+    """The config search and the generators' import path look in other checkouts under repos/ too: the same
+    repo at another ref holds the same paths at other commits, which must not stand in for this ref's."""
+    from trainpod.gitsync import other_checkouts, own_checkout
+
+    repos = tmp_path / "repos"
+    for ref in ("v2", "main"):
+        sync(f"file://{config_repo}", ref, repos)
+    (repos / "another-repo").mkdir()
+    environ = {"TRAINPOD_GIT_REPO": f"file://{config_repo}", "TRAINPOD_GIT_REF": "v2"}
+    own = own_checkout(repos, environ)
+    assert own == repos / "configs@v2"
+    assert other_checkouts(repos, own) == [repos / "another-repo"]
 
 
 def test_the_config_comes_from_the_repo_just_synced_not_another_runs_checkout(tmp_path, config_repo):
@@ -156,8 +190,8 @@ def test_locks_left_by_a_killed_git_do_not_block_every_later_sync(tmp_path, conf
     for name in ("shallow.lock", "index.lock"):
         (checkout / ".git" / name).write_text("")
         os.utime(checkout / ".git" / name, (stale, stale))
-    sync(f"file://{config_repo}", "v2", repos, sleep=lambda _: None)
-    assert "name: tagged" in (checkout / "configs/data.yaml").read_text()
+    assert sync(f"file://{config_repo}", "main", repos, sleep=lambda _: None).path == checkout
+    assert "name: from-git" in (checkout / "configs/data.yaml").read_text()
     assert not list((checkout / ".git").glob("*.lock"))
     # A young lock may be another pod's sync of the same checkout, running now: left alone.
     (checkout / ".git/shallow.lock").write_text("")

@@ -329,8 +329,8 @@ def test_boot_runs_the_program_from_the_synced_git_repo_by_default(tmp_path):
         cwd=REPO,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    written = json.loads((volume / "repos/work/env.json").read_text())
-    assert written["cwd"] == str(volume / "repos/work")
+    written = json.loads((volume / "repos/work@main/env.json").read_text())
+    assert written["cwd"] == str(volume / "repos/work@main"), "the default workdir: the ref's checkout"
     assert (run_dir(volume) / "DONE").exists()
 
 

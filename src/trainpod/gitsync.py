@@ -1,4 +1,10 @@
-"""Sync TRAINPOD_GIT_REPO at TRAINPOD_GIT_REF into repos/<name>/ on the volume before a workload starts.
+"""Sync TRAINPOD_GIT_REPO at TRAINPOD_GIT_REF into repos/<name>@<ref>/ on the volume before a workload starts
+(repos/<name>/ without a ref: the remote's HEAD).
+
+A checkout per ref: the volume is shared by every pod on it, and two pods on different refs of one repo
+synced into one checkout, each `git checkout --force` changing the files the other was running (or, syncing
+at the same moment, checking out the other's FETCH_HEAD). Pods on the same ref share one, at its newest
+commit: pin TRAINPOD_GIT_REF to a commit or tag to keep a run's code from moving under a push.
 
 The token (TRAINPOD_GIT_TOKEN, GIT_TOKEN or GITHUB_TOKEN) reaches git only through GIT_ASKPASS, a
 script that reads it from the environment: it is never part of a URL, an argument, .git/config on
@@ -21,9 +27,10 @@ import subprocess
 import tempfile
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import unquote, urlsplit, urlunsplit
+from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 from trainpod import atomic
 from trainpod.errors import ConfigError, InputError, TemporaryError
@@ -58,6 +65,35 @@ def repo_name(url: str) -> str:
     return name.removesuffix(".git") or "repo"
 
 
+def checkout_name(url: str, ref: str | None) -> str:
+    """The checkout's folder under repos/: <name> for the remote's HEAD, <name>@<ref> for a ref (quoted: a
+    branch may hold '/')."""
+    name = repo_name(without_credentials(url)[0])  # never a password, even from a URL with no path
+    return f"{name}@{quote(ref, safe='')}" if ref else name
+
+
+def own_checkout(repos_root: Path, environ: Mapping[str, str]) -> Path | None:
+    """TRAINPOD_GIT_REPO's checkout at TRAINPOD_GIT_REF under `repos_root`; None without a repo."""
+    repo = environ.get("TRAINPOD_GIT_REPO")
+    return repos_root / checkout_name(repo, environ.get("TRAINPOD_GIT_REF")) if repo else None
+
+
+def other_checkouts(repos_root: Path, own: Path | None) -> list[Path]:
+    """The checkouts under `repos_root` besides `own`, in name order, without `own`'s repo at other refs: those
+    hold the same paths and modules at other commits, which must never stand in for this ref's."""
+
+    def repo_of(folder: Path) -> str:
+        return folder.name.split("@", 1)[0]
+
+    if not repos_root.is_dir():
+        return []
+    return [
+        folder
+        for folder in sorted(repos_root.iterdir())
+        if folder.is_dir() and (own is None or repo_of(folder) != repo_of(own))
+    ]
+
+
 def without_credentials(url: str) -> tuple[str, dict[str, str]]:
     """`url` without the user and password an http(s) URL may carry, and those as askpass variables."""
     parts = urlsplit(url)
@@ -81,7 +117,7 @@ class Synced:
 
 def sync(url: str, ref: str | None, repos_root: Path, sleep=time.sleep) -> Synced:
     """Make repos/<name> hold `ref` (a branch, tag or commit; default: the remote's HEAD)."""
-    target = repos_root / repo_name(url)
+    target = repos_root / checkout_name(url, ref)
     plain_url, credentials = without_credentials(url)
     if ref and ref.startswith("-"):  # git would read it as an option
         raise ConfigError(

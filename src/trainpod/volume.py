@@ -1,7 +1,7 @@
 """Where everything lives on the network volume (docs/design.md, "The volume").
 
 $TRAINPOD_VOLUME/
-  datasets/<name>/   tokenizers/<name>/   repos/<name>/   cache/
+  datasets/<name>/   tokenizers/<name>/   repos/<name>@<ref>/   cache/
   runs/<run>/config.yaml checkpoints/ export/ logs/ tensorboard/ loss.png status.json DONE LEASE
 """
 

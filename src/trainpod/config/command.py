@@ -39,7 +39,8 @@ class CommandConfig(Section):
     )
     workdir: str | None = Field(
         None,
-        description="Where the program runs. Default: the synced repo under repos/ when TRAINPOD_GIT_REPO is "
+        description="Where the program runs. Default: the synced repo's checkout at TRAINPOD_GIT_REF (repos/<name>@<ref>/) "
+        "when TRAINPOD_GIT_REPO is "
         "set, else the current directory; a relative path is taken inside that default.",
     )
     env: dict[str, str] = Field(

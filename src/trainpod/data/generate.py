@@ -60,6 +60,7 @@ from trainpod.checkpoint.lease import one_writer
 from trainpod.config.generate import GeneratorDatagenConfig, exact_ratio
 from trainpod.data.datagen import read_record, refuse_other_config
 from trainpod.errors import ConfigError, InputError, Preempted, TemporaryError
+from trainpod.gitsync import other_checkouts, own_checkout
 from trainpod.preemption import PreemptionWatch
 from trainpod.volume import Volume
 
@@ -470,12 +471,14 @@ def _start_generation(
 
 
 def resolve_python_path(config: GeneratorDatagenConfig, volume: Volume) -> list[str]:
-    """The folders to import from: each python_path entry, then every checkout under repos/.
+    """The folders to import from: each python_path entry, then TRAINPOD_GIT_REPO's checkout at its ref, then
+    the other repos' checkouts under repos/ (never that repo's at another ref: gitsync.other_checkouts).
 
     A relative entry is looked for on the volume, in each synced checkout (where TRAINPOD_GIT_REPO
     lands, so a repo's `examples` folder works with `python_path: [examples]`), then here.
     """
-    repos = sorted(p for p in (volume.root / "repos").glob("*") if p.is_dir())
+    own = own_checkout(volume.root / "repos", os.environ)
+    repos = ([own] if own is not None and own.is_dir() else []) + other_checkouts(volume.root / "repos", own)
     folders, problems = [], []
     for index, entry in enumerate(config.python_path):
         entry_path = Path(entry)

@@ -40,7 +40,7 @@ from trainpod.config.command import CommandConfig
 from trainpod.config.loader import Section
 from trainpod.context import RunContext
 from trainpod.errors import BudgetExhausted, InputError, Preempted, TemporaryError
-from trainpod.gitsync import repo_name
+from trainpod.gitsync import own_checkout
 from trainpod.program import Program
 from trainpod.volume import Volume
 
@@ -197,8 +197,7 @@ def _stop_reason(ctx: RunContext, status: CommandStatus) -> str | None:
 # ------------------------------------------------------------------------ where and what it runs
 def default_workdir(volume: Volume, environ: dict[str, str] | None = None) -> Path:
     environ = os.environ if environ is None else environ
-    repo = environ.get("TRAINPOD_GIT_REPO")
-    return volume.root / "repos" / repo_name(repo) if repo else Path.cwd()
+    return own_checkout(volume.root / "repos", environ) or Path.cwd()
 
 
 def resolve_workdir(config: CommandConfig, volume: Volume) -> Path:

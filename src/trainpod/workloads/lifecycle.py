@@ -26,6 +26,7 @@ from trainpod.config.loader import load_tree, validate_tree
 from trainpod.context import RunContext
 from trainpod.diskspace import volume_full_as_exit_5
 from trainpod.errors import ConfigError, ExitCode, TrainpodError, stop_reason
+from trainpod.gitsync import other_checkouts
 from trainpod.log import attach_log_file, setup_logging
 from trainpod.preemption import PreemptionWatch
 from trainpod.volume import RunDir, Volume, check_run_name
@@ -63,7 +64,8 @@ class RunRequest:
 def resolve_config_path(raw: str | None, volume: Volume, synced: Path | None = None) -> Path:
     """An absolute path; else the first that exists of: in `synced` (TRAINPOD_GIT_REPO's checkout, which boot
     just synced: the user's edit of a config must not be shadowed by the image's shipped one at the same
-    path), relative to here (the image's /opt/trainpod), on the volume, in the other checkouts under repos/."""
+    path), relative to here (the image's /opt/trainpod), on the volume, in the other checkouts under repos/ (not
+    the synced repo's at other refs: gitsync.other_checkouts)."""
     if not raw:
         raise ConfigError(
             [
@@ -75,9 +77,7 @@ def resolve_config_path(raw: str | None, volume: Volume, synced: Path | None = N
     if path.is_absolute():
         return path
     candidates = ([synced / path] if synced is not None else []) + [Path.cwd() / path, volume.root / path]
-    repos = volume.root / "repos"
-    if repos.is_dir():
-        candidates += [repo / path for repo in sorted(repos.iterdir()) if repo != synced]
+    candidates += [repo / path for repo in other_checkouts(volume.root / "repos", synced)]
     return next((c for c in candidates if c.is_file()), candidates[0])
 
 

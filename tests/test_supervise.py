@@ -518,6 +518,31 @@ def test_a_stop_that_no_supervisor_elsewhere_can_see_says_so(fake, tmp_path, mon
     assert "STOPPED is not recorded on the volume" in out and "SUPERVISE_RUN" in out, out
 
 
+def test_a_pod_gone_before_the_first_look_is_created_again_as_deployed_not_as_the_yaml_says(
+    fake, tmp_path, monkeypatch
+):
+    """`deploy --on-demand --secrets-from-env` of a spot YAML, then the pod gone (terminated, or a spot pod
+    RunPod removed) before any supervisor saw it: with no pod to copy from, the supervisor went by the YAML and
+    made a spot pod holding secret references that name no RunPod secret. Deploy records what it rented where
+    supervisors look; here a laptop's supervisor, in this machine's state."""
+    import yaml
+
+    on_a_laptop_that_sees_neither_the_volume_nor_its_s3_api(fake, monkeypatch, tmp_path)
+    monkeypatch.setenv("HF_TOKEN", "hf_realsecretvalue123")
+    path = tmp_path / "deploy.yaml"
+    tree = deploy_config().model_dump(mode="json")
+    tree["budget"]["hourly_usd"] = 2.0  # deploy refuses a budget the pod could not count without its price
+    tree["secrets"] = ["HF_TOKEN"]
+    path.write_text(yaml.safe_dump(tree))
+    assert tree["pod"]["spot"] is True
+    assert cli.main(["deploy", str(path), "--on-demand", "--secrets-from-env", "--force"]) == 0
+    client_for(fake).terminate_pod(the_pod(fake)["id"])
+    assert cli.main(["supervise", "tiny", "--config", str(path), "--once"]) == 0
+    new = the_pod(fake)
+    assert new["interruptible"] is False, "deployed on demand: the new pod is too"
+    assert new["env"]["HF_TOKEN"] == "hf_realsecretvalue123", "deployed with the value: the new pod has it"
+
+
 def secrets_config() -> DeployConfig:
     cfg = deploy_config()
     cfg.secrets = ["HF_TOKEN", "WANDB_API_KEY"]

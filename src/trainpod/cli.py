@@ -384,13 +384,15 @@ def deploy(
             print(line)
         if catalog and not free:
             logging.getLogger("trainpod.deploy").warning("%s", checks.no_stock_warning(cfg, cuda))
-        from trainpod.runpod.supervise import mark_stopped
+        from trainpod.runpod.supervise import mark_stopped, record_deployment
 
         volume = Volume.from_env()
         mounted = volume if volume.root.is_dir() else None
         # deploy: resume (a supervisor that still saw STOPPED would end at once)
         mark_stopped(cfg.run, mounted, False, None if mounted else _supervised_volume_s3(config))
         done = deploying.deploy(client, cfg, secrets)
+        if done.action != "reused":  # a running pod kept as it is may differ from this config: a look tells
+            record_deployment(cfg.run, mounted, bool(cfg.pod.spot), secrets is not None)
         print(f"{done.summary()}; supervise it with: "
               f"trainpod supervise {cfg.run} --config {config}")  # fmt: skip
         return ExitCode.DONE

@@ -11,7 +11,8 @@ then exactly one decision, logged in one line with its reason:
   loop; runpod/finish.py) -> exit 2, never a restart;  budget spent -> stop, exit 3;
   a pod RUNNING -> wait;  EXITED or gone -> start it again, or create a new pod on the same volume
   with the same env and spot setting as deployed (GPU types in order; a gone pod's secrets as the run's pods had them: references, or
-  deploy --secrets-from-env's values from this supervisor's environment, never from a file); failed
+  deploy --secrets-from-env's values from this supervisor's environment, never from a file; a pod gone before
+  any look: as `trainpod deploy` recorded it in this machine's state, record_deployment); failed
   attempts back off exponentially and are bounded;
   EXITED with a MACHINE_UNFIT marker naming it (exit 4: its machine cannot run the image) -> never
   started again but replaced by a new pod, same volume, env and GPU-type priority (RunPod places it;
@@ -178,6 +179,20 @@ def mark_stopped(
             volume_s3.put_bytes(key, json.dumps({"unix": time.time()}).encode())
         else:
             volume_s3.remove(key)
+
+
+def record_deployment(run: str, volume: Volume | None, spot: bool, secrets_as_values: bool) -> None:
+    """What `trainpod deploy` rented (spot or on-demand, the secrets as values or references), in the supervisor
+    state of this machine and, when the run's folder is mounted here, of the volume: a supervisor whose first
+    look finds the pod already gone has no pod to read it from and would go by the YAML (spot as it says,
+    references that may name no RunPod secret). A pod seen later overrides it (Supervisor._decide)."""
+    places = [state_path(None, run)]
+    if volume is not None and volume.run(run).root.is_dir():  # never a run folder made by a deploy
+        places.append(state_path(volume, run))
+    for where in places:
+        state = SupervisorState.load(where)
+        state.spot, state.secrets_as_values = spot, secrets_as_values
+        state.save(where)
 
 
 def state_path(volume: Volume | None, run: str, environ: dict[str, str] | None = None) -> Path:

@@ -351,6 +351,34 @@ def test_trainpod_stop_is_not_undone_by_the_supervisor(fake, volume, tmp_path, m
     assert the_pod(fake)["desiredStatus"] == "EXITED"
 
 
+def test_a_supervisor_looking_while_trainpod_stop_runs_does_not_start_the_stopped_pod_again(
+    fake, volume, tmp_path, monkeypatch
+):
+    """`trainpod stop` stopped the pods first and recorded STOPPED after: a supervisor looking in between (a
+    loop elsewhere, supervise.yml's run) saw an EXITED pod and no STOPPED, took it for an interruption and
+    started it again, billing, with the stop already reported done. The stop is recorded first now."""
+    from trainpod.runpod import deploy as deploying
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    for name, value in api_env(fake).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("TRAINPOD_VOLUME", str(volume.root))
+    deploy(client_for(fake), deploy_config())
+    elsewhere = supervisor(fake, volume)
+    stop_run = deploying.stop_run
+    looks = []
+
+    def stop_then_a_look(*args, **kwargs):
+        stopped = stop_run(*args, **kwargs)
+        looks.append(elsewhere.step())
+        return stopped
+
+    monkeypatch.setattr(deploying, "stop_run", stop_then_a_look)
+    assert cli.main(["stop", "tiny"]) == 0
+    assert looks == [0], "the supervisor saw the stop"
+    assert the_pod(fake)["desiredStatus"] == "EXITED", "the stopped pod stays stopped"
+
+
 def test_the_supervise_pods_exit_75_leaves_a_backoff_for_its_restarted_container(fake, volume):
     interrupted_pod_that_cannot_come_back(fake)
     clock = Clock()

@@ -468,7 +468,7 @@ def _supervised_volume_s3(deploy_config: str | None):
 def stop(run_name: str, terminate: bool = False) -> int:
     """Stop the run's pods (they keep their disk and can start again), or --terminate them; delete its clusters.
 
-    The supervisor's pod goes first, and the stop is recorded where supervisors look (runs/RUN/STOPPED on the
+    The stop is recorded first, then the supervisor's pod goes first; recorded where supervisors look (runs/RUN/STOPPED on the
     volume when it is mounted here, else through its S3 API when RunPod's S3 key is exported; and this
     machine's supervisor state), so they leave the run down until `trainpod deploy` clears it.
     """
@@ -478,11 +478,14 @@ def stop(run_name: str, terminate: bool = False) -> int:
     from trainpod.runpod.supervise import mark_stopped
 
     def act() -> int:
-        stop_run(RunPodClient.from_env(), run_name, terminate, tuple(workloads.REGISTRY))
+        client = RunPodClient.from_env()  # first: without a key nothing is recorded as stopped
         volume = Volume.from_env()
         mounted = volume if volume.root.is_dir() else None
         volume_s3 = None if mounted else _supervised_volume_s3(_deploy_config_of(run_name))
-        mark_stopped(run_name, mounted, volume_s3=volume_s3)  # supervisors must not undo it
+        # Recorded before the pods stop: a supervisor looking in between would take them for interrupted
+        # and start them again.
+        mark_stopped(run_name, mounted, volume_s3=volume_s3)
+        stop_run(client, run_name, terminate, tuple(workloads.REGISTRY))
         if mounted is None and volume_s3 is None:
             logging.getLogger("trainpod.stop").warning(
                 "runs/%s/STOPPED is not recorded on the volume: it is not mounted here (TRAINPOD_VOLUME, %s) and "

@@ -379,6 +379,33 @@ def test_a_supervisor_looking_while_trainpod_stop_runs_does_not_start_the_stoppe
     assert the_pod(fake)["desiredStatus"] == "EXITED", "the stopped pod stays stopped"
 
 
+def test_a_stop_recorded_while_a_supervisor_on_this_machine_looks_is_not_erased_by_its_state(
+    fake, tmp_path, monkeypatch
+):
+    """Away from the volume and its S3 API the stop lives in this machine's supervisor state alone. A loop
+    supervisor read that file at the start of a look and wrote it back at the end: a `trainpod stop` recorded in
+    between was erased, and the next look started the stopped pod again."""
+    from trainpod.runpod.supervise import mark_stopped, state_path
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "laptop"))
+    first = deploy(client_for(fake), deploy_config()).pod
+    sup = Supervisor(client_for(fake), deploy_config(), None, state_path(None, "tiny"), clock=Clock())
+    assert sup.step() is None
+    look = sup.unit.look
+
+    def look_while_the_user_stops(*args, **kwargs):
+        seen = look(*args, **kwargs)
+        mark_stopped("tiny", None)  # `trainpod stop tiny` in another terminal, then its stop of the pods
+        return seen
+
+    monkeypatch.setattr(sup.unit, "look", look_while_the_user_stops)
+    assert sup.step() is None
+    monkeypatch.setattr(sup.unit, "look", look)
+    client_for(fake).stop_pod(first.id)
+    assert sup.step() == 0, "the next look sees the stop"
+    assert the_pod(fake)["desiredStatus"] == "EXITED"
+
+
 def test_the_supervise_pods_exit_75_leaves_a_backoff_for_its_restarted_container(fake, volume):
     interrupted_pod_that_cannot_come_back(fake)
     clock = Clock()

@@ -264,6 +264,9 @@ class Supervisor:
         except RunPodUnavailable as exc:
             return self._say(f"{exc}; looking again in {self.policy.poll_s:g} s")
         finally:
+            # `trainpod stop` and `deploy` write stopped_unix from other processes, maybe during this look; the
+            # supervisor never changes it, so the file's value stands, not the one read when the look began.
+            state.stopped_unix = SupervisorState.load(self.state_file).stopped_unix
             state.save(self.state_file)
 
     def _decide(self, state: SupervisorState) -> int | None:

@@ -7,12 +7,13 @@ training loop polls `requested` at step boundaries and asks `seconds_left` wheth
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from trainpod.errors import ExitCode
 
@@ -50,11 +51,17 @@ def end_by_default_at_sigterm_meanwhile() -> None:
     signal.signal(signal.SIGTERM, end)
 
 
+class WorkAbandoned(BaseException):
+    """Raised by the stop signal's handler inside `PreemptionWatch.abandoning()`. A BaseException, as
+    KeyboardInterrupt is: a library's `except Exception` must not swallow it and write on."""
+
+
 class PreemptionWatch:
     def __init__(self, window_seconds: float = 5.0):
         self.window_seconds = window_seconds
         self.signal_time: float | None = None
         self.signal_name: str | None = None
+        self._abandoning = False
 
     def install(self) -> PreemptionWatch:
         for signum in (signal.SIGTERM, signal.SIGINT):
@@ -66,6 +73,26 @@ class PreemptionWatch:
             self.signal_time = time.monotonic()
             self.signal_name = signal.Signals(signum).name
             first_signal_seen()
+            if self._abandoning:
+                self._abandoning = False  # once: the unwinding itself is not interrupted again
+                raise WorkAbandoned(self.signal_name)
+
+    @contextlib.contextmanager
+    def abandoning(self) -> Iterator[None]:
+        """Inside, a stop signal ends the work at once: its handler raises WorkAbandoned in the main thread.
+
+        For work that is long and writes nothing but a temp folder the next start removes (a conversion
+        of a large model, minutes long, which would otherwise run on into the SIGKILL with the run's lease
+        held: a replacement pod on another host then waits the lease's TTL out). Never around a publish
+        (a rename into place), which must finish once begun. A stop that came before raises at once.
+        """
+        if self.requested:
+            raise WorkAbandoned(self.signal_name)
+        self._abandoning = True
+        try:
+            yield
+        finally:
+            self._abandoning = False
 
     def request(self, name: str = "request") -> None:
         """Ask for a stop as if a signal had arrived (used by the budget check and by tests)."""

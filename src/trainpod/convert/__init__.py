@@ -21,7 +21,7 @@ from trainpod.config.convert import ConvertConfig, ExportTask, MergeTask, MlxTas
 from trainpod.convert import adapter as peft_adapter
 from trainpod.convert import export, inputs, merge, mlx, output
 from trainpod.errors import InputError, Preempted
-from trainpod.preemption import PreemptionWatch
+from trainpod.preemption import PreemptionWatch, WorkAbandoned
 from trainpod.volume import Volume
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,8 @@ def run_convert(config: ConvertConfig, volume: Volume, watch: PreemptionWatch) -
     """Make every task's output (or find it finished) and return their folders, in task order.
 
     Raises InputError (exit 2) for inputs that are missing, refused or do not fit, and Preempted
-    (exit 143) when a stop is requested between tasks; finished outputs stay and are skipped next time.
+    (exit 143) when a stop is requested: between tasks, or during one, which is abandoned at once (its
+    temp folder removed by the next start); finished outputs stay and are skipped next time.
     """
     return plan_convert(config, volume).make(watch)
 
@@ -110,20 +111,26 @@ class ConvertPlan:
     def make(self, watch: PreemptionWatch) -> list[Path]:
         """Check the inputs of every output not finished yet, all before the first is written (a corrupt
         checkpoint is exit 2 at the start, not after an hour's merge), then make them in task order."""
-        for item in {id(item): item for item in self.outputs}.values():  # one made for two tasks: once
-            if not item.finished():
-                item.check()
         done: list[Path] = []
-        for item in self.outputs:
-            if item.target in done:  # made for an earlier task already (_one_output_per_folder)
-                done.append(item.target)
-                continue
-            if watch.requested:
-                raise Preempted(
-                    f"stopped by {watch.signal_name or 'signal'} before the {item.task.kind} task; finished: "
-                    f"{', '.join(p.name for p in done) or 'nothing'}. Run the same config again to continue"
-                )
-            done.append(_produce(item))
+        try:
+            for item in {id(item): item for item in self.outputs}.values():  # one made for two tasks: once
+                if not item.finished():
+                    with watch.abandoning():
+                        item.check()
+            for item in self.outputs:
+                if item.target in done:  # made for an earlier task already (_one_output_per_folder)
+                    done.append(item.target)
+                    continue
+                if watch.requested:
+                    raise WorkAbandoned(watch.signal_name)
+                done.append(_produce(item, watch))
+        except WorkAbandoned:
+            # A stop in the middle of a task ends it at once (PreemptionWatch.abandoning): run on, a merge of
+            # a large model met the SIGKILL with the run's lease held, which a new pod then waited out.
+            raise Preempted(
+                f"stopped by {watch.signal_name or 'signal'}; finished: "
+                f"{', '.join(p.name for p in done) or 'nothing'}. Run the same config again to continue"
+            ) from None
         return done
 
 
@@ -193,9 +200,9 @@ def _described(item: Output) -> str:
     return ", ".join([item.task.kind, *(f"{k} {v}" for k, v in details.items())])
 
 
-def _produce(item: Output) -> Path:
+def _produce(item: Output, watch: PreemptionWatch) -> Path:
     started = time.monotonic()
-    if output.produce(item.target, item.files, item.settings, item.write):
+    if output.produce(item.target, item.files, item.settings, item.write, watch.abandoning):
         log.info("wrote %s in %.1f s", item.target, time.monotonic() - started)
     else:
         log.info("%s is up to date (same inputs and settings); skipping", item.target)

@@ -26,6 +26,7 @@ refused (some FUSE mounts, tmpfs), every byte goes through the page cache, flush
 from __future__ import annotations
 
 import collections
+import contextlib
 import errno
 import hashlib
 import json
@@ -35,6 +36,7 @@ import shutil
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +45,7 @@ import torch
 import trainpod
 from trainpod import atomic
 from trainpod.errors import InputError, TemporaryError
+from trainpod.preemption import WorkAbandoned
 from trainpod.tensorfile import TensorLayout
 
 log = logging.getLogger(__name__)
@@ -99,7 +102,8 @@ class Staging:
         files = sorted(p for p in self.folder.rglob("*") if p.is_file())
         names = [str(path.relative_to(self.folder)) for path in files]
         unhashed = [name for name in names if name not in self._digests]
-        with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as hashers:
+        hashers = ThreadPoolExecutor(max_workers=os.cpu_count() or 2)
+        try:
             self._digests.update(
                 zip(
                     unhashed,
@@ -107,6 +111,10 @@ class Staging:
                     strict=True,
                 )
             )
+        finally:
+            # All done, or abandoned by a stop: then the files not begun are dropped and the ones being
+            # hashed (gigabytes each after save_pretrained) not waited for, or the 5 s window runs out.
+            hashers.shutdown(wait=False, cancel_futures=True)
         return {
             name: {"bytes": (self.folder / name).stat().st_size, "sha256": self._digests[name]}
             for name in names
@@ -325,13 +333,18 @@ def remove_leftovers(target: Path) -> None:
 
 
 def produce(
-    target: Path, files: dict[str, Path], settings: dict[str, Any], write: Callable[[Staging], None]
+    target: Path,
+    files: dict[str, Path],
+    settings: dict[str, Any],
+    write: Callable[[Staging], None],
+    abandoning: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
 ) -> bool:
     """Make `target` from `files` with `write`, unless it is finished already. True when it was written.
 
     `write(staging)` creates staging.folder and fills it; manifest.json is added and the folder renamed
     into place. A reader sees the old output (if any) or the complete new one; a kill leaves only a
-    `.tmp-` folder, removed by the next run.
+    `.tmp-` folder, removed by the next run. Everything before the rename runs inside `abandoning()`
+    (PreemptionWatch.abandoning: a stop ends it there, leaving the temp folder as a kill would).
     """
     held = sorted(label for label, path in files.items() if path.resolve().is_relative_to(target.resolve()))
     if held:
@@ -355,27 +368,45 @@ def produce(
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Staging(atomic.temp_name(target))
     try:
-        try:
-            write(staging)
-        except FileNotFoundError:
-            _refuse_changed_inputs(files, inputs, target)  # an input removed under the write
-            raise
-        _refuse_changed_inputs(files, inputs, target)
-        manifest = {
-            "format": FORMAT,
-            "key": key,
-            "settings": settings,
-            "inputs": inputs,
-            "files": staging.file_digests(),
-            "created_unix": time.time(),
-            "versions": _versions(),
-        }
-        (staging.folder / MANIFEST).write_bytes(atomic.json_bytes(manifest))  # fsynced by publish_dir
+        with abandoning():
+            _fill(staging, files, inputs, key, settings, write, target)
         atomic.replace_dir(staging.folder, target)
+    except WorkAbandoned:
+        # Left for the next start (remove_leftovers): deleting gigabytes from a network volume could take
+        # longer than the seconds left before the SIGKILL, and the run's lease is released after this.
+        raise
     except BaseException:
         shutil.rmtree(staging.folder, ignore_errors=True)
         raise
     return True
+
+
+def _fill(
+    staging: Staging,
+    files: dict[str, Path],
+    inputs: dict[str, dict[str, Any]],
+    key: str,
+    settings: dict[str, Any],
+    write: Callable[[Staging], None],
+    target: Path,
+) -> None:
+    """The output's files and manifest.json into the staging folder, nothing published."""
+    try:
+        write(staging)
+    except FileNotFoundError:
+        _refuse_changed_inputs(files, inputs, target)  # an input removed under the write
+        raise
+    _refuse_changed_inputs(files, inputs, target)
+    manifest = {
+        "format": FORMAT,
+        "key": key,
+        "settings": settings,
+        "inputs": inputs,
+        "files": staging.file_digests(),
+        "created_unix": time.time(),
+        "versions": _versions(),
+    }
+    (staging.folder / MANIFEST).write_bytes(atomic.json_bytes(manifest))  # fsynced by publish_dir
 
 
 def _refuse_changed_inputs(files: dict[str, Path], inputs: dict[str, dict[str, Any]], target: Path) -> None:

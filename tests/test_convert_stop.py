@@ -1,0 +1,105 @@
+"""A stop in the middle of a conversion: a real `trainpod run convert` process gets a real SIGTERM while it
+writes the merged model, and must end at once, exit 143, publish nothing and release the run's lease.
+
+A spot pod gets SIGKILL 5 s after the SIGTERM. Convert looked at the stop only between tasks, so a merge of
+a large model ran on into the SIGKILL with the lease held, and the next start on another host waited its
+300 s out. The driver below holds the merge at its first tensor until the SIGTERM has come, then lets the
+merge go on, as a long one would.
+
+.venv/bin/pytest -q tests/test_convert_stop.py
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from trainpod.errors import ExitCode
+
+from convert_support import make_adapter, make_base
+from support import child_env, run_trainpod, trainpod_cmd
+
+DRIVER = """
+import os, runpy, sys, threading
+from pathlib import Path
+from trainpod import preemption
+from trainpod.convert import output
+
+signalled = threading.Event()
+preemption.call_at_first_signal(signalled.set)
+real_write_tensors = output.Staging.write_tensors
+
+def write_tensors(self, name, file, fill):
+    def fill_and_wait_for_the_stop(tensor_name, slot):
+        fill(tensor_name, slot)
+        if not signalled.is_set():
+            Path(os.environ["MERGING_MARKER"]).touch()
+            while not signalled.is_set():  # the test's SIGTERM comes while this merge is under way
+                signalled.wait(0.01)
+    real_write_tensors(self, name, file, fill_and_wait_for_the_stop)
+
+output.Staging.write_tensors = write_tensors
+sys.argv = ["trainpod", *sys.argv[1:]]
+runpy.run_module("trainpod", run_name="__main__")
+"""
+
+
+@pytest.fixture
+def volume(tmp_path: Path) -> Path:
+    root = tmp_path / "volume"
+    base = make_base(root / "models" / "base")
+    make_adapter(base, root / "runs" / "ft" / "export" / "adapter")
+    return root
+
+
+def convert_args(volume: Path) -> tuple[str, ...]:
+    config = volume / "convert.yaml"
+    config.write_text(
+        json.dumps({"name": "ft", "base_model": str(volume / "models" / "base"), "task": ["merge"]})
+    )
+    return ("run", "convert", "--config", str(config))
+
+
+def test_a_sigterm_during_a_merge_ends_it_at_once_with_nothing_published_and_the_lease_released(
+    volume: Path, tmp_path: Path
+) -> None:
+    import subprocess
+
+    marker = tmp_path / "merging"
+    cmd = [sys.executable, "-c", DRIVER, *trainpod_cmd(*convert_args(volume), volume=volume)[3:]]
+    proc = subprocess.Popen(
+        cmd,
+        env=child_env({"MERGING_MARKER": str(marker)}),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    deadline = time.monotonic() + 120
+    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert marker.exists(), f"the merge never started:\n{proc.communicate()[0]}"
+    proc.send_signal(signal.SIGTERM)
+    try:
+        out, _ = proc.communicate(
+            timeout=60
+        )  # a spot pod's SIGKILL would come after 5 s; no time is asserted
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"the merge went on after SIGTERM:\n{proc.communicate()[0]}")
+    export = volume / "runs" / "ft" / "export"
+    assert proc.returncode == ExitCode.PREEMPTED, f"a stop mid-merge must exit 143:\n{out}"
+    assert not (export / "merged").exists(), f"a merge stopped midway was published:\n{out}"
+    assert not (volume / "runs" / "ft" / "LEASE").exists(), (
+        "the stopped convert kept the run's lease: a new pod on another host would wait out its TTL"
+    )
+    assert "stopped by SIGTERM" in out and "Traceback" not in out, out
+
+    resumed = run_trainpod(*convert_args(volume), volume=volume)
+    assert resumed.returncode == ExitCode.DONE, resumed.stdout + resumed.stderr
+    assert (export / "merged" / "manifest.json").is_file()
+    assert not list(export.glob("*.tmp-*")), "the next start must remove what the stopped merge left"

@@ -154,6 +154,16 @@ def test_an_adopted_file_is_moved_hashed_and_verified_like_a_written_one(tmp_pat
     assert len(committed.manifest["files"]["weights.bin"]["sha256_pieces"]) == 2
 
 
+def test_latest_naming_a_deleted_folder_is_treated_as_missing_and_no_newer_checkpoint_is_deleted(tmp_path):
+    store = CheckpointStore(tmp_path, keep_last=5)
+    for step in (10, 20, 30):
+        commit(store, step)
+    (tmp_path / "LATEST").write_text("step-15\n")  # a folder deleted by hand, LATEST left naming it
+    assert store.latest().step == 30, "the newest whole checkpoint must be resumed, not deleted as a leftover"
+    assert (tmp_path / "step-20").is_dir() and (tmp_path / "step-30").is_dir()
+    assert (tmp_path / "LATEST").read_text().strip() == "step-30"
+
+
 def test_garbage_in_latest_is_treated_as_missing(tmp_path: Path):
     store = CheckpointStore(tmp_path)
     commit(store, 4)

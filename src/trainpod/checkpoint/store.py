@@ -341,7 +341,16 @@ class CheckpointStore:
         latest_name = self._latest_name()
         step_dirs = self._step_dirs()
         latest_step = int(_STEP_DIR.match(latest_name).group(1)) if latest_name else None
-        if latest_step is None and step_dirs:
+        if latest_step is not None and step_dirs and latest_step not in {step for step, _ in step_dirs}:
+            # Its folder deleted (by hand: retention never deletes LATEST's): LATEST no longer says which are
+            # committed, as when it is missing. Read as the commit point, it made every newer checkpoint (each
+            # whole: its manifest precedes its rename) look like a kill's leftover, and they were deleted.
+            log.warning(
+                "checkpoints/LATEST names %s, whose folder is gone; looking for the newest valid checkpoint",
+                latest_name,
+            )
+            latest_name = latest_step = None
+        elif latest_step is None and step_dirs:
             log.warning(
                 "checkpoints/LATEST is missing or unreadable; looking for the newest valid checkpoint"
             )

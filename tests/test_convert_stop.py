@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,7 +26,7 @@ from convert_support import make_adapter, make_base
 from support import child_env, run_trainpod, trainpod_cmd
 
 DRIVER = """
-import os, runpy, sys, threading
+import ctypes, os, runpy, sys, threading
 from pathlib import Path
 from trainpod import preemption
 from trainpod.convert import output
@@ -34,9 +35,23 @@ signalled = threading.Event()
 preemption.call_at_first_signal(signalled.set)
 real_write_tensors = output.Staging.write_tensors
 
+
+def one_endless_c_call():
+    # Like one shard written by save_pretrained: a C call that releases the GIL and runs on through
+    # signals, so the signal's Python handler never gets its turn. A mutex locked twice never returns.
+    libc = ctypes.CDLL(None)
+    mutex = ctypes.create_string_buffer(64)
+    libc.pthread_mutex_init(mutex, None)
+    libc.pthread_mutex_lock(mutex)
+    Path(os.environ["MERGING_MARKER"]).touch()
+    libc.pthread_mutex_lock(mutex)
+
+
 def write_tensors(self, name, file, fill):
     def fill_and_wait_for_the_stop(tensor_name, slot):
         fill(tensor_name, slot)
+        if os.environ.get("STUCK_IN_C"):
+            one_endless_c_call()
         if not signalled.is_set():
             Path(os.environ["MERGING_MARKER"]).touch()
             while not signalled.is_set():  # the test's SIGTERM comes while this merge is under way
@@ -65,16 +80,13 @@ def convert_args(volume: Path) -> tuple[str, ...]:
     return ("run", "convert", "--config", str(config))
 
 
-def test_a_sigterm_during_a_merge_ends_it_at_once_with_nothing_published_and_the_lease_released(
-    volume: Path, tmp_path: Path
-) -> None:
-    import subprocess
-
+def start_merge_and_stop_it(volume: Path, tmp_path: Path, env: dict[str, str]) -> tuple[int, str]:
+    """Start the convert, wait until the merge is under way, SIGTERM it; its exit code and output."""
     marker = tmp_path / "merging"
     cmd = [sys.executable, "-c", DRIVER, *trainpod_cmd(*convert_args(volume), volume=volume)[3:]]
     proc = subprocess.Popen(
         cmd,
-        env=child_env({"MERGING_MARKER": str(marker)}),
+        env=child_env({"MERGING_MARKER": str(marker), **env}),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -91,8 +103,15 @@ def test_a_sigterm_during_a_merge_ends_it_at_once_with_nothing_published_and_the
     except subprocess.TimeoutExpired:
         proc.kill()
         pytest.fail(f"the merge went on after SIGTERM:\n{proc.communicate()[0]}")
+    return proc.returncode, out
+
+
+def test_a_sigterm_during_a_merge_ends_it_at_once_with_nothing_published_and_the_lease_released(
+    volume: Path, tmp_path: Path
+) -> None:
+    code, out = start_merge_and_stop_it(volume, tmp_path, {})
     export = volume / "runs" / "ft" / "export"
-    assert proc.returncode == ExitCode.PREEMPTED, f"a stop mid-merge must exit 143:\n{out}"
+    assert code == ExitCode.PREEMPTED, f"a stop mid-merge must exit 143:\n{out}"
     assert not (export / "merged").exists(), f"a merge stopped midway was published:\n{out}"
     assert not (volume / "runs" / "ft" / "LEASE").exists(), (
         "the stopped convert kept the run's lease: a new pod on another host would wait out its TTL"
@@ -103,3 +122,17 @@ def test_a_sigterm_during_a_merge_ends_it_at_once_with_nothing_published_and_the
     assert resumed.returncode == ExitCode.DONE, resumed.stdout + resumed.stderr
     assert (export / "merged" / "manifest.json").is_file()
     assert not list(export.glob("*.tmp-*")), "the next start must remove what the stopped merge left"
+
+
+def test_a_sigterm_during_one_long_write_releases_the_lease_and_exits_143_before_the_window_ends(
+    volume: Path, tmp_path: Path
+) -> None:
+    """The merge is stuck in one C call that never returns (save_pretrained writing a 50 GB shard, made
+    endless): the signal's handler cannot run, so a thread releases the lease and exits 143."""
+    code, out = start_merge_and_stop_it(volume, tmp_path, {"STUCK_IN_C": "1"})
+    assert code == ExitCode.PREEMPTED, f"a stop during one long write must still exit 143:\n{out}"
+    assert not (volume / "runs" / "ft" / "LEASE").exists(), f"the lease was not released:\n{out}"
+    assert not (volume / "runs" / "ft" / "export" / "merged").exists()
+    resumed = run_trainpod(*convert_args(volume), volume=volume)
+    assert resumed.returncode == ExitCode.DONE, resumed.stdout + resumed.stderr
+    assert not list((volume / "runs" / "ft" / "export").glob("*.tmp-*"))

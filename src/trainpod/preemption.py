@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -62,6 +63,9 @@ class PreemptionWatch:
         self.signal_time: float | None = None
         self.signal_name: str | None = None
         self._abandoning = False
+        # Called from a thread when the main thread is still inside `abandoning()` LAST_RESORT_SHARE of the
+        # window after a stop signal; it must end the process (the conversion's releases the lease, exits 143).
+        self.last_resort: Callable[[], None] | None = None
 
     def install(self) -> PreemptionWatch:
         for signum in (signal.SIGTERM, signal.SIGINT):
@@ -88,11 +92,18 @@ class PreemptionWatch:
         """
         if self.requested:
             raise WorkAbandoned(self.signal_name)
-        self._abandoning = True
+        # Signals reach Python's main thread alone: elsewhere the handler never runs, nor set_wakeup_fd.
+        main = threading.current_thread() is threading.main_thread()
+        overrun = _Overrun(self) if self.last_resort is not None and main else None
         try:
+            self._abandoning = True
+            if self.requested:  # came while the overrun thread started, before the handler would raise
+                raise WorkAbandoned(self.signal_name)
             yield
         finally:
             self._abandoning = False
+            if overrun is not None:
+                overrun.close()
 
     def request(self, name: str = "request") -> None:
         """Ask for a stop as if a signal had arrived (used by the budget check and by tests)."""
@@ -109,6 +120,48 @@ class PreemptionWatch:
         if self.signal_time is None:
             return float("inf")
         return self.window_seconds - (time.monotonic() - self.signal_time)
+
+
+LAST_RESORT_SHARE = 0.6  # of the window: what is left releases a lease and exits, well before the SIGKILL
+
+
+class _Overrun:
+    """Runs `watch.last_resort` when the main thread stays inside `abandoning()` too long after a stop signal.
+
+    The signal's Python handler runs between two bytecodes of the main thread, so one long C call delays
+    it: transformers' save_pretrained writes a whole shard (up to 50 GB by default) in one safetensors call.
+    That call releases the GIL, and the C-level handler writes the signal's number to the wakeup fd at once,
+    so this thread learns of the stop while the main thread cannot.
+    """
+
+    def __init__(self, watch: PreemptionWatch):
+        self._watch = watch
+        self._left = threading.Event()
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._write, False)
+        self._previous = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
+        self._thread = threading.Thread(target=self._wait, name="stop-overrun", daemon=True)
+        self._thread.start()
+
+    def _wait(self) -> None:
+        stops = {signal.SIGTERM, signal.SIGINT}
+        while not self._left.is_set():
+            if stops & set(os.read(self._read, 64)):
+                patience = self._watch.window_seconds * LAST_RESORT_SHARE
+                if not self._left.wait(patience):
+                    log.warning(
+                        "the work in hand did not stop within %.1f s of the stop signal; ending it", patience
+                    )
+                    self._watch.last_resort()
+                return
+
+    def close(self) -> None:
+        signal.set_wakeup_fd(self._previous)
+        self._left.set()
+        os.write(self._write, b"\0")  # wakes the thread's read
+        self._thread.join()
+        os.close(self._read)
+        os.close(self._write)
 
 
 def exit_now_when_preempted(code: int) -> None:

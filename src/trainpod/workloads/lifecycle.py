@@ -28,7 +28,7 @@ from trainpod.diskspace import volume_full_as_exit_5
 from trainpod.errors import ConfigError, ExitCode, TrainpodError, stop_reason
 from trainpod.gitsync import other_checkouts
 from trainpod.log import attach_log_file, setup_logging
-from trainpod.preemption import PreemptionWatch
+from trainpod.preemption import PreemptionWatch, exit_now_when_preempted
 from trainpod.volume import RunDir, Volume, check_run_name
 from trainpod.workloads import Kind, Workload
 
@@ -154,13 +154,23 @@ def _run_conversion(workload: Workload, ctx: RunContext, config: Any) -> int:
     ctx.run.export.mkdir(parents=True, exist_ok=True)
     ctx.lease = Lease(ctx.run.lease, CONVERSION_LEASE_TTL_S)
     ctx.lease.acquire()
+    # A task stopped in one long write (the signal's handler waits for it) releases the lease from a thread
+    # and exits 143 before the SIGKILL: its temp folder goes at the next start, as after a kill.
+    ctx.watch.last_resort = lambda: _release_and_exit_preempted(ctx.lease)
     try:
         outputs = module.run(ctx, config)
     finally:
+        ctx.watch.last_resort = None
         ctx.lease.release()
     for output in outputs:
         log.info("%s output ready at %s", workload.name, output)
     return ExitCode.DONE
+
+
+def _release_and_exit_preempted(lease: Lease) -> None:
+    lease.release()
+    log.warning("released the run's lease; exiting %d", ExitCode.PREEMPTED)
+    exit_now_when_preempted(ExitCode.PREEMPTED)
 
 
 def _run_in_run_folder(workload: Workload, ctx: RunContext, config: Any, rank: int) -> int:

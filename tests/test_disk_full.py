@@ -105,6 +105,17 @@ def test_pretrain_on_a_full_volume_exits_5_keeps_its_checkpoint_and_finishes_ide
         assert exported_weights(volume) == uninterrupted, "the run after freeing space must end identically"
 
 
+def test_a_background_commit_that_fills_the_volume_is_exit_5_naming_its_own_step(volume):
+    # Its error surfaces at the next step's poll: the message named that step (step-21), never written.
+    with small_filesystem(volume / "runs", "3m") as runs:
+        result = run_trainpod(*PRETRAIN, "--set", "checkpoint.mode=async", volume=volume)
+        output = result.stdout + result.stderr
+        assert result.returncode == 5, output
+        (error,) = error_lines(output)
+        assert "for checkpoint step-20 " in error and "step-10, is intact" in error, error
+        assert leftovers(runs / RUN / "checkpoints") == [], "the half-written checkpoint is removed at once"
+
+
 def test_two_ranks_on_a_volume_without_room_for_one_checkpoint_exit_5_before_a_step(volume):
     # Rank 0 measures the headroom. It alone raised VolumeFull; rank 1, in its next collective, crashed on
     # the closed connection, and the launcher reported rank 1's 1 (a failed start, retried on a full volume).

@@ -224,6 +224,8 @@ class CheckpointWriter:
         self.store = store
         self.buffers = HostBuffers(pin_memory)
         self.last_commit_seconds: float | None = None  # snapshot + write of the newest finished commit
+        # The step of the commit whose error was raised last: a background commit's surfaces at a later step.
+        self.failed_step: int | None = None
         self._in_flight: _Commit | None = None
         self._commit_point = threading.Lock()  # an abandon and a publish never interleave
         # One thread for every background commit, started at the first: starting a thread per commit made
@@ -334,6 +336,7 @@ class CheckpointWriter:
         if isinstance(job.error, CommitAbandoned):
             return None
         if job.error is not None:
+            self.failed_step = job.step
             raise job.error
         return job.result
 

@@ -654,13 +654,15 @@ class Trainer:
 
     @contextlib.contextmanager
     def _disk_full_is_exit_5(self, step: int) -> Iterator[None]:
-        """A writer call (which may surface a background commit's error) with ENOSPC made exit 5."""
+        """A writer call (which may surface a background commit's error) with ENOSPC made exit 5, naming the
+        checkpoint that failed: a background commit's error surfaces at a later step than its own."""
+        self.writer.failed_step = None
         try:
             yield
         except Exception as exc:
             if not is_disk_full(exc):
                 raise
-            raise self._volume_full(step) from exc
+            raise self._volume_full(self.writer.failed_step or step) from exc
 
     def _committed(self, checkpoint: CommittedCheckpoint | None) -> None:
         """Record a commit that finished (rank 0): the newest committed step, for stops and status.json."""

@@ -136,3 +136,19 @@ def test_a_sigterm_during_one_long_write_releases_the_lease_and_exits_143_before
     resumed = run_trainpod(*convert_args(volume), volume=volume)
     assert resumed.returncode == ExitCode.DONE, resumed.stdout + resumed.stderr
     assert not list((volume / "runs" / "ft" / "export").glob("*.tmp-*"))
+
+
+def test_a_stopped_tasks_temp_folder_goes_at_the_next_start_even_when_the_task_is_no_longer_configured(
+    volume: Path, tmp_path: Path
+) -> None:
+    code, out = start_merge_and_stop_it(volume, tmp_path, {})
+    assert code == ExitCode.PREEMPTED, out
+    export = volume / "runs" / "ft" / "export"
+    assert list(export.glob("merged.tmp-*")), "the stopped merge leaves its temp folder, as a kill does"
+    config = volume / "mlx.yaml"
+    config.write_text(
+        json.dumps({"name": "ft", "base_model": str(volume / "models" / "base"), "task": ["mlx"]})
+    )
+    result = run_trainpod("run", "convert", "--config", str(config), volume=volume)
+    assert result.returncode == ExitCode.DONE, result.stdout + result.stderr
+    assert not list(export.glob("*.tmp-*")), "the merge's temp folder was left for good"

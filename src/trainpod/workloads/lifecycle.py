@@ -154,6 +154,9 @@ def _run_conversion(workload: Workload, ctx: RunContext, config: Any) -> int:
     ctx.run.export.mkdir(parents=True, exist_ok=True)
     ctx.lease = Lease(ctx.run.lease, CONVERSION_LEASE_TTL_S)
     ctx.lease.acquire()
+    # Every output's, not only those this config makes: a task stopped midway and then dropped from the
+    # config left its temp folder (a merged model's gigabytes) for good.
+    _remove_leftovers(ctx.run)
     # A task stopped in one long write (the signal's handler waits for it) releases the lease from a thread
     # and exits 143 before the SIGKILL: its temp folder goes at the next start, as after a kill.
     ctx.watch.last_resort = lambda: _release_and_exit_preempted(ctx.lease)

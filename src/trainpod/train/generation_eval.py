@@ -43,6 +43,21 @@ class Prompt:
     reference: str
     val_index: int
     images: list[str] = field(default_factory=list)
+    answer_ids: list[int] = field(default_factory=list)  # the reference answer's tokens, its end of turn too
+
+
+def stop_token_ids(model: torch.nn.Module, tokenizer, prompts: Sequence[Prompt]) -> list[int]:
+    """The tokens that end an answer: eos (the tokenizer's and the model's generation_config's) and the
+    special tokens in the reference answers, i.e. the end of turn the answers were trained to end with.
+
+    That is not always eos: a base model's tokenizer (Qwen2.5-7B's <|endoftext|>, Llama-3-8B's
+    <|end_of_text|>) under a chat template whose answers end with <|im_end|> or <|eot_id|>.
+    """
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    eos = [tokenizer.eos_token_id, *(configured if isinstance(configured, list) else [configured])]
+    special = set(tokenizer.all_special_ids)
+    ends = [token for prompt in prompts for token in prompt.answer_ids if token in special]
+    return list(dict.fromkeys(token for token in [*eos, *ends] if token is not None))
 
 
 def _normalized(text: str) -> str:
@@ -86,15 +101,23 @@ def corpus_scores(references: Sequence[str], predictions: Sequence[str]) -> dict
 
 
 @torch.no_grad()
-def greedy_answer(model: torch.nn.Module, prompt: Prompt, tokenizer, max_new_tokens: int, device) -> str:
-    """The model's greedy continuation of the prompt, decoded without special tokens."""
+def greedy_answer(
+    model: torch.nn.Module,
+    prompt: Prompt,
+    tokenizer,
+    max_new_tokens: int,
+    device,
+    stop_ids: Sequence[int] | None = None,
+) -> str:
+    """The model's greedy continuation of the prompt up to the first of `stop_ids` (default: eos),
+    decoded without special tokens."""
     inputs = {key: value.to(device) for key, value in prompt.inputs.items()}
     output = model.generate(
         **inputs,
         max_new_tokens=max_new_tokens,
         do_sample=False,
         use_cache=True,
-        eos_token_id=tokenizer.eos_token_id,
+        eos_token_id=list(stop_ids) if stop_ids else tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
     )
     new_tokens = output[0, inputs["input_ids"].shape[1] :]
@@ -111,12 +134,14 @@ def generate_and_score(
     step: int,
     worst: int,
     autocast: Callable[[], Any],
+    stop_ids: Sequence[int] | None = None,
 ) -> dict[str, float]:
-    """Answer every prompt, write the predictions (and the worst by CER), return eval_<metric> values."""
+    """Answer every prompt (each answer ends at the first of `stop_ids`, see `stop_token_ids`), write the
+    predictions (and the worst by CER), return eval_<metric> values."""
     records, started = [], time.perf_counter()
     for prompt in prompts:
         with autocast():
-            prediction = greedy_answer(model, prompt, tokenizer, max_new_tokens, device)
+            prediction = greedy_answer(model, prompt, tokenizer, max_new_tokens, device, stop_ids)
         records.append(
             {
                 "step": step,

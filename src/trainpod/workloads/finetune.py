@@ -534,7 +534,7 @@ class Finetuner(Trainer):
     def _generation_eval(self, step: int) -> None:
         """Every k-th eval: greedy answers on rank 0, scored (CER, WER, exact match); every rank gets the
         metrics, since early stopping on them must end every rank's loop at the same step."""
-        from trainpod.train.generation_eval import METRICS, generate_and_score
+        from trainpod.train.generation_eval import METRICS, generate_and_score, stop_token_ids
 
         gen = self.cfg.generation_eval
         if not gen.every_evals or (step // self.eval_every) % gen.every_evals:
@@ -554,6 +554,7 @@ class Finetuner(Trainer):
                     step,
                     gen.worst_samples,
                     self._autocast,
+                    stop_token_ids(self.model, self.tokenizer, prompts),
                 )
             except EvalInterrupted:  # the other ranks wait in the broadcast below: they stop with it
                 interrupted = True
@@ -581,6 +582,7 @@ class Finetuner(Trainer):
                         example.input_ids[start:end].tolist(), skip_special_tokens=True
                     ).strip(),
                     index,
+                    answer_ids=example.input_ids[start:end].tolist(),
                 )
             )
         return prompts

@@ -240,6 +240,7 @@ class VlmFinetuner(Finetuner):
                     ).strip(),
                     index,
                     list(val.images[index]),
+                    example.input_ids[start:end].tolist(),
                 )
             )
         return prompts

@@ -146,3 +146,36 @@ def test_a_resumed_run_trains_on_the_hub_commit_it_started_on_when_main_moved_me
     )
     assert Path(summary["base_model_folder"]).name == first, "the resumed run must train on the same base"
     assert summary["base_model_revision"] == first, "and convert must merge into that commit"
+
+
+def test_the_adapter_of_a_hub_base_names_the_hub_id_and_commit_that_peft_loads_it_with_elsewhere(
+    finetune_base_volume, tmp_path
+):
+    """adapter_config.json named the base by the folder the pod downloaded it into (its volume's cache/hf
+    path), which AutoPeftModelForCausalLM, vLLM or mlx-lm on any other machine cannot open; the trainers
+    users compare with write the hub id they were given."""
+    from peft import PeftConfig
+
+    volume = fresh_volume(finetune_base_volume, tmp_path)
+    commit = "c" * 40
+    cached = _hub_cache_snapshot(volume, "acme/tiny", commit, weights_seed=1)
+    (cached / "refs").mkdir()
+    (cached / "refs/main").write_text(commit)
+    args = finetune_args("--set", "base_model.path=acme/tiny", "--set", "train.max_steps=2", method="lora")
+    result = run_trainpod(*args, volume=volume, env={"HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 0, result.stdout + result.stderr
+
+    config = PeftConfig.from_pretrained(volume / "runs" / FINETUNE_RUN / "export/adapter")
+    assert (config.base_model_name_or_path, config.revision) == ("acme/tiny", commit)
+
+
+def test_the_adapter_of_a_base_in_a_folder_names_that_folder(finetune_base_volume, tmp_path):
+    from peft import PeftConfig
+
+    volume = fresh_volume(finetune_base_volume, tmp_path)
+    result = run_trainpod(*finetune_args("--set", "train.max_steps=2", method="lora"), volume=volume)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+    config = PeftConfig.from_pretrained(volume / "runs" / FINETUNE_RUN / "export/adapter")
+    assert Path(config.base_model_name_or_path) == volume / "models/base"
+    assert config.revision is None

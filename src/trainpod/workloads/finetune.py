@@ -637,6 +637,7 @@ class Finetuner(Trainer):
             )
         target = self.ctx.run.export / "adapter"
         tmp = atomic.temp_name(target)
+        self._name_hub_base_in_adapter_config()
         try:
             self.model.save_pretrained(str(tmp), safe_serialization=True)
             self.save_processor(tmp)
@@ -647,6 +648,18 @@ class Finetuner(Trainer):
             raise
         log.info("exported the PEFT adapter to %s", target)
         return target
+
+    def _name_hub_base_in_adapter_config(self) -> None:
+        """A base from the hub is named in adapter_config.json by its hub id and the commit trained on, as
+        axolotl's and LLaMA-Factory's adapters name it: peft records the folder the model was loaded
+        from, here the pod's cache/hf download, which no other machine loading the adapter
+        (AutoPeftModelForCausalLM, vLLM) has. A base given as a folder stays named by that folder."""
+        if not self.base_dir.is_relative_to(self.ctx.volume.cache() / "hf"):
+            return
+        base = self.cfg.base_model
+        for peft_config in self.model.peft_config.values():
+            peft_config.base_model_name_or_path = base.path
+            peft_config.revision = pinned_commit(base, self.base_pin) or base.revision
 
     def save_processor(self, folder: Path) -> None:
         """What the adapter folder needs beside the weights to be used: the tokenizer (VLMs: and more)."""

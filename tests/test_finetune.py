@@ -173,6 +173,18 @@ def test_early_stopping_that_could_never_act_is_exit_2_before_anything_is_writte
     assert tree_snapshot(volume) == before
 
 
+def test_early_stopping_with_a_val_ratio_that_held_out_no_sample_is_exit_2_before_training(volume):
+    """val_ratio 0.002 of 240 rows picks none of them: no eval ever ran, so early stopping never acted and the
+    run trained, silently, to its last paid step."""
+    settings = ("--set", "data.sft.val_ratio=0.002", "--set", "train.early_stopping_patience=2")
+    result = run_trainpod(*finetune_args(*settings, method="lora"), volume=volume)
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output
+    assert "data.sft.val_ratio=0.002 held out none of the 240 samples" in output, output
+    assert "Traceback" not in output
+    assert not list(run_dir(volume).glob("checkpoints/step-*")), "no step may have trained"
+
+
 @pytest.mark.parametrize(
     ("settings", "message"),
     [

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from support import run_trainpod, signal_when_step_reached, start_trainpod
+from support import run_trainpod, signal_when_step_reached, start_trainpod, tree_snapshot
 from vlm_support import OCR_FILE, STEPS, VLM_BASE, VLM_RUN, adapter_bytes, fresh, vlm_args
 
 pytestmark = pytest.mark.slow
@@ -144,3 +144,17 @@ def test_an_mlx_conversion_of_a_vlm_adapter_is_refused_with_the_merge_route(fini
     out = result.stdout + result.stderr
     assert result.returncode == 2, out
     assert "vision-language adapter" in out and "kind: merge" in out
+
+
+def test_early_stopping_without_a_validation_split_is_exit_2_before_anything_is_written(
+    vlm_base_volume, tmp_path
+):
+    """It never evaluated, so it never stopped early: it trained, silently, to its last paid step."""
+    volume = fresh(vlm_base_volume, tmp_path / "volume")
+    before = tree_snapshot(volume)
+    settings = ("--set", "data.val_ratio=0", "--set", "train.early_stopping_patience=2")
+    result = run_trainpod(*vlm_args(*settings), volume=volume)
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output
+    assert "needs a validation split, and data.val_ratio is 0" in output and "Traceback" not in output
+    assert tree_snapshot(volume) == before

@@ -133,6 +133,7 @@ class Finetuner(Trainer):
         )
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.base_dir), local_files_only=True)
         self._setup_data()
+        self._check_held_out_samples()
         self._setup_model()
         self._set_max_steps()
 
@@ -192,6 +193,25 @@ class Finetuner(Trainer):
             pin_memory=self.dist.device.type == "cuda",
             grad_accum_steps=t.grad_accum_steps,
         )
+
+    def _check_held_out_samples(self) -> None:
+        """Early stopping needs validation samples, and a val_ratio > 0 may hold out none of a small dataset
+        (its hash picks no row): the run then never evaluated, never stopped early and trained, silently, to
+        its last paid step. Known only once the data is split, so after its preparation."""
+        patience = self.train_cfg.early_stopping_patience
+        if patience and not len(self.data.val):
+            raise InputError(
+                f"train.early_stopping_patience={patience} needs validation samples, and {self.val_ratio_field} "
+                f"held out none of the {len(self.data.train)} samples; raise {self.val_ratio_field} (a share "
+                f"of at least 1/{len(self.data.train)} holds out one sample), or set early_stopping_patience to 0"
+            )
+
+    @property
+    def val_ratio_field(self) -> str:
+        """The setting that holds samples out for validation."""
+        if self.cfg.data.sft is not None:
+            return f"data.sft.val_ratio={self.cfg.data.sft.val_ratio}"
+        return f"the sft.val_ratio of the datagen config that made {self.cfg.data.dataset}"
 
     def _check_same_tokenizer(self, folder: Path) -> None:
         """A dataset tokenized with another tokenizer trains garbage; the vocabulary and eos must agree.

@@ -62,6 +62,12 @@ def preflight(ctx: RunContext, config: VlmFinetuneConfig) -> None:
     """Fail with exit 2 before anything is written: the base model must exist (rows are checked while
     preparing, which names each bad row's file, line and field)."""
     resolve_base_model(config.base_model, ctx.volume, download=False)
+    patience = config.train.early_stopping_patience
+    if patience and not config.data.val_ratio:  # early stopping with nothing to evaluate never stops
+        raise InputError(
+            f"train.early_stopping_patience={patience} needs a validation split, and data.val_ratio is 0; set "
+            "data.val_ratio (0.02, say), or set early_stopping_patience to 0"
+        )
 
 
 def _under(name: str, parts: tuple[str, ...]) -> bool:
@@ -116,6 +122,10 @@ class VlmFinetuner(Finetuner):
             pad_id=self.data.pad_id,
             grad_accum_steps=t.grad_accum_steps,
         )
+
+    @property
+    def val_ratio_field(self) -> str:
+        return f"data.val_ratio={self.cfg.data.val_ratio}"
 
     def _setup_model(self) -> None:
         super()._setup_model()

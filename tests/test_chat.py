@@ -53,6 +53,18 @@ def test_the_template_a_finetune_trained_with_is_read_from_its_adapter(finetuned
     assert Path(found.model_dir) == finetuned / BASE
 
 
+def test_a_finetune_on_plain_text_alone_is_prompted_with_plain_text(tmp_path):
+    """Continued pretraining (format text) wraps no sample in a template: its prompts must not be either."""
+    run = tmp_path / "runs/docs"
+    (run / "export/adapter").mkdir(parents=True)
+    (run / "config.yaml").write_text(
+        "data:\n  sft:\n    template: auto\n    datasets:\n      - path: docs.jsonl\n        format: text\n"
+    )
+    assert training_template(run) is None, "a run's config of text datasets alone has no template"
+    (run / "export/adapter/training_summary.json").write_text('{"data": {"template": null}}')
+    assert training_template(run) is None, "nor has its summary"
+
+
 def test_generate_streams_what_peft_generates_from_the_chatml_prompt_it_trained_on(finetuned):
     from peft import PeftModel
 

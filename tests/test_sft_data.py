@@ -168,6 +168,26 @@ def test_text_format_trains_every_token_but_the_first_and_ends_with_eos(tmp_path
     assert example.labels.tolist() == [IGNORE_INDEX, *expected[1:]]
 
 
+def test_a_dataset_of_plain_text_alone_records_no_template_and_one_with_chats_records_its_template(
+    tmp_path, tokenizer_dir
+):
+    """trainpod chat and generate wrap prompts in the recorded template: a model trained on plain text
+    (format text, which no template wraps) was prompted as a chat it never saw."""
+    text = prepare(
+        tmp_path / "text", tokenizer_dir, [{"text": "The quick brown fox."}], "text", template="chatml"
+    )
+    assert text.manifest["template"] is None
+    (tmp_path / "mixed/vol").mkdir(parents=True)
+    write_jsonl(tmp_path / "mixed/vol/text.jsonl", [{"text": "The quick brown fox."}])
+    write_jsonl(tmp_path / "mixed/vol/chat.jsonl", [ROWS["alpaca"]])
+    config = data_config(
+        [{"path": "text.jsonl", "format": "text"}, {"path": "chat.jsonl", "format": "alpaca"}],
+        template="chatml",
+    )
+    out = prepare_sft(config, tokenizer_dir, tmp_path / "mixed/vol/datasets/sft", tmp_path / "mixed/vol")
+    assert load_sft(out).manifest["template"] == "chatml"
+
+
 def test_train_on_prompt_trains_the_prompt_too(tmp_path, tokenizer_dir):
     data = prepare(tmp_path, tokenizer_dir, [ROWS["alpaca"]], template="chatml", train_on_prompt=True)
     example = data.train[0]

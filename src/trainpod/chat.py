@@ -64,16 +64,20 @@ def find_export(volume: Volume, run: str, which: str = "auto") -> Export:
 
 
 def training_template(run_dir: Path) -> str | None:
-    """The SFT template the run trained with: training_summary.json, else the run's config.yaml."""
+    """The SFT template the run trained with: training_summary.json, else the run's config.yaml. None for
+    a run trained on plain text alone (format text: no template wrapped it), like a pretrained model."""
     for folder in ("adapter", "hf", "merged"):
-        template = (_summary(run_dir / "export" / folder).get("data") or {}).get("template")
-        if template:
-            return template
+        data = _summary(run_dir / "export" / folder).get("data") or {}
+        if "template" in data:  # a finetune's: None when it trained on plain text alone
+            return data["template"]
     try:
         config = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
     except (OSError, yaml.YAMLError):
         return None
     sft = (config.get("data") or {}).get("sft") or {}
+    datasets = sft.get("datasets") or []
+    if datasets and all(isinstance(d, dict) and d.get("format") == "text" for d in datasets):
+        return None
     return sft.get("template")
 
 

@@ -158,7 +158,7 @@ def _build_and_publish(
         counts["train_tokens"],
         counts["truncated"],
         counts["dropped"],
-        manifest["template"],
+        manifest["template"] or "none: plain text",
     )
     return out_dir
 
@@ -269,7 +269,8 @@ def _build(
     return {
         "format": MANIFEST_FORMAT,
         "complete": True,
-        "template": template.name,
+        # None: every dataset is plain text, which no template wraps; the model continues text (trainpod chat)
+        "template": template.name if any(source.format != "text" for source in data.datasets) else None,
         "packing": data.packing,  # not a setting of the ids (not in the key): the trainer's default for them
         "settings": data.stored_settings(),
         "splits": files,

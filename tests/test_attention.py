@@ -159,3 +159,34 @@ def test_a_model_trained_on_the_fast_path_saves_a_config_that_loads_anywhere(att
     tiny_llama(attn).save_pretrained(tmp_path)
     assert CAUSAL_SDPA not in (tmp_path / "config.json").read_text()
     LlamaForCausalLM.from_pretrained(tmp_path)
+
+
+def test_auto_picks_an_attention_the_model_implements_and_one_it_lacks_is_a_config_error(
+    monkeypatch, tmp_path
+):
+    # Gemma 2 (and gpt-oss) implement no SDPA: `auto` chose it, and transformers raised ValueError loading
+    # the model, exit 1 at every start of a finetune of one.
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    from trainpod.config.finetune import BaseModelConfig
+    from trainpod.train.base_model import supported_attention
+
+    config = Gemma2Config(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8,
+    )  # fmt: skip
+    Gemma2ForCausalLM(config).save_pretrained(tmp_path / "gemma2")
+    supported = supported_attention(tmp_path / "gemma2", BaseModelConfig(path=str(tmp_path / "gemma2")))
+    assert supported == {"eager", "flash_attention_2", "flex_attention"}
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(  # an image without flash-attn
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "flash_attn" else real_find_spec(name, *a),
+    )
+    assert resolve_attention("auto", torch.device("cpu"), supported=supported) == "eager"
+    assert resolve_attention("auto", torch.device("cuda", 0), supported=supported) == "flex_attention"
+    assert resolve_attention("auto", torch.device("cpu"), supported=supported | {"sdpa"}) == "sdpa"
+    with pytest.raises(InputError, match=r"base_model.attention=sdpa: the model does not implement it"):
+        resolve_attention("sdpa", torch.device("cpu"), field="base_model.attention", supported=supported)

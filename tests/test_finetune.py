@@ -173,6 +173,33 @@ def test_early_stopping_that_could_never_act_is_exit_2_before_anything_is_writte
     assert tree_snapshot(volume) == before
 
 
+def test_a_base_model_without_sdpa_finetunes_with_an_attention_it_implements(volume):
+    """Gemma 2 implements no SDPA: `auto` asked for it anyway and transformers raised ValueError while the
+    model loaded, exit 1 at every start."""
+    from transformers import AutoTokenizer, Gemma2Config, Gemma2ForCausalLM
+
+    folder = volume / BASE
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    config = Gemma2Config(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    for weights in folder.glob("model*.safetensors"):
+        weights.unlink()
+    Gemma2ForCausalLM(config).save_pretrained(folder)
+    steps = ("--set", "train.max_steps=2", "--set", "train.eval_every=0")
+    output = ok(run_trainpod(*finetune_args(*steps, method="lora"), volume=volume))
+    assert "attention eager" in output
+
+    result = run_trainpod(
+        *finetune_args(*steps, "--set", "base_model.attention=sdpa", "--run", "sdpa-run", method="lora"),
+        volume=volume,
+    )
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "base_model.attention=sdpa: the model does not implement it" in result.stdout + result.stderr
+
+
 def test_early_stopping_with_a_val_ratio_that_held_out_no_sample_is_exit_2_before_training(volume):
     """val_ratio 0.002 of 240 rows picks none of them: no eval ever ran, so early stopping never acted and the
     run trained, silently, to its last paid step."""

@@ -125,6 +125,38 @@ def _download(cfg: BaseModelConfig, volume: Volume, revision: str | None, pinned
         ) from None
 
 
+ATTENTION_FLAGS = {  # transformers' class flags for the attention implementations a model has
+    "flash_attention_2": "_supports_flash_attn",
+    "sdpa": "_supports_sdpa",
+    "flex_attention": "_supports_flex_attn",
+}
+
+
+def supported_attention(folder: Path, cfg: BaseModelConfig) -> set[str] | None:
+    """The attention implementations the model class at `folder` declares (eager always); None when
+    unknown: remote code, or a model type transformers' causal-LM and image-text-to-text tables lack."""
+    from transformers import AutoConfig
+    from transformers.models.auto import modeling_auto
+
+    if cfg.trust_remote_code:
+        return None
+    try:
+        config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    except (OSError, ValueError, KeyError):
+        return None  # loading the model says what is wrong with the folder
+    for mapping in (
+        modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING,
+        modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING,
+    ):
+        if type(config) in mapping:
+            model_class = mapping[type(config)]
+            return {
+                "eager",
+                *(name for name, flag in ATTENTION_FLAGS.items() if getattr(model_class, flag, False)),
+            }
+    return None
+
+
 def _from_pretrained_kwargs(cfg: BaseModelConfig, attention: str) -> dict[str, Any]:
     return {
         "attn_implementation": attention,

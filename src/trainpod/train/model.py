@@ -32,12 +32,23 @@ def resolve_attention(
     packed: bool = False,
     field: str = "train.attention",
     head_dim: int | None = None,
+    supported: set[str] | None = None,
 ) -> str:
     """flash-attn 2 on a GPU where it is installed and the heads fit its kernels; else, for packed rows on
     a GPU, flex attention (its block mask skips the blocks across sample boundaries, where SDPA would get a
     dense mask); else SDPA. flash_attention_2 asked for (in `field`) where it cannot run is an InputError
     (exit 2): transformers raised ImportError building the model (or flash-attn at the first step), a
-    crash at every start."""
+    crash at every start.
+
+    `supported`: the implementations the model class declares (`supported_attention`; None: unknown).
+    `auto` picks among them (SDPA, else flex attention on a GPU, else eager: Gemma 2 and gpt-oss have
+    no SDPA); one asked for that the model lacks is an InputError, where transformers raised ValueError
+    loading the model at every start."""
+    if supported is not None and requested != "auto" and requested not in supported:
+        raise InputError(
+            f"{field}={requested}: the model does not implement it (it implements {', '.join(sorted(supported))}); "
+            f"set {field}=auto or one of those"
+        )
     flash_attn = device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None
     too_wide = head_dim is not None and head_dim > FLASH_ATTN_MAX_HEAD_DIM
     if requested == "flash_attention_2" and (too_wide or not flash_attn):
@@ -54,11 +65,19 @@ def resolve_attention(
         )
     if requested != "auto":
         return requested
-    if flash_attn and not too_wide:
+
+    def implemented(name: str) -> bool:
+        return supported is None or name in supported
+
+    if flash_attn and not too_wide and implemented("flash_attention_2"):
         return "flash_attention_2"
-    if device.type == "cuda" and packed:
+    if device.type == "cuda" and packed and implemented("flex_attention"):
         return "flex_attention"
-    return "sdpa"
+    if implemented("sdpa"):
+        return "sdpa"
+    if device.type == "cuda" and implemented("flex_attention"):
+        return "flex_attention"
+    return "eager"
 
 
 def causal_fast_path(attention: str) -> str:

@@ -32,7 +32,13 @@ from trainpod.context import RunContext
 from trainpod.errors import InputError
 from trainpod.sft import IGNORE_INDEX, SftBatches, eval_batches, load_sft, prepare_sft, sft_key
 from trainpod.train import distributed as D
-from trainpod.train.base_model import load_4bit, load_model, pinned_commit, resolve_base_model
+from trainpod.train.base_model import (
+    load_4bit,
+    load_model,
+    pinned_commit,
+    resolve_base_model,
+    supported_attention,
+)
 from trainpod.train.batches import rescaled_accumulation, to_device
 from trainpod.train.export import DTYPES, export_hf, publish_export
 from trainpod.train.loss import CausalLMLoss, fits_chunked_loss, shift_labels
@@ -128,14 +134,22 @@ class Finetuner(Trainer):
         self.base_dir = self._on_main_first(
             lambda: resolve_base_model(config.base_model, ctx.volume, pin=self.base_pin)
         )
-        self.attention = resolve_attention(
-            config.base_model.attention, dist.device, config.data.use_packing, "base_model.attention"
-        )
+        self.base_attention = supported_attention(self.base_dir, config.base_model)
+        self.attention = self._resolve_attention(config.data.use_packing)
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.base_dir), local_files_only=True)
         self._setup_data()
         self._check_held_out_samples()
         self._setup_model()
         self._set_max_steps()
+
+    def _resolve_attention(self, packing: bool) -> str:
+        return resolve_attention(
+            self.cfg.base_model.attention,
+            self.dist.device,
+            packing,
+            "base_model.attention",
+            supported=self.base_attention,
+        )
 
     def _set_max_steps(self) -> None:
         """From train.max_steps, or train.epochs over the optimizer steps an epoch holds (the same on any
@@ -174,9 +188,7 @@ class Finetuner(Trainer):
         packing = data_cfg.use_packing
         if data_cfg.packing is None and data_cfg.dataset is not None:  # the datagen config's sft.packing
             packing = bool(self.data.manifest.get("packing", False))
-            self.attention = resolve_attention(
-                self.cfg.base_model.attention, self.dist.device, packing, "base_model.attention"
-            )
+            self.attention = self._resolve_attention(packing)
         t = self.train_cfg
         self.batches = SftBatches(
             self.data.train,

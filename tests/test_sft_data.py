@@ -9,6 +9,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import logging
 import re
 import shutil
 from pathlib import Path
@@ -213,15 +214,25 @@ def test_template_missing_special_tokens_is_refused_naming_them(tmp_path):
         prepare(tmp_path, folder, [ROWS["alpaca"]], template="llama3")
 
 
-def test_truncate_keeps_short_answers_whole_and_cuts_the_prompt(tmp_path, tokenizer_dir, tokenizer):
+def test_truncate_keeps_short_answers_whole_and_cuts_the_prompt(tmp_path, tokenizer_dir, tokenizer, caplog):
     long_prompt = {"instruction": "apple river stone cloud " * 20, "output": "42"}
-    data = prepare(tmp_path, tokenizer_dir, [long_prompt], template="chatml", cutoff_len=32)
+    with caplog.at_level(logging.WARNING, logger="trainpod.sft.prepare"):
+        data = prepare(tmp_path, tokenizer_dir, [long_prompt], template="chatml", cutoff_len=32)
     example = data.train[0]
     assert len(example.input_ids) == 32
     answer = tokenizer.encode("42<|im_end|>", add_special_tokens=False)
     assert example.input_ids.tolist()[-len(answer) :] == answer
     assert example.labels.tolist()[-len(answer) :] == answer
-    assert data.manifest["counts"]["truncated"] == 1
+    counts = data.manifest["counts"]
+    assert counts["truncated"] == 1
+    assert (
+        counts["longest_sample_tokens"] > 32
+        and counts["truncated_tokens"] == counts["longest_sample_tokens"] - 32
+    )
+    # A run that never learns the ends of its long samples, unless the log says so where it is read.
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warned and "1 of 1 samples were longer than sft.cutoff_len=32" in warned[0], warned
+    assert f"the longest sample has {counts['longest_sample_tokens']}" in warned[0]
 
 
 def test_drop_leaves_long_samples_out_and_counts_them(tmp_path, tokenizer_dir):

@@ -21,6 +21,7 @@ class Encoded:
     input_ids: np.ndarray  # int32
     trained: np.ndarray  # bool: the position's token is a training target (label != -100)
     truncated: bool
+    full_length: int  # tokens of the whole sample, before the cut
 
 
 def infer_seqlen(source_len: int, target_len: int, budget: int) -> tuple[int, int]:
@@ -58,7 +59,9 @@ def cut_sample(
         trained[0] = False  # nothing precedes a sample's first token, so it is never a target
     if not any(trained):
         return None
-    return Encoded(np.asarray(ids, dtype=np.int32), np.asarray(trained, dtype=bool), total > cutoff_len)
+    return Encoded(
+        np.asarray(ids, dtype=np.int32), np.asarray(trained, dtype=bool), total > cutoff_len, total
+    )
 
 
 class SegmentEncoder:

@@ -160,7 +160,25 @@ def _build_and_publish(
         counts["dropped"],
         manifest["template"] or "none: plain text",
     )
+    if counts["truncated"]:
+        _warn_truncated(counts, data.cutoff_len)
     return out_dir
+
+
+def _warn_truncated(counts: dict, cutoff_len: int) -> None:
+    """What the cut left out, where a run would otherwise never learn the ends of its long samples unseen."""
+    kept = counts["train_tokens"] + counts.get("val_tokens", 0)
+    log.warning(
+        "%d of %d samples were longer than sft.cutoff_len=%d and were cut: %d of their tokens (%.1f%% of the "
+        "data's) left out, the longest sample has %d; raise sft.cutoff_len to train on them whole, or set "
+        "sft.overflow=drop to leave them out",
+        counts["truncated"],
+        counts["train_samples"] + counts["val_samples"],
+        cutoff_len,
+        counts["truncated_tokens"],
+        100 * counts["truncated_tokens"] / max(kept + counts["truncated_tokens"], 1),
+        counts["longest_sample_tokens"],
+    )
 
 
 def _reusable(out_dir: Path, key: str, data: SftDataConfig, volume_root: Path) -> bool:
@@ -233,7 +251,7 @@ def _build(
 ) -> dict:
     encoder = SegmentEncoder(tokenizer, data.cutoff_len, data.overflow, data.train_on_prompt)
     splits: dict[str, list] = {"train": [], "val": []}
-    rows = dropped = truncated = 0
+    rows = dropped = truncated = cut_tokens = longest = 0
     for chunk in _chunks(_segments(data, template, tokenizer, volume_root), ENCODE_CHUNK):
         if watch.requested:
             raise Preempted(
@@ -247,6 +265,8 @@ def _build(
                 dropped += 1
             else:
                 truncated += encoded.truncated
+                cut_tokens += encoded.full_length - len(encoded.input_ids)
+                longest = max(longest, encoded.full_length)
                 splits[split].append((rows, encoded.input_ids, encoded.trained))
             rows += 1
     if not splits["train"]:
@@ -254,7 +274,14 @@ def _build(
             f"no training samples: {rows} rows read, {dropped} dropped (over cutoff_len={data.cutoff_len} or no "
             "answer tokens left); add data, raise sft.cutoff_len or set sft.overflow=truncate"
         )
-    files, counts = {}, {"rows": rows, "dropped": dropped, "truncated": truncated}
+    files = {}
+    counts = {
+        "rows": rows,
+        "dropped": dropped,
+        "truncated": truncated,
+        "truncated_tokens": cut_tokens,  # cut off the truncated samples
+        "longest_sample_tokens": longest,  # of the samples kept, before any cut
+    }
     for split, examples in splits.items():
         if split == "val" and not data.val_ratio:
             continue

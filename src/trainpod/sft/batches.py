@@ -31,6 +31,7 @@ from trainpod.sft.dataset import IGNORE_INDEX
 
 log = logging.getLogger(__name__)
 
+LEFT_OUT_WARNING_SHARE = 0.01  # rows an epoch leaves out (not a whole step) worth a warning
 OPEN_ROWS = 32  # packing keeps this many partly filled rows open: >95% fill on mixed lengths, O(n) time
 
 
@@ -160,12 +161,35 @@ class SftBatches:
                 f"{world_size} rank(s) x {grad_accum_steps} accumulation x {micro_batch_size}; lower the micro "
                 "batch size or train.grad_accum_steps, turn packing off, or add data"
             )
+        self._report_rows_left_out()
         log.info(
             "SFT batches: %d samples, %d steps per epoch, %s, %.1f%% of the batch tokens are real tokens",
             len(examples),
             self.steps_per_epoch,
             "packed" if packing else "padded",
             100 * self.packing_efficiency,
+        )
+
+    def _report_rows_left_out(self) -> None:
+        """Rows that do not fill a whole step are left out of every epoch: a warning once they are 1% or more
+        (a small dataset under a large batch trains on a share of its samples per epoch, not all of them)."""
+        step_rows = self._global_rows * self.grad_accum_steps
+        left_out = self._planned_rows - self.steps_per_epoch * self._global_rows
+        if not left_out or self.rank:
+            return
+        share = left_out / self._planned_rows
+        (log.warning if share >= LEFT_OUT_WARNING_SHARE else log.info)(
+            "%d of the %d %s of an epoch (%.1f%%) do not fill a whole optimizer step of %d (%d rank(s) x %d "
+            "accumulation x %d) and are left out, another random set each epoch; lower train.grad_accum_steps "
+            "or train.micro_batch_size, or add data, to train on more of them",
+            left_out,
+            self._planned_rows,
+            "packed rows" if self.packing else "samples",
+            100 * share,
+            step_rows,
+            self.world_size,
+            self.grad_accum_steps,
+            self.micro_batch_size,
         )
 
     @staticmethod

@@ -200,6 +200,35 @@ def test_a_base_model_without_sdpa_finetunes_with_an_attention_it_implements(vol
     assert "base_model.attention=sdpa: the model does not implement it" in result.stdout + result.stderr
 
 
+def test_packing_on_a_model_that_mixes_packed_samples_is_exit_2_before_data_or_training(volume):
+    """An OPT (or Mamba-like) base reads a packed row across its samples: the run went through, each sample
+    trained partly on its neighbour's text, with no word. Now exit 2 naming the setting and the fix."""
+    from transformers import AutoTokenizer, OPTConfig, OPTForCausalLM
+
+    folder = volume / BASE
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    config = OPTConfig(
+        vocab_size=len(tokenizer), hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=256, word_embed_proj_dim=32, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    for weights in folder.glob("model*.safetensors"):
+        weights.unlink()
+    OPTForCausalLM(config).save_pretrained(folder)
+    result = run_trainpod(*finetune_args("--set", "train.max_steps=2", method="lora"), volume=volume)
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output
+    assert (
+        "data.sft.packing=true: the base model (opt) carries" in output and "set data.packing=false" in output
+    )
+    assert "Traceback" not in output
+    assert not list(volume.glob("cache/sft/*")), "the SFT data is not prepared for a run refused"
+    assert not list(run_dir(volume).glob("checkpoints/step-*"))
+
+    steps = ("--set", "train.max_steps=2", "--set", "train.eval_every=0", "--set", "data.packing=false")
+    assert "step 2" in ok(run_trainpod(*finetune_args(*steps, method="lora"), volume=volume))
+
+
 def test_early_stopping_with_a_val_ratio_that_held_out_no_sample_is_exit_2_before_training(volume):
     """val_ratio 0.002 of 240 rows picks none of them: no eval ever ran, so early stopping never acted and the
     run trained, silently, to its last paid step."""

@@ -119,6 +119,31 @@ def test_no_sample_attends_across_its_boundary_in_a_packed_row(attn, flatten):
         )
 
 
+def test_an_opt_model_reads_a_packed_row_across_its_samples_which_finetune_refuses():
+    """The premise of PACKING_MIXES_SAMPLES (finetune refuses packing for these types, exit 2): OPT takes
+    positions from the attention mask, not from the restarted position_ids, so its packed samples differ
+    from themselves alone. Should transformers keep them apart one day, this fails: take opt off the list."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    from trainpod.train.base_model import PACKING_MIXES_SAMPLES
+
+    torch.manual_seed(0)
+    config = OPTConfig(
+        vocab_size=128, hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=256, word_embed_proj_dim=32,
+    )  # fmt: skip
+    model = OPTForCausalLM(config).eval()
+    examples = synthetic(2)
+    batch = SftBatches(examples, 1, 64, True, seed=0, rank=0, world_size=1, pad_id=0).next_batch()
+    second = next(i for i, p in enumerate(batch["position_ids"][0].tolist()) if i and p == 0)
+    which = int(batch["input_ids"][0, second]) - 100
+    with torch.no_grad():
+        packed = model(**batch, use_cache=False).logits[0, second:]
+        alone = model(input_ids=torch.from_numpy(examples[which].input_ids)[None]).logits[0]
+    assert not torch.allclose(packed, alone, atol=1e-4), "OPT kept packed samples apart"
+    assert "opt" in PACKING_MIXES_SAMPLES
+
+
 def test_packed_rows_are_padded_as_segments_of_their_own_with_ignored_labels():
     examples = synthetic(12)
     batches = SftBatches(examples, 3, 40, True, seed=0, rank=0, world_size=1, pad_id=0, flatten_packed=False)

@@ -7,6 +7,7 @@ benchmarks), so the hub rules and the quantization settings live in one place.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
@@ -155,6 +156,36 @@ def supported_attention(folder: Path, cfg: BaseModelConfig) -> set[str] | None:
                 *(name for name, flag in ATTENTION_FLAGS.items() if getattr(model_class, flag, False)),
             }
     return None
+
+
+# Model types whose packed rows leak one sample into the next: their layers carry a state from token to
+# token outside attention (Mamba/SSM, linear attention, recurrent blocks), or they read positions from the
+# attention mask rather than position_ids (OPT). A restart of position_ids and a block-diagonal mask keep
+# samples apart in attention only. Measured on tiny models (a packed row's second sample against the
+# sample alone): qwen3_next, falcon_h1, jamba, bamba, granitemoehybrid and opt leak; the pure state-space
+# and recurrent types carry their state by construction.
+PACKING_MIXES_SAMPLES = frozenset(
+    {
+        "qwen3_next", "falcon_h1", "jamba", "bamba", "granitemoehybrid", "opt",
+        "mamba", "mamba2", "falcon_mamba", "zamba", "zamba2", "nemotron_h", "recurrent_gemma", "rwkv", "xlstm",
+    }
+)  # fmt: skip
+
+
+def refuse_packing_that_mixes_samples(folder: Path, asked_by: str) -> None:
+    """InputError (exit 2) when packing is asked for on a model type that would train each packed sample
+    partly on its neighbour's text: the run would go through, silently worse. `asked_by`: the setting that
+    asked for packing, as the message names it (`data.sft.packing=true`)."""
+    try:
+        model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        return  # loading the model says what is wrong with the folder
+    if model_type in PACKING_MIXES_SAMPLES:
+        raise InputError(
+            f"{asked_by}: the base model ({model_type}) carries what it read from one packed sample into the next "
+            "(its layers pass a state along the row outside attention, or take positions from the attention "
+            "mask), so each sample would be trained partly on its neighbour's text; set data.packing=false"
+        )
 
 
 def _from_pretrained_kwargs(cfg: BaseModelConfig, attention: str) -> dict[str, Any]:

@@ -36,6 +36,7 @@ from trainpod.train.base_model import (
     load_4bit,
     load_model,
     pinned_commit,
+    refuse_packing_that_mixes_samples,
     resolve_base_model,
     supported_attention,
 )
@@ -135,6 +136,9 @@ class Finetuner(Trainer):
             lambda: resolve_base_model(config.base_model, ctx.volume, pin=self.base_pin)
         )
         self.base_attention = supported_attention(self.base_dir, config.base_model)
+        if config.data.use_packing:  # before the SFT data is prepared; a datagen dataset's own packing: later
+            asked_by = "data.packing=true" if config.data.packing else "data.sft.packing=true"
+            refuse_packing_that_mixes_samples(self.base_dir, asked_by)
         self.attention = self._resolve_attention(config.data.use_packing)
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.base_dir), local_files_only=True)
         self._setup_data()
@@ -189,6 +193,9 @@ class Finetuner(Trainer):
         if data_cfg.packing is None and data_cfg.dataset is not None:  # the datagen config's sft.packing
             packing = bool(self.data.manifest.get("packing", False))
             self.attention = self._resolve_attention(packing)
+            if packing:
+                asked_by = f"data.dataset={data_cfg.dataset} (made with sft.packing=true)"
+                refuse_packing_that_mixes_samples(self.base_dir, asked_by)
         t = self.train_cfg
         self.batches = SftBatches(
             self.data.train,

@@ -2,10 +2,11 @@
 
     python bench/gpu_wheels.py [--python 3.12] [--dest .whl]
 
-A lent GPU machine (and many a fresh cloud image) has a CUDA torch, transformers, peft and accelerate
-but not bitsandbytes or pydantic, and no package index. This downloads, on a machine that has the index,
-the versions installed here (so the GPU runs the code with what the tests ran it with) as binary wheels
-for CPython `--python` on manylinux x86_64; `make gpu-check` there installs them with --no-index.
+A lent GPU machine (and many a fresh cloud image) has a CUDA torch, transformers, peft (of a version
+nobody has read) and accelerate but not bitsandbytes or pydantic, and no package index. This downloads,
+on a machine that has the index, the versions installed here (so the GPU runs the code with what the
+tests ran it with) as binary wheels for CPython `--python` on manylinux x86_64; `make gpu-check` there
+installs them with --no-index.
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ PACKAGES = [
     "datasets",  # the Trainer baseline's Dataset
     "dill",
     "multiprocess",
+    # The machine has a peft of a version nobody has read, and trainpod needs 0.21 (peft.utils.error's
+    # NoMatchingPeftModuleError, imported by every LoRA/QLoRA finetune): carried, the finetune parts run
+    # the peft the tests ran. Pure Python, 0.8 MB; its needs (transformers, accelerate...) are there.
+    "peft",
 ]
 PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in (39, 35, 34, 31, 28, 27, 24, 17)] + ["manylinux2014_x86_64"]
 

@@ -22,6 +22,7 @@ from gpu_check import PARTS, TARGETS, gpu_test_files, unit_name, units  # noqa: 
 from gpu_machine import GPU_MACHINE_PACKAGES, block_imports_beyond  # noqa: E402
 from gpu_report import section, write_report  # noqa: E402
 from gpu_wheels import PACKAGES as GPU_WHEELS  # noqa: E402
+from gpu_wheels import pins  # noqa: E402
 
 from trainpod.train.reporting import peak_flops_of  # noqa: E402
 
@@ -119,6 +120,14 @@ def test_a_failed_or_missing_unit_is_reported_as_such_never_as_a_number(tmp_path
     assert "| 125m MFU, compile on, steady state | failed (CUDA out of memory) |" in text
     assert "| 1b MFU, compile on, steady state | not run |" in text
     assert "pass" not in section(tmp_path, TARGETS, units(list(PARTS), dry=False))
+
+
+def test_the_gpu_wheels_carry_the_peft_the_tests_ran_since_the_machines_own_is_of_unknown_version():
+    # Every LoRA/QLoRA finetune imports peft.utils.error, new in peft 0.21: under the machine's own peft,
+    # if older, each finetune part of the check would fail at its first step (ModuleNotFoundError).
+    from importlib.metadata import version
+
+    assert f"peft=={version('peft')}" in pins()
 
 
 def test_mfu_uses_the_peak_of_the_exact_h100_variant():

@@ -30,7 +30,8 @@ log = logging.getLogger(__name__)
 # against torch's device name in this order: the first key found in it wins, so a chip's variants come
 # before its plain name (an H100 PCIe peaks 24% below the SXM part).
 PEAK_BF16_FLOPS = {
-    "H200": 989e12,
+    "H200 NVL": 835e12,  # "NVIDIA H200 NVL", a RunPod type: the PCIe part (1,671 with sparsity)
+    "H200": 989e12,  # "NVIDIA H200" (SXM); "NVIDIA GH200 480GB" too, the same chip's 989
     "H100 PCIe": 756e12,
     "H100 NVL": 835e12,
     "H100": 989e12,  # SXM5, e.g. "NVIDIA H100 80GB HBM3"

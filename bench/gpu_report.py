@@ -191,6 +191,8 @@ def write_report(
         head, sections = (
             split_sections(benchmarks.read_text()) if benchmarks.exists() else ("# Benchmarks\n\n", [])
         )
-        benchmarks.write_text(head + "".join(merge_sections(sections, [text])))
+        # One blank line between sections, as `make bench` writes them (bench/run_all.py): joined with
+        # nothing, every heading of BENCHMARKS.md lost the blank line above it.
+        benchmarks.write_text(head + "\n".join(merge_sections(sections, [text])))
     print(text)
     return text

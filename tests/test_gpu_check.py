@@ -113,6 +113,16 @@ def test_the_report_replaces_only_the_gpu_section_and_shows_every_target(dry_res
     assert "VLM generation eval at configs/finetune/qwen3-vl-2b-qlora-ocr.yaml's settings" in gpu
 
 
+def test_the_report_leaves_every_other_section_of_benchmarks_md_as_it_was(tmp_path):
+    benchmarks = tmp_path / "BENCHMARKS.md"
+    before, after = "# Benchmarks\n\nintro\n\n## Datagen\n\nkept\n\n", "\n## VLM\n\nafter\n"
+    benchmarks.write_text(before + "## GPU\n\nold placeholder\n" + after)
+    (tmp_path / "env.json").write_text(json.dumps({"ok": True, "gpu": "NVIDIA H100 80GB HBM3", "dry": False}))
+    write_report(tmp_path, benchmarks, TARGETS, units(list(PARTS), dry=False))
+    text = benchmarks.read_text()
+    assert text.startswith(before + "## GPU\n") and text.endswith(after) and "old placeholder" not in text
+
+
 def test_a_failed_or_missing_unit_is_reported_as_such_never_as_a_number(tmp_path):
     (tmp_path / "env.json").write_text(json.dumps({"ok": True, "gpu": "NVIDIA H100 80GB HBM3", "dry": False}))
     (tmp_path / "pretrain-125m.json").write_text(json.dumps({"ok": False, "error": "CUDA out of memory"}))

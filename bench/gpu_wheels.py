@@ -34,6 +34,10 @@ PACKAGES = [
     # NoMatchingPeftModuleError, imported by every LoRA/QLoRA finetune): carried, the finetune parts run
     # the peft the tests ran. Pure Python, 0.8 MB; its needs (transformers, accelerate...) are there.
     "peft",
+    # pydantic 2.14 imports typing_extensions.Sentinel (4.14+) and asks for 4.16; torch asks only for 4.10,
+    # and the machine's version is unknown: an older one would fail every trainpod import (the config).
+    # Newer is compatible with what torch and the rest need. 45 kB.
+    "typing-extensions",
 ]
 PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in (39, 35, 34, 31, 28, 27, 24, 17)] + ["manylinux2014_x86_64"]
 

@@ -140,6 +140,19 @@ def test_the_gpu_wheels_carry_the_peft_the_tests_ran_since_the_machines_own_is_o
     assert f"peft=={version('peft')}" in pins()
 
 
+def test_the_gpu_wheels_carry_the_typing_extensions_the_carried_pydantic_needs():
+    # pydantic (carried) imports typing_extensions.Sentinel, new in 4.14, and declares >=4.16; the machine's
+    # typing-extensions is of a version nobody has read (torch there needs only 4.10), and under an older
+    # one every trainpod import failed: `from typing_extensions import Sentinel` (ImportError).
+    from importlib.metadata import requires
+
+    from packaging.requirements import Requirement
+
+    carried = {name.lower() for name in GPU_WHEELS}
+    needs = {Requirement(line).name.lower() for line in requires("pydantic") + requires("pydantic-core")}
+    assert "typing-extensions" in needs and "typing-extensions" in carried
+
+
 def test_mfu_uses_the_peak_of_the_exact_h100_variant():
     assert peak_flops_of("NVIDIA H100 80GB HBM3") == 989e12
     assert peak_flops_of("NVIDIA H100 PCIe") == 756e12

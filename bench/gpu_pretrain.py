@@ -249,5 +249,6 @@ def checkpoint_cost(volume: Path, preset: str, dry: bool) -> dict[str, Any]:
         "runs": results,
         "stall_per_commit_s": stall,
         "throughput_ratio_5min": 300.0 / (300.0 + stall),
-        "mode": getattr(getattr(preset_config(preset, dry), "checkpoint", None), "mode", "sync"),
+        # What the trainer made of checkpoint.mode (auto: async on a GPU, sync on CPU), not the setting.
+        "mode": "async" if trainer.background_commits else "sync",
     }

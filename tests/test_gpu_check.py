@@ -74,6 +74,7 @@ def test_dry_mode_runs_every_part_and_records_its_result(dry_results):
     assert pretrain["tokens_per_s"] > 0 and len(pretrain["steady_step_s"]) == 3 and pretrain["mfu"] is None
     checkpoint = json.loads((dry_results / "checkpoint-125m.json").read_text())
     assert checkpoint["runs"]["every_k"]["commits"] == checkpoint["runs"]["none"]["commits"] + 2
+    assert checkpoint["mode"] == "sync"  # what checkpoint.mode=auto is on CPU; the report said "auto"
     big = json.loads((dry_results / "qlora-32b.json").read_text())
     # Step times on a shared CPU are noise (the 2-layer step can be the faster one), so this checks the
     # extrapolation's arithmetic, never the sign of a timed figure.

@@ -58,13 +58,31 @@ TARGETS = {
 }
 
 
+# The versions the GPU section names: the machine's own (a version nobody read until this run, or one
+# carried by `make gpu-wheels`), so that a unit failing on a version can be told from the report alone.
+ENV_PACKAGES = (
+    "transformers",
+    "peft",
+    "accelerate",
+    "torchvision",
+    "triton",
+    "tokenizers",
+    "safetensors",
+    "huggingface-hub",
+    "numpy",
+    "typing-extensions",
+    "pydantic",
+    "datasets",
+    "pyarrow",
+    "fsspec",
+)
+
+
 def _env_part(volume: Path, preset: str | None, dry: bool) -> dict[str, Any]:
     import torch
 
     info: dict[str, Any] = {"torch": torch.__version__, "cuda": torch.version.cuda, "dry": dry}
-    info["packages"] = {
-        name: _version(name) for name in ("transformers", "peft", "accelerate", "torchvision")
-    }
+    info["packages"] = {name: _version(name) for name in ENV_PACKAGES}
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         info |= {

@@ -70,6 +70,9 @@ def test_dry_mode_runs_every_part_and_records_its_result(dry_results):
         outcome = json.loads((dry_results / f"{name}.json").read_text())
         assert outcome["ok"] and outcome["dry"], f"{name}: {outcome.get('error')} (see {name}.log)"
         assert (dry_results / f"{name}.log").exists()
+    env = json.loads((dry_results / "env.json").read_text())
+    # The machine's versions of what the units import, each one the GPU run may be the first to see.
+    assert all(env["packages"][name] for name in ("peft", "huggingface-hub", "typing-extensions", "pyarrow"))
     pretrain = json.loads((dry_results / "pretrain-125m.json").read_text())
     assert pretrain["tokens_per_s"] > 0 and len(pretrain["steady_step_s"]) == 3 and pretrain["mfu"] is None
     checkpoint = json.loads((dry_results / "checkpoint-125m.json").read_text())

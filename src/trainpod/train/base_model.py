@@ -89,7 +89,7 @@ def _pinned_commit(cfg: BaseModelConfig, pin: Path | None, quiet: bool = False) 
 
 
 def _download(cfg: BaseModelConfig, volume: Volume, revision: str | None, pinned_by: Path | None) -> Path:
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
 
     log.info("downloading %s from the hub into %s", cfg.path, volume.cache() / "hf")
@@ -102,6 +102,11 @@ def _download(cfg: BaseModelConfig, volume: Volume, revision: str | None, pinned
                 allow_patterns=HUB_PATTERNS,
                 ignore_patterns=HUB_OTHER_FORMATS,
                 token=os.environ.get("HF_TOKEN") or None,
+                # Offline, the cache is the hub. huggingface_hub 1.x (the lent GPU machines' 1.33) looks a
+                # commit hash up online even then and raises OfflineModeIsEnabled, so a resume on the commit
+                # the run pinned failed at every start (exit 75); local_files_only reads the cache in both 1.x
+                # and 2.x.
+                local_files_only=constants.HF_HUB_OFFLINE,
             )
         )
     except GatedRepoError:

@@ -330,3 +330,122 @@ def test_should_stop_without_torch_distributed_is_this_processs_own_flag(tmp_pat
     assert not ckpt.should_stop()
     os.kill(os.getpid(), signal.SIGTERM)
     assert ckpt.should_stop() and ckpt.stop_requested
+
+
+PER_RANK_STREAMS = """
+import json, random, sys
+import numpy as np
+import torch
+import torch.distributed as dist
+from trainpod import Checkpointer
+
+dist.init_process_group("gloo")
+rank, run, out = dist.get_rank(), sys.argv[1], sys.argv[2]
+torch.manual_seed(1000 + rank)  # a stream per rank, as nanoGPT seeds them (1337 + rank)
+random.seed(2000 + rank)
+np.random.seed(3000 + rank)
+with Checkpointer(run, watch_signals=False) as ckpt:
+    restored = ckpt.restore()
+    if restored is None:
+        torch.rand(3), random.random(), np.random.rand()  # step 1's batches and dropout
+        ckpt.commit(1)  # on every rank, as README's loop does
+    else:
+        restored.restore_rng()
+    draws = [torch.rand(1).item(), random.random(), float(np.random.rand())]  # step 2's
+    open(f"{out}.rank{rank}.json", "w").write(json.dumps(draws))
+dist.destroy_process_group()
+"""
+
+
+def run_two_ranks(script, *args: str) -> None:
+    import socket
+    import subprocess
+    import sys
+
+    from support import child_env
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, str(script), *args],
+            env=child_env(
+                {"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+            ),
+        )
+        for rank in range(2)
+    ]
+    try:
+        assert [rank.wait(timeout=60) for rank in ranks] == [0, 0]
+    finally:
+        for rank in ranks:
+            rank.kill()
+
+
+def test_under_torchrun_every_rank_resumes_on_its_own_rng_stream(tmp_path):
+    """Rank 0 alone committed, with its own RNG state, and restore_rng() loaded that one on every rank: a
+    loop whose ranks draw from streams of their own (seeded by rank; dropout, batch sampling) resumed with
+    every rank on rank 0's stream, drawing rank 0's batches and dropout masks from then on."""
+    (tmp_path / "ranks.py").write_text(PER_RANK_STREAMS)
+    run_two_ranks(tmp_path / "ranks.py", str(tmp_path / "run"), str(tmp_path / "uninterrupted"))
+    run_two_ranks(tmp_path / "ranks.py", str(tmp_path / "run"), str(tmp_path / "resumed"))
+    uninterrupted, resumed = (
+        [json.loads((tmp_path / f"{name}.rank{rank}.json").read_text()) for rank in range(2)]
+        for name in ("uninterrupted", "resumed")
+    )
+    assert uninterrupted[0] != uninterrupted[1], "the ranks were seeded alike: the test shows nothing"
+    assert resumed == uninterrupted, "a rank resumed on another rank's RNG stream, not its own"
+
+
+def test_a_rank_without_an_rng_state_of_its_own_restores_rank_0s_and_says_why(tmp_path, monkeypatch, caplog):
+    """A loop that commits on rank 0 only writes no state for the other ranks; a torn or rotten file is
+    not loaded either."""
+    with Checkpointer(tmp_path / "run", watch_signals=False) as ckpt:
+        torch.manual_seed(5)
+        ckpt.commit(1)  # rank 0 alone
+        rank_0_draw = torch.rand(2)
+    monkeypatch.setenv("TRAINPOD_LEASE_HELD", "1")  # rank 0 holds the lease
+    monkeypatch.setenv("RANK", "1")
+    ckpt = Checkpointer(tmp_path / "run", watch_signals=False).open()
+    for damage in ["missing", "sha256"]:
+        caplog.clear()
+        ckpt.restore().restore_rng()
+        assert torch.equal(torch.rand(2), rank_0_draw)
+        assert "rank 1 restores rank 0's RNG state" in caplog.text and damage in caplog.text, caplog.text
+        torch.manual_seed(6)
+        ckpt.commit(1)  # this rank's own, for the next round to damage
+        written = ckpt.rank_rng.path(1, 1)
+        data = bytearray(written.read_bytes())
+        data[len(data) // 2] ^= 0xFF  # inside the state (the bulk of the file): bit rot
+        written.write_bytes(data)
+
+
+def test_ranks_rng_files_go_with_their_checkpoints_and_with_commits_that_never_happened(
+    tmp_path, monkeypatch
+):
+    run = tmp_path / "run"
+    monkeypatch.setenv("TRAINPOD_LEASE_HELD", "1")
+    as_rank_0 = Checkpointer(run, keep_last=2, watch_signals=False).open()
+    monkeypatch.setenv("RANK", "1")
+    as_rank_1 = Checkpointer(run, keep_last=2, watch_signals=False).open()
+    rng_files = run / "checkpoints/rng"
+    for step in (1, 2, 3):
+        as_rank_1.commit(step)
+        monkeypatch.setenv("RANK", "0")
+        as_rank_0.commit(step)
+        monkeypatch.setenv("RANK", "1")
+    assert sorted(p.name for p in rng_files.iterdir()) == ["step-2.rank-1.pt", "step-3.rank-1.pt"]
+    as_rank_1.commit(4)  # rank 0 was killed before committing step 4
+    (rng_files / "step-3.rank-1.pt.tmp-0123456789ab").write_bytes(b"torn")  # a kill mid-write
+    before_resume = (rng_files / "step-3.rank-1.pt").read_bytes()
+    torch.manual_seed(9)
+    assert Checkpointer(run, watch_signals=False).restore().step == 3
+    assert sorted(p.name for p in rng_files.iterdir()) == ["step-2.rank-1.pt", "step-3.rank-1.pt"]
+    as_rank_1.commit(3)  # a stop right after the resume: the committed step-3 stays, and its state with it
+    assert (rng_files / "step-3.rank-1.pt").read_bytes() == before_resume
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["LATEST", "rng", "step-2", "step-3"]
+    from trainpod.checkpoint import CheckpointStore
+    from trainpod.checkpoint.directory import verify_committed
+
+    assert verify_committed(CheckpointStore(run / "checkpoints"))[0].name == "step-3"

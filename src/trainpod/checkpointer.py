@@ -14,7 +14,7 @@
             train_one_step(model, optimizer, step)
             step += 1
             stop = ckpt.should_stop()         # once a step, on every rank: under torchrun all agree
-            if step % 100 == 0 or (stop and ckpt.commit_fits()):   # rank 0 alone under torchrun
+            if step % 100 == 0 or (stop and ckpt.commit_fits()):   # on every rank: rank 0 commits
                 ckpt.commit(step, model=model, optimizer=optimizer, extra={"data_position": step})
             if stop:
                 ckpt.exit_preempted()         # exit 143: the supervisor starts the pod again
@@ -23,7 +23,7 @@ It writes through the same CheckpointStore (temp folder, hashes, manifest, renam
 retention) and the same Lease as the stock trainers: there is no second commit path. Under the
 `command` workload the kit holds the run's lease for the program (TRAINPOD_LEASE_HELD=1); run
 alone, the Checkpointer takes it itself (rank 0's, under torchrun). One process commits (rank 0 under
-torchrun).
+torchrun); each other rank saves its own RNG state beside the checkpoints (checkpoint/rank_rng.py).
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ import torch
 import trainpod
 from trainpod.checkpoint import CheckpointStore, CommittedCheckpoint, Lease
 from trainpod.checkpoint.directory import refuse_older_step
+from trainpod.checkpoint.rank_rng import RankRng
 from trainpod.checkpoint.writer import CheckpointWriter
 from trainpod.errors import ExitCode, InputError, TemporaryError
 from trainpod.preemption import PreemptionWatch
@@ -89,8 +90,10 @@ def run_dir_from_env() -> Path:
 class Restored:
     """A verified committed checkpoint, read back: named tensors, objects, extra state, RNG."""
 
-    def __init__(self, committed: CommittedCheckpoint):
+    def __init__(self, committed: CommittedCheckpoint, rank_rng: RankRng | None = None, rank: int = 0):
         self.step = committed.step
+        self._rank_rng = rank_rng
+        self._rank = rank
         self.path = committed.path
         self.manifest = committed.manifest
         extra = self.path / EXTRA_FILE
@@ -127,7 +130,21 @@ class Restored:
         target.load_state_dict(state)
 
     def restore_rng(self) -> None:
-        """Python, numpy, torch (and CUDA) RNG states as they were at the commit."""
+        """Python, numpy, torch (and CUDA) RNG states as they were at the commit, this rank's own under
+        torchrun (checkpoint/rank_rng.py); rank 0's, with a warning, where this rank wrote none."""
+        if self._rank != 0 and self._rank_rng is not None:
+            state, missing = self._rank_rng.read(self.step, self._rank)
+            if state is not None:
+                restore_rng(state)
+                return
+            log.warning(
+                "rank %d restores rank 0's RNG state, not its own, and draws rank 0's numbers from here on "
+                "(batches, dropout): %s. Each rank writes its own when it calls commit(%d) too; a loop that "
+                "commits on rank 0 alone, or a stop between rank 0's commit and this rank's, leaves it out",
+                self._rank,
+                missing,
+                self.step,
+            )
         restore_rng(torch.load(self.path / RNG_FILE, weights_only=True))
 
 
@@ -159,6 +176,7 @@ class Checkpointer:
             self.watch.install()
         # The stock trainers' engine (checkpoint/writer.py): the same files, manifest, rename and LATEST.
         self.writer = CheckpointWriter(self.store)
+        self.rank_rng = RankRng(self.store.root)  # the other ranks' RNG states (rank 0's is in rng.pt)
         self.lease: Lease | None = None
         self.last_committed_step: int | None = None
 
@@ -191,12 +209,14 @@ class Checkpointer:
         """The newest checkpoint that verifies against its manifest; invalid ones are moved aside
         and the next older valid one is used. None when there is none (start from step 0)."""
         latest = self.store.latest()
+        if _rank() != 0:  # its RNG files of commits that never happened, and its temp leftovers
+            self.rank_rng.remove_stale(_rank(), latest.step if latest else None)
         if latest is None:
             log.info("no checkpoint in %s; starting from scratch", self.store.root)
             return None
         self.last_committed_step = latest.step
         log.info("resuming from %s", latest.path.name)
-        return Restored(latest)
+        return Restored(latest, self.rank_rng, _rank())
 
     # ------------------------------------------------------------------------ commit
     def commit(
@@ -214,11 +234,14 @@ class Checkpointer:
         `<name>.safetensors`; anything else with `state_dict()` (optimizer, scheduler, scaler), or a
         plain dict, to `<name>.pt` (loadable with weights_only=True). `extra` must be JSON.
 
-        Under torchrun rank 0 commits for every rank: on the others this writes nothing and returns None.
-        Every rank writing the same step raced to rename its folder into place, and the loser crashed
-        (ENOTEMPTY), taking the job down; a rank other than 0 holds no lease to commit under anyway.
+        Under torchrun rank 0 commits for every rank: another rank writes only its RNG state, beside the
+        checkpoints (checkpoint/rank_rng.py; no collective: this may be called on some ranks only), and
+        returns None. Every rank writing the same step raced to rename its folder into place, and the
+        loser crashed (ENOTEMPTY), taking the job down; a rank other than 0 holds no lease anyway.
         """
         if _rank() != 0:
+            if rng:
+                self.rank_rng.write(step, _rank(), capture_rng())
             self.last_committed_step = step
             return None
         if self.lease is not None and self.lease.lost.is_set():
@@ -233,6 +256,7 @@ class Checkpointer:
             "versions": {"trainpod": trainpod.__version__, "torch": torch.__version__},
         }
         committed = self.writer.commit(step, files, metadata, eval_loss)
+        self.rank_rng.prune({c.step for c in self.store.committed()}, step)
         self.last_committed_step = step
         log.info("committed checkpoint step-%d in %.2f s", step, self.writer.last_commit_seconds)
         return committed

@@ -245,12 +245,20 @@ def test_pull_refuses_a_file_that_does_not_match_its_manifest(bucket, tmp_path):
 def test_a_pulled_checkpoint_is_one_the_checkpoint_store_resumes_from(bucket, tmp_path):
     name, raw, env = bucket
     make_run_on_volume(raw, name, tmp_path / "pod")
+    # trainpod.Checkpointer under torchrun: rank 1's RNG states of the newest checkpoint and of an older one
+    rank_1_rng = os.urandom(9000)
+    raw.put_object(Bucket=name, Key="runs/r/checkpoints/rng/step-10.rank-1.pt", Body=rank_1_rng)
+    raw.put_object(Bucket=name, Key="runs/r/checkpoints/rng/step-8.rank-1.pt", Body=b"older")
     dest = tmp_path / "laptop"
     result = trainpod(env, "pull", "r", "checkpoint", str(dest))
     assert result.returncode == 0, result.stdout + result.stderr
     latest = CheckpointStore(dest / "checkpoints").latest()  # verifies every 32 MiB piece's sha256
     assert latest is not None and latest.step == 10
     assert not (dest / "export").exists()
+    assert [p.name for p in (dest / "checkpoints/rng").iterdir()] == ["step-10.rank-1.pt"], (
+        "a torchrun resumed from the pulled checkpoint needs the other ranks' RNG states of its step"
+    )
+    assert (dest / "checkpoints/rng/step-10.rank-1.pt").read_bytes() == rank_1_rng
 
 
 def test_pull_never_moves_a_local_latest_back_over_checkpoints_committed_here(bucket, tmp_path):

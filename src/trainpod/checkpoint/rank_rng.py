@@ -31,9 +31,8 @@ from typing import Any
 import torch
 
 from trainpod import atomic
-from trainpod.checkpoint.store import step_dir_name
+from trainpod.checkpoint.store import RANK_RNG_FOLDER, step_dir_name
 
-FOLDER = "rng"
 _FILE = re.compile(r"^step-(\d+)\.rank-(\d+)\.pt(\.tmp-.+)?$")
 
 
@@ -42,7 +41,7 @@ class RankRng:
 
     def __init__(self, checkpoints: Path):
         self.checkpoints = checkpoints
-        self.folder = checkpoints / FOLDER
+        self.folder = checkpoints / RANK_RNG_FOLDER
 
     def path(self, step: int, rank: int) -> Path:
         return self.folder / f"step-{step}.rank-{rank}.pt"

@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 LATEST = "LATEST"
+RANK_RNG_FOLDER = "rng"  # beside the checkpoints: the other ranks' RNG states (checkpoint/rank_rng.py)
 FORMAT = "trainpod-checkpoint/1"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainpod import atomic
-from trainpod.checkpoint.store import LATEST, PIECE_BYTES, step_dir_name, step_of
+from trainpod.checkpoint.store import LATEST, PIECE_BYTES, RANK_RNG_FOLDER, step_dir_name, step_of
 from trainpod.errors import InputError, TemporaryError
 from trainpod.remote.s3 import RemoteObject, VolumeS3
 
@@ -94,7 +94,10 @@ def select(objects: dict[str, RemoteObject], what: str, latest: str | None) -> l
     if what == "export":
         chosen = [p for p in objects if p.startswith("export/")]
     elif what == "checkpoint":
-        chosen = [p for p in objects if latest and p.startswith(f"checkpoints/{latest}/")]
+        # With the other ranks' RNG states of a Checkpointer commit (checkpoint/rank_rng.py): a torchrun
+        # resumed from the pulled checkpoint has each rank on its own stream.
+        ranks_rng = f"checkpoints/{RANK_RNG_FOLDER}/{latest}.rank-"
+        chosen = [p for p in objects if latest and p.startswith((f"checkpoints/{latest}/", ranks_rng))]
     else:
         chosen = list(objects)
     return [p for p in chosen if _pulled(p) and p != f"checkpoints/{LATEST}"]

@@ -15,7 +15,12 @@ machine has no make, the same in Python alone (a fresh machine per call: results
 travel with the repository, and --resume picks up from them):
 
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
-    PYTHONPATH=/tmp/site:src python3 bench/gpu_check.py --resume --deadline-s 540 --results bench/results/gpu-<date>
+    PYTHONPATH=/tmp/site:$PWD/src python3 bench/gpu_check.py --resume --deadline-s 540 --results bench/results/gpu-<date>
+    tar czf $OUT/results.tgz --exclude='*/work' bench/results/gpu-<date>   # back to where the next call starts
+
+Name the --results folder every call (the default is named from the machine's date, and a run across
+midnight UTC would start a new one) and leave each unit's work/ folder out of what comes back (a unit
+cut off by the call's limit leaves its scratch volume there, gigabytes for qlora-32b).
 
 Each unit (a part, for one preset where it has presets) runs in a process of its own, so one unit's
 memory does not count in another's peak and a crash in one leaves the others' results; each writes
@@ -204,13 +209,15 @@ def _vlm_generation_part(volume: Path, preset: str | None, dry: bool) -> dict[st
 Part = Callable[[Path, "str | None", bool], dict[str, Any]]
 # part -> (function, presets on a GPU, presets in --dry mode); None: the part has no presets.
 PARTS: dict[str, tuple[Part, list[str] | None, list[str] | None]] = {
+    # The parts that carry a target first: where GPU time is cut short (a lent machine's 30 minutes), the
+    # targets are measured and what is left is the presets' memory, the GPU tests and the VLM figures.
     "env": (_env_part, None, None),
-    "gpu-tests": (_gpu_tests_part, None, None),
     "pretrain": (_pretrain_part, ["125m", "1b"], ["125m"]),
-    "memory": (_memory_part, ["125m", "1b", "2b", "4b"], ["125m"]),
     "checkpoint": (_checkpoint_part, ["125m"], ["125m"]),
     "qlora-32b": (_qlora_32b_part, None, None),
     "qlora-speed": (_qlora_speed_part, None, None),
+    "memory": (_memory_part, ["125m", "1b", "2b", "4b"], ["125m"]),
+    "gpu-tests": (_gpu_tests_part, None, None),
     "vlm-generation": (_vlm_generation_part, None, None),
 }
 

@@ -449,7 +449,12 @@ def volume_s3(fake, s3_server, monkeypatch) -> VolumeS3:
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "user_2f21CfO73Mm2Uq2lEGFiEF24IPw")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "rps_FAKESECRETFORTESTS0123456789")
     monkeypatch.setenv("TRAINPOD_S3_ENDPOINT_URL", s3_server)
-    boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1").create_bucket(Bucket=volume_id)
+    s3 = boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1")
+    s3.create_bucket(Bucket=volume_id)
+    # The server lives for the session and each test's fake RunPod names its volume alike: an earlier
+    # test's DONE or STOPPED must not end this one's supervisor.
+    for leftover in s3.list_objects_v2(Bucket=volume_id).get("Contents", []):
+        s3.delete_object(Bucket=volume_id, Key=leftover["Key"])
     return VolumeS3(S3Target(volume_id, "EU-RO-1", s3_server))
 
 
@@ -574,7 +579,7 @@ def test_a_stop_that_no_supervisor_elsewhere_can_see_says_so(fake, tmp_path, mon
 
 
 def test_a_pod_gone_before_the_first_look_is_created_again_as_deployed_not_as_the_yaml_says(
-    fake, tmp_path, monkeypatch
+    fake, tmp_path, monkeypatch, capsys
 ):
     """`deploy --on-demand --secrets-from-env` of a spot YAML, then the pod gone (terminated, or a spot pod
     RunPod removed) before any supervisor saw it: with no pod to copy from, the supervisor went by the YAML and
@@ -591,6 +596,8 @@ def test_a_pod_gone_before_the_first_look_is_created_again_as_deployed_not_as_th
     path.write_text(yaml.safe_dump(tree))
     assert tree["pod"]["spot"] is True
     assert cli.main(["deploy", str(path), "--on-demand", "--secrets-from-env", "--force"]) == 0
+    out = capsys.readouterr().out
+    assert "runs/.tiny.DEPLOYED is not recorded on the volume" in out and "supervise.yml" in out, out
     client_for(fake).terminate_pod(the_pod(fake)["id"])
     assert cli.main(["supervise", "tiny", "--config", str(path), "--once"]) == 0
     new = the_pod(fake)
@@ -698,3 +705,95 @@ def test_a_run_deployed_on_demand_is_never_brought_back_as_spot_by_a_supervisor_
     client_for(fake).terminate_pod(second["id"])  # gone: nothing left to copy
     assert sup.step() is None
     assert the_pod(fake)["interruptible"] is False, "the new pod became spot"
+
+
+def a_spot_yaml_with_a_secret(tmp_path: Path) -> Path:
+    import yaml
+
+    path = tmp_path / "deploy.yaml"
+    tree = deploy_config().model_dump(mode="json")
+    tree["budget"]["hourly_usd"] = 2.0  # deploy refuses a budget the pod could not count without its price
+    tree["secrets"] = ["HF_TOKEN"]
+    path.write_text(yaml.safe_dump(tree))
+    assert tree["pod"]["spot"] is True
+    return path
+
+
+def test_a_supervisor_elsewhere_makes_a_pod_gone_before_its_first_look_as_deployed_through_s3(
+    fake, volume_s3, tmp_path, monkeypatch
+):
+    """`deploy --on-demand --secrets-from-env` from a laptop, the pod gone before the scheduled supervise.yml
+    (its own state, the volume through S3) ever saw it: the deploy's record lived in the laptop's state alone,
+    so the runner made a spot pod with secret references that name no RunPod secret. The record now travels
+    beside the run through the volume's S3 API, holding no value."""
+    client_for(fake).terminate_pod(the_pod(fake)["id"])  # the volume exists (its bucket too); no pod left
+    for name, value in api_env(fake).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("TRAINPOD_VOLUME", str(tmp_path / "not-mounted-here"))
+    monkeypatch.setenv("HF_TOKEN", "hf_realsecretvalue123")
+    path = a_spot_yaml_with_a_secret(tmp_path)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "laptop"))
+    assert cli.main(["deploy", str(path), "--on-demand", "--secrets-from-env", "--force"]) == 0
+    client_for(fake).terminate_pod(the_pod(fake)["id"])
+    record = volume_s3.read("runs/.tiny.DEPLOYED")
+    assert record is not None and b"hf_realsecretvalue123" not in record, record
+    assert volume_s3.folders("runs/") == [], "a deploy makes no run folder: the run never started"
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "ci-runner"))
+    assert cli.main(["supervise", "tiny", "--config", str(path), "--once"]) == 0
+    new = the_pod(fake)
+    assert new["interruptible"] is False, "deployed on demand: the new pod is too"
+    assert new["env"]["HF_TOKEN"] == "hf_realsecretvalue123", "deployed with the value: the new pod has it"
+
+
+def test_a_supervise_pod_on_the_volume_makes_a_pod_gone_before_its_first_look_as_deployed(
+    fake, tmp_path, monkeypatch
+):
+    """The supervise workload on the volume, deployed before the run's pod ever booted: runs/<run>/ did not
+    exist, so the deploy recorded nothing there and the supervise pod made a spot pod. The record lies beside
+    the run folder, never in it: a run that never started has no folder, and `trainpod ls` shows no run."""
+    from trainpod.remote.listing import LocalFiles, volume_lines
+
+    on_a_laptop_that_sees_neither_the_volume_nor_its_s3_api(fake, monkeypatch, tmp_path)
+    volume = Volume(tmp_path / "volume")
+    volume.root.mkdir()
+    monkeypatch.setenv("TRAINPOD_VOLUME", str(volume.root))
+    path = a_spot_yaml_with_a_secret(tmp_path)
+    monkeypatch.setenv("HF_TOKEN", "hf_realsecretvalue123")
+    assert cli.main(["deploy", str(path), "--on-demand", "--force"]) == 0
+    client_for(fake).terminate_pod(the_pod(fake)["id"])
+    assert not volume.run("tiny").root.exists(), "a deploy makes no run folder: boot's first start makes it"
+    assert not [line for line in volume_lines(LocalFiles(volume.root)) if line.startswith("runs/")]
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "supervise-pod"))
+    assert cli.main(["supervise", "tiny", "--config", str(path), "--once"]) == 0
+    new = the_pod(fake)
+    assert new["interruptible"] is False, "deployed on demand: the new pod is too"
+    assert new["env"]["HF_TOKEN"] == "{{ RUNPOD_SECRET_HF_TOKEN }}", "deployed with references: so is it"
+
+
+def test_a_pod_seen_overrides_an_older_deploy_record_and_a_newer_deploy_record_replaces_it(
+    fake, tmp_path, monkeypatch
+):
+    """The record is what the newest deploy rented: a pod the supervisor saw since is what the run has (it is
+    made again as seen), and a deploy after that sighting (--on-demand now) is followed once its pod is gone."""
+    from trainpod.runpod.supervise import DeployRecord, deploy_record_key, record_deployment
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "deploying-laptop"))
+    volume = Volume(tmp_path / "volume")
+    volume.root.mkdir()
+    record_deployment("tiny", volume, spot=False, secrets_as_values=False)
+    deploy(client_for(fake), deploy_config())  # then a spot pod, by a deploy that reached no volume
+    sup = Supervisor(client_for(fake), deploy_config(), volume, tmp_path / "supervise-pod.json",
+                     clock=Clock(), sleep=lambda s: None)  # fmt: skip
+    assert sup.step() is None
+    client_for(fake).terminate_pod(the_pod(fake)["id"])
+    assert sup.step() is None
+    assert the_pod(fake)["interruptible"] is True, "made as the pod seen, not as the older record"
+
+    record_deployment("tiny", volume, spot=False, secrets_as_values=False)
+    newer = DeployRecord.parse((volume.root / deploy_record_key("tiny")).read_bytes())
+    assert newer is not None and newer.spot is False
+    client_for(fake).terminate_pod(the_pod(fake)["id"])
+    assert sup.step() is None
+    assert the_pod(fake)["interruptible"] is False, "the newer deploy's record: on demand"

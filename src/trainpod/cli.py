@@ -384,7 +384,7 @@ def deploy(
             print(line)
         if catalog and not free:
             logging.getLogger("trainpod.deploy").warning("%s", checks.no_stock_warning(cfg, cuda))
-        from trainpod.runpod.supervise import mark_stopped, record_deployment
+        from trainpod.runpod.supervise import mark_stopped
 
         volume = Volume.from_env()
         mounted = volume if volume.root.is_dir() else None
@@ -392,7 +392,7 @@ def deploy(
         mark_stopped(cfg.run, mounted, False, None if mounted else _supervised_volume_s3(config))
         done = deploying.deploy(client, cfg, secrets)
         if done.action != "reused":  # a running pod kept as it is may differ from this config: a look tells
-            record_deployment(cfg.run, mounted, bool(cfg.pod.spot), secrets is not None)
+            _record_deployment(cfg, mounted, done.volume.id, secrets is not None, spot is not None)
         print(f"{done.summary()}; supervise it with: "
               f"trainpod supervise {cfg.run} --config {config}")  # fmt: skip
         return ExitCode.DONE
@@ -402,6 +402,39 @@ def deploy(
         # --spot/--on-demand hold for the supervisor too: its replacement pods are made from its config.
         return supervise(load_config(DeployConfig, config).run, config, spot=spot)
     return code
+
+
+def _record_deployment(
+    cfg, mounted: Volume | None, volume_id: str, secrets_as_values: bool, spot_given: bool
+) -> None:
+    """Record what the deploy rented beside the run, on the volume mounted here or else through its S3 API (the
+    volume exists now, on a first deploy too), for supervisors elsewhere whose first look finds no pod.
+    Not reaching the volume fails nothing (the pod is rented): a warning says what such a supervisor will do."""
+    from trainpod.errors import TrainpodError
+    from trainpod.remote.s3 import VolumeS3, target_from
+    from trainpod.runpod.supervise import deploy_record_key, record_deployment
+
+    volume_s3, why = None, "RunPod's S3 key (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) is not exported"
+    try:
+        if (
+            mounted is None
+            and os.environ.get("AWS_ACCESS_KEY_ID")
+            and os.environ.get("AWS_SECRET_ACCESS_KEY")
+        ):
+            volume_s3 = VolumeS3(target_from(volume_id, cfg.volume.data_center))
+        if record_deployment(cfg.run, mounted, bool(cfg.pod.spot), secrets_as_values, volume_s3):
+            return
+    except (TrainpodError, OSError) as exc:  # S3 down after its retries, no S3 in its DC, a full volume
+        why = str(exc)
+    if spot_given or secrets_as_values:  # a supervisor elsewhere would go by the YAML: it matters only then
+        logging.getLogger("trainpod.deploy").warning(
+            "%s is not recorded on the volume (%s): a supervisor elsewhere (supervise.yml, another machine) that "
+            "finds the pod gone at its first look makes the new one as the YAML says (its pod.spot, secrets as "
+            "RunPod references); this machine's supervisor knows. The next deploy that reaches the volume (mounted, "
+            "or RunPod's S3 key exported) and rents a pod records it",
+            deploy_record_key(cfg.run),
+            why,
+        )
 
 
 def supervise(

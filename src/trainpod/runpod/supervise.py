@@ -12,7 +12,7 @@ then exactly one decision, logged in one line with its reason:
   a pod RUNNING -> wait;  EXITED or gone -> start it again, or create a new pod on the same volume
   with the same env and spot setting as deployed (GPU types in order; a gone pod's secrets as the run's pods had them: references, or
   deploy --secrets-from-env's values from this supervisor's environment, never from a file; a pod gone before
-  any look: as `trainpod deploy` recorded it in this machine's state, record_deployment); failed
+  any look: as `trainpod deploy` recorded it beside the run, runs/.<run>.DEPLOYED, record_deployment); failed
   attempts back off exponentially and are bounded;
   EXITED with a MACHINE_UNFIT marker naming it (exit 4: its machine cannot run the image) -> never
   started again but replaced by a new pod, same volume, env and GPU-type priority (RunPod places it;
@@ -82,6 +82,9 @@ class SupervisorState:
     secrets_as_values: bool = False
     # The run's pods are spot (deploy --spot/--on-demand may differ from the YAML): so is a pod made anew.
     spot: bool | None = None
+    # The newest deploy record (DeployRecord.unix) spot and secrets_as_values were taken from or are newer than:
+    # an older record never overrides what a pod seen since (or this machine's own deploy) told.
+    deployed_unix: float | None = None
     step_at_restart: int | None = None  # the run's step at the last restart: one past it means progress
     unreadable_looks: int = 0  # looks in a row whose S3 reads of the run's markers failed
 
@@ -109,6 +112,7 @@ class RunView:
     stopped: bool = False  # a STOPPED marker: `trainpod stop` asked for the run to stay down
     step: int | None = None  # the step status.json last recorded: the run's progress
     unreadable: str | None = None  # why the volume's S3 API could not be read at this look (not: absent)
+    deployed: DeployRecord | None = None  # what the newest `trainpod deploy` rented (runs/.<run>.DEPLOYED)
 
     @classmethod
     def read(cls, volume: Volume | None, run: str) -> RunView:
@@ -149,6 +153,7 @@ class RunView:
             unfit_pod=(fields(run_dir.root / UNFIT_MARKER) or {}).get("pod_id"),
             stopped=read(run_dir.root / STOPPED_MARKER) is not None,
             step=status.get("step") if isinstance(status.get("step"), int) else None,
+            deployed=DeployRecord.parse(read(Path(deploy_record_key(run)))),
         )
 
 
@@ -181,18 +186,64 @@ def mark_stopped(
             volume_s3.remove(key)
 
 
-def record_deployment(run: str, volume: Volume | None, spot: bool, secrets_as_values: bool) -> None:
-    """What `trainpod deploy` rented (spot or on-demand, the secrets as values or references), in the supervisor
-    state of this machine and, when the run's folder is mounted here, of the volume: a supervisor whose first
-    look finds the pod already gone has no pod to read it from and would go by the YAML (spot as it says,
-    references that may name no RunPod secret). A pod seen later overrides it (Supervisor._decide)."""
-    places = [state_path(None, run)]
-    if volume is not None and volume.run(run).root.is_dir():  # never a run folder made by a deploy
-        places.append(state_path(volume, run))
-    for where in places:
-        state = SupervisorState.load(where)
-        state.spot, state.secrets_as_values = spot, secrets_as_values
-        state.save(where)
+@dataclass(frozen=True)
+class DeployRecord:
+    """What `trainpod deploy` rented, beside the run on the volume: a supervisor whose first look finds the pod
+    already gone has no pod to copy it from and would go by the YAML (spot where on-demand was rented,
+    references that may name no RunPod secret where values were sent). Whether the secrets went as values,
+    never a value."""
+
+    spot: bool
+    secrets_as_values: bool
+    unix: float  # when: a newer deploy's record replaces an older one
+
+    @classmethod
+    def parse(cls, raw: bytes | None) -> DeployRecord | None:
+        """None when absent, or unreadable (cut short, hand-edited): the supervisor then goes by what it has."""
+        try:
+            fields = json.loads(raw) if raw is not None else None
+            spot, as_values, unix = fields["spot"], fields["secrets_as_values"], float(fields["unix"])
+        except (ValueError, TypeError, KeyError):
+            return None
+        return cls(spot, as_values, unix) if isinstance(spot, bool) and isinstance(as_values, bool) else None
+
+
+DEPLOYED_MARKER = "DEPLOYED"
+
+
+def deploy_record_key(run: str) -> str:
+    """runs/.<run>.DEPLOYED, relative to the volume's root. Beside the run folder, never in it: a folder made by
+    a deploy would look like a started run (boot's new_run and _remove_unstarted leave a refused first start's
+    folder behind, `trainpod ls`/`status` list it), and the lifecycle owns what is in it (LEASED_FILES). The
+    leading dot makes it a name no run can have (RUN_NAME_PATTERN), and a file, which no run listing counts;
+    as datasets/.<name>.LEASE lies beside its dataset."""
+    return f"runs/.{run}.{DEPLOYED_MARKER}"
+
+
+def record_deployment(
+    run: str,
+    volume: Volume | None,
+    spot: bool,
+    secrets_as_values: bool,
+    volume_s3: VolumeS3 | None = None,
+) -> bool:
+    """Record what `trainpod deploy` rented where supervisors look: this machine's supervisor state, and a
+    DeployRecord beside the run on the volume when it is mounted here, else through its S3 API when given
+    (what a supervisor elsewhere reads: supervise.yml, a supervise pod, another laptop). A pod seen later
+    overrides it (Supervisor._decide). False when it reached no volume."""
+    record = DeployRecord(spot, secrets_as_values, time.time())
+    where = state_path(None, run)
+    state = SupervisorState.load(where)
+    state.spot, state.secrets_as_values, state.deployed_unix = spot, secrets_as_values, record.unix
+    state.save(where)
+    data = json.dumps(asdict(record)).encode()
+    if volume is not None:
+        target = volume.root / deploy_record_key(run)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        atomic.write_bytes(target, data)
+    elif volume_s3 is not None:
+        volume_s3.put_bytes(deploy_record_key(run), data)
+    return volume is not None or volume_s3 is not None
 
 
 def state_path(volume: Volume | None, run: str, environ: dict[str, str] | None = None) -> Path:
@@ -273,6 +324,10 @@ class Supervisor:
         now = self.clock()
         view = self._view()
         seen = self.unit.look(state, view.unfit_pod)
+        deployed = view.deployed
+        if deployed is not None and deployed.unix > (state.deployed_unix or 0.0):  # as a deploy since rented
+            state.spot, state.secrets_as_values = deployed.spot, deployed.secrets_as_values
+            state.deployed_unix = deployed.unix
         if seen.secrets_as_values is not None:
             state.secrets_as_values = seen.secrets_as_values
         if seen.spot is not None:

@@ -169,15 +169,25 @@ def generation_eval_finetuner(volume: Path):
 
 
 def stop_during_the_generation_eval_at(trainer, step: int) -> None:
-    real_prompts = trainer.generation_prompts
+    """A SIGTERM between the generation eval's first and second answer at `step`. Its prompts are read
+    whole before the first answer (the stop tokens come from their reference answers), so the stop comes
+    as the answers are taken: through until_stop(local=True), which only rank 0's generation eval calls."""
+    real_until_stop = trainer.until_stop
 
-    def prompts(limit: int):
-        for index, prompt in enumerate(real_prompts(limit)):
-            if index == 1 and trainer.progress.step == step:
-                trainer.ctx.watch.request("SIGTERM")  # between the first and second answer
-            yield prompt
+    def until_stop(prompts, local=False):
+        if not local:
+            yield from real_until_stop(prompts, local)
+            return
 
-    trainer.generation_prompts = prompts
+        def asking_for_a_stop():
+            for index, prompt in enumerate(prompts):
+                if index == 1 and trainer.progress.step == step:
+                    trainer.ctx.watch.request("SIGTERM")  # between the first and second answer
+                yield prompt
+
+        yield from real_until_stop(asking_for_a_stop(), local)
+
+    trainer.until_stop = until_stop
 
 
 def test_a_stop_during_a_finetunes_generation_eval_is_resumed_the_same_way(

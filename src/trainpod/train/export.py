@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import shutil
 import time
 import uuid
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +18,7 @@ from transformers import AutoTokenizer, PreTrainedModel
 from transformers.utils import logging as transformers_logging
 
 from trainpod import atomic
+from trainpod.preemption import WorkAbandoned
 
 log = logging.getLogger(__name__)
 
@@ -26,10 +30,11 @@ EXPORT_FORMAT = "trainpod-export/1"
 MANIFEST = "manifest.json"
 
 
-def publish_export(tmp: Path, target: Path) -> None:
-    """Publish the finished export folder `tmp` as `target` (replacing an older one whole), with a
-    manifest.json listing each file's size and sha256: `trainpod pull` checks the files by it, where RunPod's
-    S3 ETags may be no MD5s (conversions' outputs carry the same in their manifests)."""
+def write_export_manifest(tmp: Path) -> None:
+    """The manifest.json of the finished export folder `tmp`, listing each file's size and sha256: `trainpod
+    pull` checks the files by it, where RunPod's S3 ETags may be no MD5s (conversions' outputs carry the same
+    in their manifests). Written before the rename into place, so that hashing a large export's files
+    (minutes) can be abandoned while the rename cannot."""
     files = sorted(p for p in tmp.rglob("*") if p.is_file())
     manifest = {
         "format": EXPORT_FORMAT,
@@ -40,7 +45,6 @@ def publish_export(tmp: Path, target: Path) -> None:
         "created_unix": time.time(),
     }
     atomic.write_json(tmp / MANIFEST, manifest)
-    atomic.replace_dir(tmp, target)
 
 
 def export_hf(
@@ -50,27 +54,35 @@ def export_hf(
     dtype: torch.dtype,
     extra_json: dict[str, Any] | None = None,
     manifest: bool = True,
+    abandoning: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
 ) -> Path:
     """Write `model`, its tokenizer and `extra_json` files to `target` atomically (replacing an older export),
     with an export manifest unless the caller's own output manifest covers the folder (`manifest=False`:
-    a conversion's, convert/output.py)."""
+    a conversion's, convert/output.py). Everything before the rename into place runs inside `abandoning()`
+    (PreemptionWatch.abandoning: a stop ends it there, leaving the temp folder as a kill would)."""
     tmp = target.with_name(f"{target.name}.tmp-{uuid.uuid4().hex[:12]}")
     tmp.mkdir(parents=True)
     transformers_logging.disable_progress_bar()  # a progress bar per shard clutters the run's log
     try:
-        exported = model if dtype == next(model.parameters()).dtype else _copy_as(model, dtype)
-        exported.save_pretrained(tmp, safe_serialization=True)
-        write_top_level_rope(tmp / "config.json")
-        AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(tmp)
-        for name in PROCESSOR_FILES:  # a vision-language model's image processor travels with its tokenizer
-            if (Path(tokenizer_dir) / name).is_file():
-                atomic.write_bytes(tmp / name, (Path(tokenizer_dir) / name).read_bytes())
-        for name, content in (extra_json or {}).items():
-            atomic.write_json(tmp / name, content)
-        if manifest:
-            publish_export(tmp, target)
-        else:
-            atomic.replace_dir(tmp, target)
+        with abandoning():
+            exported = model if dtype == next(model.parameters()).dtype else _copy_as(model, dtype)
+            exported.save_pretrained(tmp, safe_serialization=True)
+            write_top_level_rope(tmp / "config.json")
+            AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(tmp)
+            for (
+                name
+            ) in PROCESSOR_FILES:  # a vision-language model's image processor travels with its tokenizer
+                if (Path(tokenizer_dir) / name).is_file():
+                    atomic.write_bytes(tmp / name, (Path(tokenizer_dir) / name).read_bytes())
+            for name, content in (extra_json or {}).items():
+                atomic.write_json(tmp / name, content)
+            if manifest:
+                write_export_manifest(tmp)
+        atomic.replace_dir(tmp, target)  # a publish begun is never abandoned
+    except WorkAbandoned:
+        # Left for the next start (lifecycle._remove_leftovers): deleting gigabytes from a network volume could
+        # take longer than the seconds left before the SIGKILL, and the run's lease is released after this.
+        raise
     except BaseException:  # on a full volume the space comes back at once, not at the next start
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -38,6 +38,7 @@ from trainpod.config.checkpoint import CheckpointConfig
 from trainpod.context import RunContext
 from trainpod.diskspace import check_headroom, is_disk_full, volume_full, volume_full_as_exit_5
 from trainpod.errors import BudgetExhausted, Diverged, InputError, Preempted, TemporaryError, VolumeFull
+from trainpod.preemption import WorkAbandoned
 from trainpod.train import distributed as D
 from trainpod.train.reporting import RunReporter, peak_flops
 from trainpod.train.sharding import SHARDED_DIR, ShardWriter, set_gradient_sync
@@ -200,8 +201,23 @@ class Trainer:
         return self.model
 
     def export(self) -> Path | None:
-        """Write the final artifacts under export/ (rank 0); returns their folder."""
+        """Write the final artifacts under export/ (rank 0); returns their folder. What comes before their
+        rename into place runs inside `abandoning_export()`."""
         raise NotImplementedError
+
+    def abandoning_export(self) -> contextlib.AbstractContextManager[None]:
+        """Where a stop signal ends the final export at once (PreemptionWatch.abandoning); the last step is
+        committed already, so the next start loads it and makes the export again. Run on, an export of a
+        large model met the SIGKILL with the run's lease held, which a new pod on another host waited out.
+
+        On one rank only. Under several, the export is a collective (FSDP gathers the weights on every
+        rank first) and the other ranks then wait in the barrier after it: rank 0 leaving alone would leave
+        them hanging there, and each rank gets its signal at its own moment, so they cannot all leave at
+        the same point without another agreement. There the export runs on, as before.
+        """
+        if self.dist.world_size == 1:
+            return self.ctx.watch.abandoning()
+        return contextlib.nullcontext()
 
     # ------------------------------------------------------------------------------ resume
     def resume(self) -> int:
@@ -743,8 +759,14 @@ def train_and_export(trainer_class: type[Trainer], ctx: RunContext, config: Any)
             torch.set_num_threads(config.train.cpu_threads)
         trainer = trainer_class(ctx, config, dist)
         trainer.train()
-        with volume_full_as_exit_5(ctx.run.root, "the export"):
-            exported = trainer.export()
+        try:
+            with volume_full_as_exit_5(ctx.run.root, "the export"):
+                exported = trainer.export()
+        except WorkAbandoned:
+            raise Preempted(
+                f"stopped by {ctx.watch.signal_name or 'signal'} during the export; step "
+                f"{trainer.last_committed_step} is committed and the next start makes the export again from it"
+            ) from None
         D.barrier(dist)
         return trainer.summary() | {
             "export": str(exported) if exported else None,

@@ -30,6 +30,7 @@ from trainpod.checkpoint.tree import load_state_file
 from trainpod.config.finetune import FSDP_WITHOUT_GENERATION, FinetuneConfig, fsdp_needs_full
 from trainpod.context import RunContext
 from trainpod.errors import InputError
+from trainpod.preemption import WorkAbandoned
 from trainpod.sft import IGNORE_INDEX, SftBatches, eval_batches, load_sft, prepare_sft, sft_key
 from trainpod.train import distributed as D
 from trainpod.train.base_model import (
@@ -41,7 +42,7 @@ from trainpod.train.base_model import (
     supported_attention,
 )
 from trainpod.train.batches import rescaled_accumulation, to_device
-from trainpod.train.export import DTYPES, export_hf, publish_export
+from trainpod.train.export import DTYPES, export_hf, write_export_manifest
 from trainpod.train.loss import CausalLMLoss, fits_chunked_loss, shift_labels
 from trainpod.train.model import autocast_dtype, resolve_attention
 from trainpod.train.optim import build_optimizer
@@ -673,15 +674,20 @@ class Finetuner(Trainer):
                 self.ctx.run.export / "hf",
                 DTYPES[dtype_name],
                 extra_json={"training_summary.json": self.training_summary(), **self.processor_json()},
+                abandoning=self.abandoning_export,
             )
         target = self.ctx.run.export / "adapter"
         tmp = atomic.temp_name(target)
         self._name_hub_base_in_adapter_config()
         try:
-            self.model.save_pretrained(str(tmp), safe_serialization=True)
-            self.save_processor(tmp)
-            atomic.write_json(tmp / "training_summary.json", self.training_summary())
-            publish_export(tmp, target)
+            with self.abandoning_export():
+                self.model.save_pretrained(str(tmp), safe_serialization=True)
+                self.save_processor(tmp)
+                atomic.write_json(tmp / "training_summary.json", self.training_summary())
+                write_export_manifest(tmp)
+            atomic.replace_dir(tmp, target)  # a publish begun is never abandoned
+        except WorkAbandoned:  # its temp folder goes at the next start, as after a kill (export_hf)
+            raise
         except BaseException:  # on a full volume the space comes back at once, not at the next start
             shutil.rmtree(tmp, ignore_errors=True)
             raise

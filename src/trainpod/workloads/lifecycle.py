@@ -25,7 +25,7 @@ from trainpod.config import dump_config, parse_overrides
 from trainpod.config.loader import load_tree, validate_tree
 from trainpod.context import RunContext
 from trainpod.diskspace import volume_full_as_exit_5
-from trainpod.errors import ConfigError, ExitCode, TrainpodError, stop_reason
+from trainpod.errors import ConfigError, ExitCode, Preempted, TrainpodError, stop_reason
 from trainpod.gitsync import other_checkouts
 from trainpod.log import attach_log_file, setup_logging
 from trainpod.preemption import PreemptionWatch, exit_now_when_preempted
@@ -170,7 +170,12 @@ def _run_conversion(workload: Workload, ctx: RunContext, config: Any) -> int:
     return ExitCode.DONE
 
 
-def _release_and_exit_preempted(lease: Lease) -> None:
+def _release_and_exit_preempted(lease: Lease, status: Path | None = None) -> None:
+    if status is not None:  # a run's: `trainpod status` says preempted, as after a stop at a step
+        stopped = Preempted(
+            "stopped by a signal in one long write of the export; the next start makes it again"
+        )
+        _set_status_state(status, "preempted", stop_reason(stopped))
     lease.release()
     log.warning("released the run's lease; exiting %d", ExitCode.PREEMPTED)
     exit_now_when_preempted(ExitCode.PREEMPTED)
@@ -193,6 +198,9 @@ def _run_in_run_folder(workload: Workload, ctx: RunContext, config: Any, rank: i
             log.info("run %s is already DONE (%s); nothing to do", run.name, run.done)
             return ExitCode.DONE
         _remove_leftovers(run)
+        # The final export stopped in one long write (Trainer.abandoning_export; the signal's handler waits
+        # for it) ends as a conversion's task does: the lease released from a thread and exit 143.
+        ctx.watch.last_resort = lambda: _release_and_exit_preempted(ctx.lease, run.status)
     setup_logging(
         run.logs / (f"{workload.name}.log" if rank == 0 else f"{workload.name}.rank{rank}.log"), rank
     )
@@ -218,6 +226,7 @@ def _run_in_run_folder(workload: Workload, ctx: RunContext, config: Any, rank: i
             _set_status_state(run.status, "failed", stop_reason(exc))
         raise
     finally:
+        ctx.watch.last_resort = None
         if ctx.lease is not None:
             ctx.lease.release()
 

@@ -274,7 +274,13 @@ class Pretrainer(Trainer):
         dtype_name = self.cfg.export.dtype
         if dtype_name == "auto":
             dtype_name = "bfloat16" if self.autocast_dtype == torch.bfloat16 else "float32"
-        return export_hf(model, self.tokenizer_dir, self.ctx.run.export / "hf", DTYPES[dtype_name])
+        return export_hf(
+            model,
+            self.tokenizer_dir,
+            self.ctx.run.export / "hf",
+            DTYPES[dtype_name],
+            abandoning=self.abandoning_export,
+        )
 
     def summary(self) -> dict[str, Any]:
         return super().summary() | {"parameters": self.n_params}

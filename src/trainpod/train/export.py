@@ -69,9 +69,8 @@ def export_hf(
             exported.save_pretrained(tmp, safe_serialization=True)
             write_top_level_rope(tmp / "config.json")
             AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(tmp)
-            for (
-                name
-            ) in PROCESSOR_FILES:  # a vision-language model's image processor travels with its tokenizer
+            # A vision-language model's image processor travels with its tokenizer.
+            for name in PROCESSOR_FILES:
                 if (Path(tokenizer_dir) / name).is_file():
                     atomic.write_bytes(tmp / name, (Path(tokenizer_dir) / name).read_bytes())
             for name, content in (extra_json or {}).items():

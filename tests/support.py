@@ -5,10 +5,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
@@ -91,3 +94,30 @@ def tree_snapshot(root: Path) -> dict[str, tuple[int, float, str]]:
 
 def exported_weights(volume: Path, run: str = RUN) -> bytes:
     return (volume / "runs" / run / "export" / "hf" / "model.safetensors").read_bytes()
+
+
+def sigterm_once_marked(
+    driver: str, args: tuple[str, ...], volume: Path, marker: Path, env: dict[str, str], what: str
+) -> tuple[int, str]:
+    """Run `trainpod ARGS` under `driver` (python -c: it touches $STOP_MARKER once `what` is under way),
+    SIGTERM it then, and return its exit code and output. Fails the test when `what` never starts or goes
+    on after the SIGTERM (a spot pod's SIGKILL would come after 5 s; no time is asserted)."""
+    cmd = [sys.executable, "-c", driver, *trainpod_cmd(*args, volume=volume)[3:]]
+    proc = subprocess.Popen(
+        cmd,
+        env=child_env({"STOP_MARKER": str(marker), **env}),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    deadline = time.monotonic() + 180
+    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert marker.exists(), f"the {what} never started:\n{proc.communicate()[0]}"
+    proc.send_signal(signal.SIGTERM)
+    try:
+        out, _ = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"the {what} went on after SIGTERM:\n{proc.communicate()[0]}")
+    return proc.returncode, out

@@ -12,10 +12,6 @@ merge go on, as a long one would.
 from __future__ import annotations
 
 import json
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -23,7 +19,7 @@ import pytest
 from trainpod.errors import ExitCode
 
 from convert_support import make_adapter, make_base
-from support import child_env, run_trainpod, trainpod_cmd
+from support import run_trainpod, sigterm_once_marked
 
 DRIVER = """
 import ctypes, os, runpy, sys, threading
@@ -43,7 +39,7 @@ def one_endless_c_call():
     mutex = ctypes.create_string_buffer(64)
     libc.pthread_mutex_init(mutex, None)
     libc.pthread_mutex_lock(mutex)
-    Path(os.environ["MERGING_MARKER"]).touch()
+    Path(os.environ["STOP_MARKER"]).touch()
     libc.pthread_mutex_lock(mutex)
 
 
@@ -53,7 +49,7 @@ def write_tensors(self, name, file, fill):
         if os.environ.get("STUCK_IN_C"):
             one_endless_c_call()
         if not signalled.is_set():
-            Path(os.environ["MERGING_MARKER"]).touch()
+            Path(os.environ["STOP_MARKER"]).touch()
             while not signalled.is_set():  # the test's SIGTERM comes while this merge is under way
                 signalled.wait(0.01)
     real_write_tensors(self, name, file, fill_and_wait_for_the_stop)
@@ -82,28 +78,7 @@ def convert_args(volume: Path) -> tuple[str, ...]:
 
 def start_merge_and_stop_it(volume: Path, tmp_path: Path, env: dict[str, str]) -> tuple[int, str]:
     """Start the convert, wait until the merge is under way, SIGTERM it; its exit code and output."""
-    marker = tmp_path / "merging"
-    cmd = [sys.executable, "-c", DRIVER, *trainpod_cmd(*convert_args(volume), volume=volume)[3:]]
-    proc = subprocess.Popen(
-        cmd,
-        env=child_env({"MERGING_MARKER": str(marker), **env}),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    deadline = time.monotonic() + 120
-    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert marker.exists(), f"the merge never started:\n{proc.communicate()[0]}"
-    proc.send_signal(signal.SIGTERM)
-    try:
-        out, _ = proc.communicate(
-            timeout=60
-        )  # a spot pod's SIGKILL would come after 5 s; no time is asserted
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        pytest.fail(f"the merge went on after SIGTERM:\n{proc.communicate()[0]}")
-    return proc.returncode, out
+    return sigterm_once_marked(DRIVER, convert_args(volume), volume, tmp_path / "merging", env, "merge")
 
 
 def test_a_sigterm_during_a_merge_ends_it_at_once_with_nothing_published_and_the_lease_released(

@@ -14,10 +14,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -25,7 +21,7 @@ import pytest
 from trainpod.errors import ExitCode
 
 from finetune_support import FINETUNE_RUN, adapter_bytes, finetune_args
-from support import RUN, TINY_PRETRAIN, child_env, exported_weights, run_trainpod, trainpod_cmd
+from support import RUN, TINY_PRETRAIN, exported_weights, run_trainpod, sigterm_once_marked
 
 DRIVER = """
 import ctypes, os, runpy, sys, threading
@@ -50,7 +46,7 @@ def one_endless_c_call():
 
 def held_until_the_stop(real_save):
     def save_pretrained(self, *args, **kwargs):
-        Path(os.environ["EXPORTING_MARKER"]).touch()
+        Path(os.environ["STOP_MARKER"]).touch()
         if os.environ.get("STUCK_IN_C"):
             one_endless_c_call()
         while not signalled.is_set():  # the test's SIGTERM comes while this export is under way
@@ -78,28 +74,7 @@ def start_export_and_stop_it(
     args: tuple[str, ...], volume: Path, tmp_path: Path, env: dict[str, str]
 ) -> tuple[int, str]:
     """Start the run, wait until its final export is under way, SIGTERM it; its exit code and output."""
-    marker = tmp_path / "exporting"
-    cmd = [sys.executable, "-c", DRIVER, *trainpod_cmd(*args, volume=volume)[3:]]
-    proc = subprocess.Popen(
-        cmd,
-        env=child_env({"EXPORTING_MARKER": str(marker), **env}),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    deadline = time.monotonic() + 180
-    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert marker.exists(), f"the export never started:\n{proc.communicate()[0]}"
-    proc.send_signal(signal.SIGTERM)
-    try:
-        out, _ = proc.communicate(
-            timeout=60
-        )  # a spot pod's SIGKILL would come after 5 s; no time is asserted
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        pytest.fail(f"the export went on after SIGTERM:\n{proc.communicate()[0]}")
-    return proc.returncode, out
+    return sigterm_once_marked(DRIVER, args, volume, tmp_path / "exporting", env, "export")
 
 
 def assert_stopped_with_nothing_published(code: int, out: str, run: Path, published: str) -> None:

@@ -256,7 +256,7 @@ class Checkpointer:
             "versions": {"trainpod": trainpod.__version__, "torch": torch.__version__},
         }
         committed = self.writer.commit(step, files, metadata, eval_loss)
-        self.rank_rng.prune({c.step for c in self.store.committed()}, step)
+        self.rank_rng.prune(step, lambda: {c.step for c in self.store.committed()})
         self.last_committed_step = step
         log.info("committed checkpoint step-%d in %.2f s", step, self.writer.last_commit_seconds)
         return committed

@@ -501,9 +501,9 @@ def _supervised_volume_s3(deploy_config: str | None):
 def stop(run_name: str, terminate: bool = False) -> int:
     """Stop the run's pods (they keep their disk and can start again), or --terminate them; delete its clusters.
 
-    The stop is recorded first, then the supervisor's pod goes first; recorded where supervisors look (runs/RUN/STOPPED on the
-    volume when it is mounted here, else through its S3 API when RunPod's S3 key is exported; and this
-    machine's supervisor state), so they leave the run down until `trainpod deploy` clears it.
+    The stop is recorded first, where supervisors look (runs/RUN/STOPPED on the volume when it is mounted
+    here, else through its S3 API when RunPod's S3 key is exported; and this machine's supervisor state), so
+    they leave the run down until `trainpod deploy` clears it; then the pods stop, the supervisor's first.
     """
     from trainpod import workloads
     from trainpod.runpod.client import RunPodClient

@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import io
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -102,12 +103,17 @@ class RankRng:
         if stale:  # gone for good: one back after a power loss would be taken for a later commit's
             atomic.fsync_dir(self.folder)
 
-    def prune(self, committed_steps: set[int], newest: int) -> None:
+    def prune(self, newest: int, committed_steps: Callable[[], set[int]]) -> None:
         """Rank 0, after committing `newest`: the files of older steps that are not committed checkpoints
         (retention deleted them, or their commit never happened). Temp files are left to their own rank,
-        which may be writing one now."""
-        for path, step, _, temp in self._files():
-            if not temp and step < newest and step not in committed_steps:
+        which may be writing one now. `committed_steps` reads every checkpoint's manifest, so it is asked
+        only when there is an older file to judge: a single process writes none."""
+        older = [(path, step) for path, step, _, temp in self._files() if not temp and step < newest]
+        if not older:
+            return
+        committed = committed_steps()
+        for path, step in older:
+            if step not in committed:
                 path.unlink(missing_ok=True)
 
     def _files(self) -> list[tuple[Path, int, int, bool]]:

@@ -229,6 +229,58 @@ def test_packing_on_a_model_that_mixes_packed_samples_is_exit_2_before_data_or_t
     assert "step 2" in ok(run_trainpod(*finetune_args(*steps, method="lora"), volume=volume))
 
 
+LEAKY_MODEL_CODE = """from transformers import OPTConfig, OPTForCausalLM
+
+
+class LeakyConfig(OPTConfig):
+    model_type = "leaky_opt"
+
+
+class LeakyForCausalLM(OPTForCausalLM):
+    config_class = LeakyConfig
+"""
+
+
+def test_remote_code_that_mixes_packed_samples_is_exit_2_before_a_step_leaving_the_volume(volume):
+    """A model type the list of known leaking types lacks (here remote code: OPT under another name) went
+    through with packing, each sample trained partly on its neighbour. The probe runs it on a packed row
+    before the first step: exit 2 naming the setting, the type and the fix; nothing on the volume changed."""
+    import importlib.util
+
+    from transformers import AutoTokenizer
+
+    folder = volume / BASE
+    (folder / "leaky.py").write_text(LEAKY_MODEL_CODE)
+    spec = importlib.util.spec_from_file_location("leaky", folder / "leaky.py")
+    leaky = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(leaky)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    config = leaky.LeakyConfig(
+        vocab_size=len(tokenizer), hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=256, word_embed_proj_dim=32, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        auto_map={"AutoConfig": "leaky.LeakyConfig", "AutoModelForCausalLM": "leaky.LeakyForCausalLM"},
+    )  # fmt: skip
+    for weights in folder.glob("model*.safetensors"):
+        weights.unlink()
+    torch.manual_seed(0)
+    leaky.LeakyForCausalLM(config).save_pretrained(folder)
+    before = tree_snapshot(volume)
+    remote = ("--set", "base_model.trust_remote_code=true", "--set", "train.max_steps=2")
+    result = run_trainpod(*finetune_args(*remote, method="lora"), volume=volume)
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output
+    assert "data.sft.packing=true: the base model (leaky_opt, attention sdpa) reads one" in output
+    assert "set data.packing=false" in output and "Traceback" not in output
+    after = tree_snapshot(volume)
+    assert {path: after.get(path) for path in before} == before, "the refusal changed the volume"
+    assert not list(run_dir(volume).glob("checkpoints/step-*"))
+    assert not list((run_dir(volume) / "export").iterdir())
+
+    steps = ("--set", "train.eval_every=0", "--set", "data.packing=false")
+    assert "step 2" in ok(run_trainpod(*finetune_args(*remote, *steps, method="lora"), volume=volume))
+
+
 def test_early_stopping_with_a_val_ratio_that_held_out_no_sample_is_exit_2_before_training(volume):
     """val_ratio 0.002 of 240 rows picks none of them: no eval ever ran, so early stopping never acted and the
     run trained, silently, to its last paid step."""

@@ -256,17 +256,21 @@ class SftBatches:
         start = self._step * self._global_rows + self.rank * self.micro_batch_size
         rows = self._rows[start : start + self.micro_batch_size]
         self._step += 1
-        if self.packing and self.flatten_packed:
-            batch = packed_batch(self.examples, rows, self.max_len)
-        elif self.packing:
-            batch = packed_rows_batch(self.examples, rows, self.max_len, self.pad_id)
-        else:
-            batch = unpacked_batch(self.examples, [row[0] for row in rows], self.max_len, self.pad_id)
+        batch = self.micro_batch(self.examples, rows)
         self.last_trained_tokens = int((batch["labels"] != IGNORE_INDEX).sum())
         self.last_real_tokens = int(sum(self.lengths[row].sum() for row in rows))
         if self.pin_memory:
             batch = {key: value.pin_memory() for key, value in batch.items()}
         return batch
+
+    def micro_batch(self, examples: Sequence, rows: Sequence[Sequence[int]]) -> dict[str, torch.Tensor]:
+        """`rows` (lists of indices into `examples`) as this run lays out a micro batch: packed into one
+        flattened row or one row each, or (unpacked) each row's one sample, padded."""
+        if self.packing and self.flatten_packed:
+            return packed_batch(examples, rows, self.max_len)
+        if self.packing:
+            return packed_rows_batch(examples, rows, self.max_len, self.pad_id)
+        return unpacked_batch(examples, [row[0] for row in rows], self.max_len, self.pad_id)
 
     def state_dict(self) -> dict[str, int]:
         return {

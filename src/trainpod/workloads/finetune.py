@@ -32,6 +32,7 @@ from trainpod.context import RunContext
 from trainpod.errors import InputError
 from trainpod.preemption import WorkAbandoned
 from trainpod.sft import IGNORE_INDEX, SftBatches, eval_batches, load_sft, prepare_sft, sft_key
+from trainpod.sft.packing_probe import refuse_packing_that_leaks
 from trainpod.train import distributed as D
 from trainpod.train.base_model import (
     load_4bit,
@@ -138,8 +139,7 @@ class Finetuner(Trainer):
         )
         self.base_attention = supported_attention(self.base_dir, config.base_model)
         if config.data.use_packing:  # before the SFT data is prepared; a datagen dataset's own packing: later
-            asked_by = "data.packing=true" if config.data.packing else "data.sft.packing=true"
-            refuse_packing_that_mixes_samples(self.base_dir, asked_by)
+            refuse_packing_that_mixes_samples(self.base_dir, self.packing_asked_by)
         self.attention = self._resolve_attention(config.data.use_packing)
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.base_dir), local_files_only=True)
         self._setup_data()
@@ -195,8 +195,7 @@ class Finetuner(Trainer):
             packing = bool(self.data.manifest.get("packing", False))
             self.attention = self._resolve_attention(packing)
             if packing:
-                asked_by = f"data.dataset={data_cfg.dataset} (made with sft.packing=true)"
-                refuse_packing_that_mixes_samples(self.base_dir, asked_by)
+                refuse_packing_that_mixes_samples(self.base_dir, self.packing_asked_by)
         t = self.train_cfg
         self.batches = SftBatches(
             self.data.train,
@@ -213,6 +212,16 @@ class Finetuner(Trainer):
             pin_memory=self.dist.device.type == "cuda",
             grad_accum_steps=t.grad_accum_steps,
         )
+
+    @property
+    def packing_asked_by(self) -> str:
+        """The setting that asked for packing, as a refusal names it."""
+        data = self.cfg.data
+        if data.packing is not None:
+            return "data.packing=true"
+        if data.dataset is not None:
+            return f"data.dataset={data.dataset} (made with sft.packing=true)"
+        return "data.sft.packing=true"
 
     def _check_held_out_samples(self) -> None:
         """Early stopping needs validation samples, and a val_ratio > 0 may hold out none of a small dataset
@@ -278,6 +287,12 @@ class Finetuner(Trainer):
             model = self._with_adapters(model)
         else:
             self._freeze_for_full(model)
+        # refuse_packing_that_mixes_samples knew some types; this measures the model as it trains (before FSDP
+        # shards it, so each rank runs its whole copy alone)
+        if self.batches.packing:
+            refuse_packing_that_leaks(
+                model, self.batches, device, self._autocast, self.packing_asked_by, attention
+            )
         self.model = model
         self.n_params = sum(p.numel() for p in model.parameters())
         self.chunked_loss = fits_chunked_loss(model)

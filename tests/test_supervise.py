@@ -263,7 +263,7 @@ def test_supervise_once_from_the_command_line(fake, volume, tmp_path, monkeypatc
     assert "started pod" in capsys.readouterr().out
     atomic.write_json(volume.run("tiny").done, {})
     assert cli.main(args) == 0
-    assert (volume.run("tiny").root / "supervise.json").is_file(), "--once runs share their state"
+    assert (volume.root / "runs/.tiny.supervise.json").is_file(), "--once runs share their state"
 
 
 def machine_unfit_in_the_pod(fake, volume, pod_id: str) -> None:
@@ -342,7 +342,7 @@ def test_trainpod_stop_is_not_undone_by_the_supervisor(fake, volume, tmp_path, m
     monkeypatch.setenv("TRAINPOD_VOLUME", str(volume.root))
     deploy(client_for(fake), deploy_config())
     assert cli.main(["stop", "tiny"]) == 0
-    assert (volume.run("tiny").root / "STOPPED").exists()
+    assert (volume.root / "runs/.tiny.STOPPED").exists()
     assert supervisor(fake, volume).step() == 0
     from trainpod.runpod.supervise import state_path
 
@@ -545,7 +545,8 @@ def test_a_stop_from_a_laptop_reaches_supervisors_elsewhere_through_s3_and_deplo
     monkeypatch.setenv("TRAINPOD_CONFIG", str(path))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "laptop"))
     assert cli.main(["stop", "tiny"]) == 0
-    assert volume_s3.read("runs/tiny/STOPPED") is not None
+    assert volume_s3.read("runs/.tiny.STOPPED") is not None
+    assert not volume_s3.files("runs/tiny/"), "a stop of a run that never started makes no run folder"
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "ci-runner"))
     assert cli.main(["supervise", "tiny", "--once"]) == 0
@@ -553,7 +554,7 @@ def test_a_stop_from_a_laptop_reaches_supervisors_elsewhere_through_s3_and_deplo
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "laptop"))
     assert cli.main(["deploy", str(path)]) == 0
-    assert volume_s3.read("runs/tiny/STOPPED") is None
+    assert volume_s3.read("runs/.tiny.STOPPED") is None
     assert the_pod(fake)["desiredStatus"] == "RUNNING"
 
 
@@ -797,3 +798,66 @@ def test_a_pod_seen_overrides_an_older_deploy_record_and_a_newer_deploy_record_r
     client_for(fake).terminate_pod(the_pod(fake)["id"])
     assert sup.step() is None
     assert the_pod(fake)["interruptible"] is False, "the newer deploy's record: on demand"
+
+
+def test_a_supervise_pod_looking_before_the_runs_first_start_makes_no_run_folder_for_a_refused_start_to_mark(
+    fake, tmp_path, monkeypatch
+):
+    """The supervise pod on the volume kept its state in runs/<run>/supervise.json: its first look made the run
+    folder before the run's first start, whose refusal (exit 2, a missing dataset) then found a folder and marked
+    the run FAILED, a run that never started. Its state lies beside the run folder now, as the deploy record does."""
+    from trainpod.runpod.supervise import supervise
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    volume = Volume(tmp_path / "volume")
+    (volume.root / "runs").mkdir(parents=True)
+    deploy(client_for(fake), deploy_config())
+    assert supervise(deploy_config(), volume, once=True, client=client_for(fake), clock=Clock()) == 0
+    assert not volume.run("tiny").root.exists(), "a supervisor's look makes no run folder"
+    after_workload(2, volume.run("tiny"), {}, "pretrain")  # the first start refused: bad input
+    assert not (volume.run("tiny").root / FAILED_MARKER).exists()
+    fake.interrupt(the_pod(fake)["id"])
+    assert supervise(deploy_config(), volume, once=True, client=client_for(fake), clock=Clock()) == 0
+    assert the_pod(fake)["desiredStatus"] == "RUNNING", "its state (restarts) read back from beside the run"
+    assert not volume.run("tiny").root.exists()
+
+
+def test_trainpod_stop_of_a_run_that_never_started_makes_no_run_folder_yet_supervisors_see_it(
+    fake, tmp_path, monkeypatch
+):
+    """`trainpod stop` wrote runs/<run>/STOPPED (and, mounted, the supervisor's state in runs/<run>/): a run that
+    never started got a folder, which boot takes for a started run at its refused first start."""
+    for name, value in api_env(fake).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    volume = Volume(tmp_path / "volume")
+    (volume.root / "runs").mkdir(parents=True)
+    monkeypatch.setenv("TRAINPOD_VOLUME", str(volume.root))
+    deploy(client_for(fake), deploy_config())
+    assert cli.main(["stop", "tiny"]) == 0
+    assert not volume.run("tiny").root.exists(), "a stop makes no run folder"
+    sup = Supervisor(client_for(fake), deploy_config(), volume, tmp_path / "elsewhere.json", clock=Clock())
+    assert sup.step() == 0, "a supervisor with state of its own sees the stop on the volume"
+    assert the_pod(fake)["desiredStatus"] == "EXITED"
+
+
+def test_a_volume_with_the_supervisor_state_and_stop_inside_the_run_folder_is_still_read_and_cleared(
+    fake, volume, tmp_path, monkeypatch
+):
+    """Volumes supervised before the state and STOPPED moved beside the run folder: their runs/<run>/STOPPED still
+    keeps the run down, their runs/<run>/supervise.json still counts, and `trainpod deploy` clears the stop."""
+    from trainpod.runpod.supervise import SupervisorState, mark_stopped, state_path
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    deploy(client_for(fake), deploy_config())
+    run_folder = volume.run("tiny").root
+    atomic.write_json(run_folder / "supervise.json", {"restarts": 7})
+    assert SupervisorState.load(state_path(volume, "tiny")).restarts == 7
+    atomic.write_json(run_folder / "STOPPED", {"unix": 1.0})
+    assert Supervisor(client_for(fake), deploy_config(), volume, state_path(volume, "tiny")).step() == 0
+    mark_stopped("tiny", volume, stopped=False)  # what `trainpod deploy` does first
+    assert not (run_folder / "STOPPED").exists()
+    fake.interrupt(the_pod(fake)["id"])
+    assert Supervisor(client_for(fake), deploy_config(), volume, state_path(volume, "tiny")).step() is None
+    assert the_pod(fake)["desiredStatus"] == "RUNNING"
+    assert SupervisorState.load(state_path(volume, "tiny")).restarts == 8, "counted on from the old state"

@@ -501,7 +501,7 @@ def _supervised_volume_s3(deploy_config: str | None):
 def stop(run_name: str, terminate: bool = False) -> int:
     """Stop the run's pods (they keep their disk and can start again), or --terminate them; delete its clusters.
 
-    The stop is recorded first, where supervisors look (runs/RUN/STOPPED on the volume when it is mounted
+    The stop is recorded first, where supervisors look (runs/.RUN.STOPPED on the volume when it is mounted
     here, else through its S3 API when RunPod's S3 key is exported; and this machine's supervisor state), so
     they leave the run down until `trainpod deploy` clears it; then the pods stop, the supervisor's first.
     """
@@ -521,7 +521,7 @@ def stop(run_name: str, terminate: bool = False) -> int:
         stop_run(client, run_name, terminate, tuple(workloads.REGISTRY))
         if mounted is None and volume_s3 is None:
             logging.getLogger("trainpod.stop").warning(
-                "runs/%s/STOPPED is not recorded on the volume: it is not mounted here (TRAINPOD_VOLUME, %s) and "
+                "runs/.%s.STOPPED is not recorded on the volume: it is not mounted here (TRAINPOD_VOLUME, %s) and "
                 "RunPod's S3 key (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) with the run's deploy config is not at "
                 "hand; a supervisor elsewhere (supervise.yml, another machine) does not see this stop and starts "
                 "the run again: export the key and stop again, or unset SUPERVISE_RUN",

@@ -90,10 +90,15 @@ class SupervisorState:
 
     @classmethod
     def load(cls, path: Path) -> SupervisorState:
-        try:
-            return cls(**atomic.read_json(path))
-        except (FileNotFoundError, ValueError, TypeError):
-            return cls()
+        """From `path`, else (a volume supervised by an older kit) from inside the run folder, where it was."""
+        for where in (path, *_inside_the_run_folder(path)):
+            try:
+                return cls(**atomic.read_json(where))
+            except FileNotFoundError:
+                continue
+            except (ValueError, TypeError):
+                break
+        return cls()
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -151,7 +156,7 @@ class RunView:
             failed=reason,
             cost_usd=status.get("cost_usd"),
             unfit_pod=(fields(run_dir.root / UNFIT_MARKER) or {}).get("pod_id"),
-            stopped=read(run_dir.root / STOPPED_MARKER) is not None,
+            stopped=any(read(Path(key)) is not None for key in stop_marker_keys(run)),
             step=status.get("step") if isinstance(status.get("step"), int) else None,
             deployed=DeployRecord.parse(read(Path(deploy_record_key(run)))),
         )
@@ -159,6 +164,13 @@ class RunView:
 
 UNREADABLE = "_unreadable"  # a marker whose bytes are not a JSON object (cut short, say)
 STOPPED_MARKER = "STOPPED"  # written by `trainpod stop`, removed by `trainpod deploy`
+
+
+def stop_marker_keys(run: str) -> tuple[str, str]:
+    """Where `trainpod stop` records a stop, relative to the volume's root: runs/.<run>.STOPPED, beside the run
+    folder as the deploy record is (deploy_record_key: a run stopped before its first start gets no folder),
+    then runs/<run>/STOPPED, where older kits wrote it: still read, and removed with the new one."""
+    return f"runs/.{run}.{STOPPED_MARKER}", f"runs/{run}/{STOPPED_MARKER}"
 
 
 def mark_stopped(
@@ -172,18 +184,20 @@ def mark_stopped(
         if stopped or state.stopped_unix is not None:
             state.stopped_unix = time.time() if stopped else None
             state.save(where)
-    if volume is not None and volume.run(run).root.is_dir():
-        marker = volume.run(run).root / STOPPED_MARKER
+    marker, *older = stop_marker_keys(run)
+    if volume is not None:
         if stopped:
-            atomic.write_json(marker, {"unix": time.time()})
+            (volume.root / marker).parent.mkdir(parents=True, exist_ok=True)
+            atomic.write_json(volume.root / marker, {"unix": time.time()})
         else:
-            atomic.remove(marker)
+            for key in (marker, *older):
+                atomic.remove(volume.root / key)
     elif volume_s3 is not None:
-        key = f"runs/{run}/{STOPPED_MARKER}"
         if stopped:
-            volume_s3.put_bytes(key, json.dumps({"unix": time.time()}).encode())
+            volume_s3.put_bytes(marker, json.dumps({"unix": time.time()}).encode())
         else:
-            volume_s3.remove(key)
+            for key in (marker, *older):
+                volume_s3.remove(key)
 
 
 @dataclass(frozen=True)
@@ -246,13 +260,27 @@ def record_deployment(
     return volume is not None or volume_s3 is not None
 
 
+STATE_SUFFIX = ".supervise.json"
+
+
 def state_path(volume: Volume | None, run: str, environ: dict[str, str] | None = None) -> Path:
-    """On the volume beside the run when it is here; else in the user's cache folder."""
+    """On the volume beside the run folder when it is here (runs/.<run>.supervise.json: a supervise pod's
+    first look, before the run's first start, makes no run folder; see deploy_record_key); else in the
+    user's cache folder."""
     if volume is not None:
-        return volume.run(run).root / "supervise.json"
+        return volume.root / "runs" / f".{run}{STATE_SUFFIX}"
     environ = os.environ if environ is None else environ
     cache = Path(environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return cache / "trainpod" / "supervise" / f"{run}.json"
+
+
+def _inside_the_run_folder(path: Path) -> list[Path]:
+    """runs/<run>/supervise.json for runs/.<run>.supervise.json: where older kits kept a supervisor's state on
+    the volume (read until the state is first saved beside the run folder, never written)."""
+    name = path.name
+    if path.parent.name != "runs" or not (name.startswith(".") and name.endswith(STATE_SUFFIX)):
+        return []
+    return [path.parent / name[1 : -len(STATE_SUFFIX)] / "supervise.json"]
 
 
 class Supervisor:

@@ -153,3 +153,22 @@ def test_bit_flipped_newest_checkpoint_falls_back_to_the_previous_one_and_stays_
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"checkpoint {newest.name} is invalid" in result.stdout
     assert exported_weights(volume) == uninterrupted
+
+
+def test_a_start_after_the_last_commit_that_trains_no_step_reports_the_runs_final_loss(volume):
+    """Killed after the final step's commit, before the export and DONE: the next start loads that checkpoint,
+    trains no step and finishes. Its DONE and status.json had no loss, the run's summary lost what it trained to;
+    they carry the loss logged at the committed step now, as the uninterrupted run's do."""
+    import shutil
+
+    result = run_trainpod(*PRETRAIN, volume=volume)
+    assert result.returncode == 0, result.stdout + result.stderr
+    run = volume / "runs" / RUN
+    finished = json.loads((run / "DONE").read_text())
+    assert finished["loss"] is not None
+    (run / "DONE").unlink()  # as if killed between the last commit and the end of the export
+    shutil.rmtree(run / "export")
+    finish(volume)
+    again = json.loads((run / "DONE").read_text())
+    assert again["step"] == finished["step"] and again["loss"] == finished["loss"], (again, finished)
+    assert json.loads((run / "status.json").read_text())["loss"] == finished["loss"]

@@ -75,6 +75,9 @@ class RunReporter:
         self._tb = None
         self._eval_metrics: dict[str, Any] = {}
         self._status = StatusWriter(run.status) if enabled else None
+        # The newest metrics logged up to the resumed step: a start that trains no step (killed after the last
+        # commit, before DONE) reports them in status.json and DONE, as the start that logged them would have.
+        self.resumed_metrics: dict[str, Any] = {}
         if enabled:
             self._truncate_metrics(resumed_step)
             self._record_resume(resumed_step)
@@ -89,8 +92,10 @@ class RunReporter:
         """Drop lines logged after the resumed checkpoint: those steps are trained again."""
         if not self.metrics_path.exists():
             return
-        kept = [line for line, row in self._logged_lines() if row["step"] <= resumed_step]
-        atomic.write_text(self.metrics_path, "".join(line + "\n" for line in kept))
+        kept = [(line, row) for line, row in self._logged_lines() if row["step"] <= resumed_step]
+        atomic.write_text(self.metrics_path, "".join(line + "\n" for line, _ in kept))
+        if kept and resumed_step:
+            self.resumed_metrics = kept[-1][1]
 
     def _logged_lines(self) -> list[tuple[str, dict[str, Any]]]:
         """Each line of metrics.jsonl with its metrics, but for one cut short: the file is appended to, and

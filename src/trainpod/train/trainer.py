@@ -279,6 +279,7 @@ class Trainer:
         self.finished_early = self.should_stop_early()
         model = self.wrap_for_training()
         self.reporter = self.make_reporter(start_step)
+        self._last_metrics = self.reporter.resumed_metrics  # the loss the committed step was logged with
         self.reporter.last_eval_loss = self.progress.last_eval_loss  # log lines show it from the first one
         try:
             if not self.finished_early:

@@ -596,6 +596,55 @@ def test_a_jsonl_file_starting_with_a_byte_order_mark_is_read_like_one_without(v
     }
 
 
+@pytest.mark.parametrize("suffix", [".txt", ".txt.gz"])
+def test_a_text_files_byte_order_mark_is_no_part_of_its_first_document(volume, suffix):
+    # The mark (U+FEFF, which str.strip keeps) was read as text: tokens at the start of the first document.
+    text = "\n\n".join(corpus_documents()) + "\n"
+    plain = run(make_config(name="plain"), volume)
+    data = text.encode("utf-8-sig")
+    (volume.root / "corpus" / f"bom{suffix}").write_bytes(
+        gzip.compress(data) if suffix.endswith(".gz") else data
+    )
+    tokenizer = {"path": str(volume.tokenizer("plain"))}
+    bom = run(make_config(name="bom", tokenizer=tokenizer, sources=[{"path": f"corpus/bom{suffix}"}]), volume)
+    assert {p.name: p.read_bytes() for p in bom.glob("*.bin")} == {
+        p.name: p.read_bytes() for p in plain.glob("*.bin")
+    }
+    assert json.loads((bom / "manifest.json").read_text())["utf8_bom_stripped"] is True
+
+
+def test_a_dataset_begun_reading_the_byte_order_mark_as_text_goes_on_so(volume, monkeypatch):
+    # Begun by a kit that kept the mark, the dataset's first shards hold it, and a file holding only the mark
+    # before a blank line made a document of its own, moving every later document's index and split. Resumed
+    # reading the new way, its shards would be those of no single run.
+    import trainpod.data.datagen as datagen
+    import trainpod.data.split_writer as split_writer
+
+    documents = ["\ufeff", *corpus_documents()]  # the file's first "document": the mark alone
+    (volume.root / "corpus" / "stories.txt").write_text("\n\n".join(documents) + "\n", encoding="utf-8")
+    real_write_shard, real_begun_since = split_writer.write_shard, datagen._begun_since
+
+    def killed_after_the_first_shard(path, tokens):
+        if path.name != "train_000000.bin":
+            raise KeyboardInterrupt  # stands for the kill
+        return real_write_shard(path, tokens)
+
+    monkeypatch.setattr(split_writer, "write_shard", killed_after_the_first_shard)
+    monkeypatch.setattr(datagen, "_begun_since", lambda folder, change: change != datagen.UTF8_BOM_STRIPPED)
+    with pytest.raises(KeyboardInterrupt):
+        run(make_config(mode="full"), volume)  # as the kit before read it
+    monkeypatch.setattr(split_writer, "write_shard", real_write_shard)
+    monkeypatch.setattr(datagen, "_begun_since", real_begun_since)
+    folder = volume.dataset("stories")
+    progress = json.loads((folder / "progress.json").read_text())
+    assert progress.pop("utf8_bom_stripped") is False
+    (folder / "progress.json").write_text(json.dumps(progress))  # as the kit before wrote it
+    run(make_config(mode="full"), volume)
+    tokenizer = Tokenizer.from_file(str(volume.tokenizer("stories") / "tokenizer.json"))
+    assert np.array_equal(full_stream(folder), expected_stream(tokenizer, documents, None, 0.1))
+    assert json.loads((folder / "manifest.json").read_text())["utf8_bom_stripped"] is False
+
+
 def documents_quoting_the_end_of_text_token() -> list[str]:
     """The corpus with the eot token's text inside every 10th document from the 300th on."""
     return [

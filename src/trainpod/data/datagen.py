@@ -43,6 +43,7 @@ MANIFEST_FILE = "manifest.json"
 PROGRESS_FILE = "progress.json"
 MANIFEST_FORMAT = "trainpod-datagen/1"
 SPECIAL_TOKENS_AS_TEXT = "special_tokens_as_text"  # in progress.json and manifest.json
+UTF8_BOM_STRIPPED = "utf8_bom_stripped"  # likewise
 SHARD_NAME = re.compile(r"^(train|val)_\d{6}\.bin$")  # as SplitWriter names its shards
 # A batch is also cut at this many characters, so a corpus of book-length documents does not put
 # gigabytes in flight (1000 fineweb documents are ~4 MB).
@@ -119,12 +120,13 @@ def _build(
     folder.mkdir(parents=True, exist_ok=True)
     _remove_leftovers(folder)
     progress = _load_progress(folder, config, expected_hash, tokenizer)
-    as_text = _special_tokens_as_text(folder)
+    reading = {SPECIAL_TOKENS_AS_TEXT: _begun_since(folder, SPECIAL_TOKENS_AS_TEXT),
+               UTF8_BOM_STRIPPED: _begun_since(folder, UTF8_BOM_STRIPPED)}  # fmt: skip
     documents_read = _write_shards(
-        config, volume, folder, tokenizer, progress, expected_hash, as_text, watch, lease
+        config, volume, folder, tokenizer, progress, expected_hash, reading, watch, lease
     )
     manifest = _manifest(config, volume, tokenizer, progress, expected_hash, documents_read)
-    write_json(folder / MANIFEST_FILE, manifest | {SPECIAL_TOKENS_AS_TEXT: as_text})
+    write_json(folder / MANIFEST_FILE, manifest | reading)
     total = sum(p.tokens for p in progress.values())
     log.info(
         "dataset %s complete: %d documents, %d tokens in %d shards",
@@ -240,14 +242,19 @@ def _load_progress(
     return progress
 
 
-def _special_tokens_as_text(folder: Path) -> bool:
-    """Whether a special token's text inside a document is encoded as text (llm.c's encode_ordinary).
+def _begun_since(folder: Path, change: str) -> bool:
+    """Whether the dataset reads and encodes as `change` says, for a change made to how it does:
+
+    SPECIAL_TOKENS_AS_TEXT: a special token's text inside a document is encoded as text (llm.c's
+    encode_ordinary), not as the token's id; UTF8_BOM_STRIPPED: a text file's UTF-8 byte-order mark is no
+    part of its first document (kept, it was tokens, and a file holding only the mark before a blank line
+    was a document of its own, moving every later document's index and split).
 
     True for every dataset begun now; a dataset begun before, whose progress.json does not say, goes on
-    as it began (the text became the token's id), so its shards stay those of one uninterrupted run.
+    as it began, so its shards stay those of one uninterrupted run.
     """
     path = folder / PROGRESS_FILE
-    return bool(read_record(path).get(SPECIAL_TOKENS_AS_TEXT, False)) if path.is_file() else True
+    return bool(read_record(path).get(change, False)) if path.is_file() else True
 
 
 def _refuse_files_of_others(folder: Path) -> None:
@@ -285,10 +292,13 @@ class DocumentBatcher:
     to the encoder, so resuming costs one read of the skipped text, not its encoding.
     """
 
-    def __init__(self, config: DatagenConfig, volume: Volume, writers: dict[str, SplitWriter]):
+    def __init__(
+        self, config: DatagenConfig, volume: Volume, writers: dict[str, SplitWriter], strip_bom: bool = True
+    ):
         self.config = config
         self.volume = volume
         self.writers = writers
+        self.strip_bom = strip_bom
         self.documents_read = 0
 
     def __iter__(self) -> Iterator[tuple[str, np.ndarray, list[str]]]:
@@ -296,7 +306,7 @@ class DocumentBatcher:
         characters = dict.fromkeys(self.writers, 0)
         limit = self.config.smoke_documents if self.config.mode == "smoke" else None
         for index, document in enumerate(
-            itertools.islice(iter_documents(self.config.sources, self.volume.root), limit)
+            itertools.islice(iter_documents(self.config.sources, self.volume.root, self.strip_bom), limit)
         ):
             self.documents_read = index + 1
             split = self._split_of(index)
@@ -326,11 +336,12 @@ def _write_shards(
     tokenizer: TokenizerInfo,
     progress: dict[str, SplitProgress],
     expected_hash: str,
-    special_tokens_as_text: bool,
+    reading: dict[str, bool],
     watch: PreemptionWatch,
     lease: Lease | None = None,
 ) -> int:
-    """Encode and commit every remaining shard; returns the number of documents read."""
+    """Encode and commit every remaining shard; returns the number of documents read. `reading`: how the
+    dataset was begun (_begun_since), recorded in progress.json."""
 
     def save_progress() -> None:
         write_json(
@@ -338,7 +349,7 @@ def _write_shards(
             {
                 "config_hash": expected_hash,
                 "tokenizer_sha256": tokenizer.sha256,
-                SPECIAL_TOKENS_AS_TEXT: special_tokens_as_text,
+                **reading,
                 "splits": {split: p.to_json() for split, p in progress.items()},
             },
         )
@@ -348,7 +359,7 @@ def _write_shards(
         split: SplitWriter(split, folder, config.shard_tokens, dtype, p, save_progress)
         for split, p in progress.items()
     }
-    batcher = DocumentBatcher(config, volume, writers)
+    batcher = DocumentBatcher(config, volume, writers, reading[UTF8_BOM_STRIPPED])
     workers = config.workers or _cpu_count()
     started, encoded = time.monotonic(), 0
 
@@ -364,7 +375,7 @@ def _write_shards(
         tokenizer.eot_id,
         dtype,
         workers,
-        special_tokens_as_text=special_tokens_as_text,
+        special_tokens_as_text=reading[SPECIAL_TOKENS_AS_TEXT],
     ) as encoder:
         try:
             for batch in encoder.map(iter(batcher)):

@@ -89,8 +89,10 @@ def _open_text(path: Path, encoding: str = "utf-8") -> io.TextIOBase:
     return open(path, encoding=encoding)
 
 
-def _text_documents(path: Path, separator: str) -> Iterator[str]:
-    with _open_text(path) as f:
+def _text_documents(path: Path, separator: str, strip_bom: bool = True) -> Iterator[str]:
+    # utf-8-sig: the byte-order mark Windows tools put first is no text; read as text, it became tokens at the
+    # start of the file's first document. `strip_bom=False` reads it as a dataset begun before did.
+    with _open_text(path, "utf-8-sig" if strip_bom else "utf-8") as f:
         if separator == "file":
             yield f.read()
         elif separator == "line":
@@ -221,7 +223,7 @@ def _text(value: object, where: str, field: str) -> str | None:
     )
 
 
-def iter_source(source: SourceConfig, volume_root: Path) -> Iterator[str]:
+def iter_source(source: SourceConfig, volume_root: Path, strip_bom: bool = True) -> Iterator[str]:
     """Every non-empty document of one source.
 
     A record of a structured source (JSONL, parquet, a hub dataset) is kept verbatim: a trailing
@@ -231,7 +233,7 @@ def iter_source(source: SourceConfig, volume_root: Path) -> Iterator[str]:
     if source.hf is not None:
         raw: Iterator[str] = _hf_documents(source)
     else:
-        raw = _iter_files(source, resolve_files(source, volume_root))
+        raw = _iter_files(source, resolve_files(source, volume_root), strip_bom)
     for document in raw:
         if document:
             yield document
@@ -243,12 +245,12 @@ def _stripped(documents: Iterator[str]) -> Iterator[str]:
             yield document
 
 
-def _iter_files(source: SourceConfig, files: list[Path]) -> Iterator[str]:
+def _iter_files(source: SourceConfig, files: list[Path], strip_bom: bool = True) -> Iterator[str]:
     for path in files:
         fmt = _format_of(path, "text" if source.path == BUILTIN_TINY_STORIES else source.format)
         try:
             if fmt == "text":
-                yield from _stripped(_text_documents(path, source.separator))
+                yield from _stripped(_text_documents(path, source.separator, strip_bom))
             elif fmt == "jsonl":
                 yield from _jsonl_documents(path, source.text_field)
             else:
@@ -308,10 +310,11 @@ def _where_not_utf8(path: Path) -> tuple[int | None, bool]:
     return None, utf16
 
 
-def iter_documents(sources: list[SourceConfig], volume_root: Path) -> Iterator[str]:
-    """All documents of all sources, in config order."""
+def iter_documents(sources: list[SourceConfig], volume_root: Path, strip_bom: bool = True) -> Iterator[str]:
+    """All documents of all sources, in config order. `strip_bom`: a text file's UTF-8 byte-order mark is no
+    part of its first document (False only for a dataset begun by a kit that kept it: datagen.py)."""
     for source in sources:
-        yield from iter_source(source, volume_root)
+        yield from iter_source(source, volume_root, strip_bom)
 
 
 def check_sources(sources: list[SourceConfig], volume_root: Path) -> None:

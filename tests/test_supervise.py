@@ -861,3 +861,69 @@ def test_a_volume_with_the_supervisor_state_and_stop_inside_the_run_folder_is_st
     assert Supervisor(client_for(fake), deploy_config(), volume, state_path(volume, "tiny")).step() is None
     assert the_pod(fake)["desiredStatus"] == "RUNNING"
     assert SupervisorState.load(state_path(volume, "tiny")).restarts == 8, "counted on from the old state"
+
+
+def test_a_deploy_that_reaches_no_volume_replaces_an_older_deploy_record_through_its_pod(
+    fake, tmp_path, monkeypatch
+):
+    """An earlier `deploy --on-demand` recorded runs/.<run>.DEPLOYED; a later deploy as the YAML says (spot) from a
+    laptop that reaches neither the volume nor its S3 API recorded nothing, and said nothing (no flag given): the
+    older record stayed in force, and a supervise pod whose first look found the pod gone made it on demand. The
+    deploy gives its record to the pod (TRAINPOD_DEPLOYED), whose boot writes it on the volume when it is newer."""
+    from trainpod import boot as boot_module
+    from trainpod.runpod.supervise import DeployRecord, deploy_record_key, record_deployment
+
+    volume = Volume(tmp_path / "volume")
+    volume.root.mkdir()
+    record_deployment(
+        "tiny", volume, spot=False, secrets_as_values=False
+    )  # the earlier deploy, mounted there
+    on_a_laptop_that_sees_neither_the_volume_nor_its_s3_api(fake, monkeypatch, tmp_path)
+    assert cli.main(["deploy", str(a_spot_yaml_with_a_secret(tmp_path)), "--force"]) == 0
+    pod = the_pod(fake)
+    assert pod["interruptible"] is True
+    # The pod boots on the volume (its config is refused here, exit 2: the record is the deploy's, not the run's).
+    environ = {
+        **pod["env"],
+        "TRAINPOD_VOLUME": str(volume.root),
+        "TRAINPOD_CONFIG": str(tmp_path / "absent.yaml"),
+    }
+    assert boot_module.boot(environ) == 2
+    record = DeployRecord.parse((volume.root / deploy_record_key("tiny")).read_bytes())
+    assert record is not None and record.spot is True and record.secrets_as_values is False
+    assert not volume.run("tiny").root.exists()
+
+    client_for(fake).terminate_pod(pod["id"])
+    sup = Supervisor(
+        client_for(fake), deploy_config(), volume, tmp_path / "supervise-pod.json", clock=Clock()
+    )
+    assert sup.step() is None
+    assert the_pod(fake)["interruptible"] is True, "made as the newest deploy rented it: spot"
+
+
+def test_a_pod_started_again_never_puts_back_the_record_of_the_deploy_that_made_it(
+    fake, tmp_path, monkeypatch
+):
+    """A pod keeps its env for life: started again after newer deploys recorded theirs, its boot must not write
+    its older record over them, nor may deploy take the record's time in its env for a change of config."""
+    from trainpod import boot as boot_module
+    from trainpod.runpod.supervise import DeployRecord, deploy_record_key, record_deployment
+
+    volume = Volume(tmp_path / "volume")
+    volume.root.mkdir()
+    on_a_laptop_that_sees_neither_the_volume_nor_its_s3_api(fake, monkeypatch, tmp_path)
+    path = a_spot_yaml_with_a_secret(tmp_path)
+    assert cli.main(["deploy", str(path), "--force"]) == 0
+    first = the_pod(fake)
+    record_deployment("tiny", volume, spot=False, secrets_as_values=True)  # newer, as another deploy would
+    client_for(fake).stop_pod(first["id"])
+    assert cli.main(["deploy", str(path), "--force"]) == 0
+    assert the_pod(fake)["id"] == first["id"], "the same config: the pod is started again, not replaced"
+    environ = {
+        **first["env"],
+        "TRAINPOD_VOLUME": str(volume.root),
+        "TRAINPOD_CONFIG": str(tmp_path / "absent.yaml"),
+    }
+    assert boot_module.boot(environ) == 2
+    record = DeployRecord.parse((volume.root / deploy_record_key("tiny")).read_bytes())
+    assert record is not None and record.secrets_as_values is True, "the newer record stays"

@@ -56,6 +56,7 @@ def boot(environ: dict[str, str] | None = None) -> int:
     try:
         workload = _workload(environ)
         volume.check_writable()
+        _keep_deploy_record(volume, environ)  # the deploy's, whatever this start makes of its config
         synced = None
         if environ.get("TRAINPOD_GIT_REPO"):  # first: the config may live in the synced repo
             from trainpod.gitsync import note_commit, sync
@@ -97,6 +98,23 @@ def boot(environ: dict[str, str] | None = None) -> int:
     if environ is os.environ:  # the pod's own boot, not a test's call with its own environment
         exit_now_when_preempted(code)
     return code
+
+
+def _keep_deploy_record(volume: Volume, environ: dict[str, str]) -> None:
+    """The record of the deploy that made this pod (runpod/deploy.py, DEPLOYED_ENV) beside the run, when newer than
+    the one there: for supervisors elsewhere, whose first look may find the pod gone. A cluster's nodes have none."""
+    from trainpod.runpod.deploy import DEPLOYED_ENV
+
+    raw, run = environ.get(DEPLOYED_ENV), environ.get("TRAINPOD_RUN", "")
+    if not raw or not is_run_name(run) or int(environ.get("NODE_RANK") or 0):
+        return
+    from trainpod.runpod.supervise import keep_pods_deploy_record
+
+    try:
+        if keep_pods_deploy_record(volume, run, raw):
+            log.info("recorded what the deploy rented beside the run (%s)", DEPLOYED_ENV)
+    except OSError as exc:  # a full volume: the workload's own checks say so; the record is no reason to stop
+        log.warning("could not record what the deploy rented beside the run: %s", exc)
 
 
 def _dataset_lease(volume: Volume, config) -> Path | None:

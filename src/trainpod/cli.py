@@ -384,13 +384,14 @@ def deploy(
             print(line)
         if catalog and not free:
             logging.getLogger("trainpod.deploy").warning("%s", checks.no_stock_warning(cfg, cuda))
-        from trainpod.runpod.supervise import mark_stopped
+        from trainpod.runpod.supervise import DeployRecord, mark_stopped
 
         volume = Volume.from_env()
         mounted = volume if volume.root.is_dir() else None
         # deploy: resume (a supervisor that still saw STOPPED would end at once)
         mark_stopped(cfg.run, mounted, False, None if mounted else _supervised_volume_s3(config))
-        done = deploying.deploy(client, cfg, secrets)
+        record = DeployRecord(bool(cfg.pod.spot), secrets is not None, time.time())
+        done = deploying.deploy(client, cfg, secrets, deployed=record.to_json())
         if done.action != "reused":  # a running pod kept as it is may differ from this config: a look tells
             _record_deployment(cfg, mounted, done.volume.id, secrets is not None, spot is not None)
         print(f"{done.summary()}; supervise it with: "
@@ -409,7 +410,8 @@ def _record_deployment(
 ) -> None:
     """Record what the deploy rented beside the run, on the volume mounted here or else through its S3 API (the
     volume exists now, on a first deploy too), for supervisors elsewhere whose first look finds no pod.
-    Not reaching the volume fails nothing (the pod is rented): a warning says what such a supervisor will do."""
+    Not reaching the volume fails nothing (the pod is rented, and records it when it boots: deploy.DEPLOYED_ENV):
+    a warning says what such a supervisor will do."""
     from trainpod.errors import TrainpodError
     from trainpod.remote.s3 import VolumeS3, target_from
     from trainpod.runpod.supervise import deploy_record_key, record_deployment
@@ -429,11 +431,12 @@ def _record_deployment(
     if spot_given or secrets_as_values:  # a supervisor elsewhere would go by the YAML: it matters only then
         logging.getLogger("trainpod.deploy").warning(
             "%s is not recorded on the volume (%s): a supervisor elsewhere (supervise.yml, another machine) that "
-            "finds the pod gone at its first look makes the new one as the YAML says (its pod.spot, secrets as "
-            "RunPod references); this machine's supervisor knows. The next deploy that reaches the volume (mounted, "
+            "finds the pod gone at its first look%s makes the new one as the YAML (or an older deploy's record) "
+            "says; this machine's supervisor knows. The next deploy that reaches the volume (mounted, "
             "or RunPod's S3 key exported) and rents a pod records it",
             deploy_record_key(cfg.run),
             why,
+            "" if cfg.nodes > 1 else ", before the pod booted and recorded it there itself",
         )
 
 

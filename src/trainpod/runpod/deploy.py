@@ -34,6 +34,10 @@ from trainpod.runpod.cluster import ClusterDeployment, delete_run_clusters, depl
 log = logging.getLogger("trainpod.deploy")
 
 IMAGE_ROOT = "/opt/trainpod"  # where the images keep the kit and its entrypoints (docker/Dockerfile)
+# In a deployed pod's env: what the deploy rented (runpod/supervise.py, DeployRecord, as JSON). Its boot writes it
+# beside the run (runs/.<run>.DEPLOYED) when newer than the record there: a deploy that reached neither the volume
+# nor its S3 API still replaces an older deploy's record (an earlier --on-demand) for supervisors elsewhere.
+DEPLOYED_ENV = "TRAINPOD_DEPLOYED"
 
 
 @dataclass(frozen=True)
@@ -295,12 +299,19 @@ def _terminate_quietly(client: RunPodClient, pod: Pod) -> None:
 
 
 def deploy(
-    client: RunPodClient, config: DeployConfig, secret_values: dict[str, str] | None = None
+    client: RunPodClient,
+    config: DeployConfig,
+    secret_values: dict[str, str] | None = None,
+    deployed: str | None = None,
 ) -> Deployment | ClusterDeployment:
-    """Template, volume and pod of `config`, each created only when missing; or (nodes > 1) its cluster."""
+    """Template, volume and pod of `config`, each created only when missing; or (nodes > 1) its cluster.
+    `deployed`: the deploy's record (DeployRecord as JSON) for a new pod's env, DEPLOYED_ENV."""
     if config.nodes > 1:
         return deploy_cluster(client, config, secret_values)
     env = pod_env(config, secret_values)  # first: a config with too many variables sends nothing
+    # At RunPod's limit the pod goes without its record: only a deploy that reaches the volume writes it then.
+    if deployed is not None and len(env) < MAX_POD_ENV:
+        env[DEPLOYED_ENV] = deployed
     template = ensure_template(client, config)
     volume = ensure_volume(client, config)
     pods = client.list_pods(name=config.pod_name)
@@ -324,10 +335,15 @@ def deploy(
 
 
 def _differences(pod: Pod, body: dict[str, Any]) -> list[str]:
-    """What `pod` runs otherwise than `body` asks for, by name only (an env may hold secrets' values)."""
+    """What `pod` runs otherwise than `body` asks for, by name only (an env may hold secrets' values). The deploy's
+    record in the env is no difference: it holds the time of each deploy."""
+
+    def config_env(env: dict[str, str] | None) -> dict[str, str]:
+        return {name: value for name, value in (env or {}).items() if name != DEPLOYED_ENV}
+
     differs = {
         "image": pod.image != body["imageName"],
-        "env": pod.env != body["env"],
+        "env": config_env(pod.env) != config_env(body["env"]),
         "spot setting": pod.interruptible != body.get("interruptible", False),
     }
     return [name for name, different in differs.items() if different]

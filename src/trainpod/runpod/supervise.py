@@ -221,6 +221,9 @@ class DeployRecord:
             return None
         return cls(spot, as_values, unix) if isinstance(spot, bool) and isinstance(as_values, bool) else None
 
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
 
 DEPLOYED_MARKER = "DEPLOYED"
 
@@ -250,7 +253,7 @@ def record_deployment(
     state = SupervisorState.load(where)
     state.spot, state.secrets_as_values, state.deployed_unix = spot, secrets_as_values, record.unix
     state.save(where)
-    data = json.dumps(asdict(record)).encode()
+    data = record.to_json().encode()
     if volume is not None:
         target = volume.root / deploy_record_key(run)
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -261,6 +264,24 @@ def record_deployment(
 
 
 STATE_SUFFIX = ".supervise.json"
+
+
+def keep_pods_deploy_record(volume: Volume, run: str, raw: str) -> bool:
+    """At a pod's boot: write the record its deploy gave it (deploy.DEPLOYED_ENV) beside the run when it is newer
+    than the one there. A deploy that reached neither the volume nor its S3 API recorded nothing, and an older
+    deploy's record (--on-demand, secrets as values) stayed in force for supervisors elsewhere. A pod started again
+    keeps the env of the deploy that made it: its older record never replaces a newer one. True when written."""
+    record = DeployRecord.parse(raw.encode())
+    target = volume.root / deploy_record_key(run)
+    try:
+        existing = DeployRecord.parse(target.read_bytes())
+    except FileNotFoundError:
+        existing = None
+    if record is None or (existing is not None and existing.unix >= record.unix):
+        return False
+    target.parent.mkdir(parents=True, exist_ok=True)
+    atomic.write_bytes(target, record.to_json().encode())
+    return True
 
 
 def state_path(volume: Volume | None, run: str, environ: dict[str, str] | None = None) -> Path:

@@ -14,6 +14,7 @@ import pytest
 from trainpod import atomic
 from trainpod.checkpoint import Lease
 from trainpod.errors import ExitCode, TemporaryError
+from trainpod.preemption import WorkAbandoned
 
 
 def test_second_writer_is_refused_while_the_first_is_alive(tmp_path):
@@ -26,6 +27,22 @@ def test_second_writer_is_refused_while_the_first_is_alive(tmp_path):
     finally:
         first.release()
     assert not (tmp_path / "LEASE").exists()
+
+
+def test_a_release_from_another_thread_waits_for_a_publish_begun_and_none_begins_after_it(tmp_path):
+    # A stop under several ranks releases the run's lease from a thread while rank 0's export runs on; a
+    # new pod may take the run at once, so rank 0 must not rename its export into place after that.
+    lease = Lease(tmp_path / "LEASE", ttl_seconds=60)
+    lease.acquire()
+    with lease.publishing():
+        releasing = threading.Thread(target=lease.release)
+        releasing.start()
+        time.sleep(0.2)  # time for a release that did not wait to land (the assertion never fails otherwise)
+        assert (tmp_path / "LEASE").exists(), "the lease was released in the middle of a publish"
+    releasing.join()
+    assert not (tmp_path / "LEASE").exists()
+    with pytest.raises(WorkAbandoned, match="lease was released"), lease.publishing():
+        pytest.fail("published after the lease was released")
 
 
 def test_expired_lease_from_another_host_is_taken_over(tmp_path):

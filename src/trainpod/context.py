@@ -29,6 +29,11 @@ class RunContext:
     def lease_lost(self) -> bool:
         return self.lease is not None and self.lease.lost.is_set()
 
+    def lease_released(self) -> bool:
+        """Whether this process let the run's lease go already (a stop during a multi-rank export): the run
+        may be another pod's by now, so nothing more of it is written here."""
+        return self.lease is not None and self.lease.released.is_set()
+
     @property
     def budget_usd(self) -> float | None:
         return cost.budget_usd()

@@ -53,8 +53,9 @@ def end_by_default_at_sigterm_meanwhile() -> None:
 
 
 class WorkAbandoned(BaseException):
-    """Raised by the stop signal's handler inside `PreemptionWatch.abandoning()`. A BaseException, as
-    KeyboardInterrupt is: a library's `except Exception` must not swallow it and write on."""
+    """Raised by the stop signal's handler inside `PreemptionWatch.abandoning()`, and by `Lease.publishing()` once
+    the lease is released. A BaseException, as KeyboardInterrupt is: a library's `except Exception` must not
+    swallow it and write on."""
 
 
 class PreemptionWatch:
@@ -66,6 +67,10 @@ class PreemptionWatch:
         # Called from a thread when the main thread is still inside `abandoning()` LAST_RESORT_SHARE of the
         # window after a stop signal; it must end the process (the conversion's releases the lease, exits 143).
         self.last_resort: Callable[[], None] | None = None
+        # Called from a thread at once when a stop signal comes inside `releasing()`, while the work runs on
+        # (the lifecycle's, on rank 0 under several ranks: releases the run's lease). One of the two is set:
+        # each thread takes the signal's wakeup fd for its own.
+        self.release_at_stop: Callable[[], None] | None = None
 
     def install(self) -> PreemptionWatch:
         for signum in (signal.SIGTERM, signal.SIGINT):
@@ -92,9 +97,9 @@ class PreemptionWatch:
         """
         if self.requested:
             raise WorkAbandoned(self.signal_name)
-        # Signals reach Python's main thread alone: elsewhere the handler never runs, nor set_wakeup_fd.
-        main = threading.current_thread() is threading.main_thread()
-        overrun = _Overrun(self) if self.last_resort is not None and main else None
+        overrun = None
+        if self.last_resort is not None and _in_main_thread():
+            overrun = _AtStopSignal(self, self.window_seconds * LAST_RESORT_SHARE, self._overran)
         try:
             self._abandoning = True
             if self.requested:  # came while the overrun thread started, before the handler would raise
@@ -104,6 +109,35 @@ class PreemptionWatch:
             self._abandoning = False
             if overrun is not None:
                 overrun.close()
+
+    def _overran(self) -> None:
+        log.warning(
+            "the work in hand did not stop within %.1f s of the stop signal; ending it",
+            self.window_seconds * LAST_RESORT_SHARE,
+        )
+        self.last_resort()
+
+    @contextlib.contextmanager
+    def releasing(self) -> Iterator[None]:
+        """Inside, a stop signal runs `release_at_stop` at once from a thread while the work runs on.
+
+        For work a stop cannot end where it stands, since every rank must finish it together (the final
+        export under several ranks: the gather of the weights, then the ranks' agreement), but whose lease
+        must not be held into the SIGKILL: a replacement pod on another host would wait its TTL out. The
+        thread runs while the main thread is inside one long C call (a collective) too. A stop that came
+        before runs it at entry.
+        """
+        action = self.release_at_stop
+        if action is None or not _in_main_thread():
+            yield
+            return
+        thread = _AtStopSignal(self, 0.0, action)
+        try:
+            if self.requested:  # came before, or while the thread started (it may run `action` too)
+                action()
+            yield
+        finally:
+            thread.close()
 
     def request(self, name: str = "request") -> None:
         """Ask for a stop as if a signal had arrived (used by the budget check and by tests)."""
@@ -125,34 +159,36 @@ class PreemptionWatch:
 LAST_RESORT_SHARE = 0.6  # of the window: what is left releases a lease and exits, well before the SIGKILL
 
 
-class _Overrun:
-    """Runs `watch.last_resort` when the main thread stays inside `abandoning()` too long after a stop signal.
+def _in_main_thread() -> bool:
+    # Signals reach Python's main thread alone: elsewhere the handler never runs, nor set_wakeup_fd.
+    return threading.current_thread() is threading.main_thread()
+
+
+class _AtStopSignal:
+    """Runs `action` in a thread `patience` seconds after a stop signal, unless `close()` comes first.
 
     The signal's Python handler runs between two bytecodes of the main thread, so one long C call delays
-    it: transformers' save_pretrained writes a whole shard (up to 50 GB by default) in one safetensors call.
-    That call releases the GIL, and the C-level handler writes the signal's number to the wakeup fd at once,
-    so this thread learns of the stop while the main thread cannot.
+    it: transformers' save_pretrained writes a whole shard (up to 50 GB by default) in one safetensors call,
+    a collective waits for every rank. Such calls release the GIL, and the C-level handler writes the
+    signal's number to the wakeup fd at once, so this thread learns of the stop while the main thread cannot.
     """
 
-    def __init__(self, watch: PreemptionWatch):
-        self._watch = watch
+    def __init__(self, watch: PreemptionWatch, patience: float, action: Callable[[], None]):
+        self._patience = patience
+        self._action = action
         self._left = threading.Event()
         self._read, self._write = os.pipe()
         os.set_blocking(self._write, False)
         self._previous = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
-        self._thread = threading.Thread(target=self._wait, name="stop-overrun", daemon=True)
+        self._thread = threading.Thread(target=self._wait, name="at-stop-signal", daemon=True)
         self._thread.start()
 
     def _wait(self) -> None:
         stops = {signal.SIGTERM, signal.SIGINT}
         while not self._left.is_set():
             if stops & set(os.read(self._read, 64)):
-                patience = self._watch.window_seconds * LAST_RESORT_SHARE
-                if not self._left.wait(patience):
-                    log.warning(
-                        "the work in hand did not stop within %.1f s of the stop signal; ending it", patience
-                    )
-                    self._watch.last_resort()
+                if not self._left.wait(self._patience):
+                    self._action()
                 return
 
     def close(self) -> None:

@@ -26,6 +26,7 @@ from typing import Any
 from trainpod import atomic
 from trainpod.diskspace import is_disk_full
 from trainpod.errors import TemporaryError
+from trainpod.preemption import WorkAbandoned
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +143,8 @@ class Lease:
         }
         self.takeover_settle_s = TAKEOVER_SETTLE_S
         self.lost = threading.Event()
+        self.released = threading.Event()
+        self._publishing = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -223,14 +226,31 @@ class Lease:
                 self.lost.set()
                 return
 
+    @contextmanager
+    def publishing(self) -> Iterator[None]:
+        """Around a write that publishes this writer's work (an export's rename into place): refused once the
+        lease is released (WorkAbandoned), and a release from another thread meanwhile waits for its end.
+
+        A stop under several ranks releases the run's lease from a thread while the export runs on
+        (PreemptionWatch.releasing); a new pod may take the run over at once and sweep or publish export/.
+        """
+        with self._publishing:
+            if self.released.is_set():
+                raise WorkAbandoned(
+                    f"the {self.what}'s lease was released at a stop; nothing more is published"
+                )
+            yield
+
     def release(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-        held = self._read()
-        if held and held.get("owner", {}).get("id") == self.owner["id"]:
-            self.path.unlink(missing_ok=True)
-            atomic.fsync_dir(self.path.parent)
+        with self._publishing:  # a publish begun ends first, and none begins after
+            self.released.set()
+            self._stop.set()
+            if self._thread is not None:
+                self._thread.join(timeout=5)
+            held = self._read()
+            if held and held.get("owner", {}).get("id") == self.owner["id"]:
+                self.path.unlink(missing_ok=True)
+                atomic.fsync_dir(self.path.parent)
 
 
 def held_by_another(path: Path) -> bool:

@@ -55,11 +55,13 @@ def export_hf(
     extra_json: dict[str, Any] | None = None,
     manifest: bool = True,
     abandoning: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
+    publishing: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
 ) -> Path:
     """Write `model`, its tokenizer and `extra_json` files to `target` atomically (replacing an older export),
     with an export manifest unless the caller's own output manifest covers the folder (`manifest=False`:
     a conversion's, convert/output.py). Everything before the rename into place runs inside `abandoning()`
-    (PreemptionWatch.abandoning: a stop ends it there, leaving the temp folder as a kill would)."""
+    (PreemptionWatch.abandoning: a stop ends it there, leaving the temp folder as a kill would), the rename
+    inside `publishing()` (Lease.publishing: none once the run's lease was released at a stop)."""
     tmp = target.with_name(f"{target.name}.tmp-{uuid.uuid4().hex[:12]}")
     tmp.mkdir(parents=True)
     transformers_logging.disable_progress_bar()  # a progress bar per shard clutters the run's log
@@ -77,7 +79,8 @@ def export_hf(
                 atomic.write_json(tmp / name, content)
             if manifest:
                 write_export_manifest(tmp)
-        atomic.replace_dir(tmp, target)  # a publish begun is never abandoned
+        with publishing():
+            atomic.replace_dir(tmp, target)  # a publish begun is never abandoned
     except WorkAbandoned:
         # Left for the next start (lifecycle._remove_leftovers): deleting gigabytes from a network volume could
         # take longer than the seconds left before the SIGKILL, and the run's lease is released after this.

@@ -202,22 +202,25 @@ class Trainer:
 
     def export(self) -> Path | None:
         """Write the final artifacts under export/ (rank 0); returns their folder. What comes before their
-        rename into place runs inside `abandoning_export()`."""
+        rename into place runs inside `abandoning_export()`, the rename inside `publishing_export()`."""
         raise NotImplementedError
 
     def abandoning_export(self) -> contextlib.AbstractContextManager[None]:
-        """Where a stop signal ends the final export at once (PreemptionWatch.abandoning); the last step is
-        committed already, so the next start loads it and makes the export again. Run on, an export of a
-        large model met the SIGKILL with the run's lease held, which a new pod on another host waited out.
+        """Where a stop signal ends rank 0's writes of the final export at once (PreemptionWatch.abandoning);
+        the last step is committed already, so the next start loads it and makes the export again. Run on, an
+        export of a large model met the SIGKILL with the run's lease held, which a new pod on another host
+        waited out.
 
-        On one rank only. Under several, the export is a collective (FSDP gathers the weights on every
-        rank first) and the other ranks then wait in the barrier after it: rank 0 leaving alone would leave
-        them hanging there, and each rank gets its signal at its own moment, so they cannot all leave at
-        the same point without another agreement. There the export runs on, as before.
+        Under several ranks these writes come after the export's collective (FSDP gathers the weights on
+        every rank), which runs on to its end after a stop while the lease is released at the signal
+        (`train_and_export`); the ranks then leave together on rank 0's word.
         """
-        if self.dist.world_size == 1:
-            return self.ctx.watch.abandoning()
-        return contextlib.nullcontext()
+        return self.ctx.watch.abandoning()
+
+    def publishing_export(self) -> contextlib.AbstractContextManager[None]:
+        """Around the export's rename into place (rank 0): refused (WorkAbandoned) once the run's lease was
+        released at a stop, when a new pod may hold the run and write export/ itself (Lease.publishing)."""
+        return self.ctx.lease.publishing() if self.ctx.lease is not None else contextlib.nullcontext()
 
     # ------------------------------------------------------------------------------ resume
     def resume(self) -> int:
@@ -760,18 +763,40 @@ def train_and_export(trainer_class: type[Trainer], ctx: RunContext, config: Any)
             torch.set_num_threads(config.train.cpu_threads)
         trainer = trainer_class(ctx, config, dist)
         trainer.train()
-        try:
-            with volume_full_as_exit_5(ctx.run.root, "the export"):
-                exported = trainer.export()
-        except WorkAbandoned:
+        exported, abandoned = _export_unless_stopped(trainer, ctx)
+        # Rank 0 alone knows whether its export was published; the other ranks wait here for its word, and
+        # every rank leaves the same way (one raising alone would leave the others in a collective).
+        abandoned, committed = D.broadcast_object(dist, (abandoned, trainer.last_committed_step))
+        if abandoned:
             raise Preempted(
-                f"stopped by {ctx.watch.signal_name or 'signal'} during the export; step "
-                f"{trainer.last_committed_step} is committed and the next start makes the export again from it"
-            ) from None
-        D.barrier(dist)
+                f"stopped by {ctx.watch.signal_name or 'a stop on rank 0'} during the export; step {committed} "
+                "is committed and the next start makes the export again from it"
+            )
         return trainer.summary() | {
             "export": str(exported) if exported else None,
             "checkpoints": [c.path.name for c in trainer.store.committed()],
         }
     finally:
         D.shutdown(dist)
+
+
+def _export_unless_stopped(trainer: Trainer, ctx: RunContext) -> tuple[Path | None, bool]:
+    """The final export's folder (rank 0's), and whether a stop abandoned it or let the run's lease go first.
+
+    Under several ranks a stop releases the lease at once (PreemptionWatch.releasing: rank 0's, set by the
+    lifecycle) while the export's collective runs on, and nothing is published after (Lease.publishing). A
+    new pod may take the run over meanwhile and remove this export's temp folder: what fails after the
+    release is the stop's doing, not a crash of the run.
+    """
+    with ctx.watch.releasing():
+        try:
+            with volume_full_as_exit_5(ctx.run.root, "the export"):
+                exported = trainer.export()
+        except WorkAbandoned:
+            return None, True
+        except Exception as exc:
+            if not ctx.lease_released():
+                raise
+            log.warning("the export failed after the run's lease was released at the stop: %s", exc)
+            return None, True
+    return exported, ctx.lease_released()

@@ -690,6 +690,7 @@ class Finetuner(Trainer):
                 DTYPES[dtype_name],
                 extra_json={"training_summary.json": self.training_summary(), **self.processor_json()},
                 abandoning=self.abandoning_export,
+                publishing=self.publishing_export,
             )
         target = self.ctx.run.export / "adapter"
         tmp = atomic.temp_name(target)
@@ -700,7 +701,8 @@ class Finetuner(Trainer):
                 self.save_processor(tmp)
                 atomic.write_json(tmp / "training_summary.json", self.training_summary())
                 write_export_manifest(tmp)
-            atomic.replace_dir(tmp, target)  # a publish begun is never abandoned
+            with self.publishing_export():
+                atomic.replace_dir(tmp, target)  # a publish begun is never abandoned
         except WorkAbandoned:  # its temp folder goes at the next start, as after a kill (export_hf)
             raise
         except BaseException:  # on a full volume the space comes back at once, not at the next start

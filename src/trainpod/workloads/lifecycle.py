@@ -159,7 +159,9 @@ def _run_conversion(workload: Workload, ctx: RunContext, config: Any) -> int:
     _remove_leftovers(ctx.run)
     # A task stopped in one long write (the signal's handler waits for it) releases the lease from a thread
     # and exits 143 before the SIGKILL: its temp folder goes at the next start, as after a kill.
-    ctx.watch.last_resort = lambda: _release_and_exit_preempted(ctx.lease)
+    ctx.watch.last_resort = lambda: _release_and_exit_preempted(
+        ctx.lease, "stopped by a signal in one long write"
+    )
     try:
         outputs = module.run(ctx, config)
     finally:
@@ -170,15 +172,22 @@ def _run_conversion(workload: Workload, ctx: RunContext, config: Any) -> int:
     return ExitCode.DONE
 
 
-def _release_and_exit_preempted(lease: Lease, status: Path | None = None) -> None:
-    if status is not None:  # a run's: `trainpod status` says preempted, as after a stop at a step
-        stopped = Preempted(
-            "stopped by a signal in one long write of the export; the next start makes it again"
-        )
+def _release_and_exit_preempted(lease: Lease, why: str, status: Path | None = None) -> None:
+    _release_preempted(lease, why, status)
+    log.warning("exiting %d", ExitCode.PREEMPTED)
+    exit_now_when_preempted(ExitCode.PREEMPTED)
+
+
+def _release_preempted(lease: Lease, why: str, status: Path | None = None) -> None:
+    """Let the run's lease go at a stop, from any thread: nothing of the run is published after it
+    (Lease.publishing). `status`: a run's, which `trainpod status` then says preempted, as after a stop at a step."""
+    if lease.released.is_set():
+        return
+    if status is not None:
+        stopped = Preempted(f"{why}; the next start makes it again")
         _set_status_state(status, "preempted", stop_reason(stopped))
     lease.release()
-    log.warning("released the run's lease; exiting %d", ExitCode.PREEMPTED)
-    exit_now_when_preempted(ExitCode.PREEMPTED)
+    log.warning("%s: released the run's lease", why)
 
 
 def _run_in_run_folder(workload: Workload, ctx: RunContext, config: Any, rank: int) -> int:
@@ -198,9 +207,18 @@ def _run_in_run_folder(workload: Workload, ctx: RunContext, config: Any, rank: i
             log.info("run %s is already DONE (%s); nothing to do", run.name, run.done)
             return ExitCode.DONE
         _remove_leftovers(run)
-        # The final export stopped in one long write (Trainer.abandoning_export; the signal's handler waits
-        # for it) ends as a conversion's task does: the lease released from a thread and exit 143.
-        ctx.watch.last_resort = lambda: _release_and_exit_preempted(ctx.lease, run.status)
+        if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+            # The final export stopped in one long write (Trainer.abandoning_export; the signal's handler waits
+            # for it) ends as a conversion's task does: the lease released from a thread and exit 143.
+            ctx.watch.last_resort = lambda: _release_and_exit_preempted(
+                ctx.lease, "stopped by a signal in one long write of the export", run.status
+            )
+        else:
+            # Under several ranks the export is a collective that runs on to its end after a stop: the lease
+            # goes at the signal (train_and_export), and the ranks exit 143 together once it ends.
+            ctx.watch.release_at_stop = lambda: _release_preempted(
+                ctx.lease, "stopped by a signal during the export of several ranks", run.status
+            )
     setup_logging(
         run.logs / (f"{workload.name}.log" if rank == 0 else f"{workload.name}.rank{rank}.log"), rank
     )
@@ -217,16 +235,16 @@ def _run_in_run_folder(workload: Workload, ctx: RunContext, config: Any, rank: i
             log.info("%s", done_line(run.name, summary, run.done))
         return ExitCode.DONE
     except TrainpodError as exc:
-        if rank == 0:
+        if rank == 0 and not ctx.lease_released():  # released: its status is said, the run may be another's
             state = "preempted" if exc.exit_code == ExitCode.PREEMPTED else "stopped"
             _set_status_state(run.status, state, stop_reason(exc))
         raise
     except BaseException as exc:
-        if rank == 0:
+        if rank == 0 and not ctx.lease_released():
             _set_status_state(run.status, "failed", stop_reason(exc))
         raise
     finally:
-        ctx.watch.last_resort = None
+        ctx.watch.last_resort = ctx.watch.release_at_stop = None
         if ctx.lease is not None:
             ctx.lease.release()
 

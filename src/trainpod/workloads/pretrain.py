@@ -280,6 +280,7 @@ class Pretrainer(Trainer):
             self.ctx.run.export / "hf",
             DTYPES[dtype_name],
             abandoning=self.abandoning_export,
+            publishing=self.publishing_export,
         )
 
     def summary(self) -> dict[str, Any]:

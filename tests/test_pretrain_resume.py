@@ -7,8 +7,10 @@ SIGTERM (a 5 s warning) or SIGKILL (none), at several steps and at every phase o
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -21,6 +23,7 @@ from support import (
     run_trainpod,
     signal_when_step_reached,
     start_trainpod,
+    status_step,
     trainpod_cmd,
 )
 
@@ -139,6 +142,31 @@ def test_two_processes_under_torchrun_resume_exactly_after_sigterm(volume, tiny_
     result = run_trainpod(*PRETRAIN, *two, volume=volume)
     assert result.returncode == 0, result.stdout + result.stderr
     assert exported_weights(volume) == exported_weights(reference)
+
+
+def rank_process(launcher: int, rank: int) -> int:
+    """The pid of one rank among the built-in launcher's children (Linux: their environment in /proc)."""
+    for child in Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split():
+        environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+        if f"RANK={rank}".encode() in environ:
+            return int(child)
+    raise AssertionError(f"no rank {rank} under the launcher {launcher}")
+
+
+def test_a_sigterm_to_one_rank_alone_commits_only_if_the_commit_fits_that_ranks_window(volume):
+    # One node of a cluster preempted, or one rank stopped by hand: rank 0, never signalled, decided by its
+    # own clock that the commit had all the time, while the signalled rank's SIGKILL would cut it short.
+    no_time = ("--set", "checkpoint.preemption_window_seconds=0.0001")
+    proc = start_trainpod(*PRETRAIN, *no_time, "--nproc-per-node", "2", volume=volume)
+    deadline = time.monotonic() + 120
+    while status_step(volume) < 14 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert status_step(volume) >= 14, proc.communicate()[0]
+    os.kill(rank_process(proc.pid, 1), signal.SIGTERM)
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 143, out
+    assert "exiting without one" in out, f"rank 0 committed after rank 1's window had run out:\n{out}"
+    assert latest(volume) == "step-10"
 
 
 def test_bit_flipped_newest_checkpoint_falls_back_to_the_previous_one_and_stays_exact(volume, uninterrupted):

@@ -63,6 +63,7 @@ class PreemptionWatch:
         self.window_seconds = window_seconds
         self.signal_time: float | None = None
         self.signal_name: str | None = None
+        self._killed_elsewhere_at: float | None = None  # another rank's expected SIGKILL (expect_kill_within)
         self._abandoning = False
         # Called from a thread when the main thread is still inside `abandoning()` LAST_RESORT_SHARE of the
         # window after a stop signal; it must end the process (the conversion's releases the lease, exits 143).
@@ -150,10 +151,22 @@ class PreemptionWatch:
         return self.signal_time is not None
 
     def seconds_left(self) -> float:
-        """Seconds until the platform's SIGKILL is expected (infinite when no signal came)."""
-        if self.signal_time is None:
-            return float("inf")
-        return self.window_seconds - (time.monotonic() - self.signal_time)
+        """Seconds until the platform's SIGKILL is expected (infinite when no signal came), here or, when sooner,
+        on another rank (`expect_kill_within`)."""
+        now = time.monotonic()
+        left = float("inf") if self.signal_time is None else self.window_seconds - (now - self.signal_time)
+        if self._killed_elsewhere_at is not None:
+            left = min(left, self._killed_elsewhere_at - now)
+        return left
+
+    def expect_kill_within(self, seconds: float) -> None:
+        """Another rank's SIGKILL is expected in `seconds`: `seconds_left` counts to it when it is the sooner.
+
+        Ranks are signalled each at its own moment (one node of a cluster preempted, one rank stopped by
+        hand), and rank 0 decides for every rank whether a commit fits, which the others take part in.
+        """
+        if seconds < self.seconds_left():
+            self._killed_elsewhere_at = time.monotonic() + seconds
 
 
 LAST_RESORT_SHARE = 0.6  # of the window: what is left releases a lease and exits, well before the SIGKILL

@@ -541,6 +541,10 @@ class Trainer:
         """Within the seconds before SIGKILL: finish the commit in flight if it fits (else abandon it),
         then commit `step` if that fits too. Rank 0 decides; every rank takes part in the commit."""
         commit_now = 0.0
+        # By the soonest SIGKILL of any rank, not rank 0's clock: a rank signalled alone (its node preempted)
+        # would be killed in the middle of a commit that rank 0, never signalled, thought had all the time.
+        soonest = -D.all_reduce_max(self.dist, [-self.ctx.watch.seconds_left()])[0]
+        self.ctx.watch.expect_kill_within(soonest)
         # Rank 0 finishes or abandons the commit in flight for every rank: its shard writes either
         # completed (rank 0's DCP future resolves only after every rank's) or will never be published.
         self.shard_writer.forget()

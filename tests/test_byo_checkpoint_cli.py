@@ -90,6 +90,25 @@ def test_commit_refuses_symbolic_links(tmp_path, capsys):
     assert (source / "weights.bin").exists(), "a refused folder is left as it was"
 
 
+@pytest.mark.parametrize(
+    "source",
+    ["run/checkpoints/step-3", "run/checkpoints", "run"],
+    ids=["written-in-place-as-step-N", "the-checkpoints-folder", "the-run-folder"],
+)
+def test_commit_of_a_folder_the_store_owns_is_exit_2_and_every_committed_checkpoint_stays(
+    tmp_path, capsys, source
+):
+    run = tmp_path / "run"
+    assert main(["checkpoint", "commit", str(run), "--step", "2", str(written(tmp_path, "first"))]) == 0
+    written(tmp_path, "run/checkpoints/step-3")  # a trainer writing straight into $TRAINPOD_CHECKPOINT_DIR
+    capsys.readouterr()
+    assert main(["checkpoint", "commit", str(run), "--step", "3", str(tmp_path / source)]) == 2
+    assert "Write the checkpoint to a folder of its own" in capsys.readouterr().err
+    assert (run / "checkpoints/LATEST").read_text() == "step-2\n", "LATEST names no folder without a manifest"
+    assert main(["checkpoint", "verify", str(run)]) == 0
+    assert (run / "checkpoints/step-3/weights.bin").exists(), "the refused folder is left as it was"
+
+
 def test_a_run_name_resolves_under_the_volume(tmp_path, capsys):
     assert (
         main(

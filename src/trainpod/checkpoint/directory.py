@@ -14,7 +14,14 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from trainpod.checkpoint.store import MANIFEST, CheckpointStore, CommittedCheckpoint, step_dir_name
+from trainpod.checkpoint.store import (
+    LATEST,
+    MANIFEST,
+    RANK_RNG_FOLDER,
+    CheckpointStore,
+    CommittedCheckpoint,
+    step_dir_name,
+)
 from trainpod.errors import InputError
 
 log = logging.getLogger(__name__)
@@ -49,6 +56,7 @@ def commit_directory(
     eval_loss: float | None = None,
 ) -> CommittedCheckpoint:
     """Publish `source` as `step-<step>` and make it LATEST; `source` is consumed unless keep_source."""
+    refuse_the_stores_own_folder(store, source)
     names = files_to_publish(source)
     refuse_older_step(store, step)
     if (store.root / step_dir_name(step)).exists():
@@ -64,6 +72,27 @@ def commit_directory(
     if not keep_source:
         _remove_empty_tree(source)
     return committed
+
+
+def refuse_the_stores_own_folder(store: CheckpointStore, source: Path) -> None:
+    """A DIR that holds the checkpoints folder (the run folder, the checkpoints folder itself) would have
+    its committed checkpoints and LATEST moved into the new one; a DIR the store names (`step-<N>/` written
+    in place, `rng/`) was taken for the committed step-<N>, its files discarded and LATEST made to name a
+    folder with no manifest. Both are refused (exit 2); a folder of another name in checkpoints/ is fine."""
+    root, folder = store.root.resolve(), source.resolve()
+    inside = folder.relative_to(root).parts[:1] if folder.is_relative_to(root) else None
+    if folder == root or root.is_relative_to(folder):
+        problem = f"it holds the checkpoints folder {store.root}, whose committed checkpoints it would move"
+    elif inside and (
+        inside[0] in (LATEST, RANK_RNG_FOLDER) or inside[0].startswith("step-") or ".tmp-" in inside[0]
+    ):
+        problem = f"{inside[0]} is a name the checkpoints folder {store.root} keeps for its own"
+    else:
+        return
+    raise InputError(
+        f"cannot commit {source} as a checkpoint: {problem}. Write the checkpoint to a folder of its own, "
+        "like $TRAINPOD_RUN_DIR/scratch/step-<N>, and commit that"
+    )
 
 
 def refuse_older_step(store: CheckpointStore, step: int) -> None:

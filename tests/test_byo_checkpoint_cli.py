@@ -109,6 +109,15 @@ def test_commit_of_a_folder_the_store_owns_is_exit_2_and_every_committed_checkpo
     assert (run / "checkpoints/step-3/weights.bin").exists(), "the refused folder is left as it was"
 
 
+def test_commit_of_an_empty_dir_is_exit_2_and_leaves_the_current_folder_alone(tmp_path, capsys, monkeypatch):
+    code = written(tmp_path, "repo", **{"train.sh": b"#!/bin/sh\n"})
+    monkeypatch.chdir(code)  # the trainer's workdir: its code
+    assert main(["checkpoint", "commit", str(tmp_path / "run"), "--step", "5", ""]) == 2
+    assert "DIR is empty" in capsys.readouterr().err
+    assert (code / "train.sh").exists(), "the trainer's own folder is not moved into a checkpoint"
+    assert not (tmp_path / "run/checkpoints/LATEST").exists()
+
+
 def test_a_run_name_resolves_under_the_volume(tmp_path, capsys):
     assert (
         main(

@@ -582,6 +582,9 @@ def checkpoint(
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             if step is None or directory is None:
                 raise InputError("checkpoint commit needs --step N and the DIR your program wrote")
+            if not directory.strip():  # "$out" of an unset variable: "" would be the current folder, the code
+                raise InputError("checkpoint commit: DIR is empty (an unset shell variable?); pass the folder your "
+                                 "program wrote the checkpoint to")  # fmt: skip
             with volume_full_as_exit_5(store.root, f"checkpoint step-{step}"):
                 committed = commit_directory(store, step, Path(directory), {"writer": "trainpod checkpoint commit"},
                                              keep_source=keep_source)  # fmt: skip

@@ -238,3 +238,21 @@ def test_each_hf_checkpoint_records_its_eval_loss_so_keep_best_ranks_them(tmp_pa
     best = min(logged, key=lambda step: (logged[step], -step))
     assert best not in (5, 6), f"the evals {logged} no longer overshoot: this test cannot tell best from last"
     assert set(kept) == {best, 5, 6}, f"keep_last=2 and keep_best=1 keep {sorted(kept)}; HF logged {logged}"
+
+
+def test_hfs_own_resume_idiom_never_finds_a_checkpoint_a_kill_left_half_written_in_staging(tmp_path):
+    """HF's run_clm.py resumes from get_last_checkpoint(output_dir) (or resume_from_checkpoint=True): the newest
+    checkpoint-<N>/ by name, which in staging is one a kill interrupted while HF wrote it."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    from trainpod import Checkpointer
+    from trainpod.integrations.hf import TrainpodCallback
+
+    half_written = tmp_path / "run/hf-staging/checkpoint-6"
+    half_written.mkdir(parents=True)
+    (half_written / "model.safetensors").write_bytes(b"torn")
+    callback = TrainpodCallback(Checkpointer(tmp_path / "run", watch_signals=False))
+    try:
+        assert get_last_checkpoint(callback.staging_dir) is None, "the half-written checkpoint-6 is discarded"
+    finally:
+        callback.ckpt.close()

@@ -23,6 +23,7 @@ store's keep_best, which ranks each checkpoint by the eval loss HF logged at its
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import sys
 import time
@@ -48,6 +49,12 @@ class TrainpodCallback(TrainerCallback):
         self.save_seconds: float | None = None  # HF's save plus the commit, measured at each save
         self._save_started: float | None = None
         self._stopping = False
+        # Before the Trainer is made: HF's own resume idiom (resume_from_checkpoint=True, get_last_checkpoint on
+        # output_dir) takes the newest checkpoint-<N>/ by name, and one left here was never committed: a
+        # kill came during HF's save, so it may be half written (transformers #35782). Only where the run is
+        # this job's (its lease, or the kit's): a duplicate's rank 1 would delete a live job's save in progress.
+        if self.ckpt.lease is not None or os.environ.get("TRAINPOD_LEASE_HELD") == "1":
+            self._discard_staging()
 
     def resume_from_checkpoint(self) -> str | None:
         """The newest committed checkpoint that verifies, for `trainer.train(resume_from_checkpoint=...)`."""

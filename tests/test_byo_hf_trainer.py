@@ -240,6 +240,29 @@ def test_each_hf_checkpoint_records_its_eval_loss_so_keep_best_ranks_them(tmp_pa
     assert set(kept) == {best, 5, 6}, f"keep_last=2 and keep_best=1 keep {sorted(kept)}; HF logged {logged}"
 
 
+def _regression_trainer(run: Path, max_steps: int):
+    import torch
+    from transformers import Trainer, TrainingArguments
+
+    from trainpod import Checkpointer
+    from trainpod.integrations.hf import TrainpodCallback
+
+    generator = torch.Generator().manual_seed(0)
+    rows = [{"x": x, "labels": x.sum()} for x in torch.randn(16, 2, generator=generator)]
+    callback = TrainpodCallback(Checkpointer(run, watch_signals=False))
+    args = TrainingArguments(
+        output_dir=callback.staging_dir,
+        max_steps=max_steps,
+        per_device_train_batch_size=4,
+        save_steps=2,
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+    )
+    torch.manual_seed(0)
+    return Trainer(model=_Regression(), args=args, train_dataset=rows, callbacks=[callback]), callback
+
+
 def test_hfs_own_resume_idiom_never_finds_a_checkpoint_a_kill_left_half_written_in_staging(tmp_path):
     """HF's run_clm.py resumes from get_last_checkpoint(output_dir) (or resume_from_checkpoint=True): the newest
     checkpoint-<N>/ by name, which in staging is one a kill interrupted while HF wrote it."""
@@ -256,3 +279,29 @@ def test_hfs_own_resume_idiom_never_finds_a_checkpoint_a_kill_left_half_written_
         assert get_last_checkpoint(callback.staging_dir) is None, "the half-written checkpoint-6 is discarded"
     finally:
         callback.ckpt.close()
+
+
+def test_a_trainer_that_did_not_resume_from_the_newest_commit_is_refused_before_its_first_step(tmp_path):
+    """A script that resumes the HF way (get_last_checkpoint(output_dir): None, since every checkpoint is moved
+    into the store) trained from step 0 at every start: each spot stop lost everything since the first."""
+    from trainpod.errors import ConfigError
+
+    trainer, callback = _regression_trainer(tmp_path / "run", max_steps=4)
+    try:
+        trainer.train()
+    finally:
+        callback.ckpt.close()
+    assert (tmp_path / "run/checkpoints/LATEST").read_text() == "step-4\n"
+    trainer, callback = _regression_trainer(tmp_path / "run", max_steps=8)
+    try:
+        with pytest.raises(ConfigError, match=r"starts at step 0.*resume_from_checkpoint=callback"):
+            trainer.train()
+    finally:
+        callback.ckpt.close()
+    assert trainer.state.global_step == 0, "refused before any step is trained"
+    trainer, callback = _regression_trainer(tmp_path / "run", max_steps=8)
+    try:
+        trainer.train(resume_from_checkpoint=callback.resume_from_checkpoint())
+    finally:
+        callback.ckpt.close()
+    assert (tmp_path / "run/checkpoints/LATEST").read_text() == "step-8\n"

@@ -13,7 +13,9 @@ Here HF writes into a staging folder; once `on_save` says the folder is complete
 moved into the store's temp folder, hashed, given a manifest, renamed and named by LATEST, through
 the same commit path as every trainpod checkpoint. `resume_from_checkpoint()` returns the newest
 checkpoint that verifies (older ones are tried in turn) or None; anything left in staging is
-discarded. On SIGTERM the step in flight ends, a save is made when the last one's duration (x 1.5)
+discarded (also when the callback is made, before HF's own get_last_checkpoint could find it). A Trainer
+that starts below the newest committed step (it resumed from elsewhere, or not at all) is refused before
+its first step. On SIGTERM the step in flight ends, a save is made when the last one's duration (x 1.5)
 fits the window, and the process exits 143.
 
 Not supported: `load_best_model_at_end` (it wants HF's own folder layout; refused when the Trainer is made): use the
@@ -35,6 +37,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 import trainpod
 from trainpod.checkpoint.directory import commit_directory
+from trainpod.checkpoint.store import step_dir_name, step_of
 from trainpod.checkpointer import COMMIT_MARGIN, Checkpointer, on_any_rank
 from trainpod.errors import ConfigError, ExitCode
 
@@ -86,6 +89,17 @@ class TrainpodCallback(TrainerCallback):
             )
         if state.is_world_process_zero:
             self._discard_staging(Path(args.output_dir))
+        newest = step_of(self.ckpt.store._latest_name())
+        if newest is not None and state.global_step < newest:
+            raise ConfigError(
+                [
+                    f"the Trainer starts at step {state.global_step}, but the run's newest committed checkpoint "
+                    f"is {self.ckpt.store.root / step_dir_name(newest)}: it would train again what is committed "
+                    "(every spot stop losing the steps since the start) and a save below that step is refused. "
+                    "Pass resume_from_checkpoint=callback.resume_from_checkpoint() to trainer.train(), or use "
+                    "a new run name to start over"
+                ]
+            )
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **_: Any):
         self._save_started = time.monotonic()

@@ -7,6 +7,7 @@ import os
 import random
 import signal
 
+import numpy as np
 import pytest
 import torch
 
@@ -247,6 +248,25 @@ def test_a_step_older_than_latest_is_refused_and_the_newer_checkpoints_stay(tmp_
     with Checkpointer(tmp_path, watch_signals=False) as ckpt:
         assert ckpt.restore().step == 300
     assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*")) == ["step-200", "step-300"]
+
+
+@pytest.mark.parametrize(
+    "step", [10 / 2, -1, torch.tensor(5), True], ids=["float", "negative", "tensor", "bool"]
+)
+def test_a_step_that_is_no_whole_number_is_refused_not_committed_where_no_start_finds_it(tmp_path, step):
+    # step-5.0 was committed and named by LATEST, restore() found no step-<N> and every start began anew.
+    model = torch.nn.Linear(2, 2)
+    with Checkpointer(tmp_path, watch_signals=False) as ckpt:
+        ckpt.commit(3, model=model)
+        with pytest.raises(InputError, match=r"is not a whole number >= 0.*int\(step\)") as caught:
+            ckpt.commit(step, model=model)
+        assert caught.value.exit_code == 2
+        ckpt.commit(
+            np.int64(4), model=model
+        )  # numpy's integers (a step counted in an array) are whole numbers
+    with Checkpointer(tmp_path, watch_signals=False) as ckpt:
+        assert ckpt.restore().step == 4
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*")) == ["step-3", "step-4"]
 
 
 TWO_RANK_LOOP = """

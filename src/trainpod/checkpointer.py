@@ -43,7 +43,7 @@ import torch
 
 import trainpod
 from trainpod.checkpoint import CheckpointStore, CommittedCheckpoint, Lease
-from trainpod.checkpoint.directory import refuse_older_step
+from trainpod.checkpoint.directory import refuse_older_step, whole_step
 from trainpod.checkpoint.rank_rng import RankRng
 from trainpod.checkpoint.writer import CheckpointWriter
 from trainpod.errors import ExitCode, InputError, TemporaryError
@@ -239,6 +239,7 @@ class Checkpointer:
         returns None. Every rank writing the same step raced to rename its folder into place, and the
         loser crashed (ENOTEMPTY), taking the job down; a rank other than 0 holds no lease anyway.
         """
+        step = whole_step(step)
         if _rank() != 0:
             if rng:
                 self.rank_rng.write(step, _rank(), capture_rng())

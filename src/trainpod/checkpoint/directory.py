@@ -10,6 +10,7 @@ for the stock trainers. A kill at any instant leaves either the previous LATEST 
 from __future__ import annotations
 
 import logging
+import numbers
 import shutil
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,7 @@ def commit_directory(
     eval_loss: float | None = None,
 ) -> CommittedCheckpoint:
     """Publish `source` as `step-<step>` and make it LATEST; `source` is consumed unless keep_source."""
+    step = whole_step(step)
     refuse_the_stores_own_folder(store, source)
     names = files_to_publish(source)
     refuse_older_step(store, step)
@@ -93,6 +95,18 @@ def refuse_the_stores_own_folder(store: CheckpointStore, source: Path) -> None:
         f"cannot commit {source} as a checkpoint: {problem}. Write the checkpoint to a folder of its own, "
         "like $TRAINPOD_RUN_DIR/scratch/step-<N>, and commit that"
     )
+
+
+def whole_step(step: Any) -> int:
+    """`step` as an int, for the user-facing doors: a float (`iter_num / accum`), a tensor or a negative number
+    named the folder step-5.0 (step-tensor(5), step--1), which no start takes for a checkpoint, so the
+    commit looked made and every start began from scratch. Refused (exit 2); numpy's integers are fine."""
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+        raise InputError(
+            f"step={step!r} is not a whole number >= 0: the checkpoint would be named step-{step}, which no "
+            "start takes for a checkpoint, so every start would begin from scratch; pass an int, like int(step)"
+        )
+    return int(step)
 
 
 def refuse_older_step(store: CheckpointStore, step: int) -> None:

@@ -246,6 +246,49 @@ def test_a_spent_budget_stops_the_program_and_exits_3(tmp_path):
     assert json.loads((run_dir(volume) / "status.json").read_text())["cost_usd"] >= 2
 
 
+COMMITS_ON_STOP = """
+import time
+import torch
+from trainpod import Checkpointer
+model = torch.nn.Linear(2, 2)
+with Checkpointer() as ckpt:
+    step = 0
+    while True:
+        step += 1
+        print(f"step {step}", flush=True)
+        time.sleep(0.05)
+        if ckpt.should_stop():  # README's loop: on a stop, commit the step if it fits, then exit 143
+            if ckpt.commit_fits():
+                ckpt.commit(step, model=model)
+            ckpt.exit_preempted()
+"""
+
+
+def test_a_lost_lease_kills_the_program_at_once_so_nothing_of_it_lands_in_the_other_writers_run(tmp_path):
+    """The kit stopped the program with SIGTERM, which a Checkpointer loop answers with a commit: a step landed
+    in the run another writer had taken over (LATEST moving under it, its own older commit then refused)."""
+    config, volume = write_setup(
+        tmp_path, "env", checkpoint={"lease_ttl_seconds": 6}
+    )  # a heartbeat each 1.5 s
+    (tmp_path / "repo/loop.py").write_text(COMMITS_ON_STOP)
+    config.write_text(
+        yaml.safe_dump({**yaml.safe_load(config.read_text()), "command": ["python", "loop.py"]})
+    )
+    proc = start_trainpod("run", "command", "--config", str(config), volume=volume)
+    wait_for(lambda: "step 3" in program_log(volume), proc, "the program's third step")
+    rival = {
+        "owner": {"id": "another-writer", "host": "elsewhere", "pid": 1},
+        "expires_unix": time.time() + 600,
+    }
+    (run_dir(volume) / "LEASE").write_text(json.dumps(rival))  # a replacement pod took the run over
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 75, out
+    assert not (run_dir(volume) / "checkpoints/LATEST").exists(), (
+        "the program committed after the lease was lost"
+    )
+    assert json.loads((run_dir(volume) / "LEASE").read_text())["owner"]["id"] == "another-writer"
+
+
 SCRIPTS_EXEC_REFUSES = {
     "no-shebang.sh": b"echo hi\n",
     "crlf.sh": b"#!/bin/sh\r\necho hi\r\n",

@@ -14,7 +14,7 @@ callback, or `trainpod checkpoint commit`). How it ends:
 | exits 0 | 0, DONE written |
 | exits 143, or anything after a SIGTERM the kit forwarded | 143 (the supervisor starts it again) |
 | is over TRAINPOD_BUDGET_USD: SIGTERM, the window, then SIGKILL | 3 |
-| loses the run's lease to another writer: same stop | 75 |
+| loses the run's lease to another writer: SIGKILL at once, so no commit of its lands | 75 |
 | exits with anything else (1, 2, 3, killed, ...), after `max_restarts` tries | 75: a failed start, counted; FAILED after TRAINPOD_MAX_FAILED_STARTS in a row |
 
 A program's own exit 2 or 3 is not taken as "bad input" or "budget": the kit cannot know what a
@@ -124,8 +124,16 @@ def _supervise(
     while (code := program.poll()) is None:
         if stopped_by is None:
             stopped_by = _stop_reason(ctx, status)
-            if stopped_by:
-                ctx.watch.request(stopped_by)  # starts the window's clock for budget and lease stops
+            if stopped_by == "lease":
+                # The run is another writer's now: a SIGTERM asks the program for its last commit, which
+                # would land in that writer's run (LATEST moved under it). As the stock trainers abandon theirs.
+                log.warning(
+                    "another writer took over this run's lease: SIGKILL to the program's process group"
+                )
+                program.signal_group(signal.SIGKILL)
+                killed = True
+            elif stopped_by:
+                ctx.watch.request(stopped_by)  # starts the window's clock for a budget stop
                 # The program first; the rest of its process group once it exits (_end_group). SIGTERM to
                 # the whole group at once killed its DataLoader workers, and its final commit with them.
                 log.warning("stopping the program (%s): SIGTERM to it, then to its process group", stopped_by)

@@ -27,7 +27,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -38,7 +37,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 import trainpod
 from trainpod.checkpoint.directory import commit_directory
 from trainpod.checkpoint.store import step_dir_name, step_of
-from trainpod.checkpointer import COMMIT_MARGIN, Checkpointer, on_any_rank
+from trainpod.checkpointer import COMMIT_MARGIN, Checkpointer, exit_without_last_collection, on_any_rank
 from trainpod.errors import ConfigError, ExitCode
 
 log = logging.getLogger(__name__)
@@ -163,7 +162,7 @@ class TrainpodCallback(TrainerCallback):
 
     def _exit(self, code: ExitCode) -> None:
         self.ckpt.close()
-        sys.exit(int(code))
+        exit_without_last_collection(code)
 
 
 def _eval_loss(state: TrainerState) -> float | None:

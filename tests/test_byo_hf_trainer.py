@@ -110,12 +110,14 @@ def test_run_alone_with_no_time_left_in_the_window_it_exits_143_without_a_save(t
         stderr=subprocess.STDOUT,
         text=True,
     )
-    deadline = time.monotonic() + 300
-    while proc.poll() is None and not (run / "checkpoints/LATEST").exists():
-        assert time.monotonic() < deadline, "the first save never came"
-        time.sleep(0.02)
+    seen = []
+    for line in proc.stdout:  # HF logs a step's loss before its save: the first one after LATEST is step 6's
+        seen.append(line)
+        if "'loss'" in line and (run / "checkpoints/LATEST").exists():
+            break
+    # During training, past step 5's save (a SIGTERM during a save ends the run right after its commit).
     proc.send_signal(signal.SIGTERM)
-    out = proc.communicate(timeout=300)[0]
+    out = "".join(seen) + proc.communicate(timeout=300)[0]
     assert proc.returncode == 143, out
     assert "exiting without one" in out
     assert (run / "checkpoints/LATEST").read_text().strip() == "step-5"
@@ -305,3 +307,26 @@ def test_a_trainer_that_did_not_resume_from_the_newest_commit_is_refused_before_
     finally:
         callback.ckpt.close()
     assert (tmp_path / "run/checkpoints/LATEST").read_text() == "step-8\n"
+
+
+def test_a_sigterm_during_a_save_stops_right_after_its_commit_without_another_step(tmp_path):
+    """The stop was read at the step's end alone: a SIGTERM during HF's save (or its commit) trained one more
+    step and saved again, inside what was left of the window, instead of exiting after the commit."""
+    from transformers import TrainerCallback
+
+    class SigtermDuringTheSave(
+        TrainerCallback
+    ):  # before the callback's on_save: HF has written checkpoint-2/
+        def on_save(self, args, state, control, **_):
+            callback.ckpt.watch.request("SIGTERM")
+
+    trainer, callback = _regression_trainer(tmp_path / "run", max_steps=6)
+    trainer.callback_handler.callbacks.insert(0, SigtermDuringTheSave())
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            trainer.train()
+    finally:
+        callback.ckpt.close()
+    assert stopped.value.code == 143
+    assert trainer.state.global_step == 2, "no step after the save the SIGTERM came in"
+    assert (tmp_path / "run/checkpoints/LATEST").read_text() == "step-2\n"

@@ -16,7 +16,7 @@ checkpoint that verifies (older ones are tried in turn) or None; anything left i
 discarded (also when the callback is made, before HF's own get_last_checkpoint could find it). A Trainer
 that starts below the newest committed step (it resumed from elsewhere, or not at all) is refused before
 its first step. On SIGTERM the step in flight ends, a save is made when the last one's duration (x 1.5)
-fits the window, and the process exits 143.
+fits the window, and the process exits 143 (a SIGTERM during a save: right after its commit).
 
 Not supported: `load_best_model_at_end` (it wants HF's own folder layout; refused when the Trainer is made): use the
 store's keep_best, which ranks each checkpoint by the eval loss HF logged at its step.
@@ -128,8 +128,10 @@ class TrainpodCallback(TrainerCallback):
         """This rank's view: stop requested, lease lost, no time left for a save."""
         if not self.ckpt.stop_requested:
             return [False, False, False]
-        lease_lost = self.ckpt.lease is not None and self.ckpt.lease.lost.is_set()
-        return [True, lease_lost, self._save_needs_seconds() >= self.ckpt.seconds_left()]
+        return [True, self._lease_lost(), self._save_needs_seconds() >= self.ckpt.seconds_left()]
+
+    def _lease_lost(self) -> bool:
+        return self.ckpt.lease is not None and self.ckpt.lease.lost.is_set()
 
     def _save_needs_seconds(self) -> float:
         return max(self.save_seconds or 0.0, self.ckpt.expected_commit_seconds()) * COMMIT_MARGIN
@@ -149,8 +151,11 @@ class TrainpodCallback(TrainerCallback):
         )  # on every rank: a stop right after it saves again nowhere
         if self._save_started is not None:
             self.save_seconds = time.monotonic() - self._save_started
-        if self._stopping:
-            self._exit(ExitCode.PREEMPTED)
+        # A stop that came during this save (HF's writing or the commit) ends the run here: another step and
+        # its save need the window's rest, which may not hold them (the step committed here is then the last).
+        stop, lease_lost = on_any_rank([self.ckpt.stop_requested, self._lease_lost()])
+        if self._stopping or stop:
+            self._exit(ExitCode.TEMPORARY if lease_lost else ExitCode.PREEMPTED)
         return control
 
     # ------------------------------------------------------------------------ helpers

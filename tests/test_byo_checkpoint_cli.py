@@ -118,6 +118,51 @@ def test_commit_of_an_empty_dir_is_exit_2_and_leaves_the_current_folder_alone(tm
     assert not (tmp_path / "run/checkpoints/LATEST").exists()
 
 
+def test_an_older_commit_overlapping_a_newer_one_never_moves_latest_backwards(tmp_path, capsys, monkeypatch):
+    """A trainer committing in the background (`trainpod checkpoint commit ... &`): step 10's large files were
+    still being hashed when step 15 was published, then step 10 wrote LATEST, and the next `latest` deleted the
+    committed step-15 as an interrupted commit."""
+    import threading
+
+    from trainpod.checkpoint import CheckpointStore
+    from trainpod.checkpoint.directory import commit_directory
+    from trainpod.checkpoint.store import PendingCheckpoint
+    from trainpod.errors import InputError
+
+    older_written, newer_published, refused = threading.Event(), threading.Event(), []
+    adopt = PendingCheckpoint.adopt
+
+    def adopt_slowly_for_step_10(pending, name, source):
+        adopt(pending, name, source)
+        if pending.dir.name.startswith("step-10."):
+            older_written.set()
+            assert newer_published.wait(60)
+
+    monkeypatch.setattr(PendingCheckpoint, "adopt", adopt_slowly_for_step_10)
+
+    def commit_step_10():
+        try:
+            commit_directory(CheckpointStore(tmp_path / "run/checkpoints"), 10, written(tmp_path, "a"), {})
+        except InputError as exc:
+            refused.append(str(exc))
+
+    older = threading.Thread(target=commit_step_10)
+    older.start()
+    assert older_written.wait(60)
+    assert (
+        main(["checkpoint", "commit", str(tmp_path / "run"), "--step", "15", str(written(tmp_path, "b"))])
+        == 0
+    )
+    newer_published.set()
+    older.join(60)
+    assert (tmp_path / "run/checkpoints/LATEST").read_text() == "step-15\n"
+    assert refused and "older than the newest committed checkpoint" in refused[0]
+    capsys.readouterr()
+    assert main(["checkpoint", "latest", str(tmp_path / "run")]) == 0
+    assert capsys.readouterr().out == f"{tmp_path}/run/checkpoints/step-15\n"
+    assert not list((tmp_path / "run/checkpoints").glob("step-10*")), "the refused commit leaves nothing"
+
+
 def test_a_run_name_resolves_under_the_volume(tmp_path, capsys):
     assert (
         main(

@@ -9,9 +9,14 @@ for the stock trainers. A kill at any instant leaves either the previous LATEST 
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
 import logging
 import numbers
 import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -70,10 +75,29 @@ def commit_directory(
                     shutil.copyfileobj(src, dst, 1 << 20)
             else:
                 pending.adopt(name, source / name)
-        committed = store.commit(pending, step, metadata, eval_loss)
+        with _one_publish_at_a_time(store):
+            # Again: a newer step may have been published while this one was written.
+            refuse_older_step(store, step)
+            committed = store.commit(pending, step, metadata, eval_loss)
     if not keep_source:
         _remove_empty_tree(source)
     return committed
+
+
+@contextlib.contextmanager
+def _one_publish_at_a_time(store: CheckpointStore) -> Iterator[None]:
+    """Commits of one run publish one after the other (a trainer that runs `trainpod checkpoint commit` in the
+    background overlaps them): an older step's LATEST written after a newer one's moved LATEST backwards, and
+    the next start deleted the newer checkpoint as an interrupted commit. A volume without locks goes on as
+    before.
+
+    The lock is a file in this machine's temp folder named after the checkpoints folder: the commits that overlap
+    run on the pod that holds the run's lease, and a network volume's flock may be missing or refused."""
+    key = hashlib.sha256(str(store.root.resolve()).encode()).hexdigest()[:16]
+    with open(Path(tempfile.gettempdir()) / f"trainpod-publish-{key}.lock", "a") as lock:
+        with contextlib.suppress(OSError):
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield  # the lock goes with the file's close
 
 
 def refuse_the_stores_own_folder(store: CheckpointStore, source: Path) -> None:

@@ -117,6 +117,20 @@ def test_a_program_that_exits_0_is_done_with_its_environment_and_output_captured
     assert again.returncode == 0 and "already DONE" in again.stdout
 
 
+def test_the_configs_env_path_is_where_the_program_and_its_tools_are_found(tmp_path):
+    """env.PATH was replaced by the pod's own PATH: a tool in a folder it named was 'not on PATH' (exit 2)."""
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    (tools / "mytool").write_text('#!/bin/sh\necho "$PATH" > path.txt\n')
+    (tools / "mytool").chmod(0o755)
+    config, volume = write_setup(tmp_path, "env", command=["mytool"], env={"PATH": f"{tools}:/usr/bin:/bin"})
+    result = run_trainpod("run", "command", "--config", str(config), volume=volume)
+    assert result.returncode == 0, result.stdout + result.stderr
+    kits, *rest = (tmp_path / "repo/path.txt").read_text().strip().split(":")
+    assert kits == str(Path(sys.executable).parent), "the kit's python and trainpod come first"
+    assert rest == [str(tools), "/usr/bin", "/bin"]
+
+
 def test_sigterm_reaches_the_programs_whole_process_group_and_exits_143(tmp_path):
     config, volume = write_setup(tmp_path, "with-child")
     proc = start_trainpod("run", "command", "--config", str(config), volume=volume)

@@ -45,7 +45,8 @@ class CommandConfig(Section):
     )
     env: dict[str, str] = Field(
         default_factory=dict,
-        description="More environment variables for the program, NAME: value (secrets belong in the pod's "
+        description="More environment variables for the program, NAME: value (PATH too: the kit's own Python "
+        "environment stays first in it; secrets belong in the pod's "
         "environment, which the program inherits, not here: this file is copied to runs/<run>/config.yaml).",
     )
     max_restarts: int = Field(

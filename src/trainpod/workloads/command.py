@@ -67,12 +67,12 @@ def disk_estimate(config: CommandConfig) -> int | None:
 def preflight(ctx: RunContext, config: CommandConfig) -> None:
     """Exit 2, with nothing written, when the workdir or the program does not exist."""
     workdir = resolve_workdir(config, ctx.volume)
-    resolve_program(config, workdir, program_path())
+    resolve_program(config, workdir, program_path(config))
 
 
 def run(ctx: RunContext, config: CommandConfig) -> dict[str, Any]:
     workdir = resolve_workdir(config, ctx.volume)
-    argv = [resolve_program(config, workdir, program_path()), *config.command[1:]]
+    argv = [resolve_program(config, workdir, program_path(config)), *config.command[1:]]
     env = program_env(ctx, config)
     status = CommandStatus(ctx, config)
     restarts = 0
@@ -219,9 +219,11 @@ def resolve_workdir(config: CommandConfig, volume: Volume) -> Path:
     return workdir
 
 
-def program_path() -> str:
-    """PATH with the kit's own Python environment first: `python` and `trainpod` are the kit's."""
-    return os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", os.defpath)])
+def program_path(config: CommandConfig) -> str:
+    """PATH with the kit's own Python environment first: `python` and `trainpod` are the kit's. The rest is the
+    config's env.PATH where it sets one (it was dropped for the pod's, so a tool it named was not found)."""
+    rest = config.env.get("PATH") or os.environ.get("PATH", os.defpath)
+    return os.pathsep.join([str(Path(sys.executable).parent), rest])
 
 
 def resolve_program(config: CommandConfig, workdir: Path, path: str) -> str:
@@ -300,7 +302,7 @@ def program_env(ctx: RunContext, config: CommandConfig) -> dict[str, str]:
     return {
         **os.environ,
         **config.env,
-        "PATH": program_path(),
+        "PATH": program_path(config),
         "PYTHONUNBUFFERED": "1",  # lines reach the log and status.json as they are printed
         "TRAINPOD_RUN": ctx.run.name,
         "TRAINPOD_RUN_DIR": str(ctx.run.root.absolute()),

@@ -28,7 +28,7 @@ from trainpod.data.datagen import (
 )
 from trainpod.data.encoding import MAX_THREAD_ENCODERS, PARALLELISM_VARIABLE, BatchEncoder
 from trainpod.data.synthetic_corpus import stories
-from trainpod.errors import ConfigError, ExitCode, InputError, TemporaryError
+from trainpod.errors import ConfigError, ExitCode, InputError, Preempted, TemporaryError
 from trainpod.preemption import PreemptionWatch
 from trainpod.volume import Volume
 
@@ -869,3 +869,50 @@ def test_a_tokenizer_another_writer_is_training_is_left_to_it_then_reused(volume
     finally:
         training.release()
     assert (volume.tokenizer("shared") / "tokenizer.json").read_bytes() == made
+
+
+def test_a_stop_while_a_resume_reads_past_its_committed_documents_ends_it_there(volume, monkeypatch):
+    # A resume reads the documents its committed shards hold without encoding them: on a large corpus
+    # (a hub stream) minutes with no batch to look at the stop flag after, so a SIGTERM ran on into the
+    # SIGKILL with the dataset's lease held, which a new pod on another host then waited out (90 s).
+    import trainpod.data.datagen as datagen
+    import trainpod.data.split_writer as split_writer
+
+    real_write_shard = split_writer.write_shard
+
+    def killed_after_ten_shards(path, tokens):
+        if path.name == "train_000010.bin":
+            raise KeyboardInterrupt  # stands for the kill
+        return real_write_shard(path, tokens)
+
+    monkeypatch.setattr(split_writer, "write_shard", killed_after_ten_shards)
+    with pytest.raises(KeyboardInterrupt):
+        run(make_config(), volume)
+    monkeypatch.setattr(split_writer, "write_shard", real_write_shard)
+    folder = volume.dataset("stories")
+    resume_at = json.loads((folder / "progress.json").read_text())["splits"]["train"]["resume"]["document"]
+    assert resume_at > 100, "the first run should commit shards past the first hundred documents"
+
+    watch = PreemptionWatch()
+    read_after_the_stop = []
+    real_iter_documents = datagen.iter_documents
+
+    def stopped_while_skipping(sources_, root):
+        for index, document in enumerate(real_iter_documents(sources_, root)):
+            if watch.requested:
+                read_after_the_stop.append(index)
+            elif index == 50:
+                watch.request("SIGTERM")
+            yield document
+
+    monkeypatch.setattr(datagen, "iter_documents", stopped_while_skipping)
+    with pytest.raises(Preempted, match="run it again"):
+        run_datagen(make_config(), volume, watch)
+    assert len(read_after_the_stop) <= 1, (
+        f"after the stop at document 50 it read {len(read_after_the_stop)} more (its shards resume at "
+        f"{resume_at}): the skip of committed documents must look at the stop flag"
+    )
+    assert (
+        not (folder / "manifest.json").exists() and not (volume.root / "datasets" / ".stories.LEASE").exists()
+    )
+    run(make_config(), volume)  # and it resumes from there

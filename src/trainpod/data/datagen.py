@@ -289,16 +289,23 @@ class DocumentBatcher:
     """Reads documents in order, assigns each a split, and groups them into per-split batches.
 
     Documents a split has already committed (before its resume point) are counted but never sent
-    to the encoder, so resuming costs one read of the skipped text, not its encoding.
+    to the encoder, so resuming costs one read of the skipped text, not its encoding. That read (minutes
+    of a hub stream) yields no batch after which the stop flag is looked at, so it looks itself.
     """
 
     def __init__(
-        self, config: DatagenConfig, volume: Volume, writers: dict[str, SplitWriter], strip_bom: bool = True
+        self,
+        config: DatagenConfig,
+        volume: Volume,
+        writers: dict[str, SplitWriter],
+        watch: PreemptionWatch,
+        strip_bom: bool = True,
     ):
         self.config = config
         self.volume = volume
         self.writers = writers
         self.strip_bom = strip_bom
+        self.watch = watch
         self.documents_read = 0
 
     def __iter__(self) -> Iterator[tuple[str, np.ndarray, list[str]]]:
@@ -311,6 +318,11 @@ class DocumentBatcher:
             self.documents_read = index + 1
             split = self._split_of(index)
             if not self.writers[split].wants(index):
+                if self.watch.requested:
+                    raise Preempted(
+                        f"datagen stopped by {self.watch.signal_name} while reading past the documents its "
+                        "committed shards hold; run it again to continue from there"
+                    )
                 continue
             indices, documents = pending[split]
             indices.append(index)
@@ -359,7 +371,7 @@ def _write_shards(
         split: SplitWriter(split, folder, config.shard_tokens, dtype, p, save_progress)
         for split, p in progress.items()
     }
-    batcher = DocumentBatcher(config, volume, writers, reading[UTF8_BOM_STRIPPED])
+    batcher = DocumentBatcher(config, volume, writers, watch, reading[UTF8_BOM_STRIPPED])
     workers = config.workers or _cpu_count()
     started, encoded = time.monotonic(), 0
 

@@ -378,14 +378,15 @@ def test_a_dead_encoder_process_is_exit_75_or_after_a_sigterm_143(volume, monkey
 
     from trainpod.errors import TrainpodError
 
+    watch = PreemptionWatch()
+
     def broken(self, batches):
+        if stopped:  # the SIGTERM that reached the workers too (tini -g), as the shards are encoded
+            watch.request("SIGTERM")
         raise BrokenProcessPool("a worker died")
         yield
 
     monkeypatch.setattr(BatchEncoder, "map", broken)
-    watch = PreemptionWatch()
-    if stopped:
-        watch.request("SIGTERM")
     with pytest.raises(TrainpodError) as error:
         run_datagen(make_config(), volume, watch)
     assert error.value.exit_code == code and "shards are committed" in str(error.value)
@@ -916,3 +917,53 @@ def test_a_stop_while_a_resume_reads_past_its_committed_documents_ends_it_there(
         not (folder / "manifest.json").exists() and not (volume.root / "datasets" / ".stories.LEASE").exists()
     )
     run(make_config(), volume)  # and it resumes from there
+
+
+def test_a_stop_while_the_tokenizer_reads_its_training_documents_ends_it_there(volume, monkeypatch):
+    # Training reads up to max_train_documents (fineweb-edu.yaml: 200k, minutes of a hub stream) in one
+    # call of the tokenizers library: a SIGTERM then ran on through the training into the SIGKILL with the
+    # dataset's and the tokenizer's leases held, which a new pod on another host then waited out (90 s).
+    import trainpod.data.datagen as datagen
+
+    watch = PreemptionWatch()
+    read_after_the_stop = []
+    real_iter_documents = datagen.iter_documents
+
+    def stopped_while_training(sources_, root):
+        for index, document in enumerate(real_iter_documents(sources_, root)):
+            if watch.requested:
+                read_after_the_stop.append(index)
+            elif index == 20:
+                watch.request("SIGTERM")
+            yield document
+
+    monkeypatch.setattr(datagen, "iter_documents", stopped_while_training)
+    with pytest.raises(Preempted, match="run it again"):
+        run_datagen(make_config(), volume, watch)
+    assert len(read_after_the_stop) <= 1, (
+        f"after the stop at document 20 the tokenizer's training read {len(read_after_the_stop)} more "
+        "documents: it must look at the stop flag"
+    )
+    assert not volume.tokenizer("stories").exists(), "a training cut short publishes no tokenizer"
+    assert [p.name for p in volume.root.glob("*/.*LEASE")] == [], "both leases are released"
+    monkeypatch.setattr(datagen, "iter_documents", real_iter_documents)
+    run(make_config(), volume)  # and the next start trains it
+
+
+def test_a_stop_that_came_while_the_lease_was_taken_over_trains_no_tokenizer(volume, monkeypatch):
+    # Taking over a killed start's lease waits 2 s for a rival (TAKEOVER_SETTLE_S), then the tokenizer's
+    # own another 2 s: a stop in the first, run on into the second and the training, outlasted the window.
+    from trainpod.checkpoint import lease
+
+    watch = PreemptionWatch()
+    real_acquire = lease.Lease.acquire
+
+    def stopped_while_acquiring(self):
+        real_acquire(self)
+        watch.request("SIGTERM")
+
+    monkeypatch.setattr(lease.Lease, "acquire", stopped_while_acquiring)
+    with pytest.raises(Preempted, match="run it again"):
+        run_datagen(make_config(), volume, watch)
+    assert not volume.tokenizer("stories").exists()
+    assert [p.name for p in volume.root.glob("*/.*LEASE")] == [], "both leases are released"

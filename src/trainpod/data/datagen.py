@@ -92,14 +92,38 @@ def run_datagen(config: DatagenConfig, volume: Volume, watch: PreemptionWatch) -
     return folder
 
 
-def _tokenizer(config: DatagenConfig, volume: Volume) -> TokenizerInfo:
+def _tokenizer(config: DatagenConfig, volume: Volume, watch: PreemptionWatch | None = None) -> TokenizerInfo:
+    """The dataset's tokenizer, trained when needed; with `watch`, a stop asked before or during the
+    training raises Preempted and publishes no tokenizer."""
+    documents = itertools.islice(
+        iter_documents(config.sources, volume.root), config.tokenizer.max_train_documents
+    )
+    if watch is not None:
+        # Before the tokenizer's lease, whose takeover after a kill waits 2 s more (TAKEOVER_SETTLE_S).
+        _raise_if_stopped(watch, "before the tokenizer")
+        documents = _until_stopped(documents, watch)
     return prepare_tokenizer(
         config.tokenizer,
         volume.tokenizer(config.tokenizer_name),
         volume.root,
-        itertools.islice(iter_documents(config.sources, volume.root), config.tokenizer.max_train_documents),
+        documents,
         config.output_settings(),
     )
+
+
+def _until_stopped(documents: Iterator[str], watch: PreemptionWatch) -> Iterator[str]:
+    """The tokenizer's training documents, ended by a stop: tokenizers reads them all (fineweb-edu.yaml's
+    200k, minutes of a hub stream) and trains in one call, and raises what the iterator raises."""
+    for document in documents:
+        _raise_if_stopped(watch, "while training the tokenizer")
+        yield document
+
+
+def _raise_if_stopped(watch: PreemptionWatch, when: str) -> None:
+    if watch.requested:
+        raise Preempted(
+            f"datagen stopped by {watch.signal_name} {when}; nothing of it is published: run it again"
+        )
 
 
 def _build(
@@ -116,7 +140,7 @@ def _build(
     _refuse_empty_sources(config, volume)
     if folder.is_dir() and not (folder / PROGRESS_FILE).is_file():
         _refuse_files_of_others(folder)
-    tokenizer = _tokenizer(config, volume)
+    tokenizer = _tokenizer(config, volume, watch)
     folder.mkdir(parents=True, exist_ok=True)
     _remove_leftovers(folder)
     progress = _load_progress(folder, config, expected_hash, tokenizer)

@@ -507,6 +507,43 @@ def test_preempted_build_publishes_nothing(tmp_path, tokenizer_dir):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["vol"]
 
 
+def test_a_stop_before_the_build_takes_no_lease_and_one_while_taking_it_loads_no_tokenizer(
+    tmp_path, tokenizer_dir, monkeypatch
+):
+    # SFT datagen imports torch and transformers (seconds) after its stop handler is installed, then takes
+    # the lease (2 s more to take a killed start's over) and loads the tokenizer: a SIGTERM early in a start
+    # was looked at only at the first rows, past the 5 s window (6 s measured), the lease held at the SIGKILL.
+    import trainpod.sft.prepare as prepare
+
+    write_alpaca_jsonl(tmp_path / "vol" / "a.jsonl", 5, seed=2)
+    leases, tokenizers_loaded = [], []
+    real_acquire, real_load_tokenizer = Lease.acquire, prepare.load_tokenizer
+    monkeypatch.setattr(
+        prepare, "load_tokenizer", lambda d: tokenizers_loaded.append(d) or real_load_tokenizer(d)
+    )
+    watch = PreemptionWatch()
+
+    def stopped_while_acquiring(self):
+        leases.append(self.path)
+        real_acquire(self)
+        watch.request("SIGTERM")
+
+    monkeypatch.setattr(Lease, "acquire", stopped_while_acquiring)
+    with pytest.raises(Preempted, match="run it again"):
+        prepare_sft(
+            data_config([{"path": "a.jsonl"}]), tokenizer_dir, tmp_path / "out", tmp_path / "vol", watch
+        )
+    assert len(leases) == 1 and tokenizers_loaded == [], (
+        "a stop asked as the lease was taken loads no tokenizer"
+    )
+    with pytest.raises(Preempted, match="run it again"):  # the stop is still asked: no lease now
+        prepare_sft(
+            data_config([{"path": "a.jsonl"}]), tokenizer_dir, tmp_path / "out", tmp_path / "vol", watch
+        )
+    assert len(leases) == 1, "a stop asked before the build must not take the dataset's lease"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["vol"]
+
+
 def test_load_refuses_a_folder_without_a_dataset(tmp_path):
     with pytest.raises(InputError, match="holds no complete SFT dataset .*`trainpod run datagen`"):
         load_sft(tmp_path)

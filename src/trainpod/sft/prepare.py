@@ -108,11 +108,16 @@ def prepare_sft(
     SIGTERM during the build (nothing published; the next start builds again).
     """
     tokenizer_dir, out_dir = Path(tokenizer_dir), Path(out_dir)
+    watch = watch or PreemptionWatch()
     key = sft_key(data, tokenizer_dir)
     if not _reusable(out_dir, key, data, volume_root):
+        # A stop that came while this start imported (torch and transformers: seconds) or hashed the sources
+        # takes no lease; one that came while the lease was taken over (2 s after a kill) loads no tokenizer.
+        _raise_if_stopped(watch, "before it took the dataset's lease")
         with one_writer(out_dir, "SFT dataset") as lease:
             # read again under the lease: the writer this one waited out may have finished meanwhile
             if not _reusable(out_dir, key, data, volume_root):
+                _raise_if_stopped(watch, "as it took the dataset's lease")
                 return _build_and_publish(data, tokenizer_dir, out_dir, volume_root, key, watch, lease)
     log.info("SFT dataset %s is complete and matches (key %s): reusing it", out_dir, key)
     return out_dir
@@ -124,7 +129,7 @@ def _build_and_publish(
     out_dir: Path,
     volume_root: Path,
     key: str,
-    watch: PreemptionWatch | None,
+    watch: PreemptionWatch,
     lease: Lease,
 ) -> Path:
     sources = [
@@ -139,7 +144,7 @@ def _build_and_publish(
     tmp = temp_name(out_dir)
     tmp.mkdir()
     try:
-        manifest = _build(data, tokenizer, template, volume_root, tmp, watch or PreemptionWatch(), lease)
+        manifest = _build(data, tokenizer, template, volume_root, tmp, watch, lease)
         manifest.update(key=key, sources=sources, tokenizer=_tokenizer_record(tokenizer, tokenizer_dir))
         write_bytes(tmp / MANIFEST_FILE, json_bytes(manifest))
         if out_dir.exists():
@@ -253,10 +258,7 @@ def _build(
     splits: dict[str, list] = {"train": [], "val": []}
     rows = dropped = truncated = cut_tokens = longest = 0
     for chunk in _chunks(_segments(data, template, tokenizer, volume_root), ENCODE_CHUNK):
-        if watch.requested:
-            raise Preempted(
-                f"SFT datagen stopped by {watch.signal_name} after {rows} rows; run it again to rebuild"
-            )
+        _raise_if_stopped(watch, f"after {rows} rows")
         if lease.lost.is_set():
             raise lease_lost(tmp)
         for encoded in encoder.encode(chunk):
@@ -303,6 +305,11 @@ def _build(
         "splits": files,
         "counts": counts,
     }
+
+
+def _raise_if_stopped(watch: PreemptionWatch, when: str) -> None:
+    if watch.requested:
+        raise Preempted(f"SFT datagen stopped by {watch.signal_name} {when}; run it again to rebuild")
 
 
 def _tokenizer_record(tokenizer, tokenizer_dir: Path) -> dict:

@@ -30,7 +30,7 @@ from trainpod.data.generate import (
     split_of,
     split_thresholds,
 )
-from trainpod.errors import ConfigError, ExitCode, InputError, TemporaryError
+from trainpod.errors import ConfigError, ExitCode, InputError, Preempted, TemporaryError
 from trainpod.preemption import PreemptionWatch
 from trainpod.volume import Volume
 
@@ -461,3 +461,62 @@ def test_the_settings_hash_of_todays_settings_is_pinned():
     # resume after an upgrade refuse a half-made dataset. Add the setting to SETTINGS_ADDED_LATER with its
     # value of before (config/generate.py), instead of changing this number.
     assert settings_hash(make_config()) == "334cc5ffac56af1e"
+
+
+SLOW_IMPORT_MODULE = '''
+"""A generator whose module takes long to import (one importing torch or vllm at its top: seconds)."""
+import os
+import signal
+import time
+from pathlib import Path
+
+marks = Path(os.environ["SLOW_IMPORT_MARKS"])
+(marks / "import begun").touch()
+deadline = time.monotonic() + 20
+while not (marks / "go on").exists() and time.monotonic() < deadline:
+    if (marks / "SIGTERM").exists():  # as tini -g signals the whole group: the worker dies of it
+        os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.01)
+(marks / "import ended").touch()
+
+
+def generate(*, seed, chunk, kind, count):
+    yield from ({"text": str(index)} for index in range(count))
+'''
+
+
+@pytest.mark.parametrize("to_the_group", [False, True], ids=["main-process", "group"])
+def test_a_stop_while_the_workers_import_the_generator_ends_the_run_without_waiting_for_the_import(
+    volume, tmp_path, monkeypatch, to_the_group
+):
+    # The run waited for a worker's import of the user's module before it looked at the stop flag again: a
+    # module importing torch or vllm took the stop past the 5 s window, the dataset's lease held at the SIGKILL.
+    # Sent to the group (tini -g on a pod), the SIGTERM killed the importing worker, which read as a generator
+    # that cannot be imported: exit 2, a FAILED run that the supervisor never started again.
+    import threading
+
+    (volume.root / "repos" / "usergen" / "slowgen.py").write_text(SLOW_IMPORT_MODULE, encoding="utf-8")
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    monkeypatch.setenv("SLOW_IMPORT_MARKS", str(marks))  # the spawned workers inherit it
+    watch = PreemptionWatch()
+
+    def stop_once_the_import_has_begun():
+        while not (marks / "import begun").exists():
+            time.sleep(0.01)
+        watch.request("SIGTERM")
+        if to_the_group:
+            (marks / "SIGTERM").touch()
+
+    stopper = threading.Thread(target=stop_once_the_import_has_begun, daemon=True)
+    stopper.start()
+    try:
+        with pytest.raises(Preempted, match="run it again"):
+            run_generator(make_config(generator="slowgen:generate"), volume, watch)
+        assert not (marks / "import ended").exists(), (
+            "the stop waited for the worker's import of the generator: it must end the workers instead"
+        )
+    finally:
+        (marks / "go on").touch()
+        stopper.join(timeout=TIMEOUT)
+    assert not list(volume.root.glob("datasets/.*LEASE")), "the dataset's lease is released"

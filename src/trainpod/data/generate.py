@@ -381,7 +381,7 @@ def _generate(
         search_path = resolve_python_path(config, volume)
         workers = min(config.workers or _cpu_count(), len(pending))
         with GeneratorPool(config, search_path, workers) as pool:
-            code = code_identity(pool.check_import(search_path).module_file)
+            code = code_identity(pool.check_import(search_path, watch).module_file)
             recorded = _start_generation(folder, config, expected_hash, recorded, code)
             pool.make_chunks(pending, folder / CHUNKS_DIR, len(plan), watch)
     if watch.requested:
@@ -557,10 +557,19 @@ class GeneratorPool:
             initargs=(search_path, config.generator, config.params),
         )
 
-    def check_import(self, search_path: list[str]) -> ImportCheck:
+    def check_import(self, search_path: list[str], watch: PreemptionWatch) -> ImportCheck:
+        """What a worker found importing the generator; a stop meanwhile raises Preempted (the pool's exit ends
+        the workers): a module importing torch or vllm takes seconds, and the stop must not wait for it."""
+        future = self._executor.submit(_check_import)
         try:
-            check = self._executor.submit(_check_import).result()
+            while not watch.requested and not wait([future], timeout=POLL_SECONDS).done:
+                pass
+            if watch.requested:
+                raise self._stopped_importing(watch)
+            check = future.result()
         except BrokenProcessPool:
+            if watch.requested:  # the signal reached the workers too (tini -g sends it to the group)
+                raise self._stopped_importing(watch) from None
             check = ImportCheck(
                 None, "the worker process died while importing it (os._exit or a native crash)"
             )
@@ -574,6 +583,12 @@ class GeneratorPool:
                 ]
             )
         return check
+
+    def _stopped_importing(self, watch: PreemptionWatch) -> Preempted:
+        return Preempted(
+            f"generator run stopped by {watch.signal_name} while its workers imported {self.config.generator}; "
+            "run it again to continue"
+        )
 
     def make_chunks(
         self, pending: list[ChunkPlan], chunks_dir: Path, total_chunks: int, watch: PreemptionWatch

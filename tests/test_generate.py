@@ -77,6 +77,18 @@ def own_kind(*, seed, chunk, kind, count):
         yield {"text": "fine", "kind": "something else"}
 
 
+def dies_after_the_first_chunk(*, seed, chunk, kind, count):
+    import os
+    from pathlib import Path
+
+    marks = Path(os.environ["DYING_MARKS"])
+    while chunk == 1 and not (marks / "chunk 0 committed").exists():
+        time.sleep(0.01)
+    if chunk == 1:
+        os._exit(9)  # a native crash: no Python error reaches the kit
+    yield from generate(seed=seed, chunk=chunk, kind=kind, count=count)
+
+
 NOT_A_FUNCTION = 42
 '''
 DRIVER = """
@@ -520,3 +532,35 @@ def test_a_stop_while_the_workers_import_the_generator_ends_the_run_without_wait
         (marks / "go on").touch()
         stopper.join(timeout=TIMEOUT)
     assert not list(volume.root.glob("datasets/.*LEASE")), "the dataset's lease is released"
+
+
+def test_a_worker_that_dies_between_two_waits_is_exit_75_keeping_the_committed_chunks(
+    volume, tmp_path, monkeypatch
+):
+    # Broken while the main process committed a chunk, the pool refused the next submit: that raised past
+    # the handler that reads a dead worker, and the run crashed with a traceback (exit 1) instead of exit 75.
+    import trainpod.data.generate as generate
+
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    monkeypatch.setenv("DYING_MARKS", str(marks))
+    pools, real_init, real_write_bytes = [], generate.GeneratorPool.__init__, generate.write_bytes
+
+    def recorded(self, *args):
+        real_init(self, *args)
+        pools.append(self)
+
+    def commit_then_wait_for_the_death(path, data):
+        real_write_bytes(path, data)
+        if path.name == "chunk-000000.jsonl":
+            (marks / "chunk 0 committed").touch()
+            deadline = time.monotonic() + TIMEOUT
+            while not pools[0]._executor._broken and time.monotonic() < deadline:
+                time.sleep(0.01)
+
+    monkeypatch.setattr(generate.GeneratorPool, "__init__", recorded)
+    monkeypatch.setattr(generate, "write_bytes", commit_then_wait_for_the_death)
+    config = make_config(generator="mygen:dies_after_the_first_chunk", workers=1, kinds=None)
+    with pytest.raises(TemporaryError, match="died without a Python error"):
+        run(config, volume)
+    assert (volume.dataset("edits") / "chunks" / "chunk-000000.jsonl").is_file()

@@ -600,9 +600,13 @@ class GeneratorPool:
         while True:
             # At most two chunks per worker wait, so a stop cancels little and memory stays bounded.
             for plan in queue:
-                in_flight[self._executor.submit(_make_chunk, self.config.name, plan, self.config.params)] = (
-                    plan
-                )
+                try:
+                    future = self._executor.submit(_make_chunk, self.config.name, plan, self.config.params)
+                except (
+                    BrokenProcessPool
+                ):  # a worker died since the last wait: its chunk's future is not read yet
+                    raise self._worker_died(plan, watch) from None
+                in_flight[future] = plan
                 if len(in_flight) >= 2 * self.workers:
                     break
             if not in_flight:
@@ -622,18 +626,20 @@ class GeneratorPool:
         try:
             result = future.result()
         except BrokenProcessPool:
-            if watch.requested:  # the signal reached the workers too (tini -g sends it to the group)
-                raise Preempted(
-                    f"generator run stopped by {watch.signal_name} before chunk {plan.index}"
-                ) from None
-            raise TemporaryError(
-                f"a generator worker process died without a Python error while making chunk {plan.index} "
-                "(killed by the OS, e.g. out of memory, or a crash in native code); the committed chunks "
-                "are kept: run again (with fewer workers if memory is short)"
-            ) from None
+            raise self._worker_died(plan, watch) from None
         if isinstance(result, ChunkFailed):
             raise InputError(result.message)
         return result
+
+    @staticmethod
+    def _worker_died(plan: ChunkPlan, watch: PreemptionWatch) -> Preempted | TemporaryError:
+        if watch.requested:  # the signal reached the workers too (tini -g sends it to the group)
+            return Preempted(f"generator run stopped by {watch.signal_name} before chunk {plan.index}")
+        return TemporaryError(
+            f"a generator worker process died without a Python error by chunk {plan.index} (killed by the OS, "
+            "e.g. out of memory, or a crash in native code); the committed chunks are kept: run again (with "
+            "fewer workers if memory is short)"
+        )
 
     def close(self, stop_now: bool) -> None:
         if not stop_now:

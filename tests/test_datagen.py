@@ -898,8 +898,8 @@ def test_a_stop_while_a_resume_reads_past_its_committed_documents_ends_it_there(
     read_after_the_stop = []
     real_iter_documents = datagen.iter_documents
 
-    def stopped_while_skipping(sources_, root):
-        for index, document in enumerate(real_iter_documents(sources_, root)):
+    def stopped_while_skipping(*args):
+        for index, document in enumerate(real_iter_documents(*args)):
             if watch.requested:
                 read_after_the_stop.append(index)
             elif index == 50:

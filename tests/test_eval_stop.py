@@ -148,8 +148,9 @@ def test_with_compile_the_eval_graph_is_built_before_the_first_step(
     )
 
 
-def generation_eval_finetuner(volume: Path):
-    """A LoRA finetune of the tiny base with a generation eval at every eval (steps 3 and 6)."""
+def generation_eval_finetuner(volume: Path, *settings: str):
+    """A LoRA finetune of the tiny base with a generation eval at every eval (steps 3 and 6); `settings`
+    override the config."""
     from trainpod.config.finetune import FinetuneConfig
     from trainpod.workloads.finetune import Finetuner
 
@@ -159,6 +160,7 @@ def generation_eval_finetuner(volume: Path):
         "--set", "train.max_steps=6", "--set", "train.eval_every=3", "--set", "checkpoint.every_steps=100",
         "--set", "checkpoint.mode=sync", "--set", "generation_eval.every_evals=1",
         "--set", "generation_eval.max_samples=3", "--set", "generation_eval.max_new_tokens=4",
+        *[part for setting in settings for part in ("--set", setting)],
         method="lora",
     )  # fmt: skip
     overrides = [value for flag, value in zip(args[4::2], args[5::2], strict=True) if flag == "--set"]
@@ -228,6 +230,47 @@ def test_a_stop_during_a_finetunes_generation_eval_is_resumed_the_same_way(
     assert set(metrics("uninterrupted")[3]) >= {"eval_loss", "eval_cer"}, "the generation eval ran at step 3"
     resumed, expected = trained(second), trained(uninterrupted)
     assert resumed and all(torch.equal(resumed[name], expected[name]) for name in expected)
+
+
+def test_the_checkpoint_of_a_step_whose_eval_a_stop_interrupted_is_ranked_by_that_eval_once_it_runs(
+    tmp_path: Path, finetune_base_volume: Path
+):
+    """keep_best keeps the checkpoints with the best score in their manifests. A stop during step 3's eval
+    committed step 3 without one; the resumed run ran that eval first, but its result never reached step
+    3's manifest, so the checkpoint never competed for best-k retention: the run's best checkpoint was
+    deleted once newer ones came, where an uninterrupted run keeps it."""
+
+    settings = (
+        "checkpoint.every_steps=3",
+        "checkpoint.keep_last=3",
+        "checkpoint.keep_best=1",
+        "train.max_steps=9",
+    )
+
+    def finetuner(name: str):
+        volume = tmp_path / name
+        if not volume.exists():
+            shutil.copytree(finetune_base_volume, volume)
+        return generation_eval_finetuner(volume, *settings)
+
+    def ranked(name: str) -> dict[str, tuple]:
+        checkpoints = tmp_path / name / "runs" / "tiny-finetune" / "checkpoints"
+        manifests = {
+            path.name: json.loads((path / "manifest.json").read_text()) for path in checkpoints.glob("step-*")
+        }
+        return {name: (m["eval_loss"], m.get("score")) for name, m in manifests.items()}
+
+    finetuner("uninterrupted").train()
+    first = finetuner("stopped")
+    stop_during_the_generation_eval_at(first, 3)
+    with pytest.raises(Preempted):
+        first.train()
+    assert ranked("stopped") == {"step-3": (None, None)}, "committed before its eval, which the stop dropped"
+
+    finetuner("stopped").train()
+    expected = ranked("uninterrupted")
+    assert expected["step-3"][0] is not None
+    assert ranked("stopped") == expected, "step 3's eval, run after the resume, ranks its checkpoint too"
 
 
 class _StopWhenRead(list):

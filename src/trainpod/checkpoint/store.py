@@ -473,6 +473,19 @@ class CheckpointStore:
         self.last_commit_seconds = time.monotonic() - started
         return CommittedCheckpoint(step, target, atomic.read_json(target / MANIFEST))
 
+    def record_eval(self, step: int, eval_loss: float, score: tuple[str, float] | None = None) -> None:
+        """Put the eval of `step` into its committed checkpoint's manifest, where best-k retention reads it,
+        then apply retention: for an eval that ran after the commit (a stop interrupted it, and the resumed
+        run ran it first), without which that checkpoint never competed for best-k. The manifest is
+        replaced atomically (its files are unchanged: the checkpoint stays valid at every instant)."""
+        path = self.root / step_dir_name(step)
+        manifest = atomic.read_json(path / MANIFEST)
+        manifest["eval_loss"] = eval_loss
+        if score:
+            manifest["score"] = {"metric": score[0], "value": score[1]}
+        atomic.write_json(path / MANIFEST, manifest)
+        self.apply_retention()
+
     def apply_retention(self) -> list[int]:
         """Delete checkpoints beyond the last k and best k (by `score`); never the one LATEST names."""
         checkpoints = self.committed()

@@ -427,6 +427,10 @@ class Trainer:
             return
         log.info("running the eval of step %d, which the stop interrupted", step)
         metrics = {"step": step, "eval_loss": self._evaluate(model, step), **self.eval_metrics}
+        if self.dist.is_main:  # its checkpoint, committed before the eval, competes for best-k as if after
+            p = self.progress
+            score = (self.ranked_metric, p.last_score) if p.last_score_step == step else None
+            self.store.record_eval(step, p.last_eval_loss, score)
         self.reporter.log_step(metrics)
         self._write_status("running", metrics)
 

@@ -179,3 +179,29 @@ def test_the_adapter_of_a_base_in_a_folder_names_that_folder(finetune_base_volum
     config = PeftConfig.from_pretrained(volume / "runs" / FINETUNE_RUN / "export/adapter")
     assert Path(config.base_model_name_or_path) == volume / "models/base"
     assert config.revision is None
+
+
+def test_the_adapter_folder_is_the_same_bytes_whatever_the_processes_hash_seed(
+    finetune_base_volume, tmp_path
+):
+    """A resumed run exports from another process than the one that started, with another string hash
+    seed: adapter_config.json listed target_modules (a set, for all-linear) in that seed's order, so the
+    same training exported another adapter_config.json (and another sha256 of it in the export's manifest)."""
+
+    def export(seed: str) -> dict[str, bytes]:
+        volume = tmp_path / f"seed-{seed}"
+        shutil.copytree(finetune_base_volume, volume)
+        args = finetune_args("--set", "train.max_steps=2", method="lora")
+        result = run_trainpod(*args, volume=volume, env={"PYTHONHASHSEED": seed})
+        assert result.returncode == 0, result.stdout + result.stderr
+        folder = volume / "runs" / FINETUNE_RUN / "export/adapter"
+        timed = {"training_summary.json", "manifest.json"}  # the run's elapsed seconds, and their hash
+        return {
+            path.name: path.read_bytes().replace(str(volume).encode(), b"VOLUME")  # the base model's folder
+            for path in folder.iterdir()
+            if path.name not in timed
+        }
+
+    first, second = export("1"), export("2")
+    assert "adapter_config.json" in first
+    assert first == second

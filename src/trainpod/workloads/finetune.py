@@ -695,6 +695,7 @@ class Finetuner(Trainer):
         target = self.ctx.run.export / "adapter"
         tmp = atomic.temp_name(target)
         self._name_hub_base_in_adapter_config()
+        self._sort_target_modules()
         try:
             with self.abandoning_export():
                 self.model.save_pretrained(str(tmp), safe_serialization=True)
@@ -722,6 +723,14 @@ class Finetuner(Trainer):
         for peft_config in self.model.peft_config.values():
             peft_config.base_model_name_or_path = base.path
             peft_config.revision = pinned_commit(base, self.base_pin) or base.revision
+
+    def _sort_target_modules(self) -> None:
+        """adapter_config.json lists target_modules as peft holds them, a set (all-linear resolves to one),
+        so in the order of Python's string hashing, seeded anew in every process: the same training exported
+        other bytes at each start (and another sha256 in the export's manifest). Sorted, they are the same."""
+        for peft_config in self.model.peft_config.values():
+            if isinstance(peft_config.target_modules, set):
+                peft_config.target_modules = sorted(peft_config.target_modules)
 
     def save_processor(self, folder: Path) -> None:
         """What the adapter folder needs beside the weights to be used: the tokenizer (VLMs: and more)."""

@@ -135,3 +135,10 @@ def test_a_sigterm_during_a_finetunes_adapter_export_ends_it_and_the_next_start_
     assert "resumed from step-" in resumed.stdout
     assert adapter_bytes(volume) and (run / "export" / "adapter" / "manifest.json").is_file()
     assert not list((run / "export").glob("*.tmp-*"))
+    # The start that made the export again trained no step; the summaries still name the run's final loss.
+    last_logged = json.loads((run / "logs" / "metrics.jsonl").read_text().splitlines()[-1])
+    summary = json.loads((run / "export" / "adapter" / "training_summary.json").read_text())["results"]
+    assert summary["loss"] == json.loads((run / "DONE").read_text())["loss"] == last_logged["loss"], (
+        "the export made again must name the loss of the last step, as an uninterrupted run's does"
+    )
+    assert f"loss {last_logged['loss']:.4f}" in resumed.stderr + resumed.stdout, "and so must the DONE line"

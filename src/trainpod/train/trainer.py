@@ -74,6 +74,9 @@ class Progress:
     best_score: float | None = None  # of the trainer's ranked_metric (eval_loss unless configured)
     last_score: float | None = None
     last_score_step: int | None = None
+    # The training loss of the newest log line: the summary (DONE, the export's) names it also after a resume
+    # that trains no step (a stop during the final export makes it again from the last checkpoint).
+    last_loss: float | None = None
 
 
 @dataclass
@@ -353,6 +356,7 @@ class Trainer:
                     step, loss_sum / window_steps, result.grad_norm, window_tokens, seconds, window_steps
                 )
                 self.reporter.log_step(metrics)
+                self.progress.last_loss = metrics["loss"]
                 self._refuse_diverged()
                 self._write_status("running", metrics)
                 if "eval_loss" in metrics:
@@ -737,7 +741,7 @@ class Trainer:
         return {
             "step": self.progress.step,
             "tokens_seen": self.progress.tokens_seen,
-            "loss": metrics.get("loss"),
+            "loss": self.progress.last_loss,
             "eval_loss": self.progress.last_eval_loss,
             "best_eval_loss": self.progress.best_eval_loss,
             "tokens_per_s": metrics.get("tokens_per_s"),

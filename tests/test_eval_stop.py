@@ -170,6 +170,13 @@ def generation_eval_finetuner(volume: Path, *settings: str):
     return Finetuner(RunContext(Volume(volume), run, PreemptionWatch()), config, init_distributed())
 
 
+def logged_steps(volume: Path) -> list[int]:
+    from finetune_support import FINETUNE_RUN
+
+    lines = (volume / "runs" / FINETUNE_RUN / "logs" / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line)["step"] for line in lines]
+
+
 def stop_during_the_generation_eval_at(trainer, step: int) -> None:
     """A SIGTERM between the generation eval's first and second answer at `step`. Its prompts are read
     whole before the first answer (the stop tokens come from their reference answers), so the stop comes
@@ -227,6 +234,9 @@ def test_a_stop_during_a_finetunes_generation_eval_is_resumed_the_same_way(
     second = finetuner("stopped")
     second.train()
     assert metrics("stopped") == metrics("uninterrupted")
+    assert (
+        logged_steps(tmp_path / "stopped") == logged_steps(tmp_path / "uninterrupted") == [1, 2, 3, 4, 5, 6]
+    ), "one row per step: step 3's eval, run after the resume, joins the row step 3 logged before the stop"
     assert set(metrics("uninterrupted")[3]) >= {"eval_loss", "eval_cer"}, "the generation eval ran at step 3"
     resumed, expected = trained(second), trained(uninterrupted)
     assert resumed and all(torch.equal(resumed[name], expected[name]) for name in expected)

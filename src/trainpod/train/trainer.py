@@ -435,7 +435,7 @@ class Trainer:
             p = self.progress
             score = (self.ranked_metric, p.last_score) if p.last_score_step == step else None
             self.store.record_eval(step, p.last_eval_loss, score)
-        self.reporter.log_step(metrics)
+        self.reporter.log_step(metrics, into_its_row=True)
         self._write_status("running", metrics)
 
     def _evaluate(self, model: torch.nn.Module, step: int) -> float:

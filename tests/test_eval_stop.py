@@ -283,6 +283,36 @@ def test_the_checkpoint_of_a_step_whose_eval_a_stop_interrupted_is_ranked_by_tha
     assert ranked("stopped") == expected, "step 3's eval, run after the resume, ranks its checkpoint too"
 
 
+def test_a_stop_during_the_last_steps_eval_leaves_status_json_showing_that_steps_loss(
+    tmp_path: Path, finetune_base_volume: Path
+):
+    """Stopped in the eval of the last step, the resumed run trains no step: it runs that eval and ends. Its
+    status.json showed the eval alone, loss null, where an uninterrupted run shows the last step's loss."""
+    from finetune_support import FINETUNE_RUN
+
+    def finetuner(name: str):
+        volume = tmp_path / name
+        if not volume.exists():
+            shutil.copytree(finetune_base_volume, volume)
+        return generation_eval_finetuner(volume)
+
+    def status(name: str) -> dict:
+        return json.loads((tmp_path / name / "runs" / FINETUNE_RUN / "status.json").read_text())
+
+    finetuner("uninterrupted").train()
+    first = finetuner("stopped")
+    stop_during_the_generation_eval_at(first, 6)
+    with pytest.raises(Preempted):
+        first.train()
+    finetuner("stopped").train()
+    shown = ("step", "loss", "lr", "eval_loss", "eval_metrics")
+    assert status("stopped")["loss"] is not None
+    assert {key: status("stopped")[key] for key in shown} == {
+        key: status("uninterrupted")[key] for key in shown
+    }
+    assert logged_steps(tmp_path / "stopped") == [1, 2, 3, 4, 5, 6]
+
+
 class _StopWhenRead(list):
     """A rank's eval windows: the stop is asked for (on this rank alone) as the second one is read, in
     an eval where `now()` holds. Slicing gives a plain list (the compiled eval graph's warm-up reads one)."""

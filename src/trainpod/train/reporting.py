@@ -126,17 +126,19 @@ class RunReporter:
         except (FileNotFoundError, ValueError, TypeError):
             return []
 
-    def log_step(self, metrics: dict[str, Any], into_its_row: bool = False) -> None:
-        """`into_its_row`: an eval of a step logged already (the step a run resumed from, whose eval a stop
-        interrupted) joins that step's row of metrics.jsonl, as an uninterrupted run logs a step and its eval
-        in one row; a second row read as a duplicate step."""
+    def log_step(self, metrics: dict[str, Any], into_its_row: bool = False) -> dict[str, Any]:
+        """Log `metrics` and return the row metrics.jsonl holds for their step. `into_its_row`: an eval of a
+        step logged already (the step a run resumed from, whose eval a stop interrupted) joins that step's
+        row, as an uninterrupted run logs a step and its eval in one row; a second row read as a duplicate
+        step."""
         if not self.enabled:
-            return
+            return metrics
         step = metrics["step"]
         if metrics.get("eval_loss") is not None:
             self.last_eval_loss = metrics["eval_loss"]
         log.info(self.progress_line(metrics))
-        if not (into_its_row and self._joined_to_its_row(metrics)):
+        row = self._joined_to_its_row(metrics) if into_its_row else None
+        if row is None:
             with open(self.metrics_path, "a", encoding="utf-8") as f:
                 f.write(json.dumps(metrics) + "\n")
         for key, value in metrics.items():
@@ -144,19 +146,20 @@ class RunReporter:
                 self._tb.add_scalar(_tensorboard_tag(key), value, step)
         if self.tracker is not None:
             self.tracker.log(metrics, step)
+        return row or metrics
 
-    def _joined_to_its_row(self, metrics: dict[str, Any]) -> bool:
+    def _joined_to_its_row(self, metrics: dict[str, Any]) -> dict[str, Any] | None:
         """Rewrite metrics.jsonl with `metrics` joined to the last row when that row is of the same step and
-        has no eval yet; False (nothing written) otherwise."""
+        has no eval yet, and return the joined row; None (nothing written) otherwise."""
         if not self.metrics_path.exists():
-            return False
+            return None
         logged = self._logged_lines()
         if not logged or logged[-1][1]["step"] != metrics["step"] or "eval_loss" in logged[-1][1]:
-            return False
-        evaluated = {key: value for key, value in metrics.items() if key != "step"}
-        lines = [line for line, _ in logged[:-1]] + [json.dumps(evaluated | logged[-1][1])]
+            return None
+        row = {key: value for key, value in metrics.items() if key != "step"} | logged[-1][1]
+        lines = [line for line, _ in logged[:-1]] + [json.dumps(row)]
         atomic.write_text(self.metrics_path, "".join(line + "\n" for line in lines))
-        return True
+        return row
 
     def _latest_eval_metrics(self, step: int, metrics: dict[str, Any]) -> dict[str, Any]:
         """Generation metrics (eval_cer, eval_wer, ...) of the latest eval that measured them, with its step:

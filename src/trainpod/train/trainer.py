@@ -435,8 +435,8 @@ class Trainer:
             p = self.progress
             score = (self.ranked_metric, p.last_score) if p.last_score_step == step else None
             self.store.record_eval(step, p.last_eval_loss, score)
-        self.reporter.log_step(metrics, into_its_row=True)
-        self._write_status("running", metrics)
+        # status.json shows the step's whole row (its loss too, logged before the stop), as after an eval in a run
+        self._write_status("running", self.reporter.log_step(metrics, into_its_row=True))
 
     def _evaluate(self, model: torch.nn.Module, step: int) -> float:
         self.eval_metrics = {}

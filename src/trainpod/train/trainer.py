@@ -741,7 +741,8 @@ class Trainer:
         return {
             "step": self.progress.step,
             "tokens_seen": self.progress.tokens_seen,
-            "loss": self.progress.last_loss,
+            # a checkpoint from before progress carried the loss has it in the resumed log line alone
+            "loss": self.progress.last_loss if self.progress.last_loss is not None else metrics.get("loss"),
             "eval_loss": self.progress.last_eval_loss,
             "best_eval_loss": self.progress.best_eval_loss,
             "tokens_per_s": metrics.get("tokens_per_s"),

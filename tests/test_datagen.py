@@ -876,7 +876,6 @@ def test_a_stop_while_a_resume_reads_past_its_committed_documents_ends_it_there(
     # A resume reads the documents its committed shards hold without encoding them: on a large corpus
     # (a hub stream) minutes with no batch to look at the stop flag after, so a SIGTERM ran on into the
     # SIGKILL with the dataset's lease held, which a new pod on another host then waited out (90 s).
-    import trainpod.data.datagen as datagen
     import trainpod.data.split_writer as split_writer
 
     real_write_shard = split_writer.write_shard
@@ -895,18 +894,7 @@ def test_a_stop_while_a_resume_reads_past_its_committed_documents_ends_it_there(
     assert resume_at > 100, "the first run should commit shards past the first hundred documents"
 
     watch = PreemptionWatch()
-    read_after_the_stop = []
-    real_iter_documents = datagen.iter_documents
-
-    def stopped_while_skipping(*args):
-        for index, document in enumerate(real_iter_documents(*args)):
-            if watch.requested:
-                read_after_the_stop.append(index)
-            elif index == 50:
-                watch.request("SIGTERM")
-            yield document
-
-    monkeypatch.setattr(datagen, "iter_documents", stopped_while_skipping)
+    read_after_the_stop = stop_at_document(monkeypatch, watch, 50)
     with pytest.raises(Preempted, match="run it again"):
         run_datagen(make_config(), volume, watch)
     assert len(read_after_the_stop) <= 1, (
@@ -925,19 +913,9 @@ def test_a_stop_while_the_tokenizer_reads_its_training_documents_ends_it_there(v
     # dataset's and the tokenizer's leases held, which a new pod on another host then waited out (90 s).
     import trainpod.data.datagen as datagen
 
-    watch = PreemptionWatch()
-    read_after_the_stop = []
     real_iter_documents = datagen.iter_documents
-
-    def stopped_while_training(sources_, root):
-        for index, document in enumerate(real_iter_documents(sources_, root)):
-            if watch.requested:
-                read_after_the_stop.append(index)
-            elif index == 20:
-                watch.request("SIGTERM")
-            yield document
-
-    monkeypatch.setattr(datagen, "iter_documents", stopped_while_training)
+    watch = PreemptionWatch()
+    read_after_the_stop = stop_at_document(monkeypatch, watch, 20)
     with pytest.raises(Preempted, match="run it again"):
         run_datagen(make_config(), volume, watch)
     assert len(read_after_the_stop) <= 1, (
@@ -967,3 +945,23 @@ def test_a_stop_that_came_while_the_lease_was_taken_over_trains_no_tokenizer(vol
         run_datagen(make_config(), volume, watch)
     assert not volume.tokenizer("stories").exists()
     assert [p.name for p in volume.root.glob("*/.*LEASE")] == [], "both leases are released"
+
+
+def stop_at_document(monkeypatch, watch: PreemptionWatch, at: int) -> list[int]:
+    """Datagen's documents, with a stop asked for as document `at` is read; returns the list the indexes of
+    documents read after the stop go into (a reader that looks at the stop flag reads at most one more)."""
+    import trainpod.data.datagen as datagen
+
+    real_iter_documents = datagen.iter_documents
+    read_after_the_stop: list[int] = []
+
+    def stopped_there(*args):
+        for index, document in enumerate(real_iter_documents(*args)):
+            if watch.requested:
+                read_after_the_stop.append(index)
+            elif index == at:
+                watch.request("SIGTERM")
+            yield document
+
+    monkeypatch.setattr(datagen, "iter_documents", stopped_there)
+    return read_after_the_stop

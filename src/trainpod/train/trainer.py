@@ -208,6 +208,29 @@ class Trainer:
         rename into place runs inside `abandoning_export()`, the rename inside `publishing_export()`."""
         raise NotImplementedError
 
+    @contextlib.contextmanager
+    def abandoning_setup(self) -> Iterator[None]:
+        """Where a stop signal ends the setup of a start (the model's load and wrapping, the checkpoint's read) at
+        once with Preempted, exit 143: nothing of this start is committed yet, and the next start sets up again.
+        Answered at the first step, a load of minutes (a large model read from the network volume, quantized
+        on load) met the SIGKILL with the run's lease held, which a new pod on another host waited out.
+
+        One rank only: under several, the setup holds collectives (barriers, the broadcast of the checkpoint
+        to resume, FSDP's wrap) that a rank leaving alone would leave the others waiting in; the ranks stop
+        together at the first step boundary, as before.
+        """
+        if self.dist.world_size > 1:
+            yield
+            return
+        try:
+            with self.ctx.watch.abandoning():
+                yield
+        except WorkAbandoned:
+            raise Preempted(
+                f"stopped by {self.ctx.watch.signal_name} during the setup, before this start trained a step; "
+                "the next start sets up again"
+            ) from None
+
     def abandoning_export(self) -> contextlib.AbstractContextManager[None]:
         """Where a stop signal ends rank 0's writes of the final export at once (PreemptionWatch.abandoning);
         the last step is committed already, so the next start loads it and makes the export again. Run on, an
@@ -238,7 +261,8 @@ class Trainer:
             return 0
         path = self.store.root / f"step-{step}"
         try:
-            state = self._load_committed(path)
+            with self.abandoning_setup():
+                state = self._load_committed(path)
         except (FileNotFoundError, KeyError, TypeError, ValueError) as exc:
             raise checkpoint_misfit(path, exc) from None
         self.last_committed_step = step

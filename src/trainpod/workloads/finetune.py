@@ -144,7 +144,8 @@ class Finetuner(Trainer):
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.base_dir), local_files_only=True)
         self._setup_data()
         self._check_held_out_samples()
-        self._setup_model()
+        with self.abandoning_setup():  # the model's load, minutes for a large one
+            self._setup_model()
         self._set_max_steps()
 
     def _resolve_attention(self, packing: bool) -> str:

@@ -208,10 +208,11 @@ def _run_in_run_folder(workload: Workload, ctx: RunContext, config: Any, rank: i
             return ExitCode.DONE
         _remove_leftovers(run)
         if int(os.environ.get("WORLD_SIZE", "1")) == 1:
-            # The final export stopped in one long write (Trainer.abandoning_export; the signal's handler waits
-            # for it) ends as a conversion's task does: the lease released from a thread and exit 143.
+            # The setup or the final export stopped in one long C call (Trainer.abandoning_setup, abandoning_export;
+            # the signal's handler waits for it) ends as a conversion's task does: the lease released from a
+            # thread and exit 143.
             ctx.watch.last_resort = lambda: _release_and_exit_preempted(
-                ctx.lease, "stopped by a signal in one long write of the export", run.status
+                ctx.lease, "stopped by a signal in one long call of the setup or the export", run.status
             )
         else:
             # Under several ranks the export is a collective that runs on to its end after a stop: the lease

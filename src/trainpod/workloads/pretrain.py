@@ -71,7 +71,8 @@ class Pretrainer(Trainer):
         super().__init__(ctx, config, config.checkpoint, t.max_steps, t.log_every, t.eval_every, dist)
         self.train_cfg = t
         self._setup_data()
-        self._setup_model()
+        with self.abandoning_setup():  # the model's load, minutes for a large one
+            self._setup_model()
 
     # ------------------------------------------------------------------------------- setup
     def _setup_data(self) -> None:

@@ -140,6 +140,25 @@ class PreemptionWatch:
         finally:
             thread.close()
 
+    @contextlib.contextmanager
+    def ended_when_stuck(self, action: Callable[[], None]) -> Iterator[None]:
+        """Inside, `action` runs from a thread LAST_RESORT_SHARE of the window after a stop signal, unless the
+        work leaves first; it must end the process (release what it holds, exit 143).
+
+        For work that answers a stop itself wherever it comes back to Python (it polls `requested`), but
+        may be inside one long C call when the stop comes: the tokenizers library's BPE merges, tens of
+        seconds on a large corpus after the last document is read, during which the signal's handler
+        never runs. Look at `requested` once inside: a stop that came before is not the thread's.
+        """
+        if not _in_main_thread():
+            yield
+            return
+        thread = _AtStopSignal(self, self.window_seconds * LAST_RESORT_SHARE, action)
+        try:
+            yield
+        finally:
+            thread.close()
+
     def request(self, name: str = "request") -> None:
         """Ask for a stop as if a signal had arrived (used by the budget check and by tests)."""
         if self.signal_time is None:

@@ -60,10 +60,24 @@ def one_writer(folder: Path, what: str) -> Iterator[Lease]:
     folder.parent.mkdir(parents=True, exist_ok=True)
     lease = Lease(sibling_lease(folder), FOLDER_LEASE_TTL_S, what=f"{what} {folder.name}")
     lease.acquire()
+    _folder_leases_held.append(lease)
     try:
         yield lease
     finally:
+        _folder_leases_held.remove(lease)
         lease.release()
+
+
+_folder_leases_held: list[Lease] = []  # one_writer's, innermost last
+
+
+def release_folder_leases() -> None:
+    """Let every lease one_writer holds in this process go, from any thread: the process exits right after
+    (a stop that came in one long C call, PreemptionWatch.ended_when_stuck), and a new pod on another host
+    would otherwise wait out their TTL."""
+    for lease in reversed(list(_folder_leases_held)):
+        lease.release()
+        log.warning("released the lease of the %s at the stop", lease.what)
 
 
 def lease_lost(folder: Path) -> TemporaryError:

@@ -11,6 +11,7 @@ One datagen writes a dataset at a time: it holds `datasets/.<name>.LEASE` while 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
@@ -26,15 +27,15 @@ import numpy as np
 
 from trainpod.atomic import read_json, write_json
 from trainpod.checkpoint import Lease
-from trainpod.checkpoint.lease import lease_lost, one_writer
+from trainpod.checkpoint.lease import lease_lost, one_writer, release_folder_leases
 from trainpod.config.datagen import DatagenConfig
 from trainpod.data.encoding import BatchEncoder
 from trainpod.data.shards import HEADER_BYTES, shard_header, token_dtype
 from trainpod.data.sources import check_sources, describe_sources, iter_documents
 from trainpod.data.split_writer import SplitProgress, SplitWriter
 from trainpod.data.tokenizer import TOKENIZER_FILE, TokenizerInfo, prepare_tokenizer
-from trainpod.errors import InputError, Preempted, TemporaryError
-from trainpod.preemption import PreemptionWatch
+from trainpod.errors import ExitCode, InputError, Preempted, TemporaryError
+from trainpod.preemption import PreemptionWatch, exit_now_when_preempted
 from trainpod.volume import Volume
 
 log = logging.getLogger(__name__)
@@ -98,17 +99,34 @@ def _tokenizer(config: DatagenConfig, volume: Volume, watch: PreemptionWatch | N
     documents = itertools.islice(
         iter_documents(config.sources, volume.root), config.tokenizer.max_train_documents
     )
-    if watch is not None:
-        # Before the tokenizer's lease, whose takeover after a kill waits 2 s more (TAKEOVER_SETTLE_S).
-        _raise_if_stopped(watch, "before the tokenizer")
-        documents = _until_stopped(documents, watch)
-    return prepare_tokenizer(
-        config.tokenizer,
-        volume.tokenizer(config.tokenizer_name),
-        volume.root,
-        documents,
-        config.output_settings(),
+    # After the last document the library merges in one Rust call (tens of seconds on a large corpus) where
+    # no stop is seen: a thread then lets the dataset's and the tokenizer's leases go and exits 143.
+    stuck = (
+        contextlib.nullcontext()
+        if watch is None
+        else watch.ended_when_stuck(_release_leases_and_exit_preempted)
     )
+    with stuck:
+        if watch is not None:
+            # Before the tokenizer's lease, whose takeover after a kill waits 2 s more (TAKEOVER_SETTLE_S).
+            _raise_if_stopped(watch, "before the tokenizer")
+            documents = _until_stopped(documents, watch)
+        return prepare_tokenizer(
+            config.tokenizer,
+            volume.tokenizer(config.tokenizer_name),
+            volume.root,
+            documents,
+            config.output_settings(),
+        )
+
+
+def _release_leases_and_exit_preempted() -> None:
+    log.warning(
+        "datagen stopped by a signal while the tokenizer trained in one long call; publishing nothing more"
+    )
+    release_folder_leases()
+    log.warning("exiting %d", ExitCode.PREEMPTED)
+    exit_now_when_preempted(ExitCode.PREEMPTED)
 
 
 def _until_stopped(documents: Iterator[str], watch: PreemptionWatch) -> Iterator[str]:

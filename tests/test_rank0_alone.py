@@ -23,6 +23,7 @@ import pytest
 from trainpod.errors import ExitCode
 from trainpod.launch import _free_port
 
+from finetune_support import FINETUNE_RUN, finetune_args
 from support import RUN, TINY_PRETRAIN, child_env, run_trainpod
 
 pytestmark = pytest.mark.slow
@@ -70,6 +71,16 @@ if slow == "commit" and rank == "0":
 
     CheckpointWriter.commit = slow_commit
 
+if slow == "sft" and rank == "0":
+    import trainpod.workloads.finetune as finetune
+
+    real_prepare = finetune.prepare_sft
+
+    def slow_prepare(*args, **kwargs):
+        time.sleep(float(os.environ["SLOW_S"]))
+        return real_prepare(*args, **kwargs)
+
+    finetune.prepare_sft = slow_prepare
 """
 
 PRETRAIN = (
@@ -123,6 +134,21 @@ def test_a_synchronous_commit_that_outlasts_the_process_group_timeout_lets_the_t
         f"rank 1 must wait for rank 0's commit however long it takes, not abort in a collective:\n{out}"
     )
     assert sorted(p.name for p in (run / "checkpoints").glob("step-*")) == ["step-2", "step-4"], out
+
+
+def test_an_sft_data_build_on_rank_0_that_outlasts_the_process_group_timeout_lets_the_finetune_start(
+    tmp_path: Path, finetune_base_volume: Path
+) -> None:
+    """Rank 0 tokenizes the SFT data (minutes for a large dataset) while the other ranks wait to read it."""
+    volume = tmp_path / "volume"
+    shutil.copytree(finetune_base_volume, volume)
+    args = finetune_args("--set", "train.max_steps=2", "--set", "train.eval_every=0", method="lora")
+    result = run_slowed(tmp_path, volume, args, "sft")
+    out = result.stdout + result.stderr
+    assert result.returncode == ExitCode.DONE, (
+        f"rank 1 must wait for rank 0's SFT data build however long it takes, not abort in a collective:\n{out}"
+    )
+    assert (volume / "runs" / FINETUNE_RUN / "export" / "adapter").is_dir(), out
 
 
 # Two ranks in `main_alone` with short beats: rank 0 works argv[3] s alone (beating every argv[1] s) while

@@ -98,6 +98,14 @@ def test_an_opt_model_reading_positions_from_the_mask_is_refused_exit_2_naming_t
     assert leak(model, flatten, precision) > 2 * LEAK_LIMIT
 
 
+def test_a_leak_under_flex_attention_names_sdpa_as_the_fix_before_unpacking():
+    # flex attention leaked on an H100 (bench/results/gpu-2026-11-27/qlora-32b.json) where SDPA's
+    # block-diagonal mask is the kit's default: the cheaper fix is the other attention, not losing packing.
+    with pytest.raises(InputError) as refused:
+        refuse(tiny("opt"), "flex_attention")
+    assert str(refused.value).endswith("set base_model.attention=sdpa or data.packing=false")
+
+
 def test_a_mamba_hybrid_carrying_its_state_along_the_row_is_refused_without_the_list():
     model = tiny("bamba")
     with pytest.raises(InputError, match=r"\(bamba, attention eager\).*set data.packing=false"):

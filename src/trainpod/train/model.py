@@ -29,21 +29,27 @@ FLASH_ATTN_MAX_HEAD_DIM = 256  # flash-attn 2's kernels stop at 256 dimensions p
 def resolve_attention(
     requested: str,
     device: torch.device,
-    packed: bool = False,
     field: str = "train.attention",
     head_dim: int | None = None,
     supported: set[str] | None = None,
 ) -> str:
-    """flash-attn 2 on a GPU where it is installed and the heads fit its kernels; else, for packed rows on
-    a GPU, flex attention (its block mask skips the blocks across sample boundaries, where SDPA would get a
-    dense mask); else SDPA. flash_attention_2 asked for (in `field`) where it cannot run is an InputError
+    """flash-attn 2 on a GPU where it is installed and the heads fit its kernels; else SDPA, packed rows
+    included (transformers gives it a block-diagonal mask built from the restarting position ids).
+    flash_attention_2 asked for (in `field`) where it cannot run is an InputError
     (exit 2): transformers raised ImportError building the model (or flash-attn at the first step), a
     crash at every start.
 
     `supported`: the implementations the model class declares (`supported_attention`; None: unknown).
     `auto` picks among them (SDPA, else flex attention on a GPU, else eager: Gemma 2 and gpt-oss have
     no SDPA); one asked for that the model lacks is an InputError, where transformers raised ValueError
-    loading the model at every start."""
+    loading the model at every start.
+
+    Packed rows once got flex attention on a GPU without flash-attn (its block mask skips the blocks across
+    samples, where SDPA computes them and masks them out), but on the first GPU it met (an H100, torch
+    2.11 with transformers 5.17, 2026-11-27) the packing probe (sft/packing_probe.py) measured a packed
+    Qwen2 sample moving 1.40 of its spread from itself alone under flex attention, 35x the rounding noise,
+    and refused every packed finetune on that image: flex attention is now only used where asked for (or
+    where the model has no SDPA), and the probe still measures it."""
     if supported is not None and requested != "auto" and requested not in supported:
         raise InputError(
             f"{field}={requested}: the model does not implement it (it implements {', '.join(sorted(supported))}); "
@@ -71,8 +77,6 @@ def resolve_attention(
 
     if flash_attn and not too_wide and implemented("flash_attention_2"):
         return "flash_attention_2"
-    if device.type == "cuda" and packed and implemented("flex_attention"):
-        return "flex_attention"
     if implemented("sdpa"):
         return "sdpa"
     if device.type == "cuda" and implemented("flex_attention"):

@@ -140,7 +140,7 @@ class Finetuner(Trainer):
         self.base_attention = supported_attention(self.base_dir, config.base_model)
         if config.data.use_packing:  # before the SFT data is prepared; a datagen dataset's own packing: later
             refuse_packing_that_mixes_samples(self.base_dir, self.packing_asked_by)
-        self.attention = self._resolve_attention(config.data.use_packing)
+        self.attention = self._resolve_attention()
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.base_dir), local_files_only=True)
         self._setup_data()
         self._check_held_out_samples()
@@ -148,11 +148,10 @@ class Finetuner(Trainer):
             self._setup_model()
         self._set_max_steps()
 
-    def _resolve_attention(self, packing: bool) -> str:
+    def _resolve_attention(self) -> str:
         return resolve_attention(
             self.cfg.base_model.attention,
             self.dist.device,
-            packing,
             "base_model.attention",
             supported=self.base_attention,
         )
@@ -194,7 +193,6 @@ class Finetuner(Trainer):
         packing = data_cfg.use_packing
         if data_cfg.packing is None and data_cfg.dataset is not None:  # the datagen config's sft.packing
             packing = bool(self.data.manifest.get("packing", False))
-            self.attention = self._resolve_attention(packing)
             if packing:
                 refuse_packing_that_mixes_samples(self.base_dir, self.packing_asked_by)
         t = self.train_cfg

@@ -200,6 +200,12 @@ def _qlora_speed_part(volume: Path, preset: str | None, dry: bool) -> dict[str, 
     return qlora_speed(volume, dry)
 
 
+def _packing_part(volume: Path, preset: str | None, dry: bool) -> dict[str, Any]:
+    from gpu_finetune import packing_attention
+
+    return packing_attention(volume, dry)
+
+
 def _vlm_generation_part(volume: Path, preset: str | None, dry: bool) -> dict[str, Any]:
     from gpu_finetune import vlm_generation
 
@@ -216,6 +222,9 @@ PARTS: dict[str, tuple[Part, list[str] | None, list[str] | None]] = {
     "checkpoint": (_checkpoint_part, ["125m"], ["125m"]),
     "qlora-32b": (_qlora_32b_part, None, None),
     "qlora-speed": (_qlora_speed_part, None, None),
+    # Why the packing probe refused flex attention on the first H100 (qlora-32b, 2026-11-27): each attention
+    # on packed rows of the probe's sizes and others, no target. Seconds.
+    "packing": (_packing_part, None, None),
     "memory": (_memory_part, ["125m", "1b", "2b", "4b"], ["125m"]),
     "gpu-tests": (_gpu_tests_part, None, None),
     "vlm-generation": (_vlm_generation_part, None, None),

@@ -174,6 +174,60 @@ def qlora_speed(volume: Path, dry: bool) -> dict[str, Any]:
     }
 
 
+# Qwen2.5-32B's heads (40 of 128 dimensions, 8 KV heads: a head count no power of two, which transformers'
+# flex attention meets with repeated KV heads) on a small model; and a power-of-two head count beside it.
+PACKING_SHAPES = {
+    "40 heads": {"hidden_size": 5120, "num_attention_heads": 40, "num_key_value_heads": 8},
+    "32 heads": {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8},
+}
+PACKING_ROWS = ((32, 32), (128, 128), (100, 28))  # the probe's own sizes; whole flex blocks; uneven
+
+
+def packing_attention(volume: Path, dry: bool) -> dict[str, Any]:
+    """How far a packed sample moves from itself alone (the packing probe's measure, sft/packing_probe.py)
+    under each attention the kit can pick, in bf16 on this device: the qlora-32b part's profile when the
+    probe refuses its packing. No target: above the probe's limit is a leak, near 0.01 is rounding."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from trainpod.sft.packing_probe import LEAK_LIMIT, _moved
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    attentions = ("sdpa", "eager") if dry else ("sdpa", "flex_attention", "eager")
+    shapes = {"dry": DRY_SHAPES} if dry else PACKING_SHAPES
+    generator = torch.Generator().manual_seed(0)
+    out: dict[str, Any] = {"limit": LEAK_LIMIT, "dtype": str(dtype), "moved": {}}
+    for label, shape in shapes.items():
+        config = Qwen2Config(
+            **{
+                **DRY_SHAPES,
+                **shape,
+                "num_hidden_layers": 2,
+                "intermediate_size": 4 * shape["hidden_size"] // 3,
+            },
+            use_cache=False,
+        )
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = Qwen2ForCausalLM(config).to(dtype).eval()
+        for attention in attentions:
+            model.set_attn_implementation(attention)
+            for first, second in PACKING_ROWS:
+                ids = torch.randint(0, config.vocab_size, (1, first + second), generator=generator).to(device)
+                positions = torch.cat([torch.arange(first), torch.arange(second)])[None].to(device)
+                key = f"{label}, {attention}, {first}+{second}"
+                try:
+                    with torch.no_grad():
+                        packed = model(input_ids=ids, position_ids=positions).logits.float()[0, first:]
+                        alone = model(input_ids=ids[:, first:]).logits.float()[0]
+                    out["moved"][key] = _moved(packed, alone)
+                except Exception as exc:  # one attention failing says as much as its figure
+                    out["moved"][key] = f"{type(exc).__name__}: {exc}"[:200]
+        del model
+        _free()
+    return out
+
+
 # Qwen3-VL-2B-Instruct's shapes as its config.json gives them (language model: 28 layers x 2048, MLP 6144,
 # 16 heads, 8 KV heads, 151,936 tokens; vision tower: 24 blocks x 1024, MLP 4096, 16 heads), built as a
 # Qwen2-VL (tests/vlm_support.py): no DeepStack, 14-pixel patches; the decode and step costs are the

@@ -144,13 +144,15 @@ def timed_steps(trainer: Pretrainer, model: torch.nn.Module, first: int, count: 
 def throughput(volume: Path, preset: str, dry: bool) -> dict[str, Any]:
     """Steady-state tokens/s and MFU after warm-up; compile, eval and commit time reported apart."""
     warmup, measured = (1, 3) if dry else (5, 20)
-    config = preset_config(preset, dry, f"train.max_steps={warmup + measured + 2}")
+    config = preset_config(preset, dry, f"train.max_steps={warmup + measured + 3}")
     trainer = make_trainer(volume, config)
     model = trainer.wrap_for_training()
     model.train()
     first_step = timed_steps(trainer, model, 1, 1)[0]  # compiles, when compile is on
     warm = timed_steps(trainer, model, 2, warmup - 1) if warmup > 1 else []
     steady = timed_steps(trainer, model, warmup + 1, measured)
+    # After the timed window, so the profiler's own cost stays out of the figures above.
+    profile = profile_steps(trainer, model, warmup + measured + 1, 2)
     eval_started = time.perf_counter()
     trainer.evaluate(model, warmup + measured)
     _sync()
@@ -177,6 +179,72 @@ def throughput(volume: Path, preset: str, dry: bool) -> dict[str, Any]:
         "mfu": tokens / step_s * trainer.flops_per_token / peak if peak else None,
         "eval_s": eval_s,
         "commit_s": commit_s,
+        "profile": profile,
+    }
+
+
+# Where a step's device time goes, by kernel (or, on CPU, operator) name: the first pattern that a name
+# contains decides. Attention before matmul (flash kernels hold "gemm"-like names of their own), the loss
+# before the generic fused kernels inductor names after their ops.
+PROFILE_CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn_mha")),
+    ("optimizer", ("adam", "multi_tensor_apply", "_foreach")),
+    ("loss", ("cross_entropy", "log_softmax", "logsumexp", "nll_loss")),
+    (
+        "matmul",
+        ("gemm", "xmma", "cutlass", "nvjet", "cublas", "aten::mm", "aten::addmm", "aten::bmm", "_mm_", "mm_"),
+    ),
+    ("communication", ("nccl",)),
+    ("memory copy", ("memcpy", "memset", "aten::copy_")),
+)
+
+
+def kernel_category(name: str) -> str:
+    lowered = name.lower()
+    return next(
+        (label for label, needles in PROFILE_CATEGORIES if any(n in lowered for n in needles)), "other"
+    )
+
+
+def profile_steps(trainer: Pretrainer, model: torch.nn.Module, first: int, count: int) -> dict[str, Any]:
+    """torch.profiler over `count` steps: the device time per step by category and the top kernels, and how
+    much of the step's wall time the device was busy (a low share: the host or launches hold it back).
+    A profiler failure is recorded, never raised: the unit's timed figures stand without it."""
+    try:
+        return _profile_steps(trainer, model, first, count)
+    except Exception as exc:  # the profile explains a figure; it must not cost the figure
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def _profile_steps(trainer: Pretrainer, model: torch.nn.Module, first: int, count: int) -> dict[str, Any]:
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    with profile(activities=activities) as prof:
+        wall = sum(timed_steps(trainer, model, first, count))
+    times: dict[str, float] = {}
+    for event in prof.key_averages():
+        if cuda and event.device_type != DeviceType.CUDA:
+            continue  # on a GPU, kernels alone: the CPU ops that launched them would count twice
+        seconds = (event.self_device_time_total if cuda else event.self_cpu_time_total) / 1e6
+        if seconds > 0:
+            times[event.key] = times.get(event.key, 0.0) + seconds
+    busy = sum(times.values())
+    by_category: dict[str, float] = {}
+    for name, seconds in times.items():
+        category = kernel_category(name)
+        by_category[category] = by_category.get(category, 0.0) + seconds
+    top = sorted(times.items(), key=lambda item: item[1], reverse=True)[:15]
+    return {
+        "steps": count,
+        "timer": "device kernels" if cuda else "CPU operators (self time)",
+        "wall_s_per_step": wall / count,
+        "busy_s_per_step": busy / count,
+        "busy_share_of_wall": busy / wall if wall else None,
+        "share_by_category": {k: v / busy for k, v in sorted(by_category.items(), key=lambda kv: -kv[1])},
+        "top": [{"name": name[:160], "s_per_step": t / count, "share": t / busy} for name, t in top],
     }
 
 

@@ -83,10 +83,17 @@ def target_rows(results: Path, targets: dict[str, float], memory_presets: list[s
     for preset in memory_presets:
         unit = _load(results, f"memory-{preset}")
         measured, estimate = (unit or {}).get("peak_allocated_bytes"), (unit or {}).get("estimate_bytes")
+        current = _estimate_now(preset, dry) if measured else None
+        then = (
+            f" (this tree's estimate; {estimate / GB:.1f} GB when measured)" if estimate and current else ""
+        )
+        if current and estimate and round(current / GB, 1) == round(estimate / GB, 1):
+            then = ""
+        estimate = current or estimate
         if measured and estimate:
             error = abs(estimate - measured) / measured
             shown, ok = (
-                f"estimate {estimate / GB:.1f} GB vs peak {measured / GB:.1f} GB ({error:.0%} off)",
+                f"estimate {estimate / GB:.1f} GB{then} vs peak {measured / GB:.1f} GB ({error:.0%} off)",
                 error <= targets["estimate_error"],
             )
         else:
@@ -120,6 +127,48 @@ def target_rows(results: Path, targets: dict[str, float], memory_presets: list[s
     return rows
 
 
+def _estimate_now(preset: str, dry: bool) -> int | None:
+    """The preflight estimate of `preset` as this tree's train/memory.py makes it (no GPU needed), so a
+    peak measured once judges every later change of the estimate; None where it cannot be made."""
+    try:
+        from gpu_pretrain import preset_config
+
+        from trainpod.train.memory import estimate_training_memory
+
+        config = preset_config(preset, dry, "train.max_steps=4")
+        return estimate_training_memory(config, config.model.vocab_size or 32768).allocated
+    except Exception:  # the report still shows the estimate the run recorded
+        return None
+
+
+def _profile_line(preset: str, unit: dict[str, Any]) -> str | None:
+    profile = unit.get("profile")
+    if not profile:
+        return None
+    if "error" in profile:
+        return f"  - profile: failed ({profile['error'][:120]})"
+    shares = ", ".join(f"{name} {share:.0%}" for name, share in profile["share_by_category"].items())
+    top = "; ".join(f"{k['name'][:70]} {k['share']:.0%}" for k in profile["top"][:4])
+    busy = profile["busy_share_of_wall"]
+    return (
+        f"  - profile of {profile['steps']} steps ({profile['timer']}): busy {busy:.0%} of the step's wall time; "
+        f"{shares}. Top: {top}"
+    )
+
+
+def _packing_lines(unit: dict[str, Any] | None) -> list[str]:
+    if not unit or "moved" not in unit:
+        return [f"- packed rows per attention (the packing probe's measure): {_missing(unit) or 'failed'}"]
+    moved = "; ".join(
+        f"{key} {value:.3f}" if isinstance(value, float) else f"{key} failed ({value[:60]})"
+        for key, value in unit["moved"].items()
+    )
+    return [
+        f"- packed rows per attention, {unit['dtype']} (how far a packed sample moves from itself alone over "
+        f"its spread; the probe refuses above {unit['limit']}): {moved}"
+    ]
+
+
 def detail_lines(results: Path, units: list[tuple[str, str | None]]) -> list[str]:
     lines = []
     for part, preset in units:
@@ -134,6 +183,8 @@ def detail_lines(results: Path, units: list[tuple[str, str | None]]) -> list[str
                 f"first step (compile) {unit['first_step_s']:.1f} s; one eval {unit['eval_s']:.2f} s; one commit "
                 f"{unit['commit_s']:.2f} s; peak {unit['peak_flops'] or 0:.3g} FLOP/s used for MFU"
             )
+            lines += [line for line in [_profile_line(preset, unit)] if line]
+    lines += _packing_lines(_load(results, "packing"))
     lines += _vlm_generation_lines(_load(results, "vlm-generation"))
     tests = _load(results, "gpu-tests")
     if tests and "summary" in tests:

@@ -75,6 +75,13 @@ def test_dry_mode_runs_every_part_and_records_its_result(dry_results):
     assert all(env["packages"][name] for name in ("peft", "huggingface-hub", "typing-extensions", "pyarrow"))
     pretrain = json.loads((dry_results / "pretrain-125m.json").read_text())
     assert pretrain["tokens_per_s"] > 0 and len(pretrain["steady_step_s"]) == 3 and pretrain["mfu"] is None
+    profile = pretrain["profile"]  # where a missed MFU target's time goes, measured in the same unit
+    assert "error" not in profile, profile
+    assert sum(profile["share_by_category"].values()) == pytest.approx(1.0)
+    assert profile["share_by_category"]["matmul"] > 0 and profile["top"][0]["s_per_step"] > 0
+    packing = json.loads((dry_results / "packing.json").read_text())
+    assert {key.split(", ")[1] for key in packing["moved"]} == {"sdpa", "eager"}
+    assert all(moved < packing["limit"] / 10 for moved in packing["moved"].values()), packing["moved"]
     checkpoint = json.loads((dry_results / "checkpoint-125m.json").read_text())
     assert checkpoint["runs"]["every_k"]["commits"] == checkpoint["runs"]["none"]["commits"] + 2
     assert checkpoint["mode"] == "sync"  # what checkpoint.mode=auto is on CPU; the report said "auto"
@@ -115,6 +122,22 @@ def test_the_report_replaces_only_the_gpu_section_and_shows_every_target(dry_res
     for row in TARGET_ROWS:
         assert row in gpu, f"the GPU section lacks the {row!r} row"
     assert "VLM generation eval at configs/finetune/qwen3-vl-2b-qlora-ocr.yaml's settings" in gpu
+    assert "  - profile of 2 steps (CPU operators (self time)): busy" in gpu
+    assert "- packed rows per attention, torch.float32 (" in gpu and "dry, sdpa, 32+32 0.000" in gpu
+
+
+def test_profiled_kernels_are_put_in_the_category_their_names_give():
+    from gpu_pretrain import kernel_category
+
+    assert kernel_category("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64>>") == "attention"
+    assert kernel_category("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16") == "attention"
+    assert kernel_category("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64") == "matmul"
+    assert kernel_category("nvjet_tst_192x192_64x3_2x1_v_bz_coopA_TNT") == "matmul"
+    assert kernel_category("triton_tem_fused_mm_3") == "matmul"
+    fused_adam = "void at::native::multi_tensor_apply_kernel<FusedOptimizerTensorListMetadata<4>, FusedAdamMathFunctor>"
+    assert kernel_category(fused_adam) == "optimizer"
+    assert kernel_category("triton_red_fused__log_softmax_nll_loss_forward_7") == "loss"
+    assert kernel_category("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_2") == "other"
 
 
 def test_the_report_leaves_every_other_section_of_benchmarks_md_as_it_was(tmp_path):

@@ -91,6 +91,16 @@ def test_chunks_hold_64_mib_of_fp32_logits_and_at_least_one_row():
     assert rows_per_chunk(10**9) == 1
 
 
+def test_a_large_micro_batch_is_cut_into_at_most_16_chunks_of_at_most_512_mib():
+    # torch.compile unrolls the chunk loop: the 125m preset's 64 x 1024 tokens were 128 chunks of 512 rows
+    # and its first step compiled for 181 s on an H100's host, at every start of the run.
+    assert rows_per_chunk(32768, 64 * 1024) == 4096  # 16 chunks of 512 MiB
+    assert rows_per_chunk(32768, 16 * 1024) == 1024  # the 1b preset's micro-batch: 16 chunks, not 32
+    assert rows_per_chunk(32768, 1000) == 512  # never under 64 MiB a chunk
+    assert rows_per_chunk(152064, 8 * 4096) == 882  # Qwen's vocabulary: 512 MiB caps it at 38 chunks
+    assert rows_per_chunk(10**9, 10**6) == 1
+
+
 def tiny_llama(tie: bool) -> LlamaForCausalLM:
     torch.manual_seed(0)
     config = LlamaConfig(

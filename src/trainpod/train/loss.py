@@ -11,7 +11,8 @@ when gradients are wanted, the gradients of its hidden rows and of the head weig
 forward pass, as Liger-Kernel's fused linear cross-entropy does: no logits outlive their chunk,
 nothing is recomputed (the same three matmuls as the plain loss), and the backward only scales the
 stored gradients by the incoming one. What stays alive: one chunk's logits a few times over, the
-gradient of the hidden states (N x H) and of the head weight (V x H, accumulated in fp32).
+gradient of the hidden states (N x H) and of the head weight (V x H, accumulated in fp32). A micro-batch
+is cut into at most MAX_CHUNKS chunks, each between 64 and 512 MiB of fp32 logits (see MAX_CHUNKS).
 
 It is plain torch, so it runs on CPU, and torch.compile traces it with the model (see
 `CausalLMLoss`): inductor fuses each chunk's softmax, target pick and gradient into few kernels.
@@ -24,13 +25,26 @@ from __future__ import annotations
 import torch
 
 IGNORE_INDEX = -100  # targets with this value add nothing to the loss (padding, prompts in SFT)
-# fp32 logits of one chunk: 64 MiB is 512 rows at a 32k vocabulary, a matmul of 512 x width x 32768
-# that keeps a GPU busy, while 32 chunks of it stay far below the 2 GiB of one full fp32 logits copy.
+# fp32 logits of one chunk: at least 64 MiB (512 rows at a 32k vocabulary, a matmul of 512 x width x
+# 32768 that keeps a GPU busy), far below the 2 GiB of one full fp32 logits copy at 16 x 1024 tokens.
 CHUNK_LOGIT_BYTES = 64 * 2**20
+# torch.compile unrolls the chunk loop, and its compile time grows with the chunks: on this kit's 2-core
+# CPU a loss of 8, 32 and 128 chunks took 19, 68 and 289 s to compile; on an H100's host the 125m preset
+# (64 x 1024 tokens: 128 chunks of 512 rows) took 181 s for its first step against 78 s for the 1b (16 x
+# 1024 tokens a micro-batch: 32 chunks), at every start of a run, spot restarts included. A micro-batch is
+# therefore cut into at most this many chunks, as long as one chunk's fp32 logits stay under
+# MAX_CHUNK_LOGIT_BYTES; bigger chunks are also bigger, fewer matmuls on a GPU.
+MAX_CHUNKS = 16
+MAX_CHUNK_LOGIT_BYTES = 512 * 2**20
 
 
-def rows_per_chunk(vocab_size: int, chunk_bytes: int = CHUNK_LOGIT_BYTES) -> int:
-    return max(1, chunk_bytes // (4 * vocab_size))
+def rows_per_chunk(vocab_size: int, rows: int | None = None) -> int:
+    """Rows of each chunk of a loss over `rows` rows (None: the least a chunk takes) at `vocab_size`."""
+    least = max(1, CHUNK_LOGIT_BYTES // (4 * vocab_size))
+    if rows is None:
+        return least
+    most = max(least, MAX_CHUNK_LOGIT_BYTES // (4 * vocab_size))
+    return max(least, min(most, -(-rows // MAX_CHUNKS)))
 
 
 def linear_cross_entropy(
@@ -51,7 +65,7 @@ def linear_cross_entropy(
     if divisor is None:
         divisor = (targets != ignore_index).sum().clamp(min=1)
     divisor = torch.as_tensor(divisor, dtype=torch.float32, device=hidden.device)
-    rows = chunk_rows or rows_per_chunk(weight.shape[0])
+    rows = chunk_rows or rows_per_chunk(weight.shape[0], hidden.shape[0])
     compute_dtype = _compute_dtype(hidden)
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         return _LinearCrossEntropy.apply(hidden, weight, targets, divisor, ignore_index, rows, compute_dtype)

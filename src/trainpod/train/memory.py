@@ -206,7 +206,7 @@ def loss_bytes(shape: ModelShape, tokens: int, bf16: bool) -> int:
     grad_hidden = 4 * shape.hidden * tokens
     grad_head = 4 * shape.vocab * shape.hidden
     head_cast = c * shape.vocab * shape.hidden if bf16 else 0
-    chunk = 3 * 4 * min(tokens, rows_per_chunk(shape.vocab)) * shape.vocab
+    chunk = 3 * 4 * min(tokens, rows_per_chunk(shape.vocab, tokens)) * shape.vocab
     return final_norm + grad_hidden + grad_head + head_cast + chunk
 
 

@@ -18,6 +18,14 @@ travel with the repository, and --resume picks up from them):
     PYTHONPATH=/tmp/site:$PWD/src python3 bench/gpu_check.py --resume --deadline-s 540 --results bench/results/gpu-<date>
     tar czf $OUT/results.tgz --exclude='*/work' bench/results/gpu-<date>   # back to where the next call starts
 
+What the units took on an H100 (2026-11-27, bench/results/gpu-2026-11-27/, the seconds in each JSON): env
+13 s; pretrain-125m 206 s (181 s of it the first step's compile, since cut: the chunked loss's loop
+unrolled 128 times), pretrain-1b 154 s (78 s compile), checkpoint-125m 98 s, memory-125m 67 s, memory-1b
+49 s, memory-2b over 111 s; qlora-32b failed after 44 s. A lent machine gives a session 15 minutes in
+all, its start (a minute or two) included: two calls, the second on the still-warm machine (it waits
+30 s), with results kept outside the tree (`--results /tmp/gr`: a warm machine keeps /tmp and its
+compile caches, and --resume there skips what the first call finished); tar them back each call.
+
 Name the --results folder every call (the default is named from the machine's date, and a run across
 midnight UTC would start a new one) and leave each unit's work/ folder out of what comes back (a unit
 cut off by the call's limit leaves its scratch volume there, gigabytes for qlora-32b).

@@ -12,6 +12,9 @@ from pathlib import Path
 from typing import Any
 
 GB = 1e9
+# Written by hand beside a run's results (the calls made, what did not run and why, what the code changed
+# since); the report carries it under the figures, so a rewrite of the section keeps it.
+NOTES_FILE = "notes.md"
 
 
 def _load(results: Path, name: str) -> dict[str, Any] | None:
@@ -228,6 +231,9 @@ def section(results: Path, targets: dict[str, float], units: list[tuple[str, str
         *detail_lines(results, units),
         "",
     ]
+    notes = results / NOTES_FILE
+    if notes.exists():  # what the figures alone cannot say: the calls, what ran out, what changed since
+        lines += [notes.read_text().strip(), ""]
     return "\n".join(lines)
 
 

@@ -150,6 +150,13 @@ def test_the_report_leaves_every_other_section_of_benchmarks_md_as_it_was(tmp_pa
     assert text.startswith(before + "## GPU\n") and text.endswith(after) and "old placeholder" not in text
 
 
+def test_the_notes_beside_the_results_go_under_the_figures(tmp_path):
+    (tmp_path / "env.json").write_text(json.dumps({"ok": True, "gpu": "NVIDIA H100 80GB HBM3", "dry": False}))
+    (tmp_path / "notes.md").write_text("Two calls; the device time ran out before the VLM part.\n")
+    text = section(tmp_path, TARGETS, units(list(PARTS), dry=False))
+    assert text.index("| measure |") < text.index("Two calls; the device time ran out before the VLM part.")
+
+
 def test_a_failed_or_missing_unit_is_reported_as_such_never_as_a_number(tmp_path):
     (tmp_path / "env.json").write_text(json.dumps({"ok": True, "gpu": "NVIDIA H100 80GB HBM3", "dry": False}))
     (tmp_path / "pretrain-125m.json").write_text(json.dumps({"ok": False, "error": "CUDA out of memory"}))

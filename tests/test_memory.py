@@ -137,6 +137,19 @@ def test_preflight_refuses_a_config_too_big_for_the_gpu_naming_the_knobs(monkeyp
     assert "weights (fp32)" in str(refused.value)  # the breakdown comes with it
 
 
+def test_a_refusal_whose_peak_is_a_compiled_backward_that_accumulates_names_compile_and_accumulation(
+    monkeypatch,
+):
+    monkeypatch.setattr(memory, "visible_gpu_bytes", lambda: GPU_80GB)  # stands in for an 80 GB GPU
+    config = load_config(
+        PretrainConfig, PRESETS / "4b.yaml", ["train.optimizer=adamw", "train.micro_batch_size=2"]
+    )
+    with pytest.raises(InputError) as refused:
+        memory.check_fits(config, 32768)
+    assert "peak=end of the backward" in str(refused.value)
+    assert "train.compile=false or train.grad_accum_steps=1 (now 16)" in str(refused.value)
+
+
 def test_without_a_gpu_preflight_only_logs_the_estimate(caplog):
     config = load_config(
         PretrainConfig, PRESETS / "4b.yaml", ["train.optimizer=adamw", "train.micro_batch_size=64"]
@@ -175,6 +188,10 @@ def test_the_4b_preset_on_eight_gpus_is_sharded_by_auto_and_holds_a_third_of_a_r
         PretrainConfig, PRESETS / "4b.yaml", ["train.optimizer=adamw", "train.parallel=ddp"]
     )
     ddp = memory.estimate_training_memory(replicated, 32768, GPU_80GB, world_size=8)
-    assert ddp.total == one_gpu.total, (
+    assert ddp.parts["gradients (fp32)"] == one_gpu.parts["gradients (fp32)"], (
         "DDP's buckets are the gradients (gradient_as_bucket_view): no extra copy"
     )
+    # Compiled under DDP, the graph is split at its buckets, so each backward returns one bucket's gradients;
+    # on one GPU the single compiled backward returns all of them at once (test_memory_compiled.py).
+    assert "gradients of a micro-batch (compiled)" not in ddp.parts
+    assert one_gpu.settings["peak"] == "end of the backward"

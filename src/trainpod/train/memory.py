@@ -20,16 +20,43 @@ each rank holds 1/N of the weights, gradients and optimizer states, plus the uni
 - bf16 copies of the decoder's weights, which autocast makes once per forward and the backward needs
   (2 bytes per parameter outside the embedding and head);
 - activations saved for the backward, per token and layer (Llama, bf16 autocast over an fp32
-  residual stream, SDPA or flash attention, which save no attention matrix): both RMSNorms' input
-  and output (4 x 4h), the bf16 casts of the norms' outputs for q/k/v and gate/up (5 x 2h), q, k,
-  v, the attention output and o_proj's input (3 x 2h + 2 x 2 kv_h), the MLP's gate, SiLU, up and
-  product (4 x 2 mlp); with gradient checkpointing, each layer's fp32 input only, plus one layer in
-  full while it is recomputed. This is eager PyTorch; torch.compile fuses some of it away, so the
-  estimate errs high;
+  residual stream, SDPA or flash attention, which save no attention matrix). Eager PyTorch: both
+  RMSNorms' input and output (4 x 4h), the bf16 casts of the norms' outputs for q/k/v and gate/up
+  (5 x 2h), q, k, v, the attention output and o_proj's input (3 x 2h + 2 x 2 kv_h), the MLP's gate,
+  SiLU, up and product (4 x 2 mlp): 32h + 4 kv_h + 8 mlp bytes. With gradient checkpointing, each
+  layer's fp32 input only, plus one layer in full while it is recomputed;
 - the chunked loss (train/loss.py): the final norm's activations, the gradients of the hidden states
   and of the head (fp32), the head's bf16 cast and three fp32 copies of one chunk's logits;
 - the CUDA context (about 1 GiB with cuBLAS and NCCL workspaces; not in max_memory_allocated) and
   5% of the rest for the caching allocator's fragmentation.
+
+With train.compile (all the shipped presets), torch.compile's partitioner saves less and inductor's
+schedule holds other things, so the activations and the loss follow the compiled graph instead, as
+tests/test_memory_compiled.py measures it on CPU (the partitioner and inductor's lowering do not depend
+on the device; CPU SDPA saves what CUDA's flash and cuDNN attention save; docs/design.md, "Workloads"):
+
+- per token and layer, the two fp32 residuals the norms read (2 x 4h), the bf16 inputs of the q/k/v
+  and gate/up matmuls, q and the attention output (4 x 2h), k and v (2 x 2 kv_h), gate, up and their
+  SiLU product (3 x 2 mlp), attention's log-sum-exp (4 bytes a head) and each norm's 1/rms (2 x 4):
+  16h + 4 kv_h + 6 mlp bytes, where eager saves 32h + 4 kv_h + 8 mlp. The fp32 norm outputs, RoPE's
+  fp32 products and the SiLU output are recomputed. With gradient checkpointing each layer's fp32
+  input only; the bf16 weight copies are then recomputed with their layer, not kept;
+- the loss: the head's fp32 gradient and the hidden states' gradient in its bf16 chunks, and, at the
+  end of the forward, every chunk's bf16 vocab x h term of the head's gradient: inductor fuses the
+  running sum `grad_weight += (grad.T @ h).float()` into one kernel after the last chunk, so all its
+  terms wait for it (32 of 134 MB at the 1b preset: 4.3 GB; on some graphs it holds every chunk's
+  logits instead, and the larger of the two is counted);
+- on one GPU with train.grad_accum_steps over 1, the end of the backward of each micro-batch after the
+  first can be the peak instead: the single compiled backward returns every gradient at once (fp32),
+  beside the ones accumulated so far, before autograd adds them in (eager adds each as it is made; DDP
+  splits the graph at its buckets). The estimate is the larger moment, named in its `peak` setting:
+  the end of the backward for the 4b preset, the end of the forward for the others.
+
+Against torch.cuda.max_memory_allocated on an NVIDIA H100 80GB HBM3 (torch 2.11, compile on, fused AdamW,
+3 steps of the real Pretrainer: bench/results/gpu-2026-11-27), the estimate's allocated bytes land 2.0%
+high at the 125m preset (31.12 GB against 30.50; with one micro-batch a step its gradients, counted here,
+are freed before the forward) and 0.5% high at the 1b preset (47.92 GB against 47.69). The eager terms it
+used before were 24% and 25% high there. The 2b and 4b presets are not measured yet.
 """
 
 from __future__ import annotations
@@ -40,7 +67,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from trainpod.config.pretrain import PretrainConfig
+from trainpod.config.pretrain import PretrainConfig, TrainConfig
 from trainpod.errors import InputError
 from trainpod.train.loss import rows_per_chunk
 from trainpod.train.sharding import resolve_parallel
@@ -66,6 +93,7 @@ class ModelShape:
     layers: int
     vocab: int
     embedding_params: int  # input embedding + output head (once when tied)
+    heads: int = 1  # attention heads: the compiled graph saves one fp32 log-sum-exp per head and token
 
     @property
     def params(self) -> int:
@@ -90,6 +118,7 @@ def model_shape(config: PretrainConfig, vocab_size: int) -> ModelShape:
         layers=llama.num_hidden_layers,
         vocab=vocab_size,
         embedding_params=sum(p.numel() for p in model.parameters() if id(p) in embedding),
+        heads=llama.num_attention_heads,
     )
 
 
@@ -115,7 +144,8 @@ class MemoryEstimate:
         return self.gpu_bytes is None or self.total <= self.gpu_bytes
 
     def report(self) -> str:
-        rows = [f"  {name:<34} {size / GiB:7.2f} GiB" for name, size in self.parts.items()]
+        width = max(34, *(len(name) for name in self.parts))
+        rows = [f"  {name:<{width}} {size / GiB:7.2f} GiB" for name, size in self.parts.items()]
         gpu = f" of {self.gpu_bytes / GiB:.1f} GiB on this GPU" if self.gpu_bytes else ""
         shown = ", ".join(f"{k}={v}" for k, v in self.settings.items())
         return "\n".join([f"estimated peak GPU memory {self.total / GiB:.1f} GiB{gpu} ({shown}):", *rows])
@@ -148,13 +178,13 @@ def estimate_training_memory(
         layer_params = (shape.params - shape.embedding_params) / shape.layers
         gathered = shape.embedding_params + min(2, shape.layers) * layer_params
         parts["FSDP gathered units (root + 2 layers)"] = math.ceil((2 if bf16 else 4) * gathered)
-    elif bf16:
-        parts["bf16 weight copies (autocast)"] = 2 * (shape.params - shape.embedding_params)
-    checkpointing = "on" if t.gradient_checkpointing else "off"
-    parts[f"activations (checkpointing {checkpointing})"] = activation_bytes(
-        shape, tokens, bf16, t.gradient_checkpointing
+    moments = (
+        compiled_moments(shape, t, tokens, bf16, parallel, world_size)
+        if t.compile
+        else {"end of the forward": eager_forward_parts(shape, t, tokens, bf16, parallel)}
     )
-    parts["loss (chunked)"] = loss_bytes(shape, tokens, bf16)
+    peak = max(moments, key=lambda moment: sum(moments[moment].values()))
+    parts |= moments[peak]
     parts["CUDA context"] = CUDA_CONTEXT_BYTES
     parts["fragmentation (5%)"] = math.ceil(FRAGMENTATION * sum(parts.values()))
     settings = {
@@ -163,11 +193,70 @@ def estimate_training_memory(
         "gradient_checkpointing": t.gradient_checkpointing,
         "optimizer": t.optimizer,
         "precision": "bf16" if bf16 else "fp32",
+        "compile": t.compile,
         "ranks": world_size,
         "parallel": parallel,
         "parameters": f"{shape.params / 1e6:,.0f}M",
+        "peak": peak,
     }
     return MemoryEstimate(parts, gpu_bytes, settings)
+
+
+def eager_forward_parts(
+    shape: ModelShape, t: TrainConfig, tokens: int, bf16: bool, parallel: str
+) -> dict[str, int]:
+    """What eager PyTorch holds beyond the model's state at the end of the forward."""
+    parts = {}
+    if parallel != "fsdp" and bf16:
+        parts["bf16 weight copies (autocast)"] = 2 * (shape.params - shape.embedding_params)
+    checkpointing = "on" if t.gradient_checkpointing else "off"
+    parts[f"activations (checkpointing {checkpointing})"] = activation_bytes(
+        shape, tokens, bf16, t.gradient_checkpointing
+    )
+    parts["loss (chunked)"] = loss_bytes(shape, tokens, bf16)
+    return parts
+
+
+def compiled_moments(
+    shape: ModelShape, t: TrainConfig, tokens: int, bf16: bool, parallel: str, world_size: int
+) -> dict[str, dict[str, int]]:
+    """Under torch.compile, what is held beyond the model's state at each moment that can be the peak
+    (module docstring): the end of the forward; with checkpointing, the start of the backward, where the
+    last layer is recomputed; with accumulation on one unsharded GPU, the end of a backward after the first."""
+    c = 2 if bf16 else 4
+    # Once, not per layer: the final norm's input and 1/rms, and the hidden states' gradient, which the
+    # loss made in the forward and keeps in its chunks, in the matmuls' dtype, until the backward.
+    once = (4 * shape.hidden + 4 + c * shape.hidden) * tokens
+    head_gradient = 4 * shape.vocab * shape.hidden  # fp32, made in the forward (train/loss.py)
+    forward: dict[str, int] = {}
+    if t.gradient_checkpointing:  # each layer's fp32 input; its bf16 weight copies are recomputed with it
+        inputs = shape.layers * 4 * shape.hidden * tokens
+        forward["activations (compiled, checkpointing on)"] = inputs + once
+    else:
+        if bf16 and parallel != "fsdp":  # FSDP's gathered units stand in for them
+            forward["bf16 weight copies (autocast)"] = 2 * (shape.params - shape.embedding_params)
+        layers = shape.layers * compiled_layer_activation_bytes(shape, bf16) * tokens
+        forward["activations (compiled, checkpointing off)"] = layers + once
+    forward["loss (chunked, compiled)"] = compiled_loss_bytes(shape, tokens, bf16)
+    moments = {"end of the forward": forward}
+    # A layer recomputed inside the compiled backward keeps more of itself alive than the forward's partition
+    # saves: counted as eager saves it (about 60% more), with its weights' bf16 copy, which covers it on CPU.
+    layer_params = (shape.params - shape.embedding_params) // shape.layers
+    recomputed = layer_activation_bytes(shape, bf16) * tokens + (2 * layer_params if bf16 else 0)
+    if t.gradient_checkpointing:
+        moments["start of the backward"] = {
+            "activations (compiled, checkpointing on)": inputs + once + recomputed,
+            "loss (chunked, compiled)": 2 * head_gradient,  # saved, and its product with the loss's gradient
+        }
+    # Under DDP the compiled graph is split at its gradient buckets (dynamo's optimize_ddp) and FSDP's
+    # units break it too, so each backward returns a bucket's or a unit's gradients, not all of them.
+    if t.grad_accum_steps > 1 and world_size == 1 and parallel != "fsdp":
+        moments["end of the backward"] = {"gradients of a micro-batch (compiled)": 4 * shape.params}
+        if t.gradient_checkpointing:  # the first layer, recomputed last, and its input
+            moments["end of the backward"]["activations (compiled, first layer)"] = (
+                4 * shape.hidden * tokens + recomputed
+            )
+    return moments
 
 
 def optimizer_bytes(tensor_sizes: tuple[int, ...], optimizer: str) -> int:
@@ -193,6 +282,18 @@ def layer_activation_bytes(shape: ModelShape, bf16: bool) -> int:
     return norms + casts + 3 * c * h + 2 * c * kv + 4 * c * mlp
 
 
+def compiled_layer_activation_bytes(shape: ModelShape, bf16: bool) -> int:
+    """Bytes one decoder layer's compiled graph saves for the backward, per token (module docstring;
+    tests/test_memory_compiled.py measures it). The same on CUDA: the partitioner and inductor's lowering
+    do not depend on the device, and CPU SDPA (its flash kernel) saves what CUDA's flash and cuDNN
+    attention save: q, k, v, the output (whose layout o_proj reads without a copy) and a log-sum-exp."""
+    h, kv, mlp = shape.hidden, shape.kv_hidden, shape.mlp
+    c = 2 if bf16 else 4  # the matmuls' dtype; the residual stream stays fp32
+    residuals = 2 * 4 * h  # the layer's input and the sum after attention, read by the two norms
+    matmul_inputs = 4 * c * h  # the normed inputs of q/k/v and gate/up, q, the attention output
+    return residuals + matmul_inputs + 2 * c * kv + 3 * c * mlp + 4 * shape.heads + 2 * 4
+
+
 def activation_bytes(shape: ModelShape, tokens: int, bf16: bool, checkpointing: bool) -> int:
     layer = layer_activation_bytes(shape, bf16) * tokens
     if not checkpointing:
@@ -208,6 +309,25 @@ def loss_bytes(shape: ModelShape, tokens: int, bf16: bool) -> int:
     head_cast = c * shape.vocab * shape.hidden if bf16 else 0
     chunk = 3 * 4 * min(tokens, rows_per_chunk(shape.vocab, tokens)) * shape.vocab
     return final_norm + grad_hidden + grad_head + head_cast + chunk
+
+
+def compiled_loss_bytes(shape: ModelShape, tokens: int, bf16: bool) -> int:
+    """The compiled chunked loss at the end of the forward, beyond the hidden states' gradient (counted
+    with the activations): the head's fp32 gradient, saved, and what inductor's schedule keeps of the
+    chunks at once. It fuses the head gradient's running sum (`grad_weight += (grad.T @ h).float()`)
+    into one kernel after the last chunk, so each chunk's vocab x h term in the matmul dtype waits for
+    it. On some graphs every chunk's logits wait instead, freed as those terms are made, so the larger
+    of the two is counted: bf16 logits (on CPU some graphs keep them in fp32; on CUDA the 125m preset's
+    H100 peak rules that out, it would be 2.1 GB over what was measured)."""
+    c = 2 if bf16 else 4
+    rows = min(tokens, rows_per_chunk(shape.vocab))
+    chunks = math.ceil(tokens / rows)
+    head = shape.vocab * shape.hidden
+    grad_head = 4 * head
+    held = max(chunks * c * head, c * tokens * shape.vocab)
+    one_chunk = (4 + c) * rows * shape.vocab  # its fp32 softmax gradient and that cast for the matmuls
+    head_cast = c * head if bf16 else 0
+    return grad_head + held + one_chunk + head_cast
 
 
 def visible_gpu_bytes() -> int | None:
@@ -226,9 +346,16 @@ def check_fits(config: PretrainConfig, vocab_size: int, world_size: int = 1) -> 
         log.info("no GPU visible: the estimate is what a GPU would need; nothing is refused here")
     elif not estimate.fits:
         t = config.train
+        accumulating = (
+            "Its peak is where a compiled backward that accumulates returns a second set of fp32 gradients: "
+            f"train.compile=false or train.grad_accum_steps=1 (now {t.grad_accum_steps}) removes it. "
+            if estimate.settings["peak"] == "end of the backward"
+            else ""
+        )
         raise InputError(
             f"this config needs about {estimate.total / GiB:.1f} GiB per GPU, more than this GPU's "
-            f"{gpu / GiB:.1f} GiB:\n{estimate.report()}\nLower train.micro_batch_size (now {t.micro_batch_size}, "
+            f"{gpu / GiB:.1f} GiB:\n{estimate.report()}\n{accumulating}"
+            f"Lower train.micro_batch_size (now {t.micro_batch_size}, "
             f"raising train.grad_accum_steps to keep the tokens per step) or train.seq_len (now {t.seq_len}), "
             f"set train.gradient_checkpointing=true (now {str(t.gradient_checkpointing).lower()}), or "
             f"train.optimizer=adamw_8bit (now {t.optimizer})"

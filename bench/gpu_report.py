@@ -86,17 +86,10 @@ def target_rows(results: Path, targets: dict[str, float], memory_presets: list[s
     for preset in memory_presets:
         unit = _load(results, f"memory-{preset}")
         measured, estimate = (unit or {}).get("peak_allocated_bytes"), (unit or {}).get("estimate_bytes")
-        current = _estimate_now(preset, dry) if measured else None
-        then = (
-            f" (this tree's estimate; {estimate / GB:.1f} GB when measured)" if estimate and current else ""
-        )
-        if current and estimate and round(current / GB, 1) == round(estimate / GB, 1):
-            then = ""
-        estimate = current or estimate
         if measured and estimate:
             error = abs(estimate - measured) / measured
             shown, ok = (
-                f"estimate {estimate / GB:.1f} GB{then} vs peak {measured / GB:.1f} GB ({error:.0%} off)",
+                f"estimate {estimate / GB:.1f} GB vs peak {measured / GB:.1f} GB ({error:.0%} off)",
                 error <= targets["estimate_error"],
             )
         else:
@@ -128,20 +121,6 @@ def target_rows(results: Path, targets: dict[str, float], memory_presets: list[s
         ratio and ratio >= targets["async_5min"],
     )
     return rows
-
-
-def _estimate_now(preset: str, dry: bool) -> int | None:
-    """The preflight estimate of `preset` as this tree's train/memory.py makes it (no GPU needed), so a
-    peak measured once judges every later change of the estimate; None where it cannot be made."""
-    try:
-        from gpu_pretrain import preset_config
-
-        from trainpod.train.memory import estimate_training_memory
-
-        config = preset_config(preset, dry, "train.max_steps=4")
-        return estimate_training_memory(config, config.model.vocab_size or 32768).allocated
-    except Exception:  # the report still shows the estimate the run recorded
-        return None
 
 
 def _profile_line(preset: str, unit: dict[str, Any]) -> str | None:

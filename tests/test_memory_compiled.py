@@ -38,7 +38,7 @@ PARTITION_ONLY = "aot_eager_decomp_partition"  # inductor's decompositions and p
 @pytest.fixture
 def small_chunks(monkeypatch):
     for module in (trainpod.train.loss, memory):
-        monkeypatch.setattr(module, "rows_per_chunk", lambda vocab, rows=CHUNK_ROWS: rows)
+        monkeypatch.setattr(module, "rows_per_chunk", lambda vocab, rows=None: CHUNK_ROWS)
 
 
 def compiled_config(micro_batch_size: int = 4, seq_len: int = 64) -> PretrainConfig:

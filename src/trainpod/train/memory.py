@@ -44,7 +44,7 @@ on the device; CPU SDPA saves what CUDA's flash and cuDNN attention save; docs/d
 - the loss: the head's fp32 gradient and the hidden states' gradient in its bf16 chunks, and, at the
   end of the forward, every chunk's bf16 vocab x h term of the head's gradient: inductor fuses the
   running sum `grad_weight += (grad.T @ h).float()` into one kernel after the last chunk, so all its
-  terms wait for it (32 of 134 MB at the 1b preset: 4.3 GB; on some graphs it holds every chunk's
+  terms wait for it (16 of 134 MB at the 1b preset: 2.1 GB; on some graphs it holds every chunk's
   logits instead, and the larger of the two is counted);
 - on one GPU with train.grad_accum_steps over 1, the end of the backward of each micro-batch after the
   first can be the peak instead: the single compiled backward returns every gradient at once (fp32),
@@ -53,10 +53,12 @@ on the device; CPU SDPA saves what CUDA's flash and cuDNN attention save; docs/d
   the end of the backward for the 4b preset, the end of the forward for the others.
 
 Against torch.cuda.max_memory_allocated on an NVIDIA H100 80GB HBM3 (torch 2.11, compile on, fused AdamW,
-3 steps of the real Pretrainer: bench/results/gpu-2026-11-27), the estimate's allocated bytes land 2.0%
-high at the 125m preset (31.12 GB against 30.50; with one micro-batch a step its gradients, counted here,
-are freed before the forward) and 0.5% high at the 1b preset (47.92 GB against 47.69). The eager terms it
-used before were 24% and 25% high there. The 2b and 4b presets are not measured yet.
+3 steps of the real Pretrainer: bench/results/gpu-2026-11-27), with the loss's chunks of that day (512
+rows: 128 a micro-batch at the 125m preset, 32 at the 1b), the estimate's allocated bytes land 2.0% high
+at the 125m preset (31.12 GB against 30.50; with one micro-batch a step its gradients, counted here, are
+freed before the forward) and 0.5% high at the 1b preset (47.92 GB against 47.69). The eager terms it used
+before were 24% and 25% high there. The loss now cuts a micro-batch into at most 16 chunks (train/loss.py,
+MAX_CHUNKS), which this estimate puts at 29.68 and 45.88 GB: not measured yet, nor are the 2b and 4b.
 """
 
 from __future__ import annotations
@@ -320,7 +322,7 @@ def compiled_loss_bytes(shape: ModelShape, tokens: int, bf16: bool) -> int:
     of the two is counted: bf16 logits (on CPU some graphs keep them in fp32; on CUDA the 125m preset's
     H100 peak rules that out, it would be 2.1 GB over what was measured)."""
     c = 2 if bf16 else 4
-    rows = min(tokens, rows_per_chunk(shape.vocab))
+    rows = min(tokens, rows_per_chunk(shape.vocab, tokens))
     chunks = math.ceil(tokens / rows)
     head = shape.vocab * shape.hidden
     grad_head = 4 * head

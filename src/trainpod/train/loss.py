@@ -15,7 +15,10 @@ gradient of the hidden states (N x H) and of the head weight (V x H, accumulated
 is cut into at most MAX_CHUNKS chunks, each between 64 and 512 MiB of fp32 logits (see MAX_CHUNKS).
 
 It is plain torch, so it runs on CPU, and torch.compile traces it with the model (see
-`CausalLMLoss`): inductor fuses each chunk's softmax, target pick and gradient into few kernels.
+`CausalLMLoss`): inductor fuses each chunk's softmax, target pick and gradient into few kernels. It also
+fuses the head gradient's running sum into one kernel after the last chunk, so under compile each chunk's
+vocab x width term of it stays alive until then (train/memory.py counts it; tests/test_memory_compiled.py
+measures it): one more reason to keep the chunks few (MAX_CHUNKS).
 Liger-Kernel's Triton version is not used: it is CUDA-only, a graph break under compile, and with
 no GPU to measure it against this one it could not be chosen by measurement.
 """

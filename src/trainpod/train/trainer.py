@@ -321,8 +321,7 @@ class Trainer:
                     self._stop(start_step)
             if not self.finished_early:  # again: the pending eval may end the run (a plateau)
                 self._loop(model, start_step)
-            with D.main_alone(self.dist, "the last background commit"):
-                self._committed(self.writer.wait())
+            self._committed(self.writer.wait())
             self.reporter.plot_loss()
         except (Preempted, BudgetExhausted):
             self._plot_if_time_left()
@@ -637,13 +636,6 @@ class Trainer:
         writes it, in the foreground or (`background`) on the writer's thread while training goes on."""
         self._refuse_diverged()
         snapshot_time = time.monotonic()
-        # Rank 0 may wait for the commit in flight, and writes a synchronous one, while the others wait for it.
-        with D.main_alone(self.dist, f"the commit of step {step}"):
-            committed = self._commit(step, background)
-        self._last_commit_time = snapshot_time
-        return committed
-
-    def _commit(self, step: int, background: bool) -> CommittedCheckpoint | None:
         rng_states = D.gather_to_main(self.dist, capture_rng())
         shards = self._save_shards(step, background)
         committed = None
@@ -668,6 +660,9 @@ class Trainer:
                     defer_copies=background and self._state_changes_only_in_optimizer_steps(),
                 )
             self._committed(committed)
+        self._last_commit_time = snapshot_time
+        if not background:
+            D.barrier(self.dist)
         return committed
 
     def _hold_optimizer_steps_for_snapshots(self) -> None:
@@ -805,8 +800,7 @@ def train_and_export(trainer_class: type[Trainer], ctx: RunContext, config: Any)
             torch.set_num_threads(config.train.cpu_threads)
         trainer = trainer_class(ctx, config, dist)
         trainer.train()
-        with D.main_alone(dist, "the final export"):  # minutes to tens of minutes for a large model
-            exported, abandoned = _export_unless_stopped(trainer, ctx)
+        exported, abandoned = _export_unless_stopped(trainer, ctx)
         # Rank 0 alone knows whether its export was published; the other ranks wait here for its word, and
         # every rank leaves the same way (one raising alone would leave the others in a collective).
         abandoned, committed = D.broadcast_object(dist, (abandoned, trainer.last_committed_step))

@@ -166,8 +166,8 @@ class Finetuner(Trainer):
 
     def _on_main_first(self, work: Any) -> Any:
         """Run `work` on rank 0, then on the others (downloads and caches are made once)."""
-        with D.main_alone(self.dist, "rank 0's download or data preparation"):
-            result = work() if self.dist.is_main else None
+        result = work() if self.dist.is_main else None
+        D.barrier(self.dist)
         return result if self.dist.is_main else work()
 
     # ------------------------------------------------------------------------------- setup
@@ -595,24 +595,23 @@ class Finetuner(Trainer):
             return
         metrics: dict[str, float] = {}
         interrupted = False
-        with D.main_alone(self.dist, "rank 0's generation eval"):
-            if self.dist.is_main:
-                prompts = self.generation_prompts(gen.max_samples)
-                try:
-                    metrics = generate_and_score(
-                        self.model,
-                        self.until_stop(prompts, local=True),
-                        self.tokenizer,
-                        gen.max_new_tokens,
-                        self.dist.device,
-                        self.ctx.run.root / "eval",
-                        step,
-                        gen.worst_samples,
-                        self._autocast,
-                        stop_token_ids(self.model, self.tokenizer, prompts),
-                    )
-                except EvalInterrupted:  # the other ranks wait for rank 0, then stop with it (below)
-                    interrupted = True
+        if self.dist.is_main:
+            prompts = self.generation_prompts(gen.max_samples)
+            try:
+                metrics = generate_and_score(
+                    self.model,
+                    self.until_stop(prompts, local=True),
+                    self.tokenizer,
+                    gen.max_new_tokens,
+                    self.dist.device,
+                    self.ctx.run.root / "eval",
+                    step,
+                    gen.worst_samples,
+                    self._autocast,
+                    stop_token_ids(self.model, self.tokenizer, prompts),
+                )
+            except EvalInterrupted:  # the other ranks wait in the broadcast below: they stop with it
+                interrupted = True
         if D.broadcast_from_main(self.dist, float(interrupted)):
             raise EvalInterrupted
         for name in METRICS:

@@ -452,6 +452,20 @@ def test_under_torchrun_every_rank_resumes_on_its_own_rng_stream(tmp_path):
     assert resumed == uninterrupted, "a rank resumed on another rank's RNG stream, not its own"
 
 
+def test_a_rank_other_than_0_restoring_leaves_rank_0s_commit_in_flight_alone(tmp_path, monkeypatch):
+    """Rank 1 restored (and swept `*.tmp-*` as a kill's leftovers) while rank 0 was already writing step 1
+    into its temp folder: rank 0's write failed with FileNotFoundError (seen in make test, two ranks)."""
+    with Checkpointer(tmp_path / "run", watch_signals=False) as ckpt:
+        ckpt.commit(1)
+    in_flight = tmp_path / "run" / "checkpoints" / "step-2.tmp-0123456789ab"
+    in_flight.mkdir()
+    monkeypatch.setenv("TRAINPOD_LEASE_HELD", "1")  # rank 0 holds the lease
+    monkeypatch.setenv("RANK", "1")
+    restored = Checkpointer(tmp_path / "run", watch_signals=False).open().restore()
+    assert restored is not None and restored.step == 1
+    assert in_flight.is_dir(), "rank 1 removed rank 0's commit in flight"
+
+
 def test_a_rank_without_an_rng_state_of_its_own_restores_rank_0s_and_says_why(tmp_path, monkeypatch, caplog):
     """A loop that commits on rank 0 only writes no state for the other ranks; a torn or rotten file is
     not loaded either."""

@@ -209,7 +209,9 @@ class Checkpointer:
     def restore(self) -> Restored | None:
         """The newest checkpoint that verifies against its manifest; invalid ones are moved aside
         and the next older valid one is used. None when there is none (start from step 0)."""
-        latest = self.store.latest()
+        # Rank 0 alone commits, so it alone removes a kill's leftovers: another rank restoring while rank 0
+        # already commits took rank 0's temp folder in flight for one (its write failed: FileNotFoundError).
+        latest = self.store.latest(clean=_rank() == 0)
         if _rank() != 0:  # its RNG files of commits that never happened, and its temp leftovers
             self.rank_rng.remove_stale(_rank(), latest.step if latest else None)
         if latest is None:

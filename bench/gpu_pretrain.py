@@ -192,7 +192,7 @@ PROFILE_CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("loss", ("cross_entropy", "log_softmax", "logsumexp", "nll_loss")),
     (
         "matmul",
-        ("gemm", "xmma", "cutlass", "nvjet", "cublas", "aten::mm", "aten::addmm", "aten::bmm", "_mm_", "mm_"),
+        ("gemm", "xmma", "cutlass", "nvjet", "cublas", "aten::mm", "aten::addmm", "aten::bmm", "mm_"),
     ),
     ("communication", ("nccl",)),
     ("memory copy", ("memcpy", "memset", "aten::copy_")),

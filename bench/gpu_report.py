@@ -123,7 +123,7 @@ def target_rows(results: Path, targets: dict[str, float], memory_presets: list[s
     return rows
 
 
-def _profile_line(preset: str, unit: dict[str, Any]) -> str | None:
+def _profile_line(unit: dict[str, Any]) -> str | None:
     profile = unit.get("profile")
     if not profile:
         return None
@@ -165,7 +165,7 @@ def detail_lines(results: Path, units: list[tuple[str, str | None]]) -> list[str
                 f"first step (compile) {unit['first_step_s']:.1f} s; one eval {unit['eval_s']:.2f} s; one commit "
                 f"{unit['commit_s']:.2f} s; peak {unit['peak_flops'] or 0:.3g} FLOP/s used for MFU"
             )
-            lines += [line for line in [_profile_line(preset, unit)] if line]
+            lines += [line for line in [_profile_line(unit)] if line]
     lines += _packing_lines(_load(results, "packing"))
     lines += _vlm_generation_lines(_load(results, "vlm-generation"))
     tests = _load(results, "gpu-tests")

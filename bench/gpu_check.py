@@ -21,10 +21,12 @@ travel with the repository, and --resume picks up from them):
 What the units took on an H100 (2026-11-27, bench/results/gpu-2026-11-27/, the seconds in each JSON): env
 13 s; pretrain-125m 206 s (181 s of it the first step's compile, since cut: the chunked loss's loop
 unrolled 128 times), pretrain-1b 154 s (78 s compile), checkpoint-125m 98 s, memory-125m 67 s, memory-1b
-49 s, memory-2b over 111 s; qlora-32b failed after 44 s. A lent machine gives a session 15 minutes in
-all, its start (a minute or two) included: two calls, the second on the still-warm machine (it waits
-30 s), with results kept outside the tree (`--results /tmp/gr`: a warm machine keeps /tmp and its
-compile caches, and --resume there skips what the first call finished); tar them back each call.
+49 s, memory-2b over 111 s; qlora-32b failed after 44 s. Since then the pretrain units also measure their
+presets' memory (memory-125m and memory-1b were a second compile each) and the memory part runs the 2b and
+4b presets alone. A lent machine gives a session 15 minutes in all, its start (a minute or two) included:
+two calls, the second on the still-warm machine (it waits 30 s), with results kept outside the tree
+(`--results /tmp/gr`: a warm machine keeps /tmp and its compile caches, and --resume there skips what the
+first call finished); tar them back each call. The parts run in PARTS's order, those with a target first.
 
 Name the --results folder every call (the default is named from the machine's date, and a run across
 midnight UTC would start a new one) and leave each unit's work/ folder out of what comes back (a unit
@@ -223,27 +225,33 @@ def _vlm_generation_part(volume: Path, preset: str | None, dry: bool) -> dict[st
 Part = Callable[[Path, "str | None", bool], dict[str, Any]]
 # part -> (function, presets on a GPU, presets in --dry mode); None: the part has no presets.
 PARTS: dict[str, tuple[Part, list[str] | None, list[str] | None]] = {
-    # The parts that carry a target first: where GPU time is cut short (a lent machine's 30 minutes), the
-    # targets are measured and what is left is the presets' memory, the GPU tests and the VLM figures.
+    # The parts that carry a target first: where GPU time is cut short (a lent machine's 15 minutes), the
+    # targets are measured and what is left is the packing figures, the GPU tests and the VLM figures.
     "env": (_env_part, None, None),
+    # Also the 125m and 1b presets' peak memory against the estimate, from the same steps.
     "pretrain": (_pretrain_part, ["125m", "1b"], ["125m"]),
     "checkpoint": (_checkpoint_part, ["125m"], ["125m"]),
     "qlora-32b": (_qlora_32b_part, None, None),
     "qlora-speed": (_qlora_speed_part, None, None),
+    # The presets the pretrain part does not run (`--preset 125m` still measures one of those on its own).
+    "memory": (_memory_part, ["2b", "4b"], ["125m"]),
     # Why the packing probe refused flex attention on the first H100 (qlora-32b, 2026-11-27): each attention
     # on packed rows of the probe's sizes and others, no target. Seconds.
     "packing": (_packing_part, None, None),
-    "memory": (_memory_part, ["125m", "1b", "2b", "4b"], ["125m"]),
     "gpu-tests": (_gpu_tests_part, None, None),
     "vlm-generation": (_vlm_generation_part, None, None),
 }
 
 
-def units(parts: list[str], dry: bool) -> list[tuple[str, str | None]]:
+def units(parts: list[str], dry: bool, presets: list[str] | None = None) -> list[tuple[str, str | None]]:
+    """(part, preset) to run; `presets` (--preset) replace the list of each part that has presets."""
     out = []
     for part in parts:
-        _, presets, dry_presets = PARTS[part]
-        out += [(part, preset) for preset in ((dry_presets if dry else presets) or [None])]
+        _, gpu_presets, dry_presets = PARTS[part]
+        chosen = dry_presets if dry else gpu_presets
+        if chosen and presets:
+            chosen = presets
+        out += [(part, preset) for preset in (chosen or [None])]
     return out
 
 
@@ -330,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--preset",
         action="append",
-        help="of the parts with presets, run only these (repeatable): 1b, 4b, ...",
+        help="the parts with presets run these instead of their own (repeatable): 1b, 4b, ...",
     )
     parser.add_argument("--dry", action="store_true", help="CPU, tiny sizes: exercises the harness")
     parser.add_argument("--results", help="results folder (default bench/results/gpu-<date>/)")
@@ -356,9 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if run_unit(part, preset or None, results, args.dry)["ok"] else 1
     failures = 0
     if not args.report_only:
-        todo = units(args.part or list(PARTS), args.dry)
-        if args.preset:  # a part without presets keeps its one unit
-            todo = [(part, preset) for part, preset in todo if preset is None or preset in args.preset]
+        todo = units(args.part or list(PARTS), args.dry, args.preset)  # a part without presets: its one unit
         if args.resume:
             done = done_units(results, args.dry)
             todo = [(part, preset) for part, preset in todo if unit_name(part, preset) not in done]

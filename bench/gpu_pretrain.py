@@ -145,12 +145,16 @@ def throughput(volume: Path, preset: str, dry: bool) -> dict[str, Any]:
     """Steady-state tokens/s and MFU after warm-up; compile, eval and commit time reported apart."""
     warmup, measured = (1, 3) if dry else (5, 20)
     config = preset_config(preset, dry, f"train.max_steps={warmup + measured + 3}")
+    _reset_peak_memory()
     trainer = make_trainer(volume, config)
     model = trainer.wrap_for_training()
     model.train()
     first_step = timed_steps(trainer, model, 1, 1)[0]  # compiles, when compile is on
     warm = timed_steps(trainer, model, 2, warmup - 1) if warmup > 1 else []
     steady = timed_steps(trainer, model, warmup + 1, measured)
+    # The preset's memory from the same steps (what `preset_memory` measures, without a process of its own
+    # and a second compile: two minutes of a lent GPU's fifteen), before the profile, eval and commit.
+    memory = _peak_memory(config, trainer)
     # After the timed window, so the profiler's own cost stays out of the figures above.
     profile = profile_steps(trainer, model, warmup + measured + 1, 2)
     eval_started = time.perf_counter()
@@ -180,6 +184,7 @@ def throughput(volume: Path, preset: str, dry: bool) -> dict[str, Any]:
         "eval_s": eval_s,
         "commit_s": commit_s,
         "profile": profile,
+        **memory,
     }
 
 
@@ -251,19 +256,25 @@ def _profile_steps(trainer: Pretrainer, model: torch.nn.Module, first: int, coun
 def preset_memory(volume: Path, preset: str, dry: bool) -> dict[str, Any]:
     """Peak GPU memory of a few full steps of `preset`, beside the preflight estimate when there is one."""
     config = preset_config(preset, dry, "train.max_steps=4")
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
+    _reset_peak_memory()
     trainer = make_trainer(volume, config)
     model = trainer.wrap_for_training()
     model.train()
     timed_steps(trainer, model, 1, 3)
-    measured = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
-    reserved = torch.cuda.max_memory_reserved() if torch.cuda.is_available() else None
+    return {"preset": preset, "parameters": trainer.n_params, **_peak_memory(config, trainer)}
+
+
+def _reset_peak_memory() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _peak_memory(config: PretrainConfig, trainer: Pretrainer) -> dict[str, Any]:
+    """The GPU's peak since `_reset_peak_memory` (None on CPU) beside the preflight estimate."""
+    cuda = torch.cuda.is_available()
     return {
-        "preset": preset,
-        "parameters": trainer.n_params,
-        "peak_allocated_bytes": measured,
-        "peak_reserved_bytes": reserved,
+        "peak_allocated_bytes": torch.cuda.max_memory_allocated() if cuda else None,
+        "peak_reserved_bytes": torch.cuda.max_memory_reserved() if cuda else None,
         "estimate_bytes": preflight_estimate(config, trainer),
     }
 

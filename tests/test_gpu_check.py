@@ -75,6 +75,7 @@ def test_dry_mode_runs_every_part_and_records_its_result(dry_results):
     assert all(env["packages"][name] for name in ("peft", "huggingface-hub", "typing-extensions", "pyarrow"))
     pretrain = json.loads((dry_results / "pretrain-125m.json").read_text())
     assert pretrain["tokens_per_s"] > 0 and len(pretrain["steady_step_s"]) == 3 and pretrain["mfu"] is None
+    assert pretrain["estimate_bytes"] > 0 and pretrain["peak_allocated_bytes"] is None  # no GPU: no peak
     profile = pretrain["profile"]  # where a missed MFU target's time goes, measured in the same unit
     assert "error" not in profile, profile
     assert sum(profile["share_by_category"].values()) == pytest.approx(1.0)
@@ -164,6 +165,32 @@ def test_a_failed_or_missing_unit_is_reported_as_such_never_as_a_number(tmp_path
     assert "| 125m MFU, compile on, steady state | failed (CUDA out of memory) |" in text
     assert "| 1b MFU, compile on, steady state | not run |" in text
     assert "pass" not in section(tmp_path, TARGETS, units(list(PARTS), dry=False))
+
+
+def test_the_pretrain_units_memory_fills_its_presets_memory_row_where_no_memory_unit_ran(tmp_path):
+    """The pretrain part measures the 125m and 1b presets' peak in its own steps (a memory unit of their own
+    cost a second compile each, two minutes of a lent GPU's fifteen); a memory unit that ran still decides."""
+    gb = 10**9
+    (tmp_path / "env.json").write_text(json.dumps({"ok": True, "gpu": "NVIDIA H100 80GB HBM3", "dry": False}))
+    for name, estimate, peak in (("pretrain-125m", 31, 30), ("memory-125m", 40, 30), ("pretrain-1b", 46, 40)):
+        figures = {"estimate_bytes": estimate * gb, "peak_allocated_bytes": peak * gb}
+        (tmp_path / f"{name}.json").write_text(json.dumps({"ok": True, **figures}))
+    text = section(tmp_path, TARGETS, units(list(PARTS), dry=False))
+    assert (
+        "| 125m: preflight memory estimate vs measured peak | estimate 40.0 GB vs peak 30.0 GB (33% off) |"
+        in text
+    )
+    assert (
+        "| 1b: preflight memory estimate vs measured peak | estimate 46.0 GB vs peak 40.0 GB (15% off) |"
+        in text
+    )
+    assert "| 2b: preflight memory estimate vs measured peak | not run |" in text
+    assert "| 4b: preflight memory estimate vs measured peak | not run |" in text
+
+
+def test_a_named_preset_replaces_the_list_of_each_part_with_presets():
+    assert units(["memory", "env"], dry=False) == [("memory", "2b"), ("memory", "4b"), ("env", None)]
+    assert units(["memory", "env"], dry=False, presets=["125m"]) == [("memory", "125m"), ("env", None)]
 
 
 def test_the_gpu_wheels_carry_the_peft_the_tests_ran_since_the_machines_own_is_of_unknown_version():

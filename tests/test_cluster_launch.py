@@ -115,3 +115,18 @@ def test_sigterm_to_both_nodes_commits_and_each_exits_143(volume):
 )
 def test_the_nodes_exit_code_follows_the_table(codes, expected, torchrun, preempted, outcome, why):
     assert cluster_outcome(codes, expected, torchrun, preempted=preempted) == outcome, why
+
+
+def test_one_machines_ranks_exit_with_the_tables_verdict_not_with_the_first_crash() -> None:
+    """Rank 0 raises (a full volume, exit 5) and closes its connections as it leaves; rank 1, waiting on it,
+    crashes on the closed connection (exit 1) before rank 0 has exited. The run's code is rank 0's 5 (FAILED,
+    the pod stopped), not the 1 of a failed start that the supervisor retries on the same full volume."""
+    from trainpod.launch import _wait
+
+    crash_first = subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])
+    verdict_later = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(1); raise SystemExit(5)"]
+    )
+    assert _wait([verdict_later, crash_first]) == 5
+    crash_only = subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])
+    assert _wait([crash_only, subprocess.Popen([sys.executable, "-c", "pass"])]) == 1

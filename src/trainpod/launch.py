@@ -87,6 +87,11 @@ def _wait(procs: list[subprocess.Popen]) -> int:
                     proc.kill()
         time.sleep(0.05)
     codes = [_exit_code(p.returncode) for p in procs]
+    # A verdict of the table before the first failure in time: a rank 0 that raised (exit 5, a full volume)
+    # closes its connections as it leaves, and the rank waiting on it may crash on that (exit 1) first.
+    verdict = next((code for code in CLUSTER_PRIORITY if code in codes), None)
+    if verdict is not None:
+        return verdict
     if first_failure is None:
         first_failure = next((c for c in codes if c != 0), 0)
     return first_failure

@@ -10,6 +10,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+# How long a collective may wait for its slowest rank before the process group aborts the run (NCCL's
+# watchdog, gloo's timeout): a hung rank ends the run, and the pod's restart, in minutes.
+COLLECTIVE_TIMEOUT = timedelta(minutes=10)
+# How long the other ranks wait for work of rank 0 alone (`wait_for_main`): the final export of a 70B model
+# to a network volume, a synchronous commit of one, a base model's download, an SFT data build or a
+# generation eval may each take far longer than COLLECTIVE_TIMEOUT, and an abort there came back at every
+# restart. A rank 0 that dies instead ends the wait at once (its connections close).
+SOLO_WORK_TIMEOUT = timedelta(hours=4)
+_solo_work_group: dist.ProcessGroup | None = None
+
 
 @dataclass(frozen=True)
 class DistContext:
@@ -40,8 +50,11 @@ def init_distributed(always_group: bool = False) -> DistContext:
         device = torch.device("cpu")
     backend = "nccl" if device.type == "cuda" else "gloo"
     device_id = device if device.type == "cuda" else None
+    global _solo_work_group
     if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group(backend, timeout=timedelta(minutes=10), device_id=device_id)
+        dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT, device_id=device_id)
+        # Every rank makes it here, together: a group made later would be made while rank 0 is away.
+        _solo_work_group = dist.new_group(backend="gloo", timeout=SOLO_WORK_TIMEOUT)
     elif always_group and not dist.is_initialized():  # no torchrun: a group of this process alone
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, device_id=device_id)
     return DistContext(rank, local_rank, world_size, device)
@@ -96,11 +109,20 @@ def gather_to_main(ctx: DistContext, obj: Any) -> list[Any] | None:
     return out
 
 
-def barrier(ctx: DistContext) -> None:
-    if ctx.distributed:
-        dist.barrier()
+def wait_for_main(ctx: DistContext) -> None:
+    """Every rank, after work that rank 0 does alone (docs/design.md, "Work of rank 0 alone"): the others
+    wait here, however long rank 0 takes, up to SOLO_WORK_TIMEOUT, in a barrier of a gloo group of
+    their own, since a wait in a collective of the training group aborts after COLLECTIVE_TIMEOUT. A barrier,
+    not a wait on a store key: every rank leaves it together, so rank 0 (which hosts the store without
+    torchrun) cannot exit while another rank still reads from it. Only on the path where rank 0 has not
+    raised: a rank 0 that raises and exits closes its connections, and the others' barrier fails at once."""
+    if not ctx.distributed:
+        return
+    dist.barrier(group=_solo_work_group)  # None (a group made by someone else): the default group's
 
 
 def shutdown(ctx: DistContext) -> None:
+    global _solo_work_group
     if dist.is_initialized():
         dist.destroy_process_group()
+    _solo_work_group = None

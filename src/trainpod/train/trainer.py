@@ -255,6 +255,7 @@ class Trainer:
         if self.dist.is_main:
             latest = self.store.latest()  # also removes what an interrupted commit left behind
             step = float(latest.step) if latest else -1.0
+        D.wait_for_main(self.dist)  # verify_mode sha256 reads every byte: minutes for a large model
         step = int(D.broadcast_from_main(self.dist, step))
         if step < 0:
             log.info("no checkpoint found; starting from step 0")
@@ -322,6 +323,7 @@ class Trainer:
             if not self.finished_early:  # again: the pending eval may end the run (a plateau)
                 self._loop(model, start_step)
             self._committed(self.writer.wait())
+            D.wait_for_main(self.dist)  # for the last commit in flight, minutes for a large model
             self.reporter.plot_loss()
         except (Preempted, BudgetExhausted):
             self._plot_if_time_left()
@@ -661,8 +663,8 @@ class Trainer:
                 )
             self._committed(committed)
         self._last_commit_time = snapshot_time
-        if not background:
-            D.barrier(self.dist)
+        # Rank 0 wrote a synchronous commit, or waited for the one in flight before this one's snapshot.
+        D.wait_for_main(self.dist)
         return committed
 
     def _hold_optimizer_steps_for_snapshots(self) -> None:
@@ -801,6 +803,7 @@ def train_and_export(trainer_class: type[Trainer], ctx: RunContext, config: Any)
         trainer = trainer_class(ctx, config, dist)
         trainer.train()
         exported, abandoned = _export_unless_stopped(trainer, ctx)
+        D.wait_for_main(dist)  # rank 0 writes the export: tens of minutes for a 70B model
         # Rank 0 alone knows whether its export was published; the other ranks wait here for its word, and
         # every rank leaves the same way (one raising alone would leave the others in a collective).
         abandoned, committed = D.broadcast_object(dist, (abandoned, trainer.last_committed_step))

@@ -167,7 +167,7 @@ class Finetuner(Trainer):
     def _on_main_first(self, work: Any) -> Any:
         """Run `work` on rank 0, then on the others (downloads and caches are made once)."""
         result = work() if self.dist.is_main else None
-        D.barrier(self.dist)
+        D.wait_for_main(self.dist)  # a 70B download, a large SFT data build: past a collective's timeout
         return result if self.dist.is_main else work()
 
     # ------------------------------------------------------------------------------- setup
@@ -610,8 +610,9 @@ class Finetuner(Trainer):
                     self._autocast,
                     stop_token_ids(self.model, self.tokenizer, prompts),
                 )
-            except EvalInterrupted:  # the other ranks wait in the broadcast below: they stop with it
+            except EvalInterrupted:  # the other ranks wait for rank 0 below: they stop with it
                 interrupted = True
+        D.wait_for_main(self.dist)
         if D.broadcast_from_main(self.dist, float(interrupted)):
             raise EvalInterrupted
         for name in METRICS:

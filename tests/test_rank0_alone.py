@@ -105,6 +105,15 @@ def run_slowed(tmp_path: Path, volume: Path, args: tuple[str, ...], slow: str):
     return run_trainpod(*args, "--nproc-per-node", "2", volume=volume, env=env)
 
 
+def finished(result: subprocess.CompletedProcess, what: str) -> str:
+    """The run's output, once it is known to have finished (exit 0) while rank 0 did `what` alone."""
+    out = result.stdout + result.stderr
+    assert result.returncode == ExitCode.DONE, (
+        f"rank 1 must wait for rank 0's {what} however long it takes, not abort in a collective:\n{out}"
+    )
+    return out
+
+
 def pretrain_volume(tmp_path: Path, dataset: Path) -> Path:
     volume = tmp_path / "volume"
     for folder in ("datasets", "tokenizers"):
@@ -117,10 +126,7 @@ def test_a_final_export_that_outlasts_the_process_group_timeout_finishes_the_two
 ) -> None:
     volume = pretrain_volume(tmp_path, tiny_dataset_volume)
     result = run_slowed(tmp_path, volume, (*PRETRAIN, "--set", "train.max_steps=4"), "export")
-    out = result.stdout + result.stderr
-    assert result.returncode == ExitCode.DONE, (
-        f"rank 1 must wait for rank 0's export however long it takes, not abort in a collective:\n{out}"
-    )
+    out = finished(result, "export")
     assert (volume / "runs" / RUN / "DONE").exists(), out
     assert (volume / "runs" / RUN / "export" / "hf" / "model.safetensors").exists(), out
 
@@ -130,10 +136,7 @@ def test_a_synchronous_commit_that_outlasts_the_process_group_timeout_lets_the_t
 ) -> None:
     volume = pretrain_volume(tmp_path, tiny_dataset_volume)
     result = run_slowed(tmp_path, volume, (*PRETRAIN, "--set", "train.max_steps=4"), "commit")
-    out = result.stdout + result.stderr
-    assert result.returncode == ExitCode.DONE, (
-        f"rank 1 must wait for rank 0's commit however long it takes, not abort in a collective:\n{out}"
-    )
+    out = finished(result, "commit")
     checkpoints = sorted(p.name for p in (volume / "runs" / RUN / "checkpoints").glob("step-*"))
     assert checkpoints == ["step-2", "step-4"], out
 
@@ -149,10 +152,7 @@ def test_a_checkpoint_verification_that_outlasts_the_process_group_timeout_lets_
     first_out = signal_when_step_reached(first, volume, 2, signal.SIGTERM)  # a spot stop: commits, exits 143
     assert first.returncode == ExitCode.PREEMPTED, first_out
     result = run_slowed(tmp_path, volume, args, "verify")
-    out = result.stdout + result.stderr
-    assert result.returncode == ExitCode.DONE, (
-        f"rank 1 must wait for rank 0's verification however long it takes, not abort in a collective:\n{out}"
-    )
+    out = finished(result, "verification")
     assert "resumed from step-" in out, out
     assert (volume / "runs" / RUN / "DONE").exists(), out
 
@@ -165,10 +165,7 @@ def test_an_sft_data_build_on_rank_0_that_outlasts_the_process_group_timeout_let
     shutil.copytree(finetune_base_volume, volume)
     args = finetune_args("--set", "train.max_steps=2", "--set", "train.eval_every=0", method="lora")
     result = run_slowed(tmp_path, volume, args, "sft")
-    out = result.stdout + result.stderr
-    assert result.returncode == ExitCode.DONE, (
-        f"rank 1 must wait for rank 0's SFT data build however long it takes, not abort in a collective:\n{out}"
-    )
+    out = finished(result, "SFT data build")
     assert (volume / "runs" / FINETUNE_RUN / "export" / "adapter").is_dir(), out
 
 

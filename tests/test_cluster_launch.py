@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from trainpod.launch import cluster_outcome
+from trainpod.launch import cluster_network_env, cluster_outcome
 
 from fake_runpod import FakeRunPodServer, api_env, client_for
 from support import RUN, TINY_PRETRAIN, child_env, status_step
@@ -43,6 +43,7 @@ def start_node(volume: Path, rank: int, port: int, pod_id: str, extra: dict[str,
             "NUM_TRAINERS": "1",
             "PRIMARY_ADDR": "127.0.0.1",
             "PRIMARY_PORT": str(port),
+            "NODE_ADDR": "127.0.0.1",  # this node's address on the cluster network (here, loopback)
             "RUNPOD_POD_ID": pod_id,
             **extra,
         }
@@ -80,6 +81,10 @@ def test_two_nodes_finish_and_only_node_0_runs_the_finish_hook(volume, fake):
     assert [node.returncode for node in nodes] == [0, 0], "\n\n".join(outputs)
     assert (volume / "runs" / RUN / "DONE").is_file()
     assert "2 rank(s)" in outputs[0] + outputs[1], "both nodes joined one world of 2 ranks"
+    for output in outputs:  # and met on the interface of NODE_ADDR, not on eth0
+        assert (
+            "inter-node traffic on lo (NODE_ADDR 127.0.0.1): NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME" in output
+        )
     assert not fake.clusters, "node 0 deletes the whole cluster after DONE: no node is left billing"
     assert [r[1] for r in fake.calls("DELETE")] == [f"/v2/clusters/{cluster_id}"], "once, by node 0"
     assert f"asked RunPod to delete this pod's cluster {cluster_id}" in outputs[0]
@@ -130,3 +135,17 @@ def test_one_machines_ranks_exit_with_the_tables_verdict_not_with_the_first_cras
     assert _wait([verdict_later, crash_first]) == 5
     crash_only = subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])
     assert _wait([crash_only, subprocess.Popen([sys.executable, "-c", "pass"])]) == 1
+
+
+def test_nccl_and_gloo_are_pointed_at_the_interface_of_node_addr_unless_the_pod_names_one():
+    """RunPod's cluster network is on ens1-ens8, eth0 must not carry inter-node traffic, and gloo would take
+    the interface its host name resolves to. Here the machine's own loopback stands in for ens1."""
+    both = {"NCCL_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "lo"}
+    assert cluster_network_env({"NODE_ADDR": "127.0.0.1"}) == both
+    assert cluster_network_env({"NODE_ADDR": "127.0.0.1", "NCCL_SOCKET_IFNAME": "ens2"}) == {
+        "GLOO_SOCKET_IFNAME": "lo"
+    }, "a choice of the pod's environment stands"
+    assert cluster_network_env({"NODE_ADDR": "192.0.2.1"}) == {}, (
+        "an address on no interface: their own choice"
+    )
+    assert cluster_network_env({}) == {}, "no cluster network named"

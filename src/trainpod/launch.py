@@ -15,17 +15,23 @@ the exact code.
 
 from __future__ import annotations
 
+import fcntl
 import json
+import logging
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from trainpod.preemption import first_signal_seen
+
+log = logging.getLogger(__name__)
 
 RANK_EXIT_DIR_ENV = "TRAINPOD_RANK_EXIT_DIR"
 # When ranks disagree, the code the node exits with: a preemption anywhere means "start again"
@@ -35,6 +41,13 @@ CLUSTER_PRIORITY = (143, 3, 2, 4, 5)
 
 # If one rank fails, the others are blocked in a collective: give them this long to notice, then kill.
 _PEER_GRACE_S = 10.0
+# A RunPod Instant Cluster carries inter-node traffic on ens1-ens8 and the management traffic on eth0, which
+# must not carry it (docs.runpod.io/instant-clusters/configuration). NCCL picks an interface by its own
+# rules and gloo (the groups of async sharded commits and of rank 0's solo work) the one the host name
+# resolves to: both are pointed at the interface holding NODE_ADDR, this node's address on the cluster
+# network, unless the pod's environment names one.
+SOCKET_INTERFACE_VARIABLES = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
+_SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
 
 
 def _free_port() -> int:
@@ -97,6 +110,39 @@ def _wait(procs: list[subprocess.Popen]) -> int:
     return first_failure
 
 
+def interface_with_address(address: str) -> str | None:
+    """The name of this machine's network interface whose IPv4 address is `address`, or None."""
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            try:
+                request = struct.pack("256s", name[:15].encode())
+                answer = fcntl.ioctl(probe.fileno(), _SIOCGIFADDR, request)
+            except OSError:  # no IPv4 address on it
+                continue
+        if socket.inet_ntoa(answer[20:24]) == address:
+            return name
+    return None
+
+
+def cluster_network_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """NCCL's and gloo's interface for inter-node traffic: the one holding NODE_ADDR (see
+    SOCKET_INTERFACE_VARIABLES), for each of the two the environment does not already name."""
+    address = environ.get("NODE_ADDR")
+    unset = [name for name in SOCKET_INTERFACE_VARIABLES if not environ.get(name)]
+    if not address or not unset:
+        return {}
+    interface = interface_with_address(address)
+    if interface is None:
+        log.warning(
+            "NODE_ADDR %s is on no network interface of this node: NCCL and gloo choose their own (set "
+            "NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME to the cluster network's interface, ens1 on RunPod)",
+            address,
+        )
+        return {}
+    log.info("inter-node traffic on %s (NODE_ADDR %s): %s", interface, address, ", ".join(unset))
+    return dict.fromkeys(unset, interface)
+
+
 def launch_cluster(nnodes: int, node_rank: int, nproc_per_node: int, master: str, argv: list[str]) -> int:
     """This node's torchrun, as a child: signals forwarded, the ranks' codes mapped to one exit code.
 
@@ -110,7 +156,8 @@ def launch_cluster(nnodes: int, node_rank: int, nproc_per_node: int, master: str
             "--rdzv_endpoint", master,
             "-m", "trainpod.rank", *argv,
         ]  # fmt: skip
-        torchrun = subprocess.Popen(cmd, env=dict(os.environ, **{RANK_EXIT_DIR_ENV: exit_dir}))
+        env = dict(os.environ, **cluster_network_env(os.environ), **{RANK_EXIT_DIR_ENV: exit_dir})
+        torchrun = subprocess.Popen(cmd, env=env)
         signalled: list[int] = []
 
         def forward(signum: int, _frame: object) -> None:

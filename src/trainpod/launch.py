@@ -102,12 +102,17 @@ def _wait(procs: list[subprocess.Popen]) -> int:
     codes = [_exit_code(p.returncode) for p in procs]
     # A verdict of the table before the first failure in time: a rank 0 that raised (exit 5, a full volume)
     # closes its connections as it leaves, and the rank waiting on it may crash on that (exit 1) first.
-    verdict = next((code for code in CLUSTER_PRIORITY if code in codes), None)
+    verdict = table_verdict(codes)
     if verdict is not None:
         return verdict
     if first_failure is None:
         first_failure = next((c for c in codes if c != 0), 0)
     return first_failure
+
+
+def table_verdict(codes: list[int]) -> int | None:
+    """The first code of CLUSTER_PRIORITY that one of the ranks exited with, or None."""
+    return next((code for code in CLUSTER_PRIORITY if code in codes), None)
 
 
 def interface_with_address(address: str) -> str | None:
@@ -209,9 +214,9 @@ def rank_codes(folder: Path) -> list[int]:
 
 def cluster_outcome(codes: list[int], expected: int, torchrun_code: int, preempted: bool = False) -> int:
     """One exit code for this node from its ranks' reported codes (see CLUSTER_PRIORITY)."""
-    for code in CLUSTER_PRIORITY:
-        if code in codes:
-            return code
+    verdict = table_verdict(codes)
+    if verdict is not None:
+        return verdict
     if len(codes) == expected and all(code == 0 for code in codes):
         return 0
     if preempted:  # SIGTERM reached us and no rank said otherwise: ranks died before their handler

@@ -8,10 +8,13 @@ import math
 def cosine_with_warmup(
     step: int, max_steps: int, peak_lr: float, warmup_steps: int, min_lr_ratio: float
 ) -> float:
-    """Linear warmup from peak/warmup to peak over `warmup_steps`, then cosine decay to peak*min_lr_ratio."""
+    """The learning rate of `step` (0-based) of `max_steps`: a linear warmup from peak/warmup up to the
+    peak at the last warmup step (the first step without warmup), then a cosine decay that reaches
+    peak*min_lr_ratio at the last step, max_steps - 1, the final learning rate the config promises."""
     if warmup_steps and step < warmup_steps:
         return peak_lr * (step + 1) / warmup_steps
-    decay_steps = max(1, max_steps - warmup_steps)
-    progress = min(1.0, (step - warmup_steps) / decay_steps)
+    peak_step = max(warmup_steps - 1, 0)
+    decay_steps = max_steps - 1 - peak_step
+    progress = min(1.0, (step - peak_step) / decay_steps) if decay_steps > 0 else 0.0  # one step: the peak
     min_lr = peak_lr * min_lr_ratio
     return min_lr + 0.5 * (peak_lr - min_lr) * (1 + math.cos(math.pi * progress))

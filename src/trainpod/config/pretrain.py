@@ -125,7 +125,12 @@ class TrainConfig(Section):
     eval_every: int = Field(
         200, ge=0, description="Evaluate on the validation split every N steps (0: never)."
     )
-    eval_batches: int = Field(20, ge=1, description="Micro-batches per evaluation.")
+    eval_batches: int = Field(
+        20,
+        ge=1,
+        description="Micro-batches per evaluation, over all GPUs together: the same validation windows on any "
+        "GPU count.",
+    )
     log_every: int = Field(10, ge=1, description="Log a line every N steps.")
     cpu_threads: int | None = Field(None, ge=1, description="torch threads on CPU; default: torch's choice.")
 

@@ -211,21 +211,19 @@ def eval_batches(
     batch_size: int,
     seq_len: int,
     count: int,
-    rank: int = 0,
-    world_size: int = 1,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The same first `count` validation windows at every evaluation, split across ranks. InputError
-    when no validation shard holds one window on every rank."""
-    window = world_size * batch_size * seq_len + 1
+    """The first `count` validation windows of one micro-batch each, the same at every evaluation and on any
+    rank count (they are read as one rank reads them; the caller shares them out across its ranks), so a run
+    resumed on another GPU count evaluates the same tokens. InputError when no validation shard holds one."""
+    window = batch_size * seq_len + 1
     largest = max((len(open_shard(path)) for path in shards), default=0)
     if largest < window:
         raise InputError(
-            f"no validation shard holds one eval batch on every rank ({world_size} rank(s) x {batch_size} x "
-            f"{seq_len} + 1 = {window} tokens; the largest holds {largest}); lower train.micro_batch_size or "
-            "train.seq_len, give the validation split more tokens (datagen val_ratio), or set "
-            "train.eval_every=0 to train without evals"
+            f"no validation shard holds one eval micro-batch ({batch_size} x {seq_len} + 1 = {window} tokens; "
+            f"the largest holds {largest}); lower train.micro_batch_size or train.seq_len, give the validation "
+            "split more tokens (datagen val_ratio), or set train.eval_every=0 to train without evals"
         )
-    batches = TokenBatches(shards, open_shard, batch_size, seq_len, rank, world_size, seed=0)
+    batches = TokenBatches(shards, open_shard, batch_size, seq_len, seed=0)
     out = []
     for _ in range(count):
         batch = batches.next_batch()

@@ -95,22 +95,21 @@ class Pretrainer(Trainer):
             grad_accum_steps=t.grad_accum_steps,
         )
         # Read once, here: every eval uses the same windows, and a validation split too small for them is
-        # an error before the first step, not at the first eval hours in.
-        self.eval_windows = (
-            eval_batches(
-                self.val_shards,
-                open_shard,
-                t.micro_batch_size,
-                t.seq_len,
-                t.eval_batches,
-                self.dist.rank,
-                self.dist.world_size,
-            )
+        # an error before the first step, not at the first eval hours in. The same windows on any rank
+        # count (rank r takes windows r, r + ranks, ...): a run resumed on another GPU count evaluates what
+        # it evaluated before, and its evals still compare for best-k retention.
+        windows = (
+            eval_batches(self.val_shards, open_shard, t.micro_batch_size, t.seq_len, t.eval_batches)
             # A split dataset whose val split got no document (a small corpus, a small val_ratio) has
             # none to read: that is the same error, not a run that silently never evaluates.
             if t.eval_every and (self.val_shards or "val" in manifest["splits"])
             else []
         )
+        self.eval_windows = windows[self.dist.rank :: self.dist.world_size]
+        self.eval_window_count = len(windows)
+        # What a rank with one window fewer runs its last round's forward on, uncounted: every rank runs as
+        # many forwards (FSDP gathers in each, DDP may sync its buffers).
+        self.eval_filler = windows[0] if windows else None
 
     def _setup_model(self) -> None:
         t, device = self.train_cfg, self.dist.device
@@ -248,23 +247,26 @@ class Pretrainer(Trainer):
             return
         started = time.perf_counter()
         model.eval()
-        for inputs, targets in self.eval_windows[:1]:  # every rank: FSDP's forward gathers on all of them
-            with self._autocast():
-                model(to_device(inputs, self.dist.device), to_device(targets, self.dist.device))
+        inputs, targets = self.eval_filler  # every rank, with or without windows: FSDP's forward gathers
+        with self._autocast():
+            model(to_device(inputs, self.dist.device), to_device(targets, self.dist.device))
         model.train()
         log.info("compiled the eval graph before the first step (%.0f s)", time.perf_counter() - started)
 
     @torch.no_grad()
     def evaluate(self, model: torch.nn.Module, step: int) -> float:
         model.eval()
-        batches = self.eval_windows
         total = torch.zeros((), device=self.dist.device)
-        # Every rank holds as many windows (its slice of the same global windows, train/batches.py), so
-        # until_stop never yields None here and the ranks run as many forwards (under FSDP each gathers).
-        for inputs, targets in self.until_stop(batches):
+        # The ranks share the same windows on any rank count (_setup_data); until_stop runs as many rounds on
+        # each, and yields None to a rank whose windows ran out, which runs its forward uncounted.
+        for batch in self.until_stop(self.eval_windows):
+            inputs, targets = batch if batch is not None else self.eval_filler
             with self._autocast():
-                total += model(to_device(inputs, self.dist.device), to_device(targets, self.dist.device))
-        return D.all_reduce_mean(self.dist, total / len(batches)).item()
+                loss = model(to_device(inputs, self.dist.device), to_device(targets, self.dist.device))
+            if batch is not None:
+                total += loss
+        # Every window holds as many tokens: their mean is the token-weighted mean.
+        return D.all_reduce_sum(self.dist, total.item()) / self.eval_window_count
 
     # ------------------------------------------------------------------------------ finish
     def export(self) -> Path | None:

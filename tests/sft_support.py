@@ -10,7 +10,7 @@ import json
 import random
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
 from trainpod.sft.demo_rows import WORDS as DEMO_WORDS
@@ -69,6 +69,31 @@ def make_tiny_tokenizer(
     )
     if chat_template is not None:
         wrapped.chat_template = chat_template
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    wrapped.save_pretrained(str(path))
+    return path
+
+
+def make_bos_adding_tokenizer(path: Path) -> Path:
+    """A tokenizer folder like Llama's, Mistral's or Gemma's: bos <s> and eos </s> differ, and the
+    tokenizer puts bos before every text it encodes with its special tokens (a TemplateProcessing)."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<s>", "</s>", PAD],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(SENTENCES * 4, trainer=trainer)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", tokenizer.token_to_id("<s>"))]
+    )
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token=PAD
+    )
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     wrapped.save_pretrained(str(path))

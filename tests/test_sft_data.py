@@ -29,7 +29,13 @@ from trainpod.sft.demo_rows import demo_jsonl
 from trainpod.sft.sources import builtin_sft_tiny_path
 from trainpod.volume import Volume
 
-from sft_support import CUSTOM_CHAT_TEMPLATE, make_tiny_tokenizer, write_alpaca_jsonl, write_messages_jsonl
+from sft_support import (
+    CUSTOM_CHAT_TEMPLATE,
+    make_bos_adding_tokenizer,
+    make_tiny_tokenizer,
+    write_alpaca_jsonl,
+    write_messages_jsonl,
+)
 from support import CONFIGS, tree_snapshot
 
 SYSTEM = "Be brief."
@@ -165,6 +171,19 @@ def test_text_format_trains_every_token_but_the_first_and_ends_with_eos(tmp_path
     data = prepare(tmp_path, tokenizer_dir, [{"text": "The quick brown fox."}], "text", template="chatml")
     example = data.train[0]
     expected = tokenizer.encode("The quick brown fox.<|endoftext|>", add_special_tokens=False)
+    assert example.input_ids.tolist() == expected
+    assert example.labels.tolist() == [IGNORE_INDEX, *expected[1:]]
+
+
+def test_text_format_starts_with_the_bos_a_tokenizer_puts_before_every_text(tmp_path):
+    """Llama, Mistral and Gemma were pretrained (and are prompted by trainpod chat) with bos before every
+    text; a text sample without it trained the model on documents it never sees (Gemma falls apart)."""
+    folder = make_bos_adding_tokenizer(tmp_path / "tok")
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    data = prepare(tmp_path, folder, [{"text": "The quick brown fox."}], "text", template="alpaca")
+    example = data.train[0]
+    expected = tokenizer("The quick brown fox.")["input_ids"] + [tokenizer.eos_token_id]
+    assert expected[0] == tokenizer.bos_token_id
     assert example.input_ids.tolist() == expected
     assert example.labels.tolist() == [IGNORE_INDEX, *expected[1:]]
 

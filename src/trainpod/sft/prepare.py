@@ -29,7 +29,7 @@ from trainpod.sft.dataset import MANIFEST_FILE, MANIFEST_FORMAT, read_manifest, 
 from trainpod.sft.encode import SegmentEncoder
 from trainpod.sft.formats import RowReader
 from trainpod.sft.sources import describe_files, iter_rows
-from trainpod.sft.templates import Segments, Template, build_template, text_segments
+from trainpod.sft.templates import Segments, Template, build_template, text_format
 from trainpod.volume import Volume
 
 log = logging.getLogger(__name__)
@@ -229,15 +229,12 @@ def _contents(files: list[dict]) -> list[tuple[int, str]]:
 
 
 def _segments(data: SftDataConfig, template: Template, tokenizer, volume_root: Path) -> Iterator[Segments]:
+    text = text_format(tokenizer)
     for index, source in enumerate(data.datasets):
         reader = RowReader(source, index)
         for row in iter_rows(source, volume_root):
             sample = reader.sample(row)
-            yield (
-                text_segments(sample.text, tokenizer)
-                if sample.text is not None
-                else template.segments(sample)
-            )
+            yield text.segments(sample.text) if sample.text is not None else template.segments(sample)
 
 
 def _chunks(items: Iterator[Segments], size: int) -> Iterator[list[Segments]]:

@@ -167,6 +167,28 @@ def build_template(name: str, tokenizer) -> Template:
     return template
 
 
-def text_segments(text: str, tokenizer) -> Segments:
-    """The text format: the document and eos, all of it 'answer' (trained)."""
-    return Segments("", (("", text + (tokenizer.eos_token or "")),))
+@dataclass(frozen=True)
+class TextFormat:
+    """The text format: the document and eos, all of it 'answer' (trained), after the bos the tokenizer
+    puts before every text (Llama, Mistral, Gemma): they were pretrained on documents starting with it,
+    and trainpod chat prompts a model trained on text with it."""
+
+    bos: str
+    eos: str
+
+    def segments(self, text: str) -> Segments:
+        return Segments(self.bos, (("", text + self.eos),))
+
+
+def text_format(tokenizer) -> TextFormat:
+    return TextFormat(_bos_the_tokenizer_adds(tokenizer), tokenizer.eos_token or "")
+
+
+def _bos_the_tokenizer_adds(tokenizer) -> str:
+    """The bos token where encoding with special tokens puts it first (segments are encoded without)."""
+    bos_id = tokenizer.bos_token_id
+    if bos_id is None:
+        return ""
+    with_special = tokenizer("a")["input_ids"]
+    without = tokenizer("a", add_special_tokens=False)["input_ids"]
+    return tokenizer.bos_token if with_special[:1] == [bos_id] and without[:1] != [bos_id] else ""

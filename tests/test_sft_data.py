@@ -188,6 +188,14 @@ def test_text_format_starts_with_the_bos_a_tokenizer_puts_before_every_text(tmp_
     assert example.labels.tolist() == [IGNORE_INDEX, *expected[1:]]
 
 
+def test_plain_text_needs_no_chat_template_of_a_base_tokenizer(tmp_path):
+    """A base model's tokenizer (no chat_template, no chatml tokens) and plain text, which no template
+    wraps: the default template (auto, so chatml) was checked anyway and refused the continued pretraining."""
+    folder = make_bos_adding_tokenizer(tmp_path / "tok")
+    data = prepare(tmp_path, folder, [{"text": "The quick brown fox."}], "text")
+    assert len(data.train) == 1 and data.manifest["template"] is None
+
+
 def test_a_dataset_of_plain_text_alone_records_no_template_and_one_with_chats_records_its_template(
     tmp_path, tokenizer_dir
 ):

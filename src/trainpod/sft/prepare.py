@@ -137,7 +137,10 @@ def _build_and_publish(
         for source in data.datasets
     ]
     tokenizer = load_tokenizer(tokenizer_dir)
-    template = build_template(data.template, tokenizer)
+    # Plain text is wrapped in no template: a base model's tokenizer (no chat_template, so auto is chatml,
+    # whose tokens it lacks) must not be refused for one it will never use.
+    chats = any(source.format != "text" for source in data.datasets)
+    template = build_template(data.template, tokenizer) if chats else None
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     for leftover in out_dir.parent.glob(f"{out_dir.name}.tmp-*"):
         shutil.rmtree(leftover, ignore_errors=True)
@@ -228,13 +231,19 @@ def _contents(files: list[dict]) -> list[tuple[int, str]]:
     return [(f["bytes"], f["sha256"]) for f in files]
 
 
-def _segments(data: SftDataConfig, template: Template, tokenizer, volume_root: Path) -> Iterator[Segments]:
+def _segments(
+    data: SftDataConfig, template: Template | None, tokenizer, volume_root: Path
+) -> Iterator[Segments]:
     text = text_format(tokenizer)
     for index, source in enumerate(data.datasets):
         reader = RowReader(source, index)
         for row in iter_rows(source, volume_root):
             sample = reader.sample(row)
-            yield text.segments(sample.text) if sample.text is not None else template.segments(sample)
+            if sample.text is not None:
+                yield text.segments(sample.text)
+            else:
+                assert template is not None  # built wherever a dataset is not plain text
+                yield template.segments(sample)
 
 
 def _chunks(items: Iterator[Segments], size: int) -> Iterator[list[Segments]]:
@@ -249,7 +258,13 @@ def _chunks(items: Iterator[Segments], size: int) -> Iterator[list[Segments]]:
 
 
 def _build(
-    data: SftDataConfig, tokenizer, template: Template, volume_root: Path, tmp: Path, watch, lease: Lease
+    data: SftDataConfig,
+    tokenizer,
+    template: Template | None,
+    volume_root: Path,
+    tmp: Path,
+    watch,
+    lease: Lease,
 ) -> dict:
     encoder = SegmentEncoder(tokenizer, data.cutoff_len, data.overflow, data.train_on_prompt)
     splits: dict[str, list] = {"train": [], "val": []}
@@ -296,7 +311,7 @@ def _build(
         "format": MANIFEST_FORMAT,
         "complete": True,
         # None: every dataset is plain text, which no template wraps; the model continues text (trainpod chat)
-        "template": template.name if any(source.format != "text" for source in data.datasets) else None,
+        "template": template.name if template else None,
         "packing": data.packing,  # not a setting of the ids (not in the key): the trainer's default for them
         "settings": data.stored_settings(),
         "splits": files,

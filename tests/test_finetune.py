@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from finetune_support import BASE, FINETUNE_RUN, TINY_FINETUNE, finetune_args, latest_step
+from finetune_support import BASE, FINETUNE_RUN, SFT_FILE, TINY_FINETUNE, finetune_args, latest_step
+from sft_support import write_alpaca_jsonl
 from support import TINY_PRETRAIN, run_trainpod, signal_when_step_reached, start_trainpod, tree_snapshot
 
 pytestmark = pytest.mark.slow
@@ -332,6 +333,35 @@ def test_tracking_asked_for_without_wandb_installed_is_exit_2_before_anything_is
     assert result.returncode == 2, output
     assert "WANDB_API_KEY is set" in output and "wandb is not installed" in output and secret not in output
     assert tree_snapshot(volume) == before
+
+
+def test_a_new_run_on_edited_sft_data_tokenizes_the_data_anew(volume):
+    """cache/sft/<key> is keyed by the data files too (README): a run after the data file was edited was
+    refused, exit 2, for a cache "built from other contents", telling the user to pick a dataset name."""
+    steps = ("--set", "train.max_steps=1", "--set", "train.eval_every=0")
+    ok(run_trainpod(*finetune_args(*steps, method="lora"), volume=volume))
+    write_alpaca_jsonl(volume / SFT_FILE, 250, seed=4)  # more rows, other rows
+    ok(run_trainpod(*finetune_args(*steps, "--set", "name=edited-data", method="lora"), volume=volume))
+    rows = sorted(
+        json.loads(m.read_text())["counts"]["rows"] for m in volume.glob("cache/sft/*/manifest.json")
+    )
+    assert rows == [240, 250]
+
+
+def test_a_resume_trains_on_the_data_its_first_start_tokenized_though_the_file_went_or_changed(volume):
+    """The cache is keyed by the data files' contents: a resume after the file was removed found no key
+    (exit 2), and one after it was edited would have trained on other samples from the middle of its epoch."""
+    args = finetune_args("--set", "train.max_steps=6", "--set", "checkpoint.every_steps=1", method="lora")
+    proc = start_trainpod(*args, volume=volume)
+    first = signal_when_step_reached(proc, volume, 2, signal.SIGTERM, run=FINETUNE_RUN)
+    assert proc.returncode == 143, first
+    (volume / SFT_FILE).unlink()
+    proc = start_trainpod(*args, volume=volume)
+    second = signal_when_step_reached(proc, volume, latest_step(volume) + 1, signal.SIGTERM, run=FINETUNE_RUN)
+    assert proc.returncode == 143, second
+    write_alpaca_jsonl(volume / SFT_FILE, 250, seed=4)
+    ok(run_trainpod(*args, volume=volume))
+    assert len(list(volume.glob("cache/sft/*/manifest.json"))) == 1, "a resume tokenized other data"
 
 
 def test_both_or_neither_data_source_is_a_config_error(volume):

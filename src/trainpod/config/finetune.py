@@ -75,7 +75,8 @@ class FinetuneDataConfig(Section):
     sft: SftDataConfig | None = Field(
         None,
         description="Or the SFT data itself: tokenized here with the base model's tokenizer and cached on the "
-        "volume under cache/sft/<key> (reused while data, tokenizer and settings stay the same).",
+        "volume under cache/sft/<key> (reused while data, tokenizer and settings stay the same; a resume takes the "
+        "data its first start tokenized, kept in runs/<run>/sft_data.json).",
     )
     packing: bool | None = Field(
         None,

@@ -8,7 +8,7 @@ eval_batches turn its samples into the batches the finetune trainer feeds to a t
 
 from trainpod.sft.batches import SftBatches, eval_batches
 from trainpod.sft.dataset import IGNORE_INDEX, SftData, SftExample, SftExamples, load_sft
-from trainpod.sft.prepare import prepare_sft, run_sft_datagen, sft_key
+from trainpod.sft.prepare import prepare_sft, run_sft_datagen, sft_cache_key, sft_key
 
 __all__ = [
     "IGNORE_INDEX",
@@ -20,5 +20,6 @@ __all__ = [
     "load_sft",
     "prepare_sft",
     "run_sft_datagen",
+    "sft_cache_key",
     "sft_key",
 ]

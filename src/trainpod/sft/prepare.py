@@ -74,6 +74,15 @@ def sft_key(data: SftDataConfig, tokenizer_dir: Path) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
+def sft_cache_key(data: SftDataConfig, tokenizer_dir: Path, volume_root: Path) -> str:
+    """Names finetune's cache/sft/<key>: the dataset's key and its files' contents, so data edited since an
+    earlier run is tokenized anew beside that run's (as cache/vlm/<key> is), not refused as a named
+    dataset built from other contents is."""
+    contents = [_contents(describe_files(source, volume_root)) for source in data.datasets]
+    record = json.dumps([sft_key(data, tokenizer_dir), contents], separators=(",", ":"))
+    return hashlib.sha256(record.encode()).hexdigest()[:16]
+
+
 def is_validation(row_index: int, val_ratio: float, seed: int) -> bool:
     """A fixed pseudo-random choice per (seed, row index) (splitmix64), independent of chunking."""
     x = (row_index + seed * 0x632BE59BD9B4E019 + 0x9E3779B97F4A7C15) & _MASK64

@@ -31,7 +31,8 @@ from trainpod.config.finetune import FSDP_WITHOUT_GENERATION, FinetuneConfig, fs
 from trainpod.context import RunContext
 from trainpod.errors import InputError
 from trainpod.preemption import WorkAbandoned
-from trainpod.sft import IGNORE_INDEX, SftBatches, eval_batches, load_sft, prepare_sft, sft_key
+from trainpod.sft import IGNORE_INDEX, SftBatches, eval_batches, load_sft, prepare_sft, sft_cache_key, sft_key
+from trainpod.sft.dataset import read_manifest
 from trainpod.sft.packing_probe import refuse_packing_that_leaks
 from trainpod.train import distributed as D
 from trainpod.train.base_model import (
@@ -70,6 +71,7 @@ log = logging.getLogger(__name__)
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "labels")
 BASE_MODEL_PIN = "base_model.json"  # runs/<run>/: the hub commit of the base model the run trains on
+SFT_DATA_PIN = "sft_data.json"  # runs/<run>/: the cache/sft/<key> its first start tokenized data.sft into
 
 
 def config_type(tree: dict[str, Any]) -> type:
@@ -176,10 +178,7 @@ class Finetuner(Trainer):
         if data_cfg.dataset is not None:
             folder = _dataset_dir(self.ctx, data_cfg.dataset)
         else:
-            folder = self.ctx.volume.cache() / "sft" / sft_key(data_cfg.sft, self.base_dir)
-            self._on_main_first(
-                lambda: prepare_sft(data_cfg.sft, self.base_dir, folder, self.ctx.volume.root, self.ctx.watch)
-            )
+            folder = self._on_main_first(self._prepare_sft_cache)
         self.data = load_sft(folder)
         self._check_same_tokenizer(folder)
         if self.data.manifest["settings"].get("train_on_prompt") and self.cfg.generation_eval.every_evals:
@@ -211,6 +210,28 @@ class Finetuner(Trainer):
             pin_memory=self.dist.device.type == "cuda",
             grad_accum_steps=t.grad_accum_steps,
         )
+
+    def _prepare_sft_cache(self) -> Path:
+        """cache/sft/<key> of data.sft, keyed by the data files' contents; a resume takes the folder its first
+        start pinned in runs/<run>/sft_data.json while it is complete and of the same settings and tokenizer,
+        so it trains on the samples it started on though the files were edited or removed since."""
+        sft, volume = self.cfg.data.sft, self.ctx.volume
+        pin = self.ctx.run.root / SFT_DATA_PIN
+        settings_key = sft_key(sft, self.base_dir)
+        try:
+            pinned = atomic.read_json(pin)
+        except (OSError, ValueError):
+            pinned = None
+        if isinstance(pinned, dict) and pinned.get("settings_key") == settings_key:
+            folder = volume.cache() / "sft" / str(pinned.get("key"))
+            if read_manifest(folder) is not None:
+                log.info("SFT data: %s, tokenized at this run's first start (%s)", folder, pin.name)
+                return folder
+        folder = volume.cache() / "sft" / sft_cache_key(sft, self.base_dir, volume.root)
+        prepare_sft(sft, self.base_dir, folder, volume.root, self.ctx.watch)
+        if self.dist.is_main:
+            atomic.write_json(pin, {"settings_key": settings_key, "key": folder.name})
+        return folder
 
     @property
     def packing_asked_by(self) -> str:

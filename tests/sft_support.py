@@ -100,6 +100,26 @@ def make_bos_adding_tokenizer(path: Path) -> Path:
     return path
 
 
+def make_metaspace_tokenizer(path: Path) -> Path:
+    """A tokenizer folder like Llama 2's and Mistral's in transformers 5: SentencePiece-style BPE whose
+    Metaspace pre-tokenizer writes a space as ▁ and puts one before the start of every text it encodes
+    (prepend_scheme "first"); bos <s>, eos </s>."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tokenizer.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<s>", "</s>", PAD], initial_alphabet=["\n"], show_progress=False
+    )
+    tokenizer.train_from_iterator(SENTENCES * 4, trainer=trainer)
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token=PAD
+    )
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    wrapped.save_pretrained(str(path))
+    return path
+
+
 def alpaca_rows(n: int, seed: int) -> list[dict[str, str]]:
     rng = random.Random(seed)
     rows = []

@@ -202,6 +202,28 @@ def test_a_run_trained_with_the_tokenizers_own_template_is_prompted_with_the_ids
     assert reply == "".join(written) and conversation.history[-1] == ("again", reply)
 
 
+def test_a_builtin_template_prompts_with_the_ids_training_made_under_a_sentencepiece_style_tokenizer(
+    tmp_path,
+):
+    """Training takes a sample's ids from its whole text (sft/encode.py); a prompt made of its segments
+    encoded alone began each with the ▁ (a space) a Llama 2 or Mistral tokenizer puts before a text."""
+    from trainpod.sft.encode import SegmentEncoder
+    from trainpod.sft.formats import Sample
+    from trainpod.sft.templates import build_template
+
+    from sft_support import make_metaspace_tokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(make_metaspace_tokenizer(tmp_path / "tok"))
+    sample = Sample("Be brief.", (("Add 2 and 3.", "5"), ("Reverse cloud", "duolc")))
+    stored = SegmentEncoder(tokenizer, 512, "truncate", False).encode(
+        [build_template("alpaca", tokenizer).segments(sample)]
+    )[0]
+    trained = stored.trained
+    last_answer = max(i for i in range(1, len(trained)) if trained[i] and not trained[i - 1])
+    conversation = Conversation(tokenizer, "alpaca", system="Be brief.", history=[("Add 2 and 3.", "5")])
+    assert conversation.prompt_ids("Reverse cloud") == stored.input_ids[:last_answer].tolist()
+
+
 def test_an_adapter_whose_base_model_is_not_here_is_bad_input_naming_it(tmp_path):
     """An adapter pulled to a laptop: its base folder was on the pod's volume; one message, exit 2, no traceback."""
     from trainpod.chat import Export, load

@@ -32,6 +32,7 @@ from trainpod.volume import Volume
 from sft_support import (
     CUSTOM_CHAT_TEMPLATE,
     make_bos_adding_tokenizer,
+    make_metaspace_tokenizer,
     make_tiny_tokenizer,
     write_alpaca_jsonl,
     write_messages_jsonl,
@@ -165,6 +166,22 @@ def test_labels_are_exactly_the_answer_tokens_with_their_end_of_turn(
     trained = [i for i, label in enumerate(example.labels.tolist()) if label != IGNORE_INDEX]
     assert trained == expected, f"{template}/{fmt}: trained {trained}, answers at {expected}"
     assert all(example.labels[i] == example.input_ids[i] for i in trained), "labels must not be shifted"
+
+
+def test_a_sample_has_the_ids_of_its_whole_text_under_a_sentencepiece_style_tokenizer(tmp_path):
+    """Llama 2's and Mistral's tokenizers put ▁ (a space) before the start of every text they encode: each
+    segment encoded alone began with one, so every answer was trained as " 5" where the rendered text
+    (and a prompt rendered whole, by any server) reads "5"."""
+    folder = make_metaspace_tokenizer(tmp_path / "tok")
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    example = prepare(tmp_path, folder, [ROWS["alpaca"]], template="alpaca").train[0]
+    text = (
+        f"<s>{SYSTEM}\n\n### Instruction:\nAdd 2 and 3.\n\n### Response:\n5</s>\n\n"
+        "### Instruction:\nReverse\ncloud\n\n### Response:\nduolc</s>"
+    )
+    assert example.input_ids.tolist() == tokenizer(text, add_special_tokens=False)["input_ids"]
+    trained = example.input_ids[example.labels != IGNORE_INDEX].tolist()
+    assert "".join(tokenizer.convert_ids_to_tokens(trained)) == "5</s>duolc</s>"
 
 
 def test_text_format_trains_every_token_but_the_first_and_ends_with_eos(tmp_path, tokenizer_dir, tokenizer):

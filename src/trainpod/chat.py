@@ -182,9 +182,9 @@ class Conversation:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
             return self.tokenizer(text, add_special_tokens=False)["input_ids"]
         segments = template.segments(sample)
-        # Segment by segment, as training tokenized them (sft/encode.py): the same ids at every boundary.
+        # The whole text up to where the answer begins, as training tokenized a sample (sft/encode.py).
         texts = [segments.prefix] + [text for pair in segments.pairs for text in pair][:-1]
-        return [i for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"] for i in ids]
+        return self.tokenizer("".join(texts), add_special_tokens=False)["input_ids"]
 
     def stop_ids(self) -> list[int]:
         """eos and the template's end-of-turn token (<|im_end|>, <|eot_id|>, <end_of_turn>), where the answer ends."""

@@ -65,7 +65,13 @@ def cut_sample(
 
 
 class SegmentEncoder:
-    """Tokenizes many samples' segments in one batched call of the fast tokenizer."""
+    """Tokenizes many samples in one batched call of the fast tokenizer: each sample's whole text, its
+    tokens then grouped by the segment their first character is in.
+
+    The whole text, not each segment alone: a SentencePiece-style tokenizer (Llama 2's, Mistral's) puts
+    a space (▁) before the start of every text it encodes, so an answer encoded alone began with one that
+    the rendered conversation, as transformers' apply_chat_template or a server tokenizes it, has not.
+    """
 
     def __init__(self, tokenizer, cutoff_len: int, overflow: str, train_on_prompt: bool):
         self.tokenizer = tokenizer
@@ -74,15 +80,43 @@ class SegmentEncoder:
         self.train_on_prompt = train_on_prompt
 
     def encode(self, samples: Sequence[Segments]) -> list[Encoded | None]:
-        texts = []
-        for segments in samples:
-            texts.append(segments.prefix)
-            for prompt, answer in segments.pairs:
-                texts += [prompt, answer]
-        ids = iter(self.tokenizer(texts, add_special_tokens=False)["input_ids"]) if texts else iter(())
-        out = []
-        for segments in samples:
-            prefix = next(ids)
-            pairs = [(next(ids), next(ids)) for _ in segments.pairs]
-            out.append(cut_sample(prefix, pairs, self.cutoff_len, self.overflow, self.train_on_prompt))
-        return out
+        texts = [
+            [segments.prefix, *(text for pair in segments.pairs for text in pair)] for segments in samples
+        ]
+        if not texts:
+            return []
+        if not getattr(self.tokenizer, "is_fast", False):  # no offsets to group by: each segment alone
+            ids = iter(
+                self.tokenizer([part for parts in texts for part in parts], add_special_tokens=False)[
+                    "input_ids"
+                ]
+            )
+            return [self._cut([next(ids) for _ in parts]) for parts in texts]
+        encoded = self.tokenizer(
+            ["".join(parts) for parts in texts], add_special_tokens=False, return_offsets_mapping=True
+        )
+        return [
+            self._cut(_grouped_by_segment(parts, ids, offsets))
+            for parts, ids, offsets in zip(
+                texts, encoded["input_ids"], encoded["offset_mapping"], strict=True
+            )
+        ]
+
+    def _cut(self, groups: list[list[int]]) -> Encoded | None:
+        """[prefix, prompt, answer, prompt, answer, ...] ids -> the sample within cutoff_len."""
+        pairs = list(zip(groups[1::2], groups[2::2], strict=True))
+        return cut_sample(groups[0], pairs, self.cutoff_len, self.overflow, self.train_on_prompt)
+
+
+def _grouped_by_segment(parts: list[str], ids: list[int], offsets: list[tuple[int, int]]) -> list[list[int]]:
+    """The ids of each of `parts` (concatenated, they were tokenized as one text): a token belongs to the
+    part its first character is in (one spanning a boundary, a merge the parts alone would not make, to the
+    earlier part)."""
+    ends = np.cumsum([len(part) for part in parts]).tolist()
+    groups: list[list[int]] = [[] for _ in parts]
+    part = 0
+    for token, (start, _) in zip(ids, offsets, strict=True):
+        while part < len(parts) - 1 and start >= ends[part]:
+            part += 1
+        groups[part].append(token)
+    return groups

@@ -1,7 +1,7 @@
 """Chat templates: a sample -> text segments (prompt, answer) per turn -> token ids with a trained mask.
 
-Each segment is tokenized on its own and the ids concatenated, as LLaMA-Factory does: an answer's
-ids are then exactly the ids of "answer + end-of-turn" tokenized alone, whatever precedes it. The
+A sample's whole text is tokenized at once, as transformers' apply_chat_template and inference servers
+tokenize a conversation, and each token goes to the segment its first character is in (sft/encode.py). The
 end-of-turn token (<|im_end|>, <|eot_id|>, eos) belongs to the answer and is trained, so the model
 learns to stop. The separator after an answer ("\n" in chatml) belongs to the next prompt.
 

@@ -300,6 +300,13 @@ def test_validation_split_is_a_deterministic_share_by_row(tmp_path, tokenizer_di
     assert sorted(val_rows + [e.row_index for e in first.train]) == list(range(200))
 
 
+def test_a_val_ratio_that_holds_out_every_row_is_named_as_the_cause(tmp_path, tokenizer_dir):
+    """The error blamed cutoff_len and overflow, which dropped nothing, and never named val_ratio."""
+    rows = [{"instruction": "Hi", "output": "Yo"}] * 3
+    with pytest.raises(InputError, match=r"3 held out for validation .*lower sft.val_ratio=0.5"):
+        prepare(tmp_path, tokenizer_dir, rows, template="chatml", val_ratio=0.5, seed=1)
+
+
 def test_json_array_gzip_parquet_and_globs_read_the_same_rows_as_jsonl(tmp_path, tokenizer_dir):
     rows = [ROWS["alpaca"], {"instruction": "Hi", "input": "", "output": "Yo"}]
     volume = tmp_path / "vol"

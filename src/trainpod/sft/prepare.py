@@ -293,9 +293,15 @@ def _build(
                 splits[split].append((rows, encoded.input_ids, encoded.trained))
             rows += 1
     if not splits["train"]:
+        held_out = len(splits["val"])
+        fix = (
+            f"lower sft.val_ratio={data.val_ratio} or add data"
+            if held_out
+            else "add data, raise sft.cutoff_len or set sft.overflow=truncate"
+        )
         raise InputError(
             f"no training samples: {rows} rows read, {dropped} dropped (over cutoff_len={data.cutoff_len} or no "
-            "answer tokens left); add data, raise sft.cutoff_len or set sft.overflow=truncate"
+            f"answer tokens left), {held_out} held out for validation (a hash of each row's index picks them); {fix}"
         )
     files = {}
     counts = {

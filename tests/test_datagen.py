@@ -510,6 +510,29 @@ def test_a_tokenizer_with_an_id_beyond_its_token_count_gets_uint32_shards_and_it
     assert np.array_equal(split_stream(dataset, manifest, "train"), expected)
 
 
+@pytest.mark.parametrize("workers", [1, MAX_THREAD_ENCODERS + 1], ids=["thread", "thread+process"])
+def test_a_reused_tokenizer_saved_with_truncation_and_padding_encodes_whole_documents(volume, workers):
+    # A tokenizer.json saved after enable_truncation/enable_padding (a sentence-transformers or a
+    # fine-tuning script's tokenizer) carries them, and encode_batch_fast applied them: every document
+    # was cut to 16 tokens in the shards, or padded to its batch's longest, silently.
+    run(make_config(mode="full"), volume)
+    trained = Tokenizer.from_file(str(volume.tokenizer("stories") / "tokenizer.json"))
+    saved_with_limits = Tokenizer.from_str(trained.to_str())
+    saved_with_limits.enable_truncation(16)
+    saved_with_limits.enable_padding(pad_id=0, pad_token="!")
+    folder = volume.root / "tokenizer-with-limits"
+    folder.mkdir()
+    saved_with_limits.save(str(folder / "tokenizer.json"))
+    dataset = run(
+        make_config(name="limited", mode="full", workers=workers, tokenizer={"path": str(folder)}), volume
+    )
+    reference = volume.dataset("stories")
+    assert np.array_equal(
+        split_stream(dataset, load_dataset_manifest(dataset), "train"),
+        split_stream(reference, load_dataset_manifest(reference), "train"),
+    )
+
+
 def test_a_folder_holding_files_datagen_did_not_make_is_refused_and_kept(volume):
     # Shards from llm.c pushed under this name were deleted (every unlisted *.bin was taken for a
     # shard of a killed run), and a generated dataset's folder got token shards mixed into it.

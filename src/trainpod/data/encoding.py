@@ -70,6 +70,11 @@ def _load_encoder(tokenizer_file: str, eot_id: int, dtype: str, special_tokens_a
     from tokenizers import Tokenizer
 
     _encoder.tokenizer = Tokenizer.from_file(tokenizer_file)
+    # A tokenizer.json saved with truncation or padding enabled (a reused tokenizer.path) applies them to
+    # every encode: documents cut to max_length, or padded to their batch's longest. A document is
+    # encoded whole, as transformers encodes it unless asked otherwise.
+    _encoder.tokenizer.no_truncation()
+    _encoder.tokenizer.no_padding()
     # Like llm.c's encode_ordinary: a document holding the text "<|endoftext|>" (or "</s>", an HTML tag)
     # is encoded as that text, so the end-of-text id appears only where the kit puts it, between documents.
     _encoder.tokenizer.encode_special_tokens = special_tokens_as_text

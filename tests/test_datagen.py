@@ -463,6 +463,17 @@ def test_a_source_file_that_cannot_be_read_as_its_format_is_exit_2_naming_it(vol
     assert caught.value.exit_code == ExitCode.BAD_INPUT
 
 
+def test_a_gz_suffix_in_capitals_is_read_decompressed_like_gz(volume):
+    # _format_of took STORIES.TXT.GZ for gzipped text, but it was opened as plain text: "not UTF-8".
+    (volume.root / "corpus" / "STORIES.TXT.GZ").write_bytes(gzip.compress(STORIES_TEXT.encode()))
+    capitals = run(make_config(name="capitals", sources=[{"path": "corpus/STORIES.TXT.GZ"}]), volume)
+    plain = run(make_config(), volume)
+    assert (
+        split_stream(capitals, load_dataset_manifest(capitals), "train").tolist()
+        == split_stream(plain, load_dataset_manifest(plain), "train").tolist()
+    )
+
+
 @pytest.mark.parametrize(
     ("damaged", "content", "words"),
     [

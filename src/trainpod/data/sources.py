@@ -84,7 +84,7 @@ def _format_of(path: Path, declared: str, strict: bool = True) -> str | None:
 
 
 def _open_text(path: Path, encoding: str = "utf-8") -> io.TextIOBase:
-    if path.suffix == ".gz":
+    if path.suffix.lower() == ".gz":  # as _format_of reads the suffix: a .GZ file was read as text
         return gzip.open(path, "rt", encoding=encoding)
     return open(path, encoding=encoding)
 
@@ -153,7 +153,7 @@ def _jsonl_documents(path: Path, field: str) -> Iterator[str]:
 def _parquet_documents(path: Path, field: str) -> Iterator[str]:
     import pyarrow.parquet as pq
 
-    if path.suffix == ".gz":
+    if path.suffix.lower() == ".gz":
         raise InputError(
             f"{path}: gzip-compressed parquet cannot be streamed; decompress it "
             "(parquet compresses its own columns)"

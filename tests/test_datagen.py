@@ -450,6 +450,11 @@ def damaged_parquet(path: Path) -> None:
             "is not a whole gzip",
         ),
         ("plain.txt.gz", lambda p: p.write_text("not gzip"), "is not a whole gzip"),
+        (
+            "latin1.txt.gz",
+            lambda p: p.write_bytes(gzip.compress("un café".encode("latin-1"))),
+            "is not UTF-8",
+        ),
         ("cut.parquet", lambda p: p.write_bytes(b"PAR1" + b"\0" * 64), "is not a readable parquet"),
         ("garbled.parquet", damaged_parquet, "is not a readable parquet"),
     ],
@@ -461,6 +466,45 @@ def test_a_source_file_that_cannot_be_read_as_its_format_is_exit_2_naming_it(vol
     with pytest.raises(InputError, match=rf"source file \S+/corpus/{re.escape(name)} {words}") as caught:
         run(make_config(sources=[{"path": "corpus/stories.txt"}, {"path": f"corpus/{name}"}]), volume)
     assert caught.value.exit_code == ExitCode.BAD_INPUT
+
+
+COMPRESSED_MAGIC = {
+    "zstd": b"\x28\xb5\x2f\xfd",
+    "bzip2": b"BZh91AY&SY",
+    "xz": b"\xfd7zXZ\x00",
+    "zip": b"PK\x03\x04",
+}
+
+
+@pytest.mark.parametrize(
+    ("compression", "fmt"), [("zstd", "jsonl"), ("bzip2", "text"), ("xz", "jsonl"), ("zip", "text")]
+)
+def test_a_source_compressed_other_than_gzip_is_exit_2_saying_so_not_to_convert_it_from_latin1(
+    volume, compression, fmt
+):
+    # A .jsonl.zst (SlimPajama, The Pile) given sources[].format, as the unknown suffix's error said, was
+    # "not UTF-8 text ... convert it with iconv -f latin1": compressed bytes made into text, garbage to train on.
+    (volume.root / "corpus" / f"stories.{fmt}.data").write_bytes(
+        COMPRESSED_MAGIC[compression] + bytes(range(128, 256)) * 64
+    )
+    config = make_config(sources=[{"path": f"corpus/stories.{fmt}.data", "format": fmt}])
+    with pytest.raises(InputError, match=f"is {compression}-compressed") as caught:
+        run(config, volume)
+    assert "iconv" not in str(caught.value) and "decompress it" in str(caught.value)
+
+
+@pytest.mark.parametrize("suffix", [".zst", ".bz2", ".xz", ".zip"])
+def test_a_compressed_suffix_other_than_gz_is_named_as_compression_not_as_a_format_to_set(volume, suffix):
+    (volume.root / "corpus" / f"part-0.jsonl{suffix}").write_bytes(b"\0" * 64)
+    with pytest.raises(InputError, match=rf"part-0.jsonl{re.escape(suffix)} is compressed") as caught:
+        run(make_config(sources=[{"path": f"corpus/part-0.jsonl{suffix}"}]), volume)
+    assert "set sources[].format" not in str(caught.value) and "decompress it" in str(caught.value)
+
+
+def test_a_gzip_file_without_the_gz_suffix_is_named_as_gzip(volume):
+    (volume.root / "corpus" / "stories.txt").write_bytes(gzip.compress(STORIES_TEXT.encode()))
+    with pytest.raises(InputError, match=r"stories.txt is gzip-compressed.*name ending in .gz"):
+        run(make_config(), volume)
 
 
 def test_a_gz_suffix_in_capitals_is_read_decompressed_like_gz(volume):

@@ -35,6 +35,17 @@ READ_BLOCK_CHARS = 4 << 20  # text files are split in 4 Mi-character blocks: mem
 # sentence per line, at the default separator), which would be held whole until the pod runs out of memory.
 MAX_DOCUMENT_CHARS = 1 << 30
 PARQUET_BATCH_ROWS = 1024
+# Compressions that are not read (only gzip is, by a .gz suffix): by suffix and by their files' first bytes.
+# Read as text they fail as "not UTF-8", and converting them from latin1 as that error advised made
+# compressed bytes into text to train on.
+OTHER_COMPRESSION_SUFFIXES = {".zst": "zstd", ".zstd": "zstd", ".bz2": "bzip2", ".xz": "xz", ".zip": "zip"}
+COMPRESSION_MAGIC = {
+    "gzip": re.compile(rb"\x1f\x8b"),
+    "zstd": re.compile(rb"\x28\xb5\x2f\xfd"),
+    "bzip2": re.compile(rb"BZh[1-9]"),
+    "xz": re.compile(rb"\xfd7zXZ\x00"),
+    "zip": re.compile(rb"PK\x03\x04"),
+}
 
 
 def builtin_corpus_path() -> Path:
@@ -75,6 +86,11 @@ def _format_of(path: Path, declared: str, strict: bool = True) -> str | None:
     if suffixes and suffixes[-1] == ".gz":
         suffixes.pop()
     fmt = SUFFIX_FORMATS.get(suffixes[-1]) if suffixes else None
+    if fmt is None and strict and suffixes[-1:] and suffixes[-1] in OTHER_COMPRESSION_SUFFIXES:
+        raise InputError(
+            f"source file {path} is compressed ({OTHER_COMPRESSION_SUFFIXES[suffixes[-1]]}), which is not read: "
+            f"{_DECOMPRESS_HINT}"
+        )
     if fmt is None and strict:
         raise InputError(
             f"source file {path} has no known suffix (.txt, .jsonl, .parquet, optionally .gz); "
@@ -269,6 +285,11 @@ def unreadable_file_problem(exc: Exception, fmt: str, path: Path, listed_in: str
     `listed_in` is the config field that names the file, for the fix (`sources[].path`).
     """
     if isinstance(exc, UnicodeDecodeError):
+        compression = _compression_of(path)
+        if compression == "gzip" and path.suffix.lower() != ".gz":
+            return "is gzip-compressed: give it a name ending in .gz, which is read decompressed"
+        if compression not in (None, "gzip"):
+            return f"is {compression}-compressed, which is not read: {_DECOMPRESS_HINT}"
         line, utf16 = _where_not_utf8(path)
         if utf16:  # Windows' "Unicode" (PowerShell's > and Out-File, Notepad): latin1 advice would garble it
             return (
@@ -286,6 +307,22 @@ def unreadable_file_problem(exc: Exception, fmt: str, path: Path, listed_in: str
         # OSError without errno; an OSError from the kernel (a volume's I/O error) always has one.
         return f"is not a readable parquet file ({exc}); copy it again or rewrite it"
     return None
+
+
+_DECOMPRESS_HINT = (
+    "decompress it (e.g. `zstd -d`, `bunzip2`, `xz -d`, `unzip`) or recompress it with gzip (.gz), the one "
+    "compression read"
+)
+
+
+def _compression_of(path: Path) -> str | None:
+    """The compression the file's first bytes say it holds (COMPRESSION_MAGIC); None for anything else."""
+    try:
+        with open(path, "rb") as f:
+            start = f.read(8)
+    except OSError:
+        return None
+    return next((name for name, magic in COMPRESSION_MAGIC.items() if magic.match(start)), None)
 
 
 def _where_not_utf8(path: Path) -> tuple[int | None, bool]:

@@ -10,8 +10,9 @@ from a synced checkout under $TRAINPOD_VOLUME/repos/) has this contract:
 It yields exactly `count` JSON-serialisable dicts, made only from `seed` (and `params`): calling it
 again with the same arguments must give the same records. The kit calls it once per chunk and kind
 with a seed derived from (config.seed, chunk, kind), so the output depends neither on the worker
-count nor on interruptions. `seed` is below 2**63 (fine for random.Random, numpy's default_rng and
-torch; take `seed % 2**32` for numpy's legacy RandomState). `kind` is one of the config's `kinds`, or
+count nor on interruptions (the workers run with PYTHONHASHSEED=0 unless the environment sets it,
+so a set of strings iterates alike in every run). `seed` is below 2**63 (fine for random.Random,
+numpy's default_rng and torch; take `seed % 2**32` for numpy's legacy RandomState). `kind` is one of the config's `kinds`, or
 None when the config has none; `params` are the config's `params` as they are.
 
 How many records of each kind a chunk holds is fixed in advance: the dataset's totals per kind by
@@ -76,6 +77,7 @@ SEED_DERIVATION = "int.from_bytes(sha256(f'{seed}/{chunk}/{label}').digest()[:8]
 # 5 s before SIGKILL, so a stop must not wait for a chunk that may take minutes.
 POLL_SECONDS = 0.2
 PROGRESS_LOG_SECONDS = 10.0
+HASH_SEED_VARIABLE = "PYTHONHASHSEED"  # the workers' (GeneratorPool)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -549,6 +551,12 @@ class GeneratorPool:
     def __init__(self, config: GeneratorDatagenConfig, search_path: list[str], workers: int):
         self.config = config
         self.workers = workers
+        # Each spawned worker drew its own string hash seed, so a generator iterating a set of strings (or
+        # dict keys built from one) made other records in every run from the same seed: the output changed
+        # with the worker count and at each resume. Workers started while the pool lives get a fixed one,
+        # unless the pod's environment sets PYTHONHASHSEED itself.
+        self._saved_hash_seed = os.environ.get(HASH_SEED_VARIABLE)
+        os.environ.setdefault(HASH_SEED_VARIABLE, "0")
         # spawn, not fork: a fork would copy the parent's threads, locks and open files into each worker.
         self._executor = ProcessPoolExecutor(
             workers,
@@ -642,6 +650,13 @@ class GeneratorPool:
         )
 
     def close(self, stop_now: bool) -> None:
+        try:
+            self._shut_down(stop_now)
+        finally:
+            if self._saved_hash_seed is None:
+                os.environ.pop(HASH_SEED_VARIABLE, None)
+
+    def _shut_down(self, stop_now: bool) -> None:
         if not stop_now:
             self._executor.shutdown(wait=True)
             return

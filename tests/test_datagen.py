@@ -985,6 +985,54 @@ def test_a_stop_while_a_resume_reads_past_its_committed_documents_ends_it_there(
     run(make_config(), volume)  # and it resumes from there
 
 
+def test_a_resume_after_a_file_joined_its_glob_before_those_read_is_exit_2_not_shards_of_two_orders(
+    volume, monkeypatch
+):
+    # A file landing among the glob's (a download still running into the folder) between a kill and the
+    # resume moved every later document's index: the resume went on at its committed document index in
+    # the new order, so documents were written twice or never, and ones in train shards became val ones.
+    import trainpod.data.split_writer as split_writer
+
+    documents = corpus_documents()
+    parts = {"part-0": documents[400:], "part-1": documents[:200], "part-2": documents[200:400]}
+    for part, texts in parts.items():
+        (volume.root / "corpus" / f"{part}.txt").write_text("\n\n".join(texts), encoding="utf-8")
+    late = (volume.root / "corpus" / "part-0.txt").rename(volume.root / "late-part-0.txt")
+    config = make_config(sources=[{"path": "corpus/part-*.txt"}])
+    real_write_shard = split_writer.write_shard
+
+    def killed_after_five_shards(path, tokens):
+        if path.name == "train_000005.bin":
+            raise KeyboardInterrupt  # stands for the kill
+        return real_write_shard(path, tokens)
+
+    monkeypatch.setattr(split_writer, "write_shard", killed_after_five_shards)
+    with pytest.raises(KeyboardInterrupt):
+        run(config, volume)
+    monkeypatch.setattr(split_writer, "write_shard", real_write_shard)
+    folder = volume.dataset("stories")
+    committed = {p.name: p.read_bytes() for p in folder.glob("*.bin")}
+
+    late.rename(volume.root / "corpus" / "part-0.txt")  # sorts before the files read
+    with pytest.raises(InputError, match=r"added since: corpus/part-0.txt") as caught:
+        run(config, volume)
+    assert caught.value.exit_code == ExitCode.BAD_INPUT
+    assert {p.name: p.read_bytes() for p in folder.glob("*.bin")} == committed
+    assert not (folder / "manifest.json").exists()
+
+    # Put back as it was, the resume goes on; a file sorting after those read moves no committed document
+    # and is read after them, as in an uninterrupted run over all three.
+    (volume.root / "corpus" / "part-0.txt").rename(volume.root / "corpus" / "part-3.txt")
+    resumed = run(config, volume)
+    (volume.root / "corpus" / "all.txt").write_text("\n\n".join(documents), encoding="utf-8")
+    reference = run(make_config(name="reference", sources=[{"path": "corpus/all.txt"}]), volume)
+    for split in ("train", "val"):
+        assert np.array_equal(
+            split_stream(resumed, load_dataset_manifest(resumed), split),
+            split_stream(reference, load_dataset_manifest(reference), split),
+        )
+
+
 def test_a_stop_while_the_tokenizer_reads_its_training_documents_ends_it_there(volume, monkeypatch):
     # Training reads up to max_train_documents (fineweb-edu.yaml: 200k, minutes of a hub stream) in one
     # call of the tokenizers library: a SIGTERM then ran on through the training into the SIGKILL with the

@@ -19,7 +19,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
@@ -31,7 +31,7 @@ from trainpod.checkpoint.lease import lease_lost, one_writer, release_folder_lea
 from trainpod.config.datagen import DatagenConfig
 from trainpod.data.encoding import BatchEncoder
 from trainpod.data.shards import HEADER_BYTES, shard_header, token_dtype
-from trainpod.data.sources import check_sources, describe_sources, iter_documents
+from trainpod.data.sources import check_sources, describe_sources, iter_documents, source_labels
 from trainpod.data.split_writer import SplitProgress, SplitWriter
 from trainpod.data.tokenizer import TOKENIZER_FILE, TokenizerInfo, prepare_tokenizer
 from trainpod.errors import ExitCode, InputError, Preempted, TemporaryError
@@ -45,6 +45,7 @@ PROGRESS_FILE = "progress.json"
 MANIFEST_FORMAT = "trainpod-datagen/1"
 SPECIAL_TOKENS_AS_TEXT = "special_tokens_as_text"  # in progress.json and manifest.json
 UTF8_BOM_STRIPPED = "utf8_bom_stripped"  # likewise
+SOURCE_FILES = "source_files"  # in progress.json: the files read so far, as sources.file_label names them
 SHARD_NAME = re.compile(r"^(train|val)_\d{6}\.bin$")  # as SplitWriter names its shards
 # A batch is also cut at this many characters, so a corpus of book-length documents does not put
 # gigabytes in flight (1000 fineweb documents are ~4 MB).
@@ -161,7 +162,9 @@ def _build(
     tokenizer = _tokenizer(config, volume, watch)
     folder.mkdir(parents=True, exist_ok=True)
     _remove_leftovers(folder)
-    progress = _load_progress(folder, config, expected_hash, tokenizer)
+    progress = _load_progress(
+        folder, config, expected_hash, tokenizer, source_labels(config.sources, volume.root)
+    )
     reading = {SPECIAL_TOKENS_AS_TEXT: _begun_since(folder, SPECIAL_TOKENS_AS_TEXT),
                UTF8_BOM_STRIPPED: _begun_since(folder, UTF8_BOM_STRIPPED)}  # fmt: skip
     documents_read = _write_shards(
@@ -254,10 +257,33 @@ def _remove_leftovers(folder: Path) -> None:
         leftover.unlink()
 
 
+def _check_same_source_files(folder: Path, recorded: list[str] | None, source_files: list[str]) -> None:
+    """A file that joined or left the sources' globs and folders among those read before a kill moved every
+    later document to another index: going on from the committed document index would write documents
+    twice or never, and put documents of train shards into val. Files joining after those read move none
+    of the committed documents (the dataset is then the one an uninterrupted run over them makes). A
+    dataset begun before progress.json recorded the files read (None) is not checked."""
+    if recorded is None or source_files[: len(recorded)] == recorded:
+        return
+    added = [f for f in source_files[: len(recorded)] if f not in recorded]
+    gone = [f for f in recorded if f not in source_files]
+    changes = [
+        f"{what} since: {', '.join(files[:5])}" for what, files in (("added", added), ("gone", gone)) if files
+    ]
+    changed = "; ".join(changes) or "read in another order"
+    raise InputError(
+        f"{folder} was begun from other source files than the sources name now ({changed}): every document "
+        "after the change has another index, so going on would write some documents twice and others never, "
+        f"and move some from train to val. Put the files back as they were to resume it, or delete {folder} "
+        "to build it from the files there now"
+    )
+
+
 def _load_progress(
-    folder: Path, config: DatagenConfig, expected_hash: str, tokenizer: TokenizerInfo
+    folder: Path, config: DatagenConfig, expected_hash: str, tokenizer: TokenizerInfo, source_files: list[str]
 ) -> dict[str, SplitProgress]:
-    """Committed shards per split from progress.json (empty for a fresh start); drops unlisted shards."""
+    """Committed shards per split from progress.json (empty for a fresh start); drops unlisted shards.
+    InputError when the sources name other files than when the committed shards were cut."""
     path = folder / PROGRESS_FILE
     progress = {split: SplitProgress() for split in config.splits}
     if path.is_file():
@@ -272,6 +298,7 @@ def _load_progress(
         if not _shards_intact(folder, progress):
             progress = {split: SplitProgress() for split in config.splits}
         else:
+            _check_same_source_files(folder, recorded.get(SOURCE_FILES), source_files)
             log.info(
                 "resuming: %s",
                 ", ".join(f"{split} {len(p.shards)} shards committed" for split, p in progress.items()),
@@ -342,8 +369,11 @@ class DocumentBatcher:
         writers: dict[str, SplitWriter],
         watch: PreemptionWatch,
         strip_bom: bool = True,
+        on_open: Callable[[str], None] | None = None,
     ):
+        """`on_open`: told each source file's label as it is opened (sources.iter_source)."""
         self.config = config
+        self.on_open = on_open
         self.volume = volume
         self.writers = writers
         self.strip_bom = strip_bom
@@ -355,7 +385,9 @@ class DocumentBatcher:
         characters = dict.fromkeys(self.writers, 0)
         limit = self.config.smoke_documents if self.config.mode == "smoke" else None
         for index, document in enumerate(
-            itertools.islice(iter_documents(self.config.sources, self.volume.root, self.strip_bom), limit)
+            itertools.islice(
+                iter_documents(self.config.sources, self.volume.root, self.strip_bom, self.on_open), limit
+            )
         ):
             self.documents_read = index + 1
             split = self._split_of(index)
@@ -395,7 +427,8 @@ def _write_shards(
     lease: Lease | None = None,
 ) -> int:
     """Encode and commit every remaining shard; returns the number of documents read. `reading`: how the
-    dataset was begun (_begun_since), recorded in progress.json."""
+    dataset was begun (_begun_since), recorded in progress.json with the files read so far."""
+    files_opened: list[str] = []
 
     def save_progress() -> None:
         write_json(
@@ -404,6 +437,7 @@ def _write_shards(
                 "config_hash": expected_hash,
                 "tokenizer_sha256": tokenizer.sha256,
                 **reading,
+                SOURCE_FILES: files_opened,
                 "splits": {split: p.to_json() for split, p in progress.items()},
             },
         )
@@ -413,7 +447,7 @@ def _write_shards(
         split: SplitWriter(split, folder, config.shard_tokens, dtype, p, save_progress)
         for split, p in progress.items()
     }
-    batcher = DocumentBatcher(config, volume, writers, watch, reading[UTF8_BOM_STRIPPED])
+    batcher = DocumentBatcher(config, volume, writers, watch, reading[UTF8_BOM_STRIPPED], files_opened.append)
     workers = config.workers or _cpu_count()
     started, encoded = time.monotonic(), 0
 

@@ -239,17 +239,25 @@ def _text(value: object, where: str, field: str) -> str | None:
     )
 
 
-def iter_source(source: SourceConfig, volume_root: Path, strip_bom: bool = True) -> Iterator[str]:
-    """Every non-empty document of one source.
+def iter_source(
+    source: SourceConfig,
+    volume_root: Path,
+    strip_bom: bool = True,
+    on_open: Callable[[str], None] | None = None,
+) -> Iterator[str]:
+    """Every non-empty document of one source; `on_open` is told each file's label (file_label) as it is
+    opened, a hub dataset's name as its stream starts.
 
     A record of a structured source (JSONL, parquet, a hub dataset) is kept verbatim: a trailing
     newline or indentation is part of the text (it matters for code). Only plain text split on blank
     lines or lines is stripped, since there the whitespace around a piece is the separator's.
     """
+    on_open = on_open or (lambda label: None)
     if source.hf is not None:
+        on_open(source.describe())
         raw: Iterator[str] = _hf_documents(source)
     else:
-        raw = _iter_files(source, resolve_files(source, volume_root), strip_bom)
+        raw = _iter_files(source, resolve_files(source, volume_root), strip_bom, volume_root, on_open)
     for document in raw:
         if document:
             yield document
@@ -261,8 +269,15 @@ def _stripped(documents: Iterator[str]) -> Iterator[str]:
             yield document
 
 
-def _iter_files(source: SourceConfig, files: list[Path], strip_bom: bool = True) -> Iterator[str]:
+def _iter_files(
+    source: SourceConfig,
+    files: list[Path],
+    strip_bom: bool,
+    volume_root: Path,
+    on_open: Callable[[str], None],
+) -> Iterator[str]:
     for path in files:
+        on_open(file_label(source, path, volume_root))
         fmt = _format_of(path, "text" if source.path == BUILTIN_TINY_STORIES else source.format)
         try:
             if fmt == "text":
@@ -347,11 +362,36 @@ def _where_not_utf8(path: Path) -> tuple[int | None, bool]:
     return None, utf16
 
 
-def iter_documents(sources: list[SourceConfig], volume_root: Path, strip_bom: bool = True) -> Iterator[str]:
+def iter_documents(
+    sources: list[SourceConfig],
+    volume_root: Path,
+    strip_bom: bool = True,
+    on_open: Callable[[str], None] | None = None,
+) -> Iterator[str]:
     """All documents of all sources, in config order. `strip_bom`: a text file's UTF-8 byte-order mark is no
-    part of its first document (False only for a dataset begun by a kit that kept it: datagen.py)."""
+    part of its first document (False only for a dataset begun by a kit that kept it: datagen.py). `on_open`:
+    told each file's label as it is opened (iter_source)."""
     for source in sources:
-        yield from iter_source(source, volume_root, strip_bom)
+        yield from iter_source(source, volume_root, strip_bom, on_open)
+
+
+def file_label(source: SourceConfig, path: Path, volume_root: Path) -> str:
+    """How a source file is named in progress.json: relative to the volume root where under it (a remount
+    moves the root), the builtin corpus by its config name (its path is the installed package's)."""
+    if source.path == BUILTIN_TINY_STORIES:
+        return BUILTIN_TINY_STORIES
+    return str(path.relative_to(volume_root)) if path.is_relative_to(volume_root) else str(path)
+
+
+def source_labels(sources: list[SourceConfig], volume_root: Path) -> list[str]:
+    """The labels of every file the sources name now, in reading order (a hub dataset by its name)."""
+    labels = []
+    for source in sources:
+        if source.hf is not None:
+            labels.append(source.describe())
+        else:
+            labels += [file_label(source, path, volume_root) for path in resolve_files(source, volume_root)]
+    return labels
 
 
 def check_sources(sources: list[SourceConfig], volume_root: Path) -> None:

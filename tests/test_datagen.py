@@ -400,6 +400,40 @@ def test_a_text_field_that_is_not_a_string_is_exit_2_naming_the_file_line_and_fi
     assert caught.value.exit_code == ExitCode.BAD_INPUT
 
 
+@pytest.mark.parametrize(
+    ("name", "content", "words"),
+    [
+        (
+            "alpaca.json",
+            '[\n  {"text": "a story"},\n  {"text": "another"}\n]\n',
+            r"alpaca\.json, line 1: a JSON array, not JSON Lines .*jq -c",
+        ),
+        ("one-line.json", '[{"text": "a story"}]\n', r"one-line\.json, line 1: a JSON array, not JSON Lines"),
+        (
+            "keys.jsonl",
+            '{"text": "a story"}\n{"title": "t", "body": "b"}\n',
+            r"keys\.jsonl, line 2: an object without 'text' \(its keys: title, body\); set sources\[\]\.text_field",
+        ),
+        (
+            "cut.jsonl",
+            '{"text": "a story"}\n{"text": "a sto\n',
+            r"cut\.jsonl, line 2: not valid JSON \(.* column",
+        ),
+    ],
+)
+def test_a_jsonl_line_that_is_no_object_with_the_text_field_is_exit_2_saying_what_it_is_and_the_fix(
+    volume, name, content, words
+):
+    # Each was "not a JSON object with a 'text' string; fix the file or set sources[].text_field": a JSON
+    # array (.json, as alpaca_data.json is) was sent to text_field, and an object without the field did not
+    # say which keys it has.
+    (volume.root / "corpus" / name).write_text(content, encoding="utf-8")
+    with pytest.raises(InputError, match=words) as caught:
+        run(make_config(sources=[{"path": f"corpus/{name}"}]), volume)
+    assert caught.value.exit_code == ExitCode.BAD_INPUT
+    assert ("text_field" in str(caught.value)) == name.startswith("keys"), "text_field is the fix only there"
+
+
 def test_an_hf_source_without_the_text_field_is_exit_2_naming_its_columns(volume, monkeypatch):
     # It was a bare KeyError from the stream (exit 1). A local folder is a `datasets` source too.
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")

@@ -155,15 +155,34 @@ def _jsonl_documents(path: Path, field: str) -> Iterator[str]:
         for line_number, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            try:
-                record = json.loads(line)
-                text = record[field]
-            except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                raise InputError(
-                    f"{path}, line {line_number}: not a JSON object with a {field!r} string "
-                    f"({type(exc).__name__}); fix the file or set sources[].text_field"
-                ) from None
-            yield _text(text, f"{path}, line {line_number}", field)
+            where = f"{path}, line {line_number}"
+            yield _text(_json_line_field(line, where, field), where, field)
+
+
+def _json_line_field(line: str, where: str, field: str) -> object:
+    """The `field` of one JSON Lines record; InputError saying what the line is instead and the fix."""
+    array = (
+        f"{where}: a JSON array, not JSON Lines (one object per line); convert it, e.g. "
+        "`jq -c '.[]' data.json > data.jsonl`"
+    )
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        if line.lstrip().startswith("["):  # a pretty-printed .json array (alpaca_data.json) opens with "["
+            raise InputError(array) from None
+        raise InputError(
+            f"{where}: not valid JSON ({exc.msg} at column {exc.colno}); fix that line"
+        ) from None
+    if isinstance(record, list):
+        raise InputError(array)
+    if not isinstance(record, dict):
+        raise InputError(f"{where}: {json.dumps(record)[:40]}, not a JSON object with a {field!r} string")
+    if field not in record:
+        raise InputError(
+            f"{where}: an object without {field!r} (its keys: {', '.join(list(record)[:10]) or 'none'}); set "
+            "sources[].text_field to the one holding the text"
+        )
+    return record[field]
 
 
 def _parquet_documents(path: Path, field: str) -> Iterator[str]:

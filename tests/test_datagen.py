@@ -669,6 +669,20 @@ def test_pretrain_refuses_a_tokenizer_replaced_under_the_datasets_recorded_name(
     assert context.resolve_tokenizer(str(kept), manifest) == kept
 
 
+def test_a_datasets_tokenizer_path_on_the_volume_is_found_where_the_volume_is_mounted_now(volume, tmp_path):
+    # tokenizer.path (fineweb-edu.yaml's way to reuse one: tokenizers/my-32k) was recorded by its absolute
+    # path alone: a dataset made under ./demo-volume and pushed, or read where the volume is mounted
+    # elsewhere (/runpod-volume), had pretrain and export fail with "tokenizer not found at <old path>".
+    from trainpod.context import RunContext
+
+    run(make_config(), volume)
+    folder = run(make_config(name="other", tokenizer={"path": "tokenizers/stories"}), volume)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    remounted = Volume(volume.root.rename(tmp_path / "remounted"))
+    context = RunContext(remounted, None, PreemptionWatch())
+    assert context.resolve_tokenizer(None, manifest) == remounted.tokenizer("stories")
+
+
 def test_a_hub_lost_in_the_middle_of_a_stream_is_exit_75_and_keeps_the_committed_shards(volume, monkeypatch):
     # `datasets` fetches a streamed dataset while it is iterated and, after its own retries, raises
     # ConnectionError("Server Disconnected"); that was a crash (exit 1) where a lost hub is temporary.

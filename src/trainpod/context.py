@@ -54,6 +54,8 @@ class RunContext:
             # when datagen ran, which another pod (or /runpod-volume on serverless) may not share.
             recorded = manifest["tokenizer"]
             candidates = [self.volume.tokenizer(recorded["name"])] if recorded.get("name") else []
+            if recorded.get("volume_path"):  # a datagen's tokenizer.path on the volume
+                candidates.append(self.volume.root / recorded["volume_path"])
             if recorded.get("path"):
                 candidates.append(Path(recorded["path"]))
         else:

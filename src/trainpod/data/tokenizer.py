@@ -42,11 +42,15 @@ class TokenizerInfo:
     vocab_size: int
     eot_token: str
     eot_id: int
+    # A tokenizer.path on the volume, relative to its root: found again where the volume is mounted now
+    # (the recorded absolute path is where it was mounted when datagen ran, or a laptop's before a push).
+    volume_path: str | None = None
 
     def to_json(self) -> dict:
         return {
             "path": str(self.folder),
             "name": self.name,
+            "volume_path": self.volume_path,
             "sha256": self.sha256,
             "vocab_size": self.vocab_size,
             "eot_token": self.eot_token,
@@ -78,7 +82,9 @@ def load_tokenizer(folder: Path) -> Tokenizer:
         ) from None
 
 
-def describe_tokenizer(folder: Path, eot_token: str, name: str | None = None) -> TokenizerInfo:
+def describe_tokenizer(
+    folder: Path, eot_token: str, name: str | None = None, volume_path: str | None = None
+) -> TokenizerInfo:
     tokenizer = load_tokenizer(folder)
     eot_id = tokenizer.token_to_id(eot_token)
     if eot_id is None:
@@ -96,6 +102,7 @@ def describe_tokenizer(folder: Path, eot_token: str, name: str | None = None) ->
         max(vocab_size, tokenizer.get_vocab_size(with_added_tokens=True)),
         eot_token,
         eot_id,
+        volume_path,
     )
 
 
@@ -163,7 +170,12 @@ def prepare_tokenizer(
         folder = Path(settings.path).expanduser()
         folder = folder if folder.is_absolute() else volume_root / folder
         log.info("using the existing tokenizer %s (tokenizer.path)", folder)
-        return describe_tokenizer(folder, settings.eot_token)
+        on_volume = folder.is_relative_to(volume_root)
+        return describe_tokenizer(
+            folder,
+            settings.eot_token,
+            volume_path=str(folder.relative_to(volume_root)) if on_volume else None,
+        )
     record = {
         "settings": {k: v for k, v in output_settings["tokenizer"].items() if k not in ("name", "path")},
         "sources": output_settings["sources"],

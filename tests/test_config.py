@@ -128,3 +128,44 @@ def test_an_infinite_or_nan_number_is_refused_naming_the_field(value):
         load_config(PretrainConfig, TINY, [f"checkpoint.lease_ttl_seconds={value}"])
     assert "checkpoint.lease_ttl_seconds" in str(caught.value) and "finite number" in str(caught.value)
     assert caught.value.exit_code == ExitCode.BAD_INPUT
+
+
+def test_a_typo_inside_a_list_entry_names_the_keys_that_entry_takes(tmp_path):
+    # The entries of a list (datagen's sources, a finetune's datasets, convert's tasks) are where a user
+    # writes most keys by hand; a typo there read "remove it or use one of: " with nothing after it.
+    from trainpod.config.convert import ConvertConfig
+    from trainpod.config.datagen import DatagenConfig
+
+    datagen = write(
+        tmp_path, "kind: tokens\nname: d\ntokenizer: {name: t}\nsources: [{path: x, text_feild: t}]\n"
+    )
+    with pytest.raises(ConfigError) as caught:
+        load_config(DatagenConfig, datagen)
+    assert "sources.0.text_feild: unknown key; did you mean 'text_field'?" in str(caught.value)
+    assert "use one of: format, hf, hf_config" in str(caught.value)
+
+    convert = write(tmp_path, "name: c\nadapter: run:x\nbase_model: b\ntask: [{kind: merge, dtypo: auto}]\n")
+    with pytest.raises(ConfigError, match=r"task.0.merge.dtypo: unknown key; did you mean 'dtype'\?"):
+        load_config(ConvertConfig, convert)
+
+
+def test_a_wrong_value_inside_a_list_entry_gives_its_fields_description_as_the_fix(tmp_path):
+    from trainpod.config.convert import ConvertConfig
+
+    path = write(tmp_path, "name: c\nadapter: run:x\nbase_model: b\ntask: [{kind: merge, dtype: fp8}]\n")
+    with pytest.raises(
+        ConfigError, match=r"task.0.merge.dtype = 'fp8': .*; fix: weights dtype of the merged"
+    ):
+        load_config(ConvertConfig, path)
+
+
+def test_a_missing_key_inside_a_list_entry_is_not_told_to_use_a_set_that_cannot_reach_it(tmp_path):
+    from trainpod.config.finetune import FinetuneConfig
+
+    path = write(tmp_path, "name: f\nbase_model: {path: m}\ndata: {sft: {datasets: [{format: alpaca}]}}\n"
+                 "train: {max_steps: 5}\n")  # fmt: skip
+    with pytest.raises(ConfigError) as caught:
+        load_config(FinetuneConfig, path)
+    message = str(caught.value)
+    assert "data.sft.datasets.0.path: required but missing" in message and "--set" not in message
+    assert "add it to that entry of the list in the YAML" in message

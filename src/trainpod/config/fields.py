@@ -32,12 +32,12 @@ def field_rows(model: type[BaseModel], prefix: str = "") -> list[FieldRow]:
     for name, info in model.model_fields.items():
         path = prefix + name
         rows.append(FieldRow(path, type_name(info.annotation), _default(info), info.description or ""))
-        for nested, suffix in _sections(info.annotation):
+        for nested, suffix in sections_of(info.annotation):
             rows += field_rows(nested, f"{path}{suffix}.")
     return rows
 
 
-def _sections(annotation: Any) -> list[tuple[type[BaseModel], str]]:
+def sections_of(annotation: Any) -> list[tuple[type[BaseModel], str]]:
     """Config sections inside a field's type: itself, Optional[...], Annotated[...] or list[...] of one.
     One of several sections (convert's `task`: mlx, merge or export) is told apart by its tag, as in
     `task[kind=merge].dtype`: their fields share names but not defaults."""
@@ -45,11 +45,11 @@ def _sections(annotation: Any) -> list[tuple[type[BaseModel], str]]:
         return [(annotation, "")]
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin is typing.Annotated:
-        return _sections(args[0])
+        return sections_of(args[0])
     if origin is list and args:
-        return [(model, f"[{suffix.strip('[]')}]") for model, suffix in _sections(args[0])]
+        return [(model, f"[{suffix.strip('[]')}]") for model, suffix in sections_of(args[0])]
     if origin in (typing.Union, types.UnionType):
-        found = [model for arg in args for model, _ in _sections(arg)]
+        found = [model for arg in args for model, _ in sections_of(arg)]
         return [(model, _tag(model) if len(found) > 1 else "") for model in found]
     return []
 

@@ -7,12 +7,13 @@ import hashlib
 import json
 import shlex
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import pydantic
 import yaml
 from pydantic import BaseModel, ConfigDict
 
+from trainpod.config.fields import sections_of
 from trainpod.errors import ConfigError
 
 
@@ -94,31 +95,45 @@ def _apply_override(tree: dict[str, Any], assignment: str, problems: list[str]) 
     node[parts[-1]] = value
 
 
-def _known_fields(model_cls: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
-    """The field names accepted at `loc` (the parent of an unknown key), for a 'did you mean'."""
+def _section_at(model_cls: type[BaseModel], loc: tuple[Any, ...]) -> tuple[Any, Any]:
+    """The section class at `loc` and the field that holds it (None at the top), walking through what
+    pydantic puts in an error's loc besides field names: a list item's index (`sources.0.path`) and a
+    tagged union's tag (`task.0.merge.dtype`). (None, None) when `loc` leads nowhere known."""
     cls: Any = model_cls
+    field = None
     for part in loc:
+        if isinstance(part, int) and field is not None:
+            continue  # an item of the list the field holds: its section is the field's own
+        sections = {m.__name__: m for m, _ in sections_of(getattr(field, "annotation", None))}
+        tagged = {_tag_of(m): m for m in sections.values()}
+        if field is not None and len(sections) > 1 and part in (tagged | sections):
+            cls = (tagged | sections)[part]  # one of several sections, named by its tag or class
+            continue
         field = getattr(cls, "model_fields", {}).get(part)
         if field is None:
-            return []
-        annotation = field.annotation
-        candidates = [annotation, *getattr(annotation, "__args__", ())]
-        cls = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
-        if cls is None:
-            return []
+            return None, None
+        found = [section for section, _ in sections_of(field.annotation)]
+        cls = found[0] if len(found) == 1 else None
+    return cls, field
+
+
+def _tag_of(section: type[BaseModel]) -> str | None:
+    """The one value a section's `Literal` tag field allows (convert's `kind: merge`), as pydantic's loc names it."""
+    for info in section.model_fields.values():
+        allowed = getattr(info.annotation, "__args__", ())
+        if getattr(info.annotation, "__origin__", None) is Literal and len(allowed) == 1:
+            return str(allowed[0])
+    return None
+
+
+def _known_fields(model_cls: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
+    """The field names accepted at `loc` (the parent of an unknown key), for a 'did you mean'."""
+    cls, _ = _section_at(model_cls, loc)
     return sorted(getattr(cls, "model_fields", {}))
 
 
 def _field_description(model_cls: type[BaseModel], loc: tuple[Any, ...]) -> str | None:
-    cls: Any = model_cls
-    field = None
-    for part in loc:
-        field = getattr(cls, "model_fields", {}).get(part)
-        if field is None:
-            return None
-        annotation = field.annotation
-        candidates = [annotation, *getattr(annotation, "__args__", ())]
-        cls = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+    _, field = _section_at(model_cls, loc)
     return field.description if field is not None else None
 
 
@@ -134,6 +149,8 @@ def _describe(model_cls: type[BaseModel], error: dict[str, Any]) -> str:
     if kind == "missing":
         description = _field_description(model_cls, loc)
         about = f" ({description})" if description else ""
+        if any(isinstance(part, int) for part in loc):  # --set reaches no list item (a.0.b is not a path)
+            return f"{dotted}: required but missing{about}; add it to that entry of the list in the YAML"
         return f"{dotted}: required but missing{about}; add it to the YAML or pass --set {dotted}=VALUE"
     if kind == "value_error" and isinstance(error.get("input"), dict):
         # A cross-field check on a whole section: its message already names the fields and the fix.

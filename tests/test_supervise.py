@@ -927,3 +927,32 @@ def test_a_pod_started_again_never_puts_back_the_record_of_the_deploy_that_made_
     assert boot_module.boot(environ) == 2
     record = DeployRecord.parse((volume.root / deploy_record_key("tiny")).read_bytes())
     assert record is not None and record.secrets_as_values is True, "the newer record stays"
+
+
+def test_supervise_refuses_the_shipped_placeholder_image_before_it_rents_a_pod(
+    fake, tmp_path, monkeypatch, capsys
+):
+    """The README's `trainpod supervise finetune-qlora --config configs/deploy/finetune-spot.yaml`, run as
+    shipped: deploy refuses ghcr.io/YOUR_ORG/..., but the supervisor found no pod and rented one with it, a
+    paid GPU pulling an image no registry serves."""
+    import yaml
+
+    from trainpod.runpod.supervise import supervise
+
+    for name, value in api_env(fake).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("TRAINPOD_VOLUME", str(tmp_path / "not-mounted-here"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    tree = deploy_config().model_dump(mode="json")
+    tree["image"]["name"] = "ghcr.io/YOUR_ORG/trainpod:0.1.0"
+    path = tmp_path / "deploy.yaml"
+    path.write_text(yaml.safe_dump(tree))
+
+    assert cli.main(["supervise", "tiny", "--config", str(path), "--once"]) == 2
+    assert (
+        "image.name='ghcr.io/YOUR_ORG/trainpod:0.1.0' is the shipped placeholder" in capsys.readouterr().out
+    )
+    assert not fake.pods_named("tiny-pretrain") and not fake.templates, "nothing is rented or made"
+    with pytest.raises(ConfigError, match="shipped placeholder"):  # as the supervise workload calls it
+        supervise(DeployConfig.model_validate(tree), None, once=True, client=client_for(fake))
+    assert not fake.pods_named("tiny-pretrain")

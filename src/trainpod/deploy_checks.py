@@ -4,7 +4,8 @@
 
 - the workload config the deploy config names is loaded and validated when this repo holds it;
 - a cluster (nodes > 1) runs a workload that trains across nodes (one rank per GPU);
-- the image is not the shipped placeholder (ghcr.io/YOUR_ORG/...), which no registry serves;
+- the image is not the shipped placeholder (ghcr.io/YOUR_ORG/...), which no registry serves (this and
+  the secrets' check below are runpod.deploy.pod_problems, which a supervisor checks too);
 - a cluster's budget comes with one node's price, which node 0 counts the cost with (a single pod reads
   its own price from RunPod at boot);
 - secrets reach the pod as {{ RUNPOD_SECRET_<name> }} references, and env.extra holds no value that
@@ -17,17 +18,13 @@ It sits above runpod/, estimate and workloads/ (it reads all three; runpod/ must
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from trainpod.config.deploy import DeployConfig
 from trainpod.errors import ConfigError, InputError, TrainpodError
-from trainpod.log import is_secret_name
-
-PLACEHOLDER_IMAGE = re.compile(r"YOUR_ORG|YOUR_REGISTRY|<[^>]*>")  # what the shipped configs and infra/ carry
-REFERENCE = re.compile(r"^\{\{\s*RUNPOD_SECRET_[A-Za-z0-9_]+\s*\}\}$")
+from trainpod.runpod.deploy import pod_problems
 
 
 class OverBudget(InputError):
@@ -36,20 +33,7 @@ class OverBudget(InputError):
 
 def config_problems(config: DeployConfig, deploy_path: str, secrets_from_env: bool) -> list[str]:
     """Everything wrong with the deploy config that RunPod would not catch before billing."""
-    problems = []
-    if PLACEHOLDER_IMAGE.search(config.image.name):
-        problems.append(
-            f"image.name={config.image.name!r} is the shipped placeholder; set it to the image "
-            "`make image push "
-            "REGISTRY=...` pushed, e.g. ghcr.io/you/trainpod:0.1.0"
-        )
-    for name, value in config.env.extra.items():
-        if is_secret_name(name) and not REFERENCE.match(value):
-            problems.append(
-                f"env.extra.{name} holds a value, and its name says it is a secret: list {name} "
-                "under `secrets` "
-                f"(sent as {{{{ RUNPOD_SECRET_{name} }}}}) and create the secret in RunPod's console"
-            )
+    problems = pod_problems(config)
     no_price = config.budget.budget_usd is not None and config.budget.hourly_usd is None
     if no_price and config.nodes > 1 and _counts_cost(config):  # a single pod reads its price from RunPod
         problems.append(

@@ -20,6 +20,7 @@ from typing import Any
 
 from trainpod.config.deploy import CUDA_VERSIONS, MAX_POD_ENV, DeployConfig
 from trainpod.errors import ConfigError
+from trainpod.log import is_secret_name
 from trainpod.runpod.client import (
     NetworkVolume,
     Pod,
@@ -49,6 +50,30 @@ class Deployment:
 
     def summary(self) -> str:
         return f"pod {self.pod.name} ({self.pod.id}) {self.action}"
+
+
+PLACEHOLDER_IMAGE = re.compile(r"YOUR_ORG|YOUR_REGISTRY|<[^>]*>")  # what the shipped configs and infra/ carry
+REFERENCE = re.compile(r"^\{\{\s*RUNPOD_SECRET_[A-Za-z0-9_]+\s*\}\}$")
+
+
+def pod_problems(config: DeployConfig) -> list[str]:
+    """What no pod made from `config` may carry, whoever makes it: `trainpod deploy` (deploy_checks), or a
+    supervisor replacing a pod (a placeholder image is a paid GPU pulling an image no registry serves)."""
+    problems = []
+    if PLACEHOLDER_IMAGE.search(config.image.name):
+        problems.append(
+            f"image.name={config.image.name!r} is the shipped placeholder; set it to the image "
+            "`make image push "
+            "REGISTRY=...` pushed, e.g. ghcr.io/you/trainpod:0.1.0"
+        )
+    for name, value in config.env.extra.items():
+        if is_secret_name(name) and not REFERENCE.match(value):
+            problems.append(
+                f"env.extra.{name} holds a value, and its name says it is a secret: list {name} "
+                "under `secrets` "
+                f"(sent as {{{{ RUNPOD_SECRET_{name} }}}}) and create the secret in RunPod's console"
+            )
+    return problems
 
 
 def secret_reference(name: str) -> str:

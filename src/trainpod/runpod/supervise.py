@@ -47,7 +47,7 @@ from trainpod.config.deploy import DeployConfig
 from trainpod.errors import ConfigError, ExitCode, TemporaryError, TrainpodError
 from trainpod.remote.listing import LocalFiles, VolumeFiles
 from trainpod.runpod.client import RunPodAuthError, RunPodClient, RunPodError, RunPodUnavailable
-from trainpod.runpod.deploy import pod_env
+from trainpod.runpod.deploy import pod_env, pod_problems
 from trainpod.runpod.finish import FAILED_MARKER, UNFIT_MARKER
 from trainpod.runpod.units import Look, build_unit
 from trainpod.volume import Volume
@@ -567,7 +567,12 @@ def supervise(
     volume_s3: VolumeS3 | None = None,
 ) -> int:
     """Build the supervisor for `config` (the volume when it is mounted here, else through `volume_s3`
-    when given) and run it."""
+    when given) and run it. A config `trainpod deploy` would refuse to make pods from is refused here too (exit 2):
+    the first look that finds no pod makes one (the README's supervise line with the shipped YAML rented a GPU
+    that pulled the placeholder image until stopped)."""
+    problems = pod_problems(config)
+    if problems:
+        raise ConfigError(problems)
     client = client or RunPodClient.from_env()
     mounted = volume if volume is not None and volume.root.is_dir() else None
     volume_s3 = None if mounted else volume_s3

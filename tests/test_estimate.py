@@ -225,6 +225,17 @@ def test_finetune_by_epochs_without_its_data_names_the_file_and_the_way_out(no_r
     assert "Traceback" not in out
 
 
+def test_finetune_by_epochs_without_a_volume_says_to_pass_one(no_runpod, tmp_path, monkeypatch, capsys):
+    """The README's first estimate line names no --volume: the error called the current directory "the
+    volume root" and offered only --set, never the --volume that finds the data."""
+    monkeypatch.chdir(tmp_path)
+    code = cli.main(["estimate", str(CONFIGS / "finetune/qwen2.5-7b-qlora-24gb.yaml")])
+    out = capsys.readouterr().out
+    assert code == 2 and "data/train.jsonl" in out, out
+    assert f"no --volume given, so the current directory {tmp_path} stood for the volume" in out
+    assert "pass --volume where the data lives" in out and "--set train.max_steps=N" in out
+
+
 def test_a_finetune_vlm_config_is_estimated_by_its_own_data_not_refused_as_a_text_finetune(
     vlm_base_volume, no_runpod, capsys
 ):

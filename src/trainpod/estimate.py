@@ -390,8 +390,12 @@ def _steps_for_epochs(
             for source in sft.datasets
         )
     except InputError as exc:
+        where = "" if volume else (
+            f" (no --volume given, so the current directory {root} stood for the volume: pass --volume "
+            "where the data lives)"
+        )  # fmt: skip
         raise InputError(
-            f"train.epochs needs the data's size: {exc}; "
+            f"train.epochs needs the data's size: {exc}{where}; "
             "or pass --set train.epochs=null --set train.max_steps=N"
         ) from None
     train_samples = samples * (1 - sft.val_ratio)

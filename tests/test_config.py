@@ -169,3 +169,25 @@ def test_a_missing_key_inside_a_list_entry_is_not_told_to_use_a_set_that_cannot_
     message = str(caught.value)
     assert "data.sft.datasets.0.path: required but missing" in message and "--set" not in message
     assert "add it to that entry of the list in the YAML" in message
+
+
+def test_the_fix_keeps_a_description_that_starts_with_a_name_in_capitals_as_written(tmp_path):
+    # "fix: tRAINPOD_MAX_FAILED_STARTS: ..." named a variable that does not exist; "gPUs", "sECURE" read as typos.
+    from trainpod.config.deploy import DeployConfig
+
+    path = write(
+        tmp_path,
+        "run: r\nworkload: pretrain\nconfig: c.yaml\nimage: {name: ghcr.io/me/trainpod:0.1.0}\n"
+        "pod: {gpu_types: [x], gpu_count: 0, cloud: PRIVATE}\nvolume: {name: v, data_center: EU-RO-1}\n"
+        "env: {max_failed_starts: 0}\n",
+    )
+    with pytest.raises(ConfigError) as caught:
+        load_config(DeployConfig, path)
+    message = str(caught.value)
+    assert "fix: GPUs per pod" in message and "fix: SECURE or COMMUNITY cloud" in message, message
+    assert "fix: TRAINPOD_MAX_FAILED_STARTS: failed starts in a row" in message, message
+    mlp = pytest.raises(ConfigError, load_config, PretrainConfig, TINY, ["model.intermediate_size=0"])
+    assert "fix: MLP width" in str(mlp.value)
+    assert "fix: optimizer steps to train for" in str(
+        pytest.raises(ConfigError, load_config, PretrainConfig, TINY, ["train.max_steps=0"]).value
+    ), "a plain description still reads on from 'fix: '"

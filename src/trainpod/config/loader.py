@@ -158,8 +158,17 @@ def _describe(model_cls: type[BaseModel], error: dict[str, Any]) -> str:
     value = error.get("input")
     shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
     description = _field_description(model_cls, loc)
-    fix = f"fix: {description[0].lower() + description[1:]}" if description else "fix the value"
+    fix = f"fix: {_sentence_inside(description)}" if description else "fix the value"
     return f"{dotted} = {shown}: {error['msg']}; {fix}"
+
+
+def _sentence_inside(description: str) -> str:
+    """A description to follow "fix: ": its first letter lower case, unless its first word is a name with more
+    capitals (GPUs, LoRA, TRAINPOD_ON_FINISH: "tRAINPOD_ON_FINISH" would name a variable that does not exist)."""
+    first_word = description.split(maxsplit=1)[0]
+    if any(c.isupper() or c == "_" for c in first_word[1:]):
+        return description
+    return description[0].lower() + description[1:]
 
 
 def validate_tree(model_cls: type[ConfigT], tree: Any, source: str | None = None) -> ConfigT:

@@ -273,6 +273,18 @@ def test_a_bad_deploy_config_names_the_field_and_the_fix(tmp_path):
     assert "volume.size_gb = 5" in text
 
 
+def test_a_cuda_version_written_unquoted_is_the_version_it_spells(tmp_path):
+    """YAML reads `cuda_version: 12.8` as a float: it was refused as "not a valid string", next to a
+    description that lists 12.8 among the versions to pick."""
+    path = write_config(tmp_path)
+    path.write_text(path.read_text().replace("cuda_version: '12.8'", "cuda_version: 12.8"))
+    assert "cuda_version: 12.8\n" in path.read_text()
+    assert load_config(DeployConfig, path).image.cuda_version == "12.8"
+    assert config(tmp_path, **{"image.cuda_version": 13}).image.cuda_version == "13.0"
+    with pytest.raises(ConfigError, match=r"image.cuda_version='10.1' is not a CUDA version"):
+        config(tmp_path, **{"image.cuda_version": 10.1})
+
+
 @pytest.mark.parametrize("path", sorted(SHIPPED.glob("*.yaml")), ids=lambda p: p.name)
 def test_shipped_deploy_configs_load(path):
     cfg = load_config(DeployConfig, path)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from trainpod.config.loader import Section
 
@@ -53,6 +53,15 @@ class ImageSettings(Section):
         "cu130. Pods are limited to hosts reporting it or any newer version (allowedCudaVersions): RunPod "
         f"matches that list exactly. One of: {', '.join(CUDA_VERSIONS)}.",
     )
+
+    @field_validator("cuda_version", mode="before")
+    @classmethod
+    def _version_written_as_a_number(cls, value: object) -> object:
+        """`cuda_version: 12.8` unquoted is a YAML float: "Input should be a valid string" for a version the
+        description lists. A number is read as the version it spells (13 and 13.0: "13.0")."""
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return f"{value:.1f}"
+        return value
 
     @model_validator(mode="after")
     def _known_cuda(self) -> ImageSettings:

@@ -191,3 +191,26 @@ def test_the_fix_keeps_a_description_that_starts_with_a_name_in_capitals_as_writ
     assert "fix: optimizer steps to train for" in str(
         pytest.raises(ConfigError, load_config, PretrainConfig, TINY, ["train.max_steps=0"]).value
     ), "a plain description still reads on from 'fix: '"
+
+
+def test_text_that_yaml_reads_as_a_number_or_boolean_is_told_to_be_quoted(tmp_path):
+    # README's command config: `env: {MY_SETTING: "1"}`; unquoted it read "Input should be a valid string; fix
+    # the value", naming neither why 1 is not text nor what the field is.
+    from trainpod.config.command import CommandConfig
+
+    path = write(
+        tmp_path, "name: r\ncommand: [python, train.py, --steps, 100]\nenv: {MY_SETTING: 1, DEBUG: true}\n"
+    )
+    with pytest.raises(ConfigError) as caught:
+        load_config(CommandConfig, path)
+    message = str(caught.value)
+    assert (
+        'command.3 = 100: YAML reads 100 without quotes as a number, and this takes text; write it in quotes, "100"'
+        in message
+    )
+    assert "env.MY_SETTING = 1: YAML reads 1 without quotes as a number" in message
+    assert (
+        'env.DEBUG = True: YAML reads true without quotes as a boolean, and this takes text; write it in quotes, "true"'
+        in message
+    )
+    assert "fix: more environment variables for the program" in message and "fix the value" not in message

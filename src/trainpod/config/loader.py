@@ -6,6 +6,7 @@ import difflib
 import hashlib
 import json
 import shlex
+import typing
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -102,8 +103,8 @@ def _section_at(model_cls: type[BaseModel], loc: tuple[Any, ...]) -> tuple[Any, 
     cls: Any = model_cls
     field = None
     for part in loc:
-        if isinstance(part, int) and field is not None:
-            continue  # an item of the list the field holds: its section is the field's own
+        if field is not None and (isinstance(part, int) or typing.get_origin(field.annotation) is dict):
+            continue  # an item of the list (or a key of the mapping) the field holds: still the field's
         sections = {m.__name__: m for m, _ in sections_of(getattr(field, "annotation", None))}
         tagged = {_tag_of(m): m for m in sections.values()}
         if field is not None and len(sections) > 1 and part in (tagged | sections):
@@ -159,6 +160,14 @@ def _describe(model_cls: type[BaseModel], error: dict[str, Any]) -> str:
     shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
     description = _field_description(model_cls, loc)
     fix = f"fix: {_sentence_inside(description)}" if description else "fix the value"
+    if kind == "string_type" and isinstance(value, (bool, int, float)):
+        # `env: {MY_SETTING: 1}`, `command: [train, --steps, 100]`, `git_ref: 1.0`: text YAML read as another type.
+        written = str(value).lower() if isinstance(value, bool) else str(value)
+        return (
+            f"{dotted} = {shown}: YAML reads {written} without quotes as a "
+            f"{'boolean' if isinstance(value, bool) else 'number'}, and this takes text; write it in quotes, "
+            f'"{written}"; {fix}'
+        )
     return f"{dotted} = {shown}: {error['msg']}; {fix}"
 
 

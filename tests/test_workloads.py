@@ -156,6 +156,41 @@ def test_an_unknown_datagen_kind_exits_2_naming_it(tmp_path):
     assert "kind = 'shards' is not a datagen kind" in output and "Traceback" not in output
 
 
+def test_another_workloads_config_is_refused_in_one_line_naming_the_workload_it_is_for(
+    tmp_path, monkeypatch, capsys, caplog
+):
+    """configs/finetune/ holds finetune-vlm configs too: `trainpod run finetune` with one read as a line per
+    key the text finetune lacks (data.datasets: unknown key; did you mean 'dataset'? ...), never the verb."""
+    from trainpod.workloads.lifecycle import load_workload_config
+
+    from support import CONFIGS
+
+    vlm = CONFIGS / "finetune/qwen3-vl-2b-qlora-ocr.yaml"
+    with caplog.at_level(logging.WARNING), pytest.raises(ConfigError) as caught:
+        load_workload_config(REGISTRY["finetune"], vlm, [])
+    assert caught.value.problems == [
+        "this is a finetune-vlm config (it validates as one), not a finetune config: run `trainpod run "
+        "finetune-vlm` with it (in a pod TRAINPOD_WORKLOAD=finetune-vlm, in a deploy config `workload: "
+        "finetune-vlm`), or give finetune its own config"
+    ]
+    assert "deprecated" not in caplog.text, "trying it as a datagen config warns of nothing"
+
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    deploy = CONFIGS / "deploy/pretrain-spot.yaml"
+    assert (
+        cli.main(["run", "pretrain", "--config", str(deploy), "--volume", str(volume)]) == ExitCode.BAD_INPUT
+    )
+    out = capsys.readouterr()
+    assert (
+        f"this is a deploy config (it validates as one), not a pretrain config: `trainpod deploy {deploy}`"
+        in (out.out + out.err)
+    )
+    assert not any(volume.iterdir()), "nothing written"
+    with pytest.raises(ConfigError, match=r"train.max_stepz: unknown key; did you mean 'max_steps'"):
+        load_workload_config(REGISTRY["pretrain"], CONFIGS / "pretrain/tiny.yaml", ["train.max_stepz=3"])
+
+
 ECHO_MODULE = """
 from pathlib import Path
 

@@ -82,9 +82,46 @@ def resolve_config_path(raw: str | None, volume: Volume, synced: Path | None = N
 
 
 def load_workload_config(workload: Workload, config_path: Path, overrides: list[str]) -> Any:
-    """The workload's typed config: the YAML and overrides, validated as the class its module picks."""
+    """The workload's typed config: the YAML and overrides, validated as the class its module picks.
+
+    A config that is another workload's (configs/finetune/ holds finetune-vlm ones too) is refused with one
+    line naming that workload, not with a line per key its sections do not share."""
     tree, source = load_tree(config_path, overrides)
-    return validate_tree(workload.module().config_type(tree), tree, source)
+    try:
+        return validate_tree(workload.module().config_type(tree), tree, source)
+    except ConfigError:
+        others = [
+            name for name, other in workloads.REGISTRY.items() if other is not workload and _fits(other, tree)
+        ]
+        if not others:
+            raise
+        raise ConfigError([_another_workloads_config(workload.name, others, source)], source) from None
+
+
+def _fits(workload: Workload, tree: dict[str, Any]) -> bool:
+    disabled = logging.root.manager.disable
+    logging.disable(logging.WARNING)  # datagen's guess of a kind by the keys warns: not for a config tried on
+    try:
+        validate_tree(workload.module().config_type(tree), tree)
+    except TrainpodError:  # ConfigError, or a datagen config_type refusing a kind it does not know
+        return False
+    finally:
+        logging.disable(disabled)
+    return True
+
+
+def _another_workloads_config(name: str, others: list[str], source: str) -> str:
+    if others == ["supervise"]:  # its config is a run's deploy config
+        return (
+            f"this is a deploy config (it validates as one), not a {name} config: `trainpod deploy {source}` rents "
+            f"the pod that runs its workload; give `trainpod run {name}` the workload's own config (the deploy "
+            "config's `config:`)"
+        )
+    return (
+        f"this is a {' or '.join(others)} config (it validates as one), not a {name} config: run "
+        f"`trainpod run {others[0]}` with it (in a pod TRAINPOD_WORKLOAD={others[0]}, in a deploy config "
+        f"`workload: {others[0]}`), or give {name} its own config"
+    )
 
 
 def run_name(request: RunRequest, config: Any) -> str:

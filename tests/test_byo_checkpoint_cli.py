@@ -65,6 +65,21 @@ def test_latest_skips_a_damaged_newest_checkpoint_and_verify_names_the_damage(tm
     assert capsys.readouterr().out.strip() == f"{tmp_path}/run/checkpoints/step-1"
 
 
+def test_verify_of_a_step_that_is_not_there_says_so_and_names_the_ones_that_are(tmp_path, capsys):
+    """A step retention deleted read "step-1 is not a valid checkpoint: manifest.json is missing", as if a
+    checkpoint there were damaged."""
+    run = str(tmp_path / "run")
+    for step in (1, 2, 3):
+        main(["checkpoint", "commit", run, "--step", str(step), str(written(tmp_path, f"s{step}"))])
+    capsys.readouterr()
+    assert main(["checkpoint", "verify", run, "1"]) == 2
+    err = capsys.readouterr().err
+    assert f"no checkpoint step-1 in {tmp_path}/run/checkpoints" in err and "there: step-3, step-2" in err, (
+        err
+    )
+    assert "not a valid checkpoint" not in err
+
+
 @pytest.mark.parametrize(
     ("files", "message"),
     [

@@ -152,6 +152,12 @@ def verify_committed(store: CheckpointStore, step: int | None = None) -> tuple[P
     name = step_dir_name(step) if step is not None else store._latest_name()
     if name is None:
         raise InputError(f"no committed checkpoint: {store.root}/LATEST is missing or unreadable")
+    if step is not None and not (store.root / name).is_dir():  # not damaged: never made, or retention's
+        there = ", ".join(path.name for _, path in store._step_dirs()) or "none"
+        raise InputError(
+            f"no checkpoint {name} in {store.root} (retention keeps the last keep_last and the best keep_best); "
+            f"there: {there}"
+        )
     manifest, reason = store.verify(store.root / name)
     if manifest is None:
         raise InputError(f"{store.root / name} is not a valid checkpoint: {reason}")

@@ -132,6 +132,17 @@ def test_version_prints_the_package_version(capsys):
     assert exited.value.code == 0 and capsys.readouterr().out.strip() == f"trainpod {trainpod.__version__}"
 
 
+@pytest.mark.parametrize("count", ["0", "-3"])
+def test_nproc_per_node_below_one_is_refused_not_run_as_one_process(count, tmp_path, capsys):
+    from trainpod import cli
+
+    with pytest.raises(SystemExit) as caught:
+        cli.main(["run", "pretrain", "--nproc-per-node", count, "--volume", str(tmp_path)])
+    assert caught.value.code == 2
+    assert f"argument --nproc-per-node: {count} is not 1 or more" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
+
+
 def test_config_fields_lists_every_field_with_type_default_and_description(capsys):
     from trainpod.config.finetune import FinetuneConfig
 

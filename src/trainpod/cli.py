@@ -841,7 +841,9 @@ def _run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", action="append", metavar="KEY.PATH=VALUE", help="config override (repeatable)")
     p.add_argument("--run", dest="run_name", help="run name (default: $TRAINPOD_RUN, else the config's name)")
     p.add_argument("--volume", help="volume root (default: $TRAINPOD_VOLUME, else /workspace)")
-    p.add_argument("--nproc-per-node", type=int, default=1, help="processes on this machine (one per GPU)")
+    p.add_argument(  # 0 or less ran one process as if nothing were wrong
+        "--nproc-per-node", type=_positive_int, default=1, help="processes on this machine (one per GPU)"
+    )
 
 
 def _status_arguments(p: argparse.ArgumentParser) -> None:
@@ -873,7 +875,8 @@ def _estimate_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _positive_int(raw: str) -> int:
-    """An argparse type: transformers' generate refuses 0 and below, after the model has loaded."""
+    """An argparse type for counts: --max-new-tokens (transformers' generate refuses 0 and below, after the model
+    has loaded) and --nproc-per-node."""
     try:
         value = int(raw)
     except ValueError:

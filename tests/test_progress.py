@@ -246,3 +246,23 @@ def test_a_status_write_that_failed_is_raised_on_the_training_thread(tmp_path):
     writer.put({"step": 1})
     with pytest.raises(FileNotFoundError):
         writer.close()  # or the next put: a full volume still ends the run with exit 5
+
+
+def test_ls_says_what_an_sft_and_a_generated_dataset_hold(tmp_path, capsys):
+    """An SFT dataset was listed as its manifest's whole counts dict ({'dropped': 0, 'longest_sample_tokens': ...}),
+    a generator's as `{}` (its metadata.json has no `counts`: the records are per split)."""
+    from trainpod import cli
+
+    sft = tmp_path / "datasets/sft-tiny"
+    sft.mkdir(parents=True)
+    counts = {"dropped": 0, "rows": 400, "train_samples": 380, "train_tokens": 45579, "val_samples": 20}
+    manifest = {"format": "trainpod-sft/1", "complete": True, "template": "alpaca", "counts": counts}
+    (sft / "manifest.json").write_text(json.dumps(manifest))
+    generated = tmp_path / "datasets/tiny-edits"
+    generated.mkdir()
+    splits = {"train": {"records": 1827}, "val": {"records": 83}, "test": {"records": 90}}
+    (generated / "metadata.json").write_text(json.dumps({"format": "trainpod-generate/1", "splits": splits}))
+    assert cli.main(["ls", "--volume", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "datasets/sft-tiny: trainpod-sft/1, 380 train + 20 val samples, template alpaca\n" in out, out
+    assert "datasets/tiny-edits: generated records, train 1,827, val 83, test 90\n" in out, out

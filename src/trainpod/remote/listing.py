@@ -74,12 +74,20 @@ def dataset_line(files: VolumeFiles, name: str) -> str:
     if manifest and manifest.get("format", "").startswith("trainpod-datagen/") and manifest.get("complete"):
         shards = sum(len(s.get("shards", [])) for s in manifest.get("splits", {}).values())
         return f"{base}: tokens, {manifest.get('total_tokens', 0):,} in {shards} shard(s)"
-    if manifest:
-        counts = manifest.get("counts")
-        return f"{base}: {manifest.get('format', 'data')}" + (f", {counts}" if counts else "")
+    if (
+        manifest
+    ):  # an SFT (or VLM) dataset: its counts are a dozen figures; the samples per split say what it is
+        counts = manifest.get("counts") or {}
+        samples = [f"{counts[f'{s}_samples']:,} {s}" for s in ("train", "val") if f"{s}_samples" in counts]
+        template = f", template {manifest['template']}" if manifest.get("template") else ""
+        state = "" if manifest.get("complete") else " (incomplete)"
+        what = f", {' + '.join(samples)} samples" if samples else ""
+        return f"{base}: {manifest.get('format', 'data')}{state}{what}{template}"
     metadata = _json(files, f"{base}/metadata.json")
-    if metadata:
-        return f"{base}: generated records, {metadata.get('counts', {})}"
+    if metadata:  # a generator's records: metadata.json has the records of each split, no `counts`
+        splits = metadata.get("splits") or {}
+        records = ", ".join(f"{split} {info.get('records', 0):,}" for split, info in splits.items())
+        return f"{base}: generated records" + (f", {records}" if records else "")
     present = files.files(f"{base}/")
     return f"{base}: {len(present)} file(s), no manifest.json or metadata.json (being written or pushed, or plain files)"
 

@@ -400,6 +400,18 @@ def test_dry_run_refuses_the_placeholder_image_a_secret_value_and_a_broken_workl
     assert "would create" not in out and fake.requests == []
 
 
+def test_dry_run_refuses_the_shipped_placeholder_git_repo(fake, tmp_path, capsys):
+    """configs/deploy/nanogpt-command.yaml ships env.git_repo https://github.com/YOUR_ORG/...: with only the
+    image set, deploy rented a GPU pod that pulled the image and then failed its git sync."""
+    shipped = yaml.safe_load((CONFIGS / "deploy/nanogpt-command.yaml").read_text())
+    assert "YOUR_ORG" in shipped["env"]["git_repo"], "the test follows the shipped config"
+    path = deploy_config(tmp_path, **{"env.git_repo": shipped["env"]["git_repo"]})
+    assert cli.main(["deploy", str(path), "--dry-run"]) == 2
+    out = capsys.readouterr().out
+    assert f"env.git_repo={shipped['env']['git_repo']!r} is the shipped placeholder" in out
+    assert "would create" not in out and fake.requests == []
+
+
 def test_deploy_with_supervise_supervises_the_run_until_done(fake, tmp_path, monkeypatch, capsys):
     volume = tmp_path / "vol"
     (volume / "runs/p125").mkdir(parents=True)

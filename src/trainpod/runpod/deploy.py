@@ -52,7 +52,9 @@ class Deployment:
         return f"pod {self.pod.name} ({self.pod.id}) {self.action}"
 
 
-PLACEHOLDER_IMAGE = re.compile(r"YOUR_ORG|YOUR_REGISTRY|<[^>]*>")  # what the shipped configs and infra/ carry
+PLACEHOLDER_IMAGE = re.compile(
+    r"YOUR_ORG|YOUR_REGISTRY|<[^>]*>"
+)  # what the shipped configs and infra/ carry (git_repo too)
 REFERENCE = re.compile(r"^\{\{\s*RUNPOD_SECRET_[A-Za-z0-9_]+\s*\}\}$")
 
 
@@ -65,6 +67,13 @@ def pod_problems(config: DeployConfig) -> list[str]:
             f"image.name={config.image.name!r} is the shipped placeholder; set it to the image "
             "`make image push "
             "REGISTRY=...` pushed, e.g. ghcr.io/you/trainpod:0.1.0"
+        )
+    if PLACEHOLDER_IMAGE.search(
+        config.env.git_repo
+    ):  # the pod would rent, pull the image, then fail its git sync
+        problems.append(
+            f"env.git_repo={config.env.git_repo!r} is the shipped placeholder; set it to the repo holding your "
+            "program (your fork), e.g. https://github.com/you/trainpod.git, or remove it"
         )
     for name, value in config.env.extra.items():
         if is_secret_name(name) and not REFERENCE.match(value):

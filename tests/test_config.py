@@ -106,6 +106,14 @@ def test_missing_config_file_says_what_to_set(tmp_path):
         load_config(PretrainConfig, tmp_path / "nope.yaml")
 
 
+def test_a_folder_given_as_the_config_is_not_said_to_be_missing(tmp_path):
+    # `--config configs/` (a tab completion short of the file) read "config file .../configs does not exist".
+    with pytest.raises(
+        ConfigError, match=rf"config file {tmp_path} is a folder, not a file; set TRAINPOD_CONFIG"
+    ):
+        load_config(PretrainConfig, tmp_path)
+
+
 def test_a_secret_in_the_command_configs_env_is_refused_before_it_is_copied_to_the_volume(tmp_path):
     from trainpod.config.command import CommandConfig
 

@@ -202,9 +202,10 @@ def load_tree(path: Path | str | None, overrides: list[str] = ()) -> tuple[dict[
     if path is not None:
         path = Path(path)
         if not path.is_file():
+            what = "is a folder, not a file" if path.is_dir() else "does not exist"
             raise ConfigError(
                 [
-                    f"config file {path} does not exist; set TRAINPOD_CONFIG to an existing YAML file "
+                    f"config file {path} {what}; set TRAINPOD_CONFIG to an existing YAML file "
                     "(an absolute path, a path in the synced git checkout, or a path on the volume)"
                 ],
                 source,

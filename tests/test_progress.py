@@ -266,3 +266,18 @@ def test_ls_says_what_an_sft_and_a_generated_dataset_hold(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "datasets/sft-tiny: trainpod-sft/1, 380 train + 20 val samples, template alpaca\n" in out, out
     assert "datasets/tiny-edits: generated records, train 1,827, val 83, test 90\n" in out, out
+
+
+def test_run_on_a_volume_folder_that_is_not_there_names_the_flag_given_too(tmp_path, capsys):
+    """`trainpod run datagen --volume ./demo-volume` (generator-tiny.yaml's line) before the folder exists was
+    told "TRAINPOD_VOLUME=... does not exist; ... set TRAINPOD_VOLUME", a variable the user never set."""
+    from trainpod import cli
+
+    from support import CONFIGS
+
+    missing = tmp_path / "demo-volume"
+    config = str(CONFIGS / "datagen/generator-tiny.yaml")
+    assert cli.main(["run", "datagen", "--config", config, "--volume", str(missing)]) == 2
+    out = capsys.readouterr()
+    assert f"TRAINPOD_VOLUME (or --volume) {missing} does not exist" in out.out + out.err
+    assert not missing.exists()

@@ -60,14 +60,15 @@ class Volume:
     def check_writable(self) -> None:
         """Fail with exit 2 before anything is written if the volume cannot take writes."""
         if not self.root.is_dir():
-            raise InputError(
-                f"TRAINPOD_VOLUME={self.root} does not exist or is not a directory; "
-                "mount the network volume there or set TRAINPOD_VOLUME to a writable folder."
+            raise InputError(  # (or --volume): `trainpod run --volume ./demo-volume` was told of a variable unset
+                f"TRAINPOD_VOLUME (or --volume) {self.root} does not exist or is not a directory; "
+                "mount the network volume there, create the folder, or point TRAINPOD_VOLUME (--volume) at a "
+                "writable folder."
             )
         if not os.access(self.root, os.W_OK | os.X_OK):
             raise InputError(
-                f"TRAINPOD_VOLUME={self.root} is not writable by uid {os.getuid()}; "
-                "fix its permissions or point TRAINPOD_VOLUME at a writable folder."
+                f"TRAINPOD_VOLUME (or --volume) {self.root} is not writable by uid {os.getuid()}; "
+                "fix its permissions or point TRAINPOD_VOLUME (--volume) at a writable folder."
             )
 
 

@@ -433,3 +433,12 @@ def test_the_fake_refuses_a_catalog_query_runpods_v2_description_does_not_allow(
             with pytest.raises(Exception, match="400"):
                 client.request("GET", "/catalog/gpus", query=query, api="v2")
         assert len(fake.violations) == 2
+
+
+def test_a_volume_that_is_not_there_is_refused_not_read_as_an_empty_one(no_runpod, tmp_path, capsys):
+    """A mistyped --volume estimated the tiny pretrain with a 32768-token vocabulary assumed (its dataset's is
+    1024), an assumed MFU, and exit 0."""
+    code = cli.main(["estimate", str(CONFIGS / "pretrain/tiny.yaml"), "--volume", str(tmp_path / "typo")])
+    out = capsys.readouterr().out
+    assert code == 2 and f"--volume {tmp_path / 'typo'} does not exist here" in out, out
+    assert "--s3-volume" not in out, "estimate has no such flag"

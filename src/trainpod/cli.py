@@ -683,10 +683,18 @@ def estimate(
     TRAINPOD_GPU_HOURLY_USD. The MFU is the one the run last measured (--volume), else an assumption.
     """
     from trainpod import estimate as estimating
+    from trainpod.errors import InputError
 
     def act() -> int:
         workload_config, deploy_config = estimating.load_target(config, list(set or []))
         vol = Volume(Path(volume)) if volume else None
+        if (
+            vol is not None and not vol.root.is_dir()
+        ):  # it was read as an empty one: vocabulary, data, MFU assumed
+            raise InputError(
+                f"--volume {vol.root} does not exist here; pass the folder that holds the run's datasets/ and runs/, "
+                "or leave --volume out to estimate from the config alone"
+            )
         est = estimating.estimate(
             workload_config, deploy_config, gpu, spot, mfu, _catalog(deploy_config), vol
         )

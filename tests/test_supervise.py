@@ -956,3 +956,19 @@ def test_supervise_refuses_the_shipped_placeholder_image_before_it_rents_a_pod(
     with pytest.raises(ConfigError, match="shipped placeholder"):  # as the supervise workload calls it
         supervise(DeployConfig.model_validate(tree), None, once=True, client=client_for(fake))
     assert not fake.pods_named("tiny-pretrain")
+
+
+def test_supervise_refuses_a_volume_flag_that_names_no_folder_instead_of_going_blind(
+    fake, tmp_path, monkeypatch, capsys
+):
+    import yaml
+
+    for name, value in api_env(fake).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    path = tmp_path / "deploy.yaml"
+    path.write_text(yaml.safe_dump(deploy_config().model_dump(mode="json")))
+    typo = tmp_path / "volum"
+    assert cli.main(["supervise", "tiny", "--config", str(path), "--once", "--volume", str(typo)]) == 2
+    assert f"volume {typo} does not exist here" in capsys.readouterr().out
+    assert not fake.pods_named("tiny-pretrain"), "no pod made for a run whose DONE it could not see"

@@ -466,7 +466,9 @@ def supervise(
         cfg.run = run_name
         if spot is not None:  # `deploy --spot/--on-demand --supervise`: what the deploy rented
             cfg.pod.spot = spot
-        mounted = Volume(Path(volume)) if volume else Volume.from_env()
+        # A --volume named is one meant to be read: mistyped, the supervisor went on blind to DONE and FAILED and
+        # started a finished run's pod again at each look.
+        mounted = Volume(_mounted_root(volume)) if volume else Volume.from_env()
         volume_s3 = None if mounted.root.is_dir() else _supervised_volume_s3(path)
         return supervise_run(cfg, mounted, once=once, volume_s3=volume_s3)
 

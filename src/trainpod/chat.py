@@ -195,7 +195,7 @@ class Conversation:
             from trainpod.sft.templates import build_template
 
             template = build_template(self.template_name, self.tokenizer)
-            end = template.assistant.replace("{content}", "").strip()
+            end = template.turn_end
             if end:
                 ids |= set(self.tokenizer.convert_tokens_to_ids([end])) - {self.tokenizer.unk_token_id}
         vocab = self.tokenizer.get_vocab()

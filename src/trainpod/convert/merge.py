@@ -25,7 +25,7 @@ from trainpod.convert import tensor_merge
 from trainpod.convert.adapter import PeftAdapter, base_weight_shapes, vision_module_shapes
 from trainpod.convert.output import Staging
 from trainpod.errors import InputError
-from trainpod.train.export import DTYPES, PROCESSOR_FILES, write_top_level_rope
+from trainpod.train.export import DTYPES, PROCESSOR_FILES, carry_training_template, write_top_level_rope
 
 log = logging.getLogger(__name__)
 
@@ -241,6 +241,9 @@ def write_merged(
         source = next((d / name for d in (adapter.folder, base_dir) if (d / name).is_file()), None)
         if source is not None:
             (staging.folder / name).write_bytes(source.read_bytes())
+    # The chat template the adapter was trained with, and its end of turn as eos: an adapter exported before
+    # its folder's tokenizer carried it has only the base's (none, for a base model's tokenizer).
+    carry_training_template(staging.folder, ((adapter.summary or {}).get("data") or {}).get("template"))
 
 
 def write_merged_with_peft(

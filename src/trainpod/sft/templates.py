@@ -11,6 +11,7 @@ of growing prefixes of the conversation (with and without the generation prompt)
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -48,6 +49,7 @@ class StringTemplate:
     prefix: str = ""
     default_system: str | None = None
     special_tokens: tuple[str, ...] = ()
+    generation_prompt: str = ""  # the end of `user` that opens the answer (apply_chat_template's)
 
     def segments(self, sample: Sample) -> Segments:
         system = sample.system or self.default_system
@@ -59,6 +61,42 @@ class StringTemplate:
             pairs.append((prompt + self.user.replace(CONTENT, user), self.assistant.replace(CONTENT, answer)))
         return Segments(self.prefix, tuple(pairs))
 
+    @property
+    def turn_end(self) -> str:
+        """The token an answer ends with (<|im_end|>, <|eot_id|>, eos): where generation must stop."""
+        return self.assistant.replace(CONTENT, "").strip()
+
+    def jinja(self) -> str:
+        """This template as a tokenizer's chat_template: apply_chat_template (and vLLM, mlx-lm) render a
+        conversation to the text `segments` joins, and with add_generation_prompt its prompt up to the answer."""
+        user_turn = self.user.removesuffix(self.generation_prompt)
+
+        def text(value: str) -> str:  # a Jinja string literal (JSON's escapes are Jinja's)
+            return "{{ " + json.dumps(value) + " }}"
+
+        def around(fmt: str, content: str) -> str:
+            before, after = fmt.split(CONTENT)
+            return text(before) + "{{ " + content + " }}" + text(after)
+
+        default_system = json.dumps(self.default_system or "")
+        answer_opens = "{% if not loop.last or add_generation_prompt %}" + text(self.generation_prompt)
+        return "".join(
+            [
+                text(self.prefix),
+                "{% set ns = namespace(system=" + default_system + ") %}{% set turns = messages %}",
+                "{% if messages and messages[0]['role'] == 'system' %}",
+                "{% set ns.system = messages[0]['content'] or ns.system %}{% set turns = messages[1:] %}",
+                "{% endif %}",
+                "{% for message in turns %}{% if message['role'] == 'user' %}",
+                "{% if not loop.first %}" + text(self.separator) + "{% endif %}",
+                "{% if loop.first and ns.system %}" + around(self.system, "ns.system") + "{% endif %}",
+                around(user_turn, "message['content']"),
+                answer_opens + "{% endif %}",
+                "{% else %}" + around(self.assistant, "message['content']") + "{% endif %}",
+                "{% endfor %}",
+            ]
+        )
+
 
 def _chatml(name: str, default_system: str | None) -> StringTemplate:
     return StringTemplate(
@@ -69,6 +107,7 @@ def _chatml(name: str, default_system: str | None) -> StringTemplate:
         separator="\n",
         default_system=default_system,
         special_tokens=("<|im_start|>", "<|im_end|>"),
+        generation_prompt="<|im_start|>assistant\n",
     )
 
 
@@ -82,6 +121,7 @@ def _llama3() -> StringTemplate:
         assistant="{content}<|eot_id|>",
         separator="",
         special_tokens=("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
+        generation_prompt="<|start_header_id|>assistant<|end_header_id|>\n\n",
     )
 
 
@@ -102,6 +142,7 @@ def _alpaca(tokenizer) -> StringTemplate:
         separator="\n\n",
         default_system=ALPACA_DEFAULT_SYSTEM,
         special_tokens=(eos,),
+        generation_prompt="### Response:\n",
     )
 
 

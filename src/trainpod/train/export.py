@@ -47,18 +47,49 @@ def write_export_manifest(tmp: Path) -> None:
     atomic.write_json(tmp / MANIFEST, manifest)
 
 
+def carry_training_template(folder: Path, template_name: str | None) -> None:
+    """Give the exported model in `folder` the built-in chat template it was trained with (sft.template
+    chatml, qwen, llama3, alpaca; training_summary.json's data.template) as its tokenizer's chat_template,
+    and that template's end-of-turn token among generation_config.json's eos_token_id.
+
+    Without them the base's tokenizer (Llama 2's, Mistral's, a base Qwen's: no chat_template, or its own
+    of another format) and its generation config go out as they were: transformers' apply_chat_template
+    fails or renders what the model never saw, and generate(), vLLM and mlx-lm run past the <|im_end|> or
+    <|eot_id|> the model learned to end its answers with. The tokenizer's own template (`tokenizer`) and
+    plain text (None) leave the folder as it is."""
+    if template_name in (None, "tokenizer", "auto"):
+        return
+    from trainpod.sft.templates import build_template
+
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    template = build_template(template_name, tokenizer)
+    tokenizer.chat_template = template.jinja()
+    tokenizer.save_pretrained(folder)
+    generation_file = folder / "generation_config.json"
+    turn_end = tokenizer.convert_tokens_to_ids(template.turn_end)
+    if not generation_file.is_file() or turn_end in (None, tokenizer.unk_token_id):
+        return
+    generation = json.loads(generation_file.read_text(encoding="utf-8"))
+    eos = generation.get("eos_token_id")
+    eos = [] if eos is None else eos if isinstance(eos, list) else [eos]
+    if turn_end not in eos:
+        generation["eos_token_id"] = [*eos, turn_end]
+        atomic.write_json(generation_file, generation)
+
+
 def export_hf(
     model: PreTrainedModel,
     tokenizer_dir: Path,
     target: Path,
     dtype: torch.dtype,
     extra_json: dict[str, Any] | None = None,
+    template_name: str | None = None,
     manifest: bool = True,
     abandoning: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
     publishing: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
 ) -> Path:
-    """Write `model`, its tokenizer and `extra_json` files to `target` atomically (replacing an older export),
-    with an export manifest unless the caller's own output manifest covers the folder (`manifest=False`:
+    """Write `model`, its tokenizer (with the chat template `template_name` it was trained with:
+    carry_training_template) and `extra_json` files to `target` atomically (replacing an older export), with an export manifest unless the caller's own output manifest covers the folder (`manifest=False`:
     a conversion's, convert/output.py). Everything before the rename into place runs inside `abandoning()`
     (PreemptionWatch.abandoning: a stop ends it there, leaving the temp folder as a kill would), the rename
     inside `publishing()` (Lease.publishing: none once the run's lease was released at a stop)."""
@@ -77,6 +108,7 @@ def export_hf(
                     atomic.write_bytes(tmp / name, (Path(tokenizer_dir) / name).read_bytes())
             for name, content in (extra_json or {}).items():
                 atomic.write_json(tmp / name, content)
+            carry_training_template(tmp, template_name)
             if manifest:
                 write_export_manifest(tmp)
         with publishing():

@@ -44,7 +44,7 @@ from trainpod.train.base_model import (
     supported_attention,
 )
 from trainpod.train.batches import rescaled_accumulation, to_device
-from trainpod.train.export import DTYPES, export_hf, write_export_manifest
+from trainpod.train.export import DTYPES, carry_training_template, export_hf, write_export_manifest
 from trainpod.train.loss import CausalLMLoss, fits_chunked_loss, shift_labels
 from trainpod.train.model import autocast_dtype, resolve_attention
 from trainpod.train.optim import build_optimizer
@@ -710,6 +710,7 @@ class Finetuner(Trainer):
                 self.ctx.run.export / "hf",
                 DTYPES[dtype_name],
                 extra_json={"training_summary.json": self.training_summary(), **self.processor_json()},
+                template_name=self.data.manifest.get("template"),
                 abandoning=self.abandoning_export,
                 publishing=self.publishing_export,
             )
@@ -721,6 +722,7 @@ class Finetuner(Trainer):
             with self.abandoning_export():
                 self.model.save_pretrained(str(tmp), safe_serialization=True)
                 self.save_processor(tmp)
+                carry_training_template(tmp, self.data.manifest.get("template"))
                 atomic.write_json(tmp / "training_summary.json", self.training_summary())
                 write_export_manifest(tmp)
             with self.publishing_export():

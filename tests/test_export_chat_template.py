@@ -136,3 +136,31 @@ def test_a_merged_adapter_chats_and_stops_as_trained_though_its_folder_had_no_te
     )
     assert_chats_as_trained(merged)
     assert im_end(merged) in stop_ids(merged)
+
+
+# A base Qwen2.5's: the tokenizer's own chatml template, eos <|endoftext|>, and generation_config.json's
+# eos_token_id that alone; answers trained with the template end with <|im_end|>.
+CHATML_JINJA = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_full_finetune_on_the_tokenizers_own_template_stops_at_its_end_of_turn(
+    finetune_base_volume, tmp_path
+):
+    from finetune_support import BASE
+
+    volume = tmp_path / "volume"
+    shutil.copytree(finetune_base_volume, volume)
+    tokenizer = AutoTokenizer.from_pretrained(volume / BASE)
+    tokenizer.chat_template = CHATML_JINJA
+    tokenizer.save_pretrained(volume / BASE)
+    assert im_end(volume / BASE) not in stop_ids(volume / BASE)
+    steps = ("--set", "train.max_steps=2", "--set", "train.eval_every=0", "--set", "checkpoint.every_steps=2")
+    args = finetune_args(*steps, "--set", "data.sft.template=auto", method="full")
+    result = run_trainpod(*args, volume=volume)
+    assert result.returncode == 0, result.stdout + result.stderr
+    folder = volume / "runs" / FINETUNE_RUN / "export" / "hf"
+    assert im_end(folder) in stop_ids(folder), "generate() must stop at the <|im_end|> the answers end with"
+    assert AutoTokenizer.from_pretrained(folder).chat_template == CHATML_JINJA

@@ -203,16 +203,9 @@ class Conversation:
         return sorted(ids)
 
     def _own_template_turn_end(self) -> set[int]:
-        """The last special token of an answer as the tokenizer's own template renders it (Gemma's
-        <end_of_turn>, Phi-3's <|end|>): training taught the model to end its turns with it."""
-        from trainpod.sft.formats import Sample
-        from trainpod.sft.templates import build_template
+        from trainpod.sft.templates import own_template_turn_end
 
-        template = build_template("auto", self.tokenizer)
-        answer = template.segments(Sample(None, (("?", "ok"),))).pairs[0][1]
-        special = {i for i, token in self.tokenizer.added_tokens_decoder.items() if token.special}
-        answer_ids = self.tokenizer(answer, add_special_tokens=False)["input_ids"]
-        return {next((i for i in reversed(answer_ids) if i in special), None)} - {None}
+        return {own_template_turn_end(self.tokenizer)} - {None}
 
 
 def stream_reply(

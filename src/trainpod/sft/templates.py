@@ -184,6 +184,16 @@ class TokenizerChatTemplate:
         return Segments("", tuple(pairs))
 
 
+def own_template_turn_end(tokenizer) -> int | None:
+    """The last special token of an answer as the tokenizer's own template renders it (<|im_end|>, Gemma's
+    <end_of_turn>, Phi-3's <|end|>; `auto`'s chatml where it has none): training on that template taught
+    the model to end its turns with it."""
+    answer = build_template("auto", tokenizer).segments(Sample(None, (("?", "ok"),))).pairs[0][1]
+    special = {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
+    answer_ids = tokenizer(answer, add_special_tokens=False)["input_ids"]
+    return next((i for i in reversed(answer_ids) if i in special), None)
+
+
 def build_template(name: str, tokenizer) -> Template:
     """The template `name` (sft.template) checked against the tokenizer's special tokens."""
     if name == "auto":

@@ -18,6 +18,7 @@ from transformers import AutoTokenizer, PreTrainedModel
 from transformers.utils import logging as transformers_logging
 
 from trainpod import atomic
+from trainpod.errors import InputError
 from trainpod.preemption import WorkAbandoned
 
 log = logging.getLogger(__name__)
@@ -48,25 +49,31 @@ def write_export_manifest(tmp: Path) -> None:
 
 
 def carry_training_template(folder: Path, template_name: str | None) -> None:
-    """Give the exported model in `folder` the built-in chat template it was trained with (sft.template
-    chatml, qwen, llama3, alpaca; training_summary.json's data.template) as its tokenizer's chat_template,
-    and that template's end-of-turn token among generation_config.json's eos_token_id.
+    """Give the exported model in `folder` the chat template it was trained with (training_summary.json's
+    data.template) and that template's end-of-turn token among generation_config.json's eos_token_id: a
+    built-in one (sft.template chatml, qwen, llama3, alpaca) becomes its tokenizer's chat_template; the
+    tokenizer's own (`tokenizer`) is there already. Plain text (None) leaves the folder as it is.
 
-    Without them the base's tokenizer (Llama 2's, Mistral's, a base Qwen's: no chat_template, or its own
-    of another format) and its generation config go out as they were: transformers' apply_chat_template
-    fails or renders what the model never saw, and generate(), vLLM and mlx-lm run past the <|im_end|> or
-    <|eot_id|> the model learned to end its answers with. The tokenizer's own template (`tokenizer`) and
-    plain text (None) leave the folder as it is."""
-    if template_name in (None, "tokenizer", "auto"):
+    Without them the base's tokenizer (Llama 2's, Mistral's: no chat_template, or its own of another
+    format) and its generation config go out as they were: transformers' apply_chat_template fails or
+    renders what the model never saw, and generate(), vLLM and mlx-lm run past the <|im_end|> or <|eot_id|>
+    the model learned to end its answers with (a base Qwen2.5's eos_token_id is <|endoftext|> alone)."""
+    if template_name is None:
         return
-    from trainpod.sft.templates import build_template
+    from trainpod.sft.templates import build_template, own_template_turn_end
 
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    template = build_template(template_name, tokenizer)
-    tokenizer.chat_template = template.jinja()
-    tokenizer.save_pretrained(folder)
+    if template_name in ("tokenizer", "auto"):
+        try:
+            turn_end = own_template_turn_end(tokenizer)
+        except InputError:  # a template that renders no plain conversation: stops as the base did
+            return
+    else:
+        template = build_template(template_name, tokenizer)
+        tokenizer.chat_template = template.jinja()
+        tokenizer.save_pretrained(folder)
+        turn_end = tokenizer.convert_tokens_to_ids(template.turn_end)
     generation_file = folder / "generation_config.json"
-    turn_end = tokenizer.convert_tokens_to_ids(template.turn_end)
     if not generation_file.is_file() or turn_end in (None, tokenizer.unk_token_id):
         return
     generation = json.loads(generation_file.read_text(encoding="utf-8"))

@@ -45,10 +45,12 @@ import argparse
 import datetime
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -163,20 +165,71 @@ def gpu_test_files() -> list[str]:
     )
 
 
+# The seconds a unit's process may run, set by run_units (the unit's share of the call's deadline).
+UNIT_LIMIT_ENV = "GPU_CHECK_UNIT_LIMIT_S"
+# Set for the units of a --resume call: the gpu-tests unit runs only the tests no earlier call passed.
+RESUME_ENV = "GPU_CHECK_RESUME"
+# What the gpu-tests unit keeps of its limit to end pytest and write its result before run_units kills it.
+PYTEST_END_MARGIN_S = 20.0
+# Beside the results, one node id a line: the GPU tests passed so far (not .json: done_units reads those).
+GPU_TESTS_PASSED = "gpu-tests.passed.txt"
+PYTEST_OUTCOME = re.compile(r"^(\S+::.+?) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
+
+
 def _gpu_tests_part(volume: Path, preset: str | None, dry: bool) -> dict[str, Any]:
     """`pytest -m gpu`; in --dry mode only collected (the tests need CUDA). Any test failed, or a file that
-    did not import, fails the unit, with pytest's summary as the error."""
+    did not import, fails the unit, with pytest's summary as the error.
+
+    The tests take 7 to 8 minutes on an H100 (2026-11-27: the first 8 of 15 in 4.5 to 5.5, the other 7
+    in 2.7), near the unit's 540 s and over a short call's deadline. pytest runs with one line per test,
+    streamed into the unit's log, and is ended inside the unit's limit, so the tests that ran are in its
+    result (a unit killed by run_units records nothing); the tests passed are kept beside the results, and
+    a --resume call runs only the others."""
+    passed_file = volume.parents[1] / GPU_TESTS_PASSED
+    passed_before: list[str] = []
+    if os.environ.get(RESUME_ENV) and passed_file.exists() and not dry:
+        passed_before = passed_file.read_text().splitlines()
     junit = volume / "gpu-tests.xml"
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}"]
-    cmd += gpu_test_files()
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-v", "-p", "no:cacheprovider", f"--junitxml={junit}"]
+    cmd += gpu_test_files() + [f"--deselect={node}" for node in passed_before]
     if dry:
         cmd.append("--collect-only")
-    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=False)
-    print(result.stdout[-6000:], result.stderr[-3000:])
-    summary = next((line for line in reversed(result.stdout.splitlines()) if line.strip()), "")
-    outcome = {"exit_code": result.returncode, "summary": summary, "collected_only": dry}
-    if result.returncode != 0:
-        outcome |= {"ok": False, "error": f"pytest exit {result.returncode}: {summary}"}
+    limit = float(os.environ.get(UNIT_LIMIT_ENV, UNIT_TIMEOUT_S)) - PYTEST_END_MARGIN_S
+    lines: list[str] = []
+    tests = subprocess.Popen(
+        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+
+    def stream() -> None:
+        for line in tests.stdout:  # type: ignore[union-attr]
+            lines.append(line.rstrip("\n"))
+            print(line, end="", flush=True)
+
+    reader = threading.Thread(target=stream, daemon=True)
+    reader.start()
+    try:
+        code: int | None = tests.wait(timeout=max(limit, 1.0))
+    except subprocess.TimeoutExpired:
+        os.killpg(tests.pid, signal.SIGKILL)  # with the trainpod runs the tests started
+        tests.wait()
+        code = None
+    reader.join(timeout=10)
+    by_outcome: dict[str, list[str]] = {}
+    for found in filter(None, map(PYTEST_OUTCOME.match, lines)):
+        by_outcome.setdefault(found.group(2).lower(), []).append(found.group(1))
+    if not dry:
+        passed_file.write_text("".join(f"{node}\n" for node in passed_before + by_outcome.get("passed", [])))
+    earlier = f"; {len(passed_before)} passed in an earlier call" if passed_before else ""
+    outcome: dict[str, Any] = {"collected_only": dry, "tests": by_outcome, "passed_earlier": passed_before}
+    if code is None:
+        ran = ", ".join(f"{len(names)} {kind}" for kind, names in by_outcome.items()) or "none finished"
+        summary = f"cut off by the unit's limit after {limit:.0f} s: {ran}; the rest not run{earlier}"
+        return outcome | {"exit_code": "cut off", "summary": summary, "ok": False, "error": summary}
+    summary = next((line.strip("= ") for line in reversed(lines) if line.strip()), "") + earlier
+    outcome |= {"exit_code": code, "summary": summary}
+    no_tests_left = code == 5 and passed_before  # pytest's exit 5: every test was deselected
+    if code != 0 and not no_tests_left:
+        outcome |= {"ok": False, "error": f"pytest exit {code}: {summary}"}
     return outcome
 
 
@@ -294,7 +347,11 @@ def run_units(
         cmd = [sys.executable, __file__, "--unit", f"{part}:{preset or ''}", "--results", str(results)]
         with open(results / f"{name}.log", "w") as log:
             unit = subprocess.Popen(
-                cmd + (["--dry"] if dry else []), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                cmd + (["--dry"] if dry else []),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env=os.environ | {UNIT_LIMIT_ENV: f"{limit:.1f}"},
             )
             try:
                 code: int | str = unit.wait(timeout=limit)
@@ -369,6 +426,8 @@ def main(argv: list[str] | None = None) -> int:
             done = done_units(results, args.dry)
             todo = [(part, preset) for part, preset in todo if unit_name(part, preset) not in done]
         deadline = None if args.deadline_s is None else time.monotonic() + args.deadline_s
+        if args.resume:
+            os.environ[RESUME_ENV] = "1"  # the units inherit it
         failures = run_units(todo, results, args.dry, deadline)
     from gpu_report import write_report
 

@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 
+import gpu_check  # noqa: E402
 from gpu_check import PARTS, TARGETS, gpu_test_files, unit_name, units  # noqa: E402
 from gpu_machine import GPU_MACHINE_PACKAGES, block_imports_beyond  # noqa: E402
 from gpu_report import section, write_report  # noqa: E402
@@ -113,6 +115,43 @@ def test_the_gpu_tests_part_names_every_file_with_gpu_tests():
     assert collected.returncode == 0, collected.stdout[-3000:]
     files = {line.split("::")[0] for line in collected.stdout.splitlines() if "::" in line}
     assert files and files == set(gpu_test_files())
+
+
+def names(tests: dict[str, list[str]]) -> dict[str, list[str]]:
+    """The test names of a gpu-tests result's node ids, by outcome."""
+    return {outcome: [node.split("::")[-1] for node in nodes] for outcome, nodes in tests.items()}
+
+
+def test_gpu_tests_cut_off_by_the_units_limit_keep_the_results_of_the_tests_that_ran(tmp_path, monkeypatch):
+    """On an H100 the GPU tests take 7 to 8 minutes, near a unit's 540 s and over a short call's deadline:
+    killed by run_units, the unit recorded a timeout and not one test's outcome (the paid run proved
+    nothing). pytest now ends inside the unit's limit, the result names what passed, and --resume runs
+    the rest."""
+    tests, marker = tmp_path / "test_slow_gpu.py", "gpu"  # spelled apart: gpu_test_files greps this file
+    tests.write_text(
+        f"import os\nimport time\nimport pytest\n\n\n@pytest.mark.{marker}\ndef test_quick():\n    pass\n\n\n"
+        f"@pytest.mark.{marker}\ndef test_slow():\n    time.sleep(float(os.environ['SLEEP_S']))\n"
+    )
+    monkeypatch.setattr(gpu_check, "gpu_test_files", lambda: [tests.name])
+    monkeypatch.setattr(gpu_check, "REPO", tmp_path)  # pytest's folder: node ids as the GPU tests' own
+    monkeypatch.setenv(gpu_check.UNIT_LIMIT_ENV, str(gpu_check.PYTEST_END_MARGIN_S + 20))
+    monkeypatch.setenv("SLEEP_S", "600")
+    volume = tmp_path / "results" / "work" / "gpu-tests"
+    volume.mkdir(parents=True)  # as run_unit makes it
+    started = time.monotonic()
+    outcome = gpu_check._gpu_tests_part(volume, None, dry=False)
+    assert time.monotonic() - started < 40  # ended inside the unit's limit, not by run_units' kill
+    assert not outcome["ok"] and outcome["exit_code"] == "cut off"
+    assert names(outcome["tests"]) == {"passed": ["test_quick"]}
+    assert "1 passed; the rest not run" in outcome["summary"]
+    assert gpu_check.done_units(volume.parents[1], dry=False) == set()  # what it keeps there reads back
+
+    monkeypatch.setenv("SLEEP_S", "0")
+    monkeypatch.setenv(gpu_check.RESUME_ENV, "1")
+    resumed = gpu_check._gpu_tests_part(volume, None, dry=False)
+    assert "error" not in resumed and resumed["exit_code"] == 0, resumed
+    assert names(resumed["tests"]) == {"passed": ["test_slow"]}  # test_quick is not run again
+    assert resumed["summary"].endswith("; 1 passed in an earlier call")
 
 
 def test_the_report_replaces_only_the_gpu_section_and_shows_every_target(dry_results):

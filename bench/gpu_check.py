@@ -180,11 +180,11 @@ def _gpu_tests_part(volume: Path, preset: str | None, dry: bool) -> dict[str, An
     """`pytest -m gpu`; in --dry mode only collected (the tests need CUDA). Any test failed, or a file that
     did not import, fails the unit, with pytest's summary as the error.
 
-    The tests take 7 to 8 minutes on an H100 (2026-11-27: the first 8 of 15 in 4.5 to 5.5, the other 7
-    in 2.7), near the unit's 540 s and over a short call's deadline. pytest runs with one line per test,
-    streamed into the unit's log, and is ended inside the unit's limit, so the tests that ran are in its
-    result (a unit killed by run_units records nothing); the tests passed are kept beside the results, and
-    a --resume call runs only the others."""
+    The tests take 7 to 8 minutes on an H100 (2026-11-27: 8 of the 15 passed in the 4.5 to 5.5 minutes of a
+    first call before its time limit, 6 more in 2.7 in a second), near the unit's 540 s and over a short
+    call's deadline. pytest runs with one line per test, streamed into the unit's log, and is ended inside
+    the unit's limit, so the tests that ran are in its result (a unit killed by run_units records
+    nothing); the tests passed are kept beside the results, and a --resume call runs only the others."""
     passed_file = volume.parents[1] / GPU_TESTS_PASSED
     passed_before: list[str] = []
     if os.environ.get(RESUME_ENV) and passed_file.exists() and not dry:

@@ -189,6 +189,18 @@ def fake_runpod():
     assert not fake.violations, f"requests RunPod would refuse: {fake.violations}"
 
 
+def users_checkout(tmp_path: Path) -> Path:
+    """The runner's checkout of a user's fork: this repository's configs with the user's own image in
+    place of the shipped placeholder (ghcr.io/YOUR_ORG/...), which a supervisor refuses before its first
+    request, as deploy does."""
+    checkout = tmp_path / "checkout"
+    for path in (REPO / "configs").rglob("*.yaml"):
+        target = checkout / path.relative_to(REPO)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(path.read_text().replace("YOUR_ORG", "acme"))
+    return checkout
+
+
 @pytest.mark.parametrize("config_variable", ["", "configs/deploy/pretrain-spot.yaml"], ids=["found", "named"])
 def test_the_scheduled_supervisor_restarts_an_interrupted_pod(tmp_path: Path, fake_runpod, config_variable):
     """The workflow's own command line and step env, run in a checkout (this repository) as the runner
@@ -200,8 +212,9 @@ def test_the_scheduled_supervisor_restarts_an_interrupted_pod(tmp_path: Path, fa
 
     from fake_runpod import client_for
 
+    checkout = users_checkout(tmp_path)
     deployed = deploy(
-        client_for(fake_runpod), load_config(DeployConfig, REPO / "configs/deploy/pretrain-spot.yaml")
+        client_for(fake_runpod), load_config(DeployConfig, checkout / "configs/deploy/pretrain-spot.yaml")
     )
     fake_runpod.interrupt(deployed.pod.id)
     workflow = yaml.safe_load((REPO / ".github/workflows/supervise.yml").read_text())
@@ -217,7 +230,7 @@ def test_the_scheduled_supervisor_restarts_an_interrupted_pod(tmp_path: Path, fa
     runner |= {"TRAINPOD_RUNPOD_API_URL": fake_runpod.url}  # the one difference from GitHub's runner
     result = subprocess.run(
         ["bash", "--noprofile", "--norc", "-eo", "pipefail", "-c", step["run"]],
-        cwd=REPO, env=runner | env, capture_output=True, text=True, timeout=120,
+        cwd=checkout, env=runner | env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert result.returncode == 0, f"the scheduled supervisor failed:\n{result.stdout}{result.stderr}"
     assert fake_runpod.pods[deployed.pod.id]["desiredStatus"] == "RUNNING", result.stdout
@@ -250,8 +263,9 @@ def test_the_scheduled_supervisors_state_is_carried_from_one_run_to_the_next(tmp
     assert restore["with"]["path"] == save["with"]["path"]
     prefix = restore["with"]["restore-keys"].strip()
     assert save["with"]["key"].startswith(prefix) and "github.run_id" in save["with"]["key"]
+    checkout = users_checkout(tmp_path)
     deployed = deploy(
-        client_for(fake_runpod), load_config(DeployConfig, REPO / "configs/deploy/pretrain-spot.yaml")
+        client_for(fake_runpod), load_config(DeployConfig, checkout / "configs/deploy/pretrain-spot.yaml")
     )
     step = steps[step_index]
     env = workflow_step_env(
@@ -274,7 +288,7 @@ def test_the_scheduled_supervisors_state_is_carried_from_one_run_to_the_next(tmp
         runner |= {"TRAINPOD_RUNPOD_API_URL": fake_runpod.url}
         result = subprocess.run(
             ["bash", "--noprofile", "--norc", "-eo", "pipefail", "-c", step["run"]],
-            cwd=REPO, env=runner | env, capture_output=True, text=True, timeout=120,
+            cwd=checkout, env=runner | env, capture_output=True, text=True, timeout=120,
         )  # fmt: skip
         assert result.returncode == 0, f"the scheduled supervisor failed:\n{result.stdout}{result.stderr}"
         assert f"restart {run}/50" in result.stdout, result.stdout

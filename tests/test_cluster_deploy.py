@@ -339,3 +339,15 @@ def test_a_refused_cluster_deletion_keeps_the_exit_code_and_says_who_deletes_it(
     assert after_workload(0, run, env, "pretrain") == 0
     assert list(fake.clusters) == [cluster.id]
     assert "could not delete this pod's cluster" in caplog.text and "trainpod stop RUN" in caplog.text
+
+
+def test_deploying_a_cluster_after_its_volume_moved_is_refused_before_anything_is_rented(fake, tmp_path):
+    """A whole cluster was reused on its old volume beside a new, unused one; a broken one was made again on
+    the new, empty volume, starting the run over."""
+    from trainpod.errors import ConfigError
+
+    first = deploy(client_for(fake), config(tmp_path))
+    fake.interrupt_node(first.cluster.id, 1)
+    with pytest.raises(ConfigError, match=r"on network volume 'vol' .* in EU-RO-1.*trainpod stop"):
+        deploy(client_for(fake), config(tmp_path, **{"volume.data_center": "US-KS-2"}))
+    assert list(fake.clusters) == [first.cluster.id] and len(fake.volumes) == 1

@@ -324,3 +324,36 @@ def test_deploying_a_changed_config_while_the_pod_runs_says_the_old_one_goes_on_
     assert again.action == "reused" and again.pod.id == first.pod.id, "a running pod is never replaced"
     (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert "image" in warning and "trainpod stop tiny" in warning and "RUNPOD_SECRET" not in warning
+
+
+@pytest.mark.parametrize(
+    "moved", [{"volume.name": "vol2"}, {"volume.data_center": "US-KS-2"}], ids=["name", "data_center"]
+)
+@pytest.mark.parametrize("pod_state", ["EXITED", "RUNNING"])
+def test_deploying_after_the_volume_changed_is_refused_before_anything_is_rented(
+    fake, tmp_path, moved, pod_state
+):
+    """The run's checkpoints and data are on the volume its pod mounts: the old pod was started on the old
+    volume (or reused) while a new volume was created beside it, billed and never used, with no word."""
+    first = deploy(client_for(fake), config(tmp_path))
+    fake.pods[first.pod.id]["desiredStatus"] = pod_state
+    before = len([r for r in fake.requests if r[0] != "GET"])
+    with pytest.raises(ConfigError) as refused:
+        deploy(client_for(fake), config(tmp_path, **moved))
+    assert len([r for r in fake.requests if r[0] != "GET"]) == before, "no volume made, no pod started"
+    assert list(fake.volumes) == [first.volume.id] and fake.pods[first.pod.id]["desiredStatus"] == pod_state
+    text = str(refused.value)
+    assert (
+        f"pod tiny-pretrain ({first.pod.id}) is on network volume 'vol' ({first.volume.id}) in EU-RO-1"
+        in text
+    )
+    assert "trainpod stop tiny --terminate" in text and "volume.name: vol" in text
+
+
+def test_deploy_refuses_a_volume_change_with_exit_2_naming_the_config(fake, tmp_path, capsys):
+    deploy(client_for(fake), config(tmp_path))
+    path = write_config(tmp_path, **{"volume.data_center": "US-KS-2"})
+    assert cli.main(["deploy", str(path)]) == 2
+    out = capsys.readouterr().out
+    assert "volume.data_center: EU-RO-1 again" in out
+

@@ -206,12 +206,14 @@ def deploy_cluster(
     client: RunPodClient, config: DeployConfig, secret_values: dict[str, str] | None = None
 ) -> ClusterDeployment:
     """Volume and cluster of `config`: a whole cluster of that name is reused, a broken one recreated."""
-    from trainpod.runpod.deploy import ensure_volume, pod_env
+    from trainpod.runpod.deploy import ensure_volume, pod_env, refuse_another_volume
 
     check_cluster_config(config)
     env = pod_env(config, secret_values)  # first: a config with too many variables sends nothing
-    volume = ensure_volume(client, config)
     seen = look(client, config)
+    # Before a new volume is made, or a broken cluster made again there (the run over, from nothing).
+    refuse_another_volume(client, config, seen.nodes)
+    volume = ensure_volume(client, config)
     if seen.whole:
         log.info("cluster %s (%s) is up: reusing it", seen.cluster.name, seen.cluster.id)
         return ClusterDeployment(volume, seen.cluster, "reused")

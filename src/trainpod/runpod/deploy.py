@@ -5,7 +5,8 @@
 
 Deploying again changes nothing that is already right: the template is updated only when it
 differs, a volume of that name is reused, a RUNNING pod `<run>-<workload>` is reused and an EXITED
-one started again. GPU types are tried in the config's order by RunPod itself
+one started again (replaced when its image, env or spot setting changed; a pod on another volume than
+the config's is refused, refuse_another_volume). GPU types are tried in the config's order by RunPod itself
 (`gpuTypePriority: custom`). A config with `nodes: N` (N > 1) is an Instant Cluster instead
 (runpod/cluster.py). This module speaks in pods and templates; HTTP lives in client.py.
 """
@@ -346,9 +347,10 @@ def deploy(
     # At RunPod's limit the pod goes without its record: only a deploy that reaches the volume writes it then.
     if deployed is not None and len(env) < MAX_POD_ENV:
         env[DEPLOYED_ENV] = deployed
+    pods = client.list_pods(name=config.pod_name)
+    refuse_another_volume(client, config, pods)  # first: nothing is made or started for a config that moved
     template = ensure_template(client, config)
     volume = ensure_volume(client, config)
-    pods = client.list_pods(name=config.pod_name)
     running = next((p for p in pods if p.desired_status == "RUNNING"), None)
     if running is not None:
         log.info("pod %s (%s) is already running: reusing it", running.name, running.id)
@@ -366,6 +368,31 @@ def deploy(
     pod, action = bring_back(client, config, exited, template.id, volume.id, env, replace=changed)
     log.info("pod %s (%s) %s", pod.name, pod.id, action)
     return Deployment(template, volume, pod, action)
+
+
+def refuse_another_volume(client: RunPodClient, config: DeployConfig, pods: list[Pod]) -> None:
+    """ConfigError (exit 2) when the run's pod mounts another network volume than `config` names (volume.name or
+    volume.data_center changed since it was deployed). The run's checkpoints and data are on the pod's volume:
+    starting or reusing the pod would train there beside a new, billed and unused volume, and a new pod on the
+    new volume would start the run over; the user chooses, knowing which."""
+    pod = next((p for p in pods if p.network_volume_id), None)
+    if pod is None:
+        return
+    volume = next((v for v in client.list_network_volumes() if v.id == pod.network_volume_id), None)
+    want = config.volume
+    if volume is None or (volume.name, volume.data_center_id) == (want.name, want.data_center):
+        return
+    raise ConfigError(
+        [
+            f"volume: pod {pod.name} ({pod.id}) is on network volume {volume.name!r} ({volume.id}) in "
+            f"{volume.data_center_id}, which holds run {config.run}'s checkpoints and data; this config names "
+            f"{want.name!r} in {want.data_center}. To go on where the run is, set volume.name: {volume.name} and "
+            f"volume.data_center: {volume.data_center_id} again. To move the run there, `trainpod push` its "
+            f"datasets to the new volume, `trainpod stop {config.run} --terminate` and deploy again: the new pod "
+            f"starts the run over (its checkpoints stay on {volume.name!r}; `trainpod pull {config.run}` fetches "
+            "them)"
+        ]
+    )
 
 
 def _differences(pod: Pod, body: dict[str, Any]) -> list[str]:

@@ -629,6 +629,7 @@ class FakeRunPod:
             "gpu": {"id": gpu, "count": count, "displayName": gpu} if gpu else None,
             "costPerHr": self.price_per_gpu_hr * count if gpu else 0.1,
             "lastStatusChange": "Rented by User",
+            "lastStartedAt": _now(),
         }
         self.pods[pod["id"]] = pod
         self.backend.create(pod)
@@ -649,6 +650,7 @@ class FakeRunPod:
             return 500, {"error": "There are not enough free GPUs on the host machine to start this pod."}
         if pod["desiredStatus"] != "RUNNING":
             pod["desiredStatus"] = "RUNNING"
+            pod["lastStartedAt"] = _now()
             self.backend.start(pod)
         return None, None
 

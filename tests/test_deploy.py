@@ -262,7 +262,7 @@ def test_status_shows_the_runs_pods_when_a_key_is_at_hand(fake, tmp_path, capsys
     assert cli.main(["status", "tiny", "--volume", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "tiny: 1 pod(s) on RunPod" in out
-    assert "RUNNING | 1 x NVIDIA H100 80GB HBM3 | $2.00/hr | spot" in out
+    assert "RUNNING, up <1m | 1 x NVIDIA H100 80GB HBM3 | $2.00/hr | spot" in out
 
 
 def test_a_bad_deploy_config_names_the_field_and_the_fix(tmp_path):
@@ -357,3 +357,32 @@ def test_deploy_refuses_a_volume_change_with_exit_2_naming_the_config(fake, tmp_
     out = capsys.readouterr().out
     assert "volume.data_center: EU-RO-1 again" in out
 
+
+@pytest.mark.parametrize("run", ["tiny", None], ids=["one run", "every run"])
+def test_status_on_a_laptop_with_only_the_api_key_shows_the_pods_and_what_the_volume_would_add(
+    fake, tmp_path, monkeypatch, capsys, run
+):
+    """No volume mounted, no S3 key: `trainpod status tiny` was exit 2 'volume /workspace does not exist here',
+    showing nothing of the pods RunPod's API could tell."""
+    for name in ("TRAINPOD_VOLUME", "TRAINPOD_S3_VOLUME", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr("trainpod.volume.DEFAULT_VOLUME", str(tmp_path / "workspace"))
+    deploy(client_for(fake), config(tmp_path))
+    deploy(client_for(fake), config(tmp_path, run="other"))
+    assert cli.main(["status", *([run] if run else [])]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "tiny: 1 pod(s) on RunPod" in out
+        and "RUNNING, up <1m | 1 x NVIDIA H100 80GB HBM3 | $2.00/hr | spot" in out
+    )
+    assert ("other: 1 pod(s) on RunPod" in out) == (run is None)
+    assert "no volume mounted here" in out and "AWS_ACCESS_KEY_ID" in out and "--config" in out
+
+
+def test_status_with_neither_a_volume_nor_an_api_key_still_says_where_to_look(tmp_path, monkeypatch, capsys):
+    for name in ("TRAINPOD_VOLUME", "TRAINPOD_S3_VOLUME", "RUNPOD_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setattr("trainpod.volume.DEFAULT_VOLUME", str(tmp_path / "workspace"))
+    assert cli.main(["status", "tiny"]) == 2
+    assert "does not exist here" in capsys.readouterr().out

@@ -80,11 +80,34 @@ def status(
 
     Reads the volume mounted here (--volume, else $TRAINPOD_VOLUME), or from a laptop the network
     volume through RunPod's S3 API (--s3-volume and --datacenter, or --config DEPLOY.yaml, else
-    $TRAINPOD_S3_VOLUME and $TRAINPOD_S3_DATACENTER).
+    $TRAINPOD_S3_VOLUME and $TRAINPOD_S3_DATACENTER). With neither, the run's pods from RunPod's API alone.
     """
     if _wants_s3(volume, s3_volume, config):
         return _reported(lambda: _status_via_s3(run_name, s3_volume, datacenter, config))
+    named = volume or os.environ.get("TRAINPOD_VOLUME")  # a named one that is not there is a typo: exit 2
+    if not named and not Volume.from_env().root.is_dir() and _api_key_here():
+        return _reported(lambda: _status_from_api(run_name))  # a laptop with RUNPOD_API_KEY alone
     return _reported(lambda: _status_here(run_name, Volume(_mounted_root(volume))))
+
+
+def _api_key_here() -> bool:
+    from trainpod.runpod.client import RunPodAuthError, api_key
+
+    try:
+        return bool(api_key())
+    except RunPodAuthError:
+        return False
+
+
+def _status_from_api(run_name: str | None) -> int:
+    """No volume here and none named through S3: the pods RunPod's API shows, and how to see the rest."""
+    print(
+        f"no volume mounted here ({Volume.from_env().root}) and no S3 volume named: the run's step, loss, ETA, "
+        "cost and checkpoint are on the volume; export RunPod's S3 key (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) "
+        "and pass --config DEPLOY.yaml (or --s3-volume and --datacenter), or --volume where it is mounted"
+    )
+    _print_pods(run_name, [], must_show=True)
+    return ExitCode.DONE
 
 
 def _status_here(run_name: str | None, vol: Volume, snapshot: bool = False) -> int:
@@ -259,8 +282,9 @@ def _s3_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="a deploy YAML: its volume and data center (the id looked up by name)")
 
 
-def _print_pods(run_name: str | None, names: list[str]) -> None:
-    """The runs' pods (id, status, GPU, cost/hr) when a RunPod key is at hand; silent without one."""
+def _print_pods(run_name: str | None, names: list[str], must_show: bool = False) -> None:
+    """The runs' pods (id, status, GPU, cost/hr) when a RunPod key is at hand; silent without one.
+    `must_show` (nothing else to show): every run with a pod when no `names`, and RunPod's errors raised."""
     from trainpod import workloads
     from trainpod.runpod.client import RunPodAuthError, RunPodClient, RunPodError, api_key
     from trainpod.runpod.cluster import cluster_line
@@ -274,8 +298,14 @@ def _print_pods(run_name: str | None, names: list[str]) -> None:
         client = RunPodClient.from_env(max_attempts=2)
         pods, clusters = client.list_pods(), client.list_clusters()
     except RunPodError as exc:
+        if must_show:
+            raise
         print(f"pods: not shown ({exc})")
         return
+    if must_show and not run_name and not names:
+        names = _runs_of([unit.name for unit in [*pods, *clusters]], tuple(workloads.REGISTRY))
+        if not names:
+            print("no pods or clusters of a run (<run>-<workload>) on RunPod")
     for name in [run_name] if run_name else names:
         units = run_unit_names(name, tuple(workloads.REGISTRY))  # never a prefix: `llama` is not `llama-v2`
         mine = [pod for pod in pods if pod.name in units]
@@ -284,6 +314,16 @@ def _print_pods(run_name: str | None, names: list[str]) -> None:
             print(pod_line(pod))
         for cluster in (c for c in clusters if c.name in units):
             print(cluster_line(cluster))
+
+
+def _runs_of(unit_names: list[str], workload_names: tuple[str, ...]) -> list[str]:
+    """The runs that pods or clusters named `<run>-<workload>` belong to."""
+    runs = set()
+    for unit in unit_names:
+        runs.update(
+            unit.removesuffix(f"-{w}") for w in workload_names if unit.endswith(f"-{w}") and unit != f"-{w}"
+        )
+    return sorted(runs)
 
 
 def _status_line(vol: Volume, name: str) -> str:

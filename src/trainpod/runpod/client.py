@@ -88,6 +88,9 @@ class Pod:
     template_id: str | None = None
     machine_id: str | None = None
     last_status_change: str = ""
+    last_started_at: str = (
+        ""  # v1: when it was last started (ISO 8601, UTC): `trainpod status` shows its uptime
+    )
     cluster_id: str | None = None  # v2: the Instant Cluster this pod is a node of
     node_rank: int | None = None  # v2: its NODE_RANK in that cluster
 
@@ -133,6 +136,7 @@ class Pod:
             template_id=data.get("templateId"),
             machine_id=data.get("machineId"),
             last_status_change=data.get("lastStatusChange") or "",
+            last_started_at=data.get("lastStartedAt") or "",
         )
 
 

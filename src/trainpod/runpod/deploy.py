@@ -13,8 +13,10 @@ the config's is refused, refuse_another_volume). GPU types are tried in the conf
 
 from __future__ import annotations
 
+import datetime
 import logging
 import re
+import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
@@ -426,7 +428,21 @@ def pod_line(pod: Pod) -> str:
     gpu = f"{pod.gpu_count} x {pod.gpu_type_id}" if pod.gpu_type_id else "cpu"
     cost = f"${pod.cost_per_hr:.2f}/hr" if pod.cost_per_hr is not None else "cost unknown"
     kind = "spot" if pod.interruptible else "on demand"
-    return f"  pod {pod.name} ({pod.id}): {pod.desired_status} | {gpu} | {cost} | {kind}"
+    return f"  pod {pod.name} ({pod.id}): {pod.desired_status}{_uptime(pod)} | {gpu} | {cost} | {kind}"
+
+
+def _uptime(pod: Pod, now: float | None = None) -> str:
+    """`, up 2h13m` for a running pod that says when it started; nothing otherwise."""
+    from trainpod.train.reporting import hours_minutes
+
+    if pod.desired_status != "RUNNING" or not pod.last_started_at:
+        return ""
+    try:
+        started = datetime.datetime.fromisoformat(pod.last_started_at.replace("Z", "+00:00"))
+    except ValueError:
+        return ""
+    now = time.time() if now is None else now
+    return f", up {hours_minutes(max(0.0, now - started.timestamp()))}"
 
 
 def stop_pod(client: RunPodClient, pod: Pod, terminate: bool = False) -> bool:

@@ -386,3 +386,35 @@ def test_status_with_neither_a_volume_nor_an_api_key_still_says_where_to_look(tm
     monkeypatch.setattr("trainpod.volume.DEFAULT_VOLUME", str(tmp_path / "workspace"))
     assert cli.main(["status", "tiny"]) == 2
     assert "does not exist here" in capsys.readouterr().out
+
+
+def test_deploying_more_gpus_replaces_an_exited_pod_and_warns_about_a_running_one(fake, tmp_path, caplog):
+    """`pod.gpu_count: 2` (the 1-GPU run was too slow, or ran out of memory) deployed again: the old 1-GPU pod was
+    started again, or reused without a word, and trained on one GPU."""
+    first = deploy(client_for(fake), config(tmp_path))
+    caplog.set_level("INFO", "trainpod")
+    again = deploy(client_for(fake), config(tmp_path, **{"pod.gpu_count": 2}))
+    assert again.action == "reused", "a running pod is never replaced"
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert "GPU count" in warning and "trainpod stop tiny" in warning
+    fake.pods[first.pod.id]["desiredStatus"] = "EXITED"
+    replaced = deploy(client_for(fake), config(tmp_path, **{"pod.gpu_count": 2}))
+    (pod,) = fake.pods_named("tiny-pretrain")
+    assert replaced.action == "created" and pod["gpu"]["count"] == 2
+
+
+def test_deploying_without_the_pods_gpu_type_replaces_the_exited_pod(fake, tmp_path):
+    """H100 dropped from pod.gpu_types (its price): starting the old pod again put the run back on its H100."""
+    first = deploy(client_for(fake), config(tmp_path))
+    assert first.pod.gpu_type_id == GPUS[0]
+    fake.pods[first.pod.id]["desiredStatus"] = "EXITED"
+    again = deploy(client_for(fake), config(tmp_path, **{"pod.gpu_types": GPUS[1:]}))
+    (pod,) = fake.pods_named("tiny-pretrain")
+    assert again.action == "created" and pod["gpu"]["id"] == GPUS[1]
+
+
+def test_a_pod_that_reports_no_gpu_while_stopped_is_started_again_unchanged(fake, tmp_path):
+    """An exited pod may list no `gpu` (its GPU is released): an unknown count or type is no change."""
+    first = deploy(client_for(fake), config(tmp_path))
+    fake.pods[first.pod.id] |= {"desiredStatus": "EXITED", "gpu": None}
+    assert deploy(client_for(fake), config(tmp_path)).action == "started"

@@ -5,9 +5,9 @@
 
 Deploying again changes nothing that is already right: the template is updated only when it
 differs, a volume of that name is reused, a RUNNING pod `<run>-<workload>` is reused and an EXITED
-one started again (replaced when its image, env or spot setting changed; a pod on another volume than
-the config's is refused, refuse_another_volume). GPU types are tried in the config's order by RunPod itself
-(`gpuTypePriority: custom`). A config with `nodes: N` (N > 1) is an Instant Cluster instead
+one started again (replaced when its image, env, spot setting, GPU count or type changed; a pod on
+another volume than the config's is refused, refuse_another_volume). GPU types are tried in the
+config's order by RunPod itself (`gpuTypePriority: custom`). A config with `nodes: N` (N > 1) is an Instant Cluster instead
 (runpod/cluster.py). This module speaks in pods and templates; HTTP lives in client.py.
 """
 
@@ -363,10 +363,11 @@ def deploy(
                         running.name, running.id, ", ".join(changes), config.run)  # fmt: skip
         return Deployment(template, volume, running, "reused")
     exited = next((p for p in pods if p.desired_status == "EXITED"), None)
-    changed = exited is not None and bool(_differences(exited, pod_body(config, template.id, volume.id, env)))
+    changes = [] if exited is None else _differences(exited, pod_body(config, template.id, volume.id, env))
+    changed = bool(changes)
     if changed:
-        log.info("pod %s (%s) was made from another config (image, env or spot): replacing it", exited.name,
-                 exited.id)  # fmt: skip
+        log.info("pod %s (%s) was made from another config (its %s differ): replacing it", exited.name,
+                 exited.id, ", ".join(changes))  # fmt: skip
     pod, action = bring_back(client, config, exited, template.id, volume.id, env, replace=changed)
     log.info("pod %s (%s) %s", pod.name, pod.id, action)
     return Deployment(template, volume, pod, action)
@@ -408,6 +409,11 @@ def _differences(pod: Pod, body: dict[str, Any]) -> list[str]:
         "image": pod.image != body["imageName"],
         "env": config_env(pod.env) != config_env(body["env"]),
         "spot setting": pod.interruptible != body.get("interruptible", False),
+        # A stopped pod may list no GPU (released while it is stopped): what it does not say is no difference.
+        "GPU count": bool(pod.gpu_count) and "gpuCount" in body and pod.gpu_count != body["gpuCount"],
+        "GPU type": bool(pod.gpu_type_id)
+        and "gpuTypeIds" in body
+        and pod.gpu_type_id not in body["gpuTypeIds"],
     }
     return [name for name, different in differs.items() if different]
 

@@ -560,6 +560,8 @@ class FakeRunPod:
         while not self.closed.is_set():
             with self._log_added:
                 if index >= len(lines):
+                    if pod_id not in self.pods and pod_id not in self.nodes:
+                        return  # terminated: its stream ends (the next request for it is a 404)
                     self._log_added.wait(0.1)
                     continue
                 entry = lines[index]

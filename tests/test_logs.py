@@ -190,3 +190,52 @@ def test_a_pod_gone_before_its_logs_are_read_exits_2_naming_the_endpoint(fake):
     with pytest.raises(RunPodNotFound) as caught:
         stream_logs(client, gone, tail=1, follow=False, emit=print)
     assert caught.value.exit_code == 2 and f"GET /v2/pods/{pod}/logs: not found (404)" in str(caught.value)
+
+
+class _SeenEnough(Exception):
+    pass
+
+
+def follow_in_process(fake, monkeypatch, on_line) -> int:
+    """`trainpod logs RUN -f` here, each line it prints handed to `on_line` (which ends it by raising)."""
+    from trainpod import cli
+
+    for name, value in api_env(fake).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(cli, "print", lambda line, **_: on_line(line), raising=False)
+    return cli.main(["logs", RUN, "-f", "--tail", "10"])
+
+
+def test_follow_goes_on_with_the_pod_that_replaced_the_one_it_followed(fake, monkeypatch):
+    """The supervisor replaced the interrupted pod (its start refused: a new pod, the old terminated): `logs -f`
+    ended on the old pod's 404, exit 2, and the new pod's lines were never shown."""
+    old = a_pod(fake)
+    fake.add_logs(old, "old 1", "old 2")
+    printed: list[str] = []
+
+    def on_line(line: str) -> None:
+        printed.append(line)
+        if line == "old 2":  # as bring_back does it: the new pod first, then the old one terminated
+            new = a_pod(fake)
+            fake.add_logs(new, "new 1", "new 2")
+            del fake.pods[old]
+        if line == "new 2":
+            raise _SeenEnough
+
+    with pytest.raises(_SeenEnough):
+        follow_in_process(fake, monkeypatch, on_line)
+    assert printed == ["old 1", "old 2", "new 1", "new 2"]
+
+
+def test_follow_ends_quietly_when_the_runs_last_pod_is_gone(fake, monkeypatch):
+    """on_finish: terminate at DONE: following a run to its end is no error."""
+    pod = a_pod(fake)
+    fake.add_logs(pod, "DONE")
+    printed: list[str] = []
+
+    def on_line(line: str) -> None:
+        printed.append(line)
+        del fake.pods[pod]
+
+    assert follow_in_process(fake, monkeypatch, on_line) == 0
+    assert printed == ["DONE"]

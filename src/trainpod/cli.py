@@ -658,7 +658,8 @@ def logs(run_name: str, follow: bool = False, tail: int = 100) -> int:
     """Print the last lines of the run's pod logs (-f: and follow them until Ctrl-C), secrets masked.
 
     Reads RunPod's REST v2 log stream of the pod `<run>-<workload>` (RUNPOD_API_KEY); a dropped
-    connection is resumed from the last line printed, none lost or repeated. No SSH needed.
+    connection is resumed from the last line printed, none lost or repeated. No SSH needed. -f goes on
+    with the run's new pod when the supervisor replaced the one followed, and ends when the run has none.
     """
     from trainpod import workloads
     from trainpod.errors import ConfigError
@@ -674,7 +675,14 @@ def logs(run_name: str, follow: bool = False, tail: int = 100) -> int:
         client = RunPodClient.from_env()
         pod = pod_for_logs(client, run_name, tuple(workloads.REGISTRY))
         with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C is how -f ends
-            stream_logs(client, pod, tail, follow, emit=lambda line: print(line, flush=True))
+            stream_logs(
+                client,
+                pod,
+                tail,
+                follow,
+                emit=lambda line: print(line, flush=True),
+                find_pod=lambda: pod_for_logs(client, run_name, tuple(workloads.REGISTRY)),
+            )
         return ExitCode.DONE
 
     return _reported(act)

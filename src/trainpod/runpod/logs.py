@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from trainpod.errors import InputError
 from trainpod.log import redact
-from trainpod.runpod.client import Pod, RunPodClient
+from trainpod.runpod.client import Pod, RunPodClient, RunPodNotFound
 from trainpod.runpod.deploy import run_pods, run_unit_names
 
 log = logging.getLogger("trainpod.logs")
@@ -91,6 +91,17 @@ def pod_for_logs(client: RunPodClient, run: str, workloads: Collection[str]) -> 
     return min(pods, key=lambda p: (p.name.endswith("-supervise"), p.desired_status != "RUNNING", p.name))
 
 
+def _successor(gone: Pod, find_pod: Callable[[], Pod]) -> Pod:
+    """The run's pod that took over from `gone`; `gone` itself when the run has none left (its pods terminated
+    at DONE or by `trainpod stop --terminate`)."""
+    try:
+        pod = find_pod()
+    except InputError:  # no pod or cluster of the run any more
+        log.info("pod %s is gone and the run has no other pod: the follow ends", gone.id)
+        return gone
+    return pod if pod.id != gone.id else gone
+
+
 class _Cursor:
     """What has been printed: the last event id, and the events printed under it (to skip repeats)."""
 
@@ -118,14 +129,29 @@ def stream_logs(
     follow: bool,
     emit: Callable[[str], None] = print,
     idle_s: float = IDLE_S,
+    find_pod: Callable[[], Pod] | None = None,
 ) -> int:
     """Print the pod's last `tail` lines (masked), and with `follow` every new one, reconnecting
-    after a dropped connection from the last event printed. Returns the number of lines printed."""
+    after a dropped connection from the last event printed. Returns the number of lines printed.
+    `find_pod` (following a run): the run's pod now; when the followed one is gone (replaced by the
+    supervisor, or terminated at DONE) its successor is followed from its first line, or, with none, it ends."""
     if tail == 0 and not follow:
         return 0
     cursor, wait = _Cursor(), 1.0
     while True:
-        fresh, dropped = _one_connection(client, pod, tail, follow, cursor, emit, idle_s)
+        try:
+            fresh, dropped = _one_connection(client, pod, tail, follow, cursor, emit, idle_s)
+        except RunPodNotFound:
+            successor = _successor(pod, find_pod) if follow and find_pod is not None else None
+            if successor is None:
+                raise
+            if successor.id == pod.id:  # the run has no pod left: the follow is over
+                return cursor.printed
+            log.info("pod %s is gone; following the run's pod %s (%s) from its first line", pod.id,
+                     successor.name, successor.id)  # fmt: skip
+            printed, cursor, pod, tail = cursor.printed, _Cursor(), successor, MAX_TAIL
+            cursor.printed = printed
+            continue
         if not follow and (cursor.printed >= tail or not fresh or not dropped):
             return cursor.printed
         if fresh:

@@ -68,6 +68,7 @@ OPERATIONS = [
     ("PATCH", "/templates/{templateId}"),
     ("GET", "/networkvolumes"),
     ("POST", "/networkvolumes"),
+    ("PATCH", "/networkvolumes/{networkVolumeId}"),
 ]
 # What trainpod sends to REST v2, as (method, OpenAPI path).
 OPERATIONS_V2 = [
@@ -689,6 +690,15 @@ class FakeRunPod:
     def _CreateNetworkVolume(self, body, query):
         volume = {**body, "id": self._new_id("vol")}
         self.volumes[volume["id"]] = volume
+        return None, volume
+
+    def _UpdateNetworkVolume(self, body, query, networkVolumeId):
+        volume = self.volumes.get(networkVolumeId)
+        if volume is None:
+            return 404, {"error": "network volume not found"}
+        if "size" in body and body["size"] <= volume["size"]:  # the OpenAPI: greater than the current size
+            return 400, {"error": "the new size must be greater than the current size"}
+        volume.update(body)
         return None, volume
 
 

@@ -418,3 +418,37 @@ def test_a_pod_that_reports_no_gpu_while_stopped_is_started_again_unchanged(fake
     first = deploy(client_for(fake), config(tmp_path))
     fake.pods[first.pod.id] |= {"desiredStatus": "EXITED", "gpu": None}
     assert deploy(client_for(fake), config(tmp_path)).action == "started"
+
+
+def test_a_larger_volume_size_grows_the_volume_and_a_smaller_one_is_said_to_be_kept(fake, tmp_path, caplog):
+    """Exit 5 (volume full) says to grow the network volume; volume.size_gb raised and deployed again reused the
+    volume at its old size without a word, and the next start filled it again."""
+    first = deploy(client_for(fake), config(tmp_path))
+    caplog.set_level("INFO", "trainpod")
+    grown = deploy(client_for(fake), config(tmp_path, **{"volume.size_gb": 200}))
+    assert fake.volumes[first.volume.id]["size"] == 200 and grown.volume.size_gb == 200
+    assert fake.calls("PATCH", f"/networkvolumes/{first.volume.id}")
+    caplog.clear()
+    deploy(client_for(fake), config(tmp_path, **{"volume.size_gb": 50}))
+    assert fake.volumes[first.volume.id]["size"] == 200, "RunPod cannot shrink a volume"
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert "200 GB" in warning and "volume.size_gb=50" in warning
+
+
+def test_a_volume_runpod_refuses_to_grow_is_a_warning_and_the_deploy_goes_on(fake, tmp_path, caplog):
+    first = deploy(client_for(fake), config(tmp_path))
+    fake.pods[first.pod.id]["desiredStatus"] = "EXITED"
+    handle = fake.handle
+
+    def refused_to_grow(method, raw_path, headers, raw_body):
+        if method == "PATCH" and raw_path.startswith("/v1/networkvolumes/"):
+            return 400, {"error": "cannot resize now"}, {}
+        return handle(method, raw_path, headers, raw_body)
+
+    fake.handle = refused_to_grow
+    caplog.set_level("INFO", "trainpod")
+    again = deploy(client_for(fake), config(tmp_path, **{"volume.size_gb": 200}))
+    assert again.action == "started" and fake.volumes[first.volume.id]["size"] == 50
+    assert any(
+        "RunPod refused to grow it" in r.getMessage() for r in caplog.records if r.levelname == "WARNING"
+    )

@@ -102,7 +102,13 @@ class VolumeSettings(Section):
     """The network volume that holds datasets, runs and checkpoints; created when none has the name."""
 
     name: str = Field("trainpod", min_length=1, description="Network volume name (reused when one exists).")
-    size_gb: int = Field(100, ge=10, le=4000, description="Size in GB when it is created (10-4000).")
+    size_gb: int = Field(
+        100,
+        ge=10,
+        le=4000,
+        description="Size in GB (10-4000); a later deploy with a larger one grows the volume (RunPod "
+        "never shrinks one).",
+    )
     data_center: str = Field(
         description="RunPod data center id of the volume, e.g. EU-RO-1; pods are created there."
     )

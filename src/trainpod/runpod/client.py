@@ -517,6 +517,11 @@ class RunPodClient:
     def list_network_volumes(self) -> list[NetworkVolume]:
         return [NetworkVolume.from_api(v) for v in self.request("GET", "/networkvolumes") or []]
 
+    def grow_network_volume(self, volume_id: str, size_gb: int) -> NetworkVolume:
+        """RunPod grows a volume only (the new size must be greater than the current one)."""
+        body = {"size": size_gb}
+        return NetworkVolume.from_api(self.request("PATCH", f"/networkvolumes/{_segment(volume_id)}", body))
+
     def create_network_volume(self, name: str, size_gb: int, data_center_id: str) -> NetworkVolume:
         body = {"name": name, "size": size_gb, "dataCenterId": data_center_id}
         return NetworkVolume.from_api(self.request("POST", "/networkvolumes", body, idempotent=False))

@@ -274,11 +274,35 @@ def ensure_volume(client: RunPodClient, config: DeployConfig) -> NetworkVolume:
                 volume.size_gb,
                 want.data_center,
             )
-            return volume
+            return _resized(client, volume, want.size_gb)
     volume = client.create_network_volume(want.name, want.size_gb, want.data_center)
     log.info(
         "network volume %s created (%s, %d GB in %s)", want.name, volume.id, want.size_gb, want.data_center
     )
+    return volume
+
+
+def _resized(client: RunPodClient, volume: NetworkVolume, size_gb: int) -> NetworkVolume:
+    """The volume grown to a larger volume.size_gb (what a full volume, exit 5, asks for); a smaller one cannot be
+    had (RunPod never shrinks a volume), and is said so rather than passed over."""
+    if size_gb > volume.size_gb:
+        try:
+            grown = client.grow_network_volume(volume.id, size_gb)
+        except RunPodAuthError:
+            raise
+        except RunPodError as exc:  # the deploy goes on: the run fits as well as it did, and the user is told
+            log.warning("network volume %s stays at %d GB: RunPod refused to grow it to volume.size_gb=%d (%s); "
+                        "grow it in RunPod's console (Storage)", volume.name, volume.size_gb, size_gb,
+                        exc.status)  # fmt: skip
+            return volume
+        log.info(
+            "network volume %s grown from %d to %d GB (volume.size_gb)", volume.name, volume.size_gb, size_gb
+        )
+        return grown
+    if size_gb < volume.size_gb:
+        log.warning("network volume %s stays at %d GB (and is billed so): RunPod cannot shrink a volume to "
+                    "volume.size_gb=%d; set volume.size_gb: %d to say what is there",
+                    volume.name, volume.size_gb, size_gb, volume.size_gb)  # fmt: skip
     return volume
 
 

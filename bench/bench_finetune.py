@@ -34,7 +34,7 @@ from trainpod.config import load_config  # noqa: E402
 from trainpod.config.finetune import FinetuneConfig  # noqa: E402
 from trainpod.context import RunContext  # noqa: E402
 from trainpod.preemption import PreemptionWatch  # noqa: E402
-from trainpod.sft import SftBatches, load_sft, sft_key  # noqa: E402
+from trainpod.sft import SftBatches, load_sft, sft_cache_key  # noqa: E402
 from trainpod.train.distributed import init_distributed  # noqa: E402
 from trainpod.train.lora import peft_lora_config  # noqa: E402
 from trainpod.volume import Volume  # noqa: E402
@@ -131,7 +131,9 @@ def timed_loop(trainer: Finetuner) -> tuple[float, int, float]:
 def trainpod_padded_rows(volume: Path, steps: int, extra: Sequence[str] = ()) -> dict[str, list[list[int]]]:
     """The rows of trainpod's first `steps` padded micro batches, in its order, padding removed."""
     cfg = bench_config(steps, packing=False, extra=extra)
-    data = load_sft(volume / "cache" / "sft" / sft_key(cfg.data.sft, volume / cfg.base_model.path))
+    data = load_sft(
+        volume / "cache" / "sft" / sft_cache_key(cfg.data.sft, volume / cfg.base_model.path, volume)
+    )
     t, cutoff = cfg.train, cfg.data.sft.cutoff_len
     batches = SftBatches(data.train, t.micro_batch_size, cutoff, False, t.seed, 0, 1, data.pad_id)
     rows: dict[str, list[list[int]]] = {"input_ids": [], "labels": []}

@@ -157,11 +157,9 @@ def throughput(volume: Path, preset: str, dry: bool) -> dict[str, Any]:
     memory = _peak_memory(config, trainer)
     # After the timed window, so the profiler's own cost stays out of the figures above.
     profile = profile_steps(trainer, model, warmup + measured + 1, 2)
-    eval_started = time.perf_counter()
-    trainer.evaluate(model, warmup + measured)
-    _sync()
-    eval_s = time.perf_counter() - eval_started
-    model.train()
+    # No eval: these runs read no validation windows (train.eval_every=0), so one timed nothing (the
+    # first H100 run's "one eval 0.00 s"), and a real one compiles the eval graph, a minute of a lent
+    # GPU's fifteen for no target. A window's forward is a third of a step's FLOPs.
     commit_started = time.perf_counter()
     trainer.commit(warmup + measured)
     commit_s = time.perf_counter() - commit_started
@@ -181,7 +179,6 @@ def throughput(volume: Path, preset: str, dry: bool) -> dict[str, Any]:
         "flops_per_token": trainer.flops_per_token,
         "peak_flops": peak,
         "mfu": tokens / step_s * trainer.flops_per_token / peak if peak else None,
-        "eval_s": eval_s,
         "commit_s": commit_s,
         "profile": profile,
         **memory,

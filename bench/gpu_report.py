@@ -158,6 +158,12 @@ def _packing_lines(unit: dict[str, Any] | None) -> list[str]:
     ]
 
 
+def _eval_part(unit: dict[str, Any]) -> str:
+    """An eval's seconds where one was timed: the units read no validation windows (eval_every 0), so the
+    first H100 run's evals (0.00 s) timed nothing and are left out."""
+    return f" one eval {unit['eval_s']:.2f} s;" if unit.get("eval_s") else ""
+
+
 def detail_lines(results: Path, units: list[tuple[str, str | None]]) -> list[str]:
     lines = []
     for part, preset in units:
@@ -169,7 +175,7 @@ def detail_lines(results: Path, units: list[tuple[str, str | None]]) -> list[str
             lines.append(
                 f"- pretrain {preset}: {unit['parameters'] / 1e6:,.1f}M parameters, attention {unit['attention']}, "
                 f"{len(steady)} steady steps (median {sorted(steady)[len(steady) // 2]:.3f} s, min {min(steady):.3f} s); "
-                f"first step (compile) {unit['first_step_s']:.1f} s; one eval {unit['eval_s']:.2f} s; one commit "
+                f"first step (compile) {unit['first_step_s']:.1f} s;{_eval_part(unit)} one commit "
                 f"{unit['commit_s']:.2f} s; peak {unit['peak_flops'] or 0:.3g} FLOP/s used for MFU"
             )
             lines += [line for line in [_profile_line(unit)] if line]

@@ -8,15 +8,19 @@ behind LEAK_LIMIT are in src/trainpod/sft/packing_probe.py.
 from __future__ import annotations
 
 import contextlib
+import re
 
 import numpy as np
 import pytest
 import torch
 import transformers
 
+from trainpod.config.finetune import BaseModelConfig
 from trainpod.errors import InputError
 from trainpod.sft import IGNORE_INDEX, SftBatches, SftExample
 from trainpod.sft.packing_probe import LEAK_LIMIT, packing_leak, refuse_packing_that_leaks
+from trainpod.train.base_model import supported_attention
+from trainpod.train.model import resolve_attention
 
 torch.set_num_threads(1)
 
@@ -98,12 +102,20 @@ def test_an_opt_model_reading_positions_from_the_mask_is_refused_exit_2_naming_t
     assert leak(model, flatten, precision) > 2 * LEAK_LIMIT
 
 
-def test_a_leak_under_flex_attention_names_sdpa_as_the_fix_before_unpacking():
-    # flex attention leaked on an H100 (bench/results/gpu-2026-11-27/qlora-32b.json) where SDPA's
-    # block-diagonal mask is the kit's default: the cheaper fix is the other attention, not losing packing.
+def test_a_leak_under_flex_attention_names_an_attention_the_model_has_as_the_fix_before_unpacking(tmp_path):
+    # flex attention leaked on an H100 (bench/results/gpu-2026-11-27/qlora-32b.json); the cheaper fix is
+    # another attention, not losing packing. base_model.attention cannot ask for flex: auto gives it only
+    # to a model without SDPA on a GPU (Gemma 2, gpt-oss), so the fix named must be one that model has,
+    # not sdpa, which the finetune then refuses too (exit 2 at the next start).
+    transformers.Gemma2Config(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=1).save_pretrained(tmp_path)
+    implemented = supported_attention(tmp_path, BaseModelConfig(path=str(tmp_path)))
+    cuda = torch.device("cuda", 0)
+    assert resolve_attention("auto", cuda, supported=implemented) == "flex_attention"
     with pytest.raises(InputError) as refused:
         refuse(tiny("opt"), "flex_attention")
-    assert str(refused.value).endswith("set base_model.attention=sdpa or data.packing=false")
+    fix = re.search(r"set base_model.attention=(\w+) or data.packing=false$", str(refused.value))
+    assert fix, str(refused.value)
+    assert resolve_attention(fix[1], cuda, "base_model.attention", supported=implemented) == fix[1]
 
 
 def test_a_mamba_hybrid_carrying_its_state_along_the_row_is_refused_without_the_list():

@@ -96,7 +96,9 @@ def refuse_packing_that_leaks(
             f"the next: packed behind another sample, a sample's next-token log-probabilities moved {leak:.2f} "
             f"of their spread from the sample alone (kept apart, rounding moves them by under 0.04; the limit "
             f"is {LEAK_LIMIT}), so each sample would be trained partly on its neighbour's text; set "
-            + ("base_model.attention=sdpa or " if attention == "flex_attention" else "")
+            # flex attention is only ever auto's pick for a model without SDPA (Gemma 2, gpt-oss), which
+            # refuses base_model.attention=sdpa; eager, which every model has, gets the same block mask
+            + ("base_model.attention=eager or " if attention == "flex_attention" else "")
             + "data.packing=false"
         )
 

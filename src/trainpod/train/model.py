@@ -48,8 +48,11 @@ def resolve_attention(
     samples, where SDPA computes them and masks them out), but on the first GPU it met (an H100, torch
     2.11 with transformers 5.17, 2026-11-27) the packing probe (sft/packing_probe.py) measured a packed
     Qwen2 sample moving 1.40 of its spread from itself alone under flex attention, 35x the rounding noise,
-    and refused every packed finetune on that image: flex attention is now only used where asked for (or
-    where the model has no SDPA), and the probe still measures it."""
+    and refused every packed finetune on that image: packed rows now get SDPA wherever the model has it,
+    and flex attention only where it has none (Gemma 2, gpt-oss; the config cannot ask for it). Later
+    that day flex attention kept packed rows apart on the same GPU at the same heads with no 4-bit layers
+    (0.012, as SDPA; bench/results/gpu-2026-11-27/notes.md), so the cause is not found; the probe still
+    measures every packed run."""
     if supported is not None and requested != "auto" and requested not in supported:
         raise InputError(
             f"{field}={requested}: the model does not implement it (it implements {', '.join(sorted(supported))}); "

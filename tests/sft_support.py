@@ -91,13 +91,7 @@ def make_bos_adding_tokenizer(path: Path) -> Path:
     tokenizer.post_processor = processors.TemplateProcessing(
         single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", tokenizer.token_to_id("<s>"))]
     )
-    wrapped = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token=PAD
-    )
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    wrapped.save_pretrained(str(path))
-    return path
+    return _save_with_bos_and_eos(tokenizer, path)
 
 
 def make_metaspace_tokenizer(path: Path) -> Path:
@@ -111,6 +105,11 @@ def make_metaspace_tokenizer(path: Path) -> Path:
         vocab_size=300, special_tokens=["<s>", "</s>", PAD], initial_alphabet=["\n"], show_progress=False
     )
     tokenizer.train_from_iterator(SENTENCES * 4, trainer=trainer)
+    return _save_with_bos_and_eos(tokenizer, path)
+
+
+def _save_with_bos_and_eos(tokenizer: Tokenizer, path: Path) -> Path:
+    """`tokenizer` as a transformers tokenizer folder at `path`: bos <s>, eos </s>, pad PAD."""
     wrapped = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token=PAD
     )

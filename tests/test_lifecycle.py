@@ -257,7 +257,8 @@ def test_a_split_dataset_whose_validation_split_is_empty_exits_2_before_the_firs
     result = run_trainpod(*PRETRAIN, volume=volume)
     assert result.returncode == 2, result.stdout + result.stderr
     assert (
-        "no validation shard holds one eval micro-batch" in result.stdout and "train.eval_every=0" in result.stdout
+        "no validation shard holds one eval micro-batch" in result.stdout
+        and "train.eval_every=0" in result.stdout
     )
     assert not list((volume / "runs" / RUN / "checkpoints").glob("step-*")), "no step ran"
     no_eval = ["--set", "train.eval_every=0", "--set", "train.max_steps=2", "--set", "train.warmup_steps=0"]

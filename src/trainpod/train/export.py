@@ -96,7 +96,8 @@ def export_hf(
     publishing: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
 ) -> Path:
     """Write `model`, its tokenizer (with the chat template `template_name` it was trained with:
-    carry_training_template) and `extra_json` files to `target` atomically (replacing an older export), with an export manifest unless the caller's own output manifest covers the folder (`manifest=False`:
+    carry_training_template) and `extra_json` files to `target` atomically (replacing an older export),
+    with an export manifest unless the caller's own output manifest covers the folder (`manifest=False`:
     a conversion's, convert/output.py). Everything before the rename into place runs inside `abandoning()`
     (PreemptionWatch.abandoning: a stop ends it there, leaving the temp folder as a kill would), the rename
     inside `publishing()` (Lease.publishing: none once the run's lease was released at a stop)."""

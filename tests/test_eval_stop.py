@@ -328,9 +328,8 @@ class _StopWhenRead(list):
             yield batch
 
 
-def _two_rank_worker(workload: str, rank: int, port: int, volume: str, stop_at: int) -> None:
-    """One of two gloo ranks, as the launcher starts them; rank 0 alone is stopped during the eval (pretrain)
-    or the generation eval (finetune) of step `stop_at`. Writes its outcome, and rank 0 the final weights."""
+def join_two_ranks(rank: int, port: int) -> None:
+    """This process's environment as the launcher gives rank `rank` of two on this machine (gloo)."""
     os.environ |= {
         "RANK": str(rank),
         "LOCAL_RANK": str(rank),
@@ -338,6 +337,12 @@ def _two_rank_worker(workload: str, rank: int, port: int, volume: str, stop_at: 
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
     }
+
+
+def _two_rank_worker(workload: str, rank: int, port: int, volume: str, stop_at: int) -> None:
+    """One of two gloo ranks, as the launcher starts them; rank 0 alone is stopped during the eval (pretrain)
+    or the generation eval (finetune) of step `stop_at`. Writes its outcome, and rank 0 the final weights."""
+    join_two_ranks(rank, port)
     if workload == "pretrain":
         # 3 of the eval's windows a rank, as one rank has in SETTINGS: the stop comes before the last one
         trainer = pretrainer(Path(volume), "train.eval_batches=6")

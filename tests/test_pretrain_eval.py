@@ -8,14 +8,13 @@ freshly initialised weights (the same seed on every rank).
 
 from __future__ import annotations
 
-import os
 import shutil
 import socket
 from pathlib import Path
 
 import pytest
 import torch
-from test_eval_stop import pretrainer
+from test_eval_stop import join_two_ranks, pretrainer
 
 pytestmark = pytest.mark.slow
 
@@ -28,13 +27,7 @@ def _eval_loss(volume: Path, *settings: str) -> float:
 
 
 def _rank_worker(rank: int, port: int, volume: str, settings: tuple[str, ...]) -> None:
-    os.environ |= {
-        "RANK": str(rank),
-        "LOCAL_RANK": str(rank),
-        "WORLD_SIZE": "2",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-    }
+    join_two_ranks(rank, port)
     torch.set_num_threads(1)
     loss = _eval_loss(Path(volume), *settings)
     Path(volume, f"eval-{rank}").write_text(repr(loss))

@@ -633,6 +633,8 @@ class FakeRunPod:
             "costPerHr": self.price_per_gpu_hr * count if gpu else 0.1,
             "lastStatusChange": "Rented by User",
             "lastStartedAt": _now(),
+            "containerDiskInGb": body.get("containerDiskInGb", 50),
+            "ports": list(body.get("ports", [])),
         }
         self.pods[pod["id"]] = pod
         self.backend.create(pod)

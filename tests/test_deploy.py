@@ -413,6 +413,28 @@ def test_deploying_without_the_pods_gpu_type_replaces_the_exited_pod(fake, tmp_p
     assert again.action == "created" and pod["gpu"]["id"] == GPUS[1]
 
 
+def test_deploying_a_larger_container_disk_or_new_ports_replaces_the_exited_pod(fake, tmp_path):
+    """`pod.container_disk_gb` raised after the pod ran out of disk (or a port added for TensorBoard): starting
+    the old pod again gave it its old disk, which filled again, and the old ports."""
+    first = deploy(client_for(fake), config(tmp_path))
+    fake.pods[first.pod.id]["desiredStatus"] = "EXITED"
+    bigger = first.pod.container_disk_gb + 50
+    again = deploy(client_for(fake), config(tmp_path, **{"pod.container_disk_gb": bigger}))
+    (pod,) = fake.pods_named("tiny-pretrain")
+    assert again.action == "created" and pod["containerDiskInGb"] == bigger
+    fake.pods[pod["id"]]["desiredStatus"] = "EXITED"
+    ports = ["22/tcp", "6006/http"]
+    opened = deploy(
+        client_for(fake), config(tmp_path, **{"pod.container_disk_gb": bigger, "pod.ports": ports})
+    )
+    (pod,) = fake.pods_named("tiny-pretrain")
+    assert opened.action == "created" and pod["ports"] == ports
+    fake.pods[pod["id"]]["desiredStatus"] = "EXITED"
+    same = deploy(client_for(fake), config(tmp_path, **{"pod.container_disk_gb": bigger, "pod.ports": ports}))
+    assert same.action == "started" and same.pod.id == pod["id"], "an unchanged config starts the same pod"
+    assert not fake.violations
+
+
 def test_a_pod_that_reports_no_gpu_while_stopped_is_started_again_unchanged(fake, tmp_path):
     """An exited pod may list no `gpu` (its GPU is released): an unknown count or type is no change."""
     first = deploy(client_for(fake), config(tmp_path))

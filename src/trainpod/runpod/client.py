@@ -91,6 +91,9 @@ class Pod:
     last_started_at: str = (
         ""  # v1: when it was last started (ISO 8601, UTC): `trainpod status` shows its uptime
     )
+    # 0 and () where the API does not say (v2): unknown, never a difference from a config
+    container_disk_gb: int = 0
+    ports: tuple[str, ...] = ()
     cluster_id: str | None = None  # v2: the Instant Cluster this pod is a node of
     node_rank: int | None = None  # v2: its NODE_RANK in that cluster
 
@@ -137,6 +140,8 @@ class Pod:
             machine_id=data.get("machineId"),
             last_status_change=data.get("lastStatusChange") or "",
             last_started_at=data.get("lastStartedAt") or "",
+            container_disk_gb=int(data.get("containerDiskInGb") or 0),
+            ports=tuple(data.get("ports") or ()),
         )
 
 

@@ -438,6 +438,9 @@ def _differences(pod: Pod, body: dict[str, Any]) -> list[str]:
         "GPU type": bool(pod.gpu_type_id)
         and "gpuTypeIds" in body
         and pod.gpu_type_id not in body["gpuTypeIds"],
+        # Raised after a pod ran out of disk: started again, the old pod would fill its old disk again.
+        "container disk": bool(pod.container_disk_gb) and pod.container_disk_gb != body["containerDiskInGb"],
+        "ports": bool(pod.ports) and sorted(pod.ports) != sorted(body["ports"]),
     }
     return [name for name, different in differs.items() if different]
 

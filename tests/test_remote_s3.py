@@ -443,6 +443,31 @@ def test_a_key_from_an_aws_profile_file_is_masked_in_log_lines(bucket, tmp_path,
     assert redact("signed with user_fromprofile123 / rps_fromprofile456") == "signed with *** / ***"
 
 
+def test_half_a_key_or_a_missing_profile_is_exit_2_saying_what_to_export_not_a_traceback(
+    bucket, tmp_path, monkeypatch
+):
+    """botocore raised PartialCredentialsError (AWS_ACCESS_KEY_ID exported, its secret forgotten) and
+    ProfileNotFound (AWS_PROFILE naming no profile) out of the client's making: a traceback and exit 1."""
+    _, _, env = bucket
+    (tmp_path / "data.jsonl").write_text("{}\n")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    half = {k: v for k, v in env.items() if k != "AWS_SECRET_ACCESS_KEY"}
+    result = trainpod(half, "push", str(tmp_path), "datasets/x")
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    assert "missing: AWS_SECRET_ACCESS_KEY" in result.stdout, result.stdout
+    assert "export both AWS_ACCESS_KEY_ID" in result.stdout
+    assert KEY_ID not in result.stdout + result.stderr
+
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    nothing = {k: v for k, v in half.items() if k != "AWS_ACCESS_KEY_ID"}
+    for verb in (["ls"], ["pull", "r", "export", str(tmp_path / "laptop")]):
+        result = trainpod({**nothing, "AWS_PROFILE": "no-such-profile"}, *verb)
+        assert result.returncode == 2, result.stdout + result.stderr
+        assert "Traceback" not in result.stderr, result.stderr
+        assert "profile (no-such-profile) could not be found" in result.stdout, result.stdout
+
+
 def test_without_boto3_the_s3_verbs_say_which_extra_to_install():
     blocked = (
         "import sys; sys.modules['boto3'] = None; from trainpod.cli import main; sys.exit(main(sys.argv[1:]))"

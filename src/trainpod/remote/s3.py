@@ -43,7 +43,7 @@ from typing import Any
 
 from trainpod import atomic
 from trainpod.errors import InputError, TemporaryError
-from trainpod.log import register_secret
+from trainpod.log import redact, register_secret
 
 log = logging.getLogger("trainpod.s3")
 
@@ -598,16 +598,27 @@ def _etag(raw: str) -> str:
 def _make_client(target: S3Target, max_attempts: int) -> Any:
     boto3 = _boto3()
     from botocore.config import Config
+    from botocore.exceptions import BotoCoreError
 
     logging.getLogger("botocore").setLevel(logging.WARNING)  # "Found credentials in ..." on every command
-    session = boto3.session.Session()
-    credentials = session.get_credentials()
-    if credentials is None:
+    try:
+        session = boto3.session.Session()
+        credentials = session.get_credentials()
+        frozen = credentials.get_frozen_credentials() if credentials is not None else None
+    except BotoCoreError as exc:
+        # Half of the key exported (PartialCredentialsError), AWS_PROFILE naming no profile (ProfileNotFound),
+        # a credentials file that does not parse: the user's to fix, not a crash. botocore names the
+        # variable, profile or file, never a value; masked all the same.
+        raise InputError(
+            f"the S3 API key could not be read: {redact(str(exc))}; export both AWS_ACCESS_KEY_ID=user_... and "
+            "AWS_SECRET_ACCESS_KEY=rps_... (RunPod console, Settings, S3 API Keys), or set AWS_PROFILE to a "
+            "profile that holds them"
+        ) from None
+    if frozen is None:
         raise InputError(
             "no S3 API key: export AWS_ACCESS_KEY_ID=user_... and AWS_SECRET_ACCESS_KEY=rps_... (RunPod console, "
             "Settings, S3 API Keys; or AWS_PROFILE naming a profile that holds them)"
         )
-    frozen = credentials.get_frozen_credentials()
     register_secret(frozen.access_key)
     register_secret(frozen.secret_key)
     config = Config(

@@ -305,6 +305,53 @@ def test_pull_never_replaces_a_checkpoint_of_the_same_step_committed_here(bucket
     pull(volume_s3(name), "r", "checkpoint", tmp_path / "elsewhere", echo=lambda line: None)  # same one: fine
 
 
+def commit_on_the_volume(raw, name: str, step: int, root: Path) -> None:
+    """What a run training on the volume does at a commit: step-<N> whole, then LATEST naming it, then
+    retention (keep_last 1) deleting the older checkpoints."""
+    store = CheckpointStore(root / "checkpoints")
+    pending = store.begin(step)
+    pending.write_bytes("model.safetensors", os.urandom(5000))
+    store.commit(pending, step, {"world_size": 1})
+    folder = root / "checkpoints" / f"step-{step}"
+    for path in folder.rglob("*"):
+        if path.is_file():
+            raw.upload_file(str(path), name, f"runs/r/checkpoints/{path.relative_to(root / 'checkpoints')}")
+    raw.put_object(Bucket=name, Key="runs/r/checkpoints/LATEST", Body=f"step-{step}\n".encode())
+    for listed in raw.list_objects_v2(Bucket=name, Prefix="runs/r/checkpoints/step-").get("Contents", []):
+        if not listed["Key"].startswith(f"runs/r/checkpoints/step-{step}/"):
+            raw.delete_object(Bucket=name, Key=listed["Key"])
+
+
+@pytest.mark.parametrize("what", ["checkpoint", "all"])
+def test_a_checkpoint_committed_while_the_run_is_listed_is_pulled_not_taken_for_none(
+    bucket, tmp_path, monkeypatch, what
+):
+    """The listing came first, LATEST was read after it: a commit in between (a large run's listing is
+    pages of seconds) gave LATEST naming a checkpoint the listing lacked, so `pull checkpoint` said 'no
+    committed checkpoint yet' with exit 2, and `pull all` pointed the local LATEST at a step it never pulled."""
+    from trainpod.remote.pull import pull
+
+    name, raw, _ = bucket
+    make_run_on_volume(raw, name, tmp_path / "pod")
+    s3 = volume_s3(name)
+    real_listing = s3.list_files
+    listings = []
+
+    def listing_then_a_commit(prefix: str):
+        listed = real_listing(prefix)
+        listings.append(prefix)
+        if len(listings) == 1:
+            commit_on_the_volume(raw, name, 20, tmp_path / "pod2")
+        return listed
+
+    monkeypatch.setattr(s3, "list_files", listing_then_a_commit)
+    dest = tmp_path / "laptop"
+    pull(s3, "r", what, dest, echo=lambda line: None)
+    latest = CheckpointStore(dest / "checkpoints").latest()  # verifies every piece's sha256
+    assert latest is not None and latest.step == 20
+    assert (dest / "checkpoints/LATEST").read_text() == "step-20\n"
+
+
 def test_pull_of_an_unknown_run_exits_2(bucket, tmp_path):
     _, _, env = bucket
     result = trainpod(env, "pull", "nope", "export", str(tmp_path / "x"))

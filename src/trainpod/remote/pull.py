@@ -34,6 +34,7 @@ log = logging.getLogger("trainpod.pull")
 WHAT = ("export", "checkpoint", "all")
 PARTIAL = ".tmp-pull"
 MANIFEST = "manifest.json"
+LISTING_ATTEMPTS = 3  # listings of a run whose LATEST names a checkpoint not listed (committed meanwhile)
 
 
 @dataclass(frozen=True)
@@ -106,13 +107,7 @@ def select(objects: dict[str, RemoteObject], what: str, latest: str | None) -> l
 def pull(s3: VolumeS3, run: str, what: str, dest: Path, echo=print) -> int:
     """Download `what` of `run` into `dest`; returns the number of files downloaded (0: all were there)."""
     prefix = f"runs/{run}/"
-    objects = s3.list_files(prefix)
-    if not objects:
-        raise InputError(
-            f"no run {run!r} on volume {s3.bucket} (nothing under {prefix}); `trainpod ls` lists the runs"
-        )
-    latest_raw = s3.read(prefix + f"checkpoints/{LATEST}")
-    latest = latest_raw.decode().strip() if latest_raw else None
+    objects, latest = _listing(s3, prefix, run, what)
     chosen = select(objects, what, latest)
     if not chosen:
         hint = "no committed checkpoint yet" if what == "checkpoint" else f"nothing under {prefix}{what}/ yet"
@@ -141,6 +136,33 @@ def pull(s3: VolumeS3, run: str, what: str, dest: Path, echo=print) -> int:
         f"{len(files) - downloaded} already there; {checked} checked against their manifest's sha256"
     )
     return downloaded
+
+
+def _listing(s3: VolumeS3, prefix: str, run: str, what: str) -> tuple[dict[str, RemoteObject], str | None]:
+    """The run's files and the checkpoint LATEST names, that checkpoint among the files. A run training on the
+    volume may commit between the listing (seconds of pages for a large run) and the read of LATEST: LATEST
+    then names a checkpoint the listing does not hold, so the listing is read again."""
+    for _ in range(LISTING_ATTEMPTS):
+        objects = s3.list_files(prefix)
+        if not objects:
+            raise InputError(
+                f"no run {run!r} on volume {s3.bucket} (nothing under {prefix}); `trainpod ls` lists the runs"
+            )
+        latest_raw = s3.read(prefix + f"checkpoints/{LATEST}")
+        latest = latest_raw.decode().strip() if latest_raw else None
+        listed = latest is None or any(p.startswith(f"checkpoints/{latest}/") for p in objects)
+        if what == "export" or listed:
+            return objects, latest
+        log.info(
+            "%scheckpoints/%s was committed while the run's files were listed; listing them again",
+            prefix,
+            latest,
+        )
+    raise TemporaryError(
+        f"{prefix}checkpoints/{LATEST} names {latest}, which was not among the run's files in "
+        f"{LISTING_ATTEMPTS} listings: the run is committing checkpoints right now, run the same pull again "
+        "(if it stays so, that checkpoint's folder was deleted on the volume by hand)"
+    )
 
 
 def _refuse_other_checkpoints(manifests: dict[str, bytes], dest: Path, prefix: str) -> None:

@@ -305,6 +305,74 @@ def test_pull_never_replaces_a_checkpoint_of_the_same_step_committed_here(bucket
     pull(volume_s3(name), "r", "checkpoint", tmp_path / "elsewhere", echo=lambda line: None)  # same one: fine
 
 
+def remake_output_on_the_volume(raw, name: str, files: dict[str, bytes]) -> None:
+    """export/merged made again by a conversion (another step, another dtype): the folder replaced whole."""
+    for listed in raw.list_objects_v2(Bucket=name, Prefix="runs/r/export/merged/").get("Contents", []):
+        raw.delete_object(Bucket=name, Key=listed["Key"])
+    for file, data in files.items():
+        raw.put_object(Bucket=name, Key=f"runs/r/export/merged/{file}", Body=data)
+    manifest = {n: {"bytes": len(d), "sha256": hashlib.sha256(d).hexdigest()} for n, d in files.items()}
+    body = json.dumps({"format": "trainpod-convert/2", "files": manifest}).encode()
+    raw.put_object(Bucket=name, Key="runs/r/export/merged/manifest.json", Body=body)
+
+
+def test_pulling_an_output_remade_on_the_volume_never_leaves_the_old_manifest_over_a_mix_or_its_old_files(
+    bucket, tmp_path, monkeypatch
+):
+    """A second pull of export/merged after it was made again replaced its files one by one under the first
+    pull's manifest.json: interrupted, the folder held both outputs' files with the old manifest vouching for
+    them; finished, the old model.safetensors stayed beside the new shards and their index, and transformers
+    loads model.safetensors first, so the old weights."""
+    from trainpod.remote.pull import pull
+
+    name, raw, _ = bucket
+    make_run_on_volume(raw, name, tmp_path / "pod")
+    dest = tmp_path / "laptop"
+    merged = dest / "export/merged"
+    pull(volume_s3(name), "r", "export", dest, echo=lambda line: None)
+    first_manifest = (merged / "manifest.json").read_bytes()
+    assert (merged / "model.safetensors").is_file()
+    remade = {
+        "config.json": b'{"model_type": "llama", "torch_dtype": "float32"}',
+        "model-00001-of-00002.safetensors": os.urandom(3 * (1 << 20)),
+        "model-00002-of-00002.safetensors": os.urandom(3 * (1 << 20)),
+        "model.safetensors.index.json": b'{"weight_map": {}}',
+    }
+    remake_output_on_the_volume(raw, name, remade)
+    (merged / "notes.txt").write_text("mine")  # the user's own file in the folder
+
+    s3 = volume_s3(name)
+    real_download, downloads = s3.download, []
+
+    def interrupted_at_the_second_file(key, partial, size, on_bytes=None):
+        downloads.append(key)
+        if len(downloads) == 2:
+            raise KeyboardInterrupt  # Ctrl-C, a laptop's lid closed
+        return real_download(key, partial, size, on_bytes)
+
+    monkeypatch.setattr(s3, "download", interrupted_at_the_second_file)
+    with pytest.raises(KeyboardInterrupt):
+        pull(s3, "r", "export", dest, echo=lambda line: None)
+    assert (
+        not (merged / "manifest.json").is_file() or (merged / "manifest.json").read_bytes() != first_manifest
+    ), "the first output's manifest vouches for a folder holding files of the second"
+
+    said: list[str] = []
+    pull(volume_s3(name), "r", "export", dest, echo=said.append)
+    assert sorted(p.name for p in merged.iterdir()) == sorted([*remade, "manifest.json", "notes.txt"])
+    for file, data in remade.items():
+        assert (merged / file).read_bytes() == data, file
+    assert any("removed 1 file(s) of the earlier export/merged" in line for line in said), said
+
+    # A program's own manifest.json, of a format pull does not read, changed on the volume: replaced too.
+    raw.put_object(Bucket=name, Key="runs/r/export/mine/manifest.json", Body=b'{"version": 1}')
+    pull(volume_s3(name), "r", "export", dest, echo=said.append)
+    raw.put_object(Bucket=name, Key="runs/r/export/mine/manifest.json", Body=b'{"version": 2}')
+    pull(volume_s3(name), "r", "export", dest, echo=said.append)
+    assert sorted(p.name for p in (dest / "export/mine").iterdir()) == ["manifest.json"]
+    assert (dest / "export/mine/manifest.json").read_bytes() == b'{"version": 2}'
+
+
 def commit_on_the_volume(raw, name: str, step: int, root: Path) -> None:
     """What a run training on the volume does at a commit: step-<N> whole, then LATEST naming it, then
     retention (keep_last 1) deleting the older checkpoints."""

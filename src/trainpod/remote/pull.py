@@ -9,9 +9,11 @@ then renamed into place; files already there and intact are kept. The checks are
 a checkpoint's per-piece sha256 (32 MiB pieces, checkpoint/store.py), a conversion output's and a
 dataset's, a training export's (export/hf, export/adapter) whole-file sha256; a file no manifest
 covers (an export made before exports had one) is checked by size and, where the volume gives a plain
-MD5 ETag, by MD5. Manifests are written after the files
-they cover, and checkpoints/LATEST last, as the workloads write them. Temp and quarantined folders
-(`*.tmp-*`, `*.invalid-*`) and LEASE are never pulled.
+MD5 ETag, by MD5. Manifests are written after the files they cover, and checkpoints/LATEST last, as
+the workloads write them. An output the volume made again since an earlier pull into DEST (a conversion
+run again into the same `output`) loses its old manifest before its first file is replaced, and the
+files only the old one listed once the new one is whole. Temp and quarantined folders (`*.tmp-*`,
+`*.invalid-*`) and LEASE are never pulled.
 """
 
 from __future__ import annotations
@@ -123,11 +125,13 @@ def pull(s3: VolumeS3, run: str, what: str, dest: Path, echo=print) -> int:
             "may be replacing it right now: run the same pull again later"
         )
     _refuse_other_checkpoints(manifests, dest, prefix)
+    remade = _unvouch_remade_outputs(manifests, dest)
     files = [p for p in chosen if p not in manifests]
     downloaded = sum(_fetch(s3, prefix, p, objects[p], expected, dest) for p in files)
     for path, raw in manifests.items():  # after the files they describe, as the workloads write them
         (dest / path).parent.mkdir(parents=True, exist_ok=True)
         atomic.write_bytes(dest / path, raw)
+    _remove_files_the_remade_outputs_dropped(remade, manifests, set(files), dest, echo)
     if what != "export" and latest:
         _point_latest(dest / "checkpoints", latest, echo)
     checked = sum(1 for p in files if p in expected)
@@ -176,6 +180,57 @@ def _refuse_other_checkpoints(manifests: dict[str, bytes], dest: Path, prefix: s
                 f"{dest / folder} holds another checkpoint than {prefix}{folder} on the volume (their manifests "
                 "differ); nothing was pulled and nothing is replaced. Pull into another DEST, or move that "
                 "folder away first"
+            )
+
+
+def _unvouch_remade_outputs(manifests: dict[str, bytes], dest: Path) -> dict[str, set[str]]:
+    """Outputs DEST holds from an earlier pull that the volume has since made again (a conversion run again into
+    the same `output`, at another step or dtype): their old manifest.json goes before any file is replaced, so
+    a pull interrupted midway leaves a folder no manifest vouches for, never a mix of the two outputs under
+    the old one's. The files it listed are kept in manifest.json.tmp-pull beside it until the pull ends, for
+    this pull or the next one to remove those the new output no longer has. Returns them by manifest path.
+    Checkpoints are never remade (refused above)."""
+    remade = {}
+    for path, raw in manifests.items():
+        if path.startswith("checkpoints/"):
+            continue
+        local = dest / path
+        aside = local.with_name(MANIFEST + PARTIAL)
+        before = set(_names_in(aside))
+        if local.is_file() and local.read_bytes() != raw:
+            before |= set(manifest_expectations(path, _parsed(local.read_bytes())))
+            atomic.write_json(aside, sorted(before))
+            local.unlink()
+            atomic.fsync_dir(local.parent)
+        if aside.is_file():
+            remade[path] = before
+    return remade
+
+
+def _names_in(aside: Path) -> list[str]:
+    try:
+        names = atomic.read_json(aside)
+    except (FileNotFoundError, ValueError):
+        return []
+    return [n for n in names if isinstance(n, str)] if isinstance(names, list) else []
+
+
+def _remove_files_the_remade_outputs_dropped(
+    remade: dict[str, set[str]], manifests: dict[str, bytes], pulled: set[str], dest: Path, echo
+) -> None:
+    """The files an output's earlier version listed and its new one does not (model.safetensors of a bf16 merge
+    remade in float32 as model-0000N-of-0000M shards): left beside the new files, transformers would load the
+    old model.safetensors before the new index. Files no manifest listed (the user's) are kept."""
+    for path, before in remade.items():
+        dropped = before - set(manifest_expectations(path, _parsed(manifests[path]))) - pulled
+        gone = sorted(p for p in dropped if (dest / p).is_file())
+        for p in gone:
+            (dest / p).unlink()
+        (dest / path).with_name(MANIFEST + PARTIAL).unlink(missing_ok=True)
+        if gone:
+            echo(
+                f"removed {len(gone)} file(s) of the earlier {posixpath.dirname(path)} that the volume's remade "
+                f"one no longer has: {', '.join(posixpath.basename(p) for p in gone[:5])}"
             )
 
 

@@ -22,6 +22,20 @@ def test_credentials_in_urls_are_masked_even_when_not_in_the_environment():
     )
 
 
+def test_credentials_in_urls_of_any_scheme_are_masked():
+    """A program's database, cache or queue URL (MLflow's postgresql://, redis://:password@) carries its
+    password as a https URL does; only http(s) URLs were masked."""
+    lines = {
+        "tracking at postgresql://mlflow:pg-pass-123456@db:5432/mlflow": "postgresql://***@db:5432/mlflow",
+        "cache redis://:redis-pass-123456@cache:6379/0": "redis://***@cache:6379/0",
+        "mongodb+srv://me:mongo-pass-123456@c0.mongodb.net/db": "mongodb+srv://***@c0.mongodb.net/db",
+    }
+    for line, masked in lines.items():
+        assert masked in redact(line) and "pass-123456" not in redact(line), redact(line)
+    plain = "see http://host/a@b, file:///tmp/x@y and me@example.com"
+    assert redact(plain) == plain
+
+
 def test_log_handlers_mask_secrets(monkeypatch, tmp_path, capsys):
     monkeypatch.setenv("RUNPOD_API_KEY", "fake-runpod-secret-for-tests")
     setup_logging(tmp_path / "run.log")

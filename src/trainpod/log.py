@@ -31,8 +31,9 @@ SECRET_ENV_VARS = (
 # TOKEN, KEY, SECRET or PASSWORD (not TOKENIZERS_PARALLELISM, which only starts like one).
 _SECRET_NAME = re.compile(r"(^|_)(TOKEN|KEY|SECRET|PASSWORD)$|^RUNPOD_SECRET_", re.IGNORECASE)
 _NOT_SECRET_NAME = re.compile(r"PUBLIC_KEY$", re.IGNORECASE)
-# Credentials embedded in URLs (https://user:token@host/...), whatever variable they came from.
-_URL_CREDENTIALS = re.compile(r"(https?://)[^/\s:@]+(:[^/\s@]+)?@")
+# Credentials embedded in URLs (https://user:token@host/...), whatever variable they came from, and whatever
+# the scheme: a program's database or cache (postgresql://user:password@host, redis://:password@host).
+_URL_CREDENTIALS = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)(?:[^/\s:@]+(?::[^/\s@]*)?|:[^/\s@]+)@")
 _MIN_SECRET_LENGTH = 6  # shorter values would mask ordinary words
 
 

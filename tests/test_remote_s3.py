@@ -229,6 +229,26 @@ def test_pull_resumes_an_interrupted_download_and_discards_bytes_of_another_vers
     assert not partial.exists() and not stale.exists()
 
 
+def test_pull_brings_empty_files_too(bucket, tmp_path):
+    """An empty file on the volume (a log a start just opened, a program's empty marker or __init__.py in its
+    export) was never downloaded, so no .tmp-pull existed to check: FileNotFoundError, a traceback and exit 1
+    at every pull of the run."""
+    name, raw, env = bucket
+    run = make_run_on_volume(raw, name, tmp_path / "pod")
+    for key in ("runs/r/logs/pretrain.log", "runs/r/export/mine/__init__.py"):
+        raw.put_object(Bucket=name, Key=key, Body=b"")
+    dest = tmp_path / "laptop"
+    result = trainpod(env, "pull", "r", "all", str(dest))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert (dest / "logs/pretrain.log").read_bytes() == b"" and (dest / "export/mine/__init__.py").is_file()
+    assert (dest / "export/merged/config.json").read_bytes() == (
+        run / "export/merged/config.json"
+    ).read_bytes()
+    assert not list(dest.rglob("*.tmp-pull"))
+    again = trainpod(env, "pull", "r", "all", str(dest))
+    assert again.returncode == 0 and ", 0 downloaded" in again.stdout, again.stdout + again.stderr
+
+
 def test_pull_refuses_a_file_that_does_not_match_its_manifest(bucket, tmp_path):
     name, raw, env = bucket
     run = make_run_on_volume(raw, name, tmp_path / "pod")

@@ -337,6 +337,8 @@ class VolumeS3:
                         on_bytes(len(chunk))
                 f.flush()
                 os.fsync(f.fileno())
+        elif not partial.exists():  # an empty object: nothing to receive, but the file is made all the same
+            partial.touch()
         return had
 
     def remove(self, key: str) -> None:

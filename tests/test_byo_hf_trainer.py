@@ -330,3 +330,50 @@ def test_a_sigterm_during_a_save_stops_right_after_its_commit_without_another_st
     assert stopped.value.code == 143
     assert trainer.state.global_step == 2, "no step after the save the SIGTERM came in"
     assert (tmp_path / "run/checkpoints/LATEST").read_text() == "step-2\n"
+
+
+def test_the_hub_token_given_to_training_arguments_never_reaches_a_committed_checkpoint(tmp_path):
+    """HF pickles its TrainingArguments whole into each checkpoint (training_args.bin): TrainingArguments(
+    hub_token=...), HF's way to push to the hub, put the token on the volume in every commit."""
+    import torch
+    from transformers import Trainer, TrainingArguments
+
+    from trainpod import Checkpointer
+    from trainpod.integrations.hf import TrainpodCallback
+
+    token = "hf_hubtoken0123456789abcdef"
+    rows = [
+        {"x": x, "labels": x.sum()} for x in torch.randn(16, 2, generator=torch.Generator().manual_seed(0))
+    ]
+
+    def trainer(max_steps: int) -> tuple[Trainer, TrainpodCallback]:
+        callback = TrainpodCallback(Checkpointer(tmp_path / "run", watch_signals=False))
+        args = TrainingArguments(
+            output_dir=callback.staging_dir,
+            max_steps=max_steps,
+            per_device_train_batch_size=4,
+            save_steps=2,
+            report_to=[],
+            use_cpu=True,
+            hub_token=token,
+        )
+        return Trainer(model=_Regression(), args=args, train_dataset=rows, callbacks=[callback]), callback
+
+    first, callback = trainer(2)
+    try:
+        first.train()
+    finally:
+        callback.ckpt.close()
+    committed = tmp_path / "run/checkpoints/step-2"
+    leaked = [p.name for p in committed.rglob("*") if p.is_file() and token.encode() in p.read_bytes()]
+    assert leaked == [], f"the hub token is in {leaked} on the volume"
+    saved = torch.load(committed / "training_args.bin", weights_only=False)
+    assert saved.hub_token is None and saved.max_steps == 2 and saved.save_steps == 2, "the rest kept"
+    assert first.args.hub_token == token, "the running Trainer keeps its token to push with"
+
+    resumed, callback = trainer(4)
+    try:
+        resumed.train(resume_from_checkpoint=callback.resume_from_checkpoint())
+    finally:
+        callback.ckpt.close()
+    assert (tmp_path / "run/checkpoints/LATEST").read_text() == "step-4\n"

@@ -24,6 +24,8 @@ store's keep_best, which ranks each checkpoint by the eval loss HF logged at its
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import logging
 import os
 import shutil
@@ -39,6 +41,7 @@ from trainpod.checkpoint.directory import commit_directory
 from trainpod.checkpoint.store import step_dir_name, step_of
 from trainpod.checkpointer import COMMIT_MARGIN, Checkpointer, exit_without_last_collection, on_any_rank
 from trainpod.errors import ConfigError, ExitCode
+from trainpod.log import secret_values
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +143,7 @@ class TrainpodCallback(TrainerCallback):
         folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
         _barrier()  # every rank has written its part (rng_state_<rank>.pth) before rank 0 publishes
         if state.is_world_process_zero:
+            _save_args_without_secrets(args, folder)
             metadata = {"writer": "trainpod.integrations.hf", "versions": {"trainpod": trainpod.__version__}}
             commit_directory(
                 self.ckpt.store, state.global_step, folder, metadata, eval_loss=_eval_loss(state)
@@ -168,6 +172,38 @@ class TrainpodCallback(TrainerCallback):
     def _exit(self, code: ExitCode) -> None:
         self.ckpt.close()
         exit_without_last_collection(code)
+
+
+# TrainingArguments' own token fields (push_to_hub_token: older transformers).
+_HF_TOKEN_FIELDS = ("hub_token", "push_to_hub_token")
+
+
+def _save_args_without_secrets(args: TrainingArguments, folder: Path) -> None:
+    """HF pickles its TrainingArguments whole into every checkpoint (training_args.bin), hub_token included,
+    and the commit puts it on the volume, in every pull and copy of the checkpoint. The copy committed has
+    those fields, and any other holding a secret of the environment, emptied; HF never reads it back (a resume
+    trains with the arguments of the script that resumes)."""
+    from transformers.trainer import TRAINING_ARGS_NAME
+
+    path = folder / TRAINING_ARGS_NAME
+    if not path.is_file():
+        return
+    secrets = set(secret_values())
+    leaking = [
+        field.name
+        for field in dataclasses.fields(args)
+        if isinstance(value := getattr(args, field.name, None), str)
+        and value
+        and (field.name in _HF_TOKEN_FIELDS or value in secrets)
+    ]
+    if not leaking:
+        return
+    cleaned = copy.copy(args)
+    for name in leaking:
+        object.__setattr__(cleaned, name, None)
+    import torch
+
+    torch.save(cleaned, path)
 
 
 def _eval_loss(state: TrainerState) -> float | None:

@@ -78,6 +78,9 @@ class FaultyS3Proxy:
         from urllib.parse import urlsplit
 
         self.faults, self.suffix, self.kind, self.broken = 0, "", "drop", 0
+        # hold_parts(): uploads of parts after the first wait here, so a test can act mid-upload on a busy machine
+        self.parts_forwarded, self.parts_gate = 0, threading.Event()
+        self.parts_gate.set()
         proxy = self
         host = urlsplit(upstream).netloc
 
@@ -91,6 +94,10 @@ class FaultyS3Proxy:
                     proxy.faults -= 1
                     proxy.broken += 1
                     return self._break()
+                if self.command == "PUT" and "partNumber=" in self.path:
+                    if proxy.parts_forwarded >= 1:
+                        proxy.parts_gate.wait(timeout=60)
+                    proxy.parts_forwarded += 1
                 upstream_conn = http.client.HTTPConnection(host, timeout=30)
                 upstream_conn.request(self.command, self.path, body, dict(self.headers))
                 answer = upstream_conn.getresponse()
@@ -135,6 +142,14 @@ class FaultyS3Proxy:
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Forward)
         self.url = f"http://127.0.0.1:{self.server.server_port}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def hold_parts(self) -> None:
+        """Multipart uploads stop after their first part until release_parts() (or a minute)."""
+        self.parts_forwarded = 0
+        self.parts_gate.clear()
+
+    def release_parts(self) -> None:
+        self.parts_gate.set()
 
     def break_next(self, suffix: str, faults: int = 1, kind: str = "drop") -> None:
         self.suffix, self.faults, self.kind = suffix, faults, kind

@@ -780,29 +780,38 @@ def test_push_onto_a_gateway_without_md5_etags_never_takes_other_bytes_of_the_sa
     assert push(s3, theirs, "datasets/d", echo=lines.append) == 0, "its own files are recognised as there"
 
 
-def test_a_push_interrupted_with_ctrl_c_ends_with_one_line_and_130_not_a_traceback(bucket, tmp_path):
+def test_a_push_interrupted_with_ctrl_c_ends_with_one_line_and_130_not_a_traceback(
+    bucket, faulty_s3, tmp_path
+):
     import signal
 
     name, raw, env = bucket
     local = tmp_path / "big"
     local.mkdir()
     (local / "train.bin").write_bytes(os.urandom(20 * PART))
+    # Through a proxy that holds the parts after the first: on a busy machine the push finished before it was seen
+    faulty_s3.hold_parts()
     child = subprocess.Popen(
         [sys.executable, "-m", "trainpod", "push", str(local), "datasets/big"],
-        env=child_env(env),
+        env=child_env(env | {"TRAINPOD_S3_ENDPOINT_URL": faulty_s3.url}),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
     parts: list = []
-    while child.poll() is None and not parts:
-        time.sleep(0.05)
-        uploads = raw.list_multipart_uploads(Bucket=name).get("Uploads", [])
-        if uploads:
-            parts = raw.list_parts(Bucket=name, Key=uploads[0]["Key"], UploadId=uploads[0]["UploadId"]).get(
-                "Parts", []
-            )
-    child.send_signal(signal.SIGINT)  # Ctrl-C
+    try:
+        deadline = time.monotonic() + 120
+        while child.poll() is None and not parts and time.monotonic() < deadline:
+            time.sleep(0.05)
+            uploads = raw.list_multipart_uploads(Bucket=name).get("Uploads", [])
+            if uploads:
+                parts = raw.list_parts(
+                    Bucket=name, Key=uploads[0]["Key"], UploadId=uploads[0]["UploadId"]
+                ).get("Parts", [])
+        child.send_signal(signal.SIGINT)  # Ctrl-C
+        time.sleep(0.5)  # the signal lands while the next parts wait at the proxy
+    finally:
+        faulty_s3.release_parts()
     out, err = child.communicate(timeout=120)
     assert parts, "the push finished before it could be interrupted; make the file larger"
     assert child.returncode == 130, out + err

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
-from peft import PeftModel
+from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
 from trainpod.convert import run_convert
@@ -20,7 +20,16 @@ from trainpod.errors import ExitCode, InputError
 from trainpod.preemption import PreemptionWatch
 from trainpod.volume import Volume
 
-from convert_support import INPUT_IDS, convert_config, load_base, make_adapter, make_base, peft_logits
+from convert_support import (
+    INPUT_IDS,
+    convert_config,
+    load_base,
+    make_adapter,
+    make_base,
+    peft_logits,
+    randomize_adapter,
+    save_tokenizer,
+)
 from support import tree_snapshot
 
 QLORA_SUMMARY = {
@@ -450,4 +459,36 @@ def test_a_lora_bias_on_layers_without_a_bias_is_exit_2_before_anything_is_writt
     message = str(caught.value)
     assert caught.value.exit_code == ExitCode.BAD_INPUT
     assert "lora_bias=True" in message and "model.layers.0." in message and "PEFT" in message, message
+    assert sorted(p.name for p in vol.run("ft").export.iterdir()) == ["adapter"]
+
+
+@pytest.mark.parametrize(
+    "lora",
+    [
+        pytest.param({"modules_to_save": ["embed_tokens", "lm_head"]}, id="modules_to_save"),
+        pytest.param({"target_modules": ["q_proj", "embed_tokens"]}, id="embedding-lora"),
+    ],
+)
+def test_an_adapter_trained_with_tokens_added_is_exit_2_naming_the_vocabularies_before_anything_is_written(
+    vol: Volume, base: Path, lora: dict
+) -> None:
+    # Trained on the base with its embeddings resized for added tokens (a chat format's), the adapter carries
+    # 136-row embeddings: peft's load_state_dict raised 'size mismatch' in the merge, a traceback and exit 1.
+    resized = load_base(base)
+    resized.resize_token_embeddings(136, mean_resizing=False)
+    model = get_peft_model(
+        resized, LoraConfig(**{"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]} | lora)
+    )
+    randomize_adapter(model, 1)
+    model.save_pretrained(adapter_dir(vol))
+    save_tokenizer(adapter_dir(vol))
+    (adapter_dir(vol) / "training_summary.json").write_text(
+        json.dumps({"method": "lora", "base_model": str(base)})
+    )
+    with pytest.raises(InputError) as caught:
+        merge(vol)
+    message = str(caught.value)
+    assert caught.value.exit_code == ExitCode.BAD_INPUT
+    assert "model.embed_tokens" in message and "136" in message and "(128, 64)" in message, message
+    assert "resize_token_embeddings(136)" in message and "from 128 to 136 tokens" in message, message
     assert sorted(p.name for p in vol.run("ft").export.iterdir()) == ["adapter"]

@@ -28,6 +28,10 @@ PEFT_PREFIX = "base_model.model."
 _LORA_KEY = re.compile(
     r"^(?P<module>.+)\.(?:(?P<part>lora_A|lora_B)\.weight|(?P<magnitude>lora_magnitude_vector)(?:\.weight)?)$"
 )
+# Whole copies of a base weight that peft saves beside the LoRA tensors (modules_to_save, the embedding layers
+# of a resized vocabulary or an embedding LoRA): <module>[.modules_to_save|.original_module|.base_layer].weight.
+_COPY_KEY = re.compile(r"^(?P<module>.+?)(?:\.(?:modules_to_save|original_module|base_layer))?\.weight$")
+_EMBEDDING_LORA_KEY = re.compile(r"^(?P<module>.+)\.lora_embedding_(?P<part>[AB])$")
 
 
 @dataclass
@@ -53,6 +57,7 @@ class PeftAdapter:
     config: dict[str, Any]
     modules: dict[str, LoraModule]
     other_tensors: list[str] = field(default_factory=list)  # neither LoRA A/B nor a DoRA magnitude
+    other_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # their shapes, by name
     summary: dict[str, Any] | None = None
 
     @property
@@ -97,7 +102,7 @@ def load_adapter(folder: Path) -> PeftAdapter:
     config = _read_json(folder / ADAPTER_CONFIG)
     summary = _read_json(folder / TRAINING_SUMMARY) if (folder / TRAINING_SUMMARY).is_file() else None
     modules: dict[str, LoraModule] = {}
-    others: list[str] = []
+    others: dict[str, tuple[int, ...]] = {}
     try:
         tensors = safetensors.torch.load_file(folder / ADAPTER_WEIGHTS)
     except SafetensorError as exc:
@@ -105,7 +110,7 @@ def load_adapter(folder: Path) -> PeftAdapter:
     for key, tensor in tensors.items():
         match = _LORA_KEY.match(key.removeprefix(PEFT_PREFIX))
         if not key.startswith(PEFT_PREFIX) or match is None:
-            others.append(key)
+            others[key] = tuple(tensor.shape)
             continue
         module = modules.setdefault(match["module"], LoraModule(match["module"]))
         if match["magnitude"]:
@@ -120,7 +125,7 @@ def load_adapter(folder: Path) -> PeftAdapter:
             f"{folder / ADAPTER_WEIGHTS}: module {broken[0]} has only one of lora_A/lora_B; the file is "
             "incomplete or not a LoRA adapter. Save it again with PeftModel.save_pretrained"
         )
-    return PeftAdapter(folder, config, modules, others, summary)
+    return PeftAdapter(folder, config, modules, list(others), others, summary)
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -224,11 +229,59 @@ def check_against_base(adapter: PeftAdapter, base_dir: Path) -> None:
                 f"module {module.name}: the adapter expects weight shape {expected} {layout}, "
                 f"the base model's is {shapes[key]}"
             )
+    copies, vocabularies = _copies_against_base(adapter, shapes, tied)
+    problems += copies
     if problems:
         shown = problems[:8] + ([f"... and {len(problems) - 8} more"] if len(problems) > 8 else [])
+        base_vocabulary = _vocab_size(base_config(base_dir))
+        resized = sorted(v for v in vocabularies if v != base_vocabulary) if base_vocabulary else []
+        fix = (
+            f"The adapter was trained with the base's vocabulary resized from {base_vocabulary} to {resized[0]} "
+            f"tokens (tokens added to the tokenizer, model.resize_token_embeddings({resized[0]})): point "
+            "`base_model` at the resized model it was trained on (saved with save_pretrained)"
+            if len(resized) == 1
+            else "Point `base_model` at the model the adapter was trained on (training_summary.json's "
+            "base_model names it)"
+        )
         raise InputError(
             f"the adapter {adapter.folder} does not fit the base model {base_dir}:\n  - "
             + "\n  - ".join(shown)
-            + "\nPoint `base_model` at the model the adapter was trained on (training_summary.json's "
-            "base_model names it)"
+            + "\n"
+            + fix
         )
+
+
+def _copies_against_base(
+    adapter: PeftAdapter, shapes: dict[str, tuple[int, ...]], tied: bool
+) -> tuple[list[str], set[int]]:
+    """The whole weight copies (modules_to_save, saved embedding layers) and embedding LoRA tensors that do not
+    fit the base's weights, and the vocabulary sizes those of the embedding or head imply: peft's load into
+    the base raised 'size mismatch' in the merge, a traceback and exit 1."""
+    problems, vocabularies = [], set()
+    for name, shape in adapter.other_shapes.items():
+        key = name.removeprefix(PEFT_PREFIX)
+        copy, lora = _COPY_KEY.match(key), _EMBEDDING_LORA_KEY.match(key)
+        if not name.startswith(PEFT_PREFIX) or (copy is None and lora is None):
+            continue
+        module = (copy or lora)["module"]
+        weight = f"{module}.weight"
+        if weight not in shapes and tied and module.endswith("lm_head"):
+            weight = weight.replace("lm_head", "model.embed_tokens")
+        if weight not in shapes:
+            continue  # peft says what it cannot place
+        base = shapes[weight]
+        if copy is not None:  # the weight itself
+            fits, rows, rest_fits = shape == base, shape[0], shape[1:] == base[1:]
+        elif lora["part"] == "A":  # (r, rows of the embedding)
+            fits, rows, rest_fits = shape[1:] == base[:1], shape[1], True
+        else:  # (embedding width, r)
+            fits, rows, rest_fits = shape[:1] == base[1:2], None, False
+        if not fits:
+            problems.append(f"{name} is {shape}, the base model's {weight} is {base}")
+            if rest_fits:  # only the rows differ: a vocabulary resized, if the rows are the base's vocabulary
+                vocabularies.add(rows)
+    return problems, vocabularies
+
+
+def _vocab_size(config: dict[str, Any]) -> int | None:
+    return config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")

@@ -197,6 +197,23 @@ def test_a_base_model_missing_modules_is_exit_2_naming_the_module(vol: Volume, t
     assert "no model.layers.1.self_attn.q_proj.weight" in str(caught.value)
 
 
+@pytest.mark.parametrize("task", ["mlx", "merge"])
+def test_a_misspelt_base_folder_on_the_volume_is_exit_2_not_a_hub_id(
+    vol: Volume, monkeypatch: pytest.MonkeyPatch, task: str
+) -> None:
+    # models/ is a folder on the volume, so models/base-typo is a path, as the finetune reads it: taken for a hub
+    # id, an mlx task wrote an adapter naming that base (exit 0) and a merge asked the hub for it (offline:
+    # exit 75 at every start).
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    make_adapter(make_base(vol.root / "models" / "base"), adapter_dir(vol))
+    with pytest.raises(InputError) as caught:
+        run_convert(convert_config([task], base_model="models/base-typo"), vol, PreemptionWatch())
+    message = str(caught.value)
+    assert caught.value.exit_code == ExitCode.BAD_INPUT
+    assert "models/base-typo" in message and str(vol.root / "models") in message and "base_model" in message
+    assert sorted(p.name for p in vol.run("ft").export.iterdir()) == ["adapter"]
+
+
 def test_a_missing_adapter_names_the_folder_and_the_command(vol: Volume) -> None:
     with pytest.raises(InputError) as caught:
         convert_to_mlx(vol)

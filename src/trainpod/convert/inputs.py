@@ -55,7 +55,10 @@ def local_base(reference: str, volume: Volume) -> Path | None:
     path = on_volume(reference, volume)
     if (path / "config.json").is_file():
         return path
-    if _HUB_ID.match(reference) and not path.exists():
+    # "org/name" is a hub id unless "org" is a folder on the volume, as the finetune reads it: a misspelt
+    # models/<name> asked the hub for it (exit 75 offline), or became an mlx adapter naming it as its base.
+    looks_local = (volume.root / reference.split("/")[0]).is_dir()
+    if _HUB_ID.match(reference) and not path.exists() and not looks_local:
         return None
     raise InputError(
         f"base model {reference!r}: {path} is not a model folder (no config.json there). Set base_model "

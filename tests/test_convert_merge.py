@@ -492,3 +492,28 @@ def test_an_adapter_trained_with_tokens_added_is_exit_2_naming_the_vocabularies_
     assert "model.embed_tokens" in message and "136" in message and "(128, 64)" in message, message
     assert "resize_token_embeddings(136)" in message and "from 128 to 136 tokens" in message, message
     assert sorted(p.name for p in vol.run("ft").export.iterdir()) == ["adapter"]
+
+
+@pytest.mark.parametrize("task", ["merge", "mlx"])
+def test_a_base_stored_in_4_bits_is_exit_2_asking_for_the_16bit_base_before_anything_is_written(
+    vol: Volume, base: Path, tmp_path: Path, task: str
+) -> None:
+    # A hub base saved quantized (an org/<model>-bnb-4bit, a common QLoRA base) holds packed uint8 weights of
+    # shape (n, 1): the refusal listed every module's 'expects weight shape (64, 64), the base model's is
+    # (2048, 1)' and told the user to point base_model at the model the adapter was trained on, which it was.
+    quantized = AutoModelForCausalLM.from_pretrained(
+        str(base),
+        dtype=torch.bfloat16,
+        quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4"),
+    )
+    quantized.save_pretrained(tmp_path / "base-bnb-4bit")
+    make_adapter(
+        base, adapter_dir(vol), summary=QLORA_SUMMARY | {"base_model": str(tmp_path / "base-bnb-4bit")}
+    )
+    with pytest.raises(InputError) as caught:
+        run_convert(convert_config([task]), vol, PreemptionWatch())
+    message = str(caught.value)
+    assert caught.value.exit_code == ExitCode.BAD_INPUT
+    assert str(tmp_path / "base-bnb-4bit") in message and "bitsandbytes" in message, message
+    assert "16-bit" in message and "base_model" in message and "(2048, 1)" not in message, message
+    assert sorted(p.name for p in vol.run("ft").export.iterdir()) == ["adapter"]

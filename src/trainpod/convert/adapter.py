@@ -232,6 +232,7 @@ def check_against_base(adapter: PeftAdapter, base_dir: Path) -> None:
     copies, vocabularies = _copies_against_base(adapter, shapes, tied)
     problems += copies
     if problems:
+        _refuse_a_quantized_base(base_dir)  # its packed weights are why the shapes differ
         shown = problems[:8] + ([f"... and {len(problems) - 8} more"] if len(problems) > 8 else [])
         base_vocabulary = _vocab_size(base_config(base_dir))
         resized = sorted(v for v in vocabularies if v != base_vocabulary) if base_vocabulary else []
@@ -249,6 +250,27 @@ def check_against_base(adapter: PeftAdapter, base_dir: Path) -> None:
             + "\n"
             + fix
         )
+
+
+def _refuse_a_quantized_base(base_dir: Path) -> None:
+    """A base saved quantized (a hub org/<model>-bnb-4bit, a common QLoRA base) whose packed weights (bitsandbytes'
+    uint8 of shape (n, 1)) do not fit the adapter's shapes: each module was refused for its shape, with 'point
+    base_model at the model the adapter was trained on', which it was. Both a merge and mlx-lm need the 16-bit
+    base. (One whose adapted weights keep their shapes, gpt-oss's MXFP4 experts beside 16-bit attention, is
+    not refused here: mlx-lm loads it.)"""
+    quantization = base_config(base_dir).get("quantization_config")
+    if not quantization:
+        return
+    settings = quantization if isinstance(quantization, dict) else {}
+    method = settings.get("quant_method", "quantized")
+    bits = " 4-bit" if settings.get("load_in_4bit") or settings.get("_load_in_4bit") else ""
+    raise InputError(
+        f"base model {base_dir} is stored quantized ({method}{bits}, config.json's quantization_config): an adapter "
+        "can be neither merged into packed weights nor loaded on them by mlx-lm. Set base_model to the 16-bit "
+        "model it was quantized from (on the hub, the same name without a suffix like -bnb-4bit); a QLoRA "
+        "adapter's merge rounds that one to 4 bits with the settings training_summary.json records "
+        "(qlora_base: dequantized)"
+    )
 
 
 def _copies_against_base(

@@ -290,6 +290,21 @@ def test_the_mlx_adapter_names_its_base_by_hub_id_not_by_the_volumes_download(
     assert "--model org/tiny" in readme and str(download) not in readme
 
 
+def test_the_mlx_adapter_names_the_revision_of_its_hub_base_the_finetune_trained_on(
+    vol: Volume, tmp_path: Path
+) -> None:
+    # A merge fetches the commit the finetune pinned; the MLX adapter's README loaded the hub's current main,
+    # which a push since then (new weights) made a base the adapter was never trained on.
+    download = make_base(tmp_path / "cache/models--org--tiny/snapshots/abc123")
+    summary = {"base_model": "org/tiny", "base_model_folder": str(download), "base_model_revision": "abc123"}
+    make_adapter(download, adapter_dir(vol), summary=summary)
+    out = convert_to_mlx(vol)
+    assert json.loads((out / "adapter_config.json").read_text())["revision"] == "abc123"
+    readme = (out / "README.md").read_text()
+    assert 'load("org/tiny", adapter_path=".", revision="abc123")' in readme, readme
+    assert "--revision abc123" in readme, readme
+
+
 @pytest.mark.parametrize(
     "architecture",
     [

@@ -35,6 +35,7 @@ class AdapterInputs:
     base_ref: str  # as the user or the training run named it
     base_dir: Path | None  # None: a hub id not fetched (an mlx task alone does not need it)
     base_name: str  # as the user or the training named it: a hub id rather than the volume's download of it
+    base_revision: str | None  # the commit of the hub id base_name that the finetune trained on
 
     @classmethod
     def resolve(cls, config: ConvertConfig, volume: Volume, need_base: bool) -> AdapterInputs:
@@ -54,7 +55,8 @@ class AdapterInputs:
         if base_dir is not None:
             peft_adapter.check_against_base(adapter, base_dir)
         base_name = config.base_model or (adapter.summary or {}).get("base_model") or base_ref
-        return cls(adapter, base_ref, base_dir, str(base_name))
+        base_revision = summary.get("base_model_revision") if base_name == summary.get("base_model") else None
+        return cls(adapter, base_ref, base_dir, str(base_name), base_revision)
 
     def base_files(self) -> dict[str, Path]:
         return _folder_files(self.base_dir, "base")
@@ -212,12 +214,16 @@ def _produce(item: Output, watch: PreemptionWatch) -> Path:
 def _mlx(task: MlxTask, sources: AdapterInputs, export_root: Path) -> Output:
     layers = sources.base_layers()
     settings = {"task": task.model_dump(mode="json"), "base_model": sources.base_name, "base_layers": layers}
+    if sources.base_revision:  # the README loads it; set only for a hub base, so other outputs keep their key
+        settings["base_revision"] = sources.base_revision
     return Output(
         task,
         export_root / task.output,
         sources.adapter.files(),
         settings,
-        lambda staging: mlx.write_mlx_adapter(sources.adapter, staging, sources.base_name, layers),
+        lambda staging: mlx.write_mlx_adapter(
+            sources.adapter, staging, sources.base_name, layers, sources.base_revision
+        ),
     )
 
 

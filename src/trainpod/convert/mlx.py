@@ -173,8 +173,11 @@ def num_layers(adapter: PeftAdapter, base_layers: int | None) -> int:
     return max(indices) + 1 if indices else 0
 
 
-def mlx_config(adapter: PeftAdapter, rank: int, scale: float, layers: int, base: str) -> dict[str, Any]:
+def mlx_config(
+    adapter: PeftAdapter, rank: int, scale: float, layers: int, base: str, revision: str | None = None
+) -> dict[str, Any]:
     keys = sorted({relative_key(m) for m in adapter.modules})
+    pinned = {"revision": revision} if revision else {}
     return {
         "fine_tune_type": "dora" if adapter.uses_dora else "lora",
         "num_layers": layers,
@@ -185,11 +188,14 @@ def mlx_config(adapter: PeftAdapter, rank: int, scale: float, layers: int, base:
             "keys": keys,
         },
         "model": base,
-    }
+    } | pinned
 
 
-def write_mlx_adapter(adapter: PeftAdapter, staging: Staging, base: str, base_layers: int | None) -> None:
-    """Write the mlx-lm adapter into `staging.folder` (created here)."""
+def write_mlx_adapter(
+    adapter: PeftAdapter, staging: Staging, base: str, base_layers: int | None, revision: str | None = None
+) -> None:
+    """Write the mlx-lm adapter into `staging.folder` (created here). `revision`: the commit of the hub id
+    `base` the finetune trained on, which the README loads (the hub's main may have moved on since)."""
     problems = refusals(adapter)
     if problems:
         raise InputError(
@@ -197,34 +203,40 @@ def write_mlx_adapter(adapter: PeftAdapter, staging: Staging, base: str, base_la
             "computes:\n  - " + "\n  - ".join(problems)
         )
     file, fillers, rank, scale = mlx_layout(adapter)
-    config = mlx_config(adapter, rank, scale, num_layers(adapter, base_layers), base)
+    config = mlx_config(adapter, rank, scale, num_layers(adapter, base_layers), base, revision)
     staging.folder.mkdir(parents=True)
     staging.write_tensors("adapters.safetensors", file, lambda name, slot: fill(fillers[name], slot))
     staging.write_file("adapter_config.json", atomic.json_bytes(config))
-    staging.write_file("README.md", _readme(adapter, config, base).encode("utf-8"))
+    staging.write_file("README.md", _readme(adapter, config, base, revision).encode("utf-8"))
 
 
-def _readme(adapter: PeftAdapter, config: dict[str, Any], base: str) -> str:
+def _readme(adapter: PeftAdapter, config: dict[str, Any], base: str, revision: str | None) -> str:
     params = config["lora_parameters"]
+    model, load_revision, fetch = base, "", ""
+    if revision:  # mlx-lm's commands take no revision: a folder holding that commit instead
+        model, load_revision = "<that folder>", f', revision="{revision}"'
+        fetch = f"hf download {base} --revision {revision}  # prints the folder of that commit\n"
+    pinned = f" at commit `{revision}`, the one the finetune trained on" if revision else ""
     return f"""# MLX adapter
 
 Converted by trainpod from the PEFT adapter `{adapter.folder}`.
 
-It belongs to the base model **`{base}`**: load it on top of exactly that model (the same weights;
-a 4-bit MLX copy of it also works, with the usual quantization error).
+It belongs to the base model **`{base}`**{pinned}:
+load it on top of exactly that model (the same weights; a 4-bit MLX copy of it also works, with the usual
+quantization error).
 
 ```sh
 pip install mlx-lm
-mlx_lm.generate --model {base} --adapter-path . --prompt "Once upon a time"
+{fetch}mlx_lm.generate --model {model} --adapter-path . --prompt "Once upon a time"
 ```
 
 ```python
 from mlx_lm import load, generate
-model, tokenizer = load("{base}", adapter_path=".")
+model, tokenizer = load("{base}", adapter_path="."{load_revision})
 print(generate(model, tokenizer, prompt="Once upon a time", max_tokens=50))
 ```
 
-`mlx_lm.fuse --model {base} --adapter-path . --save-path fused` folds it into the weights.
+`mlx_lm.fuse --model {model} --adapter-path . --save-path fused` folds it into the weights.
 
 | setting | value |
 | --- | --- |

@@ -305,6 +305,18 @@ def test_the_mlx_adapter_names_the_revision_of_its_hub_base_the_finetune_trained
     assert "--revision abc123" in readme, readme
 
 
+def test_the_mlx_adapter_of_a_qlora_finetune_says_it_was_trained_on_the_4bit_base(
+    vol: Volume, base: Path
+) -> None:
+    # Its README said to load it on 'exactly that model (the same weights)': the 16-bit base, which a QLoRA
+    # adapter never saw (the merge's default is the 4-bit round-tripped base for that reason).
+    quantization = {"quant_type": "nf4", "double_quant": True, "compute_dtype": "bfloat16"}
+    make_adapter(base, adapter_dir(vol), summary={"method": "qlora", "quantization": quantization})
+    readme = (convert_to_mlx(vol) / "README.md").read_text()
+    assert "QLoRA" in readme and "nf4" in readme and "qlora_base: dequantized" in readme, readme
+    assert "mlx_lm.convert" in readme, readme
+
+
 @pytest.mark.parametrize(
     "architecture",
     [

@@ -217,6 +217,18 @@ def _readme(adapter: PeftAdapter, config: dict[str, Any], base: str, revision: s
         model, load_revision = "<that folder>", f', revision="{revision}"'
         fetch = f"hf download {base} --revision {revision}  # prints the folder of that commit\n"
     pinned = f" at commit `{revision}`, the one the finetune trained on" if revision else ""
+    quantization = adapter.quantization
+    qlora = (
+        f"""
+It was trained as QLoRA, on the base's weights rounded to 4 bits ({quantization.get("quant_type", "nf4")}):
+on the 16-bit base above it adds the rounding error training never saw, so its outputs are close to the
+finetuned model's but not the same. For the same outputs, merge it (a convert task `kind: merge`, whose
+default `qlora_base: dequantized` merges into the rounded base) and convert the merged folder with
+`mlx_lm.convert --hf-path <merged folder>`.
+"""
+        if quantization
+        else ""
+    )
     return f"""# MLX adapter
 
 Converted by trainpod from the PEFT adapter `{adapter.folder}`.
@@ -224,7 +236,7 @@ Converted by trainpod from the PEFT adapter `{adapter.folder}`.
 It belongs to the base model **`{base}`**{pinned}:
 load it on top of exactly that model (the same weights; a 4-bit MLX copy of it also works, with the usual
 quantization error).
-
+{qlora}
 ```sh
 pip install mlx-lm
 {fetch}mlx_lm.generate --model {model} --adapter-path . --prompt "Once upon a time"

@@ -327,6 +327,8 @@ SCRIPTS_EXEC_REFUSES = {
         # python's own exit 2 for a missing script was a failed start, repeated until the run was FAILED
         ({"command": ["python", "-u", "trian.py"]}, "command[2]='trian.py': "),
         ({"command": ["bash", "missing.sh", "--epochs", "3"]}, "command[1]='missing.sh': "),
+        ({"command": ["bash", "-euo", "pipefail", "missing.sh"]}, "command[3]='missing.sh': "),
+        ({"command": ["python", "-uW", "ignore", "trian.py"]}, "command[3]='trian.py': "),
     ],
 )
 def test_bad_input_exits_2_naming_the_field_and_writes_nothing(tmp_path, change, message):
@@ -349,6 +351,14 @@ def test_bad_input_exits_2_naming_the_field_and_writes_nothing(tmp_path, change,
         ["sh", "-c", "exit 0"],
         ["python", "-O", "prog.py", "env"],  # python's -O takes no value: prog.py is the script
         ["python", "-W", "ignore", "prog.py", "env"],
+        # options clustered in one word: -lc, -ec and -uc end in -c (inline code), -um in -m (a module), and
+        # -euo's o and -uW's W take the next word; each was refused with exit 2 as a script that does not exist
+        ["bash", "-lc", "exit 0"],
+        ["sh", "-ec", "exit 0"],
+        ["bash", "-euo", "pipefail", "-c", "exit 0"],
+        ["python", "-uc", "print(1)"],
+        ["python", "-um", "json.tool", "--help"],
+        ["python", "-uW", "ignore", "prog.py", "env"],
     ],
 )
 def test_an_interpreter_given_a_module_or_inline_code_needs_no_script_file(tmp_path, command):

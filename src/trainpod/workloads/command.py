@@ -246,35 +246,57 @@ def resolve_program(config: CommandConfig, workdir: Path, path: str) -> str:
 
 
 SCRIPT_RUNNERS = re.compile(r"^(python[0-9.]*|sh|bash|dash|zsh)$")
-# Options of those interpreters that take the next word as their value, so that it is no script name
-# (python's -O takes none: it is the shells' -O that does).
-_PYTHON_OPTIONS_WITH_A_VALUE = {"-W", "-X"}
-_SHELL_OPTIONS_WITH_A_VALUE = {"-o", "-O"}
+# The interpreters' one-letter options, which may come clustered in one word (`bash -lc CMD`, `sh -ec CMD`,
+# `bash -euo pipefail script.sh`, `python -uc CODE`, `python -um MODULE`): those that mean there is no
+# script file (inline code, a module, stdin), and those that take the next word as their value (python's
+# -O takes none: it is the shells' -O that does; python's -W and -X may carry it in the same word).
+_NO_SCRIPT = {"python": "cm", "shell": "cs"}
+_TAKES_A_VALUE = {"python": "WX", "shell": "oO"}
+_LONG_OPTIONS_WITH_A_VALUE = {"--check-hash-based-pycs", "--rcfile", "--init-file"}
 
 
 def _check_script_argument(command: list[str], workdir: Path) -> None:
     """`python train.py` or `bash train.sh` whose script is not in workdir: the interpreter's own exit 2
     counted as a failed start at every restart until the run was FAILED, its real reason in program.log."""
+    index = _script_index(command)
+    if index is None:
+        return
+    word = command[index]
+    script = Path(word) if os.path.isabs(word) else workdir / word
+    if not script.is_file():
+        raise InputError(
+            f"command[{index}]={word!r}: {script} does not exist, so {command[0]} has no script to run; fix "
+            "command or workdir (relative paths start at workdir)"
+        )
+
+
+def _script_index(command: list[str]) -> int | None:
+    """Where in `command` the interpreter's script file is named; None when it runs none (inline code, a
+    module, stdin) or is no interpreter this knows."""
     if not SCRIPT_RUNNERS.match(Path(command[0]).name):
-        return
-    python = Path(command[0]).name.startswith("python")
-    options_with_a_value = _PYTHON_OPTIONS_WITH_A_VALUE if python else _SHELL_OPTIONS_WITH_A_VALUE
-    words = iter(enumerate(command[1:], start=1))
-    for index, word in words:
-        if word == "-" or word[:2] in ("-c", "-m"):
-            return  # inline code, a module or stdin: no script file
-        if word in options_with_a_value:
-            next(words, None)
+        return None
+    kind = "python" if Path(command[0]).name.startswith("python") else "shell"
+    index = 1
+    while index < len(command):
+        word = command[index]
+        if word == "-":
+            return None  # stdin
+        if word == "--":
+            return index + 1 if index + 1 < len(command) else None
+        if word.startswith("--"):
+            index += 2 if word in _LONG_OPTIONS_WITH_A_VALUE else 1
             continue
-        if word.startswith("-"):
-            continue
-        script = Path(word) if os.path.isabs(word) else workdir / word
-        if not script.is_file():
-            raise InputError(
-                f"command[{index}]={word!r}: {script} does not exist, so {command[0]} has no script to run; fix "
-                "command or workdir (relative paths start at workdir)"
-            )
-        return
+        if not (word.startswith("-") or (kind == "shell" and word.startswith("+"))):
+            return index
+        for position, letter in enumerate(word[1:], start=1):
+            if letter in _NO_SCRIPT[kind]:
+                return None
+            if letter in _TAKES_A_VALUE[kind]:
+                index += 1 if position < len(word) - 1 else 2  # its value: the rest of the word, or the next
+                break
+        else:
+            index += 1
+    return None
 
 
 def _check_interpreter_line(path: Path, name: str) -> None:

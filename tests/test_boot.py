@@ -234,6 +234,17 @@ def test_a_ref_the_repo_does_not_have_exits_2_at_once_naming_it(tmp_path, config
     assert not (volume / "repos/configs").exists()
 
 
+def test_a_commit_given_by_its_abbreviated_id_exits_2_asking_for_its_full_id(tmp_path, config_repo):
+    """A pinned commit pasted as GitHub shows it (7 characters) was 'not in the repo ... (pushed)', though it is:
+    git fetches a commit by its full id alone."""
+    full = git("rev-parse", "main", cwd=config_repo).strip()
+    with pytest.raises(ConfigError) as refused:
+        sync(f"file://{config_repo}", full[:7], tmp_path / "repos", sleep=lambda _: None)
+    assert "full 40-character id" in str(refused.value) and f"git rev-parse {full[:7]}" in str(refused.value)
+    assert "pushed" not in str(refused.value)
+    assert sync(f"file://{config_repo}", full, tmp_path / "repos").commit == full, "the full id is fetched"
+
+
 def test_a_git_that_hangs_is_a_failed_attempt_then_exit_75_not_a_crash(tmp_path, monkeypatch):
     """A host that accepts the connection and never answers: git runs into its timeout."""
     from trainpod import gitsync

@@ -44,6 +44,7 @@ GIT_TIMEOUT_S = 600.0  # one git command; a fetch from a host that never answers
 # git's words for a ref the remote does not have (a branch never pushed, a typo, an unknown commit): a
 # retry cannot help, and neither can a restart of the pod.
 _NO_SUCH_REF = ("couldn't find remote ref", "not our ref")
+_ABBREVIATED_COMMIT = re.compile(r"[0-9a-fA-F]{4,39}")  # as `git log --oneline` and GitHub show a commit
 # A server refusing the credentials, or answering that no such repository is there (GitHub says so for
 # a private one the token cannot read): a wrong token or URL, which no retry or pod restart fixes.
 _REFUSED = re.compile(
@@ -134,13 +135,7 @@ def sync(url: str, ref: str | None, repos_root: Path, sleep=time.sleep) -> Synce
         except subprocess.CalledProcessError as exc:
             last_error = redact(_git_reason(exc))
             if any(words in last_error for words in _NO_SUCH_REF):
-                raise ConfigError(
-                    [
-                        f"TRAINPOD_GIT_REF={ref or 'HEAD'} is not in TRAINPOD_GIT_REPO={redact(url)} "
-                        f"({last_error}); set TRAINPOD_GIT_REF to a branch, tag or commit that repo has "
-                        "(pushed)"
-                    ]
-                ) from None
+                raise ConfigError([_missing_ref(url, ref, last_error)]) from None
             if _REFUSED.search(last_error):
                 raise ConfigError(
                     [
@@ -156,6 +151,22 @@ def sync(url: str, ref: str | None, repos_root: Path, sleep=time.sleep) -> Synce
     raise TemporaryError(
         f"could not sync TRAINPOD_GIT_REPO={redact(url)} at TRAINPOD_GIT_REF={ref or 'HEAD'} after "
         f"{ATTEMPTS} attempts ({last_error}); check the URL, the ref and the token"
+    )
+
+
+def _missing_ref(url: str, ref: str | None, reason: str) -> str:
+    """What to do about a ref the remote does not have. A commit given by its abbreviated id (as GitHub and
+    `git log --oneline` show it) is in the repo all the same: a server hands a commit out by its full id
+    alone, so saying it was never pushed sent the user looking for a push that had happened."""
+    if ref and _ABBREVIATED_COMMIT.fullmatch(ref):
+        return (
+            f"TRAINPOD_GIT_REF={ref} could not be fetched from TRAINPOD_GIT_REPO={redact(url)} ({reason}): git "
+            f"fetches a commit by its full 40-character id only; set TRAINPOD_GIT_REF to it (`git rev-parse {ref}` "
+            "in a clone prints it)"
+        )
+    return (
+        f"TRAINPOD_GIT_REF={ref or 'HEAD'} is not in TRAINPOD_GIT_REPO={redact(url)} ({reason}); set "
+        "TRAINPOD_GIT_REF to a branch, tag or commit that repo has (pushed)"
     )
 
 

@@ -464,3 +464,42 @@ def test_sigterm_leaves_the_programs_dataloader_workers_alone_so_it_commits_its_
     assert "DataLoader worker" not in log, log
     latest = (run_dir(volume) / "checkpoints/LATEST").read_text().strip()
     assert latest != "step-5" and "stopped by SIGTERM" in log, f"{latest}: the final commit was lost\n{log}"
+
+
+CHATTY_PROGRAM = """
+import os, time
+print("ready", flush=True)
+while not os.path.exists("go"):
+    time.sleep(0.05)
+for i in range(3000):  # 300 kB: several times what a pipe holds unread
+    print(f"line {i:06d} " + "x" * 88, flush=True)
+print("all printed", flush=True)
+"""
+
+
+def test_a_failed_write_of_program_log_never_stops_the_programs_output_being_read(tmp_path):
+    """A write to logs/program.log that failed (a network volume's I/O error, a full volume) ended the thread that
+    reads the program's output, so the program blocked for good at its next 64 kB of prints: a GPU billed with
+    nothing running and nothing ending the start."""
+    config, volume = write_setup(tmp_path, "env")
+    (tmp_path / "repo/chatty.py").write_text(CHATTY_PROGRAM)
+    config.write_text(
+        yaml.safe_dump({**yaml.safe_load(config.read_text()), "command": ["python", "chatty.py"]})
+    )
+    proc = start_trainpod("run", "command", "--config", str(config), volume=volume)
+    wait_for(lambda: "ready" in program_log(volume), proc, "the program's first line")
+    log = run_dir(volume) / "logs/program.log"
+    log.unlink()
+    log.mkdir()  # every later write of the log fails (IsADirectoryError), as on a volume gone bad
+    (tmp_path / "repo/go").write_text("1")
+    try:
+        out, _ = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError(
+            "the program blocked writing its output once program.log could not be written"
+        ) from None
+    assert proc.returncode == 0, out
+    assert "all printed" in out, "its output still reaches the console"
+    assert out.count("could not write") == 1, f"the failed log is said once:\n{out[-2000:]}"
+    assert (run_dir(volume) / "DONE").exists()

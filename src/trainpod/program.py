@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import os
 import re
 import signal
@@ -27,6 +28,8 @@ from pathlib import Path
 from typing import BinaryIO, TextIO
 
 from trainpod.log import redact
+
+log = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None  # loaded before any fork
@@ -93,6 +96,7 @@ class Program:
         self.proc: subprocess.Popen | None = None
         self._pumps: list[threading.Thread] = []
         self._log_lock = threading.Lock()
+        self._log_failing = False  # the last write of log_path failed: said once until one works again
         self._watchdog: subprocess.Popen | None = None
         self._watchdog_pipe: int | None = None
 
@@ -202,13 +206,33 @@ class Program:
         if not data:
             return
         text = redact(data.decode("utf-8", errors="replace"))
-        console.write(text)
-        console.flush()
-        with self._log_lock, open(self.log_path, "a", encoding="utf-8") as log:
-            log.write(text)
+        # Neither copy may end the pump: a program whose output is no longer read blocks at its next print once
+        # the pipe (64 kB) is full, and runs on, billed, with nothing to end it.
+        with contextlib.suppress(OSError):  # a console whose reader is gone (`trainpod run ... | head`)
+            console.write(text)
+            console.flush()
+        self._append_to_log(text)
         shown = [line.strip() for line in re.split(r"[\r\n]", text) if line.strip()]
         if shown:
             self.last_line = shown[-1][:300]
+
+    def _append_to_log(self, text: str) -> None:
+        """The output into log_path; a write that fails (a network volume's I/O error, a full volume) is said
+        once, and the next lines are tried again."""
+        with self._log_lock:
+            try:
+                with open(self.log_path, "a", encoding="utf-8") as file:
+                    file.write(text)
+            except OSError as exc:
+                if not self._log_failing:
+                    log.warning(
+                        "could not write %s (%s); the program's output goes on to the console",
+                        self.log_path,
+                        exc,
+                    )
+                self._log_failing = True
+                return
+            self._log_failing = False
 
 
 def _split_keeping_ends(data: bytes) -> list[bytes]:

@@ -179,6 +179,36 @@ def test_a_full_volume_stops_the_pod_at_once_instead_of_a_restart_loop(fake, pod
     assert not (run.root / STARTS_FILE).exists(), "not counted as a failed start: it is final at once"
 
 
+def test_a_done_runs_pod_booted_again_stops_and_never_marks_the_finished_run_failed(fake, pod, run, tmp_path):
+    """The pod of a finished run started again (by hand, to reach the volume) after its branch was merged and
+    deleted: the git sync's exit 2 wrote FAILED into the DONE run, and a supervisor then reported the finished
+    run as FAILED (exit 2). A 75 counted failed starts in it the same way."""
+    atomic.write_json(run.done, {"exit_code": 0})
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    subprocess.run(["git", "init", "-q", "-b", "main"], cwd=repo, check=True)
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "--allow-empty", "-m", "1"],
+                   cwd=repo, check=True)  # fmt: skip
+    environ = pod_env(
+        fake,
+        pod,
+        TRAINPOD_VOLUME=str(run.root.parent.parent),
+        TRAINPOD_WORKLOAD="command",
+        TRAINPOD_CONFIG="command.yaml",
+        TRAINPOD_RUN=run.name,
+        TRAINPOD_GIT_REPO=f"file://{repo}",
+        TRAINPOD_GIT_REF="feature-merged-and-deleted",
+    )
+    assert boot_module.boot(environ) == 2
+    assert not (run.root / FAILED_MARKER).exists(), "the run is DONE, not FAILED"
+    assert fake.pods[pod["id"]]["desiredStatus"] == "EXITED", "the pod stops as after DONE"
+
+    fake.pods[pod["id"]]["desiredStatus"] = "RUNNING"
+    assert after_workload(75, run, pod_env(fake, pod), "command") == 75
+    assert not (run.root / STARTS_FILE).exists() and not (run.root / FAILED_MARKER).exists()
+    assert fake.pods[pod["id"]]["desiredStatus"] == "EXITED"
+
+
 def test_bad_input_leaves_a_volume_without_the_run_untouched(fake, pod, tmp_path):
     after_workload(2, Volume(tmp_path).run("new"), pod_env(fake, pod), "pretrain")
     assert list(tmp_path.iterdir()) == []

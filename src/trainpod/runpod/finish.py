@@ -10,6 +10,7 @@ RunPod starts a pod's container again whenever it exits, so the exit code alone 
 | 4 | this machine cannot run the image (trainpod.host) | MACHINE_UNFIT marker naming this pod, not counted as a failed start; the pod stopped: the supervisor replaces it with a new pod on another machine |
 | 75 while another pod holds the run's LEASE (a datagen's: its dataset's) and renews it | this pod is a duplicate (two deploys, a replacement racing the original) | not counted, no marker: this pod stopped, the one training goes on |
 | other (75, 1, ...) | temporary failure or crash | counted in runs/<run>/starts.json; at TRAINPOD_MAX_FAILED_STARTS in a row (default 3): FAILED marker, pod stopped; before the run is known (no TRAINPOD_RUN, the config not loaded yet) counted per pod in cache/starts/<pod id>.json, and the pod stopped at the same bound, with no marker |
+| any other, the run DONE already | a finished run's pod started again failed before "already DONE" (its branch deleted) | not counted, no marker: TRAINPOD_ON_FINISH as after DONE |
 | none: boot itself was killed | a segfault, the OOM killer, SIGKILL | found at the next start (`begin_start`): counted as exit 137 when no checkpoint was committed during it |
 
 In a pod, a workload on one GPU runs in boot's own process, so a death that takes the process with it never
@@ -216,6 +217,16 @@ def _decide(
     if code in START_WORKED:
         _reset_failures(run, starts_file, owns_run)
         return on_finish(environ) if code == ExitCode.DONE else "idle"
+    if owns_run and run is not None and run.done.exists():
+        # A finished run's pod started again (by hand, to reach the volume) and failed before the lifecycle's
+        # "already DONE": its branch deleted from the git remote, its config edited since. Nothing of the run
+        # changed; a FAILED marker or a count in it had a supervisor report the finished run as FAILED.
+        log.warning(
+            "run %s is DONE; this start's exit %d leaves it so, and the pod does as after DONE",
+            run.name,
+            code,
+        )
+        return on_finish(environ)
     if code == ExitCode.MACHINE_UNFIT:
         return _machine_unfit(run, environ)
     if code in STOP_AT_ONCE:

@@ -613,3 +613,24 @@ def test_a_refused_token_or_a_missing_repo_is_bad_input_at_once_not_a_retry(
         sync(missing_repo, None, tmp_path / "repos", sleep=sleeps.append)
     assert sleeps == [], "not retried"
     assert not (tmp_path / "repos/configs").exists() and not (tmp_path / "repos/nope").exists()
+
+
+@pytest.mark.parametrize(
+    "refusal", ["Host key verification failed.", "git@github.com: Permission denied (publickey)."]
+)
+def test_an_ssh_url_the_pod_has_no_key_for_is_bad_input_at_once_naming_https(tmp_path, monkeypatch, refusal):
+    """The clone URL GitHub shows an SSH user (git@github.com:org/repo.git) reaches a pod with no SSH key and no
+    known host: each attempt and each restart of the pod ended the same way, until the crash-loop limit, with
+    'check the URL, the ref and the token'."""
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    (shim / "ssh").write_text(f"#!/bin/sh\necho '{refusal}' >&2\nexit 255\n")  # what ssh says in such a pod
+    (shim / "ssh").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{shim}:{os.environ['PATH']}")
+    monkeypatch.delenv("GIT_SSH_COMMAND", raising=False)
+    sleeps: list[float] = []
+    with pytest.raises(ConfigError) as refused:
+        sync("git@github.com:org/trainer.git", "main", tmp_path / "repos", sleep=sleeps.append)
+    assert sleeps == [], "not retried"
+    assert refusal in str(refused.value) and "https://" in str(refused.value), str(refused.value)
+    assert not (tmp_path / "repos/trainer@main").exists()

@@ -12,7 +12,8 @@ the volume, or a log line. Credentials written into the URL itself (https://user
 taken out of it and handed to git the same way: git's argv is readable by every process (`ps`). A
 first clone goes to a temp folder renamed into place, so a kill mid-clone leaves no half checkout
 under the name. Failures are retried, then exit 75; a ref the remote does not have, a token the
-server refuses and a repo it says is not there are exit 2 at once.
+server refuses, a repo it says is not there and an SSH URL ssh refuses (a pod has no SSH key) are exit 2
+at once.
 """
 
 from __future__ import annotations
@@ -51,6 +52,10 @@ _REFUSED = re.compile(
     r"Authentication failed|could not read (Username|Password)|repository '[^']*' not found|"
     r"The requested URL returned error: 40[134]\b"
 )
+# ssh refusing an SSH URL (git@github.com:org/repo.git, ssh://...): a pod comes with no SSH key and no known
+# host, so no retry or restart fixes it; the https URL with a token does. git's own fatal line says only
+# "Could not read from remote repository", so these are looked for in all it wrote.
+_SSH_REFUSED = re.compile(r"Host key verification failed|Permission denied \(publickey")
 # The URL's own user and password, for the askpass script (set only in git's environment).
 _URL_USER, _URL_PASSWORD = "TRAINPOD_GIT_URL_USER", "TRAINPOD_GIT_URL_PASSWORD"
 _ASKPASS = f"""#!/bin/sh
@@ -136,6 +141,15 @@ def sync(url: str, ref: str | None, repos_root: Path, sleep=time.sleep) -> Synce
             last_error = redact(_git_reason(exc))
             if any(words in last_error for words in _NO_SUCH_REF):
                 raise ConfigError([_missing_ref(url, ref, last_error)]) from None
+            ssh_refusal = _ssh_refusal(exc.stderr or "")
+            if ssh_refusal:
+                raise ConfigError(
+                    [
+                        f"git could not fetch TRAINPOD_GIT_REPO={redact(url)} over SSH "
+                        f"({redact(ssh_refusal)}): a pod has no SSH key nor known host for it; set "
+                        "TRAINPOD_GIT_REPO to the repo's https:// URL (with TRAINPOD_GIT_TOKEN for a private repo)"
+                    ]
+                ) from None
             if _REFUSED.search(last_error):
                 raise ConfigError(
                     [
@@ -152,6 +166,11 @@ def sync(url: str, ref: str | None, repos_root: Path, sleep=time.sleep) -> Synce
         f"could not sync TRAINPOD_GIT_REPO={redact(url)} at TRAINPOD_GIT_REF={ref or 'HEAD'} after "
         f"{ATTEMPTS} attempts ({last_error}); check the URL, the ref and the token"
     )
+
+
+def _ssh_refusal(stderr: str) -> str | None:
+    """ssh's line refusing the connection (_SSH_REFUSED) among what git wrote, if any."""
+    return next((line.strip() for line in stderr.splitlines() if _SSH_REFUSED.search(line)), None)
 
 
 def _missing_ref(url: str, ref: str | None, reason: str) -> str:

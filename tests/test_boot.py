@@ -469,6 +469,32 @@ def test_a_resume_on_another_commit_of_the_branch_says_so_and_records_it(tmp_pat
     assert json.loads((run / "code.json").read_text())["commit"] == second
 
 
+def test_a_done_runs_code_json_keeps_the_commit_that_finished_it_when_its_pod_boots_again(tmp_path):
+    """A finished run's pod started again (by hand, to reach the volume) after a push: code.json was rewritten to
+    the new commit, which never ran a step of the run, with a warning that the run continued on it."""
+    work, volume = tmp_path / "work", tmp_path / "volume"
+    (work / "configs").mkdir(parents=True)
+    volume.mkdir()
+    (work / "configs/cmd.yaml").write_text("name: code-run\ncommand: [python, -c, 'print(1)']\n")
+    first = commit_all(work, "one")
+    env = {
+        "TRAINPOD_WORKLOAD": "command",
+        "TRAINPOD_CONFIG": "configs/cmd.yaml",
+        "TRAINPOD_GIT_REPO": f"file://{work}",
+        "TRAINPOD_GIT_REF": "main",
+        "RUNPOD_POD_ID": "pod-1",
+    }
+    assert boot_process(volume, **env).returncode == 0
+    (work / "train.py").write_text("# pushed after the run finished\n")
+    commit_all(work, "two")
+
+    result = boot_process(volume, **env)
+
+    assert result.returncode == 0 and "already DONE" in result.stdout, result.stdout + result.stderr
+    assert json.loads((volume / "runs/code-run/code.json").read_text())["commit"] == first
+    assert "the code changed since the run's previous start" not in result.stdout
+
+
 def test_code_json_records_the_commit_the_sync_checked_out_asking_git_once(tmp_path):
     """boot asked git for HEAD twice, after the sync and again for code.json: a second git on the network
     volume, and a read of whatever the shared checkout held by then rather than of what this start synced."""

@@ -71,7 +71,8 @@ def boot(environ: dict[str, str] | None = None) -> int:
             run = _run_dir(volume, config, environ)
             new_run = None if run is None or run.root.exists() else run
             ended = begin_start(run, environ, workload.name)
-            if ended is None and run is not None and synced is not None:
+            # A DONE run's record stays the commit that finished it: its pod booted again runs nothing of it.
+            if ended is None and run is not None and synced is not None and not run.done.exists():
                 note_commit(synced, environ.get("TRAINPOD_GIT_REF"), run.root)
         if ended is not None:  # the starts before this one all died without a word: FAILED, pod stopped
             return ended

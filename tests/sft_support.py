@@ -10,7 +10,7 @@ import json
 import random
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
 from trainpod.sft.demo_rows import WORDS as DEMO_WORDS
@@ -69,6 +69,44 @@ def make_tiny_tokenizer(
     )
     if chat_template is not None:
         wrapped.chat_template = chat_template
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    wrapped.save_pretrained(str(path))
+    return path
+
+
+# Qwen2's pre-tokenizer pattern (Llama 3's keeps newlines together the same way): a run of newlines is one
+# piece, so "\n\n" can be one token.
+QWEN2_PATTERN = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+
+
+def make_newline_merging_tokenizer(path: Path) -> Path:
+    """A byte-level BPE tokenizer folder like Qwen2's and Llama 3's: newlines run together are one token
+    ("\n\n", "\n\n\n"), so a prompt ending in "\n" and an answer starting with one merge when
+    tokenized as one text. chatml and llama3 special tokens; eos = bos = <|endoftext|>."""
+    extra = [*CHATML_TOKENS, *LLAMA3_TOKENS]
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=[EOS, PAD, *extra],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator([s + "\n\n" + s + "\n\n\n" for s in SENTENCES] * 4, trainer=trainer)
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token=EOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        additional_special_tokens=extra,
+    )
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     wrapped.save_pretrained(str(path))

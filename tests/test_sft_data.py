@@ -19,6 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer
 
+from trainpod.chat import Conversation
 from trainpod.checkpoint import Lease
 from trainpod.config.loader import load_config, validate_tree
 from trainpod.config.sft import SftDataConfig, SftDatagenConfig
@@ -33,6 +34,7 @@ from sft_support import (
     CUSTOM_CHAT_TEMPLATE,
     make_bos_adding_tokenizer,
     make_metaspace_tokenizer,
+    make_newline_merging_tokenizer,
     make_tiny_tokenizer,
     write_alpaca_jsonl,
     write_messages_jsonl,
@@ -182,6 +184,25 @@ def test_a_sample_has_the_ids_of_its_whole_text_under_a_sentencepiece_style_toke
     assert example.input_ids.tolist() == tokenizer(text, add_special_tokens=False)["input_ids"]
     trained = example.input_ids[example.labels != IGNORE_INDEX].tolist()
     assert "".join(tokenizer.convert_ids_to_tokens(trained)) == "5</s>duolc</s>"
+
+
+@pytest.mark.parametrize("template", ["chatml", "llama3", "alpaca"])
+def test_an_answer_starting_with_a_newline_is_trained_from_where_generation_starts(tmp_path, template):
+    """Under Qwen2's and Llama 3's tokenizers "\n\n" is one token: the prompt's last newline and an answer's
+    first, tokenized as one text, made one token given to the prompt, so the answer's newline was never
+    trained and the model learnt to answer after a token that a prompt rendered alone (as trainpod chat,
+    apply_chat_template or a server tokenize it, ending in "\n") never has."""
+    folder = make_newline_merging_tokenizer(tmp_path / "tok")
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    assert len(tokenizer.encode("\n\n", add_special_tokens=False)) == 1, "the test needs a merged \\n\\n"
+    row = {"instruction": "Reverse", "output": "\nduolc", "history": [["Add 2 and 3.", "\n5"]]}
+    example = prepare(tmp_path, folder, [row], template=template).train[0]
+    prompt = Conversation(tokenizer, template).prompt_ids("Add 2 and 3.")
+    end = {"chatml": "<|im_end|>", "llama3": "<|eot_id|>", "alpaca": "<|endoftext|>"}[template]
+    answers = [tokenizer.encode(answer + end, add_special_tokens=False) for answer in ("\n5", "\nduolc")]
+    assert example.input_ids[: len(prompt) + len(answers[0])].tolist() == prompt + answers[0]
+    trained = example.input_ids[example.labels != IGNORE_INDEX].tolist()
+    assert trained == answers[0] + answers[1], f"trained {tokenizer.convert_ids_to_tokens(trained)}"
 
 
 def test_text_format_trains_every_token_but_the_first_and_ends_with_eos(tmp_path, tokenizer_dir, tokenizer):

@@ -71,6 +71,10 @@ class SegmentEncoder:
     The whole text, not each segment alone: a SentencePiece-style tokenizer (Llama 2's, Mistral's) puts
     a space (▁) before the start of every text it encodes, so an answer encoded alone began with one that
     the rendered conversation, as transformers' apply_chat_template or a server tokenizes it, has not.
+    But never a token across the start of an answer: generation starts after a prompt tokenized alone, so
+    where Qwen2's or Llama 3's tokenizer merges the prompt's last "\n" with an answer's first into "\n\n",
+    the text is tokenized in two there (the answer's newline is then trained, after the "\n" a prompt ends
+    with at inference), as LLaMA-Factory and axolotl, tokenizing prompt and answer apart, have it.
     """
 
     def __init__(self, tokenizer, cutoff_len: int, overflow: str, train_on_prompt: bool):
@@ -96,11 +100,40 @@ class SegmentEncoder:
             ["".join(parts) for parts in texts], add_special_tokens=False, return_offsets_mapping=True
         )
         return [
-            self._cut(_grouped_by_segment(parts, ids, offsets))
+            self._cut(_grouped_by_segment(parts, *self._apart_at_answer_starts(parts, ids, offsets)))
             for parts, ids, offsets in zip(
                 texts, encoded["input_ids"], encoded["offset_mapping"], strict=True
             )
         ]
+
+    def _apart_at_answer_starts(
+        self, parts: list[str], ids: list[int], offsets: list[tuple[int, int]]
+    ) -> tuple[list[int], list[tuple[int, int]]]:
+        """`ids` and `offsets` of the concatenated `parts`, tokenized again in pieces cut where a token
+        spans the start of an answer (parts 2, 4, ...), so that none does; as they were where none did."""
+        ends = np.cumsum([len(part) for part in parts])
+        token_starts, token_ends = np.asarray(offsets, dtype=np.int64).reshape(-1, 2).T
+        cuts = [
+            int(at)
+            for at in ends[1::2]  # the end of each prompt, where its answer starts
+            if np.any((token_starts < at) & (token_ends > at))
+        ]
+        if not cuts:
+            return ids, offsets
+        text = "".join(parts)
+        starts, stops = [0, *cuts], [*cuts, len(text)]
+        pieces = self.tokenizer(
+            [text[start:stop] for start, stop in zip(starts, stops, strict=True)],
+            add_special_tokens=False,
+            return_offsets_mapping=True,
+        )
+        ids, offsets = [], []
+        for start, piece_ids, piece_offsets in zip(
+            starts, pieces["input_ids"], pieces["offset_mapping"], strict=True
+        ):
+            ids += piece_ids
+            offsets += [(start + a, start + b) for a, b in piece_offsets]
+        return ids, offsets
 
     def _cut(self, groups: list[list[int]]) -> Encoded | None:
         """[prefix, prompt, answer, prompt, answer, ...] ids -> the sample within cutoff_len."""

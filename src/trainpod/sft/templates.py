@@ -1,8 +1,9 @@
 """Chat templates: a sample -> text segments (prompt, answer) per turn -> token ids with a trained mask.
 
 A sample's whole text is tokenized at once, as transformers' apply_chat_template and inference servers
-tokenize a conversation, and each token goes to the segment its first character is in (sft/encode.py). The
-end-of-turn token (<|im_end|>, <|eot_id|>, eos) belongs to the answer and is trained, so the model
+tokenize a conversation, and each token goes to the segment its first character is in (sft/encode.py); it is
+cut in two where a token would span an answer's start ("\n" + "\n" merged), as a prompt is tokenized alone.
+The end-of-turn token (<|im_end|>, <|eot_id|>, eos) belongs to the answer and is trained, so the model
 learns to stop. The separator after an answer ("\n" in chatml) belongs to the next prompt.
 
 `auto` uses the tokenizer's own `chat_template`: the segments are the differences between renders

@@ -696,6 +696,7 @@ def test_a_hub_lost_in_the_middle_of_a_stream_is_exit_75_and_keeps_the_committed
         raise ConnectionError("Server Disconnected")
 
     monkeypatch.setattr(datasets, "load_dataset", disconnecting_stream)
+    monkeypatch.setattr(sources, "hub_revision", lambda source: "a-commit")  # the hub's answer, at the start
     config = make_config(
         sources=[{"hf": "someone/stories"}],
         mode="full",
@@ -1081,6 +1082,63 @@ def test_a_resume_after_a_file_joined_its_glob_before_those_read_is_exit_2_not_s
         )
 
 
+def test_a_resume_after_a_push_to_a_hub_datasets_repository_reads_the_commit_the_dataset_began_at(
+    volume, monkeypatch
+):
+    # A hub dataset was streamed at its branch's newest commit at every start: a push between a kill and the
+    # resume (one document added at the front) moved every later document's index, and the resume went on at
+    # its committed index in the new order, writing documents twice and moving train ones into val, silently.
+    # No hub here: a folder per commit stands for the repository, served by datasets.load_dataset at the
+    # revision asked for (its newest without one), and sources.hub_revision, the one function that asks the
+    # hub for the newest commit, is replaced to name it.
+    import datasets
+
+    import trainpod.data.split_writer as split_writer
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    documents = corpus_documents()
+    for commit, texts in {
+        "commit-1": documents,
+        "commit-2": ["A document pushed later.", *documents],
+    }.items():
+        (volume.root / "hub" / commit).mkdir(parents=True)
+        lines = "".join(json.dumps({"text": text}) + "\n" for text in texts)
+        (volume.root / "hub" / commit / "train.jsonl").write_text(lines, encoding="utf-8")
+    newest = ["commit-1"]
+    real_load_dataset = datasets.load_dataset
+
+    def hub(name, config=None, split=None, streaming=False, revision=None):
+        assert (name, streaming) == ("org/stories", True)
+        return real_load_dataset(
+            str(volume.root / "hub" / (revision or newest[0])), split=split, streaming=True
+        )
+
+    monkeypatch.setattr(datasets, "load_dataset", hub)
+    monkeypatch.setattr(sources, "hub_revision", lambda source: newest[0], raising=False)
+    config = make_config(sources=[{"hf": "org/stories"}])
+    real_write_shard = split_writer.write_shard
+
+    def killed_after_five_shards(path, tokens):
+        if path.name == "train_000005.bin":
+            raise KeyboardInterrupt  # stands for the kill
+        return real_write_shard(path, tokens)
+
+    monkeypatch.setattr(split_writer, "write_shard", killed_after_five_shards)
+    with pytest.raises(KeyboardInterrupt):
+        run(config, volume)
+    monkeypatch.setattr(split_writer, "write_shard", real_write_shard)
+
+    newest[0] = "commit-2"  # the push
+    resumed = run(config, volume)
+    reference = run(make_config(name="reference", sources=[{"path": "hub/commit-1/train.jsonl"}]), volume)
+    for split in ("train", "val"):
+        assert np.array_equal(
+            split_stream(resumed, load_dataset_manifest(resumed), split),
+            split_stream(reference, load_dataset_manifest(reference), split),
+        ), f"the resumed {split} shards are not those of one run over the commit the dataset began at"
+    assert load_dataset_manifest(resumed)["sources"][0]["revision"] == "commit-1"
+
+
 def test_a_stop_while_the_tokenizer_reads_its_training_documents_ends_it_there(volume, monkeypatch):
     # Training reads up to max_train_documents (fineweb-edu.yaml: 200k, minutes of a hub stream) in one
     # call of the tokenizers library: a SIGTERM then ran on through the training into the SIGKILL with the
@@ -1129,8 +1187,8 @@ def stop_at_document(monkeypatch, watch: PreemptionWatch, at: int) -> list[int]:
     real_iter_documents = datagen.iter_documents
     read_after_the_stop: list[int] = []
 
-    def stopped_there(*args):
-        for index, document in enumerate(real_iter_documents(*args)):
+    def stopped_there(*args, **kwargs):
+        for index, document in enumerate(real_iter_documents(*args, **kwargs)):
             if watch.requested:
                 read_after_the_stop.append(index)
             elif index == at:

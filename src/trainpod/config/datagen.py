@@ -63,7 +63,11 @@ class SourceConfig(Section):
         description="A file, folder or glob of .txt/.jsonl/.parquet files (optionally .gz): absolute, or "
         f"relative to the volume root; or '{BUILTIN_TINY_STORIES}' for the embedded demo corpus.",
     )
-    hf: str | None = Field(None, description="A Hugging Face dataset name, streamed with `datasets`.")
+    hf: str | None = Field(
+        None,
+        description="A Hugging Face dataset name, streamed with `datasets` at the commit its repository is at "
+        "when the dataset is begun (every resume reads that commit).",
+    )
     hf_config: str | None = Field(None, description="The Hugging Face dataset's config (subset) name.")
     hf_split: str = Field("train", min_length=1, description="The Hugging Face dataset's split.")
     format: Literal["auto", "text", "jsonl", "parquet"] = Field(

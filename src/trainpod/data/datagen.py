@@ -31,7 +31,13 @@ from trainpod.checkpoint.lease import lease_lost, one_writer, release_folder_lea
 from trainpod.config.datagen import DatagenConfig
 from trainpod.data.encoding import BatchEncoder
 from trainpod.data.shards import HEADER_BYTES, shard_header, token_dtype
-from trainpod.data.sources import check_sources, describe_sources, iter_documents, source_labels
+from trainpod.data.sources import (
+    check_sources,
+    describe_sources,
+    hub_revisions,
+    iter_documents,
+    source_labels,
+)
 from trainpod.data.split_writer import SplitProgress, SplitWriter
 from trainpod.data.tokenizer import TOKENIZER_FILE, TokenizerInfo, prepare_tokenizer
 from trainpod.errors import ExitCode, InputError, Preempted, TemporaryError
@@ -46,6 +52,7 @@ MANIFEST_FORMAT = "trainpod-datagen/1"
 SPECIAL_TOKENS_AS_TEXT = "special_tokens_as_text"  # in progress.json and manifest.json
 UTF8_BOM_STRIPPED = "utf8_bom_stripped"  # likewise
 SOURCE_FILES = "source_files"  # in progress.json: the files read so far, as sources.file_label names them
+HUB_REVISIONS = "hub_revisions"  # in progress.json: the commit each hub dataset is read at, by its name
 SHARD_NAME = re.compile(r"^(train|val)_\d{6}\.bin$")  # as SplitWriter names its shards
 # A batch is also cut at this many characters, so a corpus of book-length documents does not put
 # gigabytes in flight (1000 fineweb documents are ~4 MB).
@@ -94,11 +101,16 @@ def run_datagen(config: DatagenConfig, volume: Volume, watch: PreemptionWatch) -
     return folder
 
 
-def _tokenizer(config: DatagenConfig, volume: Volume, watch: PreemptionWatch | None = None) -> TokenizerInfo:
-    """The dataset's tokenizer, trained when needed; with `watch`, a stop asked before or during the
-    training raises Preempted and publishes no tokenizer."""
+def _tokenizer(
+    config: DatagenConfig,
+    volume: Volume,
+    watch: PreemptionWatch | None = None,
+    revisions: dict[str, str] | None = None,
+) -> TokenizerInfo:
+    """The dataset's tokenizer, trained when needed (hub datasets read at `revisions`); with `watch`, a stop
+    asked before or during the training raises Preempted and publishes no tokenizer."""
     documents = itertools.islice(
-        iter_documents(config.sources, volume.root), config.tokenizer.max_train_documents
+        iter_documents(config.sources, volume.root, revisions=revisions), config.tokenizer.max_train_documents
     )
     # After the last document the library merges in one Rust call (tens of seconds on a large corpus) where
     # no stop is seen: a thread then lets the dataset's and the tokenizer's leases go and exits 143.
@@ -156,10 +168,11 @@ def _build(
     """Write (or finish) the shards, then the manifest: only under the dataset's lease."""
     # Only a build checks the sources: a finished dataset stays usable after its source files are gone.
     check_sources(config.sources, volume.root)
-    _refuse_empty_sources(config, volume)
+    revisions = _hub_revisions(folder, config, expected_hash)
+    _refuse_empty_sources(config, volume, revisions)
     if folder.is_dir() and not (folder / PROGRESS_FILE).is_file():
         _refuse_files_of_others(folder)
-    tokenizer = _tokenizer(config, volume, watch)
+    tokenizer = _tokenizer(config, volume, watch, revisions)
     folder.mkdir(parents=True, exist_ok=True)
     _remove_leftovers(folder)
     progress = _load_progress(
@@ -168,9 +181,9 @@ def _build(
     reading = {SPECIAL_TOKENS_AS_TEXT: _begun_since(folder, SPECIAL_TOKENS_AS_TEXT),
                UTF8_BOM_STRIPPED: _begun_since(folder, UTF8_BOM_STRIPPED)}  # fmt: skip
     documents_read = _write_shards(
-        config, volume, folder, tokenizer, progress, expected_hash, reading, watch, lease
+        config, volume, folder, tokenizer, progress, expected_hash, reading, revisions, watch, lease
     )
-    manifest = _manifest(config, volume, tokenizer, progress, expected_hash, documents_read)
+    manifest = _manifest(config, volume, tokenizer, progress, expected_hash, documents_read, revisions)
     write_json(folder / MANIFEST_FILE, manifest | reading)
     total = sum(p.tokens for p in progress.values())
     log.info(
@@ -183,13 +196,40 @@ def _build(
     return folder
 
 
-def _refuse_empty_sources(config: DatagenConfig, volume: Volume) -> None:
+def _hub_revisions(folder: Path, config: DatagenConfig, expected_hash: str) -> dict[str, str]:
+    """The commit each hub dataset of the sources is read at: the one progress.json recorded when the dataset
+    was begun, else (a fresh start) the one its repository is at now (sources.hub_revisions). A dataset begun
+    before progress.json recorded them goes on at each repository's newest commit, as it began."""
+    if all(source.hf is None for source in config.sources):
+        return {}
+    path = folder / PROGRESS_FILE
+    recorded = read_record(path) if path.is_file() else {}
+    if recorded.get("config_hash") == expected_hash:
+        pinned = recorded.get(HUB_REVISIONS)
+        if pinned is None:
+            log.warning(
+                "%s was begun before datagen recorded the commit it reads hub datasets at: it goes on at their "
+                "newest commit; if one was pushed to since, delete the folder to build it from one commit",
+                folder,
+            )
+            return {}
+        if not isinstance(pinned, dict) or not all(isinstance(v, str) for v in pinned.values()):
+            raise damaged_record(path, f"{HUB_REVISIONS} is {pinned!r}, not names and commits")
+        log.info("reading hub datasets at the commits recorded when the dataset was begun: %s", pinned)
+        return pinned
+    revisions = hub_revisions(config.sources)
+    if revisions:
+        log.info("reading hub datasets at their newest commits, recorded for every resume: %s", revisions)
+    return revisions
+
+
+def _refuse_empty_sources(config: DatagenConfig, volume: Volume, revisions: dict[str, str]) -> None:
     """Sources without one non-empty document are bad input, before a tokenizer is trained on nothing.
 
     Finished, that empty dataset and its byte-only tokenizer would be reused as they are once the
     files were fixed: neither records what the source files held.
     """
-    if next(iter_documents(config.sources, volume.root), None) is None:
+    if next(iter_documents(config.sources, volume.root, revisions=revisions), None) is None:
         described = ", ".join(source.describe() for source in config.sources)
         raise InputError(
             f"sources {described} hold no document (text files empty or only whitespace; JSONL, parquet "
@@ -370,10 +410,13 @@ class DocumentBatcher:
         watch: PreemptionWatch,
         strip_bom: bool = True,
         on_open: Callable[[str], None] | None = None,
+        revisions: dict[str, str] | None = None,
     ):
-        """`on_open`: told each source file's label as it is opened (sources.iter_source)."""
+        """`on_open`: told each source file's label as it is opened (sources.iter_source); `revisions`: the
+        commit each hub dataset is read at (_hub_revisions)."""
         self.config = config
         self.on_open = on_open
+        self.revisions = revisions
         self.volume = volume
         self.writers = writers
         self.strip_bom = strip_bom
@@ -386,7 +429,10 @@ class DocumentBatcher:
         limit = self.config.smoke_documents if self.config.mode == "smoke" else None
         for index, document in enumerate(
             itertools.islice(
-                iter_documents(self.config.sources, self.volume.root, self.strip_bom, self.on_open), limit
+                iter_documents(
+                    self.config.sources, self.volume.root, self.strip_bom, self.on_open, self.revisions
+                ),
+                limit,
             )
         ):
             self.documents_read = index + 1
@@ -423,11 +469,13 @@ def _write_shards(
     progress: dict[str, SplitProgress],
     expected_hash: str,
     reading: dict[str, bool],
+    revisions: dict[str, str],
     watch: PreemptionWatch,
     lease: Lease | None = None,
 ) -> int:
     """Encode and commit every remaining shard; returns the number of documents read. `reading`: how the
-    dataset was begun (_begun_since), recorded in progress.json with the files read so far."""
+    dataset was begun (_begun_since), recorded in progress.json with the files read so far and `revisions`,
+    the commit each hub dataset is read at (_hub_revisions)."""
     files_opened: list[str] = []
 
     def save_progress() -> None:
@@ -438,6 +486,7 @@ def _write_shards(
                 "tokenizer_sha256": tokenizer.sha256,
                 **reading,
                 SOURCE_FILES: files_opened,
+                HUB_REVISIONS: revisions,
                 "splits": {split: p.to_json() for split, p in progress.items()},
             },
         )
@@ -447,7 +496,15 @@ def _write_shards(
         split: SplitWriter(split, folder, config.shard_tokens, dtype, p, save_progress)
         for split, p in progress.items()
     }
-    batcher = DocumentBatcher(config, volume, writers, watch, reading[UTF8_BOM_STRIPPED], files_opened.append)
+    batcher = DocumentBatcher(
+        config,
+        volume,
+        writers,
+        watch,
+        reading[UTF8_BOM_STRIPPED],
+        files_opened.append,
+        revisions,
+    )
     workers = config.workers or _cpu_count()
     started, encoded = time.monotonic(), 0
 
@@ -505,6 +562,7 @@ def _manifest(
     progress: dict[str, SplitProgress],
     expected_hash: str,
     documents_read: int,
+    revisions: dict[str, str],
 ) -> dict:
     dtype = token_dtype(tokenizer.vocab_size)
     header = shard_header(0, dtype)
@@ -522,7 +580,7 @@ def _manifest(
         "total_tokens": sum(p.tokens for p in progress.values()),
         "documents": documents_read,
         "tokenizer": tokenizer.to_json(),
-        "sources": describe_sources(config.sources, volume.root),
+        "sources": describe_sources(config.sources, volume.root, revisions),
         "config": config.model_dump(mode="json"),
         "config_hash": expected_hash,
     }

@@ -15,7 +15,7 @@ import io
 import json
 import re
 import zlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 
 from trainpod.config.datagen import BUILTIN_TINY_STORIES, SourceConfig
@@ -204,13 +204,53 @@ def _parquet_documents(path: Path, field: str) -> Iterator[str]:
             yield _text(text, str(path), field)
 
 
-def _hf_documents(source: SourceConfig) -> Iterator[str]:
+def hub_revision(source: SourceConfig) -> str | None:
+    """The commit the hub dataset `source.hf` is at now. A dataset begun from it reads it at that commit on
+    every start: a push to its repository between a stop and the resume would move every document after the
+    change to another index (written twice or never, train ones into val). None where there is nothing to
+    pin: a `datasets` folder here, or the hub offline (HF_HUB_OFFLINE: the cache is read as it is)."""
+    if Path(source.hf).expanduser().exists():
+        return None
+    try:
+        from huggingface_hub import HfApi, constants
+        from huggingface_hub.errors import RepositoryNotFoundError
+    except ImportError:
+        raise InputError("an hf source needs the `datasets` package: pip install 'trainpod[hub]'") from None
+    if constants.HF_HUB_OFFLINE:
+        return None
+    try:
+        return HfApi().dataset_info(source.hf).sha
+    except RepositoryNotFoundError:
+        raise InputError(
+            f"Hugging Face dataset {source.describe()} is not on the hub, or is private or gated and HF_TOKEN "
+            "is missing; check sources[].hf, or set HF_TOKEN"
+        ) from None
+    except Exception as exc:  # network and hub outages: the supervisor starts us again later
+        raise TemporaryError(
+            f"could not reach the Hugging Face hub for {source.describe()}: {type(exc).__name__}; the pod will retry"
+        ) from None
+
+
+def hub_revisions(sources: list[SourceConfig]) -> dict[str, str]:
+    """The commit each hub dataset of `sources` is at now, by its name (hub_revision); none for a local one."""
+    revisions = {}
+    for name in dict.fromkeys(source.hf for source in sources if source.hf is not None):
+        revision = hub_revision(next(source for source in sources if source.hf == name))
+        if revision is not None:
+            revisions[name] = revision
+    return revisions
+
+
+def _hf_documents(source: SourceConfig, revision: str | None) -> Iterator[str]:
     try:
         import datasets
     except ImportError:
         raise InputError("an hf source needs the `datasets` package: pip install 'trainpod[hub]'") from None
+    at = f" at commit {revision} (pinned when this dataset was begun)" if revision else ""
     try:
-        stream = datasets.load_dataset(source.hf, source.hf_config, split=source.hf_split, streaming=True)
+        stream = datasets.load_dataset(
+            source.hf, source.hf_config, split=source.hf_split, streaming=True, revision=revision
+        )
     except (ConnectionError, TimeoutError) as exc:
         raise TemporaryError(
             f"could not reach the Hugging Face hub for {source.describe()}: "
@@ -218,8 +258,13 @@ def _hf_documents(source: SourceConfig) -> Iterator[str]:
         ) from None
     except (FileNotFoundError, ValueError) as exc:
         raise InputError(
-            f"Hugging Face dataset {source.describe()} could not be opened ({exc}); "
+            f"Hugging Face dataset {source.describe()}{at} could not be opened ({exc}); "
             "check sources[].hf, hf_config and hf_split"
+            + (
+                "; if that commit is gone from the hub, delete the dataset folder to build it anew"
+                if at
+                else ""
+            )
         ) from None
     for row in _rows_or_temporary_error(stream, source):
         if source.text_field not in row:
@@ -263,9 +308,11 @@ def iter_source(
     volume_root: Path,
     strip_bom: bool = True,
     on_open: Callable[[str], None] | None = None,
+    revision: str | None = None,
 ) -> Iterator[str]:
     """Every non-empty document of one source; `on_open` is told each file's label (file_label) as it is
-    opened, a hub dataset's name as its stream starts.
+    opened, a hub dataset's name as its stream starts; a hub dataset is read at commit `revision` (None: its
+    default branch as it is now).
 
     A record of a structured source (JSONL, parquet, a hub dataset) is kept verbatim: a trailing
     newline or indentation is part of the text (it matters for code). Only plain text split on blank
@@ -274,7 +321,7 @@ def iter_source(
     on_open = on_open or (lambda label: None)
     if source.hf is not None:
         on_open(source.describe())
-        raw: Iterator[str] = _hf_documents(source)
+        raw: Iterator[str] = _hf_documents(source, revision)
     else:
         raw = _iter_files(source, resolve_files(source, volume_root), strip_bom, volume_root, on_open)
     for document in raw:
@@ -386,12 +433,16 @@ def iter_documents(
     volume_root: Path,
     strip_bom: bool = True,
     on_open: Callable[[str], None] | None = None,
+    revisions: Mapping[str, str] | None = None,
 ) -> Iterator[str]:
     """All documents of all sources, in config order. `strip_bom`: a text file's UTF-8 byte-order mark is no
     part of its first document (False only for a dataset begun by a kit that kept it: datagen.py). `on_open`:
-    told each file's label as it is opened (iter_source)."""
+    told each file's label as it is opened (iter_source). `revisions`: the commit to read each hub dataset
+    at, by its name (hub_revisions)."""
+    revisions = revisions or {}
     for source in sources:
-        yield from iter_source(source, volume_root, strip_bom, on_open)
+        revision = revisions.get(source.hf) if source.hf is not None else None
+        yield from iter_source(source, volume_root, strip_bom, on_open, revision)
 
 
 def file_label(source: SourceConfig, path: Path, volume_root: Path) -> str:
@@ -421,12 +472,18 @@ def check_sources(sources: list[SourceConfig], volume_root: Path) -> None:
                 _format_of(path, "text" if source.path == BUILTIN_TINY_STORIES else source.format)
 
 
-def describe_sources(sources: list[SourceConfig], volume_root: Path) -> list[dict]:
-    """What the manifest records about the inputs: files with sizes and mtimes, or hf ids."""
+def describe_sources(
+    sources: list[SourceConfig], volume_root: Path, revisions: Mapping[str, str] | None = None
+) -> list[dict]:
+    """What the manifest records about the inputs: files with sizes and mtimes, or hf ids with the commit
+    read (`revisions`, None where none was pinned)."""
     described = []
     for source in sources:
         if source.hf is not None:
-            described.append({"hf": source.hf, "config": source.hf_config, "split": source.hf_split})
+            revision = (revisions or {}).get(source.hf)
+            described.append(
+                {"hf": source.hf, "config": source.hf_config, "split": source.hf_split, "revision": revision}
+            )
             continue
         files = [
             {"path": str(p), "bytes": p.stat().st_size, "mtime_ns": p.stat().st_mtime_ns}

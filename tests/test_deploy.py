@@ -358,6 +358,29 @@ def test_deploy_refuses_a_volume_change_with_exit_2_naming_the_config(fake, tmp_
     assert "volume.data_center: EU-RO-1 again" in out
 
 
+def test_a_refused_deploy_leaves_the_users_stop_in_place(fake, tmp_path, monkeypatch, capsys):
+    """`trainpod deploy` cleared the run's STOPPED (`trainpod stop`) before it was refused (here its volume
+    moved, exit 2): the refusal said nothing was done, yet the next look of a supervisor (supervise.yml's, a
+    loop elsewhere) found the stopped pod and no stop, and started it again, billing."""
+    from trainpod.runpod.supervise import SupervisorState, state_path
+
+    volume = tmp_path / "volume"
+    (volume / "runs").mkdir(parents=True)
+    monkeypatch.setenv("TRAINPOD_VOLUME", str(volume))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    (tmp_path / "old").mkdir()
+    supervised = write_config(tmp_path / "old")
+    deploy(client_for(fake), load_config(DeployConfig, supervised))
+    assert cli.main(["stop", "tiny"]) == 0
+    assert cli.main(["deploy", str(write_config(tmp_path, **{"volume.data_center": "US-KS-2"}))]) == 2
+    assert "volume.data_center: EU-RO-1 again" in capsys.readouterr().out
+    assert (volume / "runs/.tiny.STOPPED").exists(), "the refused deploy cleared the stop"
+    assert SupervisorState.load(state_path(None, "tiny")).stopped_unix is not None
+    assert cli.main(["supervise", "tiny", "--config", str(supervised), "--once"]) == 0
+    (pod,) = fake.pods_named("tiny-pretrain")
+    assert pod["desiredStatus"] == "EXITED", "the stopped pod was started again"
+
+
 @pytest.mark.parametrize("run", ["tiny", None], ids=["one run", "every run"])
 def test_status_on_a_laptop_with_only_the_api_key_shows_the_pods_and_what_the_volume_would_add(
     fake, tmp_path, monkeypatch, capsys, run

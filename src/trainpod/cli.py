@@ -428,10 +428,12 @@ def deploy(
 
         volume = Volume.from_env()
         mounted = volume if volume.root.is_dir() else None
-        # deploy: resume (a supervisor that still saw STOPPED would end at once)
-        mark_stopped(cfg.run, mounted, False, None if mounted else _supervised_volume_s3(config))
+
+        def resume() -> None:  # a supervisor that still saw STOPPED would end at once; a refusal keeps it
+            mark_stopped(cfg.run, mounted, False, None if mounted else _supervised_volume_s3(config))
+
         record = DeployRecord(bool(cfg.pod.spot), secrets is not None, time.time())
-        done = deploying.deploy(client, cfg, secrets, deployed=record.to_json())
+        done = deploying.deploy(client, cfg, secrets, deployed=record.to_json(), accepted=resume)
         if done.action != "reused":  # a running pod kept as it is may differ from this config: a look tells
             _record_deployment(cfg, mounted, done.volume.id, secrets is not None, spot is not None)
         print(f"{done.summary()}; supervise it with: "

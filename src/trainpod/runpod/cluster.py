@@ -203,9 +203,13 @@ def recreate(
 
 
 def deploy_cluster(
-    client: RunPodClient, config: DeployConfig, secret_values: dict[str, str] | None = None
+    client: RunPodClient,
+    config: DeployConfig,
+    secret_values: dict[str, str] | None = None,
+    accepted: Callable[[], None] = lambda: None,
 ) -> ClusterDeployment:
-    """Volume and cluster of `config`: a whole cluster of that name is reused, a broken one recreated."""
+    """Volume and cluster of `config`: a whole cluster of that name is reused, a broken one recreated.
+    `accepted`: called once nothing refuses the deploy any more, before anything is made (deploy.deploy)."""
     from trainpod.runpod.deploy import ensure_volume, pod_env, refuse_another_volume
 
     check_cluster_config(config)
@@ -213,6 +217,7 @@ def deploy_cluster(
     seen = look(client, config)
     # Before a new volume is made, or a broken cluster made again there (the run over, from nothing).
     refuse_another_volume(client, config, seen.nodes)
+    accepted()
     volume = ensure_volume(client, config)
     if seen.whole:
         log.info("cluster %s (%s) is up: reusing it", seen.cluster.name, seen.cluster.id)

@@ -364,17 +364,21 @@ def deploy(
     config: DeployConfig,
     secret_values: dict[str, str] | None = None,
     deployed: str | None = None,
+    accepted: Callable[[], None] = lambda: None,
 ) -> Deployment | ClusterDeployment:
     """Template, volume and pod of `config`, each created only when missing; or (nodes > 1) its cluster.
-    `deployed`: the deploy's record (DeployRecord as JSON) for a new pod's env, DEPLOYED_ENV."""
+    `deployed`: the deploy's record (DeployRecord as JSON) for a new pod's env, DEPLOYED_ENV. `accepted`: called
+    once nothing refuses the deploy any more, before anything is made or started (`trainpod deploy` clears the
+    run's stop there: a refused deploy changes nothing)."""
     if config.nodes > 1:
-        return deploy_cluster(client, config, secret_values)
+        return deploy_cluster(client, config, secret_values, accepted)
     env = pod_env(config, secret_values)  # first: a config with too many variables sends nothing
     # At RunPod's limit the pod goes without its record: only a deploy that reaches the volume writes it then.
     if deployed is not None and len(env) < MAX_POD_ENV:
         env[DEPLOYED_ENV] = deployed
     pods = client.list_pods(name=config.pod_name)
     refuse_another_volume(client, config, pods)  # first: nothing is made or started for a config that moved
+    accepted()
     template = ensure_template(client, config)
     volume = ensure_volume(client, config)
     running = next((p for p in pods if p.desired_status == "RUNNING"), None)

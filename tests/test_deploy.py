@@ -402,6 +402,28 @@ def test_status_on_a_laptop_with_only_the_api_key_shows_the_pods_and_what_the_vo
     assert "no volume mounted here" in out and "AWS_ACCESS_KEY_ID" in out and "--config" in out
 
 
+def test_status_with_a_deploy_config_and_only_the_api_key_shows_the_runs_pods(
+    fake, tmp_path, monkeypatch, capsys
+):
+    """`trainpod status tiny --config deploy.yaml` (the README's way to reach the volume from a laptop) without
+    RunPod's S3 key was exit 2 'the S3 API needs AWS_ACCESS_KEY_ID ...', showing none of the pods the API key
+    alone lists, as `trainpod status tiny` without --config shows them."""
+    for name in (
+        "TRAINPOD_VOLUME",
+        "TRAINPOD_S3_VOLUME",
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_PROFILE",
+    ):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr("trainpod.volume.DEFAULT_VOLUME", str(tmp_path / "workspace"))
+    deploy(client_for(fake), config(tmp_path))
+    assert cli.main(["status", "tiny", "--config", str(write_config(tmp_path))]) == 0
+    out = capsys.readouterr().out
+    assert "tiny: 1 pod(s) on RunPod" in out and "RUNNING, up <1m | 1 x NVIDIA H100 80GB HBM3" in out
+    assert "AWS_ACCESS_KEY_ID" in out, "what the S3 key would add is said"
+
+
 def test_status_with_neither_a_volume_nor_an_api_key_still_says_where_to_look(tmp_path, monkeypatch, capsys):
     for name in ("TRAINPOD_VOLUME", "TRAINPOD_S3_VOLUME", "RUNPOD_API_KEY"):
         monkeypatch.delenv(name, raising=False)

@@ -82,11 +82,16 @@ def status(
     volume through RunPod's S3 API (--s3-volume and --datacenter, or --config DEPLOY.yaml, else
     $TRAINPOD_S3_VOLUME and $TRAINPOD_S3_DATACENTER). With neither, the run's pods from RunPod's API alone.
     """
+    from trainpod.remote.s3 import s3_key_here
+
     if _wants_s3(volume, s3_volume, config):
+        if not s3_key_here() and _api_key_here():  # a laptop with RUNPOD_API_KEY alone: its pods at least
+            return _reported(lambda: _status_from_api(run_name, "no S3 API key here to read the volume with"))
         return _reported(lambda: _status_via_s3(run_name, s3_volume, datacenter, config))
     named = volume or os.environ.get("TRAINPOD_VOLUME")  # a named one that is not there is a typo: exit 2
     if not named and not Volume.from_env().root.is_dir() and _api_key_here():
-        return _reported(lambda: _status_from_api(run_name))  # a laptop with RUNPOD_API_KEY alone
+        no_volume = f"no volume mounted here ({Volume.from_env().root}) and no S3 volume named"
+        return _reported(lambda: _status_from_api(run_name, no_volume))  # a laptop with RUNPOD_API_KEY alone
     return _reported(lambda: _status_here(run_name, Volume(_mounted_root(volume))))
 
 
@@ -99,12 +104,12 @@ def _api_key_here() -> bool:
         return False
 
 
-def _status_from_api(run_name: str | None) -> int:
-    """No volume here and none named through S3: the pods RunPod's API shows, and how to see the rest."""
+def _status_from_api(run_name: str | None, unread: str) -> int:
+    """The volume cannot be read (`unread` says why): the pods RunPod's API shows, and how to see the rest."""
     print(
-        f"no volume mounted here ({Volume.from_env().root}) and no S3 volume named: the run's step, loss, ETA, "
-        "cost and checkpoint are on the volume; export RunPod's S3 key (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) "
-        "and pass --config DEPLOY.yaml (or --s3-volume and --datacenter), or --volume where it is mounted"
+        f"{unread}: the run's step, loss, ETA, cost and checkpoint are on the volume; export RunPod's S3 key "
+        "(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) and pass --config DEPLOY.yaml (or --s3-volume and "
+        "--datacenter), or --volume where it is mounted"
     )
     _print_pods(run_name, [], must_show=True)
     return ExitCode.DONE

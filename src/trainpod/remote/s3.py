@@ -113,6 +113,17 @@ def target_from(
     return S3Target(volume_id, datacenter, endpoint_for(datacenter, environ))
 
 
+def s3_key_here() -> bool:
+    """Whether the S3 views can run here: boto3 installed and an S3 key found (the environment, AWS_PROFILE,
+    ~/.aws), as _make_client looks for it."""
+    try:
+        import boto3
+    except ModuleNotFoundError:
+        return False
+    logging.getLogger("botocore").setLevel(logging.WARNING)
+    return boto3.session.Session().get_credentials() is not None
+
+
 def _boto3() -> Any:
     try:
         import boto3

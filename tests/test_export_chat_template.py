@@ -118,6 +118,16 @@ def test_an_adapters_tokenizer_chats_as_trained(exported):
     assert_chats_as_trained(exported / "runs" / FINETUNE_RUN / "export" / "adapter")
 
 
+def test_an_adapters_generation_config_stops_at_its_end_of_turn(exported):
+    """The full export's generation_config.json stops at <|im_end|>; the adapter folder had none, so
+    GenerationConfig.from_pretrained(adapter) (what generate() and vLLM's --generation-config take, since peft and
+    transformers load an adapter's base with the base's own, eos alone) failed, and generate() ran past the end
+    of turn the answers were trained with."""
+    adapter = exported / "runs" / FINETUNE_RUN / "export" / "adapter"
+    assert im_end(adapter) in stop_ids(adapter), "generate() must stop at the <|im_end|> the answers end with"
+    assert AutoTokenizer.from_pretrained(adapter).eos_token_id in stop_ids(adapter)
+
+
 def test_a_merged_adapter_chats_and_stops_as_trained_though_its_folder_had_no_template(exported, tmp_path):
     """An adapter exported before its tokenizer carried the template: the merge gives it one from
     training_summary.json, and the end of turn as eos."""

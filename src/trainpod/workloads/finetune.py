@@ -722,6 +722,7 @@ class Finetuner(Trainer):
             with self.abandoning_export():
                 self.model.save_pretrained(str(tmp), safe_serialization=True)
                 self.save_processor(tmp)
+                self._save_generation_config(tmp)
                 carry_training_template(tmp, self.data.manifest.get("template"))
                 atomic.write_json(tmp / "training_summary.json", self.training_summary())
                 write_export_manifest(tmp)
@@ -734,6 +735,16 @@ class Finetuner(Trainer):
             raise
         log.info("exported the PEFT adapter to %s", target)
         return target
+
+    def _save_generation_config(self, folder: Path) -> None:
+        """The base's generation config beside the adapter, for carry_training_template to add the template's end
+        of turn to its eos_token_id as in the full export: peft and transformers load an adapter's base with the
+        base's own, which stops at eos alone (a base Qwen2.5's <|endoftext|>) past the <|im_end|> the answers
+        were trained to end with; generate(generation_config=GenerationConfig.from_pretrained(adapter)) and
+        vLLM's --generation-config take this one."""
+        base = self.model.get_base_model()
+        if base.can_generate():
+            base.generation_config.save_pretrained(str(folder))
 
     def _name_hub_base_in_adapter_config(self) -> None:
         """A base from the hub is named in adapter_config.json by its hub id and the commit trained on, as

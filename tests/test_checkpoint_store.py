@@ -275,3 +275,16 @@ def test_every_folder_between_a_nested_file_and_the_checkpoint_is_fsynced_before
     store.commit(pending, 1, {})
     inside = [p.relative_to(pending.dir).as_posix() for p in synced if p.is_relative_to(pending.dir)]
     assert inside == ["a/b", "a", "."], inside  # deepest first, the checkpoint's folder last
+
+
+def test_checkpoints_without_the_configured_metric_do_not_compete_with_their_eval_loss(tmp_path):
+    """generation_eval.every_evals=2 with early_stopping_metric=cer: every other eval measures the CER, the
+    evals between record an eval loss alone. Ranked by that loss as if it were a CER, step 10's 0.05 beat
+    step 20's CER of 0.1, and step 20, the run's best by its metric, was deleted."""
+    store = CheckpointStore(tmp_path, keep_last=1, keep_best=1)
+    for step, loss, cer in ((10, 0.05, None), (20, 0.06, 0.1), (30, 0.04, None), (40, 0.05, 0.3)):
+        pending = store.begin(step)
+        pending.write_bytes("weights.bin", b"w" * step)
+        store.commit(pending, step, {}, eval_loss=loss, score=("eval_cer", cer) if cer is not None else None)
+    kept = sorted(int(p.name.split("-")[1]) for p in tmp_path.glob("step-*"))
+    assert kept == [20, 40], "the lowest CER (step 20) and the newest; an eval loss is no CER"

@@ -79,6 +79,12 @@ class CommittedCheckpoint:
         return score["value"] if score else self.eval_loss
 
     @property
+    def ranked_by(self) -> str:
+        """The metric `score` is a value of: eval_loss where the manifest names none."""
+        score = self.manifest.get("score")
+        return score["metric"] if score else "eval_loss"
+
+    @property
     def metadata(self) -> dict[str, Any]:
         return self.manifest.get("metadata", {})
 
@@ -490,7 +496,12 @@ class CheckpointStore:
         """Delete checkpoints beyond the last k and best k (by `score`); never the one LATEST names."""
         checkpoints = self.committed()
         keep = {c.step for c in checkpoints[: self.keep_last]}
-        scored = sorted((c for c in checkpoints if c.score is not None), key=lambda c: (c.score, -c.step))
+        # Ranked by the metric the newest manifest with a score names (eval_loss where none has one, as before
+        # scores) alone: under a generation metric measured every k-th eval (eval_cer), the checkpoints of the
+        # evals between hold an eval loss, which is no CER to beat.
+        metric = next((c.ranked_by for c in checkpoints if c.manifest.get("score")), "eval_loss")
+        ranked = (c for c in checkpoints if c.score is not None and c.ranked_by == metric)
+        scored = sorted(ranked, key=lambda c: (c.score, -c.step))
         keep |= {c.step for c in scored[: self.keep_best]}
         latest_name = self._latest_name()
         deleted = []

@@ -288,3 +288,14 @@ def test_checkpoints_without_the_configured_metric_do_not_compete_with_their_eva
         store.commit(pending, step, {}, eval_loss=loss, score=("eval_cer", cer) if cer is not None else None)
     kept = sorted(int(p.name.split("-")[1]) for p in tmp_path.glob("step-*"))
     assert kept == [20, 40], "the lowest CER (step 20) and the newest; an eval loss is no CER"
+
+
+def test_a_nan_eval_loss_never_ranks_as_best_and_the_best_checkpoint_stays(tmp_path):
+    """A run that diverged (an HF Trainer goes on saving after it, its evals NaN) is what keep_best is for. NaN
+    compares neither lower nor higher, so the sort kept the NaN checkpoints as the best and deleted step 10,
+    the best one, and step 20, the last good one."""
+    store = CheckpointStore(tmp_path, keep_last=2, keep_best=1)
+    for step, loss in ((10, 0.5), (20, 1.0), (30, float("nan")), (40, float("nan")), (50, float("nan"))):
+        commit(store, step, eval_loss=loss)
+    kept = sorted(int(p.name.split("-")[1]) for p in tmp_path.glob("step-*"))
+    assert kept == [10, 40, 50], "the best finite eval loss (step 10) and the newest two"

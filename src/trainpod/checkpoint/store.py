@@ -22,6 +22,7 @@ import bisect
 import contextlib
 import hashlib
 import logging
+import math
 import os
 import re
 import shutil
@@ -500,7 +501,8 @@ class CheckpointStore:
         # scores) alone: under a generation metric measured every k-th eval (eval_cer), the checkpoints of the
         # evals between hold an eval loss, which is no CER to beat.
         metric = next((c.ranked_by for c in checkpoints if c.manifest.get("score")), "eval_loss")
-        ranked = (c for c in checkpoints if c.score is not None and c.ranked_by == metric)
+        # A NaN (a diverged eval) compares neither lower nor higher and broke the sort: it ranked as the best.
+        ranked = (c for c in checkpoints if _finite(c.score) and c.ranked_by == metric)
         scored = sorted(ranked, key=lambda c: (c.score, -c.step))
         keep |= {c.step for c in scored[: self.keep_best]}
         latest_name = self._latest_name()
@@ -548,6 +550,10 @@ class CheckpointStore:
         except FileNotFoundError:  # another rank restoring at the same time moved it aside first
             return
         log.warning("moved the invalid checkpoint to %s (delete it when you no longer need it)", aside.name)
+
+
+def _finite(score: float | None) -> bool:
+    return score is not None and math.isfinite(score)
 
 
 def _read_piece(path: Path, start: int) -> bytes:

@@ -377,3 +377,39 @@ def test_the_hub_token_given_to_training_arguments_never_reaches_a_committed_che
     finally:
         callback.ckpt.close()
     assert (tmp_path / "run/checkpoints/LATEST").read_text() == "step-4\n"
+
+
+def test_an_eval_before_a_save_is_not_counted_as_the_saves_time_at_a_stop(tmp_path):
+    """eval_steps = save_steps, a common setting: HF evaluates and then saves. The callback timed the save from
+    the step's end, the eval included, so with an eval of a few seconds a stop never saved (it needed more than
+    the 5 s window) and lost every step since the last save, though the save (with no eval at a stop) takes
+    a fraction of a second."""
+    import time
+
+    from transformers import TrainerCallback
+
+    class SlowToEvaluate(_Regression):
+        def forward(self, x, labels):
+            if not self.training:
+                time.sleep(1)  # an eval of 4 s: 16 rows in batches of 4
+            return super().forward(x, labels)
+
+    class SigtermAtStep3(TrainerCallback):  # before the callback's on_step_end, as a SIGTERM during step 3
+        def on_step_end(self, args, state, control, **_):
+            if state.global_step == 3:
+                callback.ckpt.watch.request("SIGTERM")
+
+    trainer, callback = _regression_trainer(tmp_path / "run", max_steps=6)
+    trainer.args.eval_strategy = "steps"
+    trainer.args.eval_steps = 2
+    trainer.args.per_device_eval_batch_size = 4
+    trainer.eval_dataset = trainer.train_dataset
+    trainer.model.__class__ = SlowToEvaluate
+    trainer.callback_handler.callbacks.insert(0, SigtermAtStep3())
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            trainer.train()
+    finally:
+        callback.ckpt.close()
+    assert stopped.value.code == 143
+    assert (tmp_path / "run/checkpoints/LATEST").read_text() == "step-3\n", "the stop's save fits the window"

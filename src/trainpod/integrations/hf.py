@@ -15,8 +15,8 @@ the same commit path as every trainpod checkpoint. `resume_from_checkpoint()` re
 checkpoint that verifies (older ones are tried in turn) or None; anything left in staging is
 discarded (also when the callback is made, before HF's own get_last_checkpoint could find it). A Trainer
 that starts below the newest committed step (it resumed from elsewhere, or not at all) is refused before
-its first step. On SIGTERM the step in flight ends, a save is made when the last one's duration (x 1.5)
-fits the window, and the process exits 143 (a SIGTERM during a save: right after its commit).
+its first step. On SIGTERM the step in flight ends, a save is made when the last one's duration (x 1.5;
+HF's save and the commit, not an eval HF ran before it) fits the window, and the process exits 143 (a SIGTERM during a save: right after its commit).
 
 Not supported: `load_best_model_at_end` (it wants HF's own folder layout; refused when the Trainer is made): use the
 store's keep_best, which ranks each checkpoint by the eval loss HF logged at its step.
@@ -119,12 +119,19 @@ class TrainpodCallback(TrainerCallback):
             self._exit(ExitCode.PREEMPTED)
         if no_time:
             log.warning(
-                "stop requested: a save needs about %.1f s, less than is left; exiting without one (newest: step %s)",
+                "stop requested: a save needs about %.1f s, more than is left; exiting without one (newest: step %s)",
                 self._save_needs_seconds(),
                 self.ckpt.last_committed_step,
             )
             self._exit(ExitCode.PREEMPTED)
         control.should_save, control.should_evaluate, self._stopping = True, False, True
+        return control
+
+    def on_evaluate(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **_: Any):
+        # HF evaluates between the step's end and the save: the save is timed from here. Counted in, an eval of a
+        # few seconds (eval_steps = save_steps) made every stop's save look longer than the window, and a stop
+        # at a step, which saves without an eval, exited without one.
+        self._save_started = time.monotonic()
         return control
 
     def _stop_flags(self) -> list[bool]:

@@ -517,3 +517,37 @@ def test_ranks_rng_files_go_with_their_checkpoints_and_with_commits_that_never_h
     from trainpod.checkpoint.directory import verify_committed
 
     assert verify_committed(CheckpointStore(run / "checkpoints"))[0].name == "step-3"
+
+
+def test_at_a_stop_the_other_ranks_save_their_rng_state_whenever_rank_0_commits(tmp_path, monkeypatch):
+    """README's loop commits at a stop where `ckpt.commit_fits()`, which each rank answers. Rank 0 answered by
+    its last commit's measured time, another rank (which writes only its RNG state) by a guess from the
+    checkpoint's size at 200 MB/s: rank 0 committed the stop's step and rank 1 left its RNG state out, so the
+    resumed rank 1 drew rank 0's stream. (A 0.7 s window here stands for 5 s with a 1.5 GB checkpoint, which
+    the guess puts at 8 s, written in 2 on a fast disk.)"""
+    run = tmp_path / "run"
+    model = torch.nn.Linear(64, 64)
+    monkeypatch.setenv("TRAINPOD_LEASE_HELD", "1")  # the kit holds the run's lease for a command program
+    ranks = {}
+    for rank in (1, 0):
+        monkeypatch.setenv("RANK", str(rank))
+        ranks[rank] = Checkpointer(run, window_seconds=0.7, watch_signals=False).open()
+
+    def loop_step(step: int, stop: bool) -> None:
+        """README's loop after `step` on each rank (rank 1's commit first, as ranks run apart)."""
+        for rank in (1, 0):
+            monkeypatch.setenv("RANK", str(rank))
+            if stop:
+                ranks[rank].watch.request("SIGTERM")
+            torch.manual_seed(100 * rank + step)  # each rank's own stream
+            if step % 2 == 0 or (stop and ranks[rank].commit_fits()):
+                ranks[rank].commit(step, model=model)
+
+    loop_step(2, stop=False)
+    loop_step(3, stop=True)
+    assert (run / "checkpoints/LATEST").read_text().strip() == "step-3", "rank 0's commit fits the window"
+    monkeypatch.setenv("RANK", "1")
+    torch.manual_seed(100 + 3)
+    expected = torch.rand(3)
+    Checkpointer(run, watch_signals=False).open().restore().restore_rng()
+    assert torch.equal(torch.rand(3), expected), "rank 1 resumed on rank 0's RNG stream, not its own"

@@ -413,3 +413,30 @@ def test_an_eval_before_a_save_is_not_counted_as_the_saves_time_at_a_stop(tmp_pa
         callback.ckpt.close()
     assert stopped.value.code == 143
     assert (tmp_path / "run/checkpoints/LATEST").read_text() == "step-3\n", "the stop's save fits the window"
+
+
+def test_a_stop_saves_when_the_last_saves_measured_time_fits_whatever_the_size_guess_says(
+    tmp_path, monkeypatch
+):
+    """README: a save is made if the last one's duration fits the window. The callback took the larger of that
+    and a guess from the checkpoint's size at 200 MB/s (0.5 s + 5 s per GB), so a checkpoint of 1 GB or more
+    never saved at a stop however fast the last save was. (A 0.7 s window here stands for 5 s with such a
+    checkpoint: the guess alone, 0.5 s x 1.5, does not fit it; the last save, a fraction of it, does.)"""
+    from transformers import TrainerCallback
+
+    class SigtermAtStep3(TrainerCallback):  # before the callback's on_step_end, as a SIGTERM during step 3
+        def on_step_end(self, args, state, control, **_):
+            if state.global_step == 3:
+                callback.ckpt.watch.request("SIGTERM")
+
+    monkeypatch.setenv("TRAINPOD_PREEMPTION_WINDOW_S", "0.7")
+    trainer, callback = _regression_trainer(tmp_path / "run", max_steps=6)
+    trainer.callback_handler.callbacks.insert(0, SigtermAtStep3())
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            trainer.train()
+    finally:
+        callback.ckpt.close()
+    assert stopped.value.code == 143
+    assert callback.save_seconds * 1.5 < 0.7, f"the last save took {callback.save_seconds:.2f} s: no test"
+    assert (tmp_path / "run/checkpoints/LATEST").read_text() == "step-3\n", "the stop's save fits the window"

@@ -144,7 +144,11 @@ class TrainpodCallback(TrainerCallback):
         return self.ckpt.lease is not None and self.ckpt.lease.lost.is_set()
 
     def _save_needs_seconds(self) -> float:
-        return max(self.save_seconds or 0.0, self.ckpt.expected_commit_seconds()) * COMMIT_MARGIN
+        """The last save's measured time (HF's writes and the commit), else a guess from the checkpoint's size;
+        never the larger of the two: the guess (200 MB/s) outweighed any measured save of a checkpoint of 1 GB
+        or more, and such a run never saved at a stop."""
+        measured = self.save_seconds
+        return (measured if measured is not None else self.ckpt.expected_commit_seconds()) * COMMIT_MARGIN
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **_: Any):
         folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"

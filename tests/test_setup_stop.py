@@ -160,3 +160,47 @@ def test_a_sigterm_while_a_pretrain_reads_its_checkpoint_ends_the_start_with_the
     assert resumed.returncode == ExitCode.DONE, resumed.stdout + resumed.stderr
     assert "resumed from step-2" in resumed.stdout
     assert exported_weights(volume) == uninterrupted, "the resumed run did not train to the same weights"
+
+
+VERIFY_DRIVER = """
+import os, runpy, sys, time
+from pathlib import Path
+from trainpod.checkpoint.store import CheckpointStore
+
+real_verify = CheckpointStore.verify
+
+
+def verify(self, path):
+    Path(os.environ["STOP_MARKER"]).touch()
+    for _ in range(12000):  # sha256 over every piece of a large checkpoint on a network volume: minutes
+        time.sleep(0.01)
+    return real_verify(self, path)
+
+
+CheckpointStore.verify = verify
+sys.argv = ["trainpod", *sys.argv[1:]]
+runpy.run_module("trainpod", run_name="__main__")
+"""
+
+
+def test_a_sigterm_while_a_pretrain_verifies_its_checkpoint_ends_the_start_with_the_lease_released(
+    volume: Path, tmp_path: Path
+) -> None:
+    """The checkpoint to resume from is verified first, every byte hashed (minutes for tens of GB read from the
+    network volume), outside the setup a stop ends at once: the start verified on into the SIGKILL with the
+    run's lease held, and the next start on another host waited out its TTL."""
+    finished = run_trainpod(*PRETRAIN, volume=volume)
+    assert finished.returncode == ExitCode.DONE, finished.stdout + finished.stderr
+    run = volume / "runs" / RUN
+    (run / "DONE").unlink()  # as a stop after step 4's commit leaves it: no DONE yet
+    shutil.rmtree(run / "export" / "hf")
+
+    code, out = sigterm_once_marked(
+        VERIFY_DRIVER, PRETRAIN, volume, tmp_path / "verifying", {}, "checkpoint's verification"
+    )
+    assert code == ExitCode.PREEMPTED, f"a stop while the checkpoint is verified must exit 143:\n{out}"
+    assert not (run / "LEASE").exists(), f"the stopped start kept the run's lease:\n{out}"
+    assert (run / "checkpoints" / "LATEST").read_text().strip() == "step-4", out
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["LATEST", "step-2", "step-4"], out
+    assert json.loads((run / "status.json").read_text())["state"] == "preempted", out
+    assert "Traceback" not in out, out

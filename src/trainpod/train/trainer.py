@@ -210,10 +210,11 @@ class Trainer:
 
     @contextlib.contextmanager
     def abandoning_setup(self) -> Iterator[None]:
-        """Where a stop signal ends the setup of a start (the model's load and wrapping, the checkpoint's read) at
-        once with Preempted, exit 143: nothing of this start is committed yet, and the next start sets up again.
-        Answered at the first step, a load of minutes (a large model read from the network volume, quantized
-        on load) met the SIGKILL with the run's lease held, which a new pod on another host waited out.
+        """Where a stop signal ends the setup of a start (the model's load and wrapping, the checkpoint's
+        verification and read) at once with Preempted, exit 143: nothing of this start is committed yet, and
+        the next start sets up again. Answered at the first step, a load of minutes (a large model read from
+        the network volume, quantized on load) met the SIGKILL with the run's lease held, which a new pod on
+        another host waited out.
 
         One rank only: under several, the setup holds collectives (barriers, the broadcast of the checkpoint
         to resume, FSDP's wrap) that a rank leaving alone would leave the others waiting in; the ranks stop
@@ -253,7 +254,11 @@ class Trainer:
         """Load the newest valid checkpoint, if any; returns the step training continues after."""
         step = -1.0
         if self.dist.is_main:
-            latest = self.store.latest()  # also removes what an interrupted commit left behind
+            # The verification reads every byte (minutes for tens of GB on a network volume): a stop ends it
+            # as it ends the rest of the setup. Each of its writes (a leftover's removal, a rename aside,
+            # LATEST) is whole or a leftover the next start removes.
+            with self.abandoning_setup():
+                latest = self.store.latest()  # also removes what an interrupted commit left behind
             step = float(latest.step) if latest else -1.0
         D.wait_for_main(self.dist)  # verify_mode sha256 reads every byte: minutes for a large model
         step = int(D.broadcast_from_main(self.dist, step))

@@ -551,3 +551,18 @@ def test_at_a_stop_the_other_ranks_save_their_rng_state_whenever_rank_0_commits(
     expected = torch.rand(3)
     Checkpointer(run, watch_signals=False).open().restore().restore_rng()
     assert torch.equal(torch.rand(3), expected), "rank 1 resumed on rank 0's RNG stream, not its own"
+
+
+def test_a_state_that_would_not_load_back_is_refused_at_the_commit_not_at_every_restore(tmp_path):
+    """A state with a numpy value (a position counted in an array, np.random.get_state()) was committed, and
+    every later start failed to restore it: torch.load(weights_only=True) refuses numpy's types, so the run
+    could not resume from any checkpoint it had made since. The commit now says so, and commits nothing."""
+    model, optimizer = trained_pair()
+    with Checkpointer(tmp_path / "run", watch_signals=False) as ckpt:
+        ckpt.commit(1, model=model, optimizer=optimizer, sampler={"epoch": 0, "position": 5})
+        with pytest.raises(InputError, match=r"sampler.*would not load back.*numpy.*int\(x\)") as caught:
+            ckpt.commit(2, model=model, optimizer=optimizer, sampler={"epoch": 0, "position": np.int64(9)})
+        assert caught.value.exit_code == 2
+        restored = ckpt.restore()
+        assert restored.step == 1
+        assert restored.object("sampler") == {"epoch": 0, "position": 5}

@@ -30,9 +30,12 @@ from __future__ import annotations
 
 import atexit
 import gc
+import io
 import json
 import logging
 import os
+import pickle
+import re
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -361,4 +364,38 @@ def _state_file(name: str, state: Any) -> tuple[str, Any]:
         )
     if hasattr(state, "state_dict"):
         state = state.state_dict()
+    _refuse_what_would_not_load_back(name, state)
     return f"{name}.pt", state
+
+
+def _refuse_what_would_not_load_back(name: str, state: Any) -> None:
+    """InputError (exit 2) when `<name>.pt` would not load with weights_only=True, as `Restored` loads it: a
+    numpy value in it (a position counted in an array, np.random.get_state()) was committed without a word,
+    and every later start failed to restore it. Checked on the structure alone, each tensor left out (tensors
+    load; thousands of them made the check take seconds): the values around them are what it refuses."""
+    buffer = io.BytesIO()
+    torch.save(_without_tensor_data(state), buffer)
+    buffer.seek(0)
+    try:
+        torch.load(buffer, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
+        what = refused.group(1) if refused else str(exc).splitlines()[0]
+        raise InputError(
+            f"the state {name!r} would not load back: it holds {what}, which torch.load(weights_only=True) "
+            "refuses, so no start could restore this checkpoint. Store plain values in it (int(x), float(x), "
+            "x.tolist() for numpy's), or allow the type with torch.serialization.add_safe_globals before "
+            "commit and restore"
+        ) from None
+
+
+def _without_tensor_data(value: Any) -> Any:
+    """`value` as the commit writes it (containers rebuilt as checkpoint/writer.py's snapshot does), each
+    tensor None."""
+    if isinstance(value, torch.Tensor):
+        return None
+    if isinstance(value, dict):
+        return {k: _without_tensor_data(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_without_tensor_data(v) for v in value)
+    return value

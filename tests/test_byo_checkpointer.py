@@ -6,6 +6,7 @@ import json
 import os
 import random
 import signal
+from collections import namedtuple
 
 import numpy as np
 import pytest
@@ -566,3 +567,15 @@ def test_a_state_that_would_not_load_back_is_refused_at_the_commit_not_at_every_
         restored = ckpt.restore()
         assert restored.step == 1
         assert restored.object("sampler") == {"epoch": 0, "position": 5}
+
+
+Position = namedtuple("Position", "epoch index")  # module level: pickle finds a class by its name
+
+
+def test_a_state_holding_a_named_tuple_is_refused_with_the_same_message_not_a_type_error(tmp_path):
+    """The check rebuilds the state's containers without their tensors: a namedtuple, which cannot be rebuilt
+    from one iterable, crashed the commit with a TypeError (exit 1) instead of saying what would not load."""
+    model, optimizer = trained_pair()
+    refused = pytest.raises(InputError, match=r"sampler.*would not load back.*Position")
+    with Checkpointer(tmp_path / "run", watch_signals=False) as ckpt, refused:
+        ckpt.commit(1, model=model, optimizer=optimizer, sampler={"at": Position(0, torch.tensor(5))})

@@ -396,6 +396,8 @@ def _without_tensor_data(value: Any) -> Any:
         return None
     if isinstance(value, dict):
         return {k: _without_tensor_data(v) for k, v in value.items()}
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple takes its fields one by one
+        return type(value)(*(_without_tensor_data(v) for v in value))
     if isinstance(value, (list, tuple)):
         return type(value)(_without_tensor_data(v) for v in value)
     return value

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -77,6 +78,24 @@ class Progress:
     # The training loss of the newest log line: the summary (DONE, the export's) names it also after a resume
     # that trains no step (a stop during the final export makes it again from the last checkpoint).
     last_loss: float | None = None
+
+    def note_eval(self, step: int, eval_loss: float, score: float | None, min_delta: float) -> None:
+        """An eval's loss and ranked score (None: a generation metric not measured at this eval) into the history
+        early stopping reads. A score that is not finite (a diverged eval) never becomes the best: as the
+        best, no later eval could beat it (every comparison with NaN is false), and early stopping ended a
+        run that had recovered once its patience ran out."""
+        self.last_eval_loss, self.last_eval_step = eval_loss, step
+        if math.isfinite(eval_loss):
+            self.best_eval_loss = (
+                eval_loss if self.best_eval_loss is None else min(self.best_eval_loss, eval_loss)
+            )
+        if score is None:
+            return
+        self.last_score, self.last_score_step = score, step
+        if math.isfinite(score) and (self.best_score is None or score < self.best_score - min_delta):
+            self.best_score, self.evals_without_improvement = score, 0
+        else:
+            self.evals_without_improvement += 1
 
 
 @dataclass
@@ -473,16 +492,9 @@ class Trainer:
         self.eval_metrics = {}
         eval_loss = self.evaluate(model, step)
         model.train()
-        p = self.progress
-        p.last_eval_loss, p.last_eval_step = eval_loss, step
-        p.best_eval_loss = eval_loss if p.best_eval_loss is None else min(p.best_eval_loss, eval_loss)
+        # A generation metric is measured only every k-th eval: no score at the others.
         score = eval_loss if self.ranked_metric == "eval_loss" else self.eval_metrics.get(self.ranked_metric)
-        if score is not None:  # a generation metric is measured only every k-th eval
-            p.last_score, p.last_score_step = score, step
-            if p.best_score is None or score < p.best_score - self.improvement_threshold:
-                p.best_score, p.evals_without_improvement = score, 0
-            else:
-                p.evals_without_improvement += 1
+        self.progress.note_eval(step, eval_loss, score, self.improvement_threshold)
         self.finished_early = self.should_stop_early()
         if self.finished_early:
             log.info("stopping early at step %d: %s", step, self.finished_early)

@@ -477,6 +477,20 @@ def test_lora_target_modules_that_match_nothing_is_exit_2_naming_the_modules_the
     assert "lora.target_modules=['qkv_proj']" in output and "q_proj" in output
 
 
+@pytest.mark.parametrize("method", ["lora", "qlora"])
+def test_a_lora_target_module_that_matches_nothing_beside_ones_that_do_is_exit_2_naming_it(volume, method):
+    """peft adapts what the list's other names match and drops a typo'd one without a word: o_prj (for o_proj)
+    trained a run without the adapters the user asked for there."""
+    result = run_trainpod(
+        *finetune_args("--set", 'lora.target_modules=["q_proj","v_proj","o_prj"]', method=method),
+        volume=volume,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output
+    assert "o_prj names no module" in output and "o_proj" in output
+    assert not (run_dir(volume) / "checkpoints/LATEST").exists()
+
+
 def test_generation_eval_on_data_trained_on_the_prompt_is_exit_2(volume):
     """With train_on_prompt every token is trained, so generation eval would prompt with one token and score
     the whole conversation as the answer: refused before training."""

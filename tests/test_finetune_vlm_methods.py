@@ -13,6 +13,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from trainpod.errors import InputError
+
 from support import run_trainpod, signal_when_step_reached, start_trainpod
 from vlm_support import STEPS, VLM_BASE, VLM_RUN, adapter_bytes, build_vlm_finetuner, fresh, vlm_args
 
@@ -134,3 +136,13 @@ def test_an_interrupted_run_resumes_to_byte_identical_weights(
     assert result.returncode == 0, result.stdout + result.stderr
     assert "resumed from step-" in result.stdout + result.stderr
     assert exported_bytes(volume, method) == exported_bytes(finished[method], method)
+
+
+def test_a_lora_target_module_that_names_no_language_model_layer_is_refused_naming_it(
+    vlm_base_volume, tmp_path
+):
+    """finetune-vlm adapts the language model's layers whose name is listed; a listed name that is none of them
+    (a typo, or the frozen vision tower's qkv) was dropped without a word, training fewer adapters than asked."""
+    volume = fresh(vlm_base_volume, tmp_path / "volume")
+    with pytest.raises(InputError, match=r"qkv names no linear layer of the language model.*o_proj"):
+        build_vlm_finetuner(volume, ["method=lora", 'lora.target_modules=["q_proj","qkv"]'])

@@ -369,25 +369,33 @@ class Finetuner(Trainer):
         return load_model(self.base_dir, self.cfg.base_model, dtype, attention, self.dist.device)
 
     def _with_adapters(self, model: torch.nn.Module) -> torch.nn.Module:
-        """peft's LoRA on `model`; lora.target_modules that name no module is a config error (exit 2)."""
+        """peft's LoRA on `model`; a name in lora.target_modules that matches no module is a config error
+        (exit 2): peft drops it without a word while another name matches, so a typo (o_prj) trained a run
+        without the adapters asked for there."""
         from peft import get_peft_model
         from peft.utils.error import NoMatchingPeftModuleError
 
+        targets = self.cfg.lora.target_modules
+        if targets != "all-linear":
+            # peft's rule for a list: a module's full name, or its name's end after a dot
+            modules = [name for name, _ in model.named_modules()]
+            unmatched = [t for t in targets if not any(n == t or n.endswith(f".{t}") for n in modules)]
+            if unmatched:
+                raise self._unmatched_targets(model, f"{', '.join(unmatched)} names no module")
         try:
             return get_peft_model(model, self._peft_config(model))
         except NoMatchingPeftModuleError:
-            names = sorted(
-                {
-                    name.rsplit(".", 1)[-1]
-                    for name, m in model.named_modules()
-                    if isinstance(m, torch.nn.Linear)
-                }
-            )
-            raise InputError(
-                f"lora.target_modules={self.cfg.lora.target_modules!r} names no module of base_model "
-                f"{self.cfg.base_model.path!r}; its linear layers are: {', '.join(names)}. Pick from those, "
-                "or use all-linear"
-            ) from None
+            raise self._unmatched_targets(model, "names no module") from None
+
+    def _unmatched_targets(self, model: torch.nn.Module, what: str) -> InputError:
+        names = sorted(
+            {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+        )
+        return InputError(
+            f"lora.target_modules={self.cfg.lora.target_modules!r}: {what} of base_model "
+            f"{self.cfg.base_model.path!r}; its linear layers are: {', '.join(names)}. Pick from those, "
+            "or use all-linear"
+        )
 
     def _peft_config(self, model: torch.nn.Module):
         from trainpod.train.lora import peft_lora_config

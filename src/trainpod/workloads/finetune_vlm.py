@@ -185,19 +185,24 @@ class VlmFinetuner(Finetuner):
 
         wanted = self.cfg.lora.target_modules
         linear = (torch.nn.Linear, bnb.nn.Linear4bit)
-        names = []
+        names, language_layers = [], set()
         for name, module in model.named_modules():
             if not isinstance(module, linear) or name.split(".")[-1] == "lm_head":
                 continue
             if frozen_in_vlm_training(name, self.cfg.lora.train_projector):
                 continue
             # A trained projector is adapted whole; the language model's layers as lora.target_modules says.
+            if not _under(name, PROJECTORS):
+                language_layers.add(name.split(".")[-1])
             if _under(name, PROJECTORS) or wanted == "all-linear" or name.split(".")[-1] in wanted:
                 names.append(name)
-        if not names:
+        # A listed name that is none of them (a typo, the frozen tower's qkv) was dropped without a word.
+        unmatched = [] if wanted == "all-linear" else [w for w in wanted if w not in language_layers]
+        if unmatched or not names:
             raise InputError(
-                f"lora.target_modules={wanted!r} matches no linear layer of the language model; use all-linear or "
-                "names such as q_proj, v_proj"
+                f"lora.target_modules={wanted!r}: {', '.join(unmatched) or wanted} names no linear layer of the "
+                f"language model, whose layers are: {', '.join(sorted(language_layers))}; pick from those, or use "
+                "all-linear"
             )
         return names
 

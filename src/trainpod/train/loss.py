@@ -179,6 +179,23 @@ def fits_chunked_loss(model: torch.nn.Module) -> bool:
     return type(head) is torch.nn.Linear and head.bias is None and model_type in PLAIN_HEAD_MODEL_TYPES
 
 
+def counts_items_in_batch(model: torch.nn.Module) -> bool:
+    """Whether the model's own loss is its summed loss / num_items_in_batch when given that: the forward of
+    transformers' classes passes it to their loss_function. A forward in remote code (loaded as
+    transformers_modules.*) may take no such argument (a TypeError) or take it in **kwargs and return its
+    micro-batch's mean."""
+    forward = type(_base_model(model)).forward
+    return getattr(forward, "__module__", "").startswith("transformers.")
+
+
+def summed_sft_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The cross-entropy summed over the trained tokens of SFT labels (aligned with the inputs), in fp32 as
+    transformers' own loss computes it."""
+    return torch.nn.functional.cross_entropy(
+        logits[:, :-1].float().transpose(1, 2), labels[:, 1:], ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+
+
 def shift_labels(labels: torch.Tensor) -> torch.Tensor:
     """SFT labels (aligned with the inputs) as next-token targets, as transformers' loss shifts them."""
     return torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)

@@ -45,7 +45,13 @@ from trainpod.train.base_model import (
 )
 from trainpod.train.batches import rescaled_accumulation, to_device
 from trainpod.train.export import DTYPES, carry_training_template, export_hf, write_export_manifest
-from trainpod.train.loss import CausalLMLoss, fits_chunked_loss, shift_labels
+from trainpod.train.loss import (
+    CausalLMLoss,
+    counts_items_in_batch,
+    fits_chunked_loss,
+    shift_labels,
+    summed_sft_loss,
+)
 from trainpod.train.model import autocast_dtype, resolve_attention
 from trainpod.train.optim import build_optimizer
 from trainpod.train.reporting import RunReporter
@@ -316,6 +322,8 @@ class Finetuner(Trainer):
         self.model = model
         self.n_params = sum(p.numel() for p in model.parameters())
         self.chunked_loss = fits_chunked_loss(model)
+        # Else (remote code) the step's loss is taken from the model's logits.
+        self.own_loss_counts_items = counts_items_in_batch(model)
         # The module a step runs: the model, with the chunked loss where it gives the model's own loss.
         self.loss_module: torch.nn.Module = CausalLMLoss(model) if self.chunked_loss else model
         self.parallel = self._parallel()
@@ -547,8 +555,11 @@ class Finetuner(Trainer):
             with self._gradient_sync(model, last), self._autocast():
                 if self.chunked_loss:
                     loss = model(inputs.pop("input_ids"), shift_labels(inputs.pop("labels")), items, **inputs)
-                else:
+                elif self.own_loss_counts_items:
                     loss = model(**inputs, num_items_in_batch=items).loss
+                else:  # remote code's own loss: no num_items_in_batch, or its micro-batch's mean
+                    labels = inputs.pop("labels")
+                    loss = summed_sft_loss(model(**inputs).logits, labels) / items
                 (loss * self.dist.world_size).backward()
             total += loss.detach()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable.values(), t.grad_clip or float("inf"))

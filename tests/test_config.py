@@ -222,3 +222,30 @@ def test_text_that_yaml_reads_as_a_number_or_boolean_is_told_to_be_quoted(tmp_pa
         in message
     )
     assert "fix: more environment variables for the program" in message and "fix the value" not in message
+
+
+FINETUNE_WITHOUT_LR = """
+name: ft
+base_model: {path: models/base}
+method: METHOD
+data: {sft: {datasets: [{path: data/sft.jsonl}]}}
+train: {max_steps: 10}
+"""
+FINETUNE_DATA = "data: {sft: {datasets: [{path: data/sft.jsonl}]}}"
+
+
+@pytest.mark.parametrize(("method", "lr"), [("qlora", 2e-4), ("lora", 2e-4), ("full", 2e-5)])
+def test_a_finetune_without_a_learning_rate_takes_the_one_axolotl_and_llamafactory_give_its_method(
+    tmp_path, method, lr
+):
+    """2e-4 is an adapter's learning rate; a full finetune (every weight) at 2e-4 forgets much of what the base
+    knew, and axolotl's and LLaMA-Factory's full finetuning examples train at 1e-5 to 2e-5."""
+    from trainpod.config.finetune import FinetuneConfig
+    from trainpod.config.finetune_vlm import VlmFinetuneConfig
+
+    path = write(tmp_path, FINETUNE_WITHOUT_LR.replace("METHOD", method))
+    assert load_config(FinetuneConfig, path).train.lr == lr
+    assert load_config(FinetuneConfig, path, ["train.lr=3e-4"]).train.lr == 3e-4
+    images = "data: {datasets: [{path: data/ocr.jsonl}]}"
+    vlm = write(tmp_path, FINETUNE_WITHOUT_LR.replace("METHOD", method).replace(FINETUNE_DATA, images))
+    assert load_config(VlmFinetuneConfig, vlm).train.lr == lr

@@ -3,8 +3,8 @@
 TRAINPOD_CONFIG=configs/finetune/tiny.yaml trainpod run finetune
 
 Defaults follow what QLoRA users of axolotl and LLaMA-Factory start from: NF4 with double
-quantization, rank 16 / alpha 32 on every linear layer, lr 2e-4 with cosine decay, gradient
-checkpointing on.
+quantization, rank 16 / alpha 32 on every linear layer, lr 2e-4 with cosine decay (2e-5 for a full
+finetune), gradient checkpointing on.
 """
 
 from __future__ import annotations
@@ -107,7 +107,12 @@ class FinetuneTrainConfig(Section):
     )
     micro_batch_size: int = Field(4, ge=1, description="Rows per GPU per forward pass.")
     grad_accum_steps: int = Field(4, ge=1, description="Micro-batches accumulated per optimizer step.")
-    lr: float = Field(2e-4, gt=0, description="Peak learning rate.")
+    lr: float | None = Field(
+        None,
+        gt=0,
+        description="Peak learning rate; default 2e-4 for lora and qlora, 2e-5 for full (as axolotl's and "
+        "LLaMA-Factory's examples: every weight moving at an adapter's 2e-4 forgets much of the base model).",
+    )
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Final learning rate as a fraction of lr.")
     warmup_ratio: float = Field(0.03, ge=0, lt=1, description="Share of the steps spent in linear warmup.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
@@ -213,6 +218,9 @@ class FinetuneExportConfig(Section):
     )
 
 
+DEFAULT_LR = {"qlora": 2e-4, "lora": 2e-4, "full": 2e-5}  # train.lr when the config gives none
+
+
 def fsdp_needs_full(method: str) -> str:
     return (
         f"train.parallel=fsdp shards full finetuning; method {method} trains a small adapter that every GPU "
@@ -245,6 +253,12 @@ class FinetuneConfig(Section):
     checkpoint: CheckpointConfig = CheckpointConfig(every_steps=100)
     tracking: TrackingConfig = TrackingConfig()
     export: FinetuneExportConfig = FinetuneExportConfig()
+
+    @model_validator(mode="after")
+    def _default_lr_of_the_method(self) -> FinetuneConfig:
+        if self.train.lr is None:
+            self.train.lr = DEFAULT_LR[self.method]
+        return self
 
     @model_validator(mode="after")
     def _ranked_metric_is_measured(self) -> FinetuneConfig:

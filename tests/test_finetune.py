@@ -491,6 +491,35 @@ def test_a_lora_target_module_that_matches_nothing_beside_ones_that_do_is_exit_2
     assert not (run_dir(volume) / "checkpoints/LATEST").exists()
 
 
+@pytest.mark.parametrize("packing", ["true", "false"])
+def test_samples_longer_than_a_models_learned_positions_are_exit_2_before_a_step(volume, packing):
+    """GPT-2's positions are a table of n_positions rows: a sample longer than that failed with an IndexError
+    (exit 1, again at every restart; on a GPU a device-side assert) at the first batch that held one, hours
+    into a run maybe, where the finetune had only warned that positions beyond it 'were never trained'."""
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+    folder = volume / BASE
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    config = GPT2Config(
+        vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=4, n_positions=16,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    for weights in folder.glob("model*.safetensors"):
+        weights.unlink()
+    torch.manual_seed(0)
+    GPT2LMHeadModel(config).save_pretrained(folder)
+    result = run_trainpod(
+        *finetune_args("--set", f"data.sft.packing={packing}", method="lora"), volume=volume
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output
+    assert "data.sft.cutoff_len=128" in output and "16 positions" in output and "Traceback" not in output
+    assert not list(run_dir(volume).glob("checkpoints/step-*"))
+
+    shorter = ("--set", "data.sft.cutoff_len=16", "--set", "train.max_steps=2", "--set", "train.eval_every=2")
+    assert "step 2" in ok(run_trainpod(*finetune_args(*shorter, method="lora"), volume=volume))
+
+
 def test_generation_eval_on_data_trained_on_the_prompt_is_exit_2(volume):
     """With train_on_prompt every token is trained, so generation eval would prompt with one token and score
     the whole conversation as the answer: refused before training."""

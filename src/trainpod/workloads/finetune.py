@@ -262,6 +262,18 @@ class Finetuner(Trainer):
             )
 
     @property
+    def cutoff_len_field(self) -> str:
+        """The setting that cut the samples, with its value."""
+        if self.cfg.data.sft is not None:
+            return f"data.sft.cutoff_len={self.max_len}"
+        return f"the sft.cutoff_len={self.max_len} of the datagen config that made {self.cfg.data.dataset}"
+
+    def _longest_sample(self) -> int:
+        """Tokens of the longest sample a training or eval batch holds (cut at cutoff_len)."""
+        lengths = [int(split.lengths.max(initial=0)) for split in (self.data.train, self.data.val)]
+        return min(max(lengths), self.max_len)
+
+    @property
     def val_ratio_field(self) -> str:
         """The setting that holds samples out for validation."""
         if self.cfg.data.sft is not None:
@@ -421,13 +433,23 @@ class Finetuner(Trainer):
 
     def _check_positions(self, model: torch.nn.Module) -> None:
         positions = getattr(model.config, "max_position_embeddings", None)
-        if positions and self.max_len > positions:
-            log.warning(
-                "cutoff_len %d exceeds the base model's max_position_embeddings %d: positions beyond it were never "
-                "trained; lower the SFT cutoff_len unless the model is meant to extrapolate (RoPE scaling)",
-                self.max_len,
-                positions,
+        if not positions or self.max_len <= positions:
+            return
+        longest = self._longest_sample()
+        # A table of positions (GPT-2's) cannot be indexed past; RoPE runs on, untrained beyond it.
+        if longest > positions and _learned_positions(model, positions):
+            raise InputError(
+                f"{self.cutoff_len_field}: samples of up to {longest} tokens, but base_model "
+                f"{self.cfg.base_model.path!r} has learned position embeddings for {positions} positions only, "
+                "and a longer sample fails its step (IndexError; on a GPU a device-side assert); set the "
+                f"cutoff_len to {positions} or lower"
             )
+        log.warning(
+            "cutoff_len %d exceeds the base model's max_position_embeddings %d: positions beyond it were never "
+            "trained; lower the SFT cutoff_len unless the model is meant to extrapolate (RoPE scaling)",
+            self.max_len,
+            positions,
+        )
 
     def _check_vocabulary(self, model: torch.nn.Module) -> None:
         rows = model.get_input_embeddings().num_embeddings
@@ -836,6 +858,18 @@ class Finetuner(Trainer):
 def run(ctx: RunContext, config: FinetuneConfig) -> dict[str, Any]:
     """Train to the configured steps (or an eval plateau), export, and return the summary."""
     return train_and_export(Finetuner, ctx, config)
+
+
+def _learned_positions(model: torch.nn.Module, positions: int) -> bool:
+    """Whether the model looks its positions up in a table of `positions` rows (GPT-2's wpe; OPT's and
+    BioGPT's with an offset of 2), which no position beyond it can index; RoPE and ALiBi have none."""
+    tokens = model.get_input_embeddings()
+    return any(
+        isinstance(m, torch.nn.Embedding)
+        and m is not tokens
+        and positions <= m.num_embeddings <= positions + 2
+        for m in model.modules()
+    )
 
 
 def answer_span(labels) -> tuple[int, int]:

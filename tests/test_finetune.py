@@ -520,6 +520,27 @@ def test_samples_longer_than_a_models_learned_positions_are_exit_2_before_a_step
     assert "step 2" in ok(run_trainpod(*finetune_args(*shorter, method="lora"), volume=volume))
 
 
+def test_a_full_finetune_of_a_model_stored_quantized_is_exit_2_before_data_or_training(volume):
+    """A base saved in 4 bit (a hub '-bnb-4bit' model): method full trained only what is not quantized (the
+    embeddings, norms and head; here 51,520 of 88,384 parameters) to the last paid step, then failed the
+    export with NotImplementedError (exit 1, again at every restart)."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    folder = volume / BASE
+    quantized = AutoModelForCausalLM.from_pretrained(
+        folder, quantization_config=BitsAndBytesConfig(load_in_4bit=True), device_map={"": "cpu"}
+    )
+    for weights in folder.glob("model*.safetensors"):
+        weights.unlink()
+    quantized.save_pretrained(folder)
+    result = run_trainpod(*finetune_args(method="full"), volume=volume)
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output
+    assert "method full" in output and "bitsandbytes" in output and "method qlora" in output
+    assert "Traceback" not in output and not (volume / "cache" / "sft").exists()
+    assert not list(run_dir(volume).glob("checkpoints/step-*"))
+
+
 def test_generation_eval_on_data_trained_on_the_prompt_is_exit_2(volume):
     """With train_on_prompt every token is trained, so generation eval would prompt with one token and score
     the whole conversation as the answer: refused before training."""

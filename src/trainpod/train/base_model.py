@@ -193,6 +193,19 @@ def refuse_packing_that_mixes_samples(folder: Path, asked_by: str) -> None:
         )
 
 
+def stored_quantization(folder: Path) -> str | None:
+    """The quant_method of a model folder saved quantized (a hub '-bnb-4bit', GPTQ or AWQ model: its
+    config.json's quantization_config), else None."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return None  # loading the model says what is wrong with the folder
+    quantization = config.get("quantization_config")
+    if not isinstance(quantization, dict):
+        return None
+    return str(quantization.get("quant_method") or "quantized")
+
+
 def _from_pretrained_kwargs(cfg: BaseModelConfig, attention: str) -> dict[str, Any]:
     return {
         "attn_implementation": attention,

@@ -41,6 +41,7 @@ from trainpod.train.base_model import (
     pinned_commit,
     refuse_packing_that_mixes_samples,
     resolve_base_model,
+    stored_quantization,
     supported_attention,
 )
 from trainpod.train.batches import rescaled_accumulation, to_device
@@ -145,6 +146,7 @@ class Finetuner(Trainer):
         self.base_dir = self._on_main_first(
             lambda: resolve_base_model(config.base_model, ctx.volume, pin=self.base_pin)
         )
+        self._refuse_full_finetune_of_quantized()
         self.base_attention = supported_attention(self.base_dir, config.base_model)
         if config.data.use_packing:  # before the SFT data is prepared; a datagen dataset's own packing: later
             refuse_packing_that_mixes_samples(self.base_dir, self.packing_asked_by)
@@ -155,6 +157,18 @@ class Finetuner(Trainer):
         with self.abandoning_setup():  # the model's load, minutes for a large one
             self._setup_model()
         self._set_max_steps()
+
+    def _refuse_full_finetune_of_quantized(self) -> None:
+        """A base saved quantized trains only its unquantized weights under method full (embeddings, norms, head)
+        and fails the export of the rest at the end (NotImplementedError): refused before data and model load."""
+        quantized = stored_quantization(self.base_dir)
+        if self.method == "full" and quantized:
+            raise InputError(
+                f"method full trains every weight, but base_model {self.cfg.base_model.path!r} stores its weights "
+                f"quantized ({quantized}, its config.json's quantization_config), which neither train nor export; "
+                f"use method {'qlora or lora' if quantized == 'bitsandbytes' else 'lora'} on it, or point "
+                "base_model.path at the unquantized model"
+            )
 
     def _resolve_attention(self) -> str:
         return resolve_attention(

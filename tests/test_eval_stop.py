@@ -339,6 +339,13 @@ def join_two_ranks(rank: int, port: int) -> None:
     }
 
 
+def leave_two_ranks() -> None:
+    """Both ranks here before either destroys the group: rank 0 hosts the store (no torchrun), and a rank 0
+    that left first broke the other's connection mid-teardown, which gloo ends in std::terminate (exit -6)."""
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
 def _two_rank_worker(workload: str, rank: int, port: int, volume: str, stop_at: int) -> None:
     """One of two gloo ranks, as the launcher starts them; rank 0 alone is stopped during the eval (pretrain)
     or the generation eval (finetune) of step `stop_at`. Writes its outcome, and rank 0 the final weights."""
@@ -360,7 +367,7 @@ def _two_rank_worker(workload: str, rank: int, port: int, volume: str, stop_at: 
     Path(volume, f"outcome-{rank}").write_text(outcome)
     if rank == 0 and outcome == "done":
         torch.save(final_weights(trainer), Path(volume, "weights.pt"))
-    torch.distributed.destroy_process_group()
+    leave_two_ranks()
 
 
 def _run_two_ranks(volume: Path, stop_at: int = 0, workload: str = "pretrain") -> list[str]:

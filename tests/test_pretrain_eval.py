@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_eval_stop import join_two_ranks, pretrainer
+from test_eval_stop import join_two_ranks, leave_two_ranks, pretrainer
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +31,7 @@ def _rank_worker(rank: int, port: int, volume: str, settings: tuple[str, ...]) -
     torch.set_num_threads(1)
     loss = _eval_loss(Path(volume), *settings)
     Path(volume, f"eval-{rank}").write_text(repr(loss))
-    torch.distributed.destroy_process_group()
+    leave_two_ranks()
 
 
 def _two_rank_eval_losses(volume: Path, *settings: str) -> list[float]:

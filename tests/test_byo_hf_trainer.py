@@ -242,6 +242,25 @@ def test_each_hf_checkpoint_records_its_eval_loss_so_keep_best_ranks_them(tmp_pa
     assert set(kept) == {best, 5, 6}, f"keep_last=2 and keep_best=1 keep {sorted(kept)}; HF logged {logged}"
 
 
+def _exit_of_a_sigterm_at_step(step: int, trainer, callback) -> int:
+    """Train until a SIGTERM arrives during `step` (asked before the callback's on_step_end sees the step's end);
+    the exit code the callback ends the process with."""
+    from transformers import TrainerCallback
+
+    class SigtermAtStep(TrainerCallback):
+        def on_step_end(self, args, state, control, **_):
+            if state.global_step == step:
+                callback.ckpt.watch.request("SIGTERM")
+
+    trainer.callback_handler.callbacks.insert(0, SigtermAtStep())
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            trainer.train()
+    finally:
+        callback.ckpt.close()
+    return stopped.value.code
+
+
 def _regression_trainer(run: Path, max_steps: int):
     import torch
     from transformers import Trainer, TrainingArguments
@@ -386,18 +405,11 @@ def test_an_eval_before_a_save_is_not_counted_as_the_saves_time_at_a_stop(tmp_pa
     a fraction of a second."""
     import time
 
-    from transformers import TrainerCallback
-
     class SlowToEvaluate(_Regression):
         def forward(self, x, labels):
             if not self.training:
                 time.sleep(1)  # an eval of 4 s: 16 rows in batches of 4
             return super().forward(x, labels)
-
-    class SigtermAtStep3(TrainerCallback):  # before the callback's on_step_end, as a SIGTERM during step 3
-        def on_step_end(self, args, state, control, **_):
-            if state.global_step == 3:
-                callback.ckpt.watch.request("SIGTERM")
 
     trainer, callback = _regression_trainer(tmp_path / "run", max_steps=6)
     trainer.args.eval_strategy = "steps"
@@ -405,13 +417,7 @@ def test_an_eval_before_a_save_is_not_counted_as_the_saves_time_at_a_stop(tmp_pa
     trainer.args.per_device_eval_batch_size = 4
     trainer.eval_dataset = trainer.train_dataset
     trainer.model.__class__ = SlowToEvaluate
-    trainer.callback_handler.callbacks.insert(0, SigtermAtStep3())
-    try:
-        with pytest.raises(SystemExit) as stopped:
-            trainer.train()
-    finally:
-        callback.ckpt.close()
-    assert stopped.value.code == 143
+    assert _exit_of_a_sigterm_at_step(3, trainer, callback) == 143
     assert (tmp_path / "run/checkpoints/LATEST").read_text() == "step-3\n", "the stop's save fits the window"
 
 
@@ -422,21 +428,8 @@ def test_a_stop_saves_when_the_last_saves_measured_time_fits_whatever_the_size_g
     and a guess from the checkpoint's size at 200 MB/s (0.5 s + 5 s per GB), so a checkpoint of 1 GB or more
     never saved at a stop however fast the last save was. (A 0.7 s window here stands for 5 s with such a
     checkpoint: the guess alone, 0.5 s x 1.5, does not fit it; the last save, a fraction of it, does.)"""
-    from transformers import TrainerCallback
-
-    class SigtermAtStep3(TrainerCallback):  # before the callback's on_step_end, as a SIGTERM during step 3
-        def on_step_end(self, args, state, control, **_):
-            if state.global_step == 3:
-                callback.ckpt.watch.request("SIGTERM")
-
     monkeypatch.setenv("TRAINPOD_PREEMPTION_WINDOW_S", "0.7")
     trainer, callback = _regression_trainer(tmp_path / "run", max_steps=6)
-    trainer.callback_handler.callbacks.insert(0, SigtermAtStep3())
-    try:
-        with pytest.raises(SystemExit) as stopped:
-            trainer.train()
-    finally:
-        callback.ckpt.close()
-    assert stopped.value.code == 143
+    assert _exit_of_a_sigterm_at_step(3, trainer, callback) == 143
     assert callback.save_seconds * 1.5 < 0.7, f"the last save took {callback.save_seconds:.2f} s: no test"
     assert (tmp_path / "run/checkpoints/LATEST").read_text() == "step-3\n", "the stop's save fits the window"

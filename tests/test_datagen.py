@@ -79,6 +79,24 @@ def run(config: DatagenConfig, volume: Volume) -> Path:
     return run_datagen(config, volume, PreemptionWatch())
 
 
+def run_killed_at_a_shard(monkeypatch, killed_at, start) -> None:
+    """`start()` killed (KeyboardInterrupt stands for the kill) as it writes the first shard whose file name
+    `killed_at` accepts; the shards before it are committed, and the writer is whole again afterwards."""
+    import trainpod.data.split_writer as split_writer
+
+    real_write_shard = split_writer.write_shard
+
+    def killed(path, tokens):
+        if killed_at(path.name):
+            raise KeyboardInterrupt
+        return real_write_shard(path, tokens)
+
+    monkeypatch.setattr(split_writer, "write_shard", killed)
+    with pytest.raises(KeyboardInterrupt):
+        start()
+    monkeypatch.setattr(split_writer, "write_shard", real_write_shard)
+
+
 def split_stream(folder: Path, manifest: dict, split: str) -> np.ndarray:
     shards = dataset_shards(folder, manifest, split)
     return np.concatenate([llmc_tokens(p) for p in shards]) if shards else np.zeros(0, np.uint16)
@@ -746,22 +764,16 @@ def test_a_dataset_begun_reading_the_byte_order_mark_as_text_goes_on_so(volume, 
     # before a blank line made a document of its own, moving every later document's index and split. Resumed
     # reading the new way, its shards would be those of no single run.
     import trainpod.data.datagen as datagen
-    import trainpod.data.split_writer as split_writer
 
     documents = ["\ufeff", *corpus_documents()]  # the file's first "document": the mark alone
     (volume.root / "corpus" / "stories.txt").write_text("\n\n".join(documents) + "\n", encoding="utf-8")
-    real_write_shard, real_begun_since = split_writer.write_shard, datagen._begun_since
+    real_begun_since = datagen._begun_since
 
-    def killed_after_the_first_shard(path, tokens):
-        if path.name != "train_000000.bin":
-            raise KeyboardInterrupt  # stands for the kill
-        return real_write_shard(path, tokens)
-
-    monkeypatch.setattr(split_writer, "write_shard", killed_after_the_first_shard)
     monkeypatch.setattr(datagen, "_begun_since", lambda folder, change: change != datagen.UTF8_BOM_STRIPPED)
-    with pytest.raises(KeyboardInterrupt):
-        run(make_config(mode="full"), volume)  # as the kit before read it
-    monkeypatch.setattr(split_writer, "write_shard", real_write_shard)
+    # as the kit before read it
+    run_killed_at_a_shard(
+        monkeypatch, lambda name: name != "train_000000.bin", lambda: run(make_config(mode="full"), volume)
+    )
     monkeypatch.setattr(datagen, "_begun_since", real_begun_since)
     folder = volume.dataset("stories")
     progress = json.loads((folder / "progress.json").read_text())
@@ -805,21 +817,12 @@ def test_a_documents_own_end_of_text_text_is_encoded_as_text_not_as_a_boundary(v
 def test_a_dataset_begun_before_goes_on_encoding_special_token_text_as_it_began(volume, monkeypatch):
     # Its first shards hold the eot id where a document quoted it; resumed, it must go on so, or its
     # shards would be those of no single run.
-    import trainpod.data.split_writer as split_writer
 
     documents = documents_quoting_the_end_of_text_token()
     (volume.root / "corpus" / "stories.txt").write_text("\n\n".join(documents) + "\n", encoding="utf-8")
-    real_write_shard = split_writer.write_shard
-
-    def killed_after_the_first_shard(path, tokens):
-        if path.name != "train_000000.bin":
-            raise KeyboardInterrupt  # stands for the kill
-        return real_write_shard(path, tokens)
-
-    monkeypatch.setattr(split_writer, "write_shard", killed_after_the_first_shard)
-    with pytest.raises(KeyboardInterrupt):
-        run(make_config(mode="full"), volume)
-    monkeypatch.setattr(split_writer, "write_shard", real_write_shard)
+    run_killed_at_a_shard(
+        monkeypatch, lambda name: name != "train_000000.bin", lambda: run(make_config(mode="full"), volume)
+    )
     folder = volume.dataset("stories")
     progress = json.loads((folder / "progress.json").read_text())
     assert (
@@ -1003,19 +1006,10 @@ def test_a_stop_while_a_resume_reads_past_its_committed_documents_ends_it_there(
     # A resume reads the documents its committed shards hold without encoding them: on a large corpus
     # (a hub stream) minutes with no batch to look at the stop flag after, so a SIGTERM ran on into the
     # SIGKILL with the dataset's lease held, which a new pod on another host then waited out (90 s).
-    import trainpod.data.split_writer as split_writer
 
-    real_write_shard = split_writer.write_shard
-
-    def killed_after_ten_shards(path, tokens):
-        if path.name == "train_000010.bin":
-            raise KeyboardInterrupt  # stands for the kill
-        return real_write_shard(path, tokens)
-
-    monkeypatch.setattr(split_writer, "write_shard", killed_after_ten_shards)
-    with pytest.raises(KeyboardInterrupt):
-        run(make_config(), volume)
-    monkeypatch.setattr(split_writer, "write_shard", real_write_shard)
+    run_killed_at_a_shard(
+        monkeypatch, lambda name: name == "train_000010.bin", lambda: run(make_config(), volume)
+    )
     folder = volume.dataset("stories")
     resume_at = json.loads((folder / "progress.json").read_text())["splits"]["train"]["resume"]["document"]
     assert resume_at > 100, "the first run should commit shards past the first hundred documents"
@@ -1040,7 +1034,6 @@ def test_a_resume_after_a_file_joined_its_glob_before_those_read_is_exit_2_not_s
     # A file landing among the glob's (a download still running into the folder) between a kill and the
     # resume moved every later document's index: the resume went on at its committed document index in
     # the new order, so documents were written twice or never, and ones in train shards became val ones.
-    import trainpod.data.split_writer as split_writer
 
     documents = corpus_documents()
     parts = {"part-0": documents[400:], "part-1": documents[:200], "part-2": documents[200:400]}
@@ -1048,17 +1041,7 @@ def test_a_resume_after_a_file_joined_its_glob_before_those_read_is_exit_2_not_s
         (volume.root / "corpus" / f"{part}.txt").write_text("\n\n".join(texts), encoding="utf-8")
     late = (volume.root / "corpus" / "part-0.txt").rename(volume.root / "late-part-0.txt")
     config = make_config(sources=[{"path": "corpus/part-*.txt"}])
-    real_write_shard = split_writer.write_shard
-
-    def killed_after_five_shards(path, tokens):
-        if path.name == "train_000005.bin":
-            raise KeyboardInterrupt  # stands for the kill
-        return real_write_shard(path, tokens)
-
-    monkeypatch.setattr(split_writer, "write_shard", killed_after_five_shards)
-    with pytest.raises(KeyboardInterrupt):
-        run(config, volume)
-    monkeypatch.setattr(split_writer, "write_shard", real_write_shard)
+    run_killed_at_a_shard(monkeypatch, lambda name: name == "train_000005.bin", lambda: run(config, volume))
     folder = volume.dataset("stories")
     committed = {p.name: p.read_bytes() for p in folder.glob("*.bin")}
 
@@ -1093,8 +1076,6 @@ def test_a_resume_after_a_push_to_a_hub_datasets_repository_reads_the_commit_the
     # hub for the newest commit, is replaced to name it.
     import datasets
 
-    import trainpod.data.split_writer as split_writer
-
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     documents = corpus_documents()
     for commit, texts in {
@@ -1116,17 +1097,7 @@ def test_a_resume_after_a_push_to_a_hub_datasets_repository_reads_the_commit_the
     monkeypatch.setattr(datasets, "load_dataset", hub)
     monkeypatch.setattr(sources, "hub_revision", lambda source: newest[0], raising=False)
     config = make_config(sources=[{"hf": "org/stories"}])
-    real_write_shard = split_writer.write_shard
-
-    def killed_after_five_shards(path, tokens):
-        if path.name == "train_000005.bin":
-            raise KeyboardInterrupt  # stands for the kill
-        return real_write_shard(path, tokens)
-
-    monkeypatch.setattr(split_writer, "write_shard", killed_after_five_shards)
-    with pytest.raises(KeyboardInterrupt):
-        run(config, volume)
-    monkeypatch.setattr(split_writer, "write_shard", real_write_shard)
+    run_killed_at_a_shard(monkeypatch, lambda name: name == "train_000005.bin", lambda: run(config, volume))
 
     newest[0] = "commit-2"  # the push
     resumed = run(config, volume)

@@ -442,3 +442,53 @@ def test_a_volume_that_is_not_there_is_refused_not_read_as_an_empty_one(no_runpo
     out = capsys.readouterr().out
     assert code == 2 and f"--volume {tmp_path / 'typo'} does not exist here" in out, out
     assert "--s3-volume" not in out, "estimate has no such flag"
+
+
+def test_the_hf_token_reaches_the_hub_alone_never_a_host_it_redirects_to(monkeypatch):
+    """The estimate reads a hub model's config.json with HF_TOKEN as a Bearer header. urllib hands a redirect
+    every header of the request, so a redirect to another host (a CDN, a mirror's storage) received the token."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from trainpod.estimate import _hub_config
+
+    seen: dict[str, str | None] = {}
+    config = json.dumps({"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2}).encode()
+
+    class Storage(BaseHTTPRequestHandler):  # the other host
+        def do_GET(self):  # noqa: N802 - http.server's name
+            seen["storage"] = self.headers.get("Authorization")
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(config)))
+            self.end_headers()
+            self.wfile.write(config)
+
+        def log_message(self, *_):
+            pass
+
+    storage = ThreadingHTTPServer(("127.0.0.1", 0), Storage)
+
+    class Hub(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            seen["hub"] = self.headers.get("Authorization")
+            self.send_response(302)
+            self.send_header("Location", f"http://127.0.0.1:{storage.server_port}/blob/config.json")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *_):
+            pass
+
+    hub = ThreadingHTTPServer(("127.0.0.1", 0), Hub)
+    for server in (storage, hub):
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{hub.server_port}")
+        monkeypatch.setenv("HF_TOKEN", "hf_secret_token_123456")
+        read = _hub_config("org/model", "main")
+    finally:
+        for server in (storage, hub):
+            server.shutdown()
+            server.server_close()
+    assert read is not None and read.hidden_size == 64, "the config is read through the redirect"
+    assert seen == {"hub": "Bearer hf_secret_token_123456", "storage": None}

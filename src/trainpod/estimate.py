@@ -333,11 +333,14 @@ def _hub_config(repo: str, revision: str) -> Any:
 
     from transformers import AutoConfig
 
-    url = f"https://huggingface.co/{repo}/resolve/{urllib.parse.quote(revision, safe='')}/config.json"
+    hub = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")  # a mirror, as huggingface_hub
+    url = f"{hub}/{repo}/resolve/{urllib.parse.quote(revision, safe='')}/config.json"
+    request = urllib.request.Request(url)
     token = os.environ.get("HF_TOKEN")
-    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    if token:  # unredirected: urllib hands a redirect every other header, to whatever host it names
+        request.add_unredirected_header("Authorization", f"Bearer {token}")
     try:
-        with urllib.request.urlopen(request, timeout=HUB_TIMEOUT_S) as response:  # noqa: S310 - https
+        with urllib.request.urlopen(request, timeout=HUB_TIMEOUT_S) as response:  # noqa: S310 - the hub's https
             data = json.loads(response.read())
         return AutoConfig.for_model(**data)
     except Exception:  # offline, gated, not on the hub, or an architecture transformers lacks: use the name

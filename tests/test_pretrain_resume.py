@@ -200,3 +200,20 @@ def test_a_start_after_the_last_commit_that_trains_no_step_reports_the_runs_fina
     again = json.loads((run / "DONE").read_text())
     assert again["step"] == finished["step"] and again["loss"] == finished["loss"], (again, finished)
     assert json.loads((run / "status.json").read_text())["loss"] == finished["loss"]
+
+
+def test_a_grad_accum_steps_edited_before_a_resume_is_kept_as_the_run_began_and_said_so(
+    volume, uninterrupted
+):
+    """train.grad_accum_steps edited between a stop and its resume, on the same rank count: the run keeps the
+    checkpoint's (its global batch), and the warning said the rank count had changed, with the trainer's
+    'continuing with the new one' beside it."""
+    proc = start_trainpod(*PRETRAIN, volume=volume)
+    out = signal_when_step_reached(proc, volume, 7, signal.SIGTERM)
+    assert proc.returncode == 143, out
+    result = run_trainpod(*PRETRAIN, "--set", "train.grad_accum_steps=3", volume=volume)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "train.grad_accum_steps=3 is not what this run trains with" in output
+    assert "start a new run name" in output and "rank(s); on" not in output
+    assert exported_weights(volume) == uninterrupted, "the run trained on with the batch it began with"

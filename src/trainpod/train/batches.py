@@ -205,6 +205,24 @@ def rescaled_accumulation(saved: dict[str, int], world_size: int, configured: in
     return windows // world_size
 
 
+def accumulation_note(saved: dict[str, int], world_size: int, configured: int, accumulation: int) -> str:
+    """The warning for a resume whose accumulation steps are not the config's (`rescaled_accumulation`): another
+    rank count, or train.grad_accum_steps edited since the run began, which a resume does not follow (its
+    steps keep the global batch they began with; the warning said the rank count had changed, and the
+    trainer that the config's other changes are taken)."""
+    saved_world = saved["world_size"]
+    if saved_world != world_size:
+        return (
+            f"the checkpoint was written by {saved_world} rank(s); on {world_size}, train.grad_accum_steps "
+            f"becomes {accumulation} so that every step still trains on the same rows"
+        )
+    return (
+        f"train.grad_accum_steps={configured} is not what this run trains with: its checkpoints take "
+        f"{accumulation} micro-batches a step on {world_size} rank(s), kept so that every step trains on the same "
+        "rows; to train with another batch, start a new run name"
+    )
+
+
 def eval_batches(
     shards: list[Path],
     open_shard: ShardOpener,

@@ -44,7 +44,7 @@ from trainpod.train.base_model import (
     stored_quantization,
     supported_attention,
 )
-from trainpod.train.batches import rescaled_accumulation, to_device
+from trainpod.train.batches import accumulation_note, rescaled_accumulation, to_device
 from trainpod.train.export import DTYPES, carry_training_template, export_hf, write_export_manifest
 from trainpod.train.loss import (
     CausalLMLoss,
@@ -550,13 +550,7 @@ class Finetuner(Trainer):
         accumulation = rescaled_accumulation(state, self.dist.world_size, configured)
         if accumulation != self.grad_accum_steps:
             if self.dist.is_main:
-                log.warning(
-                    "the checkpoint was written by %d rank(s); on %d, train.grad_accum_steps becomes %d so that "
-                    "every step still trains on the same rows",
-                    state["world_size"],
-                    self.dist.world_size,
-                    accumulation,
-                )
+                log.warning("%s", accumulation_note(state, self.dist.world_size, configured, accumulation))
             self.grad_accum_steps = self.batches.grad_accum_steps = accumulation
             self._set_max_steps()
         self.batches.load_state_dict(state)

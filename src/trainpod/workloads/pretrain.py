@@ -27,7 +27,13 @@ from trainpod.data.datagen import dataset_shards, dataset_vocab, load_dataset_ma
 from trainpod.data.shards import open_shard
 from trainpod.errors import InputError
 from trainpod.train import distributed as D
-from trainpod.train.batches import TokenBatches, eval_batches, rescaled_accumulation, to_device
+from trainpod.train.batches import (
+    TokenBatches,
+    accumulation_note,
+    eval_batches,
+    rescaled_accumulation,
+    to_device,
+)
 from trainpod.train.export import DTYPES, export_hf
 from trainpod.train.loss import CausalLMLoss
 from trainpod.train.memory import check_fits
@@ -202,17 +208,18 @@ class Pretrainer(Trainer):
         return self.batches.state_dict()
 
     def load_data_state(self, state: dict[str, Any]) -> None:
-        accumulation = rescaled_accumulation(state, self.dist.world_size, self.train_cfg.grad_accum_steps)
+        configured = self.train_cfg.grad_accum_steps
+        accumulation = rescaled_accumulation(state, self.dist.world_size, configured)
         if accumulation != self.grad_accum_steps:
             if self.dist.is_main:
-                log.warning(
-                    "the checkpoint was written by %d rank(s); on %d, train.grad_accum_steps becomes %d "
-                    "so that every step still trains on the same %s tokens",
-                    state["world_size"],
-                    self.dist.world_size,
-                    accumulation,
-                    f"{accumulation * self.dist.world_size * self.train_cfg.micro_batch_size * self.train_cfg.seq_len:,}",
+                tokens = (
+                    accumulation
+                    * self.dist.world_size
+                    * self.train_cfg.micro_batch_size
+                    * self.train_cfg.seq_len
                 )
+                note = accumulation_note(state, self.dist.world_size, configured, accumulation)
+                log.warning("%s (%s tokens a step)", note, f"{tokens:,}")
             self.grad_accum_steps = self.batches.grad_accum_steps = accumulation
         self.batches.load_state_dict(state)
 

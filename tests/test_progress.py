@@ -143,6 +143,21 @@ def test_nproc_per_node_below_one_is_refused_not_run_as_one_process(count, tmp_p
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("workload", ["command", "datagen", "convert"])
+def test_nproc_per_node_for_a_one_process_workload_is_refused_not_run_n_times(workload, tmp_path, capsys):
+    """`trainpod run command --nproc-per-node 2` started two kits, each running the user's whole program with
+    RANK set, on the same run's lease; a datagen or conversion, two copies of the same work."""
+    from trainpod import cli
+
+    code = cli.main(["run", workload, "--nproc-per-node", "2", "--volume", str(tmp_path)])
+    assert code == 2
+    captured = capsys.readouterr()
+    err = captured.out + captured.err
+    assert f"--nproc-per-node 2: workload {workload} does not run one process per GPU" in err
+    assert ("torchrun" in err) == (workload == "command")
+    assert not any(tmp_path.iterdir())
+
+
 def test_config_fields_lists_every_field_with_type_default_and_description(capsys):
     from trainpod.config.finetune import FinetuneConfig
 

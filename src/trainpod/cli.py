@@ -50,6 +50,25 @@ def run(
 
     if nproc_per_node > 1 and "LOCAL_RANK" not in os.environ:
         from trainpod.launch import launch_local
+        from trainpod.log import setup_logging
+        from trainpod.workloads import REGISTRY
+
+        one_process = REGISTRY.get(workload)
+        if one_process is not None and not one_process.kind.rank_per_gpu:
+            # N copies of a program (or a datagen, a conversion) each doing the whole work, on one run's lease
+            setup_logging(None)
+            hint = (
+                "launch the ranks inside your command instead (command: [torchrun, --nproc-per-node, N, train.py])"
+                if workload == "command"
+                else "it runs as one process"
+            )
+            logging.getLogger("trainpod").error(
+                "--nproc-per-node %d: workload %s does not run one process per GPU; drop the flag: %s",
+                nproc_per_node,
+                workload,
+                hint,
+            )
+            return ExitCode.BAD_INPUT
 
         return launch_local(nproc_per_node, _strip_nproc(sys.argv[1:]))
     from trainpod.errors import TrainpodError

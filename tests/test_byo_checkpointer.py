@@ -579,3 +579,19 @@ def test_a_state_holding_a_named_tuple_is_refused_with_the_same_message_not_a_ty
     refused = pytest.raises(InputError, match=r"sampler.*would not load back.*Position")
     with Checkpointer(tmp_path / "run", watch_signals=False) as ckpt, refused:
         ckpt.commit(1, model=model, optimizer=optimizer, sampler={"at": Position(0, torch.tensor(5))})
+
+
+@pytest.mark.parametrize("given", [{"keep_last": 1}, {"keep_last": 0}, {"env": "1"}])
+def test_a_checkpointer_keeping_fewer_than_two_checkpoints_is_refused_as_the_workloads_refuse_it(
+    given, tmp_path, monkeypatch
+):
+    """checkpoint.keep_last and `trainpod checkpoint commit --keep-last` refuse 1: a newest checkpoint that fails
+    verification at the next start then has no older one to fall back to, and the run starts over. The
+    Checkpointer took it, from its argument or TRAINPOD_KEEP_LAST, and kept one."""
+    if "env" in given:
+        monkeypatch.setenv("TRAINPOD_KEEP_LAST", given["env"])
+    where = "TRAINPOD_KEEP_LAST" if "env" in given else r"Checkpointer\(keep_last=\.\.\.\)"
+    with pytest.raises(InputError, match=rf"{where}=\d: keep at least 2 checkpoints") as refused:
+        Checkpointer(tmp_path / "run", keep_last=given.get("keep_last"), watch_signals=False)
+    assert refused.value.exit_code == 2
+    assert not (tmp_path / "run").exists(), "nothing is made for a refused setting"

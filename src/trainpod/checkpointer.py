@@ -167,9 +167,17 @@ class Checkpointer:
     ):
         self.run_dir = Path(run_dir) if run_dir is not None else run_dir_from_env()
         root = os.environ.get("TRAINPOD_CHECKPOINT_DIR") if run_dir is None else None
+        kept = keep_last if keep_last is not None else _env_int("TRAINPOD_KEEP_LAST", 2)
+        if kept < 2:  # as the workloads' checkpoint.keep_last and `trainpod checkpoint commit` refuse it
+            where = "Checkpointer(keep_last=...)" if keep_last is not None else "TRAINPOD_KEEP_LAST"
+            raise InputError(
+                f"{where}={kept}: keep at least 2 checkpoints, so that a newest one that fails verification at "
+                "the next start has an older one to fall back to (docs/design.md, 'Checkpoints'); set it to 2 "
+                "or more"
+            )
         self.store = CheckpointStore(
             Path(root) if root else self.run_dir / "checkpoints",
-            keep_last if keep_last is not None else _env_int("TRAINPOD_KEEP_LAST", 2),
+            kept,
             keep_best if keep_best is not None else _env_int("TRAINPOD_KEEP_BEST", 0),
             verify,
         )

@@ -437,3 +437,27 @@ def test_on_two_ranks_a_stop_during_rank_0s_generation_eval_ends_the_eval_on_bot
     assert _run_two_ranks(volume, workload="finetune") == ["done", "done"]
     evals = [json.loads(line) for line in logs.read_text().splitlines() if "eval_cer" in line]
     assert [m["step"] for m in evals] == [3, 6], "the resumed pair ran step 3's generation eval first"
+
+
+@pytest.mark.parametrize(
+    ("eval_every", "every_steps", "warned"), [(6, 4, True), (4, 4, False), (8, 4, False), (4, 8, True)]
+)
+def test_a_checkpoint_interval_that_misses_most_evals_is_said_when_keep_best_ranks_them(
+    tmp_path: Path, tiny_dataset_volume: Path, caplog, eval_every, every_steps, warned
+):
+    """keep_best ranks the checkpoints committed at an eval's step: with checkpoint.every_steps not dividing
+    eval_every, most evals had no checkpoint, and the best kept was the best of a few, with nothing said."""
+    for folder in ("datasets", "tokenizers"):
+        shutil.copytree(tiny_dataset_volume / folder, tmp_path / folder)
+    trainer = pretrainer(
+        tmp_path,
+        f"train.eval_every={eval_every}",
+        f"checkpoint.every_steps={every_steps}",
+        "checkpoint.keep_best=1",
+    )
+    caplog.set_level("WARNING", "trainpod")
+    trainer._warn_if_best_k_sees_few_evals()
+    said = [r.getMessage() for r in caplog.records if "keep_best" in r.getMessage()]
+    assert bool(said) == warned, said
+    if warned:
+        assert f"eval_every={eval_every} and checkpoint.every_steps={every_steps}" in said[0]

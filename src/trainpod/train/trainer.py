@@ -331,6 +331,7 @@ class Trainer:
     def train(self) -> None:
         start_step = self.resume()
         self._check_first_checkpoint_fits()
+        self._warn_if_best_k_sees_few_evals()
         self.finished_early = self.should_stop_early()
         model = self.wrap_for_training()
         self.reporter = self.make_reporter(start_step)
@@ -369,6 +370,27 @@ class Trainer:
         full = D.broadcast_object(self.dist, full)
         if full is not None:
             raise VolumeFull(full)
+
+    def _warn_if_best_k_sees_few_evals(self) -> None:
+        """keep_best ranks the checkpoints committed at an eval's step. Where checkpoint.every_steps does not
+        divide eval_every, most evals have no checkpoint (eval_every 300, every_steps 500: one in five), and
+        the best kept is the best of those few, with nothing said."""
+        every, keep_best = self.checkpoint_cfg.every_steps, self.checkpoint_cfg.keep_best
+        if not (self.dist.is_main and keep_best and self.eval_every and self.has_eval_data):
+            return
+        if self.eval_every % every == 0:
+            return
+        both = every * self.eval_every // math.gcd(every, self.eval_every)
+        log.warning(
+            "checkpoint.keep_best=%d ranks the checkpoints committed at an eval's step: with eval_every=%d and "
+            "checkpoint.every_steps=%d, only the eval of every %d-th step has one. Set checkpoint.every_steps "
+            "to a divisor of eval_every (e.g. %d) for the best eval's checkpoint to be kept",
+            keep_best,
+            self.eval_every,
+            every,
+            both,
+            self.eval_every,
+        )
 
     def _plot_if_time_left(self) -> None:
         """Redraw loss.png on a stop only when SIGKILL is far enough off (drawing takes ~1 s on a CPU)."""

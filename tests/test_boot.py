@@ -439,9 +439,9 @@ def test_pretrain_config_too_big_for_the_gpu_exits_2_at_boot_naming_the_knobs(tm
     assert not (tmp_path / "runs").exists(), "a refused config must leave the volume as it was"
 
 
-def test_a_resume_on_another_commit_of_the_branch_says_so_and_records_it(tmp_path):
-    """Every start syncs the ref's newest commit: a push between two spot starts changes the code that
-    continues the checkpoints. runs/<run>/code.json holds the commit, and a change is logged."""
+def _command_run_on_a_git_branch(tmp_path: Path) -> tuple[Path, Path, str, dict[str, str]]:
+    """A repo (work/) whose branch main holds a command config, its first commit, an empty volume and the env
+    of a pod that runs it: (work, volume, first commit, env)."""
     work, volume = tmp_path / "work", tmp_path / "volume"
     (work / "configs").mkdir(parents=True)
     volume.mkdir()
@@ -454,6 +454,13 @@ def test_a_resume_on_another_commit_of_the_branch_says_so_and_records_it(tmp_pat
         "TRAINPOD_GIT_REF": "main",
         "RUNPOD_POD_ID": "pod-1",  # a pod: its boot makes the run folder before the workload
     }
+    return work, volume, first, env
+
+
+def test_a_resume_on_another_commit_of_the_branch_says_so_and_records_it(tmp_path):
+    """Every start syncs the ref's newest commit: a push between two spot starts changes the code that
+    continues the checkpoints. runs/<run>/code.json holds the commit, and a change is logged."""
+    work, volume, first, env = _command_run_on_a_git_branch(tmp_path)
     result = boot_process(volume, **env)
     assert result.returncode == 0, result.stdout + result.stderr
     run = volume / "runs/code-run"
@@ -472,18 +479,7 @@ def test_a_resume_on_another_commit_of_the_branch_says_so_and_records_it(tmp_pat
 def test_a_done_runs_code_json_keeps_the_commit_that_finished_it_when_its_pod_boots_again(tmp_path):
     """A finished run's pod started again (by hand, to reach the volume) after a push: code.json was rewritten to
     the new commit, which never ran a step of the run, with a warning that the run continued on it."""
-    work, volume = tmp_path / "work", tmp_path / "volume"
-    (work / "configs").mkdir(parents=True)
-    volume.mkdir()
-    (work / "configs/cmd.yaml").write_text("name: code-run\ncommand: [python, -c, 'print(1)']\n")
-    first = commit_all(work, "one")
-    env = {
-        "TRAINPOD_WORKLOAD": "command",
-        "TRAINPOD_CONFIG": "configs/cmd.yaml",
-        "TRAINPOD_GIT_REPO": f"file://{work}",
-        "TRAINPOD_GIT_REF": "main",
-        "RUNPOD_POD_ID": "pod-1",
-    }
+    work, volume, first, env = _command_run_on_a_git_branch(tmp_path)
     assert boot_process(volume, **env).returncode == 0
     (work / "train.py").write_text("# pushed after the run finished\n")
     commit_all(work, "two")

@@ -242,6 +242,14 @@ def test_each_hf_checkpoint_records_its_eval_loss_so_keep_best_ranks_them(tmp_pa
     assert set(kept) == {best, 5, 6}, f"keep_last=2 and keep_best=1 keep {sorted(kept)}; HF logged {logged}"
 
 
+def _resume_to_the_end(trainer, callback) -> None:
+    """Train on from the checkpoint the callback resumes from, to max_steps; the Checkpointer closed after."""
+    try:
+        trainer.train(resume_from_checkpoint=callback.resume_from_checkpoint())
+    finally:
+        callback.ckpt.close()
+
+
 def _exit_of_a_sigterm_at_step(step: int, trainer, callback) -> int:
     """Train until a SIGTERM arrives during `step` (asked before the callback's on_step_end sees the step's end);
     the exit code the callback ends the process with."""
@@ -321,10 +329,7 @@ def test_a_trainer_that_did_not_resume_from_the_newest_commit_is_refused_before_
         callback.ckpt.close()
     assert trainer.state.global_step == 0, "refused before any step is trained"
     trainer, callback = _regression_trainer(tmp_path / "run", max_steps=8)
-    try:
-        trainer.train(resume_from_checkpoint=callback.resume_from_checkpoint())
-    finally:
-        callback.ckpt.close()
+    _resume_to_the_end(trainer, callback)
     assert (tmp_path / "run/checkpoints/LATEST").read_text() == "step-8\n"
 
 
@@ -391,10 +396,7 @@ def test_the_hub_token_given_to_training_arguments_never_reaches_a_committed_che
     assert first.args.hub_token == token, "the running Trainer keeps its token to push with"
 
     resumed, callback = trainer(4)
-    try:
-        resumed.train(resume_from_checkpoint=callback.resume_from_checkpoint())
-    finally:
-        callback.ckpt.close()
+    _resume_to_the_end(resumed, callback)
     assert (tmp_path / "run/checkpoints/LATEST").read_text() == "step-4\n"
 
 

@@ -53,13 +53,26 @@ def make_tiny_tokenizer(
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
+    return _trained_and_saved(tokenizer, SENTENCES * 4, extra, vocab_size, path, chat_template)
+
+
+def _trained_and_saved(
+    tokenizer: Tokenizer,
+    corpus: list[str],
+    extra: list[str],
+    vocab_size: int,
+    path: Path,
+    chat_template: str | None = None,
+) -> Path:
+    """`tokenizer` trained on `corpus` (byte-level BPE, EOS, PAD and `extra` special) and saved at `path` as
+    transformers loads it: eos = bos = <|endoftext|>, pad = <|pad|>."""
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         special_tokens=[EOS, PAD, *extra],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(SENTENCES * 4, trainer=trainer)
+    tokenizer.train_from_iterator(corpus, trainer=trainer)
     wrapped = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         bos_token=EOS,
@@ -93,24 +106,8 @@ def make_newline_merging_tokenizer(path: Path) -> Path:
         ]
     )
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400,
-        special_tokens=[EOS, PAD, *extra],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator([s + "\n\n" + s + "\n\n\n" for s in SENTENCES] * 4, trainer=trainer)
-    wrapped = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
-        bos_token=EOS,
-        eos_token=EOS,
-        pad_token=PAD,
-        additional_special_tokens=extra,
-    )
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    wrapped.save_pretrained(str(path))
-    return path
+    corpus = [s + "\n\n" + s + "\n\n\n" for s in SENTENCES] * 4
+    return _trained_and_saved(tokenizer, corpus, extra, 400, path)
 
 
 def make_bos_adding_tokenizer(path: Path) -> Path:

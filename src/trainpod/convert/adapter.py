@@ -258,14 +258,13 @@ def _refuse_a_quantized_base(base_dir: Path) -> None:
     base_model at the model the adapter was trained on', which it was. Both a merge and mlx-lm need the 16-bit
     base. (One whose adapted weights keep their shapes, gpt-oss's MXFP4 experts beside 16-bit attention, is
     not refused here: mlx-lm loads it.)"""
-    quantization = base_config(base_dir).get("quantization_config")
-    if not quantization:
+    from trainpod.train.base_model import stored_quantization
+
+    quantization = stored_quantization(base_dir)
+    if quantization is None:
         return
-    settings = quantization if isinstance(quantization, dict) else {}
-    method = settings.get("quant_method", "quantized")
-    bits = " 4-bit" if settings.get("load_in_4bit") or settings.get("_load_in_4bit") else ""
     raise InputError(
-        f"base model {base_dir} is stored quantized ({method}{bits}, config.json's quantization_config): an adapter "
+        f"base model {base_dir} is stored quantized ({quantization}, config.json's quantization_config): an adapter "
         "can be neither merged into packed weights nor loaded on them by mlx-lm. Set base_model to the 16-bit "
         "model it was quantized from (on the hub, the same name without a suffix like -bnb-4bit); a QLoRA "
         "adapter's merge rounds that one to 4 bits with the settings training_summary.json records "

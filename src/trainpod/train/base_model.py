@@ -194,16 +194,18 @@ def refuse_packing_that_mixes_samples(folder: Path, asked_by: str) -> None:
 
 
 def stored_quantization(folder: Path) -> str | None:
-    """The quant_method of a model folder saved quantized (a hub '-bnb-4bit', GPTQ or AWQ model: its
-    config.json's quantization_config), else None."""
+    """How a model folder saved quantized stores its weights (a hub '-bnb-4bit', GPTQ or AWQ model: its
+    config.json's quantization_config): its quant_method, ' 4-bit' added for bitsandbytes' 4 bits; else None."""
     try:
         config = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError):
         return None  # loading the model says what is wrong with the folder
     quantization = config.get("quantization_config")
-    if not isinstance(quantization, dict):
+    if not quantization:
         return None
-    return str(quantization.get("quant_method") or "quantized")
+    settings = quantization if isinstance(quantization, dict) else {}
+    bits = " 4-bit" if settings.get("load_in_4bit") or settings.get("_load_in_4bit") else ""
+    return f"{settings.get('quant_method') or 'quantized'}{bits}"
 
 
 def _from_pretrained_kwargs(cfg: BaseModelConfig, attention: str) -> dict[str, Any]:

@@ -166,7 +166,7 @@ class Finetuner(Trainer):
             raise InputError(
                 f"method full trains every weight, but base_model {self.cfg.base_model.path!r} stores its weights "
                 f"quantized ({quantized}, its config.json's quantization_config), which neither train nor export; "
-                f"use method {'qlora or lora' if quantized == 'bitsandbytes' else 'lora'} on it, or point "
+                f"use method {'qlora or lora' if quantized.startswith('bitsandbytes') else 'lora'} on it, or point "
                 "base_model.path at the unquantized model"
             )
 

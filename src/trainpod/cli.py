@@ -46,36 +46,32 @@ def run(
     Flags override the environment: --config over TRAINPOD_CONFIG, --run over TRAINPOD_RUN,
     --volume over TRAINPOD_VOLUME; --set assignments apply after TRAINPOD_SET.
     """
+    from trainpod.errors import InputError, TrainpodError
+    from trainpod.workloads import REGISTRY
     from trainpod.workloads.lifecycle import RunRequest, execute
 
-    if nproc_per_node > 1 and "LOCAL_RANK" not in os.environ:
-        from trainpod.launch import launch_local
-        from trainpod.log import setup_logging
-        from trainpod.workloads import REGISTRY
-
-        one_process = REGISTRY.get(workload)
-        if one_process is not None and not one_process.kind.rank_per_gpu:
-            # N copies of a program (or a datagen, a conversion) each doing the whole work, on one run's lease
-            setup_logging(None)
-            hint = (
-                "launch the ranks inside your command instead (command: [torchrun, --nproc-per-node, N, train.py])"
-                if workload == "command"
-                else "it runs as one process"
-            )
-            logging.getLogger("trainpod").error(
-                "--nproc-per-node %d: workload %s does not run one process per GPU; drop the flag: %s",
-                nproc_per_node,
-                workload,
-                hint,
-            )
-            return ExitCode.BAD_INPUT
-
-        return launch_local(nproc_per_node, _strip_nproc(sys.argv[1:]))
-    from trainpod.errors import TrainpodError
-
     try:
+        if nproc_per_node > 1 and "LOCAL_RANK" not in os.environ:
+            from trainpod.launch import launch_local
+
+            one_process = REGISTRY.get(workload)
+            if one_process is not None and not one_process.kind.rank_per_gpu:
+                # N copies of a program (or a datagen, a conversion) each doing the whole work, on one run's lease
+                hint = (
+                    "launch the ranks inside your command instead (command: [torchrun, --nproc-per-node, N, "
+                    "train.py])"
+                    if workload == "command"
+                    else "it runs as one process"
+                )
+                raise InputError(
+                    f"--nproc-per-node {nproc_per_node}: workload {workload} does not run one process per GPU; "
+                    f"drop the flag: {hint}"
+                )
+            return launch_local(nproc_per_node, _strip_nproc(sys.argv[1:]))
         request = RunRequest.from_env(workload)
-    except TrainpodError as exc:  # a malformed TRAINPOD_SET: its one message and exit 2, no traceback
+    except (
+        TrainpodError
+    ) as exc:  # the flag above, a malformed TRAINPOD_SET: one message and exit 2, no traceback
         from trainpod.log import setup_logging
 
         setup_logging(None)

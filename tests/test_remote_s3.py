@@ -817,3 +817,49 @@ def test_a_push_interrupted_with_ctrl_c_ends_with_one_line_and_130_not_a_traceba
     assert child.returncode == 130, out + err
     assert "Traceback" not in out + err
     assert "run the same command again" in out + err
+
+
+def machine(name: str, cache: Path) -> VolumeS3:
+    """The volume as one machine reaches it: its own cache folder, where push records the uploads it made."""
+    environ = {**os.environ, "XDG_CACHE_HOME": str(cache)}
+    return VolumeS3(S3Target(name, DC, os.environ["TRAINPOD_S3_ENDPOINT_URL"]), environ, part_bytes=PART)
+
+
+def test_a_second_machine_pushing_the_same_file_leaves_the_first_ones_upload_in_progress_alone(
+    bucket, tmp_path
+):
+    """The second push aborted every upload of the key it had no record of, the first machine's live one too:
+    its next part was refused (NoSuchUpload, exit 2) and the parts it had sent were lost."""
+    name, raw, _ = bucket
+    local = tmp_path / "train.bin"
+    local.write_bytes(os.urandom(5 * PART + 17))  # 6 parts
+    first, second = machine(name, tmp_path / "laptop"), machine(name, tmp_path / "workstation")
+    pushed_meanwhile: list[int] = []
+
+    def second_push_after_two_parts(done: int, total: int) -> None:
+        if done == 2:
+            pushed_meanwhile.append(second.upload_file(local, "datasets/d/train.bin"))
+
+    first.upload_file(local, "datasets/d/train.bin", on_part=second_push_after_two_parts)
+    assert pushed_meanwhile == [0], "the second machine resumed an upload it never started"
+    assert objects(raw, name, "datasets/d/")["datasets/d/train.bin"] == local.read_bytes()
+    assert raw.list_multipart_uploads(Bucket=name).get("Uploads", []) == []
+
+
+def test_an_upload_another_machine_left_unfinished_is_aborted_once_it_has_been_idle_long_enough(
+    bucket, tmp_path, monkeypatch
+):
+    """Its parts are billed storage on the volume that nothing else removes; one with a part sent lately is
+    another machine's live upload (the test above), one idle past ABANDONED_UPLOAD_S was given up."""
+    import trainpod.remote.s3 as s3_module
+
+    name, raw, _ = bucket
+    local = tmp_path / "train.bin"
+    local.write_bytes(os.urandom(3 * PART + 5))
+    interrupted_upload(machine(name, tmp_path / "laptop"), local, "datasets/d/train.bin", after_parts=2)
+    given_up = raw.list_multipart_uploads(Bucket=name)["Uploads"][0]["UploadId"]
+    monkeypatch.setattr(s3_module, "ABANDONED_UPLOAD_S", -60)  # idle for a day: no waiting in a test
+    assert machine(name, tmp_path / "workstation").upload_file(local, "datasets/d/train.bin") == 0
+    left = [u["UploadId"] for u in raw.list_multipart_uploads(Bucket=name).get("Uploads", [])]
+    assert given_up not in left and left == []
+    assert objects(raw, name, "datasets/d/")["datasets/d/train.bin"] == local.read_bytes()

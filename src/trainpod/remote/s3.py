@@ -21,7 +21,9 @@ compared; the finished object's size and its multipart ETag (the MD5 of the part
 against the local file. Every object uploaded carries the whole file's MD5 as user metadata
 (`trainpod-md5`), which tells a file already on the volume from other bytes of its size on any
 gateway; an upload is resumed only by the machine that started it, for the same bytes, so that
-metadata never misnames an object. An object appears only when its upload completes, so no reader
+metadata never misnames an object. Another machine's unfinished upload of the same key is left alone
+(aborted, its push would fail at its next part) until nothing was sent to it for a day
+(ABANDONED_UPLOAD_S). An object appears only when its upload completes, so no reader
 ever sees half of one. Downloads append to a `.tmp-pull` file with ranged GETs, so an interrupted one
 continues where it stopped.
 """
@@ -62,6 +64,9 @@ MAX_PARTS = 10_000
 PARALLEL_PARTS = 4  # one TCP stream rarely fills a link to another continent; 4 parts in flight usually do
 READ_CHUNK = 8 << 20
 READ_ATTEMPTS = 3  # a small object's read, body included: 1 s and 2 s between them
+# Another machine's unfinished upload of a key is aborted by a push of that key only once nothing was sent to it
+# for this long: a live one sends a part every few seconds, and a laptop that slept longer starts its upload anew.
+ABANDONED_UPLOAD_S = 24 * 3600
 _MD5_ETAG = re.compile(r"^[0-9a-f]{32}(-\d+)?$")
 
 
@@ -202,6 +207,13 @@ class UploadRecord:
         except (OSError, ValueError, KeyError, TypeError):
             pass
         return None
+
+    def made(self, upload_id: str) -> bool:
+        """Whether this machine started `upload_id` (for whatever bytes): then it aborts it when not resuming it."""
+        try:
+            return atomic.read_json(self.path)["upload_id"] == upload_id
+        except (OSError, ValueError, KeyError, TypeError):
+            return False
 
     def start(self, upload_id: str, part_bytes: int, md5: str, parts: dict[int, tuple[str, str]]) -> None:
         self.upload_id, self.part_bytes, self.md5, self.parts = upload_id, part_bytes, md5, dict(parts)
@@ -423,22 +435,23 @@ class VolumeS3:
         listed = self._call(
             "list the uploads of", key, self._client.list_multipart_uploads, Bucket=self.bucket, Prefix=key
         )
-        uploads = sorted(
-            (u for u in listed.get("Uploads", []) if u["Key"] == key), key=lambda u: u["Initiated"]
-        )
-        recorded = record.load(uploads[-1]["UploadId"], part, md5) if uploads else None
-        # Older attempts are never completed; nor is one this machine has no record of (made elsewhere, or by
-        # an older trainpod) or made for other bytes: the file's MD5 in its metadata would misname the object.
-        for stale in uploads if recorded is None else uploads[:-1]:
-            self._call(
-                "abort an old upload of",
-                key,
-                self._client.abort_multipart_upload,
-                Bucket=self.bucket,
-                Key=key,
-                UploadId=stale["UploadId"],
-            )
-        if recorded is None:
+        uploads = [u for u in listed.get("Uploads", []) if u["Key"] == key]
+        mine = next((u for u in uploads if record.load(u["UploadId"], part, md5) is not None), None)
+        # Never completed: this machine's older attempts (for other bytes, or another part size: the file's
+        # MD5 in their metadata would misname the object), and another machine's uploads (or an older
+        # trainpod's) once idle past ABANDONED_UPLOAD_S. One with a part sent lately is another machine
+        # pushing the same file right now: aborted, its next part would fail and its parts be lost.
+        for other in uploads:
+            if other is not mine and (record.made(other["UploadId"]) or self._abandoned(key, other)):
+                self._call(
+                    "abort an old upload of",
+                    key,
+                    self._client.abort_multipart_upload,
+                    Bucket=self.bucket,
+                    Key=key,
+                    UploadId=other["UploadId"],
+                )
+        if mine is None:
             created = self._call(
                 "start the upload of",
                 key,
@@ -448,11 +461,12 @@ class VolumeS3:
                 Metadata={METADATA_MD5: md5},
             )
             return created["UploadId"], {}
-        upload_id = uploads[-1]["UploadId"]
+        upload_id, recorded = mine["UploadId"], record.load(mine["UploadId"], part, md5) or {}
         kept = {}
-        for number, etag, part_bytes in self._parts(key, upload_id):
+        for sent in self._parts(key, upload_id):
+            number, etag = sent["PartNumber"], _etag(sent["ETag"])
             want = min(part, size - (number - 1) * part)
-            if number > len(digests) or part_bytes != want:
+            if number > len(digests) or sent["Size"] != want:
                 continue
             part_md5 = digests[number - 1].hex()
             if etag == part_md5 or recorded.get(number) == (part_md5, etag):
@@ -465,7 +479,19 @@ class VolumeS3:
         )
         return upload_id, kept
 
-    def _parts(self, key: str, upload_id: str) -> Iterator[tuple[int, str, int]]:
+    def _abandoned(self, key: str, upload: dict) -> bool:
+        """Whether nothing was sent to `upload` (started or a part uploaded) for ABANDONED_UPLOAD_S; a date
+        the server does not give counts as long ago."""
+        idle_since = time.time() - ABANDONED_UPLOAD_S
+        started = upload.get("Initiated")
+        if started is not None and started.timestamp() > idle_since:
+            return False
+        return not any(
+            p.get("LastModified") is not None and p["LastModified"].timestamp() > idle_since
+            for p in self._parts(key, upload["UploadId"])
+        )
+
+    def _parts(self, key: str, upload_id: str) -> Iterator[dict]:
         marker = 0
         while True:
             page = self._call(
@@ -477,8 +503,7 @@ class VolumeS3:
                 UploadId=upload_id,
                 PartNumberMarker=marker,
             )
-            for p in page.get("Parts", []):
-                yield p["PartNumber"], _etag(p["ETag"]), p["Size"]
+            yield from page.get("Parts", [])
             if not page.get("IsTruncated"):
                 return
             marker = page["NextPartNumberMarker"]

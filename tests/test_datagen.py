@@ -1065,15 +1065,11 @@ def test_a_resume_after_a_file_joined_its_glob_before_those_read_is_exit_2_not_s
         )
 
 
-def test_a_resume_after_a_push_to_a_hub_datasets_repository_reads_the_commit_the_dataset_began_at(
-    volume, monkeypatch
-):
-    # A hub dataset was streamed at its branch's newest commit at every start: a push between a kill and the
-    # resume (one document added at the front) moved every later document's index, and the resume went on at
-    # its committed index in the new order, writing documents twice and moving train ones into val, silently.
-    # No hub here: a folder per commit stands for the repository, served by datasets.load_dataset at the
-    # revision asked for (its newest without one), and sources.hub_revision, the one function that asks the
-    # hub for the newest commit, is replaced to name it.
+def hub_of_two_commits(volume: Volume, monkeypatch) -> list[str]:
+    """org/stories on a stand-in hub: a folder per commit, served by datasets.load_dataset at the revision
+    asked for (its newest without one); sources.hub_revision, the one function that asks the hub for the
+    newest commit, is replaced to name it. commit-2 is commit-1 with one document pushed at the front.
+    Returns the newest commit's name in a list, for a test to push commit-2 by setting it."""
     import datasets
 
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
@@ -1096,11 +1092,10 @@ def test_a_resume_after_a_push_to_a_hub_datasets_repository_reads_the_commit_the
 
     monkeypatch.setattr(datasets, "load_dataset", hub)
     monkeypatch.setattr(sources, "hub_revision", lambda source: newest[0], raising=False)
-    config = make_config(sources=[{"hf": "org/stories"}])
-    run_killed_at_a_shard(monkeypatch, lambda name: name == "train_000005.bin", lambda: run(config, volume))
+    return newest
 
-    newest[0] = "commit-2"  # the push
-    resumed = run(config, volume)
+
+def assert_shards_of_one_run_over_commit_1(resumed: Path, volume: Volume) -> None:
     reference = run(make_config(name="reference", sources=[{"path": "hub/commit-1/train.jsonl"}]), volume)
     for split in ("train", "val"):
         assert np.array_equal(
@@ -1108,6 +1103,37 @@ def test_a_resume_after_a_push_to_a_hub_datasets_repository_reads_the_commit_the
             split_stream(reference, load_dataset_manifest(reference), split),
         ), f"the resumed {split} shards are not those of one run over the commit the dataset began at"
     assert load_dataset_manifest(resumed)["sources"][0]["revision"] == "commit-1"
+
+
+def test_a_resume_after_a_push_to_a_hub_datasets_repository_reads_the_commit_the_dataset_began_at(
+    volume, monkeypatch
+):
+    # A hub dataset was streamed at its branch's newest commit at every start: a push between a kill and the
+    # resume (one document added at the front) moved every later document's index, and the resume went on at
+    # its committed index in the new order, writing documents twice and moving train ones into val, silently.
+    newest = hub_of_two_commits(volume, monkeypatch)
+    config = make_config(sources=[{"hf": "org/stories"}])
+    run_killed_at_a_shard(monkeypatch, lambda name: name == "train_000005.bin", lambda: run(config, volume))
+
+    newest[0] = "commit-2"  # the push
+    assert_shards_of_one_run_over_commit_1(run(config, volume), volume)
+
+
+def test_a_dataset_killed_before_its_first_shard_reads_the_commit_its_tokenizer_was_trained_on(
+    volume, monkeypatch
+):
+    # The commit was recorded with the first shard (progress.json), so a kill after the tokenizer was trained
+    # and before that shard looked it up again: after a push meanwhile the shards were cut from commit-2 with
+    # a tokenizer trained on commit-1, not the shards of one run, and nothing recorded the tokenizer's commit.
+    newest = hub_of_two_commits(volume, monkeypatch)
+    config = make_config(sources=[{"hf": "org/stories"}])
+    run_killed_at_a_shard(monkeypatch, lambda name: True, lambda: run(config, volume))
+    assert not (volume.dataset("stories") / "progress.json").exists(), "the kill came before the first shard"
+    record = json.loads((volume.tokenizer("stories") / "trainpod_tokenizer.json").read_text())
+    assert record["hub_revisions"] == {"org/stories": "commit-1"}, "the tokenizer notes the commit it read"
+
+    newest[0] = "commit-2"  # the push
+    assert_shards_of_one_run_over_commit_1(run(config, volume), volume)
 
 
 def test_a_stop_while_the_tokenizer_reads_its_training_documents_ends_it_there(volume, monkeypatch):

@@ -39,7 +39,13 @@ from trainpod.data.sources import (
     source_labels,
 )
 from trainpod.data.split_writer import SplitProgress, SplitWriter
-from trainpod.data.tokenizer import TOKENIZER_FILE, TokenizerInfo, prepare_tokenizer
+from trainpod.data.tokenizer import (
+    SETTINGS_FILE,
+    TOKENIZER_FILE,
+    TokenizerInfo,
+    prepare_tokenizer,
+    trained_hub_revisions,
+)
 from trainpod.errors import ExitCode, InputError, Preempted, TemporaryError
 from trainpod.preemption import PreemptionWatch, exit_now_when_preempted
 from trainpod.volume import Volume
@@ -130,6 +136,7 @@ def _tokenizer(
             volume.root,
             documents,
             config.output_settings(),
+            revisions,
         )
 
 
@@ -168,7 +175,7 @@ def _build(
     """Write (or finish) the shards, then the manifest: only under the dataset's lease."""
     # Only a build checks the sources: a finished dataset stays usable after its source files are gone.
     check_sources(config.sources, volume.root)
-    revisions = _hub_revisions(folder, config, expected_hash)
+    revisions = _hub_revisions(folder, config, expected_hash, volume)
     _refuse_empty_sources(config, volume, revisions)
     if folder.is_dir() and not (folder / PROGRESS_FILE).is_file():
         _refuse_files_of_others(folder)
@@ -196,10 +203,12 @@ def _build(
     return folder
 
 
-def _hub_revisions(folder: Path, config: DatagenConfig, expected_hash: str) -> dict[str, str]:
+def _hub_revisions(folder: Path, config: DatagenConfig, expected_hash: str, volume: Volume) -> dict[str, str]:
     """The commit each hub dataset of the sources is read at: the one progress.json recorded when the dataset
-    was begun, else (a fresh start) the one its repository is at now (sources.hub_revisions). A dataset begun
-    before progress.json recorded them goes on at each repository's newest commit, as it began."""
+    was begun, else (a fresh start) the one the dataset's tokenizer was trained at, else the one its repository
+    is at now (sources.hub_revisions). progress.json is written with the first shard and the tokenizer before
+    it: a start killed between the two reads the tokenizer's commits again, not a commit pushed since. A
+    dataset begun before progress.json recorded them goes on at each repository's newest commit, as it began."""
     if all(source.hf is None for source in config.sources):
         return {}
     path = folder / PROGRESS_FILE
@@ -217,6 +226,17 @@ def _hub_revisions(folder: Path, config: DatagenConfig, expected_hash: str) -> d
             raise damaged_record(path, f"{HUB_REVISIONS} is {pinned!r}, not names and commits")
         log.info("reading hub datasets at the commits recorded when the dataset was begun: %s", pinned)
         return pinned
+    tokenizer = volume.tokenizer(config.tokenizer_name)
+    trained_at = None if config.tokenizer.path else trained_hub_revisions(tokenizer, config.output_settings())
+    if trained_at:
+        log.info(
+            "reading hub datasets at the commits %s was trained on (its %s), recorded for every resume: %s; "
+            "give tokenizer.name a new name to train one on their newest commits",
+            tokenizer,
+            SETTINGS_FILE,
+            trained_at,
+        )
+        return trained_at
     revisions = hub_revisions(config.sources)
     if revisions:
         log.info("reading hub datasets at their newest commits, recorded for every resume: %s", revisions)

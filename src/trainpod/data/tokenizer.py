@@ -3,7 +3,8 @@
 The folder holds `tokenizer.json` (the `tokenizers` library's format), a `tokenizer_config.json` and
 `special_tokens_map.json` that make `transformers.AutoTokenizer.from_pretrained(folder)` load it as
 a `PreTrainedTokenizerFast` with bos/eos = `<|endoftext|>`, and `trainpod_tokenizer.json` with the
-training settings, so a second run with the same settings reuses it instead of training again.
+training settings, so a second run with the same settings reuses it instead of training again, and the
+commit each hub dataset was read at, which a dataset begun with it reads too.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ log = logging.getLogger(__name__)
 
 TOKENIZER_FILE = "tokenizer.json"
 SETTINGS_FILE = "trainpod_tokenizer.json"
+HUB_REVISIONS = "hub_revisions"  # in SETTINGS_FILE: the commit each hub dataset was read at, by its name
 MODEL_MAX_LENGTH = (
     1_000_000  # transformers' "no limit" sentinel is a huge int; the model config sets the real one
 )
@@ -161,11 +163,14 @@ def prepare_tokenizer(
     volume_root: Path,
     training_documents: Iterable[str],
     output_settings: dict,
+    hub_revisions: dict[str, str] | None = None,
 ) -> TokenizerInfo:
     """Reuse `settings.path`, or the folder at `target` when it was trained the same way; else train it.
 
     `output_settings` is the dataset config's (DatagenConfig.output_settings): its tokenizer settings
-    and sources are what a tokenizer trained here records and is recognised by."""
+    and sources are what a tokenizer trained here records and is recognised by. `hub_revisions`: the commit
+    each hub dataset of the sources is read at, recorded beside them (trained_hub_revisions) but no part of
+    what recognises the tokenizer: one trained before they were recorded is reused as it was."""
     if settings.path is not None:
         folder = Path(settings.path).expanduser()
         folder = folder if folder.is_absolute() else volume_root / folder
@@ -176,10 +181,9 @@ def prepare_tokenizer(
             settings.eot_token,
             volume_path=str(folder.relative_to(volume_root)) if on_volume else None,
         )
-    record = {
-        "settings": {k: v for k, v in output_settings["tokenizer"].items() if k not in ("name", "path")},
-        "sources": output_settings["sources"],
-    }
+    record = _training_record(output_settings)
+    if hub_revisions:
+        record[HUB_REVISIONS] = hub_revisions
     if not target.exists():
         # Two datasets naming one tokenizer, made at once on two pods, removed each other's temp folder and
         # the second rename hit the first's folder (a crash): one trains it, the other exits 75 and reuses it.
@@ -207,10 +211,38 @@ def _train(
     return info
 
 
+def _training_record(output_settings: dict) -> dict:
+    """What a tokenizer trained here is recognised by: its training settings and the sources it read."""
+    return {
+        "settings": {k: v for k, v in output_settings["tokenizer"].items() if k not in ("name", "path")},
+        "sources": output_settings["sources"],
+    }
+
+
+def trained_hub_revisions(folder: Path, output_settings: dict) -> dict[str, str] | None:
+    """The commits the hub datasets were read at to train the tokenizer in `folder`, when it was trained here
+    on these settings and sources and recorded them; else None (no such tokenizer yet, another one, or one
+    trained before they were recorded)."""
+    try:
+        previous = read_json(folder / SETTINGS_FILE)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(previous, dict) or _without_revisions(previous) != _training_record(output_settings):
+        return None
+    revisions = previous.get(HUB_REVISIONS)
+    if not isinstance(revisions, dict) or not all(isinstance(v, str) for v in revisions.values()):
+        return None
+    return revisions
+
+
+def _without_revisions(record: dict | None) -> dict | None:
+    return {k: v for k, v in record.items() if k != HUB_REVISIONS} if isinstance(record, dict) else record
+
+
 def _check_same_training(folder: Path, record: dict) -> None:
     settings_path = folder / SETTINGS_FILE
     previous = read_json(settings_path) if settings_path.is_file() else None
-    if previous != record:
+    if _without_revisions(previous) != _without_revisions(record):
         raise InputError(
             f"tokenizer folder {folder} exists but was not trained with these settings and sources "
             f"(see {settings_path.name}); it is not overwritten. Set tokenizer.name to a new name, "

@@ -660,6 +660,7 @@ class OpaqueEtagGateway:
     def __init__(self, client):
         self._client, self._real, self._tokens = client, {}, {}
         self.parts_sent: list[int] = []
+        self.cut_after: dict[str, int] = {}  # key: the bytes of its next GET before the connection drops
 
     def upload_part(self, **kwargs):
         answer = self._client.upload_part(**kwargs)
@@ -681,17 +682,40 @@ class OpaqueEtagGateway:
         real = [{**p, "ETag": self._real[p["ETag"]]} for p in parts]
         return self._client.complete_multipart_upload(**{**kwargs, "MultipartUpload": {"Parts": real}})
 
-    def list_objects_v2(self, **kwargs):  # an object's ETag: an opaque token too, never its MD5
+    # An object's ETag: an opaque token too, one per version of it (as a gateway's), never its MD5.
+    def list_objects_v2(self, **kwargs):
         answer = self._client.list_objects_v2(**kwargs)
-        opaque = [{**o, "ETag": f'"obj-{o["Size"]}-{len(o["Key"])}"'} for o in answer.get("Contents", [])]
+        opaque = [{**o, "ETag": self._opaque(o["ETag"])} for o in answer.get("Contents", [])]
         return {**answer, "Contents": opaque} if "Contents" in answer else answer
 
     def head_object(self, **kwargs):
         answer = self._client.head_object(**kwargs)
-        return {**answer, "ETag": f'"obj-{answer["ContentLength"]}-{len(kwargs["Key"])}"'}
+        return {**answer, "ETag": self._opaque(answer["ETag"])}
+
+    def get_object(self, **kwargs):
+        answer = self._client.get_object(**kwargs)
+        if kwargs["Key"] in self.cut_after:
+            received = answer["Body"].read()[: self.cut_after.pop(kwargs["Key"])]
+            answer = {**answer, "Body": DroppedBody(received)}
+        return {**answer, "ETag": self._opaque(answer["ETag"])}
+
+    @staticmethod
+    def _opaque(real: str) -> str:
+        return f'"obj-{hashlib.sha256(real.encode()).hexdigest()[:16]}"'
 
     def __getattr__(self, name):
         return getattr(self._client, name)
+
+
+class DroppedBody:
+    """A response body whose connection drops after `received` (a laptop closing its lid mid-pull)."""
+
+    def __init__(self, received: bytes):
+        self.received = received
+
+    def iter_chunks(self, size: int):
+        yield self.received
+        raise KeyboardInterrupt
 
 
 def test_a_multipart_upload_is_completed_with_the_etags_the_server_gave_its_parts(bucket, tmp_path):
@@ -863,3 +887,37 @@ def test_an_upload_another_machine_left_unfinished_is_aborted_once_it_has_been_i
     left = [u["UploadId"] for u in raw.list_multipart_uploads(Bucket=name).get("Uploads", [])]
     assert given_up not in left and left == []
     assert objects(raw, name, "datasets/d/")["datasets/d/train.bin"] == local.read_bytes()
+
+
+def test_pull_through_a_gateway_without_md5_etags_never_keeps_bytes_of_an_older_version_of_the_same_size(
+    bucket, tmp_path
+):
+    """A file no manifest covers (a command program's export, status.json) was checked by its size alone where
+    the volume's ETag is no MD5: a pull after the program wrote it again at the same size kept the copy of
+    the first pull, and one continuing an interrupted download appended the new version's bytes to the old
+    one's, both with 'already there' or no word at all."""
+    from trainpod.remote.pull import pull
+
+    name, raw, _ = bucket
+    export = "runs/r/export/mine"
+    first = {"model.bin": b"a" * 300_000, "tokens.bin": b"c" * 200_000}
+    for file, data in first.items():
+        raw.put_object(Bucket=name, Key=f"{export}/{file}", Body=data)
+    s3 = volume_s3(name)
+    s3._client = gateway = OpaqueEtagGateway(s3._client)
+    gateway.cut_after[f"{export}/tokens.bin"] = 50_000
+    dest = tmp_path / "laptop"
+    with pytest.raises(KeyboardInterrupt):
+        pull(s3, "r", "export", dest, echo=lambda line: None)
+    assert (dest / "export/mine/model.bin").read_bytes() == first["model.bin"]
+    assert (dest / "export/mine/tokens.bin.tmp-pull").stat().st_size == 50_000
+
+    second = {"model.bin": b"b" * 300_000, "tokens.bin": b"d" * 200_000}  # written again, same sizes
+    for file, data in second.items():
+        raw.put_object(Bucket=name, Key=f"{export}/{file}", Body=data)
+    pull(s3, "r", "export", dest, echo=lambda line: None)
+    for file, data in second.items():
+        assert (dest / "export/mine" / file).read_bytes() == data, f"{file} holds bytes of the older version"
+    lines: list[str] = []
+    pull(s3, "r", "export", dest, echo=lines.append)
+    assert ", 0 downloaded" in lines[-1], "a file pulled at the volume's version is kept"

@@ -8,9 +8,11 @@ downloaded into `<name>.tmp-pull` (an interrupted pull continues it with a range
 then renamed into place; files already there and intact are kept. The checks are the manifests':
 a checkpoint's per-piece sha256 (32 MiB pieces, checkpoint/store.py), a conversion output's and a
 dataset's, a training export's (export/hf, export/adapter) whole-file sha256; a file no manifest
-covers (an export made before exports had one) is checked by size and, where the volume gives a plain
-MD5 ETag, by MD5. Manifests are written after the files they cover, and checkpoints/LATEST last, as
-the workloads write them. An output the volume made again since an earlier pull into DEST (a conversion
+covers (an export made before exports had one, a command program's) is checked by size and, where the
+volume gives a plain MD5 ETag, by MD5, else by the volume's ETag being the one it had when pulled
+(PulledVersions): a copy or an interrupted download of an older version is downloaded again whole.
+Manifests are written after the files they cover, and checkpoints/LATEST last, as the workloads write
+them. An output the volume made again since an earlier pull into DEST (a conversion
 run again into the same `output`) loses its old manifest before its first file is replaced, and the
 files only the old one listed once the new one is whole. Temp and quarantined folders (`*.tmp-*`,
 `*.invalid-*`) and LEASE are never pulled.
@@ -23,13 +25,14 @@ import json
 import logging
 import os
 import posixpath
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from trainpod import atomic
 from trainpod.checkpoint.store import LATEST, PIECE_BYTES, RANK_RNG_FOLDER, step_dir_name, step_of
 from trainpod.errors import InputError, TemporaryError
-from trainpod.remote.s3 import RemoteObject, VolumeS3
+from trainpod.remote.s3 import RemoteObject, VolumeS3, cache_folder
 
 log = logging.getLogger("trainpod.pull")
 
@@ -46,6 +49,10 @@ class Expected:
     pieces: tuple[str, ...] | None = None
     md5: str | None = None
 
+    @property
+    def by_size_alone(self) -> bool:
+        return self.pieces is None and self.sha256 is None and self.md5 is None
+
     def matches(self, path: Path) -> bool:
         if path.stat().st_size != self.size:
             return False
@@ -54,6 +61,39 @@ class Expected:
         if self.sha256 is not None:
             return _digest(path, "sha256") == self.sha256
         return self.md5 is None or _digest(path, "md5") == self.md5
+
+
+class PulledVersions:
+    """The volume's ETag of each file pulled into DEST that only its size checks (no manifest covers it, and
+    its ETag is no plain MD5), and of each such file's interrupted download: an object written again gets
+    another ETag on any gateway, so a file of the same size there, or the bytes of a download begun, are
+    the volume's only while its ETag is the one recorded. In the user's cache folder, one JSON per DEST and
+    run; a file pulled before it was recorded (or with the cache cleared) is downloaded again once."""
+
+    def __init__(self, environ: Mapping[str, str], bucket: str, prefix: str, dest: Path):
+        name = hashlib.sha256(f"{bucket}/{prefix}\0{dest.resolve()}".encode()).hexdigest()[:32]
+        self.path = cache_folder(environ) / "pulls" / f"{name}.json"
+        try:
+            etags = atomic.read_json(self.path)
+        except (OSError, ValueError):
+            etags = {}
+        self.etags: dict[str, str] = etags if isinstance(etags, dict) else {}
+
+    def current(self, path: str, etag: str) -> bool:
+        return self.etags.get(path) == etag
+
+    def note(self, path: str, etag: str | None) -> None:
+        if self.etags.get(path) == etag:
+            return
+        if etag is None:
+            self.etags.pop(path, None)
+        else:
+            self.etags[path] = etag
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            atomic.write_json(self.path, self.etags)
+        except OSError as exc:  # a read-only cache folder: such files are downloaded again at the next pull
+            log.debug("could not record the pulled versions in %s: %s", self.path, exc)
 
 
 def _digest(path: Path, algorithm: str) -> str:
@@ -127,7 +167,8 @@ def pull(s3: VolumeS3, run: str, what: str, dest: Path, echo=print) -> int:
     _refuse_other_checkpoints(manifests, dest, prefix)
     remade = _unvouch_remade_outputs(manifests, dest)
     files = [p for p in chosen if p not in manifests]
-    downloaded = sum(_fetch(s3, prefix, p, objects[p], expected, dest) for p in files)
+    versions = PulledVersions(os.environ, s3.bucket, prefix, dest)
+    downloaded = sum(_fetch(s3, prefix, p, objects[p], expected, dest, versions) for p in files)
     for path, raw in manifests.items():  # after the files they describe, as the workloads write them
         (dest / path).parent.mkdir(parents=True, exist_ok=True)
         atomic.write_bytes(dest / path, raw)
@@ -259,7 +300,15 @@ def _read_text(path: Path) -> str | None:
         return None
 
 
-def _fetch(s3: VolumeS3, prefix: str, path: str, remote: RemoteObject, expected: dict, dest: Path) -> int:
+def _fetch(
+    s3: VolumeS3,
+    prefix: str,
+    path: str,
+    remote: RemoteObject,
+    expected: dict,
+    dest: Path,
+    versions: PulledVersions,
+) -> int:
     """Make dest/path the volume's file, verified; returns 1 when it was downloaded, 0 when it was there."""
     want = expected.get(path) or Expected(remote.size, md5=remote.etag if _plain_md5(remote.etag) else None)
     if remote.size != want.size:
@@ -268,10 +317,15 @@ def _fetch(s3: VolumeS3, prefix: str, path: str, remote: RemoteObject, expected:
             "rewritten or damaged: run the same pull again later"
         )
     final = dest / path
-    if final.is_file() and want.matches(final):
+    this_version = not want.by_size_alone or versions.current(path, remote.etag)
+    if final.is_file() and want.matches(final) and this_version:
         return 0
     final.parent.mkdir(parents=True, exist_ok=True)
     partial = final.with_name(final.name + PARTIAL)
+    if want.by_size_alone:  # the bytes of an interrupted download continue only at the version they began
+        if not versions.current(path + PARTIAL, remote.etag):
+            partial.unlink(missing_ok=True)
+        versions.note(path + PARTIAL, remote.etag)
     kept = _download(s3, prefix + path, partial, want.size)
     if kept:
         log.info("%s%s: continued an interrupted download after %s bytes", prefix, path, f"{kept:,}")
@@ -287,6 +341,9 @@ def _fetch(s3: VolumeS3, prefix: str, path: str, remote: RemoteObject, expected:
             )
     os.replace(partial, final)
     atomic.fsync_dir(final.parent)
+    if want.by_size_alone:
+        versions.note(path + PARTIAL, None)
+        versions.note(path, remote.etag)
     return 1
 
 

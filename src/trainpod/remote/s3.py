@@ -236,10 +236,14 @@ class UploadRecord:
         self.path.unlink(missing_ok=True)
 
 
+def cache_folder(environ: Mapping[str, str]) -> Path:
+    """The user's cache folder for trainpod, like a supervisor's state away from the volume."""
+    return Path(environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "trainpod"
+
+
 def upload_records_folder(environ: Mapping[str, str]) -> Path:
-    """Where UploadRecords live: the user's cache folder, like a supervisor's state away from the volume."""
-    cache = Path(environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return cache / "trainpod" / "uploads"
+    """Where UploadRecords live."""
+    return cache_folder(environ) / "uploads"
 
 
 class VolumeS3:

@@ -1136,6 +1136,30 @@ def test_a_dataset_killed_before_its_first_shard_reads_the_commit_its_tokenizer_
     assert_shards_of_one_run_over_commit_1(run(config, volume), volume)
 
 
+def test_a_dataset_begun_before_commits_were_recorded_is_held_to_the_commit_of_its_first_resume_since(
+    volume, monkeypatch, caplog
+):
+    # A dataset begun by a kit that recorded no commit goes on at the newest one, with a warning: its shards
+    # were read at a commit nothing names. That resume recorded none either ({}, read as 'pinned to nothing'),
+    # so every later resume read the newest again, and a push after the upgrade moved its documents as before.
+    newest = hub_of_two_commits(volume, monkeypatch)
+    config = make_config(sources=[{"hf": "org/stories"}])
+    run_killed_at_a_shard(monkeypatch, lambda name: name == "train_000003.bin", lambda: run(config, volume))
+    tokenizer_record = volume.tokenizer("stories") / "trainpod_tokenizer.json"
+    for record in (volume.dataset("stories") / "progress.json", tokenizer_record):
+        as_an_older_kit_wrote_it = json.loads(record.read_text())
+        del as_an_older_kit_wrote_it["hub_revisions"]
+        record.write_text(json.dumps(as_an_older_kit_wrote_it))
+    with caplog.at_level("WARNING"):
+        run_killed_at_a_shard(
+            monkeypatch, lambda name: name == "train_000006.bin", lambda: run(config, volume)
+        )
+    assert "was begun before datagen recorded the commit" in caplog.text
+
+    newest[0] = "commit-2"  # the push, after the upgrade
+    assert_shards_of_one_run_over_commit_1(run(config, volume), volume)
+
+
 def test_a_stop_while_the_tokenizer_reads_its_training_documents_ends_it_there(volume, monkeypatch):
     # Training reads up to max_train_documents (fineweb-edu.yaml: 200k, minutes of a hub stream) in one
     # call of the tokenizers library: a SIGTERM then ran on through the training into the SIGKILL with the

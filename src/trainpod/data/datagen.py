@@ -208,20 +208,24 @@ def _hub_revisions(folder: Path, config: DatagenConfig, expected_hash: str, volu
     was begun, else (a fresh start) the one the dataset's tokenizer was trained at, else the one its repository
     is at now (sources.hub_revisions). progress.json is written with the first shard and the tokenizer before
     it: a start killed between the two reads the tokenizer's commits again, not a commit pushed since. A
-    dataset begun before progress.json recorded them goes on at each repository's newest commit, as it began."""
+    dataset begun before progress.json recorded them goes on at each repository's newest commit, as it began,
+    recorded then for the resumes after."""
     if all(source.hf is None for source in config.sources):
         return {}
     path = folder / PROGRESS_FILE
     recorded = read_record(path) if path.is_file() else {}
     if recorded.get("config_hash") == expected_hash:
         pinned = recorded.get(HUB_REVISIONS)
-        if pinned is None:
+        if pinned is None:  # read at a commit nothing names: the newest is the likeliest, held from now on
+            revisions = hub_revisions(config.sources)
             log.warning(
                 "%s was begun before datagen recorded the commit it reads hub datasets at: it goes on at their "
-                "newest commit; if one was pushed to since, delete the folder to build it from one commit",
+                "newest commit, %s, recorded for every later resume; if one was pushed to since the dataset was "
+                "begun, delete the folder to build it from one commit",
                 folder,
+                revisions,
             )
-            return {}
+            return revisions
         if not isinstance(pinned, dict) or not all(isinstance(v, str) for v in pinned.values()):
             raise damaged_record(path, f"{HUB_REVISIONS} is {pinned!r}, not names and commits")
         log.info("reading hub datasets at the commits recorded when the dataset was begun: %s", pinned)

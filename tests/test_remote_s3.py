@@ -921,3 +921,48 @@ def test_pull_through_a_gateway_without_md5_etags_never_keeps_bytes_of_an_older_
     lines: list[str] = []
     pull(s3, "r", "export", dest, echo=lines.append)
     assert ", 0 downloaded" in lines[-1], "a file pulled at the volume's version is kept"
+
+
+class RunStillLogging:
+    """The volume of a run still training, as pull reads it: the run appends to its log and rewrites
+    status.json between pull's listing and its GET of each (through the real client, on moto)."""
+
+    def __init__(self, client, raw, bucket: str, grown: dict[str, bytes]):
+        self._client, self._raw, self._bucket, self.grown = client, raw, bucket, dict(grown)
+
+    def get_object(self, **kwargs):
+        if kwargs["Key"] in self.grown:
+            self._raw.put_object(Bucket=self._bucket, Key=kwargs["Key"], Body=self.grown.pop(kwargs["Key"]))
+        return self._client.get_object(**kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+
+@pytest.mark.parametrize("gateway", ["s3", "opaque etags"])
+def test_pull_all_of_a_running_run_takes_its_log_and_status_as_they_are_when_read(bucket, tmp_path, gateway):
+    """A log appended to (or status.json rewritten) after the listing came with more bytes than listed, or
+    other ones, and was refused as 'does not match its checksum ... being rewritten or damaged' (exit 75),
+    at every pull again: the run logs every few steps, and the checkpoints before them take minutes."""
+    from trainpod.remote.pull import pull
+
+    name, raw, _ = bucket
+    run = make_run_on_volume(raw, name, tmp_path / "pod")
+    log_key, status_key = "runs/r/logs/pretrain.log", "runs/r/status.json"
+    raw.put_object(Bucket=name, Key=log_key, Body=b"step 10 loss 2.50\n")
+    grown = {
+        log_key: b"step 10 loss 2.50\nstep 20 loss 2.41\n",
+        status_key: json.dumps({"state": "running", "step": 20, "max_steps": 100, "loss": 2.41}).encode(),
+    }
+    s3 = volume_s3(name)
+    if gateway == "opaque etags":
+        s3._client = OpaqueEtagGateway(s3._client)
+    s3._client = RunStillLogging(s3._client, raw, name, grown)
+    dest = tmp_path / "laptop"
+    pull(s3, "r", "all", dest, echo=lambda line: None)
+    assert (dest / "logs/pretrain.log").read_bytes() == b"step 10 loss 2.50\nstep 20 loss 2.41\n"
+    assert json.loads((dest / "status.json").read_text())["step"] == 20
+    assert (dest / "checkpoints/step-10/model.safetensors").read_bytes() == (
+        run / "checkpoints/step-10/model.safetensors"
+    ).read_bytes()
+    assert not list(dest.rglob("*.tmp-pull"))

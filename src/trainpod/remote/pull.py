@@ -11,6 +11,8 @@ dataset's, a training export's (export/hf, export/adapter) whole-file sha256; a 
 covers (an export made before exports had one, a command program's) is checked by size and, where the
 volume gives a plain MD5 ETag, by MD5, else by the volume's ETag being the one it had when pulled
 (PulledVersions): a copy or an interrupted download of an older version is downloaded again whole.
+Such a file a run still training appends to or rewrites (its log, status.json) is taken as one GET
+read it, checked by that version's ETag, even where it changed since the listing.
 Manifests are written after the files they cover, and checkpoints/LATEST last, as the workloads write
 them. An output the volume made again since an earlier pull into DEST (a conversion
 run again into the same `output`) loses its old manifest before its first file is replaced, and the
@@ -326,14 +328,15 @@ def _fetch(
         if not versions.current(path + PARTIAL, remote.etag):
             partial.unlink(missing_ok=True)
         versions.note(path + PARTIAL, remote.etag)
-    kept = _download(s3, prefix + path, partial, want.size)
+    kept, read_at = _download(s3, prefix + path, partial, want.size)
     if kept:
         log.info("%s%s: continued an interrupted download after %s bytes", prefix, path, f"{kept:,}")
-    if not want.matches(partial):
+    unlisted = path not in expected
+    if not _holds(want, partial, unlisted, kept, read_at, remote.etag):
         partial.unlink()
         if kept:  # the bytes kept from an interrupted pull were of an older version: once more, whole
-            _download(s3, prefix + path, partial, want.size)
-        if not kept or not want.matches(partial):
+            _, read_at = _download(s3, prefix + path, partial, want.size)
+        if not kept or not _holds(want, partial, unlisted, 0, read_at, remote.etag):
             partial.unlink(missing_ok=True)
             raise TemporaryError(
                 f"{prefix}{path} does not match its checksum after a whole download; the volume's copy is being "
@@ -343,12 +346,29 @@ def _fetch(
     atomic.fsync_dir(final.parent)
     if want.by_size_alone:
         versions.note(path + PARTIAL, None)
-        versions.note(path, remote.etag)
+        versions.note(path, read_at or remote.etag)
     return 1
 
 
-def _download(s3: VolumeS3, key: str, partial: Path, size: int) -> int:
-    """Complete `partial` from the volume; returns how many bytes an interrupted pull had left in it."""
+def _holds(
+    want: Expected, partial: Path, unlisted: bool, kept: int, read_at: str | None, listed: str
+) -> bool:
+    """Whether `partial` is the file to rename into place. One no manifest lists (a log, status.json, a
+    program's file) may have been appended to or rewritten by a run still training since the listing: read
+    whole in one GET, it is one version of the object, checked by that version's ETag where it is an MD5
+    (botocore checks its length); continued from an interrupted pull, only at the version listed."""
+    if not unlisted:
+        return want.matches(partial)
+    if kept:
+        return read_at in (None, listed) and want.matches(partial)
+    if want.matches(partial):
+        return True
+    return read_at is not None and (not _plain_md5(read_at) or _digest(partial, "md5") == read_at)
+
+
+def _download(s3: VolumeS3, key: str, partial: Path, size: int) -> tuple[int, str | None]:
+    """Complete `partial` from the volume; returns how many bytes an interrupted pull had left in it and the
+    ETag of the version read (VolumeS3.download)."""
     try:
         return s3.download(key, partial, size)
     except FileNotFoundError:

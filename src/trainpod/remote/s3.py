@@ -345,10 +345,11 @@ class VolumeS3:
     # ------------------------------------------------------------------ downloading
     def download(
         self, key: str, partial: Path, size: int, on_bytes: Callable[[int], None] | None = None
-    ) -> int:
+    ) -> tuple[int, str | None]:
         """Append the rest of `key` to `partial` (ranged GET from its length) and fsync it; returns the
-        bytes that were already there."""
+        bytes that were already there and the ETag of the version the GET read (None: nothing to read)."""
         had = partial.stat().st_size if partial.exists() else 0
+        etag = None
         if had > size:
             partial.unlink()
             had = 0
@@ -364,9 +365,10 @@ class VolumeS3:
                         on_bytes(len(chunk))
                 f.flush()
                 os.fsync(f.fileno())
+            etag = _etag(answer.get("ETag", ""))
         elif not partial.exists():  # an empty object: nothing to receive, but the file is made all the same
             partial.touch()
-        return had
+        return had, etag
 
     def remove(self, key: str) -> None:
         """Delete one object (S3 answers a missing key with success too)."""

@@ -502,3 +502,71 @@ def test_a_start_that_gets_to_its_run_clears_the_count_of_failures_before_it(fak
     assert after_workload(143, run, env, "pretrain") == 143  # a start that knew its run, then a spot stop
     assert after_workload(75, None, env, "pretrain") == 75
     assert fake.pods[pod["id"]]["desiredStatus"] == "RUNNING", "1 failure since the last start that worked"
+
+
+# A start that committed a newer checkpoint than the run had when it began made progress: a pod that crashes
+# once per start but commits steps every time is no crash loop, and the count begins again at that start.
+
+PROGRESS_THEN_CRASH = """
+import os, sys
+from trainpod import Checkpointer
+if os.environ["COMMITS"] == "1":
+    with Checkpointer() as ckpt:
+        restored = ckpt.restore()
+        step = restored.step + 1 if restored else 1
+        ckpt.commit(step, extra={"step": step})
+sys.exit(1)
+"""
+
+
+def test_a_pod_whose_every_start_commits_steps_then_crashes_is_no_crash_loop(fake, pod, tmp_path):
+    """A spot pod crashing once per start (a leak, a flaky dataloader) after committing steps each time went
+    FAILED and stopped at TRAINPOD_MAX_FAILED_STARTS, though every start moved the run on; starts that crash
+    without committing still stop it."""
+    workdir, volume = tmp_path / "repo", tmp_path / "volume"
+    workdir.mkdir()
+    volume.mkdir()
+    (workdir / "train.py").write_text(PROGRESS_THEN_CRASH)
+    config = tmp_path / "command.yaml"
+    config.write_text(f"name: crashy\ncommand: [python, train.py]\nworkdir: {workdir}\n")
+    env = {
+        **pod_env(fake, pod),
+        "TRAINPOD_VOLUME": str(volume),
+        "TRAINPOD_WORKLOAD": "command",
+        "TRAINPOD_CONFIG": str(config),
+        "TRAINPOD_MAX_FAILED_STARTS": "2",
+    }
+    run = Volume(volume).run("crashy")
+
+    def boot(commits: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "trainpod", "boot"],
+            env=child_env({**env, "COMMITS": commits}),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
+    for start in (1, 2, 3):
+        result = boot(commits="1")
+        assert result.returncode == 75, result.stdout + result.stderr
+        assert (run.checkpoints / "LATEST").read_text().strip() == f"step-{start}"
+        assert not (run.root / FAILED_MARKER).exists(), f"start {start} committed a step: {result.stdout}"
+        assert fake.pods[pod["id"]]["desiredStatus"] == "RUNNING", f"start {start}: RunPod restarts it"
+        assert atomic.read_json(run.root / STARTS_FILE)["consecutive_failures"] == 1
+    result = boot(commits="0")  # the second failure in a row without progress: the loop guard stops it
+    assert result.returncode == 75, result.stdout + result.stderr
+    assert "2 failed starts in a row" in atomic.read_json(run.root / FAILED_MARKER)["reason"]
+    assert fake.pods[pod["id"]]["desiredStatus"] == "EXITED"
+
+
+def test_a_start_killed_after_committing_steps_begins_the_count_again(fake, pod, run):
+    env = pod_env(fake, pod, TRAINPOD_MAX_FAILED_STARTS="2")
+    assert after_workload(1, run, env, "pretrain") == 1  # a crash that committed nothing: 1 of 2
+    begin_start(run, env, "pretrain")
+    run.checkpoints.mkdir(parents=True, exist_ok=True)
+    (run.checkpoints / "LATEST").write_text("step-10\n")  # it committed, then the OOM killer took it
+    assert begin_start(run, env, "pretrain") is None
+    assert not (run.root / STARTS_FILE).exists(), "the start before this one moved the run on"
+    assert after_workload(1, run, env, "pretrain") == 1
+    assert fake.pods[pod["id"]]["desiredStatus"] == "RUNNING", "1 failure since the progress, 2 allowed"

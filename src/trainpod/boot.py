@@ -31,7 +31,7 @@ from trainpod.checkpoint.lease import sibling_lease
 from trainpod.errors import ConfigError, ExitCode, InputError, TemporaryError, TrainpodError, VolumeFull
 from trainpod.log import attach_log_file, setup_logging
 from trainpod.preemption import exit_now_when_preempted
-from trainpod.runpod.finish import after_workload, begin_start
+from trainpod.runpod.finish import after_workload, begin_start, committed_since, latest_checkpoint
 from trainpod.runpod.finish import check_environment as check_finish_environment
 from trainpod.sshd import start_sshd
 from trainpod.volume import RunDir, Volume, check_run_name, is_run_name
@@ -53,6 +53,8 @@ def boot(environ: dict[str, str] | None = None) -> int:
     start_sshd(environ)  # only with PUBLIC_KEY: key-only, in the background; the workload stays this process
     workload_name, volume, config = environ.get("TRAINPOD_WORKLOAD", ""), Volume.from_env(environ), None
     new_run = None  # the run folder this start made for its START marker, before the workload's preflight
+    # What LATEST named when this start began; progressed: the start committed a newer checkpoint (finish.py)
+    run, latest_at_start, progressed = None, None, False
     try:
         workload = _workload(environ)
         volume.check_writable()
@@ -70,6 +72,7 @@ def boot(environ: dict[str, str] | None = None) -> int:
         if workload.kind.owns_run_folder:  # training and your own code: a run folder that is theirs to mark
             run = _run_dir(volume, config, environ)
             new_run = None if run is None or run.root.exists() else run
+            latest_at_start = latest_checkpoint(run)
             ended = begin_start(run, environ, workload.name)
             # A DONE run's record stays the commit that finished it: its pod booted again runs nothing of it.
             if ended is None and run is not None and synced is not None and not run.done.exists():
@@ -77,6 +80,7 @@ def boot(environ: dict[str, str] | None = None) -> int:
         if ended is not None:  # the starts before this one all died without a word: FAILED, pod stopped
             return ended
         code = _launch(workload, environ)
+        progressed = committed_since(run, latest_at_start)
     except TrainpodError as exc:
         log.error("%s", exc)
         code = int(exc.exit_code)
@@ -95,6 +99,7 @@ def boot(environ: dict[str, str] | None = None) -> int:
         workload_name,
         owns_run=owns_run,
         lease=_dataset_lease(volume, config) if known is not None and known.kind is Kind.DATA else None,
+        progressed=progressed,
     )
     if environ is os.environ:  # the pod's own boot, not a test's call with its own environment
         exit_now_when_preempted(code)

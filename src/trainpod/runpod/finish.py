@@ -9,9 +9,9 @@ RunPod starts a pod's container again whenever it exits, so the exit code alone 
 | 2, 3, 5 | bad input, budget spent, volume full | FAILED marker (when the run folder exists) and the pod stopped at once |
 | 4 | this machine cannot run the image (trainpod.host) | MACHINE_UNFIT marker naming this pod, not counted as a failed start; the pod stopped: the supervisor replaces it with a new pod on another machine |
 | 75 while another pod holds the run's LEASE (a datagen's: its dataset's) and renews it | this pod is a duplicate (two deploys, a replacement racing the original) | not counted, no marker: this pod stopped, the one training goes on |
-| other (75, 1, ...) | temporary failure or crash | counted in runs/<run>/starts.json; at TRAINPOD_MAX_FAILED_STARTS in a row (default 3): FAILED marker, pod stopped; before the run is known (no TRAINPOD_RUN, the config not loaded yet) counted per pod in cache/starts/<pod id>.json, and the pod stopped at the same bound, with no marker |
+| other (75, 1, ...) | temporary failure or crash | counted in runs/<run>/starts.json; at TRAINPOD_MAX_FAILED_STARTS in a row (default 3): FAILED marker, pod stopped; a start that committed a newer checkpoint than LATEST named when it began begins the count again (it is failure 1); before the run is known (no TRAINPOD_RUN, the config not loaded yet) counted per pod in cache/starts/<pod id>.json, and the pod stopped at the same bound, with no marker |
 | any other, the run DONE already | a finished run's pod started again failed before "already DONE" (its branch deleted) | not counted, no marker: TRAINPOD_ON_FINISH as after DONE |
-| none: boot itself was killed | a segfault, the OOM killer, SIGKILL | found at the next start (`begin_start`): counted as exit 137 when no checkpoint was committed during it |
+| none: boot itself was killed | a segfault, the OOM killer, SIGKILL | found at the next start (`begin_start`): counted as exit 137 when no checkpoint was committed during it; one that committed a newer checkpoint is not counted and begins the count again |
 
 In a pod, a workload on one GPU runs in boot's own process, so a death that takes the process with it never
 reaches `after_workload`. Boot therefore writes runs/<run>/START before the workload and
@@ -20,7 +20,10 @@ The first SIGTERM removes it at once (trainpod.preemption's first-signal hooks):
 crash even when its SIGKILL comes during a long preflight. It counts only when the same pod wrote it
 (another pod's may be a start still running there) and LATEST did not move meanwhile: a crash loop
 makes no progress, while a spot pod SIGKILLed in its final commit (or a crash after hours of committed
-steps) has moved on and is not held against the run.
+steps) has moved on and is not held against the run. For the same reason a start that ends with a crash
+after committing a newer step than it began at ends the row: the failures before it are forgotten, so a
+spot pod that crashes once per start but commits steps every time is never stopped as a crash loop,
+while starts that crash without a new checkpoint still reach TRAINPOD_MAX_FAILED_STARTS.
 
 Exit 2 writes no marker into a run folder that does not exist yet: bad input leaves the volume
 untouched. A workload that does not own the run folder (datagen, convert: workloads.Kind) counts its
@@ -103,10 +106,12 @@ def after_workload(
     client_factory: Callable[[dict[str, str]], RunPodClient] = RunPodClient.from_env,
     owns_run: bool = True,
     lease: Path | None = None,
+    progressed: bool = False,
 ) -> int:
     """Count, mark and stop the pod as the table above says; returns `code` unchanged. `owns_run`: the
     workload's outcome is the run's (workloads.Kind.owns_run_folder), not a datagen's or a convert's.
     `lease`: the one a duplicate of this pod runs into, when not the run's (a datagen's dataset lease).
+    `progressed`: this start committed a newer checkpoint than the run had when it began (committed_since).
 
     On an Instant Cluster only node 0 (NODE_RANK 0, which holds global rank 0) acts for the run;
     the other nodes return their code and leave markers, counters and pods alone (but for exit 4).
@@ -120,7 +125,7 @@ def after_workload(
         return code
     try:
         _end_start(run)
-        action = _decide(code, run, environ, workload, owns_run, lease)
+        action = _decide(code, run, environ, workload, owns_run, lease, progressed)
     except (ConfigError, OSError) as exc:  # a bad setting or an unwritable volume must not hide `code`
         log.warning("after exit %d: %s; the pod is left as it is", code, exc)
         return code
@@ -152,7 +157,10 @@ def begin_start(
     except (FileNotFoundError, ValueError):
         previous = None
     # Only this pod's own earlier start: another pod's marker may belong to a start still running there.
-    if previous is not None and previous.get("pod") == pod and previous.get("latest") == latest:
+    if previous is not None and previous.get("pod") == pod and _step(latest) > _step(previous.get("latest")):
+        # It committed steps before it died: not a crash loop, whatever the starts before it did.
+        atomic.remove(run.root / STARTS_FILE)
+    elif previous is not None and previous.get("pod") == pod and previous.get("latest") == latest:
         log.warning(
             "the previous start ended without a word (killed by a signal: a segfault, the OOM killer) and "
             "committed no checkpoint; counted as exit %d",
@@ -185,6 +193,23 @@ def _latest(run: RunDir) -> str | None:
         return None
 
 
+def _step(latest: str | None) -> int:
+    """The step a LATEST name (step-<N>) commits, -1 for none (or a name that is no step's)."""
+    number = (latest or "").removeprefix("step-")
+    return int(number) if number.isdigit() else -1
+
+
+def latest_checkpoint(run: RunDir | None) -> str | None:
+    """What a start reads when it begins, for committed_since once it ends."""
+    return _latest(run) if run is not None else None
+
+
+def committed_since(run: RunDir | None, latest_at_start: str | None) -> bool:
+    """Whether the run's LATEST names a newer step than `latest_at_start`: the start made progress. A LATEST
+    that went back (its checkpoint failed verification and an older one was taken) is none."""
+    return run is not None and _step(_latest(run)) > _step(latest_at_start)
+
+
 def _act(
     action: str,
     run: RunDir | None,
@@ -206,6 +231,7 @@ def _decide(
     workload: str,
     owns_run: bool = True,
     lease: Path | None = None,
+    progressed: bool = False,
 ) -> str:
     """What to do with this pod: stop, terminate, idle (leave it) or restart (let RunPod start it again)."""
     if workload == "supervise":
@@ -248,6 +274,10 @@ def _decide(
             "this run's lease and is training it" if lease is None else f"{lease} and is writing it",
         )
         return "stop"
+    if progressed:  # this start moved the run on: the failures before it were no loop of the same crash
+        log.warning("this start committed %s before it failed: the failed starts before it are forgotten",
+                    _latest(run))  # fmt: skip
+        atomic.remove(run.root / starts_file)
     failures = _count_failure(run.root / starts_file, code)
     limit = max_failed_starts(environ)
     if failures < limit:

@@ -214,3 +214,56 @@ def test_of_two_writers_taking_over_the_same_stale_lease_at_once_only_the_last_g
         first.acquire()
     writer.join()
     assert json.loads(path.read_text())["owner"]["id"] == "rival", "the rival's lease is left alone"
+
+
+def _race_for_a_fresh_lease(path, barrier, results) -> None:
+    lease = Lease(path, ttl_seconds=60)  # made in this process: its pid is the owner's
+    barrier.wait()
+    try:
+        lease.acquire()
+    except TemporaryError:
+        results.put("refused")
+        return
+    results.put("won")
+    time.sleep(1.0)  # still holding it while the others look
+    lease.release()
+
+
+def test_of_writers_racing_for_a_runs_first_lease_exactly_one_wins_at_once(tmp_path):
+    """Pods started together on a fresh run (deployed twice, a supervisor and a hand start) all found no
+    LEASE and each wrote its own: every one of them went on, writing the same run, until its first heartbeat
+    a quarter TTL later found the file another's. The lease file is now created atomically: one wins."""
+    import multiprocessing
+
+    forked = multiprocessing.get_context("fork")
+    writers = 4
+    barrier, results = forked.Barrier(writers), forked.Queue()
+    racers = [
+        forked.Process(target=_race_for_a_fresh_lease, args=(tmp_path / "LEASE", barrier, results))
+        for _ in range(writers)
+    ]
+    for racer in racers:
+        racer.start()
+    outcomes = sorted(results.get(timeout=60) for _ in racers)
+    for racer in racers:
+        racer.join(timeout=30)
+    assert outcomes == ["refused"] * (writers - 1) + ["won"], (
+        f"{outcomes.count('won')} writers took the lease"
+    )
+    assert not (tmp_path / "LEASE").exists(), "the winner released it"
+
+
+def test_on_a_volume_without_hard_links_a_first_lease_is_written_and_read_back(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    def no_hard_links(*_):
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_hard_links)  # a FUSE volume that refuses link(2)
+    lease = Lease(tmp_path / "LEASE", ttl_seconds=60)
+    lease.takeover_settle_s = 0.05
+    lease.acquire()
+    assert json.loads((tmp_path / "LEASE").read_text())["owner"]["id"] == lease.owner["id"]
+    assert [p.name for p in tmp_path.iterdir()] == ["LEASE"], "no temp file is left"
+    lease.release()

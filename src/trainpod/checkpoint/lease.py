@@ -7,10 +7,16 @@ because pids are reused, so the owner's process start time is compared too. Anot
 that has not expired is watched until its holder renews it (live: refused) or it expires unrenewed
 (a pod SIGKILLed before it could release it, say mid-commit at a spot interruption: taken over), so
 that its replacement on a new machine starts instead of counting failed starts for up to one TTL.
+
+Where there is no lease yet (a fresh run, or one released), it is created with link(2) from a complete temp
+file, which fails where the file exists: of writers starting together exactly one makes it, and each other
+reads the winner's and is refused at once, before it writes anything (a plain write, rename included,
+replaces the file, and every one of them went on until its first heartbeat found it another's).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -181,14 +187,50 @@ class Lease:
         )
         return renewed_by_its_holder(self.path, held)
 
-    def _write(self) -> None:
+    def _record(self) -> dict[str, Any]:
         now = time.time()
-        atomic.write_json(
-            self.path, {"owner": self.owner, "heartbeat_unix": now, "expires_unix": now + self.ttl}
-        )
+        return {"owner": self.owner, "heartbeat_unix": now, "expires_unix": now + self.ttl}
+
+    def _write(self) -> None:
+        atomic.write_json(self.path, self._record())
+
+    def _create(self) -> bool | None:
+        """Make the lease where none exists: True when this writer made it, False when another writer's came
+        first, None where the volume has no hard links (the caller then writes it and reads it back).
+
+        link(2) publishes a complete, fsynced file and refuses to replace one, so no reader sees it half
+        written. Over NFS a link whose reply was lost is retried and says EEXIST though it was made: the
+        lease read back decides."""
+        temp = atomic.temp_name(self.path)
+        try:
+            with open(temp, "x", encoding="utf-8") as file:
+                json.dump(self._record(), file)
+                file.flush()
+                os.fsync(file.fileno())
+            os.link(temp, self.path)
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS, errno.EMLINK):
+                raise
+            return None
+        finally:
+            temp.unlink(missing_ok=True)
+        atomic.fsync_dir(self.path.parent)
+        return (self._read() or {}).get("owner", {}).get("id") == self.owner["id"]
 
     def acquire(self) -> None:
-        held = self._read()
+        held, made = self._read(), None
+        for _ in range(3):  # a lease made and released by another writer in between is looked for again
+            if held is not None or self.path.exists():
+                break
+            made = self._create()
+            if made is not False:
+                break
+            held = self._read()  # another writer's, made since: judged as any lease found
+        if made:
+            self._start_heartbeat()
+            return
         if held and held.get("owner", {}).get("id") != self.owner["id"] and self._holder_alive(held):
             owner = held.get("owner", {})
             raise TemporaryError(
@@ -202,17 +244,20 @@ class Lease:
                 held.get("owner", {}).get("host"),
                 held.get("owner", {}).get("pid"),
             )
+        # Written over a stale or unreadable lease, or where link(2) could not make it: the file holds the
+        # last write of any writers doing the same, read back after they all have.
         self._write()
-        if held:
-            time.sleep(self.takeover_settle_s)
-            now = self._read()
-            rival = (now or {}).get("owner", {})
-            if rival.get("id") != self.owner["id"]:
-                raise TemporaryError(
-                    f"another writer (host {rival.get('host')}, pid {rival.get('pid')}, pod "
-                    f"{rival.get('pod_id') or '-'}) took this {self.what}'s stale lease over at the same moment; it "
-                    "goes on, this start stops"
-                )
+        time.sleep(self.takeover_settle_s)
+        rival = (self._read() or {}).get("owner", {})
+        if rival.get("id") != self.owner["id"]:
+            raise TemporaryError(
+                f"another writer (host {rival.get('host')}, pid {rival.get('pid')}, pod "
+                f"{rival.get('pod_id') or '-'}) took this {self.what}'s {'stale ' if held else ''}lease over at the "
+                "same moment; it goes on, this start stops"
+            )
+        self._start_heartbeat()
+
+    def _start_heartbeat(self) -> None:
         self._thread = threading.Thread(target=self._heartbeat, name="lease-heartbeat", daemon=True)
         self._thread.start()
 

@@ -503,3 +503,36 @@ def test_a_failed_write_of_program_log_never_stops_the_programs_output_being_rea
     assert "all printed" in out, "its output still reaches the console"
     assert out.count("could not write") == 1, f"the failed log is said once:\n{out[-2000:]}"
     assert (run_dir(volume) / "DONE").exists()
+
+
+WAITING_PROGRAM = """
+import os, time
+print("ready", flush=True)
+while not os.path.exists("go"):
+    time.sleep(0.05)
+print("finished its work", flush=True)
+"""
+
+
+def test_a_failed_write_of_status_json_never_ends_the_program(tmp_path):
+    """status.json is advisory (`trainpod status`, a supervisor's view): a write of it that failed (a network
+    volume's I/O error) crashed the kit, and the program died with it (PR_SET_PDEATHSIG) without its stop window,
+    losing the steps since its last commit; a finished program's run was never DONE."""
+    config, volume = write_setup(tmp_path, "env", status_every_seconds=0.1)
+    (tmp_path / "repo/waiting.py").write_text(WAITING_PROGRAM)
+    config.write_text(
+        yaml.safe_dump({**yaml.safe_load(config.read_text()), "command": ["python", "waiting.py"]})
+    )
+    proc = start_trainpod("run", "command", "--config", str(config), volume=volume)
+    wait_for(lambda: "ready" in program_log(volume), proc, "the program's first line")
+    status = run_dir(volume) / "status.json"
+    wait_for(status.exists, proc, "the first status.json")
+    status.unlink()
+    status.mkdir()  # every later write of status.json fails (IsADirectoryError), as on a volume gone bad
+    time.sleep(1.0)  # several status writes
+    assert proc.poll() is None, f"the kit ended at a failed status.json write:\n{proc.communicate()[0]}"
+    (tmp_path / "repo/go").write_text("1")
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    assert "finished its work" in out and (run_dir(volume) / "DONE").exists()
+    assert out.count("could not write") == 1, f"the failed write is said once:\n{out[-2000:]}"

@@ -39,6 +39,7 @@ from trainpod.checkpoint import CheckpointStore
 from trainpod.config.command import CommandConfig
 from trainpod.config.loader import Section
 from trainpod.context import RunContext
+from trainpod.diskspace import is_disk_full
 from trainpod.errors import BudgetExhausted, InputError, Preempted, TemporaryError
 from trainpod.gitsync import own_checkout
 from trainpod.program import Program
@@ -338,16 +339,21 @@ def program_env(ctx: RunContext, config: CommandConfig) -> dict[str, str]:
 
 # ------------------------------------------------------------------------ status.json
 class CommandStatus:
-    """status.json for `trainpod status` and the supervisor: elapsed and cost across starts."""
+    """status.json for `trainpod status` and the supervisor: elapsed and cost across starts.
+
+    It is advisory: a write that fails (a network volume's I/O error) is said once and tried again at the next
+    refresh. Raised, it ended the kit, and the program with it (PR_SET_PDEATHSIG) without its stop window. A
+    full volume is still exit 5 at once: the program's next commit could not land either."""
 
     def __init__(self, ctx: RunContext, config: CommandConfig):
         self.ctx = ctx
         self.store = CheckpointStore(ctx.run.checkpoints, config.checkpoint.keep_last)
         self.hourly_usd = cost.hourly_usd()
         self.started = time.monotonic()
+        self.failing = False  # the last write failed: said once until one works again
         try:
             self.elapsed_before = float(atomic.read_json(ctx.run.status).get("elapsed_s") or 0.0)
-        except (FileNotFoundError, ValueError, AttributeError):
+        except (OSError, ValueError, AttributeError):  # none yet, or unreadable: this start counts from 0
             self.elapsed_before = 0.0
 
     def elapsed(self) -> float:
@@ -361,6 +367,19 @@ class CommandStatus:
         return committed[0].step if committed else None
 
     def write(self, state: str, program: Program) -> None:
+        try:
+            self._write(state, program)
+        except OSError as exc:
+            if is_disk_full(exc):
+                raise
+            if not self.failing:
+                log.warning("could not write %s (%s); the program goes on, and so do the tries",
+                            self.ctx.run.status, exc)  # fmt: skip
+            self.failing = True
+            return
+        self.failing = False
+
+    def _write(self, state: str, program: Program) -> None:
         committed = self.store.committed()
         newest = committed[0] if committed else None
         atomic.write_json(

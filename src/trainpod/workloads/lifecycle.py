@@ -341,7 +341,7 @@ def _set_status_state(path: Path, state: str, reason: str | None = None) -> None
     """The run's state in status.json, with the reason behind a stop or failure (`trainpod status`)."""
     try:
         status = atomic.read_json(path)
-    except (FileNotFoundError, ValueError):
+    except (OSError, ValueError):  # none yet, or unreadable (an I/O error): the state is still worth writing
         status = {}
     status.update(state=state, updated_unix=time.time())
     status.pop("reason", None)

@@ -536,3 +536,42 @@ def test_a_failed_write_of_status_json_never_ends_the_program(tmp_path):
     assert proc.returncode == 0, out
     assert "finished its work" in out and (run_dir(volume) / "DONE").exists()
     assert out.count("could not write") == 1, f"the failed write is said once:\n{out[-2000:]}"
+
+
+SIGNALLED_ITSELF_PROGRAM = """
+import os, signal, time
+signal.signal(signal.SIGTERM, lambda *_: os._exit(1))  # torchrun's way: a SIGTERM of its own is exit 1
+open("program.pid", "w").write(str(os.getpid()))
+while True:
+    time.sleep(0.05)
+"""
+
+
+def test_a_program_ending_at_the_stop_before_the_kit_forwarded_it_is_stopped_not_failed(tmp_path):
+    """A stop that reached the program too (a SIGTERM to every process of the pod; torchrun then exits 1) ended
+    it in the 50 ms before the kit's poll forwarded the kit's own: that exit counted as a failed start (75, and
+    FAILED after three such spot stops) or, with max_restarts, started the program again during the stop."""
+    config, volume = write_setup(tmp_path, "env")
+    (tmp_path / "repo/signalled.py").write_text(SIGNALLED_ITSELF_PROGRAM)
+    config.write_text(
+        yaml.safe_dump({**yaml.safe_load(config.read_text()), "command": ["python", "signalled.py"]})
+    )
+    proc = start_trainpod("run", "command", "--config", str(config), volume=volume)
+    pid_file = tmp_path / "repo/program.pid"
+    wait_for(lambda: pid_file.exists() and pid_file.read_text(), proc, "the program's start")
+    program = int(pid_file.read_text())
+    # The kit held still (as a loaded host does) while the program ends and its own SIGTERM arrives, so that its
+    # next look finds the program gone and the stop requested, with nothing forwarded yet.
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        os.kill(program, signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while Path(f"/proc/{program}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+            assert time.monotonic() < deadline, "the program did not end at its SIGTERM"
+            time.sleep(0.01)
+        os.kill(proc.pid, signal.SIGTERM)
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 143, out
+    assert "starting it again" not in out and not (run_dir(volume) / "DONE").exists()

@@ -12,7 +12,7 @@ callback, or `trainpod checkpoint commit`). How it ends:
 | the program | the kit exits |
 | --- | --- |
 | exits 0 | 0, DONE written |
-| exits 143, or anything after a SIGTERM the kit forwarded | 143 (the supervisor starts it again) |
+| exits 143, or anything once the kit was asked to stop (SIGTERM), forwarded to it yet or not | 143 (the supervisor starts it again) |
 | is over TRAINPOD_BUDGET_USD: SIGTERM, the window, then SIGKILL | 3 |
 | loses the run's lease to another writer: SIGKILL at once, so no commit of its lands | 75 |
 | exits with anything else (1, 2, 3, killed, ...), after `max_restarts` tries | 75: a failed start, counted; FAILED after TRAINPOD_MAX_FAILED_STARTS in a row |
@@ -148,6 +148,11 @@ def _supervise(
             next_status = time.monotonic() + config.status_every_seconds
         time.sleep(POLL_S)
     log.info("the program exited with %d", code)
+    if stopped_by is None and ctx.watch.requested:
+        # The stop came after the last look and before the program's exit was seen: nothing was forwarded yet,
+        # but the exit is the stop's (a SIGTERM to every process of the pod reaches the program too, and
+        # torchrun answers one with exit 1), not a failure to count or a reason to start the program again.
+        stopped_by = ctx.watch.signal_name or "signal"
     # Its group first, its last output after: what it left in its group holds the output pipes open, and
     # waiting for them before (2 s a pipe) spent 4 s of a stop's 5 s window before that group got its
     # SIGTERM, and the kit's own exit (status.json, the lease) came after the platform's SIGKILL.

@@ -272,3 +272,45 @@ def test_latest_beside_a_live_writer_removes_nothing_of_its_commit_in_flight(tmp
     leftover = store.begin(3)  # the writer is gone: what it left is removed again
     assert main(["checkpoint", "latest", str(run)]) == 0
     assert not leftover.dir.exists()
+
+
+def test_commit_keeps_the_best_checkpoints_trainpod_keep_best_asks_for(tmp_path, capsys, monkeypatch):
+    """TRAINPOD_KEEP_BEST (the command config's checkpoint.keep_best) was read by the Checkpointer and the HF
+    callback alone: a commit through the CLI kept the last keep_last and deleted the run's best checkpoint,
+    though the door that scored it keeps it. It now keeps the best keep_best by eval loss too."""
+    from trainpod.checkpoint import CheckpointStore
+    from trainpod.checkpoint.directory import commit_directory
+
+    monkeypatch.setenv("TRAINPOD_KEEP_BEST", "1")
+    run = tmp_path / "run"
+    scored = CheckpointStore(run / "checkpoints", keep_last=2, keep_best=1)  # as the HF callback commits
+    for step, loss in ((1, 2.5), (2, 1.25), (3, 3.0), (4, 4.0)):
+        commit_directory(scored, step, written(tmp_path, f"s{step}"), {}, eval_loss=loss)
+    assert main(["checkpoint", "commit", str(run), "--step", "5", str(written(tmp_path, "s5"))]) == 0
+    kept = sorted(p.name for p in (run / "checkpoints").glob("step-*"))
+    assert kept == ["step-2", "step-4", "step-5"], "the last 2 and the best (step 2, eval loss 1.25)"
+
+
+def test_commit_with_an_eval_loss_is_ranked_by_it(tmp_path, monkeypatch):
+    """A trainer in any language scores its own commits for best-k (TRAINPOD_KEEP_BEST), as the Python doors do."""
+    monkeypatch.setenv("TRAINPOD_KEEP_BEST", "1")
+    run = str(tmp_path / "run")
+    for step, loss in ((1, "2.5"), (2, "1.25"), (3, "3.0"), (4, "4.0")):
+        source = str(written(tmp_path, f"s{step}"))
+        assert main(["checkpoint", "commit", run, "--step", str(step), source, "--eval-loss", loss]) == 0
+    kept = sorted(p.name for p in (tmp_path / "run/checkpoints").glob("step-*"))
+    assert kept == ["step-2", "step-3", "step-4"]
+    assert main(["checkpoint", "verify", run, "2"]) == 0
+
+
+@pytest.mark.parametrize(("args", "env", "named"), [(["--keep-best", "-1"], None, "--keep-best='-1'"),
+                                                    ([], "one", "TRAINPOD_KEEP_BEST='one'")])  # fmt: skip
+def test_a_keep_best_that_is_not_a_whole_number_is_exit_2_naming_it(
+    tmp_path, capsys, monkeypatch, args, env, named
+):
+    if env is not None:
+        monkeypatch.setenv("TRAINPOD_KEEP_BEST", env)
+    source = written(tmp_path)
+    assert main(["checkpoint", "commit", str(tmp_path / "run"), "--step", "1", str(source), *args]) == 2
+    assert named in capsys.readouterr().err
+    assert (source / "weights.bin").exists()

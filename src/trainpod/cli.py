@@ -608,11 +608,14 @@ def checkpoint(
     volume: str | None = None,
     keep_source: bool = False,
     keep_last: int | None = None,
+    keep_best: int | None = None,
+    eval_loss: float | None = None,
 ) -> int:
     """Checkpoints for trainers in any language: latest, commit, verify (README, "Bring your own trainer").
 
     latest RUN: print the newest checkpoint that verifies (older ones are tried in turn), or nothing.
-    commit RUN --step N DIR: publish DIR (moved into the store) as step-N atomically, with a manifest.
+    commit RUN --step N DIR: publish DIR (moved into the store) as step-N atomically, with a manifest;
+    retention keeps the last keep_last and the best keep_best by eval loss (--eval-loss gives this one's).
     verify RUN [STEP]: check LATEST (or step N) against its manifest; exit 2 when it does not match.
     RUN is a run name under the volume's runs/, or a run folder's path (e.g. "$TRAINPOD_RUN_DIR").
     Log lines go to stderr, so `$(trainpod checkpoint latest RUN)` holds only the path.
@@ -633,7 +636,9 @@ def checkpoint(
     vol = Volume(Path(volume)) if volume else Volume.from_env()
     run_dir = Path(run_name) if "/" in run_name or run_name in (".", "..") else vol.run(run_name).root
     try:
-        store = CheckpointStore(run_dir / "checkpoints", keep_last=_keep_last(keep_last))
+        store = CheckpointStore(
+            run_dir / "checkpoints", keep_last=_keep_last(keep_last), keep_best=_keep_best(keep_best)
+        )
         if action == "latest":
             # Beside a live writer (a shell on the pod while it trains) this only reads: what looks like a
             # leftover may be its commit in flight. The program the kit holds the lease for cleans up.
@@ -651,7 +656,7 @@ def checkpoint(
                                  "program wrote the checkpoint to")  # fmt: skip
             with volume_full_as_exit_5(store.root, f"checkpoint step-{step}"):
                 committed = commit_directory(store, step, Path(directory), {"writer": "trainpod checkpoint commit"},
-                                             keep_source=keep_source)  # fmt: skip
+                                             keep_source=keep_source, eval_loss=eval_loss)  # fmt: skip
             print(committed.path)
         else:
             path, manifest = verify_committed(store, step)
@@ -673,6 +678,18 @@ def _keep_last(flag: int | None) -> int:
         raise InputError(
             f"{where}={raw!r}: keep at least 2 checkpoints; set it to a whole number >= 2, e.g. 2"
         )
+    return int(raw)
+
+
+def _keep_best(flag: int | None) -> int:
+    """--keep-best, else TRAINPOD_KEEP_BEST (the command config's checkpoint.keep_best), else 0, as the
+    Checkpointer and the HF callback read it: a commit here must not delete the best checkpoints they keep."""
+    from trainpod.errors import InputError
+
+    raw = str(flag) if flag is not None else os.environ.get("TRAINPOD_KEEP_BEST") or "0"
+    if not raw.isdigit():
+        where = "--keep-best" if flag is not None else "TRAINPOD_KEEP_BEST"
+        raise InputError(f"{where}={raw!r} is not a whole number >= 0; set it like 1 (0 keeps no best)")
     return int(raw)
 
 
@@ -1017,6 +1034,14 @@ def _checkpoint_arguments(p: argparse.ArgumentParser) -> None:
             a.add_argument("--keep-source", action="store_true", help="copy DIR instead of moving it")
             a.add_argument(
                 "--keep-last", type=int, help="checkpoints kept (default: $TRAINPOD_KEEP_LAST, else 2)"
+            )
+            a.add_argument(
+                "--keep-best",
+                type=int,
+                help="best checkpoints by eval loss kept besides (default: $TRAINPOD_KEEP_BEST, else 0)",
+            )
+            a.add_argument(
+                "--eval-loss", type=float, help="this checkpoint's eval loss, which keep_best ranks by"
             )
         if action == "verify":
             a.add_argument("step", nargs="?", type=int, metavar="STEP", help="a step other than LATEST's")

@@ -570,3 +570,21 @@ def test_a_start_killed_after_committing_steps_begins_the_count_again(fake, pod,
     assert not (run.root / STARTS_FILE).exists(), "the start before this one moved the run on"
     assert after_workload(1, run, env, "pretrain") == 1
     assert fake.pods[pod["id"]]["desiredStatus"] == "RUNNING", "1 failure since the progress, 2 allowed"
+
+
+@pytest.mark.parametrize("ended_by", [1, 2])
+def test_a_run_whose_failed_marker_was_deleted_gets_its_failed_starts_anew(fake, pod, run, ended_by):
+    """The supervisor says to fix the cause, delete FAILED and deploy again; the count of failed starts stayed at
+    the crash loop's (or at the failures before an exit 2), so the first failure after the fix (a hub's 75)
+    marked the run FAILED again at once and stopped its pod."""
+    env = pod_env(fake, pod, TRAINPOD_MAX_FAILED_STARTS="3")
+    for _ in range(3 if ended_by == 1 else 2):
+        after_workload(1, run, env, "pretrain")
+    if ended_by == 2:
+        after_workload(2, run, env, "pretrain")  # a bad config, fixed since
+    assert (run.root / FAILED_MARKER).exists() and fake.pods[pod["id"]]["desiredStatus"] == "EXITED"
+    (run.root / FAILED_MARKER).unlink()  # the cause fixed, as the supervisor's message says
+    fake.pods[pod["id"]]["desiredStatus"] = "RUNNING"  # deployed again
+    assert after_workload(75, run, env, "pretrain") == 75
+    assert not (run.root / FAILED_MARKER).exists(), "one failed start of three"
+    assert fake.pods[pod["id"]]["desiredStatus"] == "RUNNING"

@@ -9,7 +9,7 @@ RunPod starts a pod's container again whenever it exits, so the exit code alone 
 | 2, 3, 5 | bad input, budget spent, volume full | FAILED marker (when the run folder exists) and the pod stopped at once |
 | 4 | this machine cannot run the image (trainpod.host) | MACHINE_UNFIT marker naming this pod, not counted as a failed start; the pod stopped: the supervisor replaces it with a new pod on another machine |
 | 75 while another pod holds the run's LEASE (a datagen's: its dataset's) and renews it | this pod is a duplicate (two deploys, a replacement racing the original) | not counted, no marker: this pod stopped, the one training goes on |
-| other (75, 1, ...) | temporary failure or crash | counted in runs/<run>/starts.json; at TRAINPOD_MAX_FAILED_STARTS in a row (default 3): FAILED marker, pod stopped; a start that committed a newer checkpoint than LATEST named when it began begins the count again (it is failure 1); before the run is known (no TRAINPOD_RUN, the config not loaded yet) counted per pod in cache/starts/<pod id>.json, and the pod stopped at the same bound, with no marker |
+| other (75, 1, ...) | temporary failure or crash | counted in runs/<run>/starts.json; at TRAINPOD_MAX_FAILED_STARTS in a row (default 3): FAILED marker (which takes the count over: once it is deleted, a start counts anew), pod stopped; a start that committed a newer checkpoint than LATEST named when it began begins the count again (it is failure 1); before the run is known (no TRAINPOD_RUN, the config not loaded yet) counted per pod in cache/starts/<pod id>.json, and the pod stopped at the same bound, with no marker |
 | any other, the run DONE already | a finished run's pod started again failed before "already DONE" (its branch deleted) | not counted, no marker: TRAINPOD_ON_FINISH as after DONE |
 | none: boot itself was killed | a segfault, the OOM killer, SIGKILL | found at the next start (`begin_start`): counted as exit 137 when no checkpoint was committed during it; one that committed a newer checkpoint is not counted and begins the count again |
 
@@ -377,6 +377,9 @@ def _mark_failed(run: RunDir, reason: str, code: int, failures: int) -> None:
         run.root / FAILED_MARKER,
         {"reason": reason, "exit_code": code, "failures": failures, "unix": time.time()},
     )
+    # FAILED ends the row (the marker keeps its count): once the cause is fixed and FAILED deleted, as the
+    # supervisor says to, the next start's failure is the first of a new row, not the crash loop's next.
+    atomic.remove(run.root / STARTS_FILE)
 
 
 def _act_on_pod(

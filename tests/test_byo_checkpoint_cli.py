@@ -314,3 +314,15 @@ def test_a_keep_best_that_is_not_a_whole_number_is_exit_2_naming_it(
     assert main(["checkpoint", "commit", str(tmp_path / "run"), "--step", "1", str(source), *args]) == 2
     assert named in capsys.readouterr().err
     assert (source / "weights.bin").exists()
+
+
+@pytest.mark.parametrize("action", ["commit", "latest"])
+def test_an_empty_run_an_unset_variable_is_exit_2_and_nothing_is_written(tmp_path, capsys, action):
+    """`trainpod checkpoint commit "$TRAINPOD_RUN_DIR"` with the variable unset (a trainer started outside the
+    command workload, a typo in its name) committed into the volume's runs/checkpoints/, which is no run's
+    folder: the run never saw its checkpoints, and `latest ""` read them back from there."""
+    source = written(tmp_path)
+    extra = ["--step", "1", str(source)] if action == "commit" else []
+    assert main(["checkpoint", action, "", *extra, "--volume", str(tmp_path / "volume")]) == 2
+    assert "RUN '' is neither" in capsys.readouterr().err
+    assert not (tmp_path / "volume").exists() and (source / "weights.bin").exists()

@@ -633,9 +633,8 @@ def checkpoint(
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(RedactingFormatter("%(levelname)s [%(name)s] %(message)s"))
     logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
-    vol = Volume(Path(volume)) if volume else Volume.from_env()
-    run_dir = Path(run_name) if "/" in run_name or run_name in (".", "..") else vol.run(run_name).root
     try:
+        run_dir = _run_folder(run_name, Volume(Path(volume)) if volume else Volume.from_env())
         store = CheckpointStore(
             run_dir / "checkpoints", keep_last=_keep_last(keep_last), keep_best=_keep_best(keep_best)
         )
@@ -679,6 +678,22 @@ def _keep_last(flag: int | None) -> int:
             f"{where}={raw!r}: keep at least 2 checkpoints; set it to a whole number >= 2, e.g. 2"
         )
     return int(raw)
+
+
+def _run_folder(run_name: str, vol: Volume) -> Path:
+    """RUN of `trainpod checkpoint`: a run folder's path, else a run name under the volume's runs/."""
+    from trainpod.errors import InputError
+    from trainpod.volume import is_run_name
+
+    if "/" in run_name or run_name in (".", ".."):
+        return Path(run_name)
+    if not is_run_name(run_name):  # '' would be runs/ itself, whose checkpoints/ is no run's
+        raise InputError(
+            f"RUN {run_name!r} is neither a run folder's path nor a run name (letters, digits, '.', '_', '-'); an "
+            "empty one is an unset shell variable, like $TRAINPOD_RUN_DIR outside the command workload: run under "
+            "it, or pass the run folder's path"
+        )
+    return vol.run(run_name).root
 
 
 def _keep_best(flag: int | None) -> int:

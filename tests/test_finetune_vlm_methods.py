@@ -146,3 +146,17 @@ def test_a_lora_target_module_that_names_no_language_model_layer_is_refused_nami
     volume = fresh(vlm_base_volume, tmp_path / "volume")
     with pytest.raises(InputError, match=r"qkv names no linear layer of the language model.*o_proj"):
         build_vlm_finetuner(volume, ["method=lora", 'lora.target_modules=["q_proj","qkv"]'])
+
+
+def test_a_training_forward_of_the_vlm_builds_no_kv_cache(vlm_base_volume, tmp_path):
+    """A VLM's language model reads use_cache from its text_config, not the top config the finetune turned it
+    off in: each training forward built a KV cache of every layer (memory for nothing, and with a cache
+    transformers' masks skip the packed-row detection)."""
+    volume = fresh(vlm_base_volume, tmp_path / "volume")
+    trainer = build_vlm_finetuner(volume, ["method=lora"])
+    trainer.model.train()
+    output = trainer.model(input_ids=torch.tensor([[5, 6, 7, 8]]))
+    cache = output.get("cache", output.get("past_key_values"))
+    assert cache is None, (
+        f"a training forward built a {type(cache).__name__}; set use_cache=False in text_config"
+    )

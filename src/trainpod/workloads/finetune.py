@@ -332,7 +332,10 @@ class Finetuner(Trainer):
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
                 if self.method == "lora":
                     model.enable_input_require_grads()  # checkpointed blocks need an input that wants grads
-        model.config.use_cache = False  # the KV cache is for generation; training with it only costs memory
+        # The KV cache is for generation; training with it only costs memory. A VLM's language model reads
+        # its text_config's (Qwen2-VL, Llava), which the top config's does not reach.
+        for config in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
+            config.use_cache = False
         self._check_vocabulary(model)
         self._check_positions(model)
         if self.method != "full":

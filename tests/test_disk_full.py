@@ -25,8 +25,13 @@ import pytest
 
 from trainpod.config import load_config
 from trainpod.config.pretrain import PretrainConfig
+from trainpod.convert import run_convert
+from trainpod.errors import VolumeFull
+from trainpod.preemption import PreemptionWatch
+from trainpod.volume import Volume
 from trainpod.workloads.pretrain import disk_estimate
 
+from convert_support import convert_config, make_adapter, make_base
 from support import RUN, TINY_DATAGEN, TINY_PRETRAIN, child_env, exported_weights, run_trainpod, status_step
 
 pytestmark = pytest.mark.slow
@@ -199,3 +204,22 @@ def test_convert_on_a_full_volume_exits_5_publishes_nothing_and_converts_after(t
         again = run_trainpod("run", "convert", "--config", str(config), volume=volume)
         assert again.returncode == 0, again.stdout + again.stderr
         assert (export / "hf-step-20" / "manifest.json").is_file() and leftovers(export) == []
+
+
+def test_a_merge_without_room_for_its_weights_is_exit_5_naming_the_sizes_and_keeps_the_older_output(tmp_path):
+    """A merge (a 7B base: about 15 GB) on a volume without room for it ran to ENOSPC, minutes in, and said
+    only what was free; it is refused before it writes, naming what it needs, and the older output stays."""
+    volume = Volume(tmp_path / "volume")
+    base = make_base(tmp_path / "base")  # 78,144 weights: 305.2 KiB in float32, half in bfloat16
+    adapter = str(make_adapter(base, tmp_path / "adapter"))
+    with small_filesystem(volume.run("ft").export, "256k") as export:
+        task = {"kind": "merge", "output": "merged"}
+        bf16, fp32 = (convert_config(task | {"dtype": d}, adapter=adapter) for d in ("bfloat16", "float32"))
+        [merged] = run_convert(bf16, volume, PreemptionWatch())
+        before = {p.name: p.read_bytes() for p in merged.iterdir()}
+        with pytest.raises(
+            VolumeFull, match=r"the merged model.*needs about 305\.2 KiB and [\d.]+ KiB is free; free space"
+        ):
+            run_convert(fp32, volume, PreemptionWatch())
+        assert leftovers(export) == [], "a refused merge leaves no temp folder"
+        assert {p.name: p.read_bytes() for p in merged.iterdir()} == before, "the older output stays whole"

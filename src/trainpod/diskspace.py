@@ -82,6 +82,13 @@ def volume_full_as_exit_5(where: Path, what: str = "the workload's output") -> I
         raise volume_full(where, what) from exc
 
 
+def check_room(where: Path, needed: int, what: str) -> None:
+    """VolumeFull (exit 5) before `what` is written when the volume at `where` has less than `needed` free: a
+    write that fills it runs to ENOSPC first (a 7B model's merge: about 15 GB, minutes) and gains nothing."""
+    if free_bytes(where) < needed:
+        raise volume_full(where, what, needed)
+
+
 def checkpoints_that_fit(where: Path, checkpoint_bytes: int) -> int:
     return free_bytes(where) // max(checkpoint_bytes, 1)
 

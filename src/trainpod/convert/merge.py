@@ -13,6 +13,7 @@ and double quantization.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from transformers.utils import logging as transformers_logging
 from trainpod.convert import tensor_merge
 from trainpod.convert.adapter import PeftAdapter, base_weight_shapes, vision_module_shapes
 from trainpod.convert.output import Staging
+from trainpod.diskspace import check_room
 from trainpod.errors import InputError
 from trainpod.train.export import DTYPES, PROCESSOR_FILES, carry_training_template, write_top_level_rope
 
@@ -217,6 +219,8 @@ def write_merged(
             "model must carry one; copy the tokenizer files (tokenizer.json, tokenizer_config.json) into "
             "the adapter folder"
         )
+    # Beside an older output of the same name until the new one is whole (atomic.replace_dir): its room too.
+    check_room(staging.folder.parent, merged_weight_bytes(base_dir, dtype), f"the merged model ({dtype})")
     dequantize = quantization is not None and qlora_base == "dequantized"
     vision = vision_settings(adapter.summary)
     # A VLM's hub checkpoint names its weights otherwise than its modules (transformers renames them on
@@ -244,6 +248,11 @@ def write_merged(
     # The chat template the adapter was trained with, and its end of turn as eos: an adapter exported before
     # its folder's tokenizer carried it has only the base's (none, for a base model's tokenizer).
     carry_training_template(staging.folder, ((adapter.summary or {}).get("data") or {}).get("template"))
+
+
+def merged_weight_bytes(base_dir: Path, dtype: str) -> int:
+    """What the merged model's weights take: every tensor of the base, in the output's dtype."""
+    return sum(math.prod(shape) for shape in base_weight_shapes(base_dir).values()) * DTYPES[dtype].itemsize
 
 
 def write_merged_with_peft(

@@ -100,6 +100,46 @@ def test_exporting_again_rewrites_nothing(vol: Volume) -> None:
     assert manifest["settings"]["step"] == 2 and "checkpoint/manifest.json" in manifest["inputs"]
 
 
+def tokenizer_ids(folder: Path) -> list[int]:
+    return AutoTokenizer.from_pretrained(str(folder))("Once upon a time, a tiny model").input_ids
+
+
+def test_a_run_exports_after_its_dataset_and_tokenizer_were_removed(vol: Volume, pretrained: Path) -> None:
+    """The export found its tokenizer through the dataset's manifest: a dataset deleted after pretraining (its
+    shards are gigabytes on a billed volume) made every checkpoint of the run unexportable."""
+    import shutil
+
+    final = AutoModelForCausalLM.from_pretrained(str(vol.run(RUN).export / "hf"))
+    expected = tokenizer_ids(pretrained / "tokenizers" / "tiny-stories-1k")
+    shutil.rmtree(vol.root / "datasets")
+    shutil.rmtree(vol.root / "tokenizers")
+    out = export(vol, step=2)
+    assert tokenizer_ids(out) == expected
+    assert AutoModelForCausalLM.from_pretrained(str(out)).config.vocab_size == final.config.vocab_size
+
+
+def test_a_start_with_the_same_tokenizer_leaves_the_runs_copy_as_it_is(vol: Volume) -> None:
+    """An export's inputs are known by path, size and mtime: a copy made again at every resume would have every
+    finished export of the run made again (minutes for a large model) at the next convert."""
+    from trainpod.context import RunContext
+
+    kept = vol.run(RUN).tokenizer
+    before = tree_snapshot(kept), {p.name: p.stat().st_mtime_ns for p in kept.iterdir()}
+    ctx = RunContext(vol, vol.run(RUN), PreemptionWatch())
+    ctx.carry_tokenizer(vol.tokenizer("tiny-stories-1k"), ctx.carried_tokenizer()[1])
+    assert (tree_snapshot(kept), {p.name: p.stat().st_mtime_ns for p in kept.iterdir()}) == before
+
+
+def test_a_run_started_before_runs_carried_their_tokenizer_exports_through_its_dataset(
+    vol: Volume, pretrained: Path
+) -> None:
+    import shutil
+
+    shutil.rmtree(vol.run(RUN).root / "tokenizer")
+    out = export(vol, step=2)
+    assert tokenizer_ids(out) == tokenizer_ids(pretrained / "tokenizers" / "tiny-stories-1k")
+
+
 def test_a_step_that_is_not_committed_is_exit_2_listing_the_committed_ones(vol: Volume) -> None:
     with pytest.raises(InputError) as caught:
         export(vol, step=3)

@@ -6,16 +6,19 @@ Below train/, convert/ and workloads/: each of them receives a RunContext; none 
 from __future__ import annotations
 
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainpod import cost
+from trainpod import atomic, cost
 from trainpod.atomic import file_sha256
 from trainpod.checkpoint import Lease
 from trainpod.errors import InputError
 from trainpod.preemption import PreemptionWatch
 from trainpod.volume import RunDir, Volume
+
+CARRIED_TOKENIZER = "trainpod_tokenizer.json"  # in runs/<run>/tokenizer/: the source's sha256 and vocabulary
 
 
 @dataclass
@@ -80,3 +83,34 @@ class RunContext:
         raise InputError(
             f"tokenizer not found at {shown}; run datagen again or set data.tokenizer to its folder"
         )
+
+    def carry_tokenizer(self, tokenizer_dir: Path, vocab_size: int) -> None:
+        """Keep the tokenizer this run trains with in runs/<run>/tokenizer/ (atomically, under the run's lease),
+        so that its checkpoints export without the dataset: its manifest names the tokenizer, and a dataset
+        deleted after pretraining (gigabytes of shards) made every checkpoint of the run unexportable."""
+        from transformers import AutoTokenizer
+
+        # Known by content: the same tokenizer read where the volume is mounted elsewhere is not copied again.
+        record = {"sha256": file_sha256(tokenizer_dir / "tokenizer.json"), "vocab_size": vocab_size}
+        try:
+            if atomic.read_json(self.run.tokenizer / CARRIED_TOKENIZER) == record:
+                return
+        except (OSError, ValueError):
+            pass
+        # Saved as an export saves it: the tokenizer's own files, not a model folder's weights beside them.
+        staged = atomic.temp_name(self.run.tokenizer)
+        try:
+            AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(staged)
+            atomic.write_json(staged / CARRIED_TOKENIZER, record)
+            atomic.replace_dir(staged, self.run.tokenizer)
+        except BaseException:
+            shutil.rmtree(staged, ignore_errors=True)
+            raise
+
+    def carried_tokenizer(self) -> tuple[Path, int] | None:
+        """The run's own tokenizer folder and its vocabulary size; None for a run started before runs kept it."""
+        try:
+            record = atomic.read_json(self.run.tokenizer / CARRIED_TOKENIZER)
+            return self.run.tokenizer, int(record["vocab_size"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None

@@ -97,6 +97,11 @@ class RunDir:
         return self.root / "logs"
 
     @property
+    def tokenizer(self) -> Path:
+        """The tokenizer a pretrain run trains with, kept beside its checkpoints (RunContext.carry_tokenizer)."""
+        return self.root / "tokenizer"
+
+    @property
     def tensorboard(self) -> Path:
         return self.root / "tensorboard"
 

@@ -1,8 +1,9 @@
 """A committed pretrain checkpoint (any step, not only the final one) -> an HF-format model.
 
-The model is rebuilt exactly as the pretrain workload builds it (runs/<run>/config.yaml, the
-tokenizer named by the dataset's manifest), the checkpoint is verified against its manifest, and
-its weights are loaded and exported with the pretrain workload's own export_hf.
+The model is rebuilt exactly as the pretrain workload builds it (runs/<run>/config.yaml, the tokenizer the
+run kept in runs/<run>/tokenizer/, or for a run older than that the one its dataset's manifest names), the
+checkpoint is verified against its manifest, and its weights are loaded and exported with the pretrain
+workload's own export_hf.
 """
 
 from __future__ import annotations
@@ -62,11 +63,15 @@ def resolve_checkpoint(task: ExportTask, run_name: str, volume: Volume) -> Check
     step = _step(task.step, run)
     path = run.checkpoints / step_dir_name(step)
     ctx = RunContext(volume, run, PreemptionWatch())  # for its dataset and tokenizer lookups alone
-    dataset_dir = ctx.resolve_dataset(config.data.dataset)
-    manifest = load_dataset_manifest(dataset_dir)
-    tokenizer_dir = ctx.resolve_tokenizer(config.data.tokenizer, manifest)
-    vocab = config.model.vocab_size or padded_vocab(manifest["tokenizer"]["vocab_size"])
+    tokenizer_dir, tokenizer_vocab = ctx.carried_tokenizer() or _dataset_tokenizer(ctx, config)
+    vocab = config.model.vocab_size or padded_vocab(tokenizer_vocab)
     return CheckpointSource(run, step, path, config, tokenizer_dir, vocab)
+
+
+def _dataset_tokenizer(ctx: RunContext, config: PretrainConfig) -> tuple[Path, int]:
+    """Where a run started before runs kept their tokenizer finds it: through its dataset's manifest."""
+    manifest = load_dataset_manifest(ctx.resolve_dataset(config.data.dataset))
+    return ctx.resolve_tokenizer(config.data.tokenizer, manifest), manifest["tokenizer"]["vocab_size"]
 
 
 def _refuse_a_finetune_run(run: RunDir) -> None:

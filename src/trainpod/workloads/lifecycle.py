@@ -290,7 +290,15 @@ def _run_in_run_folder(workload: Workload, ctx: RunContext, config: Any, rank: i
 # Top-level files of a run written only under its lease (by the lifecycle and the workloads); a supervisor's
 # state and `trainpod stop`'s marker lie beside the run folder (older kits: in it, supervise.json and STOPPED),
 # written without the lease, so theirs are never touched.
-LEASED_FILES = ("config.yaml", "status.json", "DONE", "loss.png", "base_model.json", "sft_data.json")
+LEASED_FILES = (
+    "config.yaml",
+    "status.json",
+    "DONE",
+    "loss.png",
+    "base_model.json",
+    "sft_data.json",
+    "tokenizer",  # a folder: a pretrain run's tokenizer (RunContext.carry_tokenizer)
+)
 
 
 def _remove_leftovers(run: RunDir) -> None:

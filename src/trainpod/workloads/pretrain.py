@@ -87,6 +87,8 @@ class Pretrainer(Trainer):
         self.val_shards = dataset_shards(dataset_dir, manifest, "val")
         self.tokenizer_dir = self.ctx.resolve_tokenizer(self.cfg.data.tokenizer, manifest)
         self.tokenizer_vocab = manifest["tokenizer"]["vocab_size"]
+        if self.dist.rank == 0:  # the one rank holding the run's lease
+            self.ctx.carry_tokenizer(self.tokenizer_dir, self.tokenizer_vocab)
         t = self.train_cfg
         self.grad_accum_steps = t.grad_accum_steps  # rescaled when a checkpoint of another rank count resumes
         self.batches = TokenBatches(

@@ -223,3 +223,30 @@ def test_a_merge_without_room_for_its_weights_is_exit_5_naming_the_sizes_and_kee
             run_convert(fp32, volume, PreemptionWatch())
         assert leftovers(export) == [], "a refused merge leaves no temp folder"
         assert {p.name: p.read_bytes() for p in merged.iterdir()} == before, "the older output stays whole"
+
+
+def test_a_hub_base_that_fills_the_volume_is_exit_5_not_a_download_retried_at_every_start(
+    tmp_path, monkeypatch
+):
+    """A merge's hub base downloads into the volume's cache/hf; a full volume there was exit 75 ('could not
+    fetch ... the next start tries again'), so the supervisor started the pod again and again, each start
+    downloading gigabytes into the same full volume."""
+    import huggingface_hub
+
+    volume = Volume(tmp_path / "volume")
+    hub_repo = make_base(tmp_path / "hub-repo")
+
+    def snapshot_download(repo_id, cache_dir, **kwargs):
+        """The hub cannot be reached here: its files are copied into the cache as its download writes them."""
+        snapshot = Path(cache_dir) / "snapshot"
+        snapshot.mkdir(parents=True)
+        for path in hub_repo.iterdir():
+            shutil.copy(path, snapshot / path.name)
+        return str(snapshot)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    summary = {"base_model": "org/tiny-base", "base_model_folder": "/gone/with/the/pod"}
+    adapter = str(make_adapter(hub_repo, tmp_path / "adapter", summary=summary))
+    full = pytest.raises(VolumeFull, match=r"for the base model org/tiny-base: .* free; free space")
+    with small_filesystem(volume.cache(), "128k"), full:
+        run_convert(convert_config({"kind": "merge"}, adapter=adapter), volume, PreemptionWatch())

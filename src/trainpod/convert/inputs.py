@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 from trainpod.config.convert import RUN_PREFIX
+from trainpod.diskspace import is_disk_full, volume_full
 from trainpod.errors import InputError, TemporaryError
 from trainpod.volume import Volume
 
@@ -107,6 +108,8 @@ def fetch_base(reference: str, volume: Volume, revision: str | None = None) -> P
             "base_model to a local folder"
         ) from None
     except (HfHubHTTPError, OSError) as exc:
+        if is_disk_full(exc):  # no outage that passes: every start would download into the same full volume
+            raise volume_full(volume.cache() / "hf", f"the base model {reference}") from exc
         raise TemporaryError(
             f"could not fetch the base model {reference!r} from the Hugging Face hub "
             f"({type(exc).__name__}); the next start tries again"

@@ -317,6 +317,69 @@ def test_the_mlx_adapter_of_a_qlora_finetune_says_it_was_trained_on_the_4bit_bas
     assert "mlx_lm.convert" in readme, readme
 
 
+def save_chatml_tokenizer(folder: Path) -> None:
+    """convert_support's word-level tokenizer with its last two words made ChatML's special tokens (the base's
+    vocabulary, 128, unchanged) and no chat template, as a base model's tokenizer has none."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from convert_support import WORDS
+
+    words = [*WORDS[:-2], "<|im_start|>", "<|im_end|>"]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", eos_token="<eos>")
+    fast.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    fast.save_pretrained(folder)
+
+
+def test_the_mlx_adapter_carries_the_chat_template_it_was_trained_on_and_where_answers_end(
+    vol: Volume, base: Path
+) -> None:
+    """mlx-lm takes the base's tokenizer: on a base with no chat template (Llama 2, Mistral) or another one, an
+    adapter trained on ChatML was prompted as it never was, and generation ran past the <|im_end|> its answers
+    were trained to end with (the base's eos alone stops it), which the merge's tokenizer and generation
+    config carry."""
+    save_chatml_tokenizer(base)
+    make_adapter(base, adapter_dir(vol), summary={"data": {"template": "chatml"}})
+    save_chatml_tokenizer(adapter_dir(vol))
+    out = convert_to_mlx(vol)
+    readme = (out / "README.md").read_text()
+    assert 'tokenizer_config={"chat_template": open("chat_template.jinja").read()}' in readme, readme
+    assert 'tokenizer.add_eos_token("<|im_end|>")' in readme and '--extra-eos-token "<|im_end|>"' in readme
+    template = (out / "chat_template.jinja").read_text()
+    _model, tokenizer = mlx_load(
+        str(base), adapter_path=str(out), tokenizer_config={"chat_template": template}
+    )
+    tokenizer.add_eos_token("<|im_end|>")
+    conversation = [{"role": "user", "content": "w5"}]
+    prompt = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+    assert prompt == "<|im_start|>user\nw5<|im_end|>\n<|im_start|>assistant\n"
+    assert tokenizer.convert_tokens_to_ids("<|im_end|>") in tokenizer.eos_token_ids
+
+
+def test_the_mlx_adapter_trained_on_the_bases_own_template_names_the_end_of_turn_to_stop_at(
+    vol: Volume, base: Path
+) -> None:
+    """A base whose own template ends turns with <|im_end|> and whose eos is another token (a base Qwen2.5):
+    mlx-lm loads the template with the base but stops at the eos alone."""
+    from transformers import AutoTokenizer
+
+    save_chatml_tokenizer(base)
+    tokenizer = AutoTokenizer.from_pretrained(str(base))
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+        "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
+    tokenizer.save_pretrained(base)
+    make_adapter(base, adapter_dir(vol), summary={"data": {"template": "tokenizer"}})
+    tokenizer.save_pretrained(adapter_dir(vol))
+    out = convert_to_mlx(vol)
+    readme = (out / "README.md").read_text()
+    assert '--extra-eos-token "<|im_end|>"' in readme and "the base's chat template" in readme, readme
+    assert not (out / "chat_template.jinja").exists(), "mlx-lm loads the base's own template with the base"
+
+
 @pytest.mark.parametrize(
     "architecture",
     [

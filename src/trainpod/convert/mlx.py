@@ -13,6 +13,7 @@ as PEFT does).
 from __future__ import annotations
 
 import functools
+import json
 import re
 from collections.abc import Callable
 from typing import Any
@@ -204,10 +205,87 @@ def write_mlx_adapter(
         )
     file, fillers, rank, scale = mlx_layout(adapter)
     config = mlx_config(adapter, rank, scale, num_layers(adapter, base_layers), base, revision)
+    template, turn_end = trained_chat_format(adapter)
     staging.folder.mkdir(parents=True)
     staging.write_tensors("adapters.safetensors", file, lambda name, slot: fill(fillers[name], slot))
     staging.write_file("adapter_config.json", atomic.json_bytes(config))
-    staging.write_file("README.md", _readme(adapter, config, base, revision).encode("utf-8"))
+    if template is not None:
+        staging.write_file(CHAT_TEMPLATE_FILE, template.encode("utf-8"))
+    name = trained_template_name(adapter)
+    readme = _readme(adapter, config, base, revision) + _chat_format_readme(
+        name, template, turn_end, base, revision
+    )
+    staging.write_file("README.md", readme.encode("utf-8"))
+
+
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+
+
+def trained_template_name(adapter: PeftAdapter) -> str | None:
+    """training_summary.json's data.template: a built-in's name, `tokenizer` for its own, None for plain text."""
+    return ((adapter.summary or {}).get("data") or {}).get("template")
+
+
+def trained_chat_format(adapter: PeftAdapter) -> tuple[str | None, str | None]:
+    """The built-in chat template the adapter was trained on (training_summary.json's data.template: chatml,
+    qwen, llama3, alpaca) as a tokenizer's Jinja template, and the token its answers end with; (None, token)
+    for the tokenizer's own template, the base's, which mlx-lm loads; (None, None) for plain text.
+
+    mlx-lm takes the tokenizer, its chat template and its eos from the base alone: a base with no template
+    (Llama 2, Mistral) or another one rendered prompts the adapter never saw, and one stopping at its eos
+    alone (a base Qwen2.5: <|endoftext|>) ran past the <|im_end|> the answers were trained to end with."""
+    name = trained_template_name(adapter)
+    has_tokenizer = any((adapter.folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
+    if name is None or not has_tokenizer:
+        return None, None
+    from transformers import AutoTokenizer
+
+    from trainpod.sft.templates import build_template, own_template_turn_end
+
+    tokenizer = AutoTokenizer.from_pretrained(str(adapter.folder))
+    if name in ("tokenizer", "auto"):
+        try:
+            turn_end = own_template_turn_end(tokenizer)
+        except InputError:  # a template that renders no plain conversation: it stops as the base does
+            return None, None
+        token = tokenizer.convert_ids_to_tokens(turn_end) if turn_end is not None else None
+        return None, (token if token != tokenizer.eos_token else None)  # the eos: mlx-lm stops there already
+    template = build_template(name, tokenizer)
+    return template.jinja(), template.turn_end or None
+
+
+def _chat_format_readme(
+    name: str | None, template: str | None, turn_end: str | None, base: str, revision: str | None
+) -> str:
+    if template is None and turn_end is None:
+        return ""
+    trained_on = (
+        f"the chat template `{name}`, which `{CHAT_TEMPLATE_FILE}` holds"
+        if template
+        else "the base's chat template"
+    )
+    ends = f", its answers ending with `{turn_end}`" if turn_end else ""
+    given = f', tokenizer_config={{"chat_template": open("{CHAT_TEMPLATE_FILE}").read()}}' if template else ""
+    pinned = f', revision="{revision}"' if revision else ""
+    stop = f"tokenizer.add_eos_token({json.dumps(turn_end)})\n" if turn_end else ""
+    command_line = (
+        f"`mlx_lm.generate` takes `--extra-eos-token {json.dumps(turn_end)}`"
+        if turn_end
+        else "`mlx_lm.generate`"
+    )
+    return f"""
+## Chat format
+
+mlx-lm takes the tokenizer, its chat template and its eos from the base model. This adapter was trained on
+{trained_on}{ends}: load it so, or it is prompted as it never was or runs on past its answers' end.
+
+```python
+model, tokenizer = load("{base}", adapter_path="."{pinned}{given})
+{stop}```
+
+{command_line}{"; it renders prompts with the base's own template (if any), not this one" if template else ""}.
+A merge (`kind: merge`) carries the template and the end of turn in its tokenizer and generation config.
+"""
 
 
 def _readme(adapter: PeftAdapter, config: dict[str, Any], base: str, revision: str | None) -> str:

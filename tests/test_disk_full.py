@@ -225,6 +225,20 @@ def test_a_merge_without_room_for_its_weights_is_exit_5_naming_the_sizes_and_kee
         assert {p.name: p.read_bytes() for p in merged.iterdir()} == before, "the older output stays whole"
 
 
+def hub_copying(hub_repo: Path):
+    """A stand-in for huggingface_hub's snapshot_download (the hub cannot be reached here): it copies
+    `hub_repo`'s files into the cache as the download writes them."""
+
+    def snapshot_download(repo_id, cache_dir, **kwargs):
+        snapshot = Path(cache_dir) / "snapshot"
+        snapshot.mkdir(parents=True)
+        for path in hub_repo.iterdir():
+            shutil.copy(path, snapshot / path.name)
+        return str(snapshot)
+
+    return snapshot_download
+
+
 def test_a_hub_base_that_fills_the_volume_is_exit_5_not_a_download_retried_at_every_start(
     tmp_path, monkeypatch
 ):
@@ -236,17 +250,28 @@ def test_a_hub_base_that_fills_the_volume_is_exit_5_not_a_download_retried_at_ev
     volume = Volume(tmp_path / "volume")
     hub_repo = make_base(tmp_path / "hub-repo")
 
-    def snapshot_download(repo_id, cache_dir, **kwargs):
-        """The hub cannot be reached here: its files are copied into the cache as its download writes them."""
-        snapshot = Path(cache_dir) / "snapshot"
-        snapshot.mkdir(parents=True)
-        for path in hub_repo.iterdir():
-            shutil.copy(path, snapshot / path.name)
-        return str(snapshot)
-
-    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", hub_copying(hub_repo))
     summary = {"base_model": "org/tiny-base", "base_model_folder": "/gone/with/the/pod"}
     adapter = str(make_adapter(hub_repo, tmp_path / "adapter", summary=summary))
     full = pytest.raises(VolumeFull, match=r"for the base model org/tiny-base: .* free; free space")
     with small_filesystem(volume.cache(), "128k"), full:
         run_convert(convert_config({"kind": "merge"}, adapter=adapter), volume, PreemptionWatch())
+
+
+def test_a_finetune_base_that_fills_the_volume_is_exit_5_not_a_download_retried_at_every_start(
+    tmp_path, monkeypatch
+):
+    """The finetune's hub base downloads into cache/hf as the merge's does (above): a full volume there was exit
+    75, a download of gigabytes repeated at every start into the same full volume."""
+    import huggingface_hub
+
+    from trainpod.config.finetune import BaseModelConfig
+    from trainpod.train.base_model import resolve_base_model
+
+    volume = Volume(tmp_path / "volume")
+    hub_repo = make_base(tmp_path / "hub-repo")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", hub_copying(hub_repo))
+    full = pytest.raises(VolumeFull, match=r"for the base model org/tiny-base: .* free; free space")
+    with small_filesystem(volume.cache(), "128k"), full:
+        resolve_base_model(BaseModelConfig(path="org/tiny-base"), volume)

@@ -17,6 +17,7 @@ import torch
 
 from trainpod import atomic
 from trainpod.config.finetune import BaseModelConfig, QuantizationSettings
+from trainpod.diskspace import is_disk_full, volume_full
 from trainpod.errors import InputError, TemporaryError
 from trainpod.volume import Volume
 
@@ -126,6 +127,8 @@ def _download(cfg: BaseModelConfig, volume: Volume, revision: str | None, pinned
             )
         ) from None
     except Exception as exc:  # network and hub outages: the supervisor starts us again later
+        if is_disk_full(exc):  # no outage that passes: every start would download into the same full volume
+            raise volume_full(volume.cache() / "hf", f"the base model {cfg.path}") from exc
         raise TemporaryError(
             f"downloading base_model.path={cfg.path!r} failed ({type(exc).__name__}); will retry on the next start"
         ) from None

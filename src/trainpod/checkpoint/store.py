@@ -493,18 +493,23 @@ class CheckpointStore:
         atomic.write_json(path / MANIFEST, manifest)
         self.apply_retention()
 
-    def apply_retention(self) -> list[int]:
-        """Delete checkpoints beyond the last k and best k (by `score`); never the one LATEST names."""
-        checkpoints = self.committed()
-        keep = {c.step for c in checkpoints[: self.keep_last]}
+    def ranked(self, checkpoints: list[CommittedCheckpoint] | None = None) -> list[CommittedCheckpoint]:
+        """The committed checkpoints an eval scored, best first (lower score; the newer of two equal ones), as
+        best-k retention keeps them and `export.weights: best` picks one."""
+        checkpoints = self.committed() if checkpoints is None else checkpoints
         # Ranked by the metric the newest manifest with a score names (eval_loss where none has one, as before
         # scores) alone: under a generation metric measured every k-th eval (eval_cer), the checkpoints of the
         # evals between hold an eval loss, which is no CER to beat.
         metric = next((c.ranked_by for c in checkpoints if c.manifest.get("score")), "eval_loss")
         # A NaN (a diverged eval) compares neither lower nor higher and broke the sort: it ranked as the best.
         ranked = (c for c in checkpoints if _finite(c.score) and c.ranked_by == metric)
-        scored = sorted(ranked, key=lambda c: (c.score, -c.step))
-        keep |= {c.step for c in scored[: self.keep_best]}
+        return sorted(ranked, key=lambda c: (c.score, -c.step))
+
+    def apply_retention(self) -> list[int]:
+        """Delete checkpoints beyond the last k and best k (by `score`); never the one LATEST names."""
+        checkpoints = self.committed()
+        keep = {c.step for c in checkpoints[: self.keep_last]}
+        keep |= {c.step for c in self.ranked(checkpoints)[: self.keep_best]}
         latest_name = self._latest_name()
         deleted = []
         for c in checkpoints:

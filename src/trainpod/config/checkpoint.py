@@ -43,6 +43,30 @@ class CheckpointConfig(Section):
         1.5, ge=1.0, description="On SIGTERM, commit only if the last commit time times this fits the window."
     )
 
+    def best_export_problem(self, weights: str, eval_every: int) -> str | None:
+        """What keeps `export.weights` from exporting the best checkpoint (None: nothing): it is the best of the
+        checkpoints kept that an eval scored at their own step."""
+        if weights != "best":
+            return None
+        if not eval_every:
+            return (
+                "export.weights='best' exports the checkpoint of the best eval, and train.eval_every=0 runs none; "
+                "set train.eval_every (with a validation split), or export.weights=last"
+            )
+        if not self.keep_best:
+            return (
+                "export.weights='best' needs that checkpoint kept: set checkpoint.keep_best to 1 or more (it is 0, "
+                "so retention deletes the best once it is not among the last), or export.weights=last"
+            )
+        if eval_every % self.every_steps:
+            return (
+                f"export.weights='best' picks among the checkpoints committed at an eval's step, and "
+                f"checkpoint.every_steps={self.every_steps} does not divide train.eval_every={eval_every} (most "
+                f"evals would have none); set checkpoint.every_steps to a divisor of eval_every (e.g. {eval_every}), "
+                "or export.weights=last"
+            )
+        return None
+
     def background_commits(self, device_type: str) -> bool:
         """Whether periodic commits are written in the background on this device."""
         return self.mode == "async" or (self.mode == "auto" and device_type == "cuda")

@@ -216,6 +216,13 @@ class FinetuneExportConfig(Section):
         description="Weights dtype of a full finetune's export; 'auto': bfloat16 for bf16 runs, else float32. "
         "Adapters keep their training dtype.",
     )
+    weights: Literal["last", "best"] = Field(
+        "last",
+        description="Which step's weights the export holds: 'last', the final step's (as HF's Trainer and "
+        "axolotl export); 'best', the kept checkpoint with the best eval (by train.early_stopping_metric, lower "
+        "is better; needs train.eval_every, checkpoint.keep_best >= 1, checkpoint.every_steps dividing eval_every "
+        "and a validation split). The export's manifest.json names the step (`weights`).",
+    )
 
 
 DEFAULT_LR = {"qlora": 2e-4, "lora": 2e-4, "full": 2e-5}  # train.lr when the config gives none
@@ -268,6 +275,13 @@ class FinetuneConfig(Section):
                 f"train.early_stopping_metric={metric!r} is measured by generation, which is off; set "
                 "generation_eval.every_evals to 1 (or k: every k-th eval), or rank by eval_loss"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _best_export_can_be_found(self) -> FinetuneConfig:
+        problem = self.checkpoint.best_export_problem(self.export.weights, self.train.eval_every)
+        if problem:
+            raise ValueError(problem)
         return self
 
     @model_validator(mode="after")

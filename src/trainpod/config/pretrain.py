@@ -158,6 +158,13 @@ class ExportConfig(Section):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Weights dtype of the HF export; 'auto' is bfloat16 for bf16 runs, else float32."
     )
+    weights: Literal["last", "best"] = Field(
+        "last",
+        description="Which step's weights the export holds: 'last', the final step's (as HF's Trainer and "
+        "axolotl export); 'best', the kept checkpoint with the lowest eval loss (needs train.eval_every, "
+        "checkpoint.keep_best >= 1, checkpoint.every_steps dividing eval_every and a validation split). The "
+        "export's manifest.json names the step (`weights`).",
+    )
 
 
 class PretrainConfig(Section):
@@ -170,3 +177,10 @@ class PretrainConfig(Section):
     train: TrainConfig
     checkpoint: CheckpointConfig = CheckpointConfig()
     export: ExportConfig = ExportConfig()
+
+    @model_validator(mode="after")
+    def _best_export_can_be_found(self) -> PretrainConfig:
+        problem = self.checkpoint.best_export_problem(self.export.weights, self.train.eval_every)
+        if problem:
+            raise ValueError(problem)
+        return self

@@ -31,11 +31,12 @@ EXPORT_FORMAT = "trainpod-export/1"
 MANIFEST = "manifest.json"
 
 
-def write_export_manifest(tmp: Path) -> None:
+def write_export_manifest(tmp: Path, weights: dict[str, Any] | None = None) -> None:
     """The manifest.json of the finished export folder `tmp`, listing each file's size and sha256: `trainpod
     pull` checks the files by it, where RunPod's S3 ETags may be no MD5s (conversions' outputs carry the same
     in their manifests). Written before the rename into place, so that hashing a large export's files
-    (minutes) can be abandoned while the rename cannot."""
+    (minutes) can be abandoned while the rename cannot. `weights`: the step whose weights these are, and why
+    (export.weights: Trainer.take_export_weights)."""
     files = sorted(p for p in tmp.rglob("*") if p.is_file())
     manifest = {
         "format": EXPORT_FORMAT,
@@ -43,6 +44,7 @@ def write_export_manifest(tmp: Path) -> None:
             str(p.relative_to(tmp)): {"bytes": p.stat().st_size, "sha256": atomic.file_sha256(p)}
             for p in files
         },
+        **({"weights": weights} if weights else {}),
         "created_unix": time.time(),
     }
     atomic.write_json(tmp / MANIFEST, manifest)
@@ -92,15 +94,17 @@ def export_hf(
     extra_json: dict[str, Any] | None = None,
     template_name: str | None = None,
     manifest: bool = True,
+    weights: dict[str, Any] | None = None,
     abandoning: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
     publishing: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
 ) -> Path:
     """Write `model`, its tokenizer (with the chat template `template_name` it was trained with:
     carry_training_template) and `extra_json` files to `target` atomically (replacing an older export),
-    with an export manifest unless the caller's own output manifest covers the folder (`manifest=False`:
-    a conversion's, convert/output.py). Everything before the rename into place runs inside `abandoning()`
-    (PreemptionWatch.abandoning: a stop ends it there, leaving the temp folder as a kill would), the rename
-    inside `publishing()` (Lease.publishing: none once the run's lease was released at a stop)."""
+    with an export manifest naming the step of the weights (`weights`) unless the caller's own output manifest
+    covers the folder (`manifest=False`: a conversion's, convert/output.py). Everything before the rename into
+    place runs inside `abandoning()` (PreemptionWatch.abandoning: a stop ends it there, leaving the temp folder
+    as a kill would), the rename inside `publishing()` (Lease.publishing: none once the run's lease was released
+    at a stop)."""
     tmp = target.with_name(f"{target.name}.tmp-{uuid.uuid4().hex[:12]}")
     tmp.mkdir(parents=True)
     transformers_logging.disable_progress_bar()  # a progress bar per shard clutters the run's log
@@ -118,7 +122,7 @@ def export_hf(
                 atomic.write_json(tmp / name, content)
             carry_training_template(tmp, template_name)
             if manifest:
-                write_export_manifest(tmp)
+                write_export_manifest(tmp, weights)
         with publishing():
             atomic.replace_dir(tmp, target)  # a publish begun is never abandoned
     except WorkAbandoned:

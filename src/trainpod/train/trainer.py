@@ -32,6 +32,7 @@ import torch
 
 import trainpod
 from trainpod.checkpoint import CheckpointStore, CommittedCheckpoint
+from trainpod.checkpoint.store import step_dir_name
 from trainpod.checkpoint.tree import load_state_file
 from trainpod.checkpoint.writer import CheckpointWriter, ShardFiles
 from trainpod.config import config_hash
@@ -145,6 +146,7 @@ class Trainer:
         self.background_commits = checkpoint.background_commits(dist.device.type)
         self.last_committed_step: int | None = None  # rank 0's knowledge; the others never read it
         self.finished_early: str | None = None  # the reason, when an eval plateau ended training
+        self.exported_weights: dict[str, Any] | None = None  # the step the export holds (take_export_weights)
         self._last_commit_time = time.monotonic()  # when the newest commit's snapshot was taken
         self._snapshot_hook: Any = None  # the optimizer's step pre-hook, once a background commit ran
         self._only_parameters: bool | None = None  # _state_changes_only_in_optimizer_steps, once known
@@ -193,6 +195,11 @@ class Trainer:
 
     def load_checkpoint(self, path: Path, state: dict[str, Any]) -> None:
         raise NotImplementedError
+
+    def load_checkpoint_weights(self, path: Path, state: dict[str, Any]) -> None:
+        """The weights alone of the committed checkpoint at `path`, for an export of an older step
+        (export.weights: best); by default the whole checkpoint."""
+        self.load_checkpoint(path, state)
 
     def data_state(self) -> dict[str, Any]:
         raise NotImplementedError
@@ -250,6 +257,49 @@ class Trainer:
                 f"stopped by {self.ctx.watch.signal_name} during the setup, before this start trained a step; "
                 "the next start sets up again"
             ) from None
+
+    def take_export_weights(self) -> None:
+        """Put the weights export.weights asks for into the model on every rank, before `export()`: the final
+        step's as they are ('last'), or the best checkpoint's by the ranked metric ('best', among the checkpoints
+        retention keeps: an early-stopped run ends its patience's evals past its best). The choice is read from
+        the committed manifests alone, so an export stopped and made again at the next start picks the same one.
+        `exported_weights` records it for the export's manifest, its summary and DONE."""
+        chosen: dict[str, Any] = {"chosen": "last", "step": self.progress.step}
+        if self.dist.is_main and getattr(self.cfg.export, "weights", "last") == "best":
+            best = self._best_checkpoint()
+            if best is not None:
+                chosen = {"chosen": "best", "step": best.step, "metric": best.ranked_by, "value": best.score}
+            of = f", the best by {best.ranked_by} ({best.score:.4f})" if best else ""
+            log.info(
+                "exporting the weights of step %d%s; the last step is %d",
+                chosen["step"],
+                of,
+                self.progress.step,
+            )
+        self.exported_weights = chosen = D.broadcast_object(self.dist, chosen)
+        if chosen["step"] == self.progress.step:
+            return  # the model holds them: the last step is committed and nothing trained since
+        path = self.store.root / step_dir_name(chosen["step"])
+        # Reading a large checkpoint from the network volume takes minutes: a stop ends it as it ends the export's
+        # writes, on one rank (under several, FSDP's load is a collective the ranks leave together after).
+        abandoning = self.abandoning_export() if self.dist.world_size == 1 else contextlib.nullcontext()
+        with abandoning:
+            self.load_checkpoint_weights(path, json.loads((path / "trainer_state.json").read_text()))
+
+    def _best_checkpoint(self) -> CommittedCheckpoint | None:
+        """The best-ranked committed checkpoint that verifies (rank 0), else None with a warning: no kept
+        checkpoint was scored by an eval at its own step (a run shorter than eval_every)."""
+        for candidate in self.store.ranked():
+            _, problem = self.store.verify(candidate.path)
+            if not problem:
+                return candidate
+            log.warning("%s ranks best but is invalid (%s); trying the next", candidate.path.name, problem)
+        log.warning(
+            "export.weights=best: no kept checkpoint was scored by an eval at its own step; exporting the last "
+            "step's weights (step %d)",
+            self.progress.step,
+        )
+        return None
 
     def abandoning_export(self) -> contextlib.AbstractContextManager[None]:
         """Where a stop signal ends rank 0's writes of the final export at once (PreemptionWatch.abandoning);
@@ -813,6 +863,7 @@ class Trainer:
             "tokens_per_s": metrics.get("tokens_per_s"),
             "elapsed_s": self.progress.elapsed_s,
             "finished_early": self.finished_early,
+            "exported_weights": self.exported_weights,
         }
 
 
@@ -870,6 +921,7 @@ def _export_unless_stopped(trainer: Trainer, ctx: RunContext) -> tuple[Path | No
     with ctx.watch.releasing():
         try:
             with volume_full_as_exit_5(ctx.run.root, "the export"):
+                trainer.take_export_weights()
                 exported = trainer.export()
         except WorkAbandoned:
             return None, True

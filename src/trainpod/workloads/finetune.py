@@ -96,13 +96,19 @@ def preflight(ctx: RunContext, config: FinetuneConfig) -> None:
     resolve_base_model(config.base_model, ctx.volume, download=False)
     if config.data.dataset is not None:
         _dataset_dir(ctx, config.data.dataset)
-    _check_validation_for_early_stopping(ctx, config)
+    _check_validation_for_evals(ctx, config)
 
 
-def _check_validation_for_early_stopping(ctx: RunContext, config: FinetuneConfig) -> None:
-    """Early stopping with no validation split never stops: a run paid to its last step, silently."""
-    patience = config.train.early_stopping_patience
-    if not patience:
+def _check_validation_for_evals(ctx: RunContext, config: FinetuneConfig) -> None:
+    """Early stopping with no validation split never stops: a run paid to its last step, silently; a best
+    export has no checkpoint scored, and exported the last step's weights after the whole run."""
+    needed_by = {}  # each setting that needs the split: the fix that drops the need
+    if config.train.early_stopping_patience:
+        patience = config.train.early_stopping_patience
+        needed_by[f"train.early_stopping_patience={patience}"] = "set early_stopping_patience to 0"
+    if config.export.weights == "best":
+        needed_by["export.weights=best"] = "export.weights=last"
+    if not needed_by:
         return
     if config.data.sft is not None:
         held_out = config.data.sft.val_ratio > 0
@@ -113,8 +119,8 @@ def _check_validation_for_early_stopping(ctx: RunContext, config: FinetuneConfig
         fix = f"prepare {config.data.dataset} again with sft.val_ratio > 0 in its datagen config"
     if not held_out:
         raise InputError(
-            f"train.early_stopping_patience={patience} needs a validation split, and the data has none; {fix}, "
-            "or set early_stopping_patience to 0"
+            f"{' and '.join(needed_by)} needs a validation split, and the data has none; {fix}, or "
+            f"{' and '.join(needed_by.values())}"
         )
 
 
@@ -545,6 +551,15 @@ class Finetuner(Trainer):
         optimizer_state = load_state_file(path, "optimizer", self.dist.device)
         load_optimizer_state(self.optimizer, optimizer_state)
 
+    def load_checkpoint_weights(self, path: Path, state: dict[str, Any]) -> None:
+        if self.parallel == "fsdp" or has_shards(path):
+            super().load_checkpoint_weights(path, state)  # DCP reads the weights with the optimizer's shards
+            return
+        tensors = safetensors.torch.load_file(str(path / "trainable.safetensors"))
+        with torch.no_grad():
+            for name, param in self.trainable.items():
+                param.copy_(tensors[name])
+
     def data_state(self) -> dict[str, Any]:
         return self.batches.state_dict()
 
@@ -763,6 +778,7 @@ class Finetuner(Trainer):
                 DTYPES[dtype_name],
                 extra_json={"training_summary.json": self.training_summary(), **self.processor_json()},
                 template_name=self.data.manifest.get("template"),
+                weights=self.exported_weights,
                 abandoning=self.abandoning_export,
                 publishing=self.publishing_export,
             )
@@ -777,7 +793,7 @@ class Finetuner(Trainer):
                 self._save_generation_config(tmp)
                 carry_training_template(tmp, self.data.manifest.get("template"))
                 atomic.write_json(tmp / "training_summary.json", self.training_summary())
-                write_export_manifest(tmp)
+                write_export_manifest(tmp, self.exported_weights)
             with self.publishing_export():
                 atomic.replace_dir(tmp, target)  # a publish begun is never abandoned
         except WorkAbandoned:  # its temp folder goes at the next start, as after a kill (export_hf)

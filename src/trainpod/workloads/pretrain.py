@@ -203,6 +203,12 @@ class Pretrainer(Trainer):
         load_weights(self.model, weights, state["aliased_weights"])
         load_optimizer_state(self.optimizer, optimizer_state)
 
+    def load_checkpoint_weights(self, path: Path, state: dict[str, Any]) -> None:
+        if self.parallel == "fsdp" or has_shards(path):
+            super().load_checkpoint_weights(path, state)  # DCP reads the weights with the optimizer's shards
+            return
+        load_weights(self.model, (path / "model.safetensors").read_bytes(), state["aliased_weights"])
+
     def extra_state(self) -> dict[str, Any]:
         return {"aliased_weights": self._aliases}
 
@@ -291,6 +297,7 @@ class Pretrainer(Trainer):
             self.tokenizer_dir,
             self.ctx.run.export / "hf",
             DTYPES[dtype_name],
+            weights=self.exported_weights,
             abandoning=self.abandoning_export,
             publishing=self.publishing_export,
         )
@@ -312,9 +319,16 @@ def disk_estimate(config: PretrainConfig) -> int:
 
 
 def preflight(ctx: RunContext, config: PretrainConfig) -> None:
-    """Fail with exit 2 before anything is written: the dataset must exist and, on a GPU, the
-    estimated peak memory (train/memory.py, logged on any machine) must fit it."""
+    """Fail with exit 2 before anything is written: the dataset must exist (with a validation split for
+    export.weights=best) and, on a GPU, the estimated peak memory (train/memory.py, logged on any machine)
+    must fit it."""
     manifest = load_dataset_manifest(ctx.resolve_dataset(config.data.dataset))
+    if config.export.weights == "best" and "val" not in manifest["splits"]:
+        # No eval would score a checkpoint: the run would export the last step's weights after it all.
+        raise InputError(
+            f"export.weights=best needs a validation split, and dataset {config.data.dataset} has none; make it "
+            "with datagen's mode: split, or set export.weights=last"
+        )
     vocab = config.model.vocab_size or padded_vocab(manifest["tokenizer"]["vocab_size"])
     check_fits(config, vocab, world_size=int(os.environ.get("WORLD_SIZE", "1")))
 

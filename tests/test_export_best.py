@@ -1,0 +1,206 @@
+"""export.weights: best exports the retained checkpoint with the best eval, not the last step's weights.
+
+An early-stopped run (or any run with keep_best) ends `early_stopping_patience` evals past its best, and the
+export held those last weights: the checkpoint keep_best kept was on the volume, but what a user deploys
+(export/adapter, export/hf) was the worse model. The evals here are scripted (the model's eval loss would
+not turn up in a test of seconds): best at step 4, then worse, as an overfitting finetune's are.
+
+.venv/bin/pytest -q tests/test_export_best.py
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+from test_export_stop import DRIVER as EXPORT_HELD_UNTIL_SIGTERM
+
+from trainpod.errors import ExitCode
+
+from finetune_support import FINETUNE_RUN, finetune_args
+from support import RUN, TINY_PRETRAIN, child_env, sigterm_once_marked, trainpod_cmd
+
+SCRIPTED_EVALS = """
+import json, os
+from trainpod.workloads.finetune import Finetuner
+from trainpod.workloads.pretrain import Pretrainer
+
+_scripted = {int(step): loss for step, loss in json.loads(os.environ["EVAL_LOSSES"]).items()}
+
+
+def scripted(real_evaluate):
+    def evaluate(self, model, step):
+        real_evaluate(self, model, step)  # the real eval runs (worst samples, eval mode); its loss is replaced
+        return _scripted[step]
+    return evaluate
+
+
+Finetuner.evaluate = scripted(Finetuner.evaluate)
+Pretrainer.evaluate = scripted(Pretrainer.evaluate)
+"""
+RUN_TRAINPOD = """
+import runpy, sys
+sys.argv = ["trainpod", *sys.argv[1:]]
+runpy.run_module("trainpod", run_name="__main__")
+"""
+EVAL_LOSSES = {"2": 3.0, "4": 1.0, "6": 2.0, "8": 2.5}  # the best at step 4; keep_last 2 keeps 6 and 8
+SETTINGS = (
+    *("--set", "train.max_steps=8", "--set", "train.eval_every=2", "--set", "checkpoint.every_steps=2"),
+    *("--set", "checkpoint.keep_last=2", "--set", "checkpoint.keep_best=1"),
+)
+
+
+def finetune(volume: Path, weights: str, run: str = FINETUNE_RUN) -> str:
+    args = finetune_args(*SETTINGS, "--set", f"export.weights={weights}", "--run", run, method="lora")
+    return run_with_scripted_evals(args, volume)
+
+
+def run_with_scripted_evals(args: tuple[str, ...], volume: Path) -> str:
+    result = subprocess.run(
+        [sys.executable, "-c", SCRIPTED_EVALS + RUN_TRAINPOD, *trainpod_cmd(*args, volume=volume)[3:]],
+        env=child_env({"EVAL_LOSSES": json.dumps(EVAL_LOSSES)}),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == ExitCode.DONE, output
+    return output
+
+
+def adapter_tensors(run: Path) -> dict[str, torch.Tensor]:
+    return safetensors.torch.load_file(run / "export" / "adapter" / "adapter_model.safetensors")
+
+
+def checkpoint_adapter(run: Path, step: int) -> dict[str, torch.Tensor]:
+    """The LoRA tensors of a committed checkpoint, by the names peft's adapter file gives them."""
+    trainable = safetensors.torch.load_file(run / "checkpoints" / f"step-{step}" / "trainable.safetensors")
+    return {name.replace(".default.", "."): tensor for name, tensor in trainable.items()}
+
+
+def assert_holds_the_weights_of(run: Path, step: int) -> None:
+    exported, committed = adapter_tensors(run), checkpoint_adapter(run, step)
+    assert exported.keys() == committed.keys()
+    differing = [name for name in exported if not torch.equal(exported[name], committed[name])]
+    assert not differing, f"the export is not step-{step}'s weights: {differing[:3]} differ"
+
+
+@pytest.fixture
+def finetune_volume(finetune_base_volume: Path, tmp_path: Path) -> Path:
+    shutil.copytree(finetune_base_volume, tmp_path / "finetune-volume")
+    return tmp_path / "finetune-volume"
+
+
+def test_export_weights_best_exports_the_best_retained_checkpoint_and_last_the_final_step(
+    finetune_volume: Path,
+):
+    output = finetune(finetune_volume, "best")
+    run = finetune_volume / "runs" / FINETUNE_RUN
+    assert sorted(p.name for p in (run / "checkpoints").glob("step-*")) == ["step-4", "step-6", "step-8"]
+    assert_holds_the_weights_of(run, 4)
+    assert "exporting the weights of step 4" in output, output
+    manifest = json.loads((run / "export" / "adapter" / "manifest.json").read_text())
+    assert manifest["weights"] == {"chosen": "best", "step": 4, "metric": "eval_loss", "value": 1.0}
+    summary = json.loads((run / "export" / "adapter" / "training_summary.json").read_text())
+    assert summary["results"]["exported_weights"]["step"] == 4
+    assert json.loads((run / "DONE").read_text())["exported_weights"]["step"] == 4
+
+    finetune(finetune_volume, "last", run="last-run")
+    last = finetune_volume / "runs" / "last-run"
+    assert_holds_the_weights_of(last, 8)
+    assert json.loads((last / "export" / "adapter" / "manifest.json").read_text())["weights"] == {
+        "chosen": "last",
+        "step": 8,
+    }
+
+
+def test_an_export_of_the_best_stopped_and_started_again_exports_the_same_checkpoint(
+    finetune_volume: Path, tmp_path
+):
+    args = finetune_args(*SETTINGS, "--set", "export.weights=best", method="lora")
+    code, out = sigterm_once_marked(
+        SCRIPTED_EVALS + EXPORT_HELD_UNTIL_SIGTERM,
+        args,
+        finetune_volume,
+        tmp_path / "exporting",
+        {"EVAL_LOSSES": json.dumps(EVAL_LOSSES)},
+        "export",
+    )
+    run = finetune_volume / "runs" / FINETUNE_RUN
+    assert code == ExitCode.PREEMPTED, out
+    assert not (run / "export" / "adapter").exists(), out
+
+    resumed = finetune(finetune_volume, "best")
+    assert "resumed from step-8" in resumed
+    assert_holds_the_weights_of(run, 4)
+    assert json.loads((run / "export" / "adapter" / "manifest.json").read_text())["weights"]["step"] == 4
+
+
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        (
+            "train.eval_every=0",
+            "export.weights='best' exports the checkpoint of the best eval, and train.eval_every=0",
+        ),
+        (
+            "checkpoint.keep_best=0",
+            "export.weights='best' needs that checkpoint kept: set checkpoint.keep_best",
+        ),
+        ("checkpoint.every_steps=3", "checkpoint.every_steps=3 does not divide train.eval_every=10"),
+        ("data.sft.val_ratio=0", "export.weights=best needs a validation split, and the data has none"),
+    ],
+)
+def test_export_weights_best_with_no_best_checkpoint_to_export_is_exit_2_naming_the_fix(
+    finetune_volume: Path, setting: str, message: str
+):
+    args = finetune_args("--set", "export.weights=best", "--set", setting, method="lora")
+    result = subprocess.run(
+        trainpod_cmd(*args, volume=finetune_volume),
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == ExitCode.BAD_INPUT, output
+    assert message in output and "export.weights=last" in output and "Traceback" not in output
+    assert not (finetune_volume / "runs" / FINETUNE_RUN).exists()
+
+
+def test_a_pretrains_export_weights_best_exports_the_best_checkpoints_weights(volume: Path):
+    args = (
+        *("run", "pretrain", "--config", str(TINY_PRETRAIN), "--set", "train.warmup_steps=1"),
+        *SETTINGS,
+        *("--set", "export.weights=best"),
+    )
+    output = run_with_scripted_evals(args, volume)
+    run = volume / "runs" / RUN
+    exported = safetensors.torch.load_file(run / "export" / "hf" / "model.safetensors")
+    committed = safetensors.torch.load_file(run / "checkpoints" / "step-4" / "model.safetensors")
+    differing = [name for name in exported if not torch.equal(exported[name], committed[name])]
+    assert exported and not differing, f"the export is not step-4's weights: {differing[:3]} differ"
+    assert json.loads((run / "export" / "hf" / "manifest.json").read_text())["weights"]["step"] == 4, output
+
+
+def test_a_pretrains_export_weights_best_on_a_dataset_without_a_validation_split_is_exit_2(volume: Path):
+    """No split to evaluate on: no checkpoint is ever scored, and the export was the last step's after a whole
+    paid run, with a warning at its end."""
+    manifest_file = volume / "datasets" / "tiny-stories" / "manifest.json"
+    manifest = json.loads(manifest_file.read_text())
+    del manifest["splits"]["val"]
+    manifest_file.write_text(json.dumps(manifest))
+    args = ("run", "pretrain", "--config", str(TINY_PRETRAIN), "--set", "export.weights=best")
+    result = subprocess.run(
+        trainpod_cmd(*args, volume=volume), env=child_env(), capture_output=True, text=True, timeout=120
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == ExitCode.BAD_INPUT, output
+    assert "export.weights=best needs a validation split" in output and "export.weights=last" in output
+    assert not (volume / "runs" / RUN).exists(), output

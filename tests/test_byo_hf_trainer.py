@@ -261,6 +261,11 @@ def _exit_of_a_sigterm_at_step(step: int, trainer, callback) -> int:
                 callback.ckpt.watch.request("SIGTERM")
 
     trainer.callback_handler.callbacks.insert(0, SigtermAtStep())
+    return _exit_code_of_training(trainer, callback)
+
+
+def _exit_code_of_training(trainer, callback) -> int:
+    """Train until the callback ends the process at a stop; the exit code it ends it with."""
     try:
         with pytest.raises(SystemExit) as stopped:
             trainer.train()
@@ -435,3 +440,113 @@ def test_a_stop_saves_when_the_last_saves_measured_time_fits_whatever_the_size_g
     assert _exit_of_a_sigterm_at_step(3, trainer, callback) == 143
     assert callback.save_seconds * 1.5 < 0.7, f"the last save took {callback.save_seconds:.2f} s: no test"
     assert (tmp_path / "run/checkpoints/LATEST").read_text() == "step-3\n", "the stop's save fits the window"
+
+
+class _SlowToEvaluate(_Regression):
+    """An eval batch takes 0.05 s (an eval set of 40 rows: 2 s, against a window of 1 s below)."""
+
+    eval_forwards = 0
+
+    def forward(self, x, labels):
+        import time
+
+        if not self.training:
+            type(self).eval_forwards += 1
+            time.sleep(0.05)
+        return super().forward(x, labels)
+
+
+def _sigterm_in_the_eval_of_step(step: int, rows: int, trainer, callback) -> tuple[int, int]:
+    """Train with an eval of `rows` batches every 2 or 3 steps until a SIGTERM arrives during the eval of `step`
+    (at its first batch); the exit code and the eval batches run after the SIGTERM."""
+    from transformers import TrainerCallback
+
+    class SigtermInTheEval(TrainerCallback):
+        forwards_at_the_signal = None
+
+        def on_prediction_step(self, args, state, control, **_):
+            if state.global_step == step and self.forwards_at_the_signal is None:
+                self.forwards_at_the_signal = _SlowToEvaluate.eval_forwards
+                callback.ckpt.watch.request("SIGTERM")
+
+    signal_at = SigtermInTheEval()
+    trainer.eval_dataset = trainer.train_dataset[:1] * rows
+    trainer.args.eval_strategy = "steps"
+    trainer.args.per_device_eval_batch_size = 1
+    trainer.model.__class__ = _SlowToEvaluate
+    trainer.callback_handler.callbacks.insert(0, signal_at)
+    code = _exit_code_of_training(trainer, callback)
+    return code, _SlowToEvaluate.eval_forwards - signal_at.forwards_at_the_signal
+
+
+def test_a_sigterm_during_an_eval_too_long_for_the_window_abandons_it_and_exits_143_at_once(
+    tmp_path, monkeypatch
+):
+    """HF saves after its eval, and the callback read the stop at the step's end and the save alone: a SIGTERM
+    during an eval of minutes was answered after it, the SIGKILL came in the eval (the lease held, the new pod
+    waiting out its TTL) or in the save HF then began. Now the eval is abandoned at its next batch when its rest
+    and a save do not fit the window, and the run exits 143 with its committed checkpoints as they were."""
+    monkeypatch.setenv("TRAINPOD_PREEMPTION_WINDOW_S", "1")
+    trainer, callback = _regression_trainer(tmp_path / "run", max_steps=6)
+    trainer.args.eval_steps = 2  # = save_steps: the eval of step 4 comes before its save
+    code, batches_after = _sigterm_in_the_eval_of_step(4, 40, trainer, callback)
+    assert code == 143
+    assert batches_after <= 1, f"the eval ran {batches_after} more batches (~2 s) in a 1 s window"
+    assert (tmp_path / "run/checkpoints/LATEST").read_text() == "step-2\n", (
+        "no save begun it could not finish"
+    )
+    assert not list((tmp_path / "run/hf-staging").glob("checkpoint-*")), "no partial save left"
+
+
+def test_a_sigterm_during_an_eval_that_fits_the_window_saves_its_step_right_after_it(tmp_path):
+    """An eval of 0.2 s and a save fit the 5 s window: the eval ends and its step is saved at once. HF saves only
+    at save_steps, so a stop in the eval of step 3 trained step 4 before the step-end check saved it."""
+    trainer, callback = _regression_trainer(tmp_path / "run", max_steps=6)
+    trainer.args.eval_steps = 3
+    code, batches_after = _sigterm_in_the_eval_of_step(3, 4, trainer, callback)
+    assert code == 143 and batches_after == 3, "the eval ran to its end"
+    assert trainer.state.global_step == 3, "no step after the eval the SIGTERM came in"
+    assert (tmp_path / "run/checkpoints/LATEST").read_text() == "step-3\n"
+
+
+def _rank_decides_in_an_eval(rank: int, world_size: int, init_file: str, run: str, answers: str) -> None:
+    """One rank of a gloo group at an eval batch of a long eval: only rank 1 has seen SIGTERM."""
+    import json
+    import os
+
+    import torch.distributed as dist
+    from transformers import TrainerControl, TrainerState
+
+    from trainpod.checkpointer import Checkpointer
+    from trainpod.integrations.hf import TrainpodCallback
+
+    os.environ["TRAINPOD_LEASE_HELD"] = "1"
+    os.environ["TRAINPOD_PREEMPTION_WINDOW_S"] = "1"
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    callback = TrainpodCallback(Checkpointer(run, watch_signals=False))
+    callback.on_step_end(None, TrainerState(global_step=6), TrainerControl())
+    if rank == 1:
+        callback.ckpt.watch.request("SIGTERM")
+    code = None
+    try:
+        time.sleep(0.1)  # one eval batch of 10,000: the eval's rest is far beyond the window
+        callback.on_prediction_step(
+            None, TrainerState(global_step=6), TrainerControl(), eval_dataloader=range(10_000)
+        )
+    except SystemExit as stopped:
+        code = stopped.code
+    Path(answers, f"rank{rank}.json").write_text(json.dumps(code))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_every_rank_abandons_the_eval_at_the_same_batch_when_sigterm_reached_only_one_of_them(tmp_path):
+    """A rank that exits while another goes on evaluating leaves it waiting in the next batch's gather."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    args = (2, str(tmp_path / "init"), str(tmp_path / "run"), str(tmp_path))
+    mp.spawn(_rank_decides_in_an_eval, args=args, nprocs=2, join=True)
+    decisions = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert decisions == [143, 143], "rank 0 must leave the eval with rank 1, which saw the SIGTERM"

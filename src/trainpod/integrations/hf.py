@@ -17,6 +17,10 @@ discarded (also when the callback is made, before HF's own get_last_checkpoint c
 that starts below the newest committed step (it resumed from elsewhere, or not at all) is refused before
 its first step. On SIGTERM the step in flight ends, a save is made when the last one's duration (x 1.5;
 HF's save and the commit, not an eval HF ran before it) fits the window, and the process exits 143 (a SIGTERM during a save: right after its commit).
+A SIGTERM during an eval lets it run on only while its rest (at the pace of its batches so far) and a save fit
+the window, the step then saved right after it; else the eval is abandoned at its next batch and the process
+exits 143 without a save (HF saves only after its eval): the steps since the last save are lost, not the run's
+lease and not a save cut short by the SIGKILL.
 
 Not supported: `load_best_model_at_end` (it wants HF's own folder layout; refused when the Trainer is made): use the
 store's keep_best, which ranks each checkpoint by the eval loss HF logged at its step.
@@ -27,6 +31,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import math
 import os
 import shutil
 import time
@@ -53,6 +58,10 @@ class TrainpodCallback(TrainerCallback):
         self.staging_dir = str(self.ckpt.run_dir / "hf-staging")  # on the volume: files move, never copy
         self.save_seconds: float | None = None  # HF's save plus the commit, measured at each save
         self._save_started: float | None = None
+        self._eval_started: float | None = (
+            None  # when the eval in progress began (its step's end), for its pace
+        )
+        self._eval_batches = 0  # the eval's batches run since then
         self._stopping = False
         # Before the Trainer is made: HF's own resume idiom (resume_from_checkpoint=True, get_last_checkpoint on
         # output_dir) takes the newest checkpoint-<N>/ by name, and one left here was never committed: a
@@ -104,7 +113,65 @@ class TrainpodCallback(TrainerCallback):
             )
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **_: Any):
-        self._save_started = time.monotonic()
+        self._save_started = self._eval_started = time.monotonic()  # an eval, if HF runs one, starts now
+        self._eval_batches = 0
+        return self._save_or_exit_at_a_stop(state, control)
+
+    def on_prediction_step(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        eval_dataloader: Any = None,
+        **_: Any,
+    ):
+        """At each eval batch: at a stop, the eval goes on only if its rest and then a save fit the window (the
+        save comes after the eval: on_evaluate); else it is abandoned here and the process exits 143. Answered
+        after an eval of minutes, the stop met the SIGKILL in it, or in the save HF began after it."""
+        if (
+            self._eval_started is None
+        ):  # an eval outside training (trainer.evaluate()): timed from its first batch
+            self._eval_started = time.monotonic()
+        else:
+            self._eval_batches += 1
+        # Every rank decides at the same batch (HF's eval gathers each batch's losses on every rank).
+        stop, lease_lost, no_time = on_any_rank(self._eval_stop_flags(state, eval_dataloader))
+        if not stop:
+            return control
+        if lease_lost:
+            log.error("another writer took over this run's lease; stopping the eval without a save")
+            self._exit(ExitCode.TEMPORARY)
+        if no_time:
+            log.warning(
+                "stop requested during an eval: the rest of it and a save need more than the %.1f s left; "
+                "abandoning the eval and exiting without a save (newest: step %s)",
+                self.ckpt.seconds_left(),
+                self.ckpt.last_committed_step,
+            )
+            self._exit(ExitCode.PREEMPTED)
+        return control
+
+    def _eval_stop_flags(self, state: TrainerState, eval_dataloader: Any) -> list[bool]:
+        """This rank's view during an eval: stop requested, lease lost, no time for the eval's rest and a save
+        (nor a need of them: the step is committed)."""
+        if not self.ckpt.stop_requested:
+            return [False, False, False]
+        needed = self._eval_rest_seconds(eval_dataloader) * COMMIT_MARGIN + self._save_needs_seconds()
+        committed = state.global_step == self.ckpt.last_committed_step
+        return [True, self._lease_lost(), committed or needed >= self.ckpt.seconds_left()]
+
+    def _eval_rest_seconds(self, eval_dataloader: Any) -> float:
+        """The eval's batches still to run, at the pace of those run (infinite when its length is unknown)."""
+        try:
+            total = len(eval_dataloader)
+        except TypeError:  # an iterable dataset's
+            return math.inf
+        per_batch = (time.monotonic() - self._eval_started) / max(self._eval_batches, 1)
+        return per_batch * max(total - self._eval_batches, 0)
+
+    def _save_or_exit_at_a_stop(self, state: TrainerState, control: TrainerControl) -> TrainerControl:
+        """At a step's end or an eval's: at a stop, ask HF for a save of the step if it fits the window (the
+        run then exits after its commit: on_save), else exit 143 now."""
         # Every rank takes the same decision at the same step: SIGTERM reaches the ranks at slightly
         # different moments, and a rank that saves while another trains on (or exits) waits in the save's
         # barrier until SIGKILL, losing the commit.
@@ -132,7 +199,10 @@ class TrainpodCallback(TrainerCallback):
         # few seconds (eval_steps = save_steps) made every stop's save look longer than the window, and a stop
         # at a step, which saves without an eval, exited without one.
         self._save_started = time.monotonic()
-        return control
+        self._eval_started = None
+        # A stop during the eval that let it end: the step is saved now if that fits, not after another step
+        # (HF saves at save_steps alone), and no save HF would begin here is begun when it does not fit.
+        return self._save_or_exit_at_a_stop(state, control)
 
     def _stop_flags(self) -> list[bool]:
         """This rank's view: stop requested, lease lost, no time left for a save."""

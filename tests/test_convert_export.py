@@ -342,3 +342,32 @@ def test_a_training_export_carries_a_manifest_that_pull_checks_every_file_by(tmp
     assert AutoModelForCausalLM.from_pretrained(target) is not None, "the manifest does not disturb loading"
     (target / "config.json").write_text("{}")  # a file changed after the export no longer matches
     assert not expected["export/hf/config.json"].matches(target / "config.json")
+
+
+def test_a_sharded_fsdp_checkpoint_exports_as_its_run_exported_that_step(
+    tmp_path, tiny_dataset_volume
+) -> None:
+    """README: `export` converts any committed pretrain checkpoint. One an FSDP run wrote (train.parallel=fsdp, what
+    `auto` picks for 1B parameters or more on several GPUs) holds its weights in DCP shards, no model.safetensors:
+    the export read that file and crashed (FileNotFoundError, a traceback and exit 1), though such a long run is
+    where a user exports an earlier (best) step."""
+    import shutil
+
+    for folder in ("datasets", "tokenizers"):
+        shutil.copytree(tiny_dataset_volume / folder, tmp_path / "volume" / folder)
+    settings = ("train.max_steps=4", "checkpoint.every_steps=2", "train.eval_every=0", "train.warmup_steps=1")
+    args = [arg for setting in (*settings, "train.parallel=fsdp") for arg in ("--set", setting)]
+    result = run_trainpod(
+        "run", "pretrain", "--config", str(TINY_PRETRAIN), *args, volume=tmp_path / "volume"
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    vol = Volume(tmp_path / "volume")
+    assert not (vol.run(RUN).checkpoints / "step-2" / "model.safetensors").exists(), "no sharded checkpoint"
+
+    final = safetensors.torch.load_file(vol.run(RUN).export / "hf" / "model.safetensors")
+    at_4 = safetensors.torch.load_file(export(vol, step=4) / "model.safetensors")
+    assert at_4.keys() == final.keys() and all(torch.equal(at_4[k], final[k]) for k in final), (
+        "step 4's shards, exported, must be the weights the run itself exported at step 4"
+    )
+    model = AutoModelForCausalLM.from_pretrained(str(export(vol, step=2)), dtype=torch.float32)
+    assert any(not torch.equal(model.state_dict()[k], final[k]) for k in final), "steps 2 and 4 must differ"

@@ -2,7 +2,8 @@
 
 The model is rebuilt exactly as the pretrain workload builds it (runs/<run>/config.yaml, the tokenizer the
 run kept in runs/<run>/tokenizer/, or for a run older than that the one its dataset's manifest names), the
-checkpoint is verified against its manifest, and its weights are loaded and exported with the pretrain
+checkpoint is verified against its manifest, and its weights (model.safetensors, or an FSDP run's DCP
+shards) are loaded and exported with the pretrain
 workload's own export_hf.
 """
 
@@ -23,6 +24,7 @@ from trainpod.errors import InputError
 from trainpod.preemption import PreemptionWatch
 from trainpod.train.export import DTYPES, export_hf
 from trainpod.train.model import build_model, llama_config, padded_vocab
+from trainpod.train.sharding import has_shards, load_sharded_weights
 from trainpod.train.state import load_weights
 from trainpod.volume import RunDir, Volume
 
@@ -136,7 +138,10 @@ def write_export(source: CheckpointSource, folder: Path, dtype: str) -> None:
     model = build_model(model_config, source.config.train.seed)
     state = json.loads((source.path / "trainer_state.json").read_text(encoding="utf-8"))
     try:
-        load_weights(model, (source.path / "model.safetensors").read_bytes(), state["aliased_weights"])
+        if has_shards(source.path):  # an FSDP run's: DCP shards, no model.safetensors
+            load_sharded_weights(model, source.path)
+        else:
+            load_weights(model, (source.path / "model.safetensors").read_bytes(), state["aliased_weights"])
     except ValueError as exc:
         raise InputError(f"{source.path}: {exc}") from None
     # No export manifest: the conversion output's own (convert/output.py) covers the folder.

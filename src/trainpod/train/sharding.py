@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from pathlib import Path
@@ -184,6 +185,24 @@ def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, check
     except Exception as exc:  # DCP reports a misfit as CheckpointException, wrapping each rank's error
         raise ValueError(f"the sharded checkpoint does not fit this model: {_first_line(exc)}") from None
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def load_sharded_weights(model: torch.nn.Module, checkpoint: Path) -> None:
+    """The weights alone of a DCP checkpoint (written by any number of ranks) into an unsharded `model`, in one
+    process with no process group: a conversion's export of a step, which needs no optimizer state (AdamW's
+    would be twice the weights in memory). ValueError when the shapes do not fit."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    state = {"model": get_model_state_dict(model)}
+    try:
+        # DCP warns that it loads in a single process, which is what is asked of it here.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=str(checkpoint / SHARDED_DIR))
+    except Exception as exc:  # DCP reports a misfit as CheckpointException
+        raise ValueError(f"the sharded checkpoint does not fit this model: {_first_line(exc)}") from None
+    set_model_state_dict(model, state["model"])
 
 
 def load_full_into(

@@ -11,6 +11,7 @@ not turn up in a test of seconds): best at step 4, then worse, as an overfitting
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -187,6 +188,44 @@ def test_a_pretrains_export_weights_best_exports_the_best_checkpoints_weights(vo
     differing = [name for name in exported if not torch.equal(exported[name], committed[name])]
     assert exported and not differing, f"the export is not step-4's weights: {differing[:3]} differ"
     assert json.loads((run / "export" / "hf" / "manifest.json").read_text())["weights"]["step"] == 4, output
+
+
+def test_two_fsdp_ranks_export_the_best_checkpoints_weights_as_one_rank_does(volume: Path, tmp_path: Path):
+    """Sharded: each rank loads its shards of the best checkpoint (a collective) before the export gathers them."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(SCRIPTED_EVALS)  # both ranks' evals scripted
+    args = (
+        *("run", "pretrain", "--config", str(TINY_PRETRAIN), "--set", "train.warmup_steps=1"),
+        *SETTINGS,
+        *("--set", "export.weights=best", "--nproc-per-node", "2", "--set", "train.parallel=fsdp"),
+    )
+    env = {
+        "EVAL_LOSSES": json.dumps(EVAL_LOSSES),
+        "PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]),
+    }
+    result = subprocess.run(
+        trainpod_cmd(*args, volume=volume), env=child_env(env), capture_output=True, text=True, timeout=300
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == ExitCode.DONE, output
+    run = volume / "runs" / RUN
+    assert json.loads((run / "export" / "hf" / "manifest.json").read_text())["weights"]["step"] == 4, output
+    # The best checkpoint's shards converted on their own (`convert` task export of step 4).
+    convert = tmp_path / "convert.yaml"
+    convert.write_text(json.dumps({"name": RUN, "task": [{"kind": "export", "step": 4}]}))
+    converted = subprocess.run(
+        trainpod_cmd("run", "convert", "--config", str(convert), volume=volume),
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert converted.returncode == ExitCode.DONE, converted.stdout + converted.stderr
+    exported = safetensors.torch.load_file(run / "export" / "hf" / "model.safetensors")
+    step_4 = safetensors.torch.load_file(run / "export" / "hf-step-4" / "model.safetensors")
+    differing = [name for name in exported if not torch.equal(exported[name], step_4[name])]
+    assert exported and not differing, f"the export is not step-4's weights: {differing[:3]} differ"
 
 
 def test_a_pretrains_export_weights_best_on_a_dataset_without_a_validation_split_is_exit_2(volume: Path):

@@ -3,8 +3,7 @@
 The model is rebuilt exactly as the pretrain workload builds it (runs/<run>/config.yaml, the tokenizer the
 run kept in runs/<run>/tokenizer/, or for a run older than that the one its dataset's manifest names), the
 checkpoint is verified against its manifest, and its weights (model.safetensors, or an FSDP run's DCP
-shards) are loaded and exported with the pretrain
-workload's own export_hf.
+shards) are loaded and exported with the pretrain workload's own export_hf.
 """
 
 from __future__ import annotations

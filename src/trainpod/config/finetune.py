@@ -115,7 +115,9 @@ class FinetuneTrainConfig(Section):
     )
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Final learning rate as a fraction of lr.")
     warmup_ratio: float = Field(0.03, ge=0, lt=1, description="Share of the steps spent in linear warmup.")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    weight_decay: float = Field(
+        0.0, ge=0, description="AdamW weight decay, on weight matrices only (not on norms or biases)."
+    )
     beta1: float = Field(0.9, gt=0, lt=1, description="AdamW beta1.")
     beta2: float = Field(0.999, gt=0, lt=1, description="AdamW beta2.")
     eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")

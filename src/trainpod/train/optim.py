@@ -14,12 +14,37 @@ OPTIMIZERS = ("adamw", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit")
 
 
 def decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Weight decay on matrices only, not on norms or biases (as GPT-2 and Llama were trained)."""
+    """Weight decay on matrices only, not on norms or biases (as GPT-2 and Llama were trained, and as HF
+    Trainer finetunes). A group with no parameters is left out: LoRA's adapters are all matrices, so a
+    LoRA's optimizer keeps the one group its checkpoints have always had."""
     params = [p for p in model.parameters() if p.requires_grad]
-    return [
+    groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
+    return [group for group in groups if group["params"]]
+
+
+def in_groups_of(
+    optimizer: torch.optim.Optimizer, state: dict[str, Any], params: list[torch.Tensor]
+) -> dict[str, Any]:
+    """`state` (an `optimizer.state_dict()`) laid out in `optimizer`'s parameter groups, where it was written
+    with every parameter in one group (a full finetune before its norms and biases left weight decay), its
+    indices following `params` (the trained parameters in the model's order). Each group takes that one
+    group's settings, its weight_decay included, so the run goes on exactly as it started. Any other state
+    is returned as it is (load_optimizer_state says what does not fit)."""
+    groups = optimizer.param_groups
+    written = state["param_groups"]
+    if len(written) != 1 or len(groups) == 1 or len(written[0]["params"]) != len(params):
+        return state
+    index_now = {id(p): i for i, p in enumerate(p for group in groups for p in group["params"])}
+    indices = iter(range(len(index_now)))
+    return {
+        "state": {index_now[id(params[i])]: per_param for i, per_param in state["state"].items()},
+        "param_groups": [
+            {**written[0], "params": [next(indices) for _ in group["params"]]} for group in groups
+        ],
+    }
 
 
 def build_optimizer(

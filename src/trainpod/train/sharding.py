@@ -180,10 +180,19 @@ def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, check
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     state = sharded_state(model, optimizer)
+    groups = state["optim"]["param_groups"]  # each names its parameters
+    in_one_group = len(groups) > 1 and _parameter_groups_written(checkpoint) == 1
+    if in_one_group:  # a full finetune before its norms and biases left weight decay (train/optim.py)
+        state["optim"]["param_groups"] = [
+            {**groups[0], "params": [name for g in groups for name in g["params"]]}
+        ]
     try:
         dcp.load(state, checkpoint_id=str(checkpoint / SHARDED_DIR))
     except Exception as exc:  # DCP reports a misfit as CheckpointException, wrapping each rank's error
         raise ValueError(f"the sharded checkpoint does not fit this model: {_first_line(exc)}") from None
+    if in_one_group:  # every group takes the one group's settings, its weight_decay included: an exact resume
+        written = state["optim"]["param_groups"][0]
+        state["optim"]["param_groups"] = [{**written, "params": group["params"]} for group in groups]
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
@@ -203,6 +212,14 @@ def load_sharded_weights(model: torch.nn.Module, checkpoint: Path) -> None:
     except Exception as exc:  # DCP reports a misfit as CheckpointException
         raise ValueError(f"the sharded checkpoint does not fit this model: {_first_line(exc)}") from None
     set_model_state_dict(model, state["model"])
+
+
+def _parameter_groups_written(checkpoint: Path) -> int:
+    """How many optimizer parameter groups a DCP checkpoint holds (keys optim.param_groups.<i>.<setting>)."""
+    import torch.distributed.checkpoint as dcp
+
+    keys = dcp.FileSystemReader(str(checkpoint / SHARDED_DIR)).read_metadata().state_dict_metadata
+    return len({key.split(".")[2] for key in keys if key.startswith("optim.param_groups.")})
 
 
 def load_full_into(

@@ -54,7 +54,7 @@ from trainpod.train.loss import (
     summed_sft_loss,
 )
 from trainpod.train.model import autocast_dtype, resolve_attention
-from trainpod.train.optim import build_optimizer
+from trainpod.train.optim import build_optimizer, decay_groups, in_groups_of
 from trainpod.train.reporting import RunReporter
 from trainpod.train.schedule import cosine_with_warmup
 from trainpod.train.sharding import (
@@ -370,7 +370,7 @@ class Finetuner(Trainer):
         self.n_trainable = sum(p.numel() for p in self.trainable.values())
         self.optimizer = build_optimizer(
             t.optimizer,
-            [{"params": list(self.trainable.values()), "weight_decay": t.weight_decay}],
+            decay_groups(model, t.weight_decay),
             lr=t.lr,
             betas=(t.beta1, t.beta2),
             eps=t.eps,
@@ -525,13 +525,29 @@ class Finetuner(Trainer):
         }
 
     def load_checkpoint(self, path: Path, state: dict[str, Any]) -> None:
+        self._load_trained(path)
+        groups = self.optimizer.param_groups
+        if len(groups) > 1 and groups[-1]["weight_decay"] and self.dist.is_main:  # the group of norms, biases
+            log.warning(
+                "%s was written with weight decay on every trained weight, norms and biases too "
+                "(weight_decay %s, a trainpod before they left it); the run keeps it to resume exactly, and "
+                "a new run name trains norms and biases without weight decay",
+                path.name,
+                groups[-1]["weight_decay"],
+            )
+
+    def _load_trained(self, path: Path) -> None:
         """A sharded checkpoint (FSDP, any rank count) or the trainable tensors, into either layout."""
         if has_shards(path):
             load_sharded(self.model, self.optimizer, path)
             return
         tensors = safetensors.torch.load((path / "trainable.safetensors").read_bytes())
+        optimizer_state = in_groups_of(
+            self.optimizer,
+            load_state_file(path, "optimizer", self.dist.device),
+            list(self.trainable.values()),
+        )
         if self.parallel == "fsdp":
-            optimizer_state = load_state_file(path, "optimizer", self.dist.device)
             load_full_into(self.model, self.optimizer, tensors, optimizer_state, aliases=[])
             return
         missing = sorted(set(self.trainable) - set(tensors))
@@ -548,7 +564,6 @@ class Finetuner(Trainer):
         with torch.no_grad():
             for name, param in self.trainable.items():
                 param.copy_(tensors[name])
-        optimizer_state = load_state_file(path, "optimizer", self.dist.device)
         load_optimizer_state(self.optimizer, optimizer_state)
 
     def load_checkpoint_weights(self, path: Path, state: dict[str, Any]) -> None:

@@ -224,6 +224,38 @@ def test_a_builtin_template_prompts_with_the_ids_training_made_under_a_sentencep
     assert conversation.prompt_ids("Reverse cloud") == stored.input_ids[:last_answer].tolist()
 
 
+# Qwen2.5's chat_template without its tools and default system: "\n" ends the prompt before an answer.
+QWEN_LIKE_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+@pytest.mark.parametrize("template", ["chatml", "llama3", "tokenizer"])
+def test_a_second_turn_after_an_answer_starting_with_a_newline_prompts_with_the_ids_training_made(
+    tmp_path, template
+):
+    """Under Qwen2's or Llama 3's tokenizer an earlier answer starting with "\n" (code, a list) merged with
+    the "\n" its prompt ends with into one "\n\n" when the conversation was tokenized as one text; training
+    tokenized the two apart (sft/encode.py), so the model saw every later turn after ids it never trained on."""
+    from trainpod.sft.encode import SegmentEncoder
+    from trainpod.sft.formats import Sample
+    from trainpod.sft.templates import build_template
+
+    from sft_support import make_newline_merging_tokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(make_newline_merging_tokenizer(tmp_path / "tok"))
+    tokenizer.chat_template = QWEN_LIKE_CHAT_TEMPLATE if template == "tokenizer" else None
+    first = ("Write a list of two colours.", "\n- red\n- blue")
+    sample = Sample(None, (first, ("And a third?", "\n- green")))
+    trained_template = build_template("auto" if template == "tokenizer" else template, tokenizer)
+    stored = SegmentEncoder(tokenizer, 512, "truncate", False).encode([trained_template.segments(sample)])[0]
+    trained = stored.trained
+    last_answer = max(i for i in range(1, len(trained)) if trained[i] and not trained[i - 1])
+    conversation = Conversation(tokenizer, template, history=[first])
+    assert conversation.prompt_ids("And a third?") == stored.input_ids[:last_answer].tolist()
+
+
 def test_an_adapter_whose_base_model_is_not_here_is_bad_input_naming_it(tmp_path):
     """An adapter pulled to a laptop: its base folder was on the pod's volume; one message, exit 2, no traceback."""
     from trainpod.chat import Export, load

@@ -6,9 +6,9 @@
 The run's export is loaded with transformers (and peft for an adapter): export/merged, export/hf,
 or the base model + export/adapter, in that order unless --export says which. A finetuned run's
 prompts are built with the chat template it trained with (sft/templates.py; recorded in the
-adapter's training_summary.json, else in the run's config.yaml), tokenized segment by segment as
-training did, and generation stops at the template's end-of-turn token. A pretrained model gets
-the prompt as plain text to continue. Tokens are printed as they come (transformers' TextStreamer).
+adapter's training_summary.json, else in the run's config.yaml), every turn of the conversation
+tokenized as training tokenized a sample (sft/encode.py's segment_ids), and generation stops at the
+template's end-of-turn token. A pretrained model gets the prompt as plain text to continue. Tokens are printed as they come (transformers' TextStreamer).
 """
 
 from __future__ import annotations
@@ -166,6 +166,7 @@ class Conversation:
         """Token ids of the conversation so far plus `user`, ending where the answer begins."""
         if self.template_name is None:  # a pretrained model continues text
             return self.tokenizer("".join(u + a for u, a in self.history) + user)["input_ids"]
+        from trainpod.sft.encode import segment_ids
         from trainpod.sft.formats import Sample
         from trainpod.sft.templates import TokenizerChatTemplate, build_template
 
@@ -174,17 +175,22 @@ class Conversation:
         template = build_template(
             "auto" if self.template_name == "tokenizer" else self.template_name, self.tokenizer
         )
-        if isinstance(template, TokenizerChatTemplate):
-            # Rendered whole, as transformers renders a conversation to answer: a template may render earlier
-            # answers differently once later turns follow (Qwen3 drops their reasoning), which turn-by-turn
-            # segments refuse. Tokenized without adding tokens, as training did: the template has its own.
+        try:
+            segments = template.segments(sample)
+        except InputError:
+            if not isinstance(template, TokenizerChatTemplate):
+                raise
+            # A tokenizer's own template that renders earlier answers otherwise once later turns follow (Qwen3
+            # drops their reasoning): rendered whole, as transformers renders a conversation to answer, and
+            # tokenized without adding tokens, as training did: the template has its own.
             messages = sample.messages()[:-1]
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
             return self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        segments = template.segments(sample)
-        # The whole text up to where the answer begins, as training tokenized a sample (sft/encode.py).
-        texts = [segments.prefix] + [text for pair in segments.pairs for text in pair][:-1]
-        return self.tokenizer("".join(texts), add_special_tokens=False)["input_ids"]
+        # Every turn up to where the answer begins (its last segment, the empty answer's turn end, left out),
+        # tokenized as training tokenized a sample (sft/encode.py): the whole text, but apart where a token
+        # would span an earlier answer's start (Qwen2's "\n\n" of a prompt's "\n" and an answer's).
+        *before_answer, _ = segment_ids(self.tokenizer, [segments])[0]
+        return [i for ids in before_answer for i in ids]
 
     def stop_ids(self) -> list[int]:
         """eos and the template's end-of-turn token (<|im_end|>, <|eot_id|>, <end_of_turn>), where the answer ends."""

@@ -84,61 +84,62 @@ class SegmentEncoder:
         self.train_on_prompt = train_on_prompt
 
     def encode(self, samples: Sequence[Segments]) -> list[Encoded | None]:
-        texts = [
-            [segments.prefix, *(text for pair in segments.pairs for text in pair)] for segments in samples
-        ]
-        if not texts:
-            return []
-        if not getattr(self.tokenizer, "is_fast", False):  # no offsets to group by: each segment alone
-            ids = iter(
-                self.tokenizer([part for parts in texts for part in parts], add_special_tokens=False)[
-                    "input_ids"
-                ]
-            )
-            return [self._cut([next(ids) for _ in parts]) for parts in texts]
-        encoded = self.tokenizer(
-            ["".join(parts) for parts in texts], add_special_tokens=False, return_offsets_mapping=True
-        )
-        return [
-            self._cut(_grouped_by_segment(parts, *self._apart_at_answer_starts(parts, ids, offsets)))
-            for parts, ids, offsets in zip(
-                texts, encoded["input_ids"], encoded["offset_mapping"], strict=True
-            )
-        ]
-
-    def _apart_at_answer_starts(
-        self, parts: list[str], ids: list[int], offsets: list[tuple[int, int]]
-    ) -> tuple[list[int], list[tuple[int, int]]]:
-        """`ids` and `offsets` of the concatenated `parts`, tokenized again in pieces cut where a token
-        spans the start of an answer (parts 2, 4, ...), so that none does; as they were where none did."""
-        ends = np.cumsum([len(part) for part in parts])
-        token_starts, token_ends = np.asarray(offsets, dtype=np.int64).reshape(-1, 2).T
-        cuts = [
-            int(at)
-            for at in ends[1::2]  # the end of each prompt, where its answer starts
-            if np.any((token_starts < at) & (token_ends > at))
-        ]
-        if not cuts:
-            return ids, offsets
-        text = "".join(parts)
-        starts, stops = [0, *cuts], [*cuts, len(text)]
-        pieces = self.tokenizer(
-            [text[start:stop] for start, stop in zip(starts, stops, strict=True)],
-            add_special_tokens=False,
-            return_offsets_mapping=True,
-        )
-        ids, offsets = [], []
-        for start, piece_ids, piece_offsets in zip(
-            starts, pieces["input_ids"], pieces["offset_mapping"], strict=True
-        ):
-            ids += piece_ids
-            offsets += [(start + a, start + b) for a, b in piece_offsets]
-        return ids, offsets
+        return [self._cut(groups) for groups in segment_ids(self.tokenizer, samples)]
 
     def _cut(self, groups: list[list[int]]) -> Encoded | None:
         """[prefix, prompt, answer, prompt, answer, ...] ids -> the sample within cutoff_len."""
         pairs = list(zip(groups[1::2], groups[2::2], strict=True))
         return cut_sample(groups[0], pairs, self.cutoff_len, self.overflow, self.train_on_prompt)
+
+
+def segment_ids(tokenizer, samples: Sequence[Segments]) -> list[list[list[int]]]:
+    """Each sample's ids by segment, [prefix, prompt, answer, prompt, answer, ...], as SegmentEncoder
+    tokenizes them (trainpod chat prompts with them: an empty last answer, the prompt is all before it)."""
+    texts = [[segments.prefix, *(text for pair in segments.pairs for text in pair)] for segments in samples]
+    if not texts:
+        return []
+    if not getattr(tokenizer, "is_fast", False):  # no offsets to group by: each segment alone
+        ids = iter(
+            tokenizer([part for parts in texts for part in parts], add_special_tokens=False)["input_ids"]
+        )
+        return [[next(ids) for _ in parts] for parts in texts]
+    encoded = tokenizer(
+        ["".join(parts) for parts in texts], add_special_tokens=False, return_offsets_mapping=True
+    )
+    return [
+        _grouped_by_segment(parts, *_apart_at_answer_starts(tokenizer, parts, ids, offsets))
+        for parts, ids, offsets in zip(texts, encoded["input_ids"], encoded["offset_mapping"], strict=True)
+    ]
+
+
+def _apart_at_answer_starts(
+    tokenizer, parts: list[str], ids: list[int], offsets: list[tuple[int, int]]
+) -> tuple[list[int], list[tuple[int, int]]]:
+    """`ids` and `offsets` of the concatenated `parts`, tokenized again in pieces cut where a token
+    spans the start of an answer (parts 2, 4, ...), so that none does; as they were where none did."""
+    ends = np.cumsum([len(part) for part in parts])
+    token_starts, token_ends = np.asarray(offsets, dtype=np.int64).reshape(-1, 2).T
+    cuts = [
+        int(at)
+        for at in ends[1::2]  # the end of each prompt, where its answer starts
+        if np.any((token_starts < at) & (token_ends > at))
+    ]
+    if not cuts:
+        return ids, offsets
+    text = "".join(parts)
+    starts, stops = [0, *cuts], [*cuts, len(text)]
+    pieces = tokenizer(
+        [text[start:stop] for start, stop in zip(starts, stops, strict=True)],
+        add_special_tokens=False,
+        return_offsets_mapping=True,
+    )
+    ids, offsets = [], []
+    for start, piece_ids, piece_offsets in zip(
+        starts, pieces["input_ids"], pieces["offset_mapping"], strict=True
+    ):
+        ids += piece_ids
+        offsets += [(start + a, start + b) for a, b in piece_offsets]
+    return ids, offsets
 
 
 def _grouped_by_segment(parts: list[str], ids: list[int], offsets: list[tuple[int, int]]) -> list[list[int]]:

@@ -122,3 +122,29 @@ def test_a_checkpoint_of_a_one_group_optimizer_resumes_exactly_keeping_its_weigh
     assert "resumed from step-" in output
     assert "written with weight decay on every trained weight" in output
     assert finetuned_weights(volume) == finetuned_weights(reference)
+
+
+def test_a_weight_decay_and_beta2_edited_before_a_resume_are_the_ones_the_resumed_run_trains_with(
+    finetune_base_volume, tmp_path
+):
+    """The resume loaded the checkpoint's optimizer groups whole, so an edited train.weight_decay, beta1,
+    beta2 or eps (a lower beta2 against loss spikes) was dropped while the log said 'the config changed
+    since step-N was written; continuing with the new one'."""
+    from trainpod.checkpoint.tree import load_state_file
+
+    volume = fresh_volume(finetune_base_volume, tmp_path, "edited")
+    proc = start_trainpod(*full(), volume=volume)
+    out = signal_when_step_reached(proc, volume, 7, signal.SIGTERM, run=FINETUNE_RUN)
+    assert proc.returncode == 143, out
+    edited = ("--set", "train.weight_decay=0.01", "--set", "train.beta2=0.95", "--set", "train.eps=1e-6")
+    result = run_trainpod(*full(*edited), volume=volume)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "continuing with the new one" in output
+    groups = load_state_file(volume / "runs" / FINETUNE_RUN / "checkpoints/step-16", "optimizer")[
+        "param_groups"
+    ]
+    assert [(g["weight_decay"], tuple(g["betas"]), g["eps"]) for g in groups] == [
+        (0.01, (0.9, 0.95), 1e-6),
+        (0.0, (0.9, 0.95), 1e-6),
+    ], "the resumed run's optimizer must train with the edited settings"

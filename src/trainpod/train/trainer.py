@@ -53,6 +53,8 @@ PLOT_SECONDS_BEFORE_KILL = 2.5  # matplotlib's import and one draw take ~1 s on 
 
 
 T = TypeVar("T")
+# The settings a config gives each optimizer group (lr follows the schedule, set at every step).
+CONFIGURED_SETTINGS = ("weight_decay", "betas", "eps")
 
 
 class EvalInterrupted(Exception):
@@ -351,7 +353,9 @@ class Trainer:
 
     def _load_committed(self, path: Path) -> dict[str, Any]:
         state = json.loads((path / "trainer_state.json").read_text())
+        configured = [{k: g[k] for k in CONFIGURED_SETTINGS if k in g} for g in self.optimizer.param_groups]
         self.load_checkpoint(path, state)
+        self._apply_edited_optimizer_settings(configured, path)
         rng = load_state_file(path, "rng")
         if len(rng) != self.dist.world_size and self.dist.is_main:
             log.warning(
@@ -607,6 +611,23 @@ class Trainer:
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.dist.device.type, dtype=self.autocast_dtype)
+
+    def _apply_edited_optimizer_settings(self, configured: list[dict[str, Any]], path: Path) -> None:
+        """A checkpoint's optimizer state brings its groups' settings, which would drop one the config changed
+        since (train.weight_decay, beta1, beta2, eps): each is set again from the config, in every group, where
+        the first group's differs from it. Where it does not, the checkpoint's stay (a full finetune's one
+        group keeps its decay on norms and biases: train/optim.py in_groups_of)."""
+        groups = self.optimizer.param_groups
+        edited = [key for key in configured[0] if _setting(groups[0][key]) != _setting(configured[0][key])]
+        for key in edited:
+            for group, settings in zip(groups, configured, strict=True):
+                group[key] = settings[key]
+        if edited and self.dist.is_main:
+            log.info(
+                "the optimizer trains with the config's %s, edited since %s was written",
+                ", ".join(f"{key} {_setting(configured[0][key])}" for key in edited),
+                path.name,
+            )
 
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
@@ -865,6 +886,11 @@ class Trainer:
             "finished_early": self.finished_early,
             "exported_weights": self.exported_weights,
         }
+
+
+def _setting(value: Any) -> Any:
+    """An optimizer group's setting as the config gives it (a checkpoint may hold AdamW's betas as a list)."""
+    return tuple(value) if isinstance(value, list) else value
 
 
 def checkpoint_misfit(path: Path, exc: Exception) -> InputError:

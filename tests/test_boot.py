@@ -200,6 +200,26 @@ def test_locks_left_by_a_killed_git_do_not_block_every_later_sync(tmp_path, conf
     assert (checkout / ".git/shallow.lock").exists()
 
 
+def test_a_first_clone_killed_midway_leaves_no_temp_clone_once_the_next_start_syncs(tmp_path, config_repo):
+    """A pod killed during its first clone (a spot interruption, the OOM killer) left repos/<name>.tmp-<id>, a
+    whole clone's size, on the volume for good, listed beside the checkouts. The next sync removes such a
+    folder once it is older than any first clone runs; a younger one may be another pod's clone, running now."""
+    import time
+
+    repos = tmp_path / "repos"
+    killed = repos / "configs@main.tmp-0badc10e"
+    running = repos / "configs@main.tmp-11ce0e0e"
+    for folder in (killed, running):
+        (folder / ".git/objects").mkdir(parents=True)
+        (folder / ".git/objects/pack.tmp").write_bytes(b"half a pack")
+    an_hour_and_a_half_ago = time.time() - 5400
+    os.utime(killed, (an_hour_and_a_half_ago, an_hour_and_a_half_ago))
+    checkout = sync(f"file://{config_repo}", "main", repos).path
+    assert "name: from-git" in (checkout / "configs/data.yaml").read_text()
+    assert not killed.exists(), "the killed clone's leftovers are gone"
+    assert running.exists(), "a clone that may still be running is left alone"
+
+
 def test_failing_sync_is_retried_then_exits_75(tmp_path):
     result = boot_process(
         tmp_path,

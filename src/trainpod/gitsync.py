@@ -11,7 +11,7 @@ script that reads it from the environment: it is never part of a URL, an argumen
 the volume, or a log line. Credentials written into the URL itself (https://user:token@host/...) are
 taken out of it and handed to git the same way: git's argv is readable by every process (`ps`). A
 first clone goes to a temp folder renamed into place, so a kill mid-clone leaves no half checkout
-under the name. Failures are retried, then exit 75; a ref the remote does not have, a token the
+under the name (a later sync removes the temp folder once it is older than any clone runs). Failures are retried, then exit 75; a ref the remote does not have, a token the
 server refuses, a repo it says is not there and an SSH URL ssh refuses (a pod has no SSH key) are exit 2
 at once.
 """
@@ -46,6 +46,12 @@ GIT_TIMEOUT_S = 600.0  # one git command; a fetch from a host that never answers
 # retry cannot help, and neither can a restart of the pod.
 _NO_SUCH_REF = ("couldn't find remote ref", "not our ref")
 _ABBREVIATED_COMMIT = re.compile(r"[0-9a-fA-F]{4,39}")  # as `git log --oneline` and GitHub show a commit
+# A first clone's temp folder (_sync_once): repos/<checkout>.tmp-<8 hex digits>.
+_TEMP_CLONE = re.compile(r".+\.tmp-[0-9a-f]{8}")
+# The longest a first clone's temp folder lives: its git commands (init, fetch, checkout) each end within
+# GIT_TIMEOUT_S, and the folder is renamed or removed after them. One older than this was left by a pod
+# killed mid-clone; twice the sum leaves room for clocks of pods on other hosts that differ.
+_TEMP_CLONE_MAX_AGE_S = 2 * 3 * GIT_TIMEOUT_S
 # A server refusing the credentials, or answering that no such repository is there (GitHub says so for
 # a private one the token cannot read): a wrong token or URL, which no retry or pod restart fixes.
 _REFUSED = re.compile(
@@ -130,6 +136,7 @@ def sync(url: str, ref: str | None, repos_root: Path, sleep=time.sleep) -> Synce
             [f"TRAINPOD_GIT_REF={ref!r} is not a branch, tag or commit; set it like TRAINPOD_GIT_REF=main"]
         )
     repos_root.mkdir(parents=True, exist_ok=True)
+    _remove_killed_clones(repos_root)
     last_error = ""
     for attempt in range(1, ATTEMPTS + 1):
         try:
@@ -236,6 +243,20 @@ def _sync_once(url: str, ref: str, target: Path, credentials: dict[str, str]) ->
         os.rename(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _remove_killed_clones(repos_root: Path) -> None:
+    """A pod killed during a first clone (a spot interruption, the OOM killer) never reached its `finally`, and
+    its temp folder, a whole clone's size, stayed on the volume. A temp folder is another pod's clone, perhaps
+    running now, until it is older than any clone runs (_TEMP_CLONE_MAX_AGE_S): its mtime is at least the time
+    it was made, so an older one is nobody's."""
+    for folder in repos_root.iterdir():
+        if not _TEMP_CLONE.fullmatch(folder.name) or not folder.is_dir():
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            if time.time() - folder.stat().st_mtime > _TEMP_CLONE_MAX_AGE_S:
+                log.warning("removing %s: the temp folder of a first clone whose pod was killed", folder)
+                shutil.rmtree(folder, ignore_errors=True)
 
 
 def _remove_stale_locks(git_dir: Path) -> None:

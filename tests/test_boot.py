@@ -220,6 +220,31 @@ def test_a_first_clone_killed_midway_leaves_no_temp_clone_once_the_next_start_sy
     assert running.exists(), "a clone that may still be running is left alone"
 
 
+def test_two_pods_cloning_a_ref_at_once_both_start_on_the_checkout_the_first_renamed_into_place(
+    tmp_path, config_repo, monkeypatch
+):
+    """Two pods of one ref starting together (a cluster's nodes, a run and its eval pod) each clone into a temp
+    folder; the second's rename onto the first's checkout failed (OSError: directory not empty), a crash and
+    exit 1 of that pod. It now takes the first one's checkout, at the commit it fetched itself."""
+    from trainpod import gitsync
+
+    repos = tmp_path / "repos"
+    fetch_checkout = gitsync._fetch_checkout
+    other_pod: list[gitsync.Synced] = []
+
+    def the_other_pod_renames_first(url, ref, checkout, credentials):
+        fetch_checkout(url, ref, checkout, credentials)
+        if not other_pod and ".tmp-" in checkout.name:  # this pod's clone is done, its rename next
+            monkeypatch.setattr(gitsync, "_fetch_checkout", fetch_checkout)
+            other_pod.append(sync(f"file://{config_repo}", "v2", repos))
+
+    monkeypatch.setattr(gitsync, "_fetch_checkout", the_other_pod_renames_first)
+    synced = sync(f"file://{config_repo}", "v2", repos, sleep=lambda _: None)
+    assert other_pod and synced == other_pod[0], "both run from repos/configs@v2 at the same commit"
+    assert "name: tagged" in (synced.path / "configs/data.yaml").read_text()
+    assert [p.name for p in repos.iterdir()] == ["configs@v2"], "the loser's temp clone is gone"
+
+
 def test_failing_sync_is_retried_then_exits_75(tmp_path):
     result = boot_process(
         tmp_path,

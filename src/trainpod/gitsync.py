@@ -11,7 +11,8 @@ script that reads it from the environment: it is never part of a URL, an argumen
 the volume, or a log line. Credentials written into the URL itself (https://user:token@host/...) are
 taken out of it and handed to git the same way: git's argv is readable by every process (`ps`). A
 first clone goes to a temp folder renamed into place, so a kill mid-clone leaves no half checkout
-under the name (a later sync removes the temp folder once it is older than any clone runs). Failures are retried, then exit 75; a ref the remote does not have, a token the
+under the name (a later sync removes the temp folder once it is older than any clone runs); of two pods
+cloning one ref at once, the one whose rename comes second takes the first's checkout. Failures are retried, then exit 75; a ref the remote does not have, a token the
 server refuses, a repo it says is not there and an SSH URL ssh refuses (a pod has no SSH key) are exit 2
 at once.
 """
@@ -240,9 +241,24 @@ def _sync_once(url: str, ref: str, target: Path, credentials: dict[str, str]) ->
         tmp.mkdir(parents=True)
         _git(["init", "--quiet"], tmp)
         _fetch_checkout(url, ref, tmp, credentials)
-        os.rename(tmp, target)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / ".git").is_dir():
+                raise
+            _take_the_first_clone(url, ref, target, tmp, credentials)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _take_the_first_clone(url: str, ref: str, target: Path, ours: Path, credentials: dict[str, str]) -> None:
+    """Another pod's first clone of this ref was renamed into place while ours ran (pods started together):
+    that checkout is the one every pod on the ref shares, and ours goes. Where it is at another commit than
+    ours (a push between the two fetches), it is brought to the ref's newest, as the next pod's sync would."""
+    commit = _git(["rev-parse", "HEAD"], ours).strip()
+    if _git(["rev-parse", "HEAD"], target).strip() != commit:
+        _fetch_checkout(url, ref, target, credentials)
+    log.info("another pod's clone of %s reached %s first; using it", ref, target)
 
 
 def _remove_killed_clones(repos_root: Path) -> None:

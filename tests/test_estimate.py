@@ -412,6 +412,30 @@ def test_dry_run_refuses_the_shipped_placeholder_git_repo(fake, tmp_path, capsys
     assert "would create" not in out and fake.requests == []
 
 
+@pytest.mark.parametrize("userinfo", ["me:{token}", "x-access-token:{token}", "{token}"])
+def test_a_token_written_into_env_git_repo_is_refused_masked_naming_the_git_token_secret(
+    fake, tmp_path, capsys, userinfo
+):
+    """A token in env.git_repo's URL (https://user:ghp_...@github.com/...) went into the pod's env as plain text,
+    shown in RunPod's console and API to everyone on the account, where a RunPod secret stays hidden."""
+    token = "ghp_0123456789abcdefGHIJKLMNOPqrstuvwxyz"
+    path = deploy_config(
+        tmp_path, **{"env.git_repo": f"https://{userinfo.format(token=token)}@github.com/org/trainer.git"}
+    )
+    for args in (["--dry-run"], []):
+        assert cli.main(["deploy", str(path), *args]) == 2
+        captured = capsys.readouterr()
+        assert "env.git_repo=https://***@github.com/org/trainer.git holds credentials" in captured.out
+        assert "secrets" in captured.out and "TRAINPOD_GIT_TOKEN" in captured.out
+        assert token not in captured.out + captured.err
+    assert [method for method, *_ in fake.requests if method != "GET"] == [], "nothing is made or started"
+
+
+def test_a_user_alone_in_env_git_repo_is_no_secret_and_deploys(fake, tmp_path, capsys):
+    path = deploy_config(tmp_path, **{"env.git_repo": "https://alice@github.com/org/trainer.git"})
+    assert cli.main(["deploy", str(path), "--dry-run"]) == 0, capsys.readouterr().out
+
+
 def test_deploy_with_supervise_supervises_the_run_until_done(fake, tmp_path, monkeypatch, capsys):
     volume = tmp_path / "vol"
     (volume / "runs/p125").mkdir(parents=True)

@@ -120,7 +120,9 @@ class EnvSettings(Section):
 
     set: str = Field("", description="TRAINPOD_SET: config overrides, key.path=value separated by spaces.")
     git_repo: str = Field(
-        "", description="TRAINPOD_GIT_REPO: a repo of configs cloned under repos/ (optional)."
+        "",
+        description="TRAINPOD_GIT_REPO: a repo of configs cloned under repos/ (optional); no token in the URL "
+        "(deploy refuses one): a private repo's goes in `secrets` as TRAINPOD_GIT_TOKEN.",
     )
     git_ref: str = Field(
         "",

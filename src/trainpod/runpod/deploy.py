@@ -20,10 +20,11 @@ import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 from trainpod.config.deploy import CUDA_VERSIONS, MAX_POD_ENV, DeployConfig
 from trainpod.errors import ConfigError
-from trainpod.log import is_secret_name
+from trainpod.log import is_secret_name, redact
 from trainpod.runpod.client import (
     NetworkVolume,
     Pod,
@@ -59,6 +60,9 @@ PLACEHOLDER_IMAGE = re.compile(
     r"YOUR_ORG|YOUR_REGISTRY|<[^>]*>"
 )  # what the shipped configs and infra/ carry (git_repo too)
 REFERENCE = re.compile(r"^\{\{\s*RUNPOD_SECRET_[A-Za-z0-9_]+\s*\}\}$")
+# A token given as a URL's user alone (https://<token>@github.com/...: GitHub's and GitLab's own way), by the
+# prefixes GitHub, GitLab and Hugging Face give their tokens; a user name alone is no secret.
+_TOKEN_AS_USER = re.compile(r"gh[pousr]_|github_pat_|glpat-|hf_")
 
 
 def pod_problems(config: DeployConfig) -> list[str]:
@@ -78,6 +82,13 @@ def pod_problems(config: DeployConfig) -> list[str]:
             f"env.git_repo={config.env.git_repo!r} is the shipped placeholder; set it to the repo holding your "
             "program (your fork), e.g. https://github.com/you/trainpod.git, or remove it"
         )
+    if _url_credentials(config.env.git_repo):  # the pod's env is plain text in RunPod's console and API
+        problems.append(
+            f"env.git_repo={redact(config.env.git_repo)} holds credentials, which would reach the pod as plain text "
+            "(RunPod's console and API show a pod's env): remove them from the URL, list TRAINPOD_GIT_TOKEN under "
+            "`secrets` (sent as {{ RUNPOD_SECRET_TRAINPOD_GIT_TOKEN }}; TRAINPOD_GIT_USER in env.extra where the "
+            "server wants a user other than x-access-token) and create the secret in RunPod's console"
+        )
     for name, value in config.env.extra.items():
         if is_secret_name(name) and not REFERENCE.match(value):
             problems.append(
@@ -86,6 +97,13 @@ def pod_problems(config: DeployConfig) -> list[str]:
                 f"(sent as {{{{ RUNPOD_SECRET_{name} }}}}) and create the secret in RunPod's console"
             )
     return problems
+
+
+def _url_credentials(url: str) -> bool:
+    """Whether `url` carries a password, or a token as its user (_TOKEN_AS_USER)."""
+    userinfo, at, _ = urlsplit(url).netloc.rpartition("@")
+    user, colon, password = userinfo.partition(":")
+    return bool(at) and (bool(password) or bool(_TOKEN_AS_USER.match(unquote(user))))
 
 
 def secret_reference(name: str) -> str:

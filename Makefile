@@ -170,12 +170,15 @@ BUILD_NETWORK ?= default
 # Any pip will do (pip download fetches for the image's platform, not the host's): no venv needed.
 # With dependencies: the cu130 lock pins cuda-toolkit[...] with extras and the cu128 lock pins torch
 # alone (its nvidia-*-cu12 pins are exact in torch's metadata): only a resolver brings those wheels.
+# The flash-attn line is not echoed (@): its URL may hold a token (a private host's), and images.yml's
+# build log is public; it prints the command with the variable's name instead.
 wheelhouse:
 	mkdir -p $(WHEELHOUSE)
 	rm -f $(WHEELHOUSE)/flash_attn-*.whl
 	$(PYTHON) -m pip download -d $(WHEELHOUSE) $(PIP_WHEEL_ARGS)
-	$(if $(and $(filter cu%,$(TARGET)),$(FLASH_ATTN_WHEEL_URL)),cd $(WHEELHOUSE) && \
-	  curl -fL -o "$$(basename '$(FLASH_ATTN_WHEEL_URL)' | sed 's/%2B/+/g')" '$(FLASH_ATTN_WHEEL_URL)')
+	@$(if $(and $(filter cu%,$(TARGET)),$(FLASH_ATTN_WHEEL_URL)),cd $(WHEELHOUSE) && \
+	  wheel="$$(basename '$(FLASH_ATTN_WHEEL_URL)' | sed 's/%2B/+/g')" && \
+	  echo "curl -fL -o $$wheel \$$FLASH_ATTN_WHEEL_URL" && curl -fL -o "$$wheel" '$(FLASH_ATTN_WHEEL_URL)')
 
 # The wheelhouse's resolution without the downloads (index metadata only): what it would fetch, in
 # $(WHEELHOUSE)/report.json. Fails like `make wheelhouse` would on a pin the index lacks.

@@ -146,6 +146,38 @@ def test_latest_and_the_bare_version_are_the_cu128_image(flavour: str, tags: lis
     assert [named[0], named[2], named[3]] == tags, refs
 
 
+def test_make_wheelhouse_fetches_the_flash_attn_wheel_without_printing_its_url(tmp_path: Path):
+    """images.yml hands `make wheelhouse` FLASH_ATTN_WHEEL_URL from a repository variable, which GitHub never
+    masks, and make printed the recipe's curl line with the URL in it: a token in the URL (a private host's
+    https://user:token@...) went into the public build log. pip and curl are stand-ins here (no network)."""
+    token = "ghp_0123456789abcdefGHIJKLMNOPqrstuvwxyz"
+    wheel = "flash_attn-2.8.3+cu12torch2.13cxx11abiTRUE-cp312-cp312-linux_x86_64.whl"
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    (shim / "curl").write_text(
+        '#!/bin/sh\nwhile [ $# -gt 0 ]; do [ "$1" = -o ] && out=$2; shift; done\necho wheel > "$out"\n'
+    )
+    (shim / "curl").chmod(0o755)
+    wheelhouse = tmp_path / "wheelhouse"
+    result = subprocess.run(
+        [
+            "make",
+            "wheelhouse",
+            "TARGET=cu128",
+            "PYTHON=true",  # `true -m pip download ...`: nothing downloaded
+            f"WHEELHOUSE={wheelhouse}",
+            f"FLASH_ATTN_WHEEL_URL=https://me:{token}@wheels.example.com/cu128/{wheel.replace('+', '%2B')}",
+        ],
+        cwd=REPO,
+        env={**os.environ, "PATH": f"{shim}:{os.environ['PATH']}"},
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert (wheelhouse / wheel).is_file(), sorted(p.name for p in wheelhouse.iterdir())
+    assert token not in result.stdout + result.stderr, result.stdout
+
+
 def test_cuda_flavours_pin_torch_for_their_cuda_and_leave_flash_attn_optional():
     cu128 = (REPO / "docker/constraints-cu128.txt").read_text()
     cu130 = (REPO / "docker/constraints-cu130.txt").read_text()

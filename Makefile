@@ -171,13 +171,15 @@ BUILD_NETWORK ?= default
 # With dependencies: the cu130 lock pins cuda-toolkit[...] with extras and the cu128 lock pins torch
 # alone (its nvidia-*-cu12 pins are exact in torch's metadata): only a resolver brings those wheels.
 # The flash-attn line is not echoed (@): its URL may hold a token (a private host's), and images.yml's
-# build log is public; it prints the command with the variable's name instead.
+# build log is public; it prints the command with the variable's name instead. The wheel's file name is
+# the URL's path's last part: a presigned URL's query (?X-Amz-Signature=...) would hide it from the
+# Dockerfile's flash_attn-*.whl.
 wheelhouse:
 	mkdir -p $(WHEELHOUSE)
 	rm -f $(WHEELHOUSE)/flash_attn-*.whl
 	$(PYTHON) -m pip download -d $(WHEELHOUSE) $(PIP_WHEEL_ARGS)
 	@$(if $(and $(filter cu%,$(TARGET)),$(FLASH_ATTN_WHEEL_URL)),cd $(WHEELHOUSE) && \
-	  wheel="$$(basename '$(FLASH_ATTN_WHEEL_URL)' | sed 's/%2B/+/g')" && \
+	  url='$(FLASH_ATTN_WHEEL_URL)' && wheel="$$(basename "$${url%%[?#]*}" | sed 's/%2B/+/g')" && \
 	  echo "curl -fL -o $$wheel \$$FLASH_ATTN_WHEEL_URL" && curl -fL -o "$$wheel" '$(FLASH_ATTN_WHEEL_URL)')
 
 # The wheelhouse's resolution without the downloads (index metadata only): what it would fetch, in

@@ -152,6 +152,31 @@ def test_make_wheelhouse_fetches_the_flash_attn_wheel_without_printing_its_url(t
     https://user:token@...) went into the public build log. pip and curl are stand-ins here (no network)."""
     token = "ghp_0123456789abcdefGHIJKLMNOPqrstuvwxyz"
     wheel = "flash_attn-2.8.3+cu12torch2.13cxx11abiTRUE-cp312-cp312-linux_x86_64.whl"
+    result, wheelhouse = _make_wheelhouse_with_flash_attn(
+        tmp_path, f"https://me:{token}@wheels.example.com/cu128/{wheel.replace('+', '%2B')}"
+    )
+    assert (wheelhouse / wheel).is_file(), sorted(p.name for p in wheelhouse.iterdir())
+    assert token not in result.stdout + result.stderr, result.stdout
+
+
+@pytest.mark.parametrize(
+    "query", ["?download=true", "?X-Amz-Credential=AKIAEXAMPLE&X-Amz-Signature=0123abcdef"]
+)
+def test_a_flash_attn_url_with_a_query_fetches_the_wheel_under_its_own_name(tmp_path: Path, query: str):
+    """A presigned URL (S3's, GCS's: ?X-Amz-Signature=...) or a hub's ?download=true named the file after the whole
+    URL's last part, query and all (flash_attn-...whl?X-Amz-...): the Dockerfile's flash_attn-*.whl matched nothing,
+    and the image was built without flash-attn and without a word, the signature in the file's name."""
+    wheel = "flash_attn-2.8.3+cu12torch2.13cxx11abiTRUE-cp312-cp312-linux_x86_64.whl"
+    result, wheelhouse = _make_wheelhouse_with_flash_attn(
+        tmp_path, f"https://wheels.example.com/cu128/{wheel.replace('+', '%2B')}{query}"
+    )
+    assert sorted(p.name for p in wheelhouse.iterdir()) == [wheel]
+    assert query not in result.stdout + result.stderr
+
+
+def _make_wheelhouse_with_flash_attn(tmp_path: Path, url: str) -> tuple[subprocess.CompletedProcess, Path]:
+    """`make wheelhouse` for cu128 with pip and curl as stand-ins (no network): pip downloads nothing, curl
+    writes a file where -o says."""
     shim = tmp_path / "bin"
     shim.mkdir()
     (shim / "curl").write_text(
@@ -166,7 +191,7 @@ def test_make_wheelhouse_fetches_the_flash_attn_wheel_without_printing_its_url(t
             "TARGET=cu128",
             "PYTHON=true",  # `true -m pip download ...`: nothing downloaded
             f"WHEELHOUSE={wheelhouse}",
-            f"FLASH_ATTN_WHEEL_URL=https://me:{token}@wheels.example.com/cu128/{wheel.replace('+', '%2B')}",
+            f"FLASH_ATTN_WHEEL_URL={url}",
         ],
         cwd=REPO,
         env={**os.environ, "PATH": f"{shim}:{os.environ['PATH']}"},
@@ -174,8 +199,7 @@ def test_make_wheelhouse_fetches_the_flash_attn_wheel_without_printing_its_url(t
         text=True,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert (wheelhouse / wheel).is_file(), sorted(p.name for p in wheelhouse.iterdir())
-    assert token not in result.stdout + result.stderr, result.stdout
+    return result, wheelhouse
 
 
 def test_cuda_flavours_pin_torch_for_their_cuda_and_leave_flash_attn_optional():

@@ -245,6 +245,50 @@ def test_two_pods_cloning_a_ref_at_once_both_start_on_the_checkout_the_first_ren
     assert [p.name for p in repos.iterdir()] == ["configs@v2"], "the loser's temp clone is gone"
 
 
+@pytest.fixture
+def file_submodules_allowed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """git refuses file:// submodules unless told (protocol.file.allow, since 2.38.1); a pod's are https."""
+    monkeypatch.setenv("GIT_CONFIG_COUNT", "1")
+    monkeypatch.setenv("GIT_CONFIG_KEY_0", "protocol.file.allow")
+    monkeypatch.setenv("GIT_CONFIG_VALUE_0", "always")
+
+
+def test_a_repos_submodules_are_checked_out_at_the_commits_it_records_and_follow_it(
+    tmp_path, file_submodules_allowed
+):
+    """A repo holding its model code in a submodule (../lib.git beside it, as GitHub users add one) was synced
+    without it: an empty lib/ folder, and the program's first import from it failed in the pod."""
+    lib = tmp_path / "lib-work"
+    lib.mkdir()
+    (lib / "helper.py").write_text("VALUE = 1\n")
+    first = commit_all(lib, "one")
+    git("clone", "-q", "--bare", str(lib), str(tmp_path / "lib.git"), cwd=tmp_path)
+    (lib / "helper.py").write_text("VALUE = 2\n")
+    second = commit_all(lib, "two")
+    git("push", "-q", str(tmp_path / "lib.git"), "main", cwd=lib)
+    trainer = tmp_path / "trainer-work"
+    trainer.mkdir()
+    (trainer / "train.py").write_text("from lib.helper import VALUE\n")
+    commit_all(trainer, "trainer")
+    git("submodule", "add", "-q", "../lib.git", "lib", cwd=trainer)  # relative: beside the trainer's repo
+    git("-C", "lib", "checkout", "-q", first, cwd=trainer)
+    commit_all(trainer, "lib at its first commit")
+    git("clone", "-q", "--bare", str(trainer), str(tmp_path / "trainer.git"), cwd=tmp_path)
+
+    repos = tmp_path / "volume/repos"
+    checkout = sync(f"file://{tmp_path}/trainer.git", "main", repos).path
+    assert (checkout / "lib/helper.py").read_text() == "VALUE = 1\n", (
+        "the commit the repo records, not lib's newest"
+    )
+    git("-C", "lib", "checkout", "-q", second, cwd=trainer)
+    commit_all(trainer, "lib at its second commit")
+    git("push", "-q", str(tmp_path / "trainer.git"), "main", cwd=trainer)
+    assert sync(f"file://{tmp_path}/trainer.git", "main", repos).path == checkout
+    assert (checkout / "lib/helper.py").read_text() == "VALUE = 2\n", (
+        "a later start follows the repo's update"
+    )
+
+
 def test_failing_sync_is_retried_then_exits_75(tmp_path):
     result = boot_process(
         tmp_path,
@@ -680,6 +724,53 @@ def test_a_refused_token_or_a_missing_repo_is_bad_input_at_once_not_a_retry(
         sync(missing_repo, None, tmp_path / "repos", sleep=sleeps.append)
     assert sleeps == [], "not retried"
     assert not (tmp_path / "repos/configs").exists() and not (tmp_path / "repos/nope").exists()
+
+
+def test_a_submodule_on_another_server_never_gets_the_repos_token(tmp_path: Path, file_submodules_allowed):
+    """git hands whatever server asks for credentials to the askpass: a submodule on another forge or a mirror
+    asking would have got TRAINPOD_GIT_REPO's token. Only the repo's own server gets it."""
+    lib = tmp_path / "elsewhere/lib-work"
+    lib.mkdir(parents=True)
+    (lib / "helper.py").write_text("VALUE = 1\n")
+    commit_all(lib, "one")
+    git("clone", "-q", "--bare", str(lib), str(tmp_path / "elsewhere/lib.git"), cwd=tmp_path)
+    seen_elsewhere: list[str] = []
+    handler = type(
+        "Elsewhere",
+        (_GitOverHttp,),
+        {"project_root": tmp_path / "elsewhere", "user": "someone", "password": "not-the-token"},
+    )
+    original_serve = handler._serve
+
+    def recording_serve(self) -> None:
+        seen_elsewhere.append(self.headers.get("Authorization") or "")
+        original_serve(self)
+
+    handler._serve = recording_serve
+    elsewhere = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=elsewhere.serve_forever, daemon=True).start()
+    trainer = tmp_path / "home/trainer-work"
+    trainer.mkdir(parents=True)
+    (trainer / "train.py").write_text("from lib.helper import VALUE\n")
+    commit_all(trainer, "trainer")
+    git("submodule", "add", "-q", str(tmp_path / "elsewhere/lib.git"), "lib", cwd=trainer)
+    git("config", "-f", ".gitmodules", "submodule.lib.url", f"http://127.0.0.1:{elsewhere.server_port}/lib.git",
+        cwd=trainer)  # fmt: skip
+    commit_all(trainer, "lib from another server")
+    git("clone", "-q", "--bare", str(trainer), str(tmp_path / "home/trainer.git"), cwd=tmp_path)
+    home = type("Home", (_GitOverHttp,), {"project_root": tmp_path / "home", "user": "me", "password": TOKEN})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), home)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(ConfigError):  # the other server wants credentials it is never given
+            sync(f"http://me:{TOKEN}@127.0.0.1:{server.server_port}/trainer.git", "main", tmp_path / "repos",
+                 sleep=lambda _: None)  # fmt: skip
+    finally:
+        server.shutdown()
+        elsewhere.shutdown()
+    assert seen_elsewhere, "the submodule's server was asked"
+    sent = [base64.b64decode(header.split()[1]).decode() for header in seen_elsewhere if header]
+    assert not any(TOKEN in credentials for credentials in sent), sent
 
 
 @pytest.mark.parametrize(

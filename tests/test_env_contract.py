@@ -18,13 +18,14 @@ VARIABLE = re.compile(r"\bTRAINPOD_[A-Z_]+\b")
 SECRETS = ("HF_TOKEN", "WANDB_API_KEY")
 # Set by the kit itself, never by a user or a template: the image's CUDA (docker/Dockerfile), the
 # folder where the ranks of a multi-node run report their exit codes (trainpod.launch), the
-# credentials git sync takes out of a repo URL for git's askpass (trainpod.gitsync), and the deploy's record
+# credentials git sync takes out of a repo URL and its server, for git's askpass (trainpod.gitsync), and the deploy's record
 # that `trainpod deploy` gives a pod (runpod/deploy.py).
 SET_BY_THE_KIT = {
     "TRAINPOD_IMAGE_CUDA",
     "TRAINPOD_RANK_EXIT_DIR",
     "TRAINPOD_GIT_URL_USER",
     "TRAINPOD_GIT_URL_PASSWORD",
+    "TRAINPOD_GIT_URL_HOST",
     "TRAINPOD_DEPLOYED",
 }
 

@@ -9,7 +9,8 @@ commit: pin TRAINPOD_GIT_REF to a commit or tag to keep a run's code from moving
 The token (TRAINPOD_GIT_TOKEN, GIT_TOKEN or GITHUB_TOKEN) reaches git only through GIT_ASKPASS, a
 script that reads it from the environment: it is never part of a URL, an argument, .git/config on
 the volume, or a log line. Credentials written into the URL itself (https://user:token@host/...) are
-taken out of it and handed to git the same way: git's argv is readable by every process (`ps`). A
+taken out of it and handed to git the same way: git's argv is readable by every process (`ps`). The
+repo's submodules are checked out with it, and the askpass answers TRAINPOD_GIT_REPO's server alone. A
 first clone goes to a temp folder renamed into place, so a kill mid-clone leaves no half checkout
 under the name (a later sync removes the temp folder once it is older than any clone runs); of two pods
 cloning one ref at once, the one whose rename comes second takes the first's checkout. Failures are retried, then exit 75; a ref the remote does not have, a token the
@@ -49,10 +50,11 @@ _NO_SUCH_REF = ("couldn't find remote ref", "not our ref")
 _ABBREVIATED_COMMIT = re.compile(r"[0-9a-fA-F]{4,39}")  # as `git log --oneline` and GitHub show a commit
 # A first clone's temp folder (_sync_once): repos/<checkout>.tmp-<8 hex digits>.
 _TEMP_CLONE = re.compile(r".+\.tmp-[0-9a-f]{8}")
-# The longest a first clone's temp folder lives: its git commands (init, fetch, checkout) each end within
-# GIT_TIMEOUT_S, and the folder is renamed or removed after them. One older than this was left by a pod
-# killed mid-clone; twice the sum leaves room for clocks of pods on other hosts that differ.
-_TEMP_CLONE_MAX_AGE_S = 2 * 3 * GIT_TIMEOUT_S
+# The longest a first clone's temp folder lives: its git commands (init, fetch, checkout, the submodules'
+# update; a few config commands of no time) each end within GIT_TIMEOUT_S, and the folder is renamed or
+# removed after them. One older than this was left by a pod killed mid-clone; twice the sum leaves room for
+# clocks of pods on other hosts that differ.
+_TEMP_CLONE_MAX_AGE_S = 2 * 4 * GIT_TIMEOUT_S
 # A server refusing the credentials, or answering that no such repository is there (GitHub says so for
 # a private one the token cannot read): a wrong token or URL, which no retry or pod restart fixes.
 _REFUSED = re.compile(
@@ -65,7 +67,15 @@ _REFUSED = re.compile(
 _SSH_REFUSED = re.compile(r"Host key verification failed|Permission denied \(publickey")
 # The URL's own user and password, for the askpass script (set only in git's environment).
 _URL_USER, _URL_PASSWORD = "TRAINPOD_GIT_URL_USER", "TRAINPOD_GIT_URL_PASSWORD"
+# TRAINPOD_GIT_REPO's host (and port): the one server the askpass answers. git asks it for every server that
+# wants credentials, and a submodule may live elsewhere (another forge, a mirror), which must never get the token.
+_URL_HOST = "TRAINPOD_GIT_URL_HOST"
 _ASKPASS = f"""#!/bin/sh
+# git's prompt names the server: "Username for 'https://host': ", "Password for 'https://user@host': ".
+case "$1" in
+  *"://${{{_URL_HOST}}}'"*|*"@${{{_URL_HOST}}}'"*) ;;
+  *) [ -z "${{{_URL_HOST}}}" ] || exit 1 ;;
+esac
 case "$1" in
   Username*) echo "${{{_URL_USER}:-${{TRAINPOD_GIT_USER:-x-access-token}}}}" ;;
   *) echo "${{{_URL_PASSWORD}:-${{TRAINPOD_GIT_TOKEN:-${{GIT_TOKEN:-$GITHUB_TOKEN}}}}}}" ;;
@@ -120,6 +130,13 @@ def without_credentials(url: str) -> tuple[str, dict[str, str]]:
     return urlunsplit(parts._replace(netloc=host)), credentials
 
 
+def _askpass_host(url: str) -> str:
+    """The server of an http(s) URL as git's prompts name it (host, and port where given); "" for another scheme,
+    whose servers git never asks through the askpass."""
+    parts = urlsplit(url)
+    return parts.netloc.rsplit("@", 1)[-1] if parts.scheme in ("http", "https") else ""
+
+
 @dataclass(frozen=True)
 class Synced:
     """A checkout `sync` made: where it is, and the commit it checked out there."""
@@ -132,6 +149,7 @@ def sync(url: str, ref: str | None, repos_root: Path, sleep=time.sleep) -> Synce
     """Make repos/<name> hold `ref` (a branch, tag or commit; default: the remote's HEAD)."""
     target = repos_root / checkout_name(url, ref)
     plain_url, credentials = without_credentials(url)
+    credentials[_URL_HOST] = _askpass_host(plain_url)
     if ref and ref.startswith("-"):  # git would read it as an option
         raise ConfigError(
             [f"TRAINPOD_GIT_REF={ref!r} is not a branch, tag or commit; set it like TRAINPOD_GIT_REF=main"]
@@ -287,9 +305,22 @@ def _remove_stale_locks(git_dir: Path) -> None:
 
 
 def _fetch_checkout(url: str, ref: str, checkout: Path, credentials: dict[str, str]) -> None:
-    # The URL is passed on each fetch, never stored as a remote: .git/config stays credential-free.
+    # The URL is passed on each fetch, never stored with its credentials: .git/config stays credential-free.
     _git(["fetch", "--quiet", "--depth", "1", url, ref], checkout, credentials)
     _git(["checkout", "--quiet", "--force", "FETCH_HEAD"], checkout)
+    if (checkout / ".gitmodules").is_file():
+        _update_submodules(url, checkout, credentials)
+
+
+def _update_submodules(url: str, checkout: Path, credentials: dict[str, str]) -> None:
+    """Check out the repo's submodules at the commits it records, nested ones too: without them the program's
+    imports from a submodule fail, or find an empty folder. A relative submodule URL (../lib.git, GitHub's way
+    for a sibling repo) resolves against remote.origin.url, so the URL (never its credentials) is stored as
+    that; `sync` takes a URL changed in .gitmodules since the last start. Credentials reach git as for the
+    fetch, and only TRAINPOD_GIT_REPO's server gets them (_URL_HOST)."""
+    _git(["config", "remote.origin.url", url], checkout)
+    _git(["submodule", "sync", "--quiet", "--recursive"], checkout)
+    _git(["submodule", "update", "--quiet", "--init", "--recursive", "--force"], checkout, credentials)
 
 
 def _git(args: list[str], cwd: Path, credentials: dict[str, str] | None = None) -> str:

@@ -3,7 +3,8 @@
 #
 #   RUN --mount=type=bind,source=docker/system_packages.sh,target=/tmp/system_packages.sh sh /tmp/system_packages.sh
 #
-# python3 + venv (the kit's venv), ca-certificates + git (TRAINPOD_GIT_REPO), tini (PID 1), and
+# python3 + venv (the kit's venv), ca-certificates + git and git-lfs (TRAINPOD_GIT_REPO and its LFS
+# files; Debian main, Ubuntu universe), tini (PID 1), and
 # what torch.compile needs at run time: Inductor compiles its CPU kernels with g++ against the
 # Python headers, Triton builds a small C launcher with gcc at its first GPU kernel ("Failed to find
 # C compiler" otherwise); libc6-dev gives both the libc headers. openssh-server for `PUBLIC_KEY`
@@ -15,14 +16,14 @@
 # base image's tag pins the distribution.
 set -eu
 
-PACKAGES="python3 python3-venv python3-dev ca-certificates git tini gcc g++ libc6-dev openssh-server"
+PACKAGES="python3 python3-venv python3-dev ca-certificates git git-lfs tini gcc g++ libc6-dev openssh-server"
 
 python_headers() {
   python3 -c 'import os, sysconfig, sys; sys.exit(not os.path.isfile(os.path.join(sysconfig.get_paths()["include"], "Python.h")))'
 }
 
 have_all() {
-  command -v tini && command -v git && command -v gcc && command -v g++ && test -x /usr/sbin/sshd \
+  command -v tini && command -v git && command -v git-lfs && command -v gcc && command -v g++ && test -x /usr/sbin/sshd \
     && test -f /usr/include/stdio.h && python3 -c 'import ensurepip, venv' && python_headers
 }
 

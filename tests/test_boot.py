@@ -212,8 +212,8 @@ def test_a_first_clone_killed_midway_leaves_no_temp_clone_once_the_next_start_sy
     for folder in (killed, running):
         (folder / ".git/objects").mkdir(parents=True)
         (folder / ".git/objects/pack.tmp").write_bytes(b"half a pack")
-    an_hour_and_a_half_ago = time.time() - 5400
-    os.utime(killed, (an_hour_and_a_half_ago, an_hour_and_a_half_ago))
+    a_day_ago = time.time() - 86400
+    os.utime(killed, (a_day_ago, a_day_ago))
     checkout = sync(f"file://{config_repo}", "main", repos).path
     assert "name: from-git" in (checkout / "configs/data.yaml").read_text()
     assert not killed.exists(), "the killed clone's leftovers are gone"
@@ -287,6 +287,59 @@ def test_a_repos_submodules_are_checked_out_at_the_commits_it_records_and_follow
     assert (checkout / "lib/helper.py").read_text() == "VALUE = 2\n", (
         "a later start follows the repo's update"
     )
+
+
+LFS_POINTER = """version https://git-lfs.github.com/spec/v1
+oid sha256:5b6d432e398ffe3c43d8ad7a00d917b480a176557020059e6ca47569f11127de
+size 100
+"""
+
+
+def test_a_repo_with_lfs_files_in_an_image_without_git_lfs_exits_2_never_running_on_pointers(
+    tmp_path, monkeypatch
+):
+    """Without git-lfs a checkout holds each LFS file's pointer (three lines of text): the program read its
+    weights or data as that, and failed on it or, worse, trained on it. Exit 2 naming git-lfs instead."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / ".gitattributes").write_text("# weights\n*.bin filter=lfs diff=lfs merge=lfs -text\n")
+    (work / "weights.bin").write_text(LFS_POINTER)  # what git holds of an LFS file
+    commit_all(work, "weights in LFS")
+    git("clone", "-q", "--bare", str(work), str(tmp_path / "trainer.git"), cwd=tmp_path)
+    no_git_lfs = tmp_path / "bin"
+    no_git_lfs.mkdir()
+    (no_git_lfs / "git").symlink_to(shutil.which("git"))
+    monkeypatch.setenv("PATH", str(no_git_lfs))
+    sleeps: list[float] = []
+    with pytest.raises(ConfigError, match="stores files with Git LFS .* this image has no git-lfs"):
+        sync(f"file://{tmp_path}/trainer.git", "main", tmp_path / "repos", sleep=sleeps.append)
+    assert sleeps == [], "not retried"
+    assert list((tmp_path / "repos").iterdir()) == [], (
+        "no checkout of pointers is left for a program to run on"
+    )
+
+
+@pytest.mark.skipif(
+    shutil.which("git-lfs") is None, reason="git-lfs is not installed here (the image has it)"
+)
+def test_a_repos_lfs_files_are_fetched_with_it(tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    git("init", "-q", "-b", "main", cwd=work)
+    git("lfs", "install", "--local", cwd=work)
+    (work / ".gitattributes").write_text("*.bin filter=lfs diff=lfs merge=lfs -text\n")
+    weights = os.urandom(4096)
+    (work / "weights.bin").write_bytes(weights)
+    commit_all(work, "weights in LFS")
+    git("init", "-q", "--bare", str(tmp_path / "trainer.git"), cwd=tmp_path)
+    git("push", "-q", f"file://{tmp_path}/trainer.git", "main", cwd=work)  # LFS objects go with it
+    checkout = sync(f"file://{tmp_path}/trainer.git", "main", tmp_path / "repos").path
+    assert (checkout / "weights.bin").read_bytes() == weights, "the file, not its pointer"
+    (work / "weights.bin").write_bytes(weights[::-1])
+    commit_all(work, "new weights")
+    git("push", "-q", f"file://{tmp_path}/trainer.git", "main", cwd=work)
+    assert sync(f"file://{tmp_path}/trainer.git", "main", tmp_path / "repos").path == checkout
+    assert (checkout / "weights.bin").read_bytes() == weights[::-1], "a later start fetches the new file"
 
 
 def test_failing_sync_is_retried_then_exits_75(tmp_path):

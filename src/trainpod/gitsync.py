@@ -10,7 +10,8 @@ The token (TRAINPOD_GIT_TOKEN, GIT_TOKEN or GITHUB_TOKEN) reaches git only throu
 script that reads it from the environment: it is never part of a URL, an argument, .git/config on
 the volume, or a log line. Credentials written into the URL itself (https://user:token@host/...) are
 taken out of it and handed to git the same way: git's argv is readable by every process (`ps`). The
-repo's submodules are checked out with it, and the askpass answers TRAINPOD_GIT_REPO's server alone. A
+repo's submodules are checked out with it, and its Git LFS files fetched (without git-lfs: exit 2), the
+askpass answering TRAINPOD_GIT_REPO's server alone. A
 first clone goes to a temp folder renamed into place, so a kill mid-clone leaves no half checkout
 under the name (a later sync removes the temp folder once it is older than any clone runs); of two pods
 cloning one ref at once, the one whose rename comes second takes the first's checkout. Failures are retried, then exit 75; a ref the remote does not have, a token the
@@ -51,10 +52,10 @@ _ABBREVIATED_COMMIT = re.compile(r"[0-9a-fA-F]{4,39}")  # as `git log --oneline`
 # A first clone's temp folder (_sync_once): repos/<checkout>.tmp-<8 hex digits>.
 _TEMP_CLONE = re.compile(r".+\.tmp-[0-9a-f]{8}")
 # The longest a first clone's temp folder lives: its git commands (init, fetch, checkout, the submodules'
-# update; a few config commands of no time) each end within GIT_TIMEOUT_S, and the folder is renamed or
-# removed after them. One older than this was left by a pod killed mid-clone; twice the sum leaves room for
-# clocks of pods on other hosts that differ.
-_TEMP_CLONE_MAX_AGE_S = 2 * 4 * GIT_TIMEOUT_S
+# update, the LFS pull; a few commands of no time) each end within GIT_TIMEOUT_S, and the folder is renamed
+# or removed after them. One older than this was left by a pod killed mid-clone; twice the sum leaves room
+# for clocks of pods on other hosts that differ.
+_TEMP_CLONE_MAX_AGE_S = 2 * 5 * GIT_TIMEOUT_S
 # A server refusing the credentials, or answering that no such repository is there (GitHub says so for
 # a private one the token cannot read): a wrong token or URL, which no retry or pod restart fixes.
 _REFUSED = re.compile(
@@ -307,9 +308,13 @@ def _remove_stale_locks(git_dir: Path) -> None:
 def _fetch_checkout(url: str, ref: str, checkout: Path, credentials: dict[str, str]) -> None:
     # The URL is passed on each fetch, never stored with its credentials: .git/config stays credential-free.
     _git(["fetch", "--quiet", "--depth", "1", url, ref], checkout, credentials)
-    _git(["checkout", "--quiet", "--force", "FETCH_HEAD"], checkout)
+    # LFS files are checked out as their pointers here (git-lfs may be set up to fetch them in the checkout, from
+    # a remote the first clone has none of): _pull_lfs_files fetches them.
+    _git(["checkout", "--quiet", "--force", "FETCH_HEAD"], checkout, {"GIT_LFS_SKIP_SMUDGE": "1"})
     if (checkout / ".gitmodules").is_file():
         _update_submodules(url, checkout, credentials)
+    if _tracks_lfs_files(checkout):
+        _pull_lfs_files(url, checkout, credentials)
 
 
 def _update_submodules(url: str, checkout: Path, credentials: dict[str, str]) -> None:
@@ -321,6 +326,38 @@ def _update_submodules(url: str, checkout: Path, credentials: dict[str, str]) ->
     _git(["config", "remote.origin.url", url], checkout)
     _git(["submodule", "sync", "--quiet", "--recursive"], checkout)
     _git(["submodule", "update", "--quiet", "--init", "--recursive", "--force"], checkout, credentials)
+
+
+def _tracks_lfs_files(checkout: Path) -> bool:
+    """Whether a .gitattributes of the checkout has files stored by Git LFS (filter=lfs)."""
+    listed = _git(["ls-files", "-z", "--", ".gitattributes", "*/.gitattributes"], checkout)
+    for name in filter(None, listed.split("\0")):
+        with contextlib.suppress(OSError):
+            lines = (checkout / name).read_text(errors="replace").splitlines()
+            if any("filter=lfs" in line for line in lines if not line.lstrip().startswith("#")):
+                return True
+    return False
+
+
+def _pull_lfs_files(url: str, checkout: Path, credentials: dict[str, str]) -> None:
+    """Replace the LFS pointers the checkout holds with their files (weights, data, tokenizers). Without git-lfs
+    the program would read each pointer, 130 bytes of text, as the file: exit 2 naming the fix instead. LFS
+    finds its server from remote.origin.url (the URL without its credentials, which the askpass gives); its
+    smudge stays off (--skip-smudge), so every checkout leaves pointers and this pull alone fetches."""
+    try:
+        _git(["lfs", "version"], checkout)
+    except subprocess.CalledProcessError:
+        raise ConfigError(
+            [
+                f"TRAINPOD_GIT_REPO={redact(url)} stores files with Git LFS (filter=lfs in its .gitattributes), "
+                "and this image has no git-lfs: the program would read the LFS pointers (a few lines of text) as "
+                "those files; use an image built with git-lfs (docker/system_packages.sh installs it), or keep "
+                "the files out of LFS (on the volume, say)"
+            ]
+        ) from None
+    _git(["config", "remote.origin.url", url], checkout)
+    _git(["lfs", "install", "--local", "--skip-smudge"], checkout)
+    _git(["lfs", "pull"], checkout, credentials)
 
 
 def _git(args: list[str], cwd: Path, credentials: dict[str, str] | None = None) -> str:

@@ -29,7 +29,9 @@ STATE = CACHE / "container"
 DOCKER = "/usr/bin/docker"
 DOCKERD = "/usr/sbin/dockerd"
 DEBOOTSTRAP = "/usr/sbin/debootstrap"
-BASE_PACKAGES = "python3,python3-venv,python3-dev,ca-certificates,git,tini,gcc,g++,libc6-dev,openssh-server"
+BASE_PACKAGES = (
+    "python3,python3-venv,python3-dev,ca-certificates,git,git-lfs,tini,gcc,g++,libc6-dev,openssh-server"
+)
 # The tag changes with the packages and with how the rootfs is slimmed (slim_down).
 BASE_RECIPE = BASE_PACKAGES + ";slim-1"
 BASE_IMAGE = "trainpod-ci/bookworm-base:" + hashlib.sha256(BASE_RECIPE.encode()).hexdigest()[:12]

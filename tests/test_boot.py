@@ -154,6 +154,23 @@ def test_a_workload_reads_its_own_refs_checkout_never_the_same_repo_at_another_r
     assert other_checkouts(repos, own) == [repos / "another-repo"]
 
 
+def test_a_first_clones_temp_folder_is_no_checkout_for_the_config_search_or_the_import_path(
+    tmp_path, config_repo
+):
+    """repos/configs.tmp-<id> (a clone running in another pod, or one a killed pod left) was listed among the
+    other checkouts: the config search and a generator's python_path found files there, at another commit
+    of TRAINPOD_GIT_REPO's own repo (or half checked out), that its checkout does not have."""
+    from trainpod.gitsync import other_checkouts, own_checkout
+
+    repos = tmp_path / "repos"
+    sync(f"file://{config_repo}", None, repos)
+    (repos / "configs.tmp-0badc10e/configs").mkdir(parents=True)
+    (repos / "another-repo").mkdir()
+    own = own_checkout(repos, {"TRAINPOD_GIT_REPO": f"file://{config_repo}"})
+    assert own == repos / "configs"
+    assert other_checkouts(repos, own) == [repos / "another-repo"]
+
+
 def test_the_config_comes_from_the_repo_just_synced_not_another_runs_checkout(tmp_path, config_repo):
     """repos/ is shared by every run on the volume: another run's checkout, first in name order, holding
     a file at the same path must not be read instead of the one TRAINPOD_GIT_REPO names."""

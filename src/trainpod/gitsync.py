@@ -104,7 +104,8 @@ def own_checkout(repos_root: Path, environ: Mapping[str, str]) -> Path | None:
 
 def other_checkouts(repos_root: Path, own: Path | None) -> list[Path]:
     """The checkouts under `repos_root` besides `own`, in name order, without `own`'s repo at other refs: those
-    hold the same paths and modules at other commits, which must never stand in for this ref's."""
+    hold the same paths and modules at other commits, which must never stand in for this ref's. A first clone's
+    temp folder is no checkout (another pod's, half made, or one a killed pod left)."""
 
     def repo_of(folder: Path) -> str:
         return folder.name.split("@", 1)[0]
@@ -114,7 +115,9 @@ def other_checkouts(repos_root: Path, own: Path | None) -> list[Path]:
     return [
         folder
         for folder in sorted(repos_root.iterdir())
-        if folder.is_dir() and (own is None or repo_of(folder) != repo_of(own))
+        if folder.is_dir()
+        and not _TEMP_CLONE.fullmatch(folder.name)
+        and (own is None or repo_of(folder) != repo_of(own))
     ]
 
 

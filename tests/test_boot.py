@@ -198,8 +198,9 @@ def test_a_folder_in_the_way_of_the_checkout_exits_2_and_stays_as_it_was(tmp_pat
 
 def test_locks_left_by_a_killed_git_do_not_block_every_later_sync(tmp_path, config_repo):
     """A pod SIGKILLed during `git fetch` (or git killed at its timeout) leaves shallow.lock/index.lock."""
-    import os
     import time
+
+    from trainpod import gitsync
 
     repos = tmp_path / "repos"
     checkout = sync(f"file://{config_repo}", "main", repos).path
@@ -210,11 +211,30 @@ def test_locks_left_by_a_killed_git_do_not_block_every_later_sync(tmp_path, conf
     assert sync(f"file://{config_repo}", "main", repos, sleep=lambda _: None).path == checkout
     assert "name: from-git" in (checkout / "configs/data.yaml").read_text()
     assert not list((checkout / ".git").glob("*.lock"))
-    # A young lock may be another pod's sync of the same checkout, running now: left alone.
+    # A young lock may be another pod's sync of the same checkout, running now: waited for until it is older
+    # than any git of a sync runs, and only then removed.
     (checkout / ".git/shallow.lock").write_text("")
-    with pytest.raises(TemporaryError, match="shallow.lock"):
-        sync(f"file://{config_repo}", "main", repos, sleep=lambda _: None)
-    assert (checkout / ".git/shallow.lock").exists()
+    all_but_done = time.time() - gitsync.GIT_TIMEOUT_S + 2
+    os.utime(checkout / ".git/shallow.lock", (all_but_done, all_but_done))
+    started = time.monotonic()
+    assert sync(f"file://{config_repo}", "main", repos, sleep=lambda _: None).path == checkout
+    assert time.monotonic() - started >= 1, "it waited for the lock's git"
+    assert not list((checkout / ".git").glob("*.lock"))
+
+
+def test_pods_syncing_one_checkout_at_once_wait_for_each_other_instead_of_exiting_75(tmp_path, config_repo):
+    """An Instant Cluster's nodes all sync the run's checkout at each start: a fetch beside another node's failed
+    on its shallow.lock, three times when that fetch outlasted the retries' waits (a large repo), and the node
+    exited 75, a failed start of the whole cluster. A sync now waits for the lock of one running beside it."""
+    repos = tmp_path / "repos"
+    checkout = sync(f"file://{config_repo}", "main", repos).path
+    other_nodes_fetch = checkout / ".git/shallow.lock"
+    other_nodes_fetch.write_text("")
+    threading.Timer(
+        1.5, other_nodes_fetch.unlink
+    ).start()  # it runs 1.5 s, longer than the retries' waits here
+    assert sync(f"file://{config_repo}", "main", repos, sleep=lambda _: None).path == checkout
+    assert "name: from-git" in (checkout / "configs/data.yaml").read_text()
 
 
 def test_a_first_clone_killed_midway_leaves_no_temp_clone_once_the_next_start_syncs(tmp_path, config_repo):
@@ -359,6 +379,40 @@ def test_a_repos_lfs_files_are_fetched_with_it(tmp_path):
     assert (checkout / "weights.bin").read_bytes() == weights[::-1], "a later start fetches the new file"
 
 
+def test_a_clusters_nodes_syncing_a_new_commit_together_all_start_none_exits_75(tmp_path):
+    """Four nodes booting at once each saw no lock, then fetched beside the others: all but one failed on
+    shallow.lock, again at each retry, and some ran out of attempts (exit 75, the cluster's start failed)."""
+    work = tmp_path / "work"
+    work.mkdir()
+    for name in range(20):
+        (work / f"{name}.bin").write_bytes(
+            os.urandom(100_000)
+        )  # a fetch long enough for the others to collide
+    commit_all(work, "one")
+    git("clone", "-q", "--bare", str(work), str(tmp_path / "trainer.git"), cwd=tmp_path)
+    repos = tmp_path / "repos"
+    checkout = sync(f"file://{tmp_path}/trainer.git", "main", repos).path
+    for name in range(20):
+        (work / f"{name}.bin").write_bytes(os.urandom(100_000))
+    pushed = commit_all(work, "two")
+    git("push", "-q", str(tmp_path / "trainer.git"), "main", cwd=work)
+    synced: list[object] = []
+
+    def node() -> None:
+        try:
+            synced.append(sync(f"file://{tmp_path}/trainer.git", "main", repos, sleep=lambda _: None).commit)
+        except TemporaryError as exc:
+            synced.append(exc)
+
+    nodes = [threading.Thread(target=node) for _ in range(4)]
+    for thread in nodes:
+        thread.start()
+    for thread in nodes:
+        thread.join()
+    assert synced == [pushed] * 4, synced
+    assert git("rev-parse", "HEAD", cwd=checkout).strip() == pushed
+
+
 def test_failing_sync_is_retried_then_exits_75(tmp_path):
     result = boot_process(
         tmp_path,
@@ -407,7 +461,6 @@ def test_a_commit_given_by_its_abbreviated_id_exits_2_asking_for_its_full_id(tmp
 def test_a_git_that_hangs_is_a_failed_attempt_then_exit_75_not_a_crash(tmp_path, monkeypatch):
     """A host that accepts the connection and never answers: git runs into its timeout."""
     from trainpod import gitsync
-    from trainpod.errors import TemporaryError
 
     def hang(cmd, **kwargs):
         raise subprocess.TimeoutExpired(cmd, kwargs["timeout"])

@@ -14,7 +14,8 @@ repo's submodules are checked out with it, and its Git LFS files fetched (withou
 askpass answering TRAINPOD_GIT_REPO's server alone. A
 first clone goes to a temp folder renamed into place, so a kill mid-clone leaves no half checkout
 under the name (a later sync removes the temp folder once it is older than any clone runs); of two pods
-cloning one ref at once, the one whose rename comes second takes the first's checkout. Failures are retried, then exit 75; a ref the remote does not have, a token the
+cloning one ref at once, the one whose rename comes second takes the first's checkout, and a sync of a
+checkout another pod is syncing waits for it (its git's locks). Failures are retried, then exit 75; a ref the remote does not have, a token the
 server refuses, a repo it says is not there and an SSH URL ssh refuses (a pod has no SSH key) are exit 2
 at once.
 """
@@ -24,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import random
 import re
 import shutil
 import stat
@@ -45,6 +47,12 @@ log = logging.getLogger(__name__)
 TOKEN_VARS = ("TRAINPOD_GIT_TOKEN", "GIT_TOKEN", "GITHUB_TOKEN")
 ATTEMPTS = 3
 GIT_TIMEOUT_S = 600.0  # one git command; a fetch from a host that never answers is a failed attempt
+_LOCK_POLL_S = 1.0  # how often a sync waiting for another pod's on the same checkout looks at its locks
+# git's words when another git holds a lock of the checkout: "Unable to create '<path>.lock': File exists".
+_GIT_LOCKED = ".lock': File exists"
+_LOCKED_TRIES = (
+    64  # tries that found the lock taken first: each lets one pod's sync through (a cluster's nodes)
+)
 # git's words for a ref the remote does not have (a branch never pushed, a typo, an unknown commit): a
 # retry cannot help, and neither can a restart of the pod.
 _NO_SUCH_REF = ("couldn't find remote ref", "not our ref")
@@ -163,7 +171,7 @@ def sync(url: str, ref: str | None, repos_root: Path, sleep=time.sleep) -> Synce
     last_error = ""
     for attempt in range(1, ATTEMPTS + 1):
         try:
-            _sync_once(plain_url, ref or "HEAD", target, credentials)
+            _sync_beside_other_pods(plain_url, ref or "HEAD", target, credentials)
             head = _git(["rev-parse", "HEAD"], target).strip()
             log.info("synced %s at %s (%s) into %s", redact(url), ref or "HEAD", head[:12], target)
             return Synced(target, head)
@@ -247,8 +255,25 @@ def note_commit(synced: Synced, ref: str | None, run_root: Path) -> None:
         atomic.write_json(path, {"ref": ref or "HEAD", "commit": head, "unix": time.time()})
 
 
+def _sync_beside_other_pods(url: str, ref: str, target: Path, credentials: dict[str, str]) -> None:
+    """_sync_once, again where another pod's git took the checkout's lock first (pods starting together, each
+    seeing no lock, then git's "Unable to create '....lock': File exists" for all but one): such a try lets that
+    pod's sync through, so it is no failed attempt. The next goes after a random wait, so the pods waiting
+    for one lock do not all start again in the same instant."""
+    for _ in range(_LOCKED_TRIES):
+        try:
+            return _sync_once(url, ref, target, credentials)
+        except subprocess.CalledProcessError as exc:
+            if _GIT_LOCKED not in (exc.stderr or ""):
+                raise
+            log.info("another pod's sync of %s went first; going after it", target)
+            time.sleep(random.uniform(0.1, 2 * _LOCK_POLL_S))
+    _sync_once(url, ref, target, credentials)
+
+
 def _sync_once(url: str, ref: str, target: Path, credentials: dict[str, str]) -> None:
     if (target / ".git").is_dir():
+        _wait_for_other_syncs(target / ".git")
         _remove_stale_locks(target / ".git")
         _fetch_checkout(url, ref, target, credentials)
         return
@@ -297,10 +322,33 @@ def _remove_killed_clones(repos_root: Path) -> None:
                 shutil.rmtree(folder, ignore_errors=True)
 
 
+def _wait_for_other_syncs(git_dir: Path) -> None:
+    """Another pod's sync of this checkout running now (an Instant Cluster's nodes all sync at each start) holds
+    shallow.lock or index.lock while its git runs, and a fetch beside it fails on them, at every retry where
+    that fetch outlasts the retries' waits (a large repo). Wait until its locks go, at most until they are
+    older than any git of a sync runs: then they are a killed git's, which _remove_stale_locks removes."""
+    said = False
+    while young := [lock for lock in git_dir.glob("*.lock") if _held(lock)]:
+        if not said:
+            log.info(
+                "waiting for another pod's sync of %s (%s)", git_dir.parent, ", ".join(p.name for p in young)
+            )
+            said = True
+        time.sleep(_LOCK_POLL_S)
+
+
+def _held(lock: Path) -> bool:
+    """Whether `lock` may be a running git's: there, and younger than any git of a sync runs."""
+    try:
+        return time.time() - lock.stat().st_mtime <= GIT_TIMEOUT_S
+    except FileNotFoundError:
+        return False
+
+
 def _remove_stale_locks(git_dir: Path) -> None:
     """A git killed mid-sync (SIGKILL, the OOM killer, our own timeout's kill) leaves shallow.lock or
     index.lock, and every later fetch there fails on it. No git of a sync runs longer than GIT_TIMEOUT_S,
-    so an older lock is nobody's (a younger one may be another pod's sync of the same repo: kept)."""
+    so an older lock is nobody's (a younger one is another pod's sync: _wait_for_other_syncs waits for it)."""
     for lock in git_dir.glob("*.lock"):
         with contextlib.suppress(FileNotFoundError):
             if time.time() - lock.stat().st_mtime > GIT_TIMEOUT_S:

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -56,6 +57,27 @@ def pod(fake) -> dict:
 
 def pod_env(fake, pod, **extra) -> dict[str, str]:
     return {**api_env(fake), "RUNPOD_POD_ID": pod["id"], **extra}
+
+
+def command_pod(
+    fake, pod, tmp_path, name: str, program: str, max_failed_starts: int
+) -> tuple[Path, Path, dict[str, str]]:
+    """A pod's environment for `trainpod boot` of a command run `name` running `program` (its prog.py): the
+    repo folder, the volume and the env."""
+    workdir, volume = tmp_path / "repo", tmp_path / "volume"
+    workdir.mkdir()
+    volume.mkdir()
+    (workdir / "prog.py").write_text(program)
+    config = tmp_path / "command.yaml"
+    config.write_text(f"name: {name}\ncommand: [python, prog.py]\nworkdir: {workdir}\n")
+    env = {
+        **pod_env(fake, pod),
+        "TRAINPOD_VOLUME": str(volume),
+        "TRAINPOD_WORKLOAD": "command",
+        "TRAINPOD_CONFIG": str(config),
+        "TRAINPOD_MAX_FAILED_STARTS": str(max_failed_starts),
+    }
+    return workdir, volume, env
 
 
 @pytest.fixture
@@ -433,19 +455,7 @@ def test_a_spot_stop_whose_sigkill_comes_before_the_workload_exits_is_not_counte
     """SIGTERM, then RunPod's SIGKILL before the workload could exit (here a program that ignores SIGTERM;
     in a pod, a long preflight such as a base model's download): a preemption, not a start that died without
     a word, so the next start of the pod counts nothing."""
-    workdir, volume = tmp_path / "repo", tmp_path / "volume"
-    workdir.mkdir()
-    volume.mkdir()
-    (workdir / "prog.py").write_text(STUBBORN_PROGRAM)
-    config = tmp_path / "command.yaml"
-    config.write_text(f"name: stubborn\ncommand: [python, prog.py]\nworkdir: {workdir}\n")
-    env = {
-        **pod_env(fake, pod),
-        "TRAINPOD_VOLUME": str(volume),
-        "TRAINPOD_WORKLOAD": "command",
-        "TRAINPOD_CONFIG": str(config),
-        "TRAINPOD_MAX_FAILED_STARTS": "1",
-    }
+    workdir, volume, env = command_pod(fake, pod, tmp_path, "stubborn", STUBBORN_PROGRAM, max_failed_starts=1)
     boot = start_trainpod(cmd=[sys.executable, "-m", "trainpod", "boot"], volume=volume, env=env)
     run = Volume(volume).run("stubborn")
     try:
@@ -523,19 +533,7 @@ def test_a_pod_whose_every_start_commits_steps_then_crashes_is_no_crash_loop(fak
     """A spot pod crashing once per start (a leak, a flaky dataloader) after committing steps each time went
     FAILED and stopped at TRAINPOD_MAX_FAILED_STARTS, though every start moved the run on; starts that crash
     without committing still stop it."""
-    workdir, volume = tmp_path / "repo", tmp_path / "volume"
-    workdir.mkdir()
-    volume.mkdir()
-    (workdir / "train.py").write_text(PROGRESS_THEN_CRASH)
-    config = tmp_path / "command.yaml"
-    config.write_text(f"name: crashy\ncommand: [python, train.py]\nworkdir: {workdir}\n")
-    env = {
-        **pod_env(fake, pod),
-        "TRAINPOD_VOLUME": str(volume),
-        "TRAINPOD_WORKLOAD": "command",
-        "TRAINPOD_CONFIG": str(config),
-        "TRAINPOD_MAX_FAILED_STARTS": "2",
-    }
+    _, volume, env = command_pod(fake, pod, tmp_path, "crashy", PROGRESS_THEN_CRASH, max_failed_starts=2)
     run = Volume(volume).run("crashy")
 
     def boot(commits: str) -> subprocess.CompletedProcess:

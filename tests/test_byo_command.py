@@ -74,6 +74,14 @@ def write_setup(tmp_path: Path, mode: str, **config) -> tuple[Path, Path]:
     return path, volume
 
 
+def running_program(tmp_path: Path, name: str, source: str, **config) -> tuple[Path, Path]:
+    """write_setup's config and volume, with `source` as repo/<name>, the program the command runs."""
+    path, volume = write_setup(tmp_path, "env", **config)
+    (tmp_path / "repo" / name).write_text(source)
+    path.write_text(yaml.safe_dump({**yaml.safe_load(path.read_text()), "command": ["python", name]}))
+    return path, volume
+
+
 def run_dir(volume: Path) -> Path:
     return volume / "runs" / RUN
 
@@ -281,12 +289,9 @@ with Checkpointer() as ckpt:
 def test_a_lost_lease_kills_the_program_at_once_so_nothing_of_it_lands_in_the_other_writers_run(tmp_path):
     """The kit stopped the program with SIGTERM, which a Checkpointer loop answers with a commit: a step landed
     in the run another writer had taken over (LATEST moving under it, its own older commit then refused)."""
-    config, volume = write_setup(
-        tmp_path, "env", checkpoint={"lease_ttl_seconds": 6}
-    )  # a heartbeat each 1.5 s
-    (tmp_path / "repo/loop.py").write_text(COMMITS_ON_STOP)
-    config.write_text(
-        yaml.safe_dump({**yaml.safe_load(config.read_text()), "command": ["python", "loop.py"]})
+    # a heartbeat each 1.5 s
+    config, volume = running_program(
+        tmp_path, "loop.py", COMMITS_ON_STOP, checkpoint={"lease_ttl_seconds": 6}
     )
     proc = start_trainpod("run", "command", "--config", str(config), volume=volume)
     wait_for(lambda: "step 3" in program_log(volume), proc, "the program's third step")
@@ -481,11 +486,7 @@ def test_a_failed_write_of_program_log_never_stops_the_programs_output_being_rea
     """A write to logs/program.log that failed (a network volume's I/O error, a full volume) ended the thread that
     reads the program's output, so the program blocked for good at its next 64 kB of prints: a GPU billed with
     nothing running and nothing ending the start."""
-    config, volume = write_setup(tmp_path, "env")
-    (tmp_path / "repo/chatty.py").write_text(CHATTY_PROGRAM)
-    config.write_text(
-        yaml.safe_dump({**yaml.safe_load(config.read_text()), "command": ["python", "chatty.py"]})
-    )
+    config, volume = running_program(tmp_path, "chatty.py", CHATTY_PROGRAM)
     proc = start_trainpod("run", "command", "--config", str(config), volume=volume)
     wait_for(lambda: "ready" in program_log(volume), proc, "the program's first line")
     log = run_dir(volume) / "logs/program.log"
@@ -518,11 +519,7 @@ def test_a_failed_write_of_status_json_never_ends_the_program(tmp_path):
     """status.json is advisory (`trainpod status`, a supervisor's view): a write of it that failed (a network
     volume's I/O error) crashed the kit, and the program died with it (PR_SET_PDEATHSIG) without its stop window,
     losing the steps since its last commit; a finished program's run was never DONE."""
-    config, volume = write_setup(tmp_path, "env", status_every_seconds=0.1)
-    (tmp_path / "repo/waiting.py").write_text(WAITING_PROGRAM)
-    config.write_text(
-        yaml.safe_dump({**yaml.safe_load(config.read_text()), "command": ["python", "waiting.py"]})
-    )
+    config, volume = running_program(tmp_path, "waiting.py", WAITING_PROGRAM, status_every_seconds=0.1)
     proc = start_trainpod("run", "command", "--config", str(config), volume=volume)
     wait_for(lambda: "ready" in program_log(volume), proc, "the program's first line")
     status = run_dir(volume) / "status.json"
@@ -551,11 +548,7 @@ def test_a_program_ending_at_the_stop_before_the_kit_forwarded_it_is_stopped_not
     """A stop that reached the program too (a SIGTERM to every process of the pod; torchrun then exits 1) ended
     it in the 50 ms before the kit's poll forwarded the kit's own: that exit counted as a failed start (75, and
     FAILED after three such spot stops) or, with max_restarts, started the program again during the stop."""
-    config, volume = write_setup(tmp_path, "env")
-    (tmp_path / "repo/signalled.py").write_text(SIGNALLED_ITSELF_PROGRAM)
-    config.write_text(
-        yaml.safe_dump({**yaml.safe_load(config.read_text()), "command": ["python", "signalled.py"]})
-    )
+    config, volume = running_program(tmp_path, "signalled.py", SIGNALLED_ITSELF_PROGRAM)
     proc = start_trainpod("run", "command", "--config", str(config), volume=volume)
     pid_file = tmp_path / "repo/program.pid"
     wait_for(lambda: pid_file.exists() and pid_file.read_text(), proc, "the program's start")

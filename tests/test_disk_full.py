@@ -26,6 +26,7 @@ import pytest
 from trainpod.config import load_config
 from trainpod.config.pretrain import PretrainConfig
 from trainpod.convert import run_convert
+from trainpod.diskspace import is_disk_full
 from trainpod.errors import VolumeFull
 from trainpod.preemption import PreemptionWatch
 from trainpod.volume import Volume
@@ -275,3 +276,16 @@ def test_a_finetune_base_that_fills_the_volume_is_exit_5_not_a_download_retried_
     full = pytest.raises(VolumeFull, match=r"for the base model org/tiny-base: .* free; free space")
     with small_filesystem(volume.cache(), "128k"), full:
         resolve_base_model(BaseModelConfig(path="org/tiny-base"), volume)
+
+
+def test_a_status_write_on_a_full_volume_is_raised_on_the_training_thread(tmp_path):
+    """Other failed writes of status.json are logged and training goes on (test_progress); a full volume ends the
+    run with exit 5 instead, as the next commit could not land either."""
+    from trainpod.train.reporting import StatusWriter
+
+    with small_filesystem(tmp_path / "volume", "64k") as volume:
+        writer = StatusWriter(volume / "status.json")
+        writer.put({"padding": "x" * 200_000})
+        with pytest.raises(OSError) as raised:
+            writer.close()
+    assert is_disk_full(raised.value)

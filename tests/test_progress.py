@@ -5,9 +5,11 @@ the plot and TensorBoard, `--version`, and `config fields`."""
 from __future__ import annotations
 
 import json
+import logging
 import re
 import shutil
 import signal
+import time
 
 import pytest
 
@@ -256,11 +258,20 @@ def test_status_json_is_written_off_the_training_thread_and_the_newest_is_on_dis
         writer.put({"step": 200})
 
 
-def test_a_status_write_that_failed_is_raised_on_the_training_thread(tmp_path):
-    writer = StatusWriter(tmp_path / "no such folder" / "status.json")
-    writer.put({"step": 1})
-    with pytest.raises(FileNotFoundError):
-        writer.close()  # or the next put: a full volume still ends the run with exit 5
+def test_a_status_write_that_failed_for_another_reason_than_a_full_volume_never_ends_training(
+    tmp_path, caplog
+):
+    """status.json is advisory: a write that failed (a network volume's I/O error) was raised on the training
+    thread, a crash losing the steps since the last commit. A full volume is still raised (test_disk_full)."""
+    status = tmp_path / "status.json"
+    status.mkdir()  # every write of it fails (IsADirectoryError), as on a volume gone bad
+    writer = StatusWriter(status)
+    with caplog.at_level(logging.WARNING, logger="trainpod.train.reporting"):
+        for step in range(3):
+            writer.put({"step": step})
+            time.sleep(0.05)
+        writer.close()
+    assert sum("could not write" in r.message for r in caplog.records) == 1, "said once, not at every write"
 
 
 def test_ls_says_what_an_sft_and_a_generated_dataset_hold(tmp_path, capsys):

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainpod import atomic, cost
+from trainpod.diskspace import is_disk_full
 from trainpod.volume import RunDir
 
 if TYPE_CHECKING:  # torch is imported where it is used: `trainpod status` and estimate read this module fast
@@ -272,9 +273,11 @@ class StatusWriter:
 
     The training thread hands a status over and goes on: the write's two fsyncs take ~1 ms on a local
     disk and tens of ms on a network volume, at every log line and every commit. A status handed over
-    while another is being written replaces any still waiting, since only the newest matters. A failed
-    write (a full volume) is raised on the training thread by the next `put` or by `close`, which
-    returns once the last status is on disk.
+    while another is being written replaces any still waiting, since only the newest matters. A write that
+    failed for a full volume is raised on the training thread by the next `put` or by `close` (exit 5: the
+    next commit could not land either); any other failure (a network volume's I/O error) is logged once and
+    training goes on, since status.json is advisory (`trainpod status`, a supervisor's view) and a crash
+    would lose the steps since the last commit. `close` returns once the last status is on disk.
     """
 
     def __init__(self, path: Path):
@@ -282,6 +285,7 @@ class StatusWriter:
         self._waiting: dict[str, Any] | None = None
         self._closed = False
         self._error: BaseException | None = None
+        self._warned = False  # a failed write that is no full volume is said once, not at every log line
         self._changed = threading.Condition()
         # A daemon: a write hung on a dead volume must not keep the process from exiting.
         self._thread = threading.Thread(target=self._write_newest, name="status-writer", daemon=True)
@@ -319,6 +323,11 @@ class StatusWriter:
             try:
                 atomic.write_json(self._path, status)
             except Exception as exc:
+                if not is_disk_full(exc):
+                    if not self._warned:
+                        log.warning("could not write %s (%s); training goes on without it", self._path, exc)
+                        self._warned = True
+                    continue
                 with self._changed:
                     self._error = exc
 

@@ -121,3 +121,38 @@ def sigterm_once_marked(
         proc.kill()
         pytest.fail(f"the {what} went on after SIGTERM:\n{proc.communicate()[0]}")
     return proc.returncode, out
+
+
+def debian_binary(package: str, binary: str) -> Path:
+    """`binary` (e.g. git-lfs) as installed, else from Debian's `package` unpacked under .cache/debs: a tool
+    the image has that a fresh test machine may lack, taken with `apt-get download` + `dpkg-deb -x`, which
+    installs and starts nothing. Fails, naming the fix, where neither can be had (not a Debian machine)."""
+    import shutil
+
+    installed = shutil.which(binary)
+    if installed:
+        return Path(installed)
+    downloads = REPO / ".cache" / "debs"
+    unpacked = downloads / package
+    found = unpacked / "usr/bin" / binary
+    if found.exists():
+        return found
+    downloads.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    download = ["apt-get", "download", "-qq", package]
+    try:
+        if subprocess.run(download, cwd=downloads, capture_output=True, env=env).returncode != 0:
+            # A fresh machine may have no package lists yet.
+            subprocess.run(["apt-get", "update", "-qq"], check=True, capture_output=True, env=env)
+            subprocess.run(download, cwd=downloads, check=True, capture_output=True, env=env)
+        deb = max(downloads.glob(f"{package}_*.deb"))
+        partial = unpacked.with_suffix(".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        subprocess.run(["dpkg-deb", "-x", str(deb), str(partial)], check=True, capture_output=True)
+    except (OSError, ValueError, subprocess.CalledProcessError) as exc:
+        pytest.fail(
+            f"{binary} is not installed and Debian's {package} could not be unpacked ({exc}); install {binary}"
+        )
+    shutil.rmtree(unpacked, ignore_errors=True)
+    partial.rename(unpacked)
+    return found

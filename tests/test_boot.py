@@ -19,7 +19,7 @@ from trainpod import boot as boot_module
 from trainpod.errors import ConfigError, TemporaryError
 from trainpod.gitsync import repo_name, sync
 
-from support import TINY_DATAGEN, TINY_PRETRAIN, child_env
+from support import TINY_DATAGEN, TINY_PRETRAIN, child_env, debian_binary
 
 TOKEN = "ghp_supersecrettoken0123456789"
 
@@ -356,10 +356,10 @@ def test_a_repo_with_lfs_files_in_an_image_without_git_lfs_exits_2_never_running
     )
 
 
-@pytest.mark.skipif(
-    shutil.which("git-lfs") is None, reason="git-lfs is not installed here (the image has it)"
-)
-def test_a_repos_lfs_files_are_fetched_with_it(tmp_path):
+def test_a_repos_lfs_files_are_fetched_with_it(tmp_path, monkeypatch):
+    # The image has git-lfs (docker/system_packages.sh); a test machine without it takes Debian's.
+    git_lfs = debian_binary("git-lfs", "git-lfs")
+    monkeypatch.setenv("PATH", f"{git_lfs.parent}{os.pathsep}{os.environ['PATH']}")
     work = tmp_path / "work"
     work.mkdir()
     git("init", "-q", "-b", "main", cwd=work)

@@ -144,25 +144,38 @@ def read_json(path: Path) -> Any:
 
 def publish_dir(tmp_dir: Path, target: Path) -> None:
     """Move a fully written and fsynced `tmp_dir` to `target` (which must not exist) durably."""
+    _sync_tree(tmp_dir)
+    os.rename(tmp_dir, target)
+    fsync_dir(target.parent)
+
+
+def _sync_tree(tmp_dir: Path) -> None:
     for path in sorted(tmp_dir.rglob("*")):
         if path.is_file():
             fsync_file(path)
     for path in sorted([p for p in tmp_dir.rglob("*") if p.is_dir()] + [tmp_dir], reverse=True):
         fsync_dir(path)
-    os.rename(tmp_dir, target)
-    fsync_dir(target.parent)
 
 
 def replace_dir(tmp_dir: Path, target: Path) -> None:
     """Publish the finished `tmp_dir` as `target`; an older `target` is moved aside first, then deleted.
 
-    A kill between the two renames leaves the old folder under a .tmp-replaced- name and no
-    `target`; whoever made it writes it again (exports and conversions are made from committed inputs).
+    The new folder is synced before the older one is touched: a sync that fails (an I/O error on a network
+    volume) leaves the older output in place, where moving it aside first left no output and, at the next
+    start, the older one deleted as a leftover. A kill between the two renames leaves the old folder under a
+    .tmp-replaced- name and no `target`; whoever made it writes it again (exports and conversions are made
+    from committed inputs).
     """
-    if target.exists():
-        old = target.with_name(f"{target.name}.tmp-replaced-{uuid.uuid4().hex[:8]}")
-        os.rename(target, old)
+    if not target.exists():
         publish_dir(tmp_dir, target)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        publish_dir(tmp_dir, target)
+        return
+    _sync_tree(tmp_dir)
+    old = target.with_name(f"{target.name}.tmp-replaced-{uuid.uuid4().hex[:8]}")
+    os.rename(target, old)
+    try:
+        os.rename(tmp_dir, target)
+    except BaseException:
+        os.rename(old, target)  # the older output back under its name, not left to be deleted
+        raise
+    fsync_dir(target.parent)
+    shutil.rmtree(old, ignore_errors=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -9,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -156,3 +158,20 @@ def debian_binary(package: str, binary: str) -> Path:
     shutil.rmtree(unpacked, ignore_errors=True)
     partial.rename(unpacked)
     return found
+
+
+@contextlib.contextmanager
+def small_filesystem(folder: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of `size` mounted at `folder` for the block; unmounted after, whatever happened."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root; run as root to test a full volume")
+    folder.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], capture_output=True, text=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"the kernel refused a tmpfs mount here ({mounted.stderr.strip()}); cannot fill a volume")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=True)

@@ -19,6 +19,7 @@ from trainpod.config.convert import ExportTask
 from trainpod.config.pretrain import PretrainConfig
 from trainpod.context import RunContext
 from trainpod.data.datagen import load_dataset_manifest
+from trainpod.diskspace import check_room
 from trainpod.errors import InputError
 from trainpod.preemption import PreemptionWatch
 from trainpod.train.export import DTYPES, export_hf
@@ -135,6 +136,9 @@ def write_export(source: CheckpointSource, folder: Path, dtype: str) -> None:
     """Load the checkpoint (verified by verify_checkpoint) and export it to `folder` (made here)."""
     model_config = llama_config(source.config.model, source.vocab_size, source.config.train.seq_len, "sdpa")
     model = build_model(model_config, source.config.train.seed)
+    # Checked before the checkpoint's read and the write: a 7B export is about 14 GB, minutes to ENOSPC.
+    weight_bytes = sum(p.numel() for p in model.parameters()) * DTYPES[dtype].itemsize
+    check_room(folder.parent, weight_bytes, f"the exported model ({dtype})")
     state = json.loads((source.path / "trainer_state.json").read_text(encoding="utf-8"))
     try:
         if has_shards(source.path):  # an FSDP run's: DCP shards, no model.safetensors

@@ -418,7 +418,7 @@ def test_a_token_written_into_env_git_repo_is_refused_masked_naming_the_git_toke
 ):
     """A token in env.git_repo's URL (https://user:ghp_...@github.com/...) went into the pod's env as plain text,
     shown in RunPod's console and API to everyone on the account, where a RunPod secret stays hidden."""
-    token = "ghp_0123456789abcdefGHIJKLMNOPqrstuvwxyz"
+    token = "ghp_notarealtoken0123456789"
     path = deploy_config(
         tmp_path, **{"env.git_repo": f"https://{userinfo.format(token=token)}@github.com/org/trainer.git"}
     )

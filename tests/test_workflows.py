@@ -150,7 +150,7 @@ def test_make_wheelhouse_fetches_the_flash_attn_wheel_without_printing_its_url(t
     """images.yml hands `make wheelhouse` FLASH_ATTN_WHEEL_URL from a repository variable, which GitHub never
     masks, and make printed the recipe's curl line with the URL in it: a token in the URL (a private host's
     https://user:token@...) went into the public build log. pip and curl are stand-ins here (no network)."""
-    token = "ghp_0123456789abcdefGHIJKLMNOPqrstuvwxyz"
+    token = "ghp_notarealtoken0123456789"
     wheel = "flash_attn-2.8.3+cu12torch2.13cxx11abiTRUE-cp312-cp312-linux_x86_64.whl"
     result, wheelhouse = _make_wheelhouse_with_flash_attn(
         tmp_path, f"https://me:{token}@wheels.example.com/cu128/{wheel.replace('+', '%2B')}"

@@ -8,7 +8,8 @@ or the base model + export/adapter, in that order unless --export says which. A 
 prompts are built with the chat template it trained with (sft/templates.py; recorded in the
 adapter's training_summary.json, else in the run's config.yaml), every turn of the conversation
 tokenized as training tokenized a sample (sft/encode.py's segment_ids), and generation stops at the
-template's end-of-turn token. A pretrained model gets the prompt as plain text to continue. Tokens are printed as they come (transformers' TextStreamer).
+template's end-of-turn token. A pretrained model gets the prompt as plain text to continue. Tokens
+are printed as they come (transformers' TextStreamer).
 """
 
 from __future__ import annotations

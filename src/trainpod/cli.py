@@ -669,15 +669,13 @@ def checkpoint(
 def _keep_last(flag: int | None) -> int:
     """--keep-last, else TRAINPOD_KEEP_LAST, else 2: at least 2 (docs/design.md, "Checkpoints"), so a newest
     checkpoint that fails verification at the next start has an older one to fall back to."""
-    from trainpod.errors import InputError
-
-    raw = str(flag) if flag is not None else os.environ.get("TRAINPOD_KEEP_LAST") or "2"
-    where = "--keep-last" if flag is not None else "TRAINPOD_KEEP_LAST"
-    if not raw.isdigit() or int(raw) < 2:
-        raise InputError(
-            f"{where}={raw!r}: keep at least 2 checkpoints; set it to a whole number >= 2, e.g. 2"
-        )
-    return int(raw)
+    return _retention_count(
+        flag,
+        "--keep-last",
+        "TRAINPOD_KEEP_LAST",
+        2,
+        ": keep at least 2 checkpoints; set it to a whole number >= 2, e.g. 2",
+    )
 
 
 def _run_folder(run_name: str, vol: Volume) -> Path:
@@ -699,12 +697,23 @@ def _run_folder(run_name: str, vol: Volume) -> Path:
 def _keep_best(flag: int | None) -> int:
     """--keep-best, else TRAINPOD_KEEP_BEST (the command config's checkpoint.keep_best), else 0, as the
     Checkpointer and the HF callback read it: a commit here must not delete the best checkpoints they keep."""
+    return _retention_count(
+        flag,
+        "--keep-best",
+        "TRAINPOD_KEEP_BEST",
+        0,
+        " is not a whole number >= 0; set it like 1 (0 keeps no best)",
+    )
+
+
+def _retention_count(flag: int | None, option: str, variable: str, least: int, problem: str) -> int:
+    """The flag, else the environment variable, else `least`: a whole number >= `least`, else exit 2 naming
+    where it came from, its value and `problem`."""
     from trainpod.errors import InputError
 
-    raw = str(flag) if flag is not None else os.environ.get("TRAINPOD_KEEP_BEST") or "0"
-    if not raw.isdigit():
-        where = "--keep-best" if flag is not None else "TRAINPOD_KEEP_BEST"
-        raise InputError(f"{where}={raw!r} is not a whole number >= 0; set it like 1 (0 keeps no best)")
+    raw = str(flag) if flag is not None else os.environ.get(variable) or str(least)
+    if not raw.isdigit() or int(raw) < least:
+        raise InputError(f"{option if flag is not None else variable}={raw!r}{problem}")
     return int(raw)
 
 

@@ -216,8 +216,9 @@ def _mlx(task: MlxTask, sources: AdapterInputs, export_root: Path) -> Output:
     settings = {"task": task.model_dump(mode="json"), "base_model": sources.base_name, "base_layers": layers}
     if sources.base_revision:  # the README loads it; set only for a hub base, so other outputs keep their key
         settings["base_revision"] = sources.base_revision
-    if mlx.trained_template_name(sources.adapter):  # made again with its chat format, as above
-        settings["chat_format"] = mlx.trained_template_name(sources.adapter)
+    chat_format = mlx.trained_template_name(sources.adapter)
+    if chat_format:  # made again with its chat format, as above
+        settings["chat_format"] = chat_format
     return Output(
         task,
         export_root / task.output,

@@ -58,9 +58,8 @@ class TrainpodCallback(TrainerCallback):
         self.staging_dir = str(self.ckpt.run_dir / "hf-staging")  # on the volume: files move, never copy
         self.save_seconds: float | None = None  # HF's save plus the commit, measured at each save
         self._save_started: float | None = None
-        self._eval_started: float | None = (
-            None  # when the eval in progress began (its step's end), for its pace
-        )
+        # When the eval in progress began (its step's end), for its pace.
+        self._eval_started: float | None = None
         self._eval_batches = 0  # the eval's batches run since then
         self._stopping = False
         # Before the Trainer is made: HF's own resume idiom (resume_from_checkpoint=True, get_last_checkpoint on
@@ -128,9 +127,7 @@ class TrainpodCallback(TrainerCallback):
         """At each eval batch: at a stop, the eval goes on only if its rest and then a save fit the window (the
         save comes after the eval: on_evaluate); else it is abandoned here and the process exits 143. Answered
         after an eval of minutes, the stop met the SIGKILL in it, or in the save HF began after it."""
-        if (
-            self._eval_started is None
-        ):  # an eval outside training (trainer.evaluate()): timed from its first batch
+        if self._eval_started is None:  # an eval outside training (trainer.evaluate()): from its first batch
             self._eval_started = time.monotonic()
         else:
             self._eval_batches += 1

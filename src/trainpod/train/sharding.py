@@ -176,7 +176,6 @@ def has_shards(checkpoint: Path) -> bool:
 def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, checkpoint: Path) -> None:
     """Load a DCP checkpoint written by any number of ranks into `model` and `optimizer`, sharded or not:
     each rank reads the pieces of every tensor it now holds. ValueError when the shapes do not fit."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     state = sharded_state(model, optimizer)
@@ -186,10 +185,7 @@ def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, check
         state["optim"]["param_groups"] = [
             {**groups[0], "params": [name for g in groups for name in g["params"]]}
         ]
-    try:
-        dcp.load(state, checkpoint_id=str(checkpoint / SHARDED_DIR))
-    except Exception as exc:  # DCP reports a misfit as CheckpointException, wrapping each rank's error
-        raise ValueError(f"the sharded checkpoint does not fit this model: {_first_line(exc)}") from None
+    _load_dcp(state, checkpoint)
     if in_one_group:  # every group takes the one group's settings, its weight_decay included: an exact resume
         written = state["optim"]["param_groups"][0]
         state["optim"]["param_groups"] = [{**written, "params": group["params"]} for group in groups]
@@ -200,18 +196,24 @@ def load_sharded_weights(model: torch.nn.Module, checkpoint: Path) -> None:
     """The weights alone of a DCP checkpoint (written by any number of ranks) into an unsharded `model`, in one
     process with no process group: a conversion's export of a step, which needs no optimizer state (AdamW's
     would be twice the weights in memory). ValueError when the shapes do not fit."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
     state = {"model": get_model_state_dict(model)}
-    try:
-        # DCP warns that it loads in a single process, which is what is asked of it here.
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state, checkpoint_id=str(checkpoint / SHARDED_DIR))
-    except Exception as exc:  # DCP reports a misfit as CheckpointException
-        raise ValueError(f"the sharded checkpoint does not fit this model: {_first_line(exc)}") from None
+    # DCP warns that it loads in a single process, which is what is asked of it here.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        _load_dcp(state, checkpoint)
     set_model_state_dict(model, state["model"])
+
+
+def _load_dcp(state: dict[str, Any], checkpoint: Path) -> None:
+    """`state` filled in place from the checkpoint's DCP shards; ValueError when it does not fit this model."""
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        dcp.load(state, checkpoint_id=str(checkpoint / SHARDED_DIR))
+    except Exception as exc:  # DCP reports a misfit as CheckpointException, wrapping each rank's error
+        raise ValueError(f"the sharded checkpoint does not fit this model: {_first_line(exc)}") from None
 
 
 def _parameter_groups_written(checkpoint: Path) -> int:

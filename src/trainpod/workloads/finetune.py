@@ -561,16 +561,16 @@ class Finetuner(Trainer):
                 "other shapes; the method, LoRA settings or base model changed since it was written. Restore "
                 "them, or start a new run name"
             )
-        with torch.no_grad():
-            for name, param in self.trainable.items():
-                param.copy_(tensors[name])
+        self._copy_into_trainable(tensors)
         load_optimizer_state(self.optimizer, optimizer_state)
 
     def load_checkpoint_weights(self, path: Path, state: dict[str, Any]) -> None:
         if self.parallel == "fsdp" or has_shards(path):
             super().load_checkpoint_weights(path, state)  # DCP reads the weights with the optimizer's shards
             return
-        tensors = safetensors.torch.load_file(str(path / "trainable.safetensors"))
+        self._copy_into_trainable(safetensors.torch.load_file(str(path / "trainable.safetensors")))
+
+    def _copy_into_trainable(self, tensors: dict[str, torch.Tensor]) -> None:
         with torch.no_grad():
             for name, param in self.trainable.items():
                 param.copy_(tensors[name])

@@ -11,13 +11,13 @@ script that reads it from the environment: it is never part of a URL, an argumen
 the volume, or a log line. Credentials written into the URL itself (https://user:token@host/...) are
 taken out of it and handed to git the same way: git's argv is readable by every process (`ps`). The
 repo's submodules are checked out with it, and its Git LFS files fetched (without git-lfs: exit 2), the
-askpass answering TRAINPOD_GIT_REPO's server alone. A
-first clone goes to a temp folder renamed into place, so a kill mid-clone leaves no half checkout
-under the name (a later sync removes the temp folder once it is older than any clone runs); of two pods
-cloning one ref at once, the one whose rename comes second takes the first's checkout, and a sync of a
-checkout another pod is syncing waits for it (its git's locks). Failures are retried, then exit 75; a ref the remote does not have, a token the
-server refuses, a repo it says is not there and an SSH URL ssh refuses (a pod has no SSH key) are exit 2
-at once.
+askpass answering TRAINPOD_GIT_REPO's server alone. A first clone goes to a temp folder renamed into
+place, so a kill mid-clone leaves no half checkout under the name (a later sync removes the temp folder
+once it is older than any clone runs); of two pods cloning one ref at once, the one whose rename comes
+second takes the first's checkout, and a sync of a checkout another pod is syncing waits for it (its
+git's locks). Failures are retried, then exit 75; a ref the remote does not have, a token the server
+refuses, a repo it says is not there and an SSH URL ssh refuses (a pod has no SSH key) are exit 2 at
+once.
 """
 
 from __future__ import annotations
@@ -50,9 +50,8 @@ GIT_TIMEOUT_S = 600.0  # one git command; a fetch from a host that never answers
 _LOCK_POLL_S = 1.0  # how often a sync waiting for another pod's on the same checkout looks at its locks
 # git's words when another git holds a lock of the checkout: "Unable to create '<path>.lock': File exists".
 _GIT_LOCKED = ".lock': File exists"
-_LOCKED_TRIES = (
-    64  # tries that found the lock taken first: each lets one pod's sync through (a cluster's nodes)
-)
+# Tries that found the lock taken first: each lets one pod's sync through (a cluster's nodes).
+_LOCKED_TRIES = 64
 # git's words for a ref the remote does not have (a branch never pushed, a typo, an unknown commit): a
 # retry cannot help, and neither can a restart of the pod.
 _NO_SUCH_REF = ("couldn't find remote ref", "not our ref")
@@ -316,10 +315,9 @@ def _remove_killed_clones(repos_root: Path) -> None:
     for folder in repos_root.iterdir():
         if not _TEMP_CLONE.fullmatch(folder.name) or not folder.is_dir():
             continue
-        with contextlib.suppress(FileNotFoundError):
-            if time.time() - folder.stat().st_mtime > _TEMP_CLONE_MAX_AGE_S:
-                log.warning("removing %s: the temp folder of a first clone whose pod was killed", folder)
-                shutil.rmtree(folder, ignore_errors=True)
+        if (_age_s(folder) or 0.0) > _TEMP_CLONE_MAX_AGE_S:
+            log.warning("removing %s: the temp folder of a first clone whose pod was killed", folder)
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _wait_for_other_syncs(git_dir: Path) -> None:
@@ -339,10 +337,16 @@ def _wait_for_other_syncs(git_dir: Path) -> None:
 
 def _held(lock: Path) -> bool:
     """Whether `lock` may be a running git's: there, and younger than any git of a sync runs."""
+    age = _age_s(lock)
+    return age is not None and age <= GIT_TIMEOUT_S
+
+
+def _age_s(path: Path) -> float | None:
+    """Seconds since `path` was last modified; None once it is gone (removed by its owner meanwhile)."""
     try:
-        return time.time() - lock.stat().st_mtime <= GIT_TIMEOUT_S
+        return time.time() - path.stat().st_mtime
     except FileNotFoundError:
-        return False
+        return None
 
 
 def _remove_stale_locks(git_dir: Path) -> None:
@@ -350,10 +354,9 @@ def _remove_stale_locks(git_dir: Path) -> None:
     index.lock, and every later fetch there fails on it. No git of a sync runs longer than GIT_TIMEOUT_S,
     so an older lock is nobody's (a younger one is another pod's sync: _wait_for_other_syncs waits for it)."""
     for lock in git_dir.glob("*.lock"):
-        with contextlib.suppress(FileNotFoundError):
-            if time.time() - lock.stat().st_mtime > GIT_TIMEOUT_S:
-                log.warning("removing %s: older than any sync, left by a git that was killed", lock)
-                lock.unlink()
+        if (_age_s(lock) or 0.0) > GIT_TIMEOUT_S:
+            log.warning("removing %s: older than any sync, left by a git that was killed", lock)
+            lock.unlink(missing_ok=True)
 
 
 def _fetch_checkout(url: str, ref: str, checkout: Path, credentials: dict[str, str]) -> None:

@@ -210,6 +210,22 @@ def test_the_budget_counts_every_node_and_deletes_the_cluster_when_spent(fake, v
     assert not fake.clusters
 
 
+def test_nodes_still_coming_up_bill_and_count_against_the_budget(fake, volume, caplog):
+    """RunPod bills a node from the moment it is placed (v2's Pod.cost is 0.0 only when EXITED or
+    TERMINATED): a cluster whose nodes stay STARTING (an image pull that never ends) spends the budget too."""
+    deploy(client_for(fake), cluster_config())
+    cluster_id = the_cluster(fake)["id"]
+    for node in fake.nodes_of(cluster_id):
+        node["status"] = "STARTING"  # pulling the image; RunPod's cost stays $16/h a node
+    clock = Clock()
+    sup = supervisor(fake, volume, clock)
+    caplog.set_level(logging.INFO, "trainpod")
+    assert sup.step() is None and f"cluster {cluster_id} has 0/2 nodes RUNNING" in caplog.text
+    clock.now += 4 * 3600  # 2 nodes x 8 GPUs x $2.00 = $32/h: $128 of $100
+    assert sup.step() == 3, "the nodes billed for four hours: the budget is spent"
+    assert not fake.clusters, "the cluster is deleted: no node goes on billing"
+
+
 def test_a_failed_run_deletes_the_cluster_and_is_not_restarted(fake, volume):
     deploy(client_for(fake), cluster_config())
     atomic.write_json(volume.run("big").root / FAILED_MARKER, {"reason": "bad config or input (exit 2)"})

@@ -107,7 +107,11 @@ class ClusterUnit:
         return replace(self._look(seen, state, unfit_pod), secrets_as_values=as_values)
 
     def _look(self, seen: clusters.ClusterLook, state: SupervisorState, unfit_pod: str | None) -> Look:
-        hourly = sum(_price(node, self.config) for node in seen.running)
+        # RunPod bills a node from its placement (v2's cost is 0.0 only once EXITED or TERMINATED): one still
+        # PROVISIONING or STARTING (pulling the image, maybe for good) counts, as a v1 pod RUNNING while it pulls.
+        hourly = sum(
+            _price(node, self.config) for node in seen.nodes if node.desired_status in clusters.ALIVE
+        )
         if seen.all_running:
             state.whole_cluster = seen.cluster.id  # from now on a missing node means a lost node
         unfit_node = next((n for n in seen.nodes if n.id == unfit_pod), None)

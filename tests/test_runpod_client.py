@@ -199,3 +199,45 @@ def test_a_create_refused_with_429_is_still_retried(fake):
 )
 def test_a_pods_price_is_the_adjusted_one_else_the_listed_one(prices, expected):
     assert Pod.from_api({"id": "p1", **prices}).cost_per_hr == expected
+
+
+def test_the_key_goes_to_runpod_alone_never_to_another_host_an_answer_redirects_to(fake):
+    """urllib hands a redirect every header of the request: an answer naming another host (a proxy's, a CDN's
+    for a log archive, an http:// downgrade) was sent RUNPOD_API_KEY, which rents GPUs on the account. A
+    redirect within RunPod's own origin keeps it, so the call still works."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    elsewhere_saw: list[str | None] = []
+
+    class Elsewhere(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            elsewhere_saw.append(self.headers.get("Authorization"))
+            self.send_response(200)
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"[]")
+
+        def log_message(self, *_):
+            pass
+
+    other = ThreadingHTTPServer(("127.0.0.1", 0), Elsewhere)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    handle, redirect_to = fake.handle, []
+
+    def redirecting(method, raw_path, headers, raw_body):
+        if raw_path.split("?")[0].endswith("/pods") and redirect_to:
+            return 302, None, {"Location": redirect_to.pop()}
+        return handle(method, raw_path, headers, raw_body)  # checks the key: 401 without it
+
+    fake.handle = redirecting
+    client = client_for(fake)
+    try:
+        redirect_to.append(fake.url + "/pods")
+        assert client.list_pods() == [], "a redirect within RunPod's origin is followed with the key"
+        redirect_to.append(f"http://127.0.0.1:{other.server_port}/pods")
+        assert client.list_pods() == []
+    finally:
+        other.shutdown()
+        other.server_close()
+    assert elsewhere_saw == [None], "the other host was sent the API key"

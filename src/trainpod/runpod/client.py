@@ -12,8 +12,9 @@ A create (POST /pods, /v2/clusters, ...) is not idempotent: after a timeout, a 5
 connection RunPod may have made it anyway, so it is not sent again (the caller's next look by name
 finds it); only a 429 or a connection that was never made is retried. Errors carry the status
 code, the method and path and a hint, never the key and never the response body (RunPod's bodies
-may echo the request, secrets included). The official `runpod` SDK is not used: it has no spot
-support, builds GraphQL without escaping, and pulls about 100 packages.
+may echo the request, secrets included); the key goes to the origin it is meant for alone (a redirect
+to another host, or from https to http, is followed without it). The official `runpod` SDK is not
+used: it has no spot support, builds GraphQL without escaping, and pulls about 100 packages.
 """
 
 from __future__ import annotations
@@ -403,7 +404,7 @@ class RunPodClient:
         if data is not None:
             headers["Content-Type"] = "application/json"
         req = urllib.request.Request(url, data=data, method=method, headers=headers)
-        response = urllib.request.urlopen(req, timeout=timeout_s)  # noqa: S310 - https/our fake
+        response = _OPENER.open(req, timeout=timeout_s)  # noqa: S310 - https/our fake
         if stream:
             return response
         with response:
@@ -531,6 +532,25 @@ class RunPodClient:
         body = {"name": name, "size": size_gb, "dataCenterId": data_center_id}
         return NetworkVolume.from_api(self.request("POST", "/networkvolumes", body, idempotent=False))
 
+
+class _KeyStaysWithItsOrigin(urllib.request.HTTPRedirectHandler):
+    """Follows a redirect with the key only within the origin (scheme, host, port) it was sent to. urllib
+    copies every header of a request into the redirected one, so an answer naming another host (a proxy's, a
+    log archive's, an http:// downgrade) would be handed the account's key, which rents GPUs on it."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):  # type: ignore[override]
+        redirected = super().redirect_request(req, fp, code, msg, headers, newurl)
+        if redirected is not None and _origin(redirected.full_url) != _origin(req.full_url):
+            redirected.remove_header("Authorization")
+        return redirected
+
+
+def _origin(url: str) -> tuple[str, str | None, int | None]:
+    parts = urllib.parse.urlsplit(url)
+    return parts.scheme, parts.hostname, parts.port or {"http": 80, "https": 443}.get(parts.scheme)
+
+
+_OPENER = urllib.request.build_opener(_KeyStaysWithItsOrigin)
 
 DRY_RUN_VERBS = {"POST": "create", "PATCH": "update", "DELETE": "terminate"}
 

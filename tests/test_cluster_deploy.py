@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 
 import jsonschema
@@ -108,6 +109,41 @@ def test_deploying_again_reuses_a_whole_cluster_and_recreates_a_broken_one(fake,
     third = deploy(client_for(fake), cfg)
     assert third.action == "recreated" and list(fake.clusters) == [third.cluster.id]
     assert fake.calls("DELETE", f"/v2/clusters/{first.cluster.id}")
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"image.name": "ghcr.io/org/trainpod:0.1.1"}, "image"),
+        ({"env.set": "train.max_steps=20"}, "env"),
+        ({"nodes": 4}, "node count"),
+        ({"pod.gpu_count": 4}, "GPU count"),
+        ({"pod.gpu_types": ["NVIDIA H200"]}, "GPU type"),
+    ],
+)
+def test_deploying_a_changed_config_while_the_cluster_runs_says_the_old_one_goes_on_and_how_to_switch(
+    fake, tmp_path, caplog, change, named
+):
+    """A fixed image pushed and deployed (or more nodes asked for): 'reusing it' alone left every node
+    training and billing on the old config, as a single pod's deploy no longer does."""
+    secret = {"env.extra": {"MY_TOKEN": "{{ RUNPOD_SECRET_X }}"}}
+    first = deploy(client_for(fake), config(tmp_path, **secret))
+    caplog.set_level("INFO", "trainpod")
+    again = deploy(client_for(fake), config(tmp_path, **secret, **change))
+    assert again.action == "reused" and again.cluster.id == first.cluster.id, (
+        "a whole cluster is never replaced"
+    )
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert named in re.search(r"its (.*) differ", warning).group(1).split(", "), warning
+    assert "trainpod stop big" in warning, "how to run the new config"
+    assert "RUNPOD_SECRET" not in warning and "max_steps" not in warning, "names only, never values"
+
+
+def test_deploying_the_same_config_again_reuses_the_cluster_without_a_warning(fake, tmp_path, caplog):
+    deploy(client_for(fake), config(tmp_path))
+    caplog.set_level("INFO", "trainpod")
+    assert deploy(client_for(fake), config(tmp_path)).action == "reused"
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
 
 
 def test_gpu_types_are_tried_in_the_configs_order_one_cluster_at_a_time(fake, tmp_path):

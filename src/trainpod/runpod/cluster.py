@@ -208,7 +208,8 @@ def deploy_cluster(
     secret_values: dict[str, str] | None = None,
     accepted: Callable[[], None] = lambda: None,
 ) -> ClusterDeployment:
-    """Volume and cluster of `config`: a whole cluster of that name is reused, a broken one recreated.
+    """Volume and cluster of `config`: a whole cluster of that name is reused (what of it differs from `config`
+    said in a warning), a broken one recreated.
     `accepted`: called once nothing refuses the deploy any more, before anything is made (deploy.deploy)."""
     from trainpod.runpod.deploy import ensure_volume, pod_env, refuse_another_volume
 
@@ -221,6 +222,12 @@ def deploy_cluster(
     volume = ensure_volume(client, config)
     if seen.whole:
         log.info("cluster %s (%s) is up: reusing it", seen.cluster.name, seen.cluster.id)
+        changes = differences(seen, config, env)
+        if changes:  # never replaced while it trains; but the user must know the new config is not running
+            log.warning("cluster %s (%s) was made from another config (its %s differ): it goes on as it is; to run "
+                        "this config, `trainpod stop %s` (which deletes the cluster; the volume keeps the run) and "
+                        "deploy again (it resumes from the last checkpoint)", seen.cluster.name, seen.cluster.id,
+                        ", ".join(changes), config.run)  # fmt: skip
         return ClusterDeployment(volume, seen.cluster, "reused")
     action = "created" if seen.cluster is None else "recreated"
     if seen.cluster is not None:
@@ -228,6 +235,21 @@ def deploy_cluster(
     cluster = create(client, config, volume.id, env)
     log.info("cluster %s (%s, %d nodes) %s", cluster.name, cluster.id, config.nodes, action)
     return ClusterDeployment(volume, cluster, action)
+
+
+def differences(seen: ClusterLook, config: DeployConfig, env: dict[str, str]) -> list[str]:
+    """What the cluster runs otherwise than `config` (with the nodes' `env`) asks for, by name only (an env may
+    hold secrets' values); what RunPod does not say (0, empty) is no difference."""
+    cluster, nodes_env = seen.cluster, node_env(seen.nodes)
+    images = {node.image for node in seen.nodes if node.image}
+    differs = {
+        "image": bool(images) and images != {config.image.name},
+        "env": nodes_env is not None and nodes_env != env,
+        "node count": bool(cluster.node_count) and cluster.node_count != config.nodes,
+        "GPU count": bool(cluster.gpu_count_per_pod) and cluster.gpu_count_per_pod != config.pod.gpu_count,
+        "GPU type": bool(cluster.gpu_type_id) and cluster.gpu_type_id not in config.pod.gpu_types,
+    }
+    return [name for name, different in differs.items() if different]
 
 
 def cluster_line(cluster: Cluster) -> str:

@@ -282,6 +282,34 @@ def test_logs_of_a_cluster_run_are_node_0s(fake, tmp_path, capsys):
     assert "step 10/100 | loss 3.2 (rank 0)" in out and "a line of node 1" not in out
 
 
+def test_following_a_cluster_run_ends_quietly_when_node_0_deletes_the_cluster_while_it_looks(
+    fake, tmp_path, monkeypatch
+):
+    """At DONE node 0 deletes its cluster; the follow, its stream gone, looks for the run's pod, and the cluster
+    (listed a moment before) answers 404 for its nodes: that is no pod left, exit 0, not exit 2 naming a 404."""
+    cluster = deploy(client_for(fake), config(tmp_path)).cluster
+    node_0 = fake.nodes_of(cluster.id)[0]["id"]
+    fake.add_logs(node_0, "DONE")
+    handle, printed = fake.handle, []
+
+    def deleted_while_listed(method, raw_path, headers, raw_body):
+        answer = handle(method, raw_path, headers, raw_body)
+        if method == "GET" and raw_path == "/v2/clusters" and cluster.id in fake.clusters and printed:
+            fake._deleteCluster({}, {}, None, id=cluster.id)  # node 0's DELETE lands between the two reads
+        return answer
+
+    def on_line(line: str) -> None:
+        printed.append(line)
+        fake.logs.pop(node_0)
+        del fake.nodes[node_0]  # node 0 is being terminated: its stream answers 404
+
+    fake.handle = deleted_while_listed
+
+    monkeypatch.setattr(cli, "print", lambda line, **_: on_line(line), raising=False)
+    assert cli.main(["logs", "big", "-f", "--tail", "10"]) == 0
+    assert printed == ["DONE"]
+
+
 def test_status_shows_the_runs_cluster_and_its_nodes_states(fake, tmp_path, capsys):
     cluster = deploy(client_for(fake), config(tmp_path)).cluster
     fake.interrupt_node(cluster.id, 1)

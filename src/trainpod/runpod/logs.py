@@ -82,7 +82,13 @@ def pod_for_logs(client: RunPodClient, run: str, workloads: Collection[str]) -> 
     pods = run_pods(client, run, workloads)
     names = run_unit_names(run, workloads)
     for cluster in (c for c in client.list_clusters() if c.name in names):
-        pods += [node for node in client.cluster_pods(cluster.id) if node.node_rank == 0]
+        try:
+            nodes = client.cluster_pods(cluster.id)
+        except (
+            RunPodNotFound
+        ):  # deleted since it was listed (node 0 deletes its cluster at DONE): no pod left
+            continue
+        pods += [node for node in nodes if node.node_rank == 0]
     if not pods:
         raise InputError(
             f"run {run!r} has no pod or cluster on RunPod (they are named {run}-<workload>); start one with "

@@ -972,3 +972,51 @@ def test_supervise_refuses_a_volume_flag_that_names_no_folder_instead_of_going_b
     assert cli.main(["supervise", "tiny", "--config", str(path), "--once", "--volume", str(typo)]) == 2
     assert f"volume {typo} does not exist here" in capsys.readouterr().out
     assert not fake.pods_named("tiny-pretrain"), "no pod made for a run whose DONE it could not see"
+
+
+def test_a_stop_whose_record_on_the_volume_fails_still_stops_the_pods_and_says_what_is_not_recorded(
+    fake, tmp_path, monkeypatch, capsys
+):
+    """RunPod's S3 API refusing the S3 key (revoked, a typo in it) or unreachable while the user stops a run: the
+    record of the stop failed (exit 2 or 75) before any pod was stopped, and every GPU went on billing."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    import yaml
+
+    class RefusingS3(BaseHTTPRequestHandler):  # RunPod's S3 API, refusing this key
+        def _refuse(self):
+            body = b"<Error><Code>InvalidAccessKeyId</Code><Message>no such key</Message></Error>"
+            self.send_response(403)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_GET = do_PUT = do_HEAD = do_DELETE = do_POST = _refuse  # noqa: N815 - http.server's names
+
+        def log_message(self, *_):
+            pass
+
+    s3 = ThreadingHTTPServer(("127.0.0.1", 0), RefusingS3)
+    threading.Thread(target=s3.serve_forever, daemon=True).start()
+    on_a_laptop_that_sees_neither_the_volume_nor_its_s3_api(fake, monkeypatch, tmp_path)
+    deploy(client_for(fake), deploy_config())
+    path = tmp_path / "deploy.yaml"
+    path.write_text(yaml.safe_dump(deploy_config().model_dump(mode="json")))
+    monkeypatch.setenv("TRAINPOD_CONFIG", str(path))
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "user_2f21CfO73Mm2Uq2lEGFiEF24IPw")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "rps_FAKESECRETFORTESTS0123456789")
+    monkeypatch.setenv("TRAINPOD_S3_ENDPOINT_URL", f"http://127.0.0.1:{s3.server_port}")
+    try:
+        assert cli.main(["stop", "tiny"]) == 0
+    finally:
+        s3.shutdown()
+        s3.server_close()
+    out = capsys.readouterr().out
+    assert the_pod(fake)["desiredStatus"] == "EXITED", "the pod is stopped: it bills no more"
+    assert "STOPPED is not recorded on the volume" in out and "S3 API key was refused" in out, out
+    assert "SUPERVISE_RUN" in out, "what to do about a supervisor elsewhere"
+    from trainpod.runpod.supervise import SupervisorState, state_path
+
+    stopped_here = SupervisorState.load(state_path(None, "tiny")).stopped_unix
+    assert stopped_here is not None, "this machine's supervisor knows"

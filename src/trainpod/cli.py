@@ -570,9 +570,11 @@ def stop(run_name: str, terminate: bool = False) -> int:
 
     The stop is recorded first, where supervisors look (runs/.RUN.STOPPED on the volume when it is mounted
     here, else through its S3 API when RunPod's S3 key is exported; and this machine's supervisor state), so
-    they leave the run down until `trainpod deploy` clears it; then the pods stop, the supervisor's first.
+    they leave the run down until `trainpod deploy` clears it; then the pods stop, the supervisor's first (also
+    when the record on the volume fails: a warning says so).
     """
     from trainpod import workloads
+    from trainpod.errors import TrainpodError
     from trainpod.runpod.client import RunPodClient
     from trainpod.runpod.deploy import stop_run
     from trainpod.runpod.supervise import mark_stopped
@@ -582,18 +584,27 @@ def stop(run_name: str, terminate: bool = False) -> int:
         volume = Volume.from_env()
         mounted = volume if volume.root.is_dir() else None
         volume_s3 = None if mounted else _supervised_volume_s3(_deploy_config_of(run_name))
-        # Recorded before the pods stop: a supervisor looking in between would take them for interrupted
-        # and start them again.
-        mark_stopped(run_name, mounted, volume_s3=volume_s3)
-        stop_run(client, run_name, terminate, tuple(workloads.REGISTRY))
+        unrecorded = None
         if mounted is None and volume_s3 is None:
+            unrecorded = (
+                f"it is not mounted here (TRAINPOD_VOLUME, {volume.root}) and RunPod's S3 key (AWS_ACCESS_KEY_ID, "
+                "AWS_SECRET_ACCESS_KEY) with the run's deploy config is not at hand"
+            )
+        # Recorded before the pods stop: a supervisor looking in between would take them for interrupted
+        # and start them again. A record that fails (S3 refusing its key or down, a full volume) stops nothing
+        # less: the pods would bill on, where a supervisor elsewhere may start them again at worst.
+        try:
+            mark_stopped(run_name, mounted, volume_s3=volume_s3)
+        except (TrainpodError, OSError) as exc:
+            unrecorded = f"writing it failed ({exc})"
+        stop_run(client, run_name, terminate, tuple(workloads.REGISTRY))
+        if unrecorded is not None:
             logging.getLogger("trainpod.stop").warning(
-                "runs/.%s.STOPPED is not recorded on the volume: it is not mounted here (TRAINPOD_VOLUME, %s) and "
-                "RunPod's S3 key (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) with the run's deploy config is not at "
-                "hand; a supervisor elsewhere (supervise.yml, another machine) does not see this stop and starts "
-                "the run again: export the key and stop again, or unset SUPERVISE_RUN",
+                "runs/.%s.STOPPED is not recorded on the volume: %s; a supervisor elsewhere (supervise.yml, another "
+                "machine) does not see this stop and starts the run again: stop again where the volume can be "
+                "written (mounted, or RunPod's S3 key exported), or unset SUPERVISE_RUN",
                 run_name,
-                volume.root,
+                unrecorded,
             )
         return ExitCode.DONE
 

@@ -15,7 +15,8 @@ connection in the middle of an event (`drop_after`). Event ids are the lines' ti
 description says (its one example id carries a `/<sequence>` suffix, which its own date-time schema
 for Last-Event-ID would refuse; the fake follows the schema, with microsecond timestamps). A request that does not validate
 gets a 400 like RunPod's and is recorded in `violations`; the `fake_runpod` fixtures fail the test
-when any is left. On demand it interrupts pods, refuses starts (no GPU free on the machine), has
+when any is left. Pods are answered as RunPod's Pod schema has them: with their `networkVolume` only when
+the query asks for it (`includeNetworkVolume=true`), and no `networkVolumeId` (it is the fake's own record). On demand it interrupts pods, refuses starts (no GPU free on the machine), has
 no capacity for GPU types, answers 429/5xx/401, or answers slowly (timeouts).
 `GET /v2/catalog/gpus` serves `gpu_catalog` with stock per CUDA version from `gpu_stock`; v2 answers
 with a JSON schema in RunPod's description are checked against it before they are sent, and v2 request
@@ -604,11 +605,25 @@ class FakeRunPod:
     def _new_id(self, prefix: str) -> str:
         return f"{prefix}{next(self._ids):04d}"
 
+    def _pod_answer(self, pod: dict, query: dict[str, str]) -> dict:
+        """A pod as RunPod's Pod schema gives it: no networkVolumeId (kept here, as the create asked), and its
+        networkVolume (id, name, size, data center) only when the query asks with includeNetworkVolume=true."""
+        answer = {k: v for k, v in pod.items() if k != "networkVolumeId"}
+        volume = self.volumes.get(pod.get("networkVolumeId") or "")
+        if query.get("includeNetworkVolume") == "true" and volume is not None:
+            answer["networkVolume"] = {
+                k: volume[k] for k in ("id", "name", "size", "dataCenterId") if k in volume
+            }
+        return answer
+
     def _ListPods(self, body, query):
-        return None, [p for p in self.pods.values() if query.get("name") in (None, p["name"])]
+        named = [p for p in self.pods.values() if query.get("name") in (None, p["name"])]
+        return None, [self._pod_answer(p, query) for p in named]
 
     def _GetPod(self, body, query, podId):
-        return (None, self.pods[podId]) if podId in self.pods else (404, {"error": "pod not found"})
+        if podId not in self.pods:
+            return 404, {"error": "pod not found"}
+        return None, self._pod_answer(self.pods[podId], query)
 
     def _CreatePod(self, body, query):
         gpu = None
@@ -638,7 +653,7 @@ class FakeRunPod:
         }
         self.pods[pod["id"]] = pod
         self.backend.create(pod)
-        return None, pod
+        return None, self._pod_answer(pod, {})
 
     def _DeletePod(self, body, query, podId):
         pod = self.pods.pop(podId, None)

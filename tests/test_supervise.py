@@ -97,7 +97,8 @@ def test_interrupted_twice_then_done(fake, volume, caplog):
 
 
 def test_start_refused_then_a_new_pod_on_the_same_volume_with_the_same_env(fake, volume, caplog):
-    first = deploy(client_for(fake), deploy_config()).pod
+    deployed = deploy(client_for(fake), deploy_config())
+    first = deployed.pod
     fake.refuse_start.add(first.id)
     fake.no_capacity.add(GPUS[0])
     fake.interrupt(first.id)
@@ -105,16 +106,32 @@ def test_start_refused_then_a_new_pod_on_the_same_volume_with_the_same_env(fake,
     assert supervisor(fake, volume).step() is None
     new = the_pod(fake)
     assert new["id"] != first.id and first.id not in fake.pods, "the replaced pod is terminated"
-    assert new["networkVolumeId"] == first.network_volume_id and new["env"] == first.env
+    assert new["networkVolumeId"] == deployed.volume.id and new["env"] == first.env
     assert new["gpu"]["id"] == GPUS[1], "the next GPU type in the config's order"
     assert f"start of pod {first.id} refused (500)" in caplog.text and "created pod" in caplog.text
 
 
+def test_a_replacement_goes_on_the_old_pods_volume_though_the_yaml_names_another_since(fake, volume):
+    """RunPod's pods carry their network volume only when asked (includeNetworkVolume): unasked, the replacement
+    of a pod whose start was refused went on the volume the edited YAML names, a new empty one made for it,
+    and the run started over there, billed twice, its checkpoints left behind."""
+    deployed = deploy(client_for(fake), deploy_config())
+    fake.refuse_start.add(deployed.pod.id)
+    fake.interrupt(deployed.pod.id)
+    moved = deploy_config()
+    moved.volume.name = "vol2"  # edited for the next run, while this one is still supervised
+    sup = Supervisor(client_for(fake), moved, volume, volume.run("tiny").root / "supervise.json",
+                     clock=Clock(), sleep=lambda s: None)  # fmt: skip
+    assert sup.step() is None
+    assert the_pod(fake)["networkVolumeId"] == deployed.volume.id, "the run goes on where its checkpoints are"
+    assert list(fake.volumes) == [deployed.volume.id], "no second volume made"
+
+
 def test_a_gone_pod_is_created_again(fake, volume):
-    first = deploy(client_for(fake), deploy_config()).pod
-    client_for(fake).terminate_pod(first.id)
+    deployed = deploy(client_for(fake), deploy_config())
+    client_for(fake).terminate_pod(deployed.pod.id)
     assert supervisor(fake, volume).step() is None
-    assert the_pod(fake)["networkVolumeId"] == first.network_volume_id
+    assert the_pod(fake)["networkVolumeId"] == deployed.volume.id
 
 
 def test_done_ends_with_0_when_the_pod_terminated_itself_since_the_look(fake, volume):
@@ -275,7 +292,8 @@ def machine_unfit_in_the_pod(fake, volume, pod_id: str) -> None:
 def test_exit_4_stops_the_pod_and_the_supervisor_replaces_it_with_the_same_volume_env_and_gpu_order(
     fake, volume, caplog
 ):
-    first = deploy(client_for(fake), deploy_config()).pod
+    deployed = deploy(client_for(fake), deploy_config())
+    first = deployed.pod
     machine_unfit_in_the_pod(fake, volume, first.id)
     assert fake.pods[first.id]["desiredStatus"] == "EXITED", (
         "the pod stops itself: a restart is the same machine"
@@ -286,7 +304,7 @@ def test_exit_4_stops_the_pod_and_the_supervisor_replaces_it_with_the_same_volum
     new = the_pod(fake)
     assert new["id"] != first.id and first.id not in fake.pods, "replaced and the old pod terminated"
     assert not fake.calls("POST", f"/pods/{first.id}/start"), "the unfit machine is never started again"
-    assert new["networkVolumeId"] == first.network_volume_id and new["env"] == first.env
+    assert new["networkVolumeId"] == deployed.volume.id and new["env"] == first.env
     (_, _, body) = fake.calls("POST", "/pods")[-1]
     assert body["gpuTypeIds"] == GPUS and body["gpuTypePriority"] == "custom"
     assert "on a machine that cannot run the image (exit 4) and the run not DONE: created pod" in caplog.text

@@ -422,7 +422,10 @@ class RunPodClient:
 
     # ---------------------------------------------------------------- pods
     def list_pods(self, name: str | None = None) -> list[Pod]:
-        pods = [Pod.from_api(p) for p in self.request("GET", "/pods", query={"name": name}) or []]
+        # A pod's network volume is in the answer only when asked for (Pod.networkVolume, includeNetworkVolume):
+        # deploy refuses a config whose volume moved by it, and a replacement goes on the same volume.
+        query = {"name": name, "includeNetworkVolume": "true"}
+        pods = [Pod.from_api(p) for p in self.request("GET", "/pods", query=query) or []]
         return [p for p in pods if name is None or p.name == name]  # the filter may be a prefix match
 
     def get_pod(self, pod_id: str) -> Pod | None:

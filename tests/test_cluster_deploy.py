@@ -17,6 +17,7 @@ import yaml
 from trainpod import atomic, cli
 from trainpod.config import load_config
 from trainpod.config.deploy import DeployConfig
+from trainpod.errors import ConfigError
 from trainpod.runpod.client import RunPodUnavailable
 from trainpod.runpod.cluster import cluster_body
 from trainpod.runpod.deploy import deploy, pod_env
@@ -241,6 +242,28 @@ def test_one_node_keeps_the_single_pod_path(fake, tmp_path):
     deploy(client_for(fake), config(tmp_path, nodes=1))
     assert len(fake.pods) == 1 and not fake.clusters and not fake.calls("POST", "/v2/clusters")
     assert pod_env(config(tmp_path, nodes=1))["TRAINPOD_GPU_HOURLY_USD"] == "20"
+
+
+def test_a_cluster_is_not_made_beside_the_runs_running_pod(fake, tmp_path):
+    """nodes: 1 -> 2 deployed while the pod trains: the cluster was made beside it, its node 0 found the run's
+    lease held (exit 75, a duplicate) and deleted it, and a supervisor made it again at every look (the pod's
+    steps reset its restart count), 16 GPUs pulling the image over and over."""
+    pod = deploy(client_for(fake), config(tmp_path, nodes=1)).pod
+    with pytest.raises(ConfigError) as refused:
+        deploy(client_for(fake), config(tmp_path))
+    assert not fake.calls("POST", "/v2/clusters") and not fake.clusters, "nothing made"
+    assert f"pod big-pretrain ({pod.id})" in str(refused.value) and "trainpod stop big" in str(refused.value)
+    fake.interrupt(pod.id)  # stopped: the cluster takes the run over from its checkpoints
+    assert deploy(client_for(fake), config(tmp_path)).action == "created"
+
+
+def test_a_pod_is_not_made_beside_the_runs_cluster(fake, tmp_path):
+    cluster = deploy(client_for(fake), config(tmp_path)).cluster
+    with pytest.raises(ConfigError) as refused:
+        deploy(client_for(fake), config(tmp_path, nodes=1))
+    assert not fake.calls("POST", "/pods") and not fake.pods, "nothing made"
+    assert f"Instant Cluster big-pretrain ({cluster.id}, 2 nodes)" in str(refused.value)
+    assert "trainpod stop big" in str(refused.value)
 
 
 def test_stop_deletes_the_runs_cluster_and_leaves_other_runs_alone(fake, tmp_path, capsys):

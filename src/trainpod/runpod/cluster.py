@@ -218,6 +218,7 @@ def deploy_cluster(
     seen = look(client, config)
     # Before a new volume is made, or a broken cluster made again there (the run over, from nothing).
     refuse_another_volume(client, config, seen.nodes)
+    refuse_beside_a_running_pod(client, config)
     accepted()
     volume = ensure_volume(client, config)
     if seen.whole:
@@ -235,6 +236,22 @@ def deploy_cluster(
     cluster = create(client, config, volume.id, env)
     log.info("cluster %s (%s, %d nodes) %s", cluster.name, cluster.id, config.nodes, action)
     return ClusterDeployment(volume, cluster, action)
+
+
+def refuse_beside_a_running_pod(client: RunPodClient, config: DeployConfig) -> None:
+    """ConfigError (exit 2) while the run's single pod (deployed with nodes: 1) is RUNNING: a cluster beside it
+    would train the same run, its node 0 refused the run's lease (exit 75, a duplicate) and the cluster deleted,
+    then made again by a supervisor at every look (the pod's steps are progress), every node pulling the image."""
+    pod = next((p for p in client.list_pods(name=config.pod_name) if p.desired_status == "RUNNING"), None)
+    if pod is None:
+        return
+    raise ConfigError(
+        [
+            f"nodes={config.nodes}: pod {pod.name} ({pod.id}) is training run {config.run} (deployed with nodes: 1) "
+            f"and a cluster beside it would train the same run; `trainpod stop {config.run}` first, then deploy "
+            "again: the cluster resumes from the last checkpoint"
+        ]
+    )
 
 
 def differences(seen: ClusterLook, config: DeployConfig, env: dict[str, str]) -> list[str]:

@@ -396,6 +396,7 @@ def deploy(
         env[DEPLOYED_ENV] = deployed
     pods = client.list_pods(name=config.pod_name)
     refuse_another_volume(client, config, pods)  # first: nothing is made or started for a config that moved
+    refuse_beside_a_cluster(client, config)
     accepted()
     template = ensure_template(client, config)
     volume = ensure_volume(client, config)
@@ -417,6 +418,22 @@ def deploy(
     pod, action = bring_back(client, config, exited, template.id, volume.id, env, replace=changed)
     log.info("pod %s (%s) %s", pod.name, pod.id, action)
     return Deployment(template, volume, pod, action)
+
+
+def refuse_beside_a_cluster(client: RunPodClient, config: DeployConfig) -> None:
+    """ConfigError (exit 2) while the run has an Instant Cluster (deployed with nodes > 1): a pod beside it would
+    train the same run, refused the run's lease (exit 75, a duplicate) for as long as the cluster holds it."""
+    cluster = next(iter(client.list_clusters(name=config.pod_name)), None)
+    if cluster is None:
+        return
+    raise ConfigError(
+        [
+            f"nodes=1: run {config.run} has the Instant Cluster {cluster.name} ({cluster.id}, {cluster.node_count} "
+            f"nodes) and a pod beside it would train the same run; `trainpod stop {config.run}` (which deletes "
+            "the cluster; the volume keeps the run) first, then deploy again: the pod resumes from the last "
+            "checkpoint"
+        ]
+    )
 
 
 def refuse_another_volume(client: RunPodClient, config: DeployConfig, pods: list[Pod]) -> None:

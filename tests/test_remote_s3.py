@@ -21,7 +21,7 @@ import pytest
 
 from trainpod.checkpoint.store import CheckpointStore
 from trainpod.data.datagen import load_dataset_manifest
-from trainpod.errors import InputError
+from trainpod.errors import InputError, TemporaryError
 from trainpod.log import redact
 from trainpod.remote.push import push
 from trainpod.remote.s3 import S3Target, VolumeS3
@@ -393,9 +393,9 @@ def test_pulling_an_output_remade_on_the_volume_never_leaves_the_old_manifest_ov
     assert (dest / "export/mine/manifest.json").read_bytes() == b'{"version": 2}'
 
 
-def commit_on_the_volume(raw, name: str, step: int, root: Path) -> None:
+def commit_on_the_volume(raw, name: str, step: int, root: Path, retention: bool = True) -> None:
     """What a run training on the volume does at a commit: step-<N> whole, then LATEST naming it, then
-    retention (keep_last 1) deleting the older checkpoints."""
+    retention (keep_last 1) deleting the older checkpoints (unless `retention` is False)."""
     store = CheckpointStore(root / "checkpoints")
     pending = store.begin(step)
     pending.write_bytes("model.safetensors", os.urandom(5000))
@@ -405,6 +405,8 @@ def commit_on_the_volume(raw, name: str, step: int, root: Path) -> None:
         if path.is_file():
             raw.upload_file(str(path), name, f"runs/r/checkpoints/{path.relative_to(root / 'checkpoints')}")
     raw.put_object(Bucket=name, Key="runs/r/checkpoints/LATEST", Body=f"step-{step}\n".encode())
+    if not retention:
+        return
     for listed in raw.list_objects_v2(Bucket=name, Prefix="runs/r/checkpoints/step-").get("Contents", []):
         if not listed["Key"].startswith(f"runs/r/checkpoints/step-{step}/"):
             raw.delete_object(Bucket=name, Key=listed["Key"])
@@ -438,6 +440,67 @@ def test_a_checkpoint_committed_while_the_run_is_listed_is_pulled_not_taken_for_
     latest = CheckpointStore(dest / "checkpoints").latest()  # verifies every piece's sha256
     assert latest is not None and latest.step == 20
     assert (dest / "checkpoints/LATEST").read_text() == "step-20\n"
+
+
+class RetentionDuringPull:
+    """The volume of a run still training, as pull reads it: at the GET of `at` (a checkpoint's file or its
+    manifest) the run has committed a newer checkpoint and its retention deleted `doomed` (a checkpoint's
+    folder, renamed away at once: every file of it gone together)."""
+
+    def __init__(self, client, raw, bucket: str, at: str, doomed: str):
+        self._client, self._raw, self._bucket, self.at, self.doomed = client, raw, bucket, at, doomed
+
+    def get_object(self, **kwargs):
+        if kwargs["Key"] == self.at:
+            for gone in objects(self._raw, self._bucket, self.doomed):
+                self._raw.delete_object(Bucket=self._bucket, Key=gone)
+        return self._client.get_object(**kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+
+@pytest.mark.parametrize("deleted_at", ["manifest.json", "optimizer.pt"])
+def test_pull_all_skips_a_checkpoint_the_runs_retention_deletes_midway_and_pulls_the_rest(
+    bucket, tmp_path, deleted_at
+):
+    """A checkpoint deleted by the run's keep_last while `pull RUN all` read it ended the pull with exit 75
+    and a vague 'disappeared' (its manifest gone: the same, after its files were read as unlisted ones), at
+    every try again where the run commits more often than the pull takes."""
+    from trainpod.remote.pull import pull
+
+    name, raw, _ = bucket
+    make_run_on_volume(raw, name, tmp_path / "pod")  # step-10
+    commit_on_the_volume(raw, name, 20, tmp_path / "pod/runs/r", retention=False)  # step-20, LATEST
+    s3 = volume_s3(name)
+    doomed = "runs/r/checkpoints/step-10/"
+    s3._client = RetentionDuringPull(s3._client, raw, name, at=doomed + deleted_at, doomed=doomed)
+    dest, lines = tmp_path / "laptop", []
+    pull(s3, "r", "all", dest, echo=lines.append)
+    said = "\n".join(lines)
+    assert "checkpoints/step-10" in said and "retention" in said and "pull again" in said, said
+    assert not (dest / "checkpoints/step-10").exists(), "half a deleted checkpoint was left in DEST"
+    assert not list(dest.rglob("*.tmp-pull"))
+    latest = CheckpointStore(dest / "checkpoints").latest()  # verifies every piece's sha256
+    assert latest is not None and latest.step == 20
+    assert (dest / "export/merged/manifest.json").is_file(), "the rest of the run is pulled"
+
+
+def test_pull_of_a_checkpoint_the_runs_retention_deletes_midway_is_exit_75_naming_it(bucket, tmp_path):
+    from trainpod.remote.pull import pull
+
+    name, raw, env = bucket
+    make_run_on_volume(raw, name, tmp_path / "pod")
+    s3 = volume_s3(name)
+    doomed = "runs/r/checkpoints/step-10/"
+    s3._client = RetentionDuringPull(s3._client, raw, name, at=doomed + "model.safetensors", doomed=doomed)
+    dest = tmp_path / "laptop"
+    with pytest.raises(TemporaryError) as refused:
+        pull(s3, "r", "checkpoint", dest, echo=lambda line: None)
+    assert "checkpoints/step-10" in str(refused.value) and "retention" in str(refused.value), refused.value
+    assert "pull again" in str(refused.value)
+    assert not (dest / "checkpoints/step-10").exists()
+    assert not (dest / "checkpoints/LATEST").exists(), "LATEST named a checkpoint that was not pulled"
 
 
 def test_pull_of_an_unknown_run_exits_2(bucket, tmp_path):

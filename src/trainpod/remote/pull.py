@@ -16,7 +16,9 @@ read it, checked by that version's ETag, even where it changed since the listing
 Manifests are written after the files they cover, and checkpoints/LATEST last, as the workloads write
 them. An output the volume made again since an earlier pull into DEST (a conversion
 run again into the same `output`) loses its old manifest before its first file is replaced, and the
-files only the old one listed once the new one is whole. Temp and quarantined folders (`*.tmp-*`,
+files only the old one listed once the new one is whole. A checkpoint the run's retention deletes
+while it is pulled is skipped, what DEST got of it removed (exit 75 where it was the newest: a newer
+one is there to pull). Temp and quarantined folders (`*.tmp-*`,
 `*.invalid-*`) and LEASE are never pulled.
 """
 
@@ -27,6 +29,7 @@ import json
 import logging
 import os
 import posixpath
+import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -156,7 +159,11 @@ def pull(s3: VolumeS3, run: str, what: str, dest: Path, echo=print) -> int:
     if not chosen:
         hint = "no committed checkpoint yet" if what == "checkpoint" else f"nothing under {prefix}{what}/ yet"
         raise InputError(f"pull {run} {what}: {hint}; `trainpod status {run}` shows how far the run is")
-    manifests = {p: s3.read(prefix + p) or b"{}" for p in chosen if posixpath.basename(p) == MANIFEST}
+    read = {p: s3.read(prefix + p) for p in chosen if posixpath.basename(p) == MANIFEST}
+    # A checkpoint whose manifest went since the listing was deleted by the run's retention (keep_last): skipped.
+    vanished = {_checkpoint_of(p) for p, raw in read.items() if raw is None} - {None}
+    manifests = {p: raw or b"{}" for p, raw in read.items() if _checkpoint_of(p) not in vanished}
+    chosen = [p for p in chosen if _checkpoint_of(p) not in vanished]
     expected = {}
     for path, raw in manifests.items():
         expected.update(manifest_expectations(path, _parsed(raw)))
@@ -170,13 +177,25 @@ def pull(s3: VolumeS3, run: str, what: str, dest: Path, echo=print) -> int:
     remade = _unvouch_remade_outputs(manifests, dest)
     files = [p for p in chosen if p not in manifests]
     versions = PulledVersions(os.environ, s3.bucket, prefix, dest)
-    downloaded = sum(_fetch(s3, prefix, p, objects[p], expected, dest, versions) for p in files)
+    downloaded = 0
+    for p in files:
+        if _checkpoint_of(p) in vanished:
+            continue
+        try:
+            downloaded += _fetch(s3, prefix, p, objects[p], expected, dest, versions)
+        except _Vanished:
+            if _checkpoint_of(p) is None:
+                raise
+            vanished.add(_checkpoint_of(p))
     for path, raw in manifests.items():  # after the files they describe, as the workloads write them
-        (dest / path).parent.mkdir(parents=True, exist_ok=True)
-        atomic.write_bytes(dest / path, raw)
+        if _checkpoint_of(path) not in vanished:
+            (dest / path).parent.mkdir(parents=True, exist_ok=True)
+            atomic.write_bytes(dest / path, raw)
     _remove_files_the_remade_outputs_dropped(remade, manifests, set(files), dest, echo)
+    _drop_vanished_checkpoints(vanished, latest, dest, prefix, echo)
     if what != "export" and latest:
         _point_latest(dest / "checkpoints", latest, echo)
+    files = [p for p in files if _checkpoint_of(p) not in vanished]
     checked = sum(1 for p in files if p in expected)
     echo(
         f"pulled {run} {what} into {dest}: {len(files)} file(s), {downloaded} downloaded, "
@@ -210,6 +229,41 @@ def _listing(s3: VolumeS3, prefix: str, run: str, what: str) -> tuple[dict[str, 
         f"{LISTING_ATTEMPTS} listings: the run is committing checkpoints right now, run the same pull again "
         "(if it stays so, that checkpoint's folder was deleted on the volume by hand)"
     )
+
+
+def _checkpoint_of(path: str) -> str | None:
+    """The checkpoint (step-N) a run's file belongs to: one in its folder, or another rank's RNG state of it."""
+    parts = path.split("/")
+    if len(parts) < 3 or parts[0] != "checkpoints":
+        return None
+    name = parts[2].split(".rank-")[0] if parts[1] == RANK_RNG_FOLDER else parts[1]
+    return name if step_of(name) is not None else None
+
+
+def _drop_vanished_checkpoints(vanished: set[str], latest: str | None, dest: Path, prefix: str, echo) -> None:
+    """Checkpoints the run's retention deleted from the volume while they were pulled (a run training commits a
+    newer one and deletes the oldest beyond checkpoint.keep_last): what DEST got of one is removed, a folder
+    no manifest vouches for, unless an earlier pull left it whole; the rest of the pull stands. When it was
+    the checkpoint LATEST named, DEST gets no LATEST for it, and the pull is exit 75: a newer one is there now."""
+    for name in sorted(vanished, key=step_of):
+        folder = dest / "checkpoints" / name
+        if not (folder / MANIFEST).is_file():
+            shutil.rmtree(folder, ignore_errors=True)
+            for rank_rng in (dest / "checkpoints" / RANK_RNG_FOLDER).glob(f"{name}.rank-*"):
+                rank_rng.unlink()
+        if name != latest:
+            echo(
+                f"skipped {prefix}checkpoints/{name}: the run's retention (checkpoint.keep_last) deleted it from "
+                "the volume while it was being pulled, as the run committed a newer one; run the same pull again "
+                "to get the newer ones (what was pulled is kept)"
+            )
+    if latest in vanished:
+        raise TemporaryError(
+            f"{prefix}checkpoints/{latest}, the newest checkpoint when the pull began, was deleted from the volume "
+            "while it was being pulled: the run's retention (checkpoint.keep_last) deletes older checkpoints as it "
+            "commits newer ones, so a newer one is there now; run the same pull again to get it (what was pulled "
+            "is kept)"
+        )
 
 
 def _refuse_other_checkpoints(manifests: dict[str, bytes], dest: Path, prefix: str) -> None:
@@ -366,13 +420,17 @@ def _holds(
     return read_at is not None and (not _plain_md5(read_at) or _digest(partial, "md5") == read_at)
 
 
+class _Vanished(TemporaryError):
+    """A file deleted from the volume between the listing and its download."""
+
+
 def _download(s3: VolumeS3, key: str, partial: Path, size: int) -> tuple[int, str | None]:
     """Complete `partial` from the volume; returns how many bytes an interrupted pull had left in it and the
     ETag of the version read (VolumeS3.download)."""
     try:
         return s3.download(key, partial, size)
     except FileNotFoundError:
-        raise TemporaryError(
+        raise _Vanished(
             f"{key} disappeared from the volume while being pulled (a training run deletes old checkpoints as "
             "it commits new ones); run the same pull again"
         ) from None

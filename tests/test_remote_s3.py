@@ -952,6 +952,41 @@ def test_an_upload_another_machine_left_unfinished_is_aborted_once_it_has_been_i
     assert objects(raw, name, "datasets/d/")["datasets/d/train.bin"] == local.read_bytes()
 
 
+class UndatedUploads:
+    """A gateway that lists unfinished uploads without their Initiated date (S3 gives it; an S3-compatible
+    gateway need not), through the real client on moto."""
+
+    def __init__(self, client):
+        self._client = client
+
+    def list_multipart_uploads(self, **kwargs):
+        answer = self._client.list_multipart_uploads(**kwargs)
+        undated = [{k: v for k, v in u.items() if k != "Initiated"} for u in answer.get("Uploads", [])]
+        return {**answer, "Uploads": undated}
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+
+def test_another_machines_upload_just_begun_is_left_alone_by_a_gateway_that_gives_no_upload_date(
+    bucket, tmp_path
+):
+    """An upload with no parts yet, listed without its Initiated date, was taken for one idle since long ago and
+    aborted: the other machine's first part was refused (NoSuchUpload, exit 2)."""
+    name, raw, _ = bucket
+    local = tmp_path / "train.bin"
+    local.write_bytes(os.urandom(2 * PART + 17))
+    key = "datasets/d/train.bin"
+    theirs = raw.create_multipart_upload(Bucket=name, Key=key)["UploadId"]  # the laptop's, a part to come
+    workstation = machine(name, tmp_path / "workstation")
+    workstation._client = UndatedUploads(workstation._client)
+    workstation.upload_file(local, key)
+    assert theirs in [u["UploadId"] for u in raw.list_multipart_uploads(Bucket=name).get("Uploads", [])], (
+        "another machine's upload of unknown age was aborted"
+    )
+    raw.upload_part(Bucket=name, Key=key, UploadId=theirs, PartNumber=1, Body=b"x" * PART)
+
+
 def test_pull_through_a_gateway_without_md5_etags_never_keeps_bytes_of_an_older_version_of_the_same_size(
     bucket, tmp_path
 ):

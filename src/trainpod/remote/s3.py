@@ -23,8 +23,8 @@ against the local file. Every object uploaded carries the whole file's MD5 as us
 gateway; an upload is resumed only by the machine that started it, for the same bytes, so that
 metadata never misnames an object. Another machine's unfinished upload of the same key is left alone
 (aborted, its push would fail at its next part) until nothing was sent to it for a day
-(ABANDONED_UPLOAD_S). An object appears only when its upload completes, so no reader
-ever sees half of one. Downloads append to a `.tmp-pull` file with ranged GETs, so an interrupted one
+(ABANDONED_UPLOAD_S); one the gateway gives no dates to judge that by is left alone. An object
+appears only when its upload completes, so no reader ever sees half of one. Downloads append to a `.tmp-pull` file with ranged GETs, so an interrupted one
 continues where it stopped.
 """
 
@@ -486,16 +486,18 @@ class VolumeS3:
         return upload_id, kept
 
     def _abandoned(self, key: str, upload: dict) -> bool:
-        """Whether nothing was sent to `upload` (started or a part uploaded) for ABANDONED_UPLOAD_S; a date
-        the server does not give counts as long ago."""
+        """Whether nothing was sent to `upload` (started or a part uploaded) for ABANDONED_UPLOAD_S. A date the
+        server does not give is no proof of age: an upload listed without its start date (a gateway need not
+        give it) is judged by its parts' dates, and one with no part yet (begun a moment ago, maybe) or a part
+        undated is another machine's of unknown age, left alone."""
         idle_since = time.time() - ABANDONED_UPLOAD_S
         started = upload.get("Initiated")
         if started is not None and started.timestamp() > idle_since:
             return False
-        return not any(
-            p.get("LastModified") is not None and p["LastModified"].timestamp() > idle_since
-            for p in self._parts(key, upload["UploadId"])
-        )
+        sent = [p.get("LastModified") for p in self._parts(key, upload["UploadId"])]
+        if None in sent or (started is None and not sent):
+            return False
+        return all(date.timestamp() <= idle_since for date in sent)
 
     def _parts(self, key: str, upload_id: str) -> Iterator[dict]:
         marker = 0

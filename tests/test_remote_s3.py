@@ -952,6 +952,44 @@ def test_an_upload_another_machine_left_unfinished_is_aborted_once_it_has_been_i
     assert objects(raw, name, "datasets/d/")["datasets/d/train.bin"] == local.read_bytes()
 
 
+class AnotherPushMeanwhile:
+    """One machine's client, through which another machine's push of the same key (other bytes) completes
+    right after this one's upload completes, before its check of what landed: the last writer wins."""
+
+    def __init__(self, client, other_push):
+        self._client, self.other_push = client, other_push
+
+    def complete_multipart_upload(self, **kwargs):
+        answer = self._client.complete_multipart_upload(**kwargs)
+        self.other_push()
+        return answer
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+
+@pytest.mark.parametrize("their_size", ["same size", "other size"])
+def test_a_push_overwritten_by_another_machines_push_says_so_not_corrupted_on_the_way(
+    bucket, tmp_path, their_size
+):
+    """Two machines pushing different bytes to one key: the one completing first found the other's object and
+    was told its bytes were 'corrupted on the way' (or that the sizes differ), with 'run the same push again',
+    which then refused the key as other content."""
+    name, raw, _ = bucket
+    mine, theirs = tmp_path / "mine.bin", tmp_path / "theirs.bin"
+    mine.write_bytes(os.urandom(2 * PART + 17))
+    theirs.write_bytes(os.urandom(2 * PART + (17 if their_size == "same size" else 99)))
+    key = "datasets/d/train.bin"
+    laptop, workstation = machine(name, tmp_path / "laptop"), machine(name, tmp_path / "workstation")
+    laptop._client = AnotherPushMeanwhile(laptop._client, lambda: workstation.upload_file(theirs, key))
+    with pytest.raises(InputError) as refused:
+        laptop.upload_file(mine, key)
+    said = str(refused.value)
+    assert "another" in said and "meanwhile" in said and "corrupted" not in said, said
+    assert hashlib.md5(theirs.read_bytes()).hexdigest() in said, "the message names the bytes now there"
+    assert objects(raw, name, key)[key] == theirs.read_bytes()
+
+
 class UndatedUploads:
     """A gateway that lists unfinished uploads without their Initiated date (S3 gives it; an S3-compatible
     gateway need not), through the real client on moto."""

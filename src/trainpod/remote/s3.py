@@ -11,21 +11,23 @@ local S3 server). Credentials come from boto3's usual chain (AWS_* variables, AW
 files of `aws configure`); both halves are registered with trainpod.log's mask, so neither reaches
 a log line or an error, and nothing here writes them anywhere.
 
-Uploads are multipart and resumable: the parts of an unfinished upload are listed from the server,
-and a part whose size and MD5 (its ETag) match the local bytes is kept. A gateway whose part ETags are
-not MD5s (opaque tokens) proves nothing by them alone, so each part sent is also recorded on this
-machine (UploadRecord: its MD5 and the ETag the server gave it, never a credential): a listed part of
-the right size whose ETag is the one recorded for it, recorded with the MD5 the local bytes have now,
-is kept too; anything else is sent again. Each part is sent with Content-MD5 and its returned ETag
-compared; the finished object's size and its multipart ETag (the MD5 of the parts' MD5s) are checked
-against the local file. Every object uploaded carries the whole file's MD5 as user metadata
-(`trainpod-md5`), which tells a file already on the volume from other bytes of its size on any
-gateway; an upload is resumed only by the machine that started it, for the same bytes, so that
-metadata never misnames an object. Another machine's unfinished upload of the same key is left alone
-(aborted, its push would fail at its next part) until nothing was sent to it for a day
-(ABANDONED_UPLOAD_S); one the gateway gives no dates to judge that by is left alone. An object
-appears only when its upload completes, so no reader ever sees half of one. Downloads append to a `.tmp-pull` file with ranged GETs, so an interrupted one
-continues where it stopped.
+Uploads are multipart and resumable: the parts of an unfinished upload are listed from the server, and
+a part whose size and MD5 (its ETag) match the local bytes is kept. A gateway whose part ETags are not
+MD5s (opaque tokens) proves nothing by them alone, so each part sent is also recorded on this machine
+(UploadRecord: its MD5 and the ETag the server gave it, never a credential): a listed part of the
+right size whose ETag is the one recorded for it, recorded with the MD5 the local bytes have now, is
+kept too; anything else is sent again. Each part is sent with Content-MD5 and its returned ETag
+compared; the completed object's multipart ETag (the MD5 of the parts' MD5s) is checked against the
+local file's, then what the key holds by its size and recorded MD5: another push's object completed
+meanwhile (other bytes, the last writer wins) is said to be that, exit 2, not bytes corrupted on the
+way. Every object uploaded carries the whole file's MD5 as user metadata (`trainpod-md5`), which tells
+a file already on the volume from other bytes of its size on any gateway; an upload is resumed only by
+the machine that started it, for the same bytes, so that metadata never misnames an object. Another
+machine's unfinished upload of the same key is left alone (aborted, its push would fail at its next
+part) until nothing was sent to it for a day (ABANDONED_UPLOAD_S); one the gateway gives no dates to
+judge that by is left alone. An object appears only when its upload completes, so no reader ever sees
+half of one. Downloads append to a `.tmp-pull` file with ranged GETs, so an interrupted one continues
+where it stopped.
 """
 
 from __future__ import annotations
@@ -412,7 +414,7 @@ class VolumeS3:
         # completion naming the local MD5s would be refused with InvalidPart).
         etags = kept | sent
         parts = [{"PartNumber": n, "ETag": f'"{etags[n]}"'} for n in range(1, len(digests) + 1)]
-        self._call(
+        completed = self._call(
             "complete the upload of",
             key,
             self._client.complete_multipart_upload,
@@ -421,15 +423,36 @@ class VolumeS3:
             UploadId=upload_id,
             MultipartUpload={"Parts": parts},
         )
+        # This upload's object as the server assembled it (not the file read again), then what the key holds now:
+        # another writer's object completed meanwhile is not bytes corrupted on the way.
+        self._check_etag(key, _etag(completed.get("ETag", "")), multipart_etag(digests))
         landed = self.head(key)
-        if landed is None or landed.size != size:
+        if landed is None:
             raise TemporaryError(
-                f"s3://{self.bucket}/{key}: {landed.size if landed else 'no'} bytes on the volume after the "
-                f"upload, {size} here; run the same push again"
+                f"s3://{self.bucket}/{key}: no object on the volume after the upload (deleted meanwhile); run the "
+                "same push again"
             )
-        self._check_etag(key, landed.etag, multipart_etag(digests))  # not the file read again
+        if not self._holds(landed, size, whole.hexdigest(), multipart_etag(digests)):
+            raise self._overwritten(key, landed, size)
         record.remove()
         return len(kept)
+
+    @staticmethod
+    def _holds(landed: RemoteObject, size: int, md5: str, etag: str) -> bool:
+        """Whether the key's object is this file: its size, and the whole file's MD5 its writer recorded (any
+        gateway), else its ETag where that is an MD5 form."""
+        if landed.size != size:
+            return False
+        return landed.md5 == md5 if landed.md5 is not None else etag_agrees(landed.etag, etag)
+
+    def _overwritten(self, key: str, landed: RemoteObject, size: int) -> InputError:
+        theirs = f"MD5 {landed.md5}" if landed.md5 else f"ETag {landed.etag}"
+        return InputError(
+            f"s3://{self.bucket}/{key}: another push wrote other bytes to this key meanwhile (another machine, or "
+            f"the same push run twice with other files): the volume holds theirs ({landed.size:,} bytes, {theirs}), "
+            f"not this file ({size:,} bytes), which arrived whole and was replaced. Decide which is wanted: push "
+            "to another name, or delete it on the volume and push again"
+        )
 
     def _resume(
         self, key: str, digests: list[bytes], part: int, size: int, record: UploadRecord, md5: str

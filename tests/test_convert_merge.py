@@ -312,6 +312,41 @@ def test_a_hub_base_is_fetched_at_the_revision_the_finetune_pinned(
     assert asked == [("org/tiny-base", "abc123", "hf")], "the finetune's revision, in the finetune's cache"
 
 
+def test_a_hub_base_the_finetune_downloaded_merges_offline_at_its_pinned_commit(
+    vol: Volume, base: Path, monkeypatch
+) -> None:
+    # The finetune pins the hub commit it trained on; with HF_HUB_OFFLINE=1 (the volume's cache/hf as the hub)
+    # huggingface_hub 1.x (the lent GPU machines' 1.33) looks a commit up online all the same and raised
+    # OfflineModeIsEnabled: exit 75 'the next start tries again', at every start. The real huggingface_hub here.
+    import shutil
+
+    commit = "c" * 40
+    cached = vol.cache() / "hf" / "models--org--tiny-base"
+    shutil.copytree(base, cached / "snapshots" / commit)
+    (cached / "refs").mkdir()
+    (cached / "refs/main").write_text(commit)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)  # read once, at its import
+    summary = {"base_model": "org/tiny-base", "base_model_folder": "/gone", "base_model_revision": commit}
+    make_adapter(base, adapter_dir(vol), summary=summary)
+    out = merge(vol)
+    assert json.loads((out / "manifest.json").read_text())["files"], "merged into the cached base"
+
+
+def test_a_hub_base_missing_from_the_cache_offline_is_exit_2_naming_hf_hub_offline(
+    vol: Volume, base: Path, monkeypatch
+) -> None:
+    # It was exit 75 'the next start tries again': each start read the same cache, never the hub.
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    summary = {"base_model": "org/tiny-base", "base_model_folder": "/gone", "base_model_revision": "c" * 40}
+    make_adapter(base, adapter_dir(vol), summary=summary)
+    with pytest.raises(InputError) as caught:
+        merge(vol)
+    assert caught.value.exit_code == ExitCode.BAD_INPUT
+    assert "org/tiny-base" in str(caught.value) and "HF_HUB_OFFLINE" in str(caught.value)
+
+
 def test_an_adapter_of_conv1d_layers_merges_into_the_base_it_was_trained_on(
     vol: Volume, tmp_path: Path
 ) -> None:

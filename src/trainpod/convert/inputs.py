@@ -74,7 +74,7 @@ def fetch_base(reference: str, volume: Volume, revision: str | None = None) -> P
     path = local_base(reference, volume)
     if path is not None:
         return path
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
         HfHubHTTPError,
@@ -99,6 +99,10 @@ def fetch_base(reference: str, volume: Volume, revision: str | None = None) -> P
                 allow_patterns=_HUB_PATTERNS,
                 ignore_patterns=HUB_OTHER_FORMATS,
                 token=os.environ.get("HF_TOKEN") or None,
+                # Offline (HF_HUB_OFFLINE), the cache is the hub. huggingface_hub 1.x (the lent GPU machines'
+                # 1.33) looks the commit the finetune pinned up online even then and raises OfflineModeIsEnabled;
+                # local_files_only reads the cache in 1.x and 2.x alike, as the finetune's download does.
+                local_files_only=constants.HF_HUB_OFFLINE,
             )
         )
     except (RepositoryNotFoundError, GatedRepoError, RevisionNotFoundError):
@@ -110,6 +114,12 @@ def fetch_base(reference: str, volume: Volume, revision: str | None = None) -> P
     except (HfHubHTTPError, OSError) as exc:
         if is_disk_full(exc):  # no outage that passes: every start would download into the same full volume
             raise volume_full(volume.cache() / "hf", f"the base model {reference}") from exc
+        if constants.HF_HUB_OFFLINE:  # no outage: every start would read the same cache without it
+            raise InputError(
+                f"base model {reference!r} (revision {revision or 'main'}) is not in {volume.cache() / 'hf'}, and "
+                "HF_HUB_OFFLINE is set, so the hub is not asked: unset HF_HUB_OFFLINE to download it, or set "
+                "base_model to a local folder"
+            ) from None
         raise TemporaryError(
             f"could not fetch the base model {reference!r} from the Hugging Face hub "
             f"({type(exc).__name__}); the next start tries again"

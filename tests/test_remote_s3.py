@@ -5,6 +5,7 @@ in their environment, and the push interruption in-process (an exception from th
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -501,6 +502,56 @@ def test_pull_of_a_checkpoint_the_runs_retention_deletes_midway_is_exit_75_namin
     assert "pull again" in str(refused.value)
     assert not (dest / "checkpoints/step-10").exists()
     assert not (dest / "checkpoints/LATEST").exists(), "LATEST named a checkpoint that was not pulled"
+
+
+def test_pull_into_a_disk_without_room_is_exit_5_saying_what_it_needs_not_a_traceback(bucket, tmp_path):
+    """A pull onto a laptop's full disk ended in a traceback (OSError: No space left on device, exit 1) after
+    downloading what fitted, with no word of how much it needed."""
+    from support import small_filesystem
+
+    name, raw, env = bucket
+    make_run_on_volume(raw, name, tmp_path / "pod")  # about 9 MiB: a checkpoint and an export
+    with small_filesystem(tmp_path / "laptop", "4m") as disk:
+        result = trainpod(env, "pull", "r", "all", str(disk / "r"))
+        output = result.stdout + result.stderr
+        assert result.returncode == 5, output
+        assert "Traceback" not in output
+        assert "MiB" in output and "free" in output and str(disk / "r") in output, output
+        assert not list(disk.rglob("*.tmp-pull")), "bytes were downloaded that could never fit"
+
+
+class DiskFilledMeanwhile:
+    """Something else on the laptop fills its disk at pull's GET of runs/r/export/hf/'s file, after the checkpoint's."""
+
+    def __init__(self, client, disk: Path):
+        self._client, self.disk = client, disk
+
+    def get_object(self, **kwargs):
+        if "/export/hf/" in kwargs["Key"] and not (self.disk / "filler").exists():
+            with open(self.disk / "filler", "wb") as f, contextlib.suppress(OSError):
+                while True:
+                    f.write(b"\0" * (1 << 16))
+        return self._client.get_object(**kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+
+def test_pull_onto_a_disk_that_fills_midway_is_exit_5_keeping_what_was_pulled(bucket, tmp_path):
+    from trainpod.errors import VolumeFull
+    from trainpod.remote.pull import pull
+
+    from support import small_filesystem
+
+    name, raw, _ = bucket
+    make_run_on_volume(raw, name, tmp_path / "pod")
+    with small_filesystem(tmp_path / "laptop", "16m") as disk:
+        s3 = volume_s3(name)
+        s3._client = DiskFilledMeanwhile(s3._client, disk)
+        with pytest.raises(VolumeFull) as full:
+            pull(s3, "r", "all", disk / "r", echo=lambda line: None)
+        assert "free" in str(full.value) and str(disk / "r") in str(full.value), full.value
+        assert (disk / "r/checkpoints/step-10/model.safetensors").is_file(), "what was pulled is kept"
 
 
 def test_pull_of_an_unknown_run_exits_2(bucket, tmp_path):

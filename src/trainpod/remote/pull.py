@@ -18,8 +18,8 @@ them. An output the volume made again since an earlier pull into DEST (a convers
 run again into the same `output`) loses its old manifest before its first file is replaced, and the
 files only the old one listed once the new one is whole. A checkpoint the run's retention deletes
 while it is pulled is skipped, what DEST got of it removed (exit 75 where it was the newest: a newer
-one is there to pull). Temp and quarantined folders (`*.tmp-*`,
-`*.invalid-*`) and LEASE are never pulled.
+one is there to pull). A DEST without room for what is still to come is exit 5 before any download.
+Temp and quarantined folders (`*.tmp-*`, `*.invalid-*`) and LEASE are never pulled.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ from pathlib import Path
 
 from trainpod import atomic
 from trainpod.checkpoint.store import LATEST, PIECE_BYTES, RANK_RNG_FOLDER, step_dir_name, step_of
-from trainpod.errors import InputError, TemporaryError
+from trainpod.diskspace import free_bytes, is_disk_full, size_text
+from trainpod.errors import InputError, TemporaryError, VolumeFull
 from trainpod.remote.s3 import RemoteObject, VolumeS3, cache_folder
 
 log = logging.getLogger("trainpod.pull")
@@ -174,23 +175,31 @@ def pull(s3: VolumeS3, run: str, what: str, dest: Path, echo=print) -> int:
             "may be replacing it right now: run the same pull again later"
         )
     _refuse_other_checkpoints(manifests, dest, prefix)
-    remade = _unvouch_remade_outputs(manifests, dest)
     files = [p for p in chosen if p not in manifests]
+    sizes = {p: objects[p].size for p in files}
+    if free_bytes(dest) < _bytes_to_come(sizes, dest):
+        raise _no_room(dest, prefix, sizes)
+    remade = _unvouch_remade_outputs(manifests, dest)
     versions = PulledVersions(os.environ, s3.bucket, prefix, dest)
     downloaded = 0
-    for p in files:
-        if _checkpoint_of(p) in vanished:
-            continue
-        try:
-            downloaded += _fetch(s3, prefix, p, objects[p], expected, dest, versions)
-        except _Vanished:
-            if _checkpoint_of(p) is None:
-                raise
-            vanished.add(_checkpoint_of(p))
-    for path, raw in manifests.items():  # after the files they describe, as the workloads write them
-        if _checkpoint_of(path) not in vanished:
-            (dest / path).parent.mkdir(parents=True, exist_ok=True)
-            atomic.write_bytes(dest / path, raw)
+    try:
+        for p in files:
+            if _checkpoint_of(p) in vanished:
+                continue
+            try:
+                downloaded += _fetch(s3, prefix, p, objects[p], expected, dest, versions)
+            except _Vanished:
+                if _checkpoint_of(p) is None:
+                    raise
+                vanished.add(_checkpoint_of(p))
+        for path, raw in manifests.items():  # after the files they describe, as the workloads write them
+            if _checkpoint_of(path) not in vanished:
+                (dest / path).parent.mkdir(parents=True, exist_ok=True)
+                atomic.write_bytes(dest / path, raw)
+    except OSError as exc:
+        if not is_disk_full(exc):  # else the disk filled meanwhile: something else wrote to it
+            raise
+        raise _no_room(dest, prefix, sizes) from None
     _remove_files_the_remade_outputs_dropped(remade, manifests, set(files), dest, echo)
     _drop_vanished_checkpoints(vanished, latest, dest, prefix, echo)
     if what != "export" and latest:
@@ -228,6 +237,29 @@ def _listing(s3: VolumeS3, prefix: str, run: str, what: str) -> tuple[dict[str, 
         f"{prefix}checkpoints/{LATEST} names {latest}, which was not among the run's files in "
         f"{LISTING_ATTEMPTS} listings: the run is committing checkpoints right now, run the same pull again "
         "(if it stays so, that checkpoint's folder was deleted on the volume by hand)"
+    )
+
+
+def _bytes_to_come(sizes: dict[str, int], dest: Path) -> int:
+    """What the files of `sizes` still need in DEST: none for one there at its size, the rest of one begun."""
+    needed = 0
+    for path, size in sizes.items():
+        final = dest / path
+        partial = final.with_name(final.name + PARTIAL)
+        if final.is_file() and final.stat().st_size == size:
+            continue
+        begun = partial.stat().st_size if partial.is_file() else 0
+        needed += size - begun if begun <= size else size
+    return needed
+
+
+def _no_room(dest: Path, prefix: str, sizes: dict[str, int]) -> VolumeFull:
+    """Exit 5 before a download that cannot fit (not a traceback after the bytes that did), or when the disk
+    filled midway; what was pulled stays for the same pull to go on from."""
+    return VolumeFull(
+        f"no space left at {dest} for the pull of {prefix}: it needs about {size_text(_bytes_to_come(sizes, dest))} "
+        f"more and {size_text(free_bytes(dest))} is free; free space on this machine or pull into another DEST "
+        "(what was pulled is kept: the same pull goes on from it)"
     )
 
 

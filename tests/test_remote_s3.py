@@ -520,6 +520,46 @@ def test_pull_into_a_disk_without_room_is_exit_5_saying_what_it_needs_not_a_trac
         assert not list(disk.rglob("*.tmp-pull")), "bytes were downloaded that could never fit"
 
 
+class CutAt:
+    """The connection drops (Ctrl-C, a laptop's lid closed) at pull's GET of `key`."""
+
+    def __init__(self, client, key: str):
+        self._client, self.key = client, key
+
+    def get_object(self, **kwargs):
+        answer = self._client.get_object(**kwargs)
+        if kwargs["Key"] == self.key:
+            return {**answer, "Body": DroppedBody(answer["Body"].read()[:1000])}
+        return answer
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+
+def test_what_an_interrupted_pull_got_of_a_checkpoint_the_volume_has_since_deleted_is_removed(
+    bucket, tmp_path
+):
+    """A pull interrupted in a checkpoint that the run's retention deleted before the next pull left that half
+    folder (gigabytes of a checkpoint: its files and .tmp-pull) in DEST for good, no manifest to make it one."""
+    from trainpod.remote.pull import pull
+
+    name, raw, _ = bucket
+    make_run_on_volume(raw, name, tmp_path / "pod")
+    s3 = volume_s3(name)
+    s3._client = CutAt(s3._client, "runs/r/checkpoints/step-10/optimizer.pt")
+    dest = tmp_path / "laptop"
+    with pytest.raises(KeyboardInterrupt):
+        pull(s3, "r", "checkpoint", dest, echo=lambda line: None)
+    assert (dest / "checkpoints/step-10/optimizer.pt.tmp-pull").is_file()
+    commit_on_the_volume(raw, name, 20, tmp_path / "pod/runs/r")  # keep_last 1: step-10 deleted
+    lines: list[str] = []
+    pull(volume_s3(name), "r", "checkpoint", dest, echo=lines.append)
+    assert not (dest / "checkpoints/step-10").exists(), "an interrupted pull's half checkpoint was left"
+    assert any("step-10" in line for line in lines), lines
+    latest = CheckpointStore(dest / "checkpoints").latest()
+    assert latest is not None and latest.step == 20
+
+
 class DiskFilledMeanwhile:
     """Something else on the laptop fills its disk at pull's GET of runs/r/export/hf/'s file, after the checkpoint's."""
 

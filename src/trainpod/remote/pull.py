@@ -202,6 +202,8 @@ def pull(s3: VolumeS3, run: str, what: str, dest: Path, echo=print) -> int:
         raise _no_room(dest, prefix, sizes) from None
     _remove_files_the_remade_outputs_dropped(remade, manifests, set(files), dest, echo)
     _drop_vanished_checkpoints(vanished, latest, dest, prefix, echo)
+    if what != "export":
+        _remove_interrupted_pulls_of_deleted_checkpoints(objects, dest, prefix, echo)
     if what != "export" and latest:
         _point_latest(dest / "checkpoints", latest, echo)
     files = [p for p in files if _checkpoint_of(p) not in vanished]
@@ -295,6 +297,25 @@ def _drop_vanished_checkpoints(vanished: set[str], latest: str | None, dest: Pat
             "while it was being pulled: the run's retention (checkpoint.keep_last) deletes older checkpoints as it "
             "commits newer ones, so a newer one is there now; run the same pull again to get it (what was pulled "
             "is kept)"
+        )
+
+
+def _remove_interrupted_pulls_of_deleted_checkpoints(
+    objects: dict[str, RemoteObject], dest: Path, prefix: str, echo
+) -> None:
+    """What an interrupted pull got of a checkpoint the run's retention has since deleted on the volume: a
+    folder with no manifest.json (never a committed checkpoint: a commit renames its folder into place with
+    the manifest in it) that no later pull can finish, gigabytes left in DEST for good otherwise."""
+    on_volume = {_checkpoint_of(p) for p in objects} - {None}
+    for folder in sorted((dest / "checkpoints").glob("step-*")):
+        if step_of(folder.name) is None or folder.name in on_volume or (folder / MANIFEST).exists():
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        for rank_rng in (dest / "checkpoints" / RANK_RNG_FOLDER).glob(f"{folder.name}.rank-*{PARTIAL}"):
+            rank_rng.unlink()
+        echo(
+            f"removed {folder}: an interrupted pull's part of a checkpoint the run's retention has since deleted "
+            f"from {prefix}checkpoints/"
         )
 
 

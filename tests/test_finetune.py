@@ -389,13 +389,26 @@ def test_the_kits_own_pretrain_export_is_a_base_model(tiny_dataset_volume, tmp_p
 
 
 def test_an_unreachable_hub_model_is_a_temporary_failure_for_the_supervisor(volume):
-    offline = {"HF_HUB_OFFLINE": "1"}  # no hub here: the download fails the way an outage does
+    outage = {"HF_ENDPOINT": "http://127.0.0.1:9"}  # a hub refusing connections, as in an outage
     result = run_trainpod(
-        *finetune_args("--set", "base_model.path=someorg/somemodel"), volume=volume, env=offline
+        *finetune_args("--set", "base_model.path=someorg/somemodel"), volume=volume, env=outage
     )
     output = result.stdout + result.stderr
     assert result.returncode == 75, output
     assert "downloading base_model.path='someorg/somemodel' failed" in output
+
+
+def test_a_hub_model_missing_from_the_cache_offline_is_exit_2_naming_hf_hub_offline(volume):
+    """HF_HUB_OFFLINE=1 reads the volume's cache/hf alone: a base not there was exit 75 'will retry on the
+    next start', and every start read the same cache until the pod was marked FAILED."""
+    result = run_trainpod(
+        *finetune_args("--set", "base_model.path=someorg/somemodel"),
+        volume=volume,
+        env={"HF_HUB_OFFLINE": "1"},
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output
+    assert "someorg/somemodel" in output and "HF_HUB_OFFLINE" in output
 
 
 def test_a_hub_base_is_fetched_without_its_weights_in_another_layout(tmp_path, monkeypatch):

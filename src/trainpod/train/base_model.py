@@ -129,6 +129,12 @@ def _download(cfg: BaseModelConfig, volume: Volume, revision: str | None, pinned
     except Exception as exc:  # network and hub outages: the supervisor starts us again later
         if is_disk_full(exc):  # no outage that passes: every start would download into the same full volume
             raise volume_full(volume.cache() / "hf", f"the base model {cfg.path}") from exc
+        if constants.HF_HUB_OFFLINE:  # no outage: every start would read the same cache without it
+            raise InputError(
+                f"base_model.path={cfg.path!r} (revision {revision or 'main'}) is not in {volume.cache() / 'hf'}, "
+                "and HF_HUB_OFFLINE is set, so the hub is not asked: unset HF_HUB_OFFLINE to download it, or set "
+                "base_model.path to a local folder"
+            ) from None
         raise TemporaryError(
             f"downloading base_model.path={cfg.path!r} failed ({type(exc).__name__}); will retry on the next start"
         ) from None

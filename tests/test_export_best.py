@@ -45,6 +45,22 @@ def scripted(real_evaluate):
 Finetuner.evaluate = scripted(Finetuner.evaluate)
 Pretrainer.evaluate = scripted(Pretrainer.evaluate)
 """
+# Each rank's DCP reads (dcp.load) recorded by the keys of the state it fills, one JSON line per load.
+RECORDED_DCP_LOADS = """
+import json, os
+import torch.distributed.checkpoint as dcp
+
+_load = dcp.load
+
+
+def recorded_load(state_dict, *args, **kwargs):
+    with open(os.environ["DCP_LOADS"], "a") as out:
+        out.write(json.dumps({part: sorted(value) for part, value in state_dict.items()}) + "\\n")
+    return _load(state_dict, *args, **kwargs)
+
+
+dcp.load = recorded_load
+"""
 RUN_TRAINPOD = """
 import runpy, sys
 sys.argv = ["trainpod", *sys.argv[1:]]
@@ -190,27 +206,49 @@ def test_a_pretrains_export_weights_best_exports_the_best_checkpoints_weights(vo
     assert json.loads((run / "export" / "hf" / "manifest.json").read_text())["weights"]["step"] == 4, output
 
 
-def test_two_fsdp_ranks_export_the_best_checkpoints_weights_as_one_rank_does(volume: Path, tmp_path: Path):
-    """Sharded: each rank loads its shards of the best checkpoint (a collective) before the export gathers them."""
+def run_on_two_fsdp_ranks_recording_dcp_loads(
+    args: tuple[str, ...], volume: Path, tmp_path: Path
+) -> list[dict]:
+    """`args` on two FSDP ranks with scripted evals; the DCP loads they made, by the state's parts."""
     hook = tmp_path / "hook"
     hook.mkdir()
-    (hook / "sitecustomize.py").write_text(SCRIPTED_EVALS)  # both ranks' evals scripted
-    args = (
-        *("run", "pretrain", "--config", str(TINY_PRETRAIN), "--set", "train.warmup_steps=1"),
-        *SETTINGS,
-        *("--set", "export.weights=best", "--nproc-per-node", "2", "--set", "train.parallel=fsdp"),
-    )
+    (hook / "sitecustomize.py").write_text(SCRIPTED_EVALS + RECORDED_DCP_LOADS)  # both ranks' evals scripted
+    dcp_loads = tmp_path / "dcp_loads.jsonl"
     env = {
         "EVAL_LOSSES": json.dumps(EVAL_LOSSES),
+        "DCP_LOADS": str(dcp_loads),
         "PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]),
     }
+    args = (*args, "--set", "export.weights=best", "--nproc-per-node", "2", "--set", "train.parallel=fsdp")
     result = subprocess.run(
         trainpod_cmd(*args, volume=volume), env=child_env(env), capture_output=True, text=True, timeout=300
     )
     output = result.stdout + result.stderr
     assert result.returncode == ExitCode.DONE, output
+    assert "exporting the weights of step 4" in output, output
+    loads = [json.loads(line) for line in dcp_loads.read_text().splitlines()]
+    assert len(loads) == 2 and all(load["model"] for load in loads), f"one load of step 4 per rank: {loads}"
+    return loads
+
+
+def assert_read_the_weights_alone(loads: list[dict]) -> None:
+    assert [sorted(load) for load in loads] == [["model"], ["model"]], (
+        f"the best export read more than the weights of step 4 (AdamW's state is twice them, read from the "
+        f"network volume for nothing): {[sorted(load) for load in loads]}"
+    )
+
+
+def test_two_fsdp_ranks_export_the_best_checkpoints_weights_as_one_rank_does(volume: Path, tmp_path: Path):
+    """Sharded: each rank loads its shards of the best checkpoint (a collective) before the export gathers them,
+    the weights alone."""
+    args = (
+        *("run", "pretrain", "--config", str(TINY_PRETRAIN), "--set", "train.warmup_steps=1"),
+        *SETTINGS,
+    )
+    loads = run_on_two_fsdp_ranks_recording_dcp_loads(args, volume, tmp_path)
+    assert_read_the_weights_alone(loads)
     run = volume / "runs" / RUN
-    assert json.loads((run / "export" / "hf" / "manifest.json").read_text())["weights"]["step"] == 4, output
+    assert json.loads((run / "export" / "hf" / "manifest.json").read_text())["weights"]["step"] == 4
     # The best checkpoint's shards converted on their own (`convert` task export of step 4).
     convert = tmp_path / "convert.yaml"
     convert.write_text(json.dumps({"name": RUN, "task": [{"kind": "export", "step": 4}]}))
@@ -225,6 +263,25 @@ def test_two_fsdp_ranks_export_the_best_checkpoints_weights_as_one_rank_does(vol
     exported = safetensors.torch.load_file(run / "export" / "hf" / "model.safetensors")
     step_4 = safetensors.torch.load_file(run / "export" / "hf-step-4" / "model.safetensors")
     differing = [name for name in exported if not torch.equal(exported[name], step_4[name])]
+    assert exported and not differing, f"the export is not step-4's weights: {differing[:3]} differ"
+
+
+def test_a_full_finetune_on_two_fsdp_ranks_exports_the_best_checkpoints_weights_alone(
+    finetune_volume: Path, tmp_path: Path
+):
+    args = finetune_args(*SETTINGS, "--set", "train.grad_accum_steps=1", method="full")
+    loads = run_on_two_fsdp_ranks_recording_dcp_loads(args, finetune_volume, tmp_path)
+    assert_read_the_weights_alone(loads)
+    run = finetune_volume / "runs" / FINETUNE_RUN
+    exported = safetensors.torch.load_file(next((run / "export").glob("*/model.safetensors")))
+    # The shards of step 4 gathered by torch itself, as transformers names the weights.
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(run / "checkpoints" / "step-4" / "model", tmp_path / "step-4.pt")
+    step_4 = {k.removeprefix("model."): v for k, v in torch.load(tmp_path / "step-4.pt")["model"].items()}
+    differing = [
+        name for name in exported if name in step_4 and not torch.equal(exported[name], step_4[name])
+    ]
     assert exported and not differing, f"the export is not step-4's weights: {differing[:3]} differ"
 
 

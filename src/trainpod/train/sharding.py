@@ -193,9 +193,10 @@ def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, check
 
 
 def load_sharded_weights(model: torch.nn.Module, checkpoint: Path) -> None:
-    """The weights alone of a DCP checkpoint (written by any number of ranks) into an unsharded `model`, in one
-    process with no process group: a conversion's export of a step, which needs no optimizer state (AdamW's
-    would be twice the weights in memory). ValueError when the shapes do not fit."""
+    """The weights alone of a DCP checkpoint (written by any number of ranks) into `model`: an export of a step,
+    which needs no optimizer state (AdamW's is twice the weights, read from the network volume and held in
+    memory for nothing). An unsharded model in one process with no process group (a conversion), or every
+    rank's shards of a sharded one (a collective: export.weights best). ValueError when the shapes do not fit."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
     state = {"model": get_model_state_dict(model)}
@@ -236,14 +237,9 @@ def load_full_into(
     Every rank has read the whole files, so each cuts its own shards out of them (`distribute_tensor`
     with no source rank): no communication, where torch's full-state-dict loading broadcasts every
     tensor from rank 0. ValueError when the tensors do not fit."""
-    from trainpod.train.state import load_optimizer_state, weights_misfit
+    from trainpod.train.state import load_optimizer_state
 
-    problem = weights_misfit(model.state_dict(), weights, aliases)
-    if problem:
-        raise ValueError(problem)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            _local(param).copy_(_local(_shard_like(weights[name], param)))
+    load_full_weights_into(model, weights, aliases)
     params = [p for group in optimizer.param_groups for p in group["params"]]
     state = {
         index: {
@@ -254,6 +250,21 @@ def load_full_into(
         if index < len(params)
     }
     load_optimizer_state(optimizer, {"state": state, "param_groups": optimizer_state["param_groups"]})
+
+
+def load_full_weights_into(
+    model: torch.nn.Module, weights: dict[str, torch.Tensor], aliases: list[str]
+) -> None:
+    """Full weights (written by one GPU or DDP) into a sharded model, each rank cutting its own shards; no
+    optimizer state (an export of a step). ValueError when the tensors do not fit."""
+    from trainpod.train.state import weights_misfit
+
+    problem = weights_misfit(model.state_dict(), weights, aliases)
+    if problem:
+        raise ValueError(problem)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            _local(param).copy_(_local(_shard_like(weights[name], param)))
 
 
 def _param_shaped(value: Any, param: torch.Tensor) -> bool:

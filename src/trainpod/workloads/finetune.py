@@ -63,7 +63,9 @@ from trainpod.train.sharding import (
     gathered_root,
     has_shards,
     load_full_into,
+    load_full_weights_into,
     load_sharded,
+    load_sharded_weights,
     local_value,
     require_process_group,
     resolve_parallel,
@@ -565,10 +567,14 @@ class Finetuner(Trainer):
         load_optimizer_state(self.optimizer, optimizer_state)
 
     def load_checkpoint_weights(self, path: Path, state: dict[str, Any]) -> None:
-        if self.parallel == "fsdp" or has_shards(path):
-            super().load_checkpoint_weights(path, state)  # DCP reads the weights with the optimizer's shards
+        if has_shards(path):  # a full finetune's (FSDP shards no adapters): every weight is trainable
+            load_sharded_weights(self.model, path)
             return
-        self._copy_into_trainable(safetensors.torch.load_file(str(path / "trainable.safetensors")))
+        tensors = safetensors.torch.load_file(str(path / "trainable.safetensors"))
+        if self.parallel == "fsdp":
+            load_full_weights_into(self.model, tensors, aliases=[])
+            return
+        self._copy_into_trainable(tensors)
 
     def _copy_into_trainable(self, tensors: dict[str, torch.Tensor]) -> None:
         with torch.no_grad():

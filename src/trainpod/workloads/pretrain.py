@@ -54,7 +54,9 @@ from trainpod.train.sharding import (
     gathered_copy,
     has_shards,
     load_full_into,
+    load_full_weights_into,
     load_sharded,
+    load_sharded_weights,
     local_value,
     require_process_group,
     resolve_parallel,
@@ -204,10 +206,14 @@ class Pretrainer(Trainer):
         load_optimizer_state(self.optimizer, optimizer_state)
 
     def load_checkpoint_weights(self, path: Path, state: dict[str, Any]) -> None:
-        if self.parallel == "fsdp" or has_shards(path):
-            super().load_checkpoint_weights(path, state)  # DCP reads the weights with the optimizer's shards
+        if has_shards(path):
+            load_sharded_weights(self.model, path)
             return
-        load_weights(self.model, (path / "model.safetensors").read_bytes(), state["aliased_weights"])
+        weights = (path / "model.safetensors").read_bytes()
+        if self.parallel == "fsdp":
+            load_full_weights_into(self.model, safetensors.torch.load(weights), state["aliased_weights"])
+            return
+        load_weights(self.model, weights, state["aliased_weights"])
 
     def extra_state(self) -> dict[str, Any]:
         return {"aliased_weights": self._aliases}

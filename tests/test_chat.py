@@ -339,3 +339,49 @@ def test_a_max_new_tokens_below_1_is_refused_before_the_model_loads(tokens, caps
     with pytest.raises(SystemExit) as exited:
         cli.main(["generate", "any-run", "--prompt", "x", "--max-new-tokens", tokens])
     assert exited.value.code == 2 and "argument --max-new-tokens" in capsys.readouterr().err
+
+
+def test_a_long_chat_drops_its_oldest_turns_to_fit_the_models_positions_and_says_so_once(tmp_path, caplog):
+    """The conversation so far is sent each turn: past the model's positions (a GPT-2's n_positions, learned
+    position embeddings) generation failed with an IndexError, a RoPE model's went on beyond what it trained
+    on. The oldest whole turns go, the system prompt stays, and the user is told once."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from trainpod.chat import chat_loop
+
+    from sft_support import make_tiny_tokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(make_tiny_tokenizer(tmp_path / "tok"))
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=len(tokenizer), n_positions=64, n_embd=16, n_layer=1, n_head=2)
+    model = GPT2LMHeadModel(config).eval()
+    conversation = Conversation(tokenizer, "chatml", system="be brief")
+    lines = [f"Add the two numbers {n} plus {n + 1}.\n" for n in range(6)]
+    prompts: list[int] = []
+    generate = model.generate
+
+    def recorded_generate(*args, **kwargs):
+        prompts.append(kwargs["input_ids"].shape[1])
+        return generate(*args, **kwargs)
+
+    model.generate = recorded_generate
+    with caplog.at_level("WARNING", logger="trainpod.chat"):
+        turns = chat_loop(
+            model, tokenizer, conversation, lines, lambda text: None, max_new_tokens=8, temperature=0
+        )
+    assert len(prompts) == 6 and max(prompts) + 8 <= 64, f"prompt lengths {prompts} + 8 new tokens past 64"
+    assert 0 < turns < 6 and conversation.history[-1][0] == lines[-1].strip()
+    sent = tokenizer.decode(conversation.prompt_ids("next"))
+    assert sent.startswith("<|im_start|>system\nbe brief<|im_end|>\n"), sent
+    dropped = [r for r in caplog.records if "dropped" in r.getMessage()]
+    assert len(dropped) == 1, [r.getMessage() for r in caplog.records]
+    assert "64" in dropped[0].getMessage(), dropped[0].getMessage()
+
+    # A message that does not fit even alone is said, and the chat goes on with the next.
+    caplog.clear()
+    long_then_short = ["plus " * 60 + "\n", "Add 2 and 3.\n"]
+    chat_loop(
+        model, tokenizer, conversation, long_then_short, lambda text: None, max_new_tokens=8, temperature=0
+    )
+    assert conversation.history[-1][0] == "Add 2 and 3.", conversation.history
+    assert any("shorten the message" in r.getMessage() for r in caplog.records), caplog.text

@@ -9,7 +9,8 @@ prompts are built with the chat template it trained with (sft/templates.py; reco
 adapter's training_summary.json, else in the run's config.yaml), every turn of the conversation
 tokenized as training tokenized a sample (sft/encode.py's segment_ids), and generation stops at the
 template's end-of-turn token. A pretrained model gets the prompt as plain text to continue. Tokens
-are printed as they come (transformers' TextStreamer).
+are printed as they come (transformers' TextStreamer). The oldest whole turns are dropped where the
+conversation and the answer's max_new_tokens would outgrow the model's positions.
 """
 
 from __future__ import annotations
@@ -154,6 +155,10 @@ def _model_class(model_dir: Path | str) -> Any:
 
 
 # ----------------------------------------------------------------------------- prompting
+class MessageTooLong(InputError):
+    """A message that leaves no room for the answer in the model's positions, with no earlier turn to drop."""
+
+
 @dataclass
 class Conversation:
     """Turns so far and the template that renders them exactly as training did."""
@@ -162,6 +167,32 @@ class Conversation:
     template_name: str | None
     system: str | None = None
     history: list[tuple[str, str]] = field(default_factory=list)
+    dropped_turns: int = 0  # the oldest turns left out to fit the model's positions (said once)
+
+    def fitting_prompt_ids(self, user: str, positions: int | None, new_tokens: int) -> list[int]:
+        """`prompt_ids(user)` leaving `new_tokens` of the model's `positions` (None: no limit known) to the
+        answer: the oldest whole turns of the history are dropped for good, the system prompt kept, and the user
+        told the first time. A message too long on its own is an InputError naming the lengths."""
+        ids = self.prompt_ids(user)
+        room = None if positions is None else positions - new_tokens
+        while room is not None and len(ids) > room and self.history:
+            self.history.pop(0)
+            self.dropped_turns += 1
+            if self.dropped_turns == 1:
+                log.warning(
+                    "the conversation with the answer's %d tokens no longer fits the model's %d positions: its "
+                    "oldest turns are dropped from now on (the system prompt is kept)",
+                    new_tokens,
+                    positions,
+                )
+            ids = self.prompt_ids(user)
+        if room is not None and len(ids) > room:
+            raise MessageTooLong(
+                f"the message is {len(ids)} tokens with the template and system prompt, and the model reads "
+                f"{positions} positions, {new_tokens} of them kept for the answer (--max-new-tokens); shorten "
+                "the message or lower --max-new-tokens"
+            )
+        return ids
 
     def prompt_ids(self, user: str) -> list[int]:
         """Token ids of the conversation so far plus `user`, ending where the answer begins."""
@@ -215,6 +246,19 @@ class Conversation:
         return {own_template_turn_end(self.tokenizer)} - {None}
 
 
+def model_positions(model: Any, tokenizer: Any) -> int | None:
+    """Tokens the model reads at most: its config's max_position_embeddings (n_positions for GPT-2's learned
+    ones; a vision-language model's text model's), else the tokenizer's model_max_length; None where neither
+    says (transformers' "no limit" is 1e30)."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    for name in ("max_position_embeddings", "n_positions"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    limit = getattr(tokenizer, "model_max_length", None)
+    return limit if isinstance(limit, int) and 0 < limit < 10**9 else None
+
+
 def stream_reply(
     model: Any,
     tokenizer: Any,
@@ -235,7 +279,8 @@ def stream_reply(
             write(text)
 
     parts: list[str] = []
-    ids = torch.tensor([conversation.prompt_ids(user)], device=model.device)
+    prompt = conversation.fitting_prompt_ids(user, model_positions(model, tokenizer), max_new_tokens)
+    ids = torch.tensor([prompt], device=model.device)
     sampling = (
         {"do_sample": True, "temperature": temperature, "top_k": 50}
         if temperature > 0
@@ -273,7 +318,10 @@ def chat_loop(
         user = line.rstrip("\n")
         if not user.strip():
             break
-        stream_reply(model, tokenizer, conversation, user, write, **generation)
+        try:
+            stream_reply(model, tokenizer, conversation, user, write, **generation)
+        except MessageTooLong as exc:  # the conversation goes on; a shorter message may follow
+            log.warning("%s", exc)
         write("\n> ")
     write("\n")
     return len(conversation.history)

@@ -6,6 +6,7 @@ transformers' PreTrainedTokenizerFast and saved with save_pretrained, so AutoTok
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 from pathlib import Path
@@ -200,3 +201,16 @@ def write_messages_jsonl(path: Path, n: int, seed: int) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(row) + "\n" for row in messages_rows(n, seed)), encoding="utf-8")
     return path
+
+
+def key_before_encodings_were_recorded(manifest: dict, tokenizer_dir: Path) -> str:
+    """The key of an SFT dataset as a trainpod before the "\\n" fix gave it (sft/encode.py's ENCODING: it put none
+    in the manifest): hashed from the dataset's format, settings and tokenizer files alone."""
+    from trainpod.sft.prepare import tokenizer_files_hash
+
+    record = {
+        "format": manifest["format"],
+        "settings": manifest["settings"],
+        "tokenizer": tokenizer_files_hash(tokenizer_dir),
+    }
+    return hashlib.sha256(json.dumps(record, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]

@@ -3,6 +3,7 @@ early stopping, the budget, W&B (offline), bad input, and the kit's own pretrain
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from finetune_support import BASE, FINETUNE_RUN, SFT_FILE, TINY_FINETUNE, finetune_args, latest_step
-from sft_support import write_alpaca_jsonl
+from sft_support import key_before_encodings_were_recorded, write_alpaca_jsonl
 from support import TINY_PRETRAIN, run_trainpod, signal_when_step_reached, start_trainpod, tree_snapshot
 
 pytestmark = pytest.mark.slow
@@ -364,6 +365,53 @@ def test_a_resume_trains_on_the_data_its_first_start_tokenized_though_the_file_w
     assert len(list(volume.glob("cache/sft/*/manifest.json"))) == 1, "a resume tokenized other data"
 
 
+def as_tokenized_before_manifests_recorded_their_encoding(volume: Path, run: str = FINETUNE_RUN) -> Path:
+    """The run's cache/sft/<key> and its pin rewritten as a trainpod before the "\\n" fix left them (sft/encode.py:
+    an answer's first "\\n" merged into the prompt's under Qwen2's and Llama 3's tokenizers): no `encoding` in the
+    manifest, and the keys (the folder's name, the pin's) hashed from its format, settings and tokenizer alone."""
+    pin = volume / "runs" / run / "sft_data.json"
+    folder = volume / "cache" / "sft" / json.loads(pin.read_text())["key"]
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest.pop("encoding", None)
+    settings_key = key_before_encodings_were_recorded(manifest, volume / BASE)
+    contents = [[[f["bytes"], f["sha256"]] for f in source["files"]] for source in manifest["sources"]]
+    old_key = hashlib.sha256(
+        json.dumps([settings_key, contents], separators=(",", ":")).encode()
+    ).hexdigest()[:16]
+    (folder / "manifest.json").write_text(json.dumps({**manifest, "key": settings_key}))
+    old = folder.rename(folder.with_name(old_key))
+    pin.write_text(json.dumps({"settings_key": settings_key, "key": old_key}))
+    return old
+
+
+def test_a_new_run_tokenizes_anew_data_an_earlier_encoder_cached(volume):
+    """A cache made before the "\\n" fix holds its old labels; its key did not change with the fix, so a new run
+    on the same data and tokenizer trained on them without a word."""
+    steps = ("--set", "train.max_steps=1", "--set", "train.eval_every=0")
+    ok(run_trainpod(*finetune_args(*steps, method="lora"), volume=volume))
+    stale = as_tokenized_before_manifests_recorded_their_encoding(volume)
+    ok(run_trainpod(*finetune_args(*steps, "--set", "name=new-run", method="lora"), volume=volume))
+    pinned = json.loads((volume / "runs" / "new-run" / "sft_data.json").read_text())["key"]
+    assert pinned != stale.name, "the new run trains on the labels of the earlier encoder"
+    assert "encoding" in json.loads((volume / "cache" / "sft" / pinned / "manifest.json").read_text())
+
+
+def test_a_run_resuming_on_data_an_earlier_encoder_cached_keeps_it_for_an_exact_resume(volume):
+    """Its steps so far trained on those samples, in their order: other ids (a newline token more here and
+    there) would move every later row of its epoch. It keeps them, and says a new run name tokenizes anew."""
+    args = finetune_args("--set", "train.max_steps=6", "--set", "checkpoint.every_steps=1", method="lora")
+    proc = start_trainpod(*args, volume=volume)
+    first = signal_when_step_reached(proc, volume, 2, signal.SIGTERM, run=FINETUNE_RUN)
+    assert proc.returncode == 143, first
+    stale = as_tokenized_before_manifests_recorded_their_encoding(volume)
+    output = ok(run_trainpod(*args, volume=volume))
+    assert "resumed from step-" in output, output
+    assert [p.name for p in (volume / "cache" / "sft").iterdir() if not p.name.startswith(".")] == [
+        stale.name
+    ]
+    assert "tokenized by an earlier trainpod" in output, output
+
+
 def test_both_or_neither_data_source_is_a_config_error(volume):
     result = run_trainpod(*finetune_args("--set", "data.dataset=sft-tiny"), volume=volume)
     assert result.returncode == 2
@@ -591,3 +639,26 @@ def test_a_named_dataset_is_packed_as_its_datagen_config_says(volume):
     assert "steps per epoch, packed" in output
     summary = json.loads((run_dir(volume) / "export/adapter/training_summary.json").read_text())
     assert summary["data"]["packing"] is True
+
+
+def test_a_finetune_on_a_named_dataset_an_earlier_trainpod_tokenized_says_so_and_how_to_rebuild_it(volume):
+    """datasets/<name> is the user's (a run in progress on it resumes exactly on it): its old labels, an answer's
+    first newline untrained under Qwen2's and Llama 3's tokenizers, are a warning naming the rebuild."""
+    datagen = {"kind": "sft", "name": "sft-old", "tokenizer": BASE, "sft": {"datasets": [{"path": SFT_FILE}]}}
+    config = volume / "sft-old.yaml"
+    config.write_text(json.dumps(datagen))
+    ok(run_trainpod("run", "datagen", "--config", str(config), volume=volume))
+    manifest_file = volume / "datasets" / "sft-old" / "manifest.json"
+    manifest = json.loads(manifest_file.read_text())
+    manifest.pop("encoding", None)
+    manifest_file.write_text(
+        json.dumps({**manifest, "key": key_before_encodings_were_recorded(manifest, volume / BASE)})
+    )
+    args = (
+        "run", "finetune", "--config", str(TINY_FINETUNE), "--set", f"base_model.path={BASE}",
+        "--set", "data.sft=null", "--set", "data.dataset=sft-old", "--set", "method=lora",
+        "--set", "train.max_steps=1", "--set", "train.eval_every=0",
+    )  # fmt: skip
+    output = ok(run_trainpod(*args, volume=volume))
+    assert "data.dataset=sft-old was tokenized by an earlier trainpod" in output, output
+    assert "run its datagen config again" in output, output

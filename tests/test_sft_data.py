@@ -32,6 +32,7 @@ from trainpod.volume import Volume
 
 from sft_support import (
     CUSTOM_CHAT_TEMPLATE,
+    key_before_encodings_were_recorded,
     make_bos_adding_tokenizer,
     make_metaspace_tokenizer,
     make_newline_merging_tokenizer,
@@ -411,6 +412,24 @@ def test_a_file_that_cannot_be_read_as_its_format_is_exit_2_naming_it(
         prepare_sft(config, tokenizer_dir, tmp_path / "out", tmp_path / "vol")
     assert caught.value.exit_code == ExitCode.BAD_INPUT
     assert not (tmp_path / "out").exists()
+
+
+def test_building_again_a_dataset_an_earlier_trainpod_tokenized_is_exit_2_naming_that_and_the_fix(
+    tmp_path, tokenizer_dir
+):
+    """Its key did not change with the "\\n" fix (sft/encode.py), so datagen reused it with its old labels, an
+    answer's first newline untrained, and said it was complete and matched."""
+    write_jsonl(tmp_path / "vol" / "data.jsonl", [{"instruction": "List two.", "output": "\\n- a\\n- b"}] * 4)
+    config = data_config([{"path": "data.jsonl"}], template="chatml")
+    out = tmp_path / "vol" / "datasets" / "sft"
+    prepare_sft(config, tokenizer_dir, out, tmp_path / "vol")
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest.pop("encoding", None)
+    manifest["key"] = key_before_encodings_were_recorded(manifest, tokenizer_dir)
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(InputError, match="tokenized by an earlier trainpod") as caught:
+        prepare_sft(config, tokenizer_dir, out, tmp_path / "vol")
+    assert "delete the folder to build it again" in str(caught.value)
 
 
 def test_invalid_json_line_names_file_and_line(tmp_path, tokenizer_dir):

@@ -15,6 +15,13 @@ import numpy as np
 
 from trainpod.sft.templates import Segments
 
+# How samples become ids, in every SFT dataset's manifest and key. 2: each sample's whole text, in two where a
+# token would span an answer's start (SegmentEncoder). A dataset without it was tokenized by an earlier trainpod,
+# which under Qwen2's and Llama 3's tokenizers merged an answer's first "\n" into the prompt's "\n\n" (that
+# newline never trained, the answer after a token inference never gives), and before that encoded each segment
+# alone (a ▁ before every answer under Llama 2's and Mistral's).
+ENCODING = 2
+
 
 @dataclass(frozen=True)
 class Encoded:

@@ -26,7 +26,7 @@ from trainpod.config.sft import SftDataConfig, SftDatagenConfig
 from trainpod.errors import InputError, Preempted
 from trainpod.preemption import PreemptionWatch
 from trainpod.sft.dataset import MANIFEST_FILE, MANIFEST_FORMAT, read_manifest, split_arrays
-from trainpod.sft.encode import SegmentEncoder
+from trainpod.sft.encode import ENCODING, SegmentEncoder
 from trainpod.sft.formats import RowReader
 from trainpod.sft.sources import describe_files, iter_rows
 from trainpod.sft.templates import Segments, Template, build_template, text_format
@@ -63,12 +63,14 @@ def tokenizer_files_hash(tokenizer_dir: Path) -> str:
     return digest.hexdigest()
 
 
-def sft_key(data: SftDataConfig, tokenizer_dir: Path) -> str:
-    """Identifies a stored dataset: its settings, the tokenizer's files and the storage format."""
+def sft_key(data: SftDataConfig, tokenizer_dir: Path, encoding: int | None = ENCODING) -> str:
+    """Identifies a stored dataset: its settings, the tokenizer's files, the storage format and how text became
+    ids (encode.ENCODING; None: the key an earlier trainpod, which recorded none, gave it)."""
     record = {
         "format": MANIFEST_FORMAT,
         "settings": data.stored_settings(),
         "tokenizer": tokenizer_files_hash(tokenizer_dir),
+        **({"encoding": encoding} if encoding is not None else {}),
     }
     canonical = json.dumps(record, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
@@ -209,6 +211,13 @@ def _reusable(out_dir: Path, key: str, data: SftDataConfig, volume_root: Path) -
             f"{out_dir} exists but holds no complete SFT dataset (no {MANIFEST_FILE} of {MANIFEST_FORMAT}); "
             "it is not overwritten. Pick another dataset name, or delete the folder"
         )
+    if manifest.get("key") != key and "encoding" not in manifest:
+        raise InputError(
+            f"{out_dir} holds an SFT dataset tokenized by an earlier trainpod (no encoding in its {MANIFEST_FILE}), "
+            "whose labels under Qwen2's and Llama 3's tokenizers leave an answer's first newline untrained; it is "
+            "not overwritten. Pick another dataset name for the new samples (a finetune in progress on this one "
+            "resumes exactly on it), or delete the folder to build it again"
+        )
     if manifest.get("key") != key:
         raise InputError(
             f"{out_dir} holds an SFT dataset made with other settings or another tokenizer (key "
@@ -325,6 +334,7 @@ def _build(
     return {
         "format": MANIFEST_FORMAT,
         "complete": True,
+        "encoding": ENCODING,
         # None: every dataset is plain text, which no template wraps; the model continues text (trainpod chat)
         "template": template.name if template else None,
         "packing": data.packing,  # not a setting of the ids (not in the key): the trainer's default for them

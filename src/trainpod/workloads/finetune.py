@@ -136,6 +136,20 @@ def _dataset_dir(ctx: RunContext, name: str) -> Path:
     return path
 
 
+def _warn_if_tokenized_by_an_earlier_trainpod(folder: Path, name: str) -> None:
+    """A datagen dataset is the user's to rebuild (a run in progress on it resumes exactly on it), so its old
+    labels are a warning, where finetune's own cache/sft is tokenized anew for a new run."""
+    manifest = read_manifest(folder)
+    if manifest is not None and "encoding" not in manifest:
+        log.warning(
+            "data.dataset=%s was tokenized by an earlier trainpod, which under Qwen2's and Llama 3's tokenizers "
+            "left an answer's first newline untrained; run its datagen config again under another name (or after "
+            "deleting %s) for a new run to train on it",
+            name,
+            folder,
+        )
+
+
 # ------------------------------------------------------------------------------- trainer
 class Finetuner(Trainer):
     model_inputs = MODEL_INPUTS  # the batch keys the model's forward takes
@@ -205,6 +219,7 @@ class Finetuner(Trainer):
         data_cfg = self.cfg.data
         if data_cfg.dataset is not None:
             folder = _dataset_dir(self.ctx, data_cfg.dataset)
+            _warn_if_tokenized_by_an_earlier_trainpod(folder, data_cfg.dataset)
         else:
             folder = self._on_main_first(self._prepare_sft_cache)
         self.data = load_sft(folder)
@@ -254,6 +269,20 @@ class Finetuner(Trainer):
             folder = volume.cache() / "sft" / str(pinned.get("key"))
             if read_manifest(folder) is not None:
                 log.info("SFT data: %s, tokenized at this run's first start (%s)", folder, pin.name)
+                return folder
+        if isinstance(pinned, dict) and pinned.get("settings_key") == sft_key(
+            sft, self.base_dir, encoding=None
+        ):
+            folder = volume.cache() / "sft" / str(pinned.get("key"))
+            if read_manifest(folder) is not None and self.store.committed():
+                # Its steps so far trained on these samples in this order; others (a newline token more here and
+                # there) would move every later row of its epoch. Before its first checkpoint it tokenizes anew.
+                log.warning(
+                    "SFT data: %s was tokenized by an earlier trainpod, which under Qwen2's and Llama 3's "
+                    "tokenizers left an answer's first newline untrained; this run resumes on it exactly as it "
+                    "began, and a new run name tokenizes the data anew",
+                    folder,
+                )
                 return folder
         folder = volume.cache() / "sft" / sft_cache_key(sft, self.base_dir, volume.root)
         prepare_sft(sft, self.base_dir, folder, volume.root, self.ctx.watch)

@@ -285,6 +285,29 @@ def test_a_full_finetune_on_two_fsdp_ranks_exports_the_best_checkpoints_weights_
     assert exported and not differing, f"the export is not step-4's weights: {differing[:3]} differ"
 
 
+def test_export_weights_best_where_no_kept_checkpoint_was_scored_exports_the_last_step_saying_so(
+    volume: Path,
+):
+    """A run shorter than its eval_every: no eval scored a checkpoint, and the export is the last step's, as
+    README says, with a warning and `chosen: last` in the export's manifest."""
+    args = (
+        *("run", "pretrain", "--config", str(TINY_PRETRAIN), "--set", "train.warmup_steps=1"),
+        *SETTINGS,
+        *("--set", "train.max_steps=1", "--set", "export.weights=best"),
+    )
+    result = subprocess.run(
+        trainpod_cmd(*args, volume=volume), env=child_env(), capture_output=True, text=True, timeout=120
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == ExitCode.DONE, output
+    assert (
+        "no kept checkpoint was scored by an eval at its own step; exporting the last step's weights"
+        in output
+    )
+    manifest = json.loads((volume / "runs" / RUN / "export" / "hf" / "manifest.json").read_text())
+    assert manifest["weights"] == {"chosen": "last", "step": 1}, manifest
+
+
 def test_a_pretrains_export_weights_best_on_a_dataset_without_a_validation_split_is_exit_2(volume: Path):
     """No split to evaluate on: no checkpoint is ever scored, and the export was the last step's after a whole
     paid run, with a warning at its end."""

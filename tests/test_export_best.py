@@ -159,6 +159,43 @@ def test_an_export_of_the_best_stopped_and_started_again_exports_the_same_checkp
     assert json.loads((run / "export" / "adapter" / "manifest.json").read_text())["weights"]["step"] == 4
 
 
+BEST_VERIFIED_UNTIL_KILLED = """
+import os, time
+from pathlib import Path
+from trainpod.train.trainer import Trainer
+
+
+def _best_checkpoint(self):
+    # Hashing the best checkpoint's every file (weights and optimizer state: minutes for a 7B model on the
+    # network volume) in Python between hashlib's C calls, as CheckpointStore.verify does; longer than a test.
+    Path(os.environ["STOP_MARKER"]).touch()
+    for _ in range(60_000):
+        time.sleep(0.01)
+
+
+Trainer._best_checkpoint = _best_checkpoint
+"""
+
+
+def test_a_stop_while_the_best_checkpoint_is_verified_for_the_export_ends_it_at_once(
+    finetune_volume: Path, tmp_path
+):
+    """The verification came before the export's abandoning part, so the stop was answered only after it: the
+    spot pod's SIGKILL came with the run's lease held, and a new pod on another host waited out its TTL."""
+    args = finetune_args(*SETTINGS, "--set", "export.weights=best", method="lora")
+    code, out = sigterm_once_marked(
+        SCRIPTED_EVALS + BEST_VERIFIED_UNTIL_KILLED + RUN_TRAINPOD,
+        args,
+        finetune_volume,
+        tmp_path / "verifying",
+        {"EVAL_LOSSES": json.dumps(EVAL_LOSSES)},
+        "verification of the best checkpoint",
+    )
+    run = finetune_volume / "runs" / FINETUNE_RUN
+    assert code == ExitCode.PREEMPTED, out
+    assert not (run / "export" / "adapter").exists() and not (run / "LEASE").exists(), out
+
+
 @pytest.mark.parametrize(
     ("setting", "message"),
     [

@@ -268,7 +268,10 @@ class Trainer:
         `exported_weights` records it for the export's manifest, its summary and DONE."""
         chosen: dict[str, Any] = {"chosen": "last", "step": self.progress.step}
         if self.dist.is_main and getattr(self.cfg.export, "weights", "last") == "best":
-            best = self._best_checkpoint()
+            # The verification hashes the candidate's every file (minutes for tens of GB on the network volume):
+            # a stop ends it as it ends the load below.
+            with self._abandoning_export_on_one_rank():
+                best = self._best_checkpoint()
             if best is not None:
                 chosen = {"chosen": "best", "step": best.step, "metric": best.ranked_by, "value": best.score}
             of = f", the best by {best.ranked_by} ({best.score:.4f})" if best else ""
@@ -283,10 +286,14 @@ class Trainer:
             return  # the model holds them: the last step is committed and nothing trained since
         path = self.store.root / step_dir_name(chosen["step"])
         # Reading a large checkpoint from the network volume takes minutes: a stop ends it as it ends the export's
-        # writes, on one rank (under several, FSDP's load is a collective the ranks leave together after).
-        abandoning = self.abandoning_export() if self.dist.world_size == 1 else contextlib.nullcontext()
-        with abandoning:
+        # writes.
+        with self._abandoning_export_on_one_rank():
             self.load_checkpoint_weights(path, json.loads((path / "trainer_state.json").read_text()))
+
+    def _abandoning_export_on_one_rank(self) -> contextlib.AbstractContextManager[None]:
+        """`abandoning_export()` on one rank; under several, what comes before the export's collectives (rank 0's
+        choice, FSDP's load) runs on, the ranks leaving together after it, the lease released at the stop."""
+        return self.abandoning_export() if self.dist.world_size == 1 else contextlib.nullcontext()
 
     def _best_checkpoint(self) -> CommittedCheckpoint | None:
         """The best-ranked committed checkpoint that verifies (rank 0), else None with a warning: no kept

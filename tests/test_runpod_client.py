@@ -44,6 +44,15 @@ def test_retry_after_is_honoured(fake):
     assert sleeps == [7.0]
 
 
+@pytest.mark.parametrize("retry_after", ["-5", "nan", "-inf"])
+def test_a_negative_or_not_a_number_retry_after_is_our_own_backoff_not_a_crash(fake, retry_after):
+    """A proxy's Retry-After of -5 or nan went to sleep(), which raises ValueError: a traceback instead of a retry."""
+    sleeps: list[float] = []
+    fake.fail_next(503, retry_after=retry_after)
+    assert client_for(fake, sleeps).list_pods() == []
+    assert sleeps == [1.0], "the own backoff (1 s), never a negative or nan wait"
+
+
 def test_backoff_is_capped_and_jittered(fake):
     sleeps: list[float] = []
     fake.fail_next(500, times=4)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import http.client
 import json
 import logging
+import math
 import os
 import random
 import re
@@ -414,9 +415,11 @@ class RunPodClient:
     def _delay(self, attempt: int, retry_after: str | None) -> float:
         if retry_after:
             try:
-                return min(float(retry_after), RETRY_AFTER_CAP_S)
+                asked = float(retry_after)
             except ValueError:
-                pass  # an HTTP date: fall back to our own backoff
+                asked = math.nan  # an HTTP date: fall back to our own backoff
+            if asked >= 0:  # not nan, not negative (a proxy's): sleep() raises ValueError on either
+                return min(asked, RETRY_AFTER_CAP_S)
         capped = min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1))
         return capped * (0.5 + 0.5 * self.jitter())  # jitter: many supervisors never retry in lockstep
 

@@ -190,6 +190,33 @@ def test_a_create_whose_answer_was_lost_is_not_sent_again(fake):
     assert len(fake.calls("POST", "/pods")) == 1 and len(fake.pods_named("tiny-pretrain")) == 1
 
 
+def test_a_delete_whose_answer_was_lost_and_whose_retry_finds_it_gone_is_done(fake):
+    """RunPod terminated the pod but the answer came after the timeout: the retried DELETE is answered 404, which
+    was an error telling the user to terminate it in the console, though it is gone and bills nothing."""
+    import time
+
+    pod = client_for(fake).create_pod(
+        {"name": "tiny-pretrain", "imageName": "img", "gpuTypeIds": ["NVIDIA H100 80GB HBM3"]}
+    )
+    handle = fake.handle
+
+    def late(method, raw_path, headers, raw_body):
+        answer = handle(method, raw_path, headers, raw_body)
+        if method == "DELETE" and len(fake.calls("DELETE")) == 1:
+            time.sleep(0.5)
+        return answer
+
+    fake.handle = late
+    client_for(fake, timeout_s=0.2, max_attempts=3).terminate_pod(pod.id)
+    time.sleep(0.6)
+    assert fake.pods_named("tiny-pretrain") == [] and len(fake.calls("DELETE")) == 2
+
+
+def test_a_delete_of_a_pod_not_there_at_the_first_try_is_still_not_found(fake):
+    with pytest.raises(RunPodError, match="404"):
+        client_for(fake).terminate_pod("no-such-pod")
+
+
 def test_a_create_refused_with_429_is_still_retried(fake):
     sleeps: list[float] = []
     fake.fail_next(429)

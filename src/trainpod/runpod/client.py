@@ -341,6 +341,7 @@ class RunPodClient:
         if query:
             url += "?" + urllib.parse.urlencode({k: v for k, v in query.items() if v is not None})
         data = json.dumps(body).encode() if body is not None else None
+        done_maybe_before = False  # an earlier try may have done it (its answer lost, or a 5xx)
         for attempt in range(1, self.max_attempts + 1):
             try:
                 timeout = timeout_s or self.timeout_s
@@ -348,6 +349,8 @@ class RunPodClient:
             except urllib.error.HTTPError as exc:
                 retry_after = exc.headers.get("Retry-After") if exc.headers else None
                 exc.close()
+                if exc.code == 404 and method == "DELETE" and done_maybe_before:
+                    return None  # an earlier try whose answer was lost deleted it: done, nothing left to bill
                 if exc.code != 429 and exc.code < 500:
                     raise _client_error(exc.code, endpoint) from None
                 status, problem, wait = exc.code, f"answered {exc.code}", self._delay(attempt, retry_after)
@@ -375,6 +378,7 @@ class RunPodClient:
                     self._delay(attempt, None),
                 )
                 maybe_done = True
+            done_maybe_before = done_maybe_before or maybe_done
             not_resent = maybe_done and not idempotent  # a create RunPod may have made: never sent twice
             if attempt == self.max_attempts or not_resent:
                 again = "; RunPod may have done it anyway, so it was not sent again: look before trying again"

@@ -277,3 +277,22 @@ def test_the_key_goes_to_runpod_alone_never_to_another_host_an_answer_redirects_
         other.shutdown()
         other.server_close()
     assert elsewhere_saw == [None], "the other host was sent the API key"
+
+
+@pytest.mark.parametrize("code", [301, 302, 303])
+def test_a_create_redirected_is_refused_never_sent_on_as_a_list(fake, code):
+    """urllib turns a POST answered 301/302/303 into a GET without its body: a create became GET /pods (a proxy's
+    http->https redirect), read as a pod made or failing on a list. It is now a clear error, and no GET is sent."""
+    handle = fake.handle
+
+    def redirecting(method, raw_path, headers, raw_body):
+        if method == "POST" and raw_path.split("?")[0].endswith("/pods"):
+            return code, None, {"Location": fake.url + "/pods"}
+        return handle(method, raw_path, headers, raw_body)
+
+    fake.handle = redirecting
+    with pytest.raises(RunPodError, match=f"answered {code} redirecting.*TRAINPOD_RUNPOD_API_URL"):
+        client_for(fake).create_pod(
+            {"name": "tiny-pretrain", "imageName": "img", "gpuTypeIds": ["NVIDIA H100 80GB HBM3"]}
+        )
+    assert fake.calls("GET") == [], "the create was sent on as a GET"

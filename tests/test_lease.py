@@ -216,7 +216,7 @@ def test_of_two_writers_taking_over_the_same_stale_lease_at_once_only_the_last_g
     assert json.loads(path.read_text())["owner"]["id"] == "rival", "the rival's lease is left alone"
 
 
-def _race_for_a_fresh_lease(path, barrier, results) -> None:
+def _race_for_a_fresh_lease(path, barrier, results, all_told) -> None:
     lease = Lease(path, ttl_seconds=60)  # made in this process: its pid is the owner's
     barrier.wait()
     try:
@@ -225,7 +225,7 @@ def _race_for_a_fresh_lease(path, barrier, results) -> None:
         results.put("refused")
         return
     results.put("won")
-    time.sleep(1.0)  # still holding it while the others look
+    all_told.wait(60)  # still holding it while the others look, however slow a loaded machine makes them
     lease.release()
 
 
@@ -237,14 +237,15 @@ def test_of_writers_racing_for_a_runs_first_lease_exactly_one_wins_at_once(tmp_p
 
     forked = multiprocessing.get_context("fork")
     writers = 4
-    barrier, results = forked.Barrier(writers), forked.Queue()
+    barrier, results, all_told = forked.Barrier(writers), forked.Queue(), forked.Event()
     racers = [
-        forked.Process(target=_race_for_a_fresh_lease, args=(tmp_path / "LEASE", barrier, results))
+        forked.Process(target=_race_for_a_fresh_lease, args=(tmp_path / "LEASE", barrier, results, all_told))
         for _ in range(writers)
     ]
     for racer in racers:
         racer.start()
     outcomes = sorted(results.get(timeout=60) for _ in racers)
+    all_told.set()
     for racer in racers:
         racer.join(timeout=30)
     assert outcomes == ["refused"] * (writers - 1) + ["won"], (

@@ -326,3 +326,56 @@ def test_an_empty_run_an_unset_variable_is_exit_2_and_nothing_is_written(tmp_pat
     assert main(["checkpoint", action, "", *extra, "--volume", str(tmp_path / "volume")]) == 2
     assert "RUN '' is neither" in capsys.readouterr().err
     assert not (tmp_path / "volume").exists() and (source / "weights.bin").exists()
+
+
+def test_a_commit_beside_a_live_writer_of_the_run_is_exit_75_and_commits_nothing(
+    tmp_path, capsys, monkeypatch
+):
+    """A commit from outside the kit (a shell on the pod, a second machine on the volume) into a run another
+    process trains moved LATEST and retention under it. It is refused while that writer's lease lives; the
+    kit's own program (TRAINPOD_LEASE_HELD=1) and a child of the lease's holder still commit."""
+    import subprocess
+    import sys
+
+    monkeypatch.delenv("TRAINPOD_LEASE_HELD", raising=False)
+    run = tmp_path / "run"
+    assert main(["checkpoint", "commit", str(run), "--step", "1", str(written(tmp_path, "a"))]) == 0
+    holder = subprocess.Popen(  # the training run: another process, alive, holding the run's lease
+        [sys.executable, "-c", "import sys, time\nfrom trainpod.checkpoint import Lease\n"
+         f"Lease({str(run / 'LEASE')!r}, ttl_seconds=60).acquire()\nprint('held', flush=True)\ntime.sleep(120)"],
+        stdout=subprocess.PIPE, text=True, env=os.environ.copy(),
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline() == "held\n"
+        outside = written(tmp_path, "b")
+        capsys.readouterr()
+        assert main(["checkpoint", "commit", str(run), "--step", "2", str(outside)]) == 75
+        err = capsys.readouterr().err
+        assert f"pid {holder.pid}" in err and "nothing was committed" in err
+        assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step-")) == [
+            "step-1"
+        ]
+        assert (run / "checkpoints" / "LATEST").read_text().strip() == "step-1"
+        assert (outside / "weights.bin").read_bytes() == b"w" * 100  # DIR left as it was
+
+        monkeypatch.setenv("TRAINPOD_LEASE_HELD", "1")  # the program the kit holds the lease for
+        assert main(["checkpoint", "commit", str(run), "--step", "2", str(outside)]) == 0
+    finally:
+        holder.kill()
+        holder.wait()
+
+    from trainpod.checkpoint import Lease
+
+    monkeypatch.delenv("TRAINPOD_LEASE_HELD")
+    lease = Lease(run / "LEASE", ttl_seconds=60)
+    lease.acquire()  # this process holds it (the Python Checkpointer): its child's commit is its own
+    try:
+        child = subprocess.run(
+            [sys.executable, "-m", "trainpod", "checkpoint", "commit", str(run), "--step", "3",
+             str(written(tmp_path, "c"))],
+            capture_output=True, text=True, env=os.environ.copy(),
+        )  # fmt: skip
+        assert child.returncode == 0, child.stderr
+    finally:
+        lease.release()
+    assert (run / "checkpoints" / "LATEST").read_text().strip() == "step-3"

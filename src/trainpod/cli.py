@@ -636,9 +636,9 @@ def checkpoint(
 
     from trainpod.checkpoint import CheckpointStore
     from trainpod.checkpoint.directory import commit_directory, verify_committed
-    from trainpod.checkpoint.lease import held_by_another
+    from trainpod.checkpoint.lease import foreign_writer, held_by_another
     from trainpod.diskspace import volume_full_as_exit_5
-    from trainpod.errors import InputError, TrainpodError
+    from trainpod.errors import InputError, TemporaryError, TrainpodError
     from trainpod.log import RedactingFormatter
 
     handler = logging.StreamHandler(sys.stderr)
@@ -664,6 +664,16 @@ def checkpoint(
             if not directory.strip():  # "$out" of an unset variable: "" would be the current folder, the code
                 raise InputError("checkpoint commit: DIR is empty (an unset shell variable?); pass the folder your "
                                  "program wrote the checkpoint to")  # fmt: skip
+            writer = (
+                None if os.environ.get("TRAINPOD_LEASE_HELD") == "1" else foreign_writer(run_dir / "LEASE")
+            )
+            if writer is not None:  # its next commit would move LATEST and retention under this one, or back
+                raise TemporaryError(
+                    f"checkpoint commit: {run_dir} is leased by a live writer (host {writer.get('host')}, pid "
+                    f"{writer.get('pid')}, pod {writer.get('pod_id') or '-'}), which commits its own checkpoints; "
+                    "nothing was committed and DIR is left as it was. Commit from the program the kit runs for "
+                    "this run (TRAINPOD_LEASE_HELD=1), or stop that writer first (trainpod stop RUN)"
+                )
             with volume_full_as_exit_5(store.root, f"checkpoint step-{step}"):
                 committed = commit_directory(store, step, Path(directory), {"writer": "trainpod checkpoint commit"},
                                              keep_source=keep_source, eval_loss=eval_loss)  # fmt: skip

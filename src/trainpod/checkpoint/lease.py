@@ -312,6 +312,34 @@ class Lease:
                 atomic.fsync_dir(self.path.parent)
 
 
+def foreign_writer(path: Path) -> dict[str, Any] | None:
+    """The owner of a live lease at `path` that is neither this process nor one of its ancestors (a program
+    holding the lease through the Python Checkpointer may run `trainpod checkpoint commit` itself), else None."""
+    if not held_by_another(path):
+        return None
+    owner = (read_lease(path) or {}).get("owner", {})
+    if (
+        owner.get("host") == socket.gethostname()
+        and int(owner.get("pid", -1)) in _this_process_and_ancestors()
+    ):
+        return None
+    return owner
+
+
+def _this_process_and_ancestors() -> set[int]:
+    """This process's pid and its ancestors', read from /proc (this one's alone where there is none: macOS)."""
+    pid = os.getpid()
+    ancestors = {pid}
+    while pid > 1:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            break
+        pid = int(stat.rsplit(")", 1)[1].split()[1])  # field 4, ppid
+        ancestors.add(pid)
+    return ancestors
+
+
 def held_by_another(path: Path) -> bool:
     """Whether a live writer holds the lease at `path` (a process other than one holding it through `Lease`
     here: this asks from outside, e.g. a command run beside a training run)."""

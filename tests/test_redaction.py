@@ -101,3 +101,36 @@ def test_one_rule_says_which_variable_names_hold_secrets_for_the_logs_and_for_de
     )
     problems = [p for p in config_problems(config, "configs/deploy/x.yaml", False) if "env.extra" in p]
     assert len(problems) == 1 and problems[0].startswith("env.extra.DB_KEY holds a value")
+
+
+def test_a_url_with_credentials_in_env_extra_is_refused_masked_whatever_its_name():
+    """MLFLOW_TRACKING_URI=https://user:password@host went to the pod as plain env (RunPod's console and API
+    show it), though deploy_checks promised env.extra holds no value that looks like a secret."""
+    from trainpod.config.deploy import DeployConfig
+    from trainpod.deploy_checks import config_problems
+
+    extra = {
+        "MLFLOW_TRACKING_URI": "https://mlflow-user:s3cretpassw0rd@mlflow.example.com",
+        "DATABASE_URL": "postgresql://app:dbpassw0rd@db.example.com:5432/runs",
+        "PLAIN_URL": "https://mlflow.example.com/api",  # no credentials: fine
+        "AS_REFERENCE": "{{ RUNPOD_SECRET_AS_REFERENCE }}",
+        "PATH_LIKE": "/workspace/data@v2",
+    }
+    config = DeployConfig.model_validate(
+        {
+            "run": "r",
+            "workload": "pretrain",
+            "config": "configs/pretrain/tiny.yaml",
+            "image": {"name": "ghcr.io/org/trainpod:0.1.0"},
+            "pod": {"gpu_types": ["NVIDIA H100 80GB HBM3"]},
+            "volume": {"name": "vol", "data_center": "EU-RO-1"},
+            "env": {"extra": extra},
+        }
+    )
+    problems = [p for p in config_problems(config, "configs/deploy/x.yaml", False) if "env.extra" in p]
+    assert [p.split("=", 1)[0] for p in problems] == [
+        "env.extra.MLFLOW_TRACKING_URI",
+        "env.extra.DATABASE_URL",
+    ]
+    assert all("holds credentials" in p and "RUNPOD_SECRET_" in p for p in problems)
+    assert not any("s3cretpassw0rd" in p or "dbpassw0rd" in p for p in problems), problems

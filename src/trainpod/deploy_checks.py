@@ -9,7 +9,7 @@
 - a cluster's budget comes with one node's price, which node 0 counts the cost with (a single pod reads
   its own price from RunPod at boot);
 - secrets reach the pod as {{ RUNPOD_SECRET_<name> }} references, and env.extra holds no value that
-  looks like a secret;
+  looks like a secret (by its name, or a URL with credentials);
 - the estimate (trainpod.estimate) is printed and, over the budget, refused unless --force;
 - live stock of the chosen GPU types on the allowed CUDA versions (RunPod's v2 catalog) is shown,
   with a warning when none has a free machine.

@@ -96,6 +96,12 @@ def pod_problems(config: DeployConfig) -> list[str]:
                 "under `secrets` "
                 f"(sent as {{{{ RUNPOD_SECRET_{name} }}}}) and create the secret in RunPod's console"
             )
+        elif _url_credentials(value):  # MLFLOW_TRACKING_URI=https://user:password@host: a secret by its value
+            problems.append(
+                f"env.extra.{name}={redact(value)} holds credentials in its URL, which would reach the pod as plain "
+                f"text (RunPod's console and API show a pod's env): list {name} under `secrets` (sent as "
+                f"{{{{ RUNPOD_SECRET_{name} }}}}) and create the secret in RunPod's console with the whole URL"
+            )
     return problems
 
 

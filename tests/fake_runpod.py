@@ -238,6 +238,17 @@ def default_gpu_catalog() -> list[dict[str, Any]]:
         gpu("NVIDIA L40S", "L40S", 48, 0.86, 0.79),
         gpu("NVIDIA RTX A6000", "RTX A6000", 48, 0.49, 0.33),
         gpu("NVIDIA GeForce RTX 4090", "RTX 4090", 24, 0.69, 0.34),
+        # RunPod's catalog lists every GPU type (deploy refuses one it lacks); the tests and the shipped configs
+        # name these too. Their prices are not RunPod's: no test reads them.
+        gpu("NVIDIA A100-SXM4-80GB", "A100 SXM", 80, 1.74, 1.39),
+        gpu("NVIDIA H200", "H200 SXM", 141, 3.59, 3.29),
+        gpu("NVIDIA H200 NVL", "H200 NVL", 143, 3.39, 3.09),
+        gpu("NVIDIA H100 PCIe", "H100 PCIe", 80, 2.39, 1.99),
+        gpu("NVIDIA H100 NVL", "H100 NVL", 94, 2.79, 2.59),
+        gpu("NVIDIA A40", "A40", 48, 0.44, 0.40),
+        gpu("NVIDIA RTX A4000", "RTX A4000", 16, 0.25, 0.17),
+        gpu("NVIDIA RTX A5000", "RTX A5000", 24, 0.27, 0.16),
+        gpu("NVIDIA RTX 6000 Ada Generation", "RTX 6000 Ada", 48, 0.77, 0.74),
     ]
 
 

@@ -303,6 +303,17 @@ def test_deploy_prints_the_estimate_and_the_live_stock_of_its_gpus(fake, tmp_pat
     assert fake.calls("GET", "/v2/catalog/gpus") and len(fake.pods) == 1
 
 
+def test_deploy_refuses_a_gpu_type_the_catalog_does_not_list_before_anything_is_made(fake, tmp_path, capsys):
+    """A typo in pod.gpu_types was a printed line only: the template and the volume were made, then RunPod
+    refused the pod (400). The catalog lists every GPU type whatever its stock, so one it lacks is refused."""
+    path = deploy_config(tmp_path, **{"pod.gpu_types": ["NVIDIA H100 80GB HBM", "NVIDIA L40S"]})
+    assert cli.main(["deploy", str(path)]) == 2
+    out = capsys.readouterr().out
+    assert "pod.gpu_types has 'NVIDIA H100 80GB HBM', which RunPod's GPU catalog does not list" in out
+    assert "did you mean 'NVIDIA H100 80GB HBM3'" in out
+    assert not fake.calls("POST"), "nothing was made"
+
+
 def test_deploy_warns_when_no_chosen_gpu_has_a_free_machine_on_its_cuda_versions(fake, tmp_path, capsys):
     fake.gpu_stock = {("NVIDIA H100 80GB HBM3", "12.4")}  # free only on a CUDA the image cannot use
     assert cli.main(["deploy", str(deploy_config(tmp_path))]) == 0

@@ -18,6 +18,7 @@ It sits above runpod/, estimate and workloads/ (it reads all three; runpod/ must
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -113,6 +114,24 @@ def estimate_lines(config: DeployConfig, deploy_path: str, catalog: list, force:
     return lines
 
 
+def unknown_gpu_types(config: DeployConfig, catalog: list[Any]) -> list[str]:
+    """GPU type ids RunPod's catalog does not list (a typo: RunPod refuses the pod with a 400, after the
+    template and the volume were made). The catalog lists every type whatever its stock; [] when unread."""
+    if not catalog or config.image.flavour != "cuda":
+        return []
+    known = [offer.id for offer in catalog]
+    problems = []
+    for gpu in config.pod.gpu_types:
+        if gpu not in known:
+            near = difflib.get_close_matches(gpu, known, n=3, cutoff=0.5)
+            problems.append(
+                f"pod.gpu_types has {gpu!r}, which RunPod's GPU catalog does not list; "
+                + (f"did you mean {', '.join(repr(n) for n in near)}? " if near else "")
+                + "spell it as RunPod's GPU catalog does (GET /v2/catalog/gpus, the console's Deploy page)"
+            )
+    return problems
+
+
 def stock_lines(config: DeployConfig, catalog: list[Any], cuda_versions: list[str]) -> tuple[list[str], bool]:
     """Per chosen GPU type: stock overall and in the volume's data center, the free CUDA versions;
     and whether any type has a free machine."""
@@ -154,7 +173,7 @@ def run_checks(
     echo: Callable[[str], None] = print,
 ) -> None:
     """Print the checks' results; raise ConfigError (all problems at once) or OverBudget."""
-    problems = config_problems(config, deploy_path, secrets_from_env)
+    problems = config_problems(config, deploy_path, secrets_from_env) + unknown_gpu_types(config, catalog)
     if problems:
         raise ConfigError(problems)
     echo(secrets_line(config, secrets_from_env))

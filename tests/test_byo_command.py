@@ -568,3 +568,28 @@ def test_a_program_ending_at_the_stop_before_the_kit_forwarded_it_is_stopped_not
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 143, out
     assert "starting it again" not in out and not (run_dir(volume) / "DONE").exists()
+
+
+def test_a_program_log_that_cannot_be_written_from_the_start_leaves_the_program_supervised(tmp_path):
+    """The header of logs/program.log was written unguarded once the program had started: a failed write (a
+    network volume's I/O error) ended the kit's start with the program started, its output unread. It is now
+    said once, as every later line's failure is, and the program runs under the kit to its end."""
+    config, volume = write_setup(tmp_path, "env")
+    (tmp_path / "repo/chatty.py").write_text(CHATTY_PROGRAM)
+    (tmp_path / "repo/go").write_text("1")
+    config.write_text(
+        yaml.safe_dump({**yaml.safe_load(config.read_text()), "command": ["python", "chatty.py"]})
+    )
+    (run_dir(volume) / "logs/program.log").mkdir(
+        parents=True
+    )  # every write of the log fails (IsADirectoryError)
+    proc = start_trainpod("run", "command", "--config", str(config), volume=volume)
+    try:
+        out, _ = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError("the program's output was left unread") from None
+    assert proc.returncode == 0, out[-3000:]
+    assert "all printed" in out, "its output reaches the console"
+    assert out.count("could not write") == 1, f"the failed log is said once:\n{out[-2000:]}"
+    assert (run_dir(volume) / "DONE").exists()

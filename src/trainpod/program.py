@@ -120,8 +120,8 @@ class Program:
             raise
         with contextlib.suppress(OSError):  # a watchdog gone (killed by hand) must not end the kit's start
             os.write(self._watchdog_pipe, f"{self.proc.pid}\n".encode())  # the program's group
-        with open(self.log_path, "ab") as log:
-            log.write(f"--- started {self.argv} in {self.workdir} (pid {self.proc.pid})\n".encode())
+        # Like every line after it: a failed write is said, and the program's output is still read
+        self._append_to_log(f"--- started {self.argv} in {self.workdir} (pid {self.proc.pid})\n")
         for pipe, console in ((self.proc.stdout, sys.stdout), (self.proc.stderr, sys.stderr)):
             pump = threading.Thread(target=self._pump, args=(pipe, console), daemon=True)
             pump.start()

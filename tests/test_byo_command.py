@@ -593,3 +593,34 @@ def test_a_program_log_that_cannot_be_written_from_the_start_leaves_the_program_
     assert "all printed" in out, "its output reaches the console"
     assert out.count("could not write") == 1, f"the failed log is said once:\n{out[-2000:]}"
     assert (run_dir(volume) / "DONE").exists()
+
+
+FILLS_THE_VOLUME = """
+import os, subprocess, sys
+run = os.environ["TRAINPOD_RUN_DIR"]
+if not os.path.exists(os.path.join(run, "checkpoints", "LATEST")):
+    os.makedirs("out", exist_ok=True)
+    with open("out/weights.bin", "wb") as f:
+        f.write(os.urandom(900 * 1024))
+    subprocess.run([sys.executable, "-m", "trainpod", "checkpoint", "commit", run, "--step", "1", "out"], check=True)
+    with open(os.path.join(run, "eval-cache.bin"), "wb") as f:  # what else it keeps on the volume
+        f.write(os.urandom(1400 * 1024))
+print("no room for step 2's checkpoint", flush=True)
+sys.exit(5)  # its Checkpointer's exit on a full volume, or any failure there
+"""
+
+
+def test_a_program_that_fails_with_no_room_for_its_next_checkpoint_is_exit_5_not_a_counted_retry(tmp_path):
+    """A program that failed on a full volume (its Checkpointer's exit 5, a write of its own) was a counted 75,
+    started again max_restarts times and at every pod start, failing the same way each time until FAILED. When
+    the volume has less free than the run's newest checkpoint takes, the next commit cannot land: exit 5 now."""
+    from support import small_filesystem
+
+    config, volume = running_program(tmp_path, "fills.py", FILLS_THE_VOLUME, max_restarts=2)
+    with small_filesystem(volume / "runs", "3m"):
+        done = run_trainpod("run", "command", "--config", str(config), volume=volume)
+        assert done.returncode == 5, done.stdout + done.stderr
+        out = done.stdout + done.stderr
+        assert "no space left on the volume" in out and "exited with 5" in out, out[-2000:]
+        assert "starting it again" not in out, "a retry on a full volume fails the same way"
+        assert (run_dir(volume) / "checkpoints" / "LATEST").read_text().strip() == "step-1", "kept"

@@ -318,12 +318,8 @@ def foreign_writer(path: Path) -> dict[str, Any] | None:
     if not held_by_another(path):
         return None
     owner = (read_lease(path) or {}).get("owner", {})
-    if (
-        owner.get("host") == socket.gethostname()
-        and int(owner.get("pid", -1)) in _this_process_and_ancestors()
-    ):
-        return None
-    return owner
+    here = owner.get("host") == socket.gethostname()
+    return None if here and int(owner.get("pid", -1)) in _this_process_and_ancestors() else owner
 
 
 def _this_process_and_ancestors() -> set[int]:

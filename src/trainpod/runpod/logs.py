@@ -84,10 +84,8 @@ def pod_for_logs(client: RunPodClient, run: str, workloads: Collection[str]) -> 
     for cluster in (c for c in client.list_clusters() if c.name in names):
         try:
             nodes = client.cluster_pods(cluster.id)
-        except (
-            RunPodNotFound
-        ):  # deleted since it was listed (node 0 deletes its cluster at DONE): no pod left
-            continue
+        except RunPodNotFound:
+            continue  # deleted since it was listed (node 0 deletes its cluster at DONE): no pod left
         pods += [node for node in nodes if node.node_rank == 0]
     if not pods:
         raise InputError(

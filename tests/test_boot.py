@@ -360,16 +360,9 @@ def test_a_repos_lfs_files_are_fetched_with_it(tmp_path, monkeypatch):
     # The image has git-lfs (docker/system_packages.sh); a test machine without it takes Debian's.
     git_lfs = debian_binary("git-lfs", "git-lfs")
     monkeypatch.setenv("PATH", f"{git_lfs.parent}{os.pathsep}{os.environ['PATH']}")
-    work = tmp_path / "work"
-    work.mkdir()
-    git("init", "-q", "-b", "main", cwd=work)
-    git("lfs", "install", "--local", cwd=work)
-    (work / ".gitattributes").write_text("*.bin filter=lfs diff=lfs merge=lfs -text\n")
     weights = os.urandom(4096)
-    (work / "weights.bin").write_bytes(weights)
-    commit_all(work, "weights in LFS")
-    git("init", "-q", "--bare", str(tmp_path / "trainer.git"), cwd=tmp_path)
-    git("push", "-q", f"file://{tmp_path}/trainer.git", "main", cwd=work)  # LFS objects go with it
+    lfs_repo(tmp_path, weights)
+    work = tmp_path / "work"
     checkout = sync(f"file://{tmp_path}/trainer.git", "main", tmp_path / "repos").path
     assert (checkout / "weights.bin").read_bytes() == weights, "the file, not its pointer"
     (work / "weights.bin").write_bytes(weights[::-1])
@@ -377,6 +370,55 @@ def test_a_repos_lfs_files_are_fetched_with_it(tmp_path, monkeypatch):
     git("push", "-q", f"file://{tmp_path}/trainer.git", "main", cwd=work)
     assert sync(f"file://{tmp_path}/trainer.git", "main", tmp_path / "repos").path == checkout
     assert (checkout / "weights.bin").read_bytes() == weights[::-1], "a later start fetches the new file"
+
+
+def lfs_repo(tmp_path: Path, weights: bytes) -> str:
+    """A bare repo (its URL) with `weights.bin` stored by Git LFS; git-lfs must be on PATH."""
+    work = tmp_path / "work"
+    work.mkdir()
+    git("init", "-q", "-b", "main", cwd=work)
+    git("lfs", "install", "--local", cwd=work)
+    (work / ".gitattributes").write_text("*.bin filter=lfs diff=lfs merge=lfs -text\n")
+    (work / "weights.bin").write_bytes(weights)
+    commit_all(work, "weights in LFS")
+    git("init", "-q", "--bare", str(tmp_path / "trainer.git"), cwd=tmp_path)
+    git("push", "-q", f"file://{tmp_path}/trainer.git", "main", cwd=work)  # LFS objects go with it
+    return f"file://{tmp_path}/trainer.git"
+
+
+def test_an_lfs_pull_outlasting_the_git_bound_has_its_own_which_a_timeout_names_with_its_variable(
+    tmp_path, monkeypatch
+):
+    """The LFS pull downloads every LFS file whole (weights: gigabytes) under the 600 s bound of the shallow
+    fetch: on a slow link it timed out at every attempt and every start (exit 75), saying 'git lfs did not
+    finish'. It has its own bound now, TRAINPOD_GIT_LFS_TIMEOUT_S, which the timeout names."""
+    from trainpod import gitsync
+
+    real = debian_binary("git-lfs", "git-lfs")
+    slow_link = tmp_path / "bin"
+    slow_link.mkdir()
+    (slow_link / "git-lfs").write_text(  # its pull takes 3 s, as gigabytes over a slow link do
+        f'#!/bin/sh\n[ "$1" = pull ] && sleep 3\nexec {real} "$@"\n'
+    )
+    (slow_link / "git-lfs").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{real.parent}{os.pathsep}{os.environ['PATH']}")
+    weights = os.urandom(4096)
+    url = lfs_repo(tmp_path, weights)
+    monkeypatch.setenv("PATH", f"{slow_link}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr(gitsync, "GIT_TIMEOUT_S", 2.0)  # every other git command: a small repo's, quick
+    checkout = sync(url, "main", tmp_path / "repos", sleep=lambda _: None).path
+    assert (checkout / "weights.bin").read_bytes() == weights, (
+        "the LFS pull ran past GIT_TIMEOUT_S to its end"
+    )
+
+    monkeypatch.setenv("TRAINPOD_GIT_LFS_TIMEOUT_S", "1")
+    with pytest.raises(TemporaryError) as timed_out:
+        sync(url, "main", tmp_path / "repos", sleep=lambda _: None)
+    assert "git lfs pull did not finish in 1 s" in str(timed_out.value), str(timed_out.value)
+    assert "raise TRAINPOD_GIT_LFS_TIMEOUT_S" in str(timed_out.value)
+    monkeypatch.setenv("TRAINPOD_GIT_LFS_TIMEOUT_S", "an hour")
+    with pytest.raises(ConfigError, match="TRAINPOD_GIT_LFS_TIMEOUT_S='an hour' is not a number of seconds"):
+        sync(url, "main", tmp_path / "repos", sleep=lambda _: None)
 
 
 def test_a_clusters_nodes_syncing_a_new_commit_together_all_start_none_exits_75(tmp_path):

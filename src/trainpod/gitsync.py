@@ -10,8 +10,9 @@ The token (TRAINPOD_GIT_TOKEN, GIT_TOKEN or GITHUB_TOKEN) reaches git only throu
 script that reads it from the environment: it is never part of a URL, an argument, .git/config on
 the volume, or a log line. Credentials written into the URL itself (https://user:token@host/...) are
 taken out of it and handed to git the same way: git's argv is readable by every process (`ps`). The
-repo's submodules are checked out with it, and its Git LFS files fetched (without git-lfs: exit 2), the
-askpass answering TRAINPOD_GIT_REPO's server alone. A first clone goes to a temp folder renamed into
+repo's submodules are checked out with it, and its Git LFS files fetched (without git-lfs: exit 2; within
+TRAINPOD_GIT_LFS_TIMEOUT_S, not the 600 s of every other git command), the askpass answering
+TRAINPOD_GIT_REPO's server alone. A first clone goes to a temp folder renamed into
 place, so a kill mid-clone leaves no half checkout under the name (a later sync removes the temp folder
 once it is older than any clone runs); of two pods cloning one ref at once, the one whose rename comes
 second takes the first's checkout, and a sync of a checkout another pod is syncing waits for it (its
@@ -47,6 +48,11 @@ log = logging.getLogger(__name__)
 TOKEN_VARS = ("TRAINPOD_GIT_TOKEN", "GIT_TOKEN", "GITHUB_TOKEN")
 ATTEMPTS = 3
 GIT_TIMEOUT_S = 600.0  # one git command; a fetch from a host that never answers is a failed attempt
+# The LFS pull's own bound: it downloads the LFS files whole (weights, data: gigabytes), which a slow link takes
+# far longer than the shallow fetch of the repo's text, so under GIT_TIMEOUT_S such a repo timed out at every
+# attempt and every start (exit 75). TRAINPOD_GIT_LFS_TIMEOUT_S raises it.
+LFS_TIMEOUT_VAR = "TRAINPOD_GIT_LFS_TIMEOUT_S"
+LFS_TIMEOUT_S = 3600.0
 _LOCK_POLL_S = 1.0  # how often a sync waiting for another pod's on the same checkout looks at its locks
 # git's words when another git holds a lock of the checkout: "Unable to create '<path>.lock': File exists".
 _GIT_LOCKED = ".lock': File exists"
@@ -58,11 +64,30 @@ _NO_SUCH_REF = ("couldn't find remote ref", "not our ref")
 _ABBREVIATED_COMMIT = re.compile(r"[0-9a-fA-F]{4,39}")  # as `git log --oneline` and GitHub show a commit
 # A first clone's temp folder (_sync_once): repos/<checkout>.tmp-<8 hex digits>.
 _TEMP_CLONE = re.compile(r".+\.tmp-[0-9a-f]{8}")
-# The longest a first clone's temp folder lives: its git commands (init, fetch, checkout, the submodules'
-# update, the LFS pull; a few commands of no time) each end within GIT_TIMEOUT_S, and the folder is renamed
-# or removed after them. One older than this was left by a pod killed mid-clone; twice the sum leaves room
-# for clocks of pods on other hosts that differ.
-_TEMP_CLONE_MAX_AGE_S = 2 * 5 * GIT_TIMEOUT_S
+
+
+def _temp_clone_max_age_s() -> float:
+    """The longest a first clone's temp folder lives: its git commands (init, fetch, checkout, the submodules'
+    update; a few commands of no time) each end within GIT_TIMEOUT_S, its LFS pulls within the LFS bound, and
+    the folder is renamed or removed after them. One older than this was left by a pod killed mid-clone; twice
+    the sum leaves room for clocks of pods on other hosts that differ."""
+    return 2 * (5 * GIT_TIMEOUT_S + _lfs_timeout_s())
+
+
+def _lfs_timeout_s() -> float:
+    """The LFS pull's bound: TRAINPOD_GIT_LFS_TIMEOUT_S, else LFS_TIMEOUT_S."""
+    raw = os.environ.get(LFS_TIMEOUT_VAR, "")
+    try:
+        seconds = float(raw) if raw else LFS_TIMEOUT_S
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ConfigError(
+            [f"{LFS_TIMEOUT_VAR}={raw!r} is not a number of seconds; set it like {LFS_TIMEOUT_VAR}=7200"]
+        )
+    return seconds
+
+
 # A server refusing the credentials, or answering that no such repository is there (GitHub says so for
 # a private one the token cannot read): a wrong token or URL, which no retry or pod restart fixes.
 _REFUSED = re.compile(
@@ -165,6 +190,7 @@ def sync(url: str, ref: str | None, repos_root: Path, sleep=time.sleep) -> Synce
         raise ConfigError(
             [f"TRAINPOD_GIT_REF={ref!r} is not a branch, tag or commit; set it like TRAINPOD_GIT_REF=main"]
         )
+    _lfs_timeout_s()  # a malformed bound is exit 2 now, not after the fetch
     repos_root.mkdir(parents=True, exist_ok=True)
     _remove_killed_clones(repos_root)
     last_error = ""
@@ -195,7 +221,7 @@ def sync(url: str, ref: str | None, repos_root: Path, sleep=time.sleep) -> Synce
                     ]
                 ) from None
         except subprocess.TimeoutExpired as exc:
-            last_error = f"git {exc.cmd[3]} did not finish in {GIT_TIMEOUT_S:g} s"
+            last_error = _timed_out(exc)
         log.warning("git sync attempt %d/%d failed: %s", attempt, ATTEMPTS, last_error)
         if attempt < ATTEMPTS:
             sleep(2**attempt)
@@ -203,6 +229,18 @@ def sync(url: str, ref: str | None, repos_root: Path, sleep=time.sleep) -> Synce
         f"could not sync TRAINPOD_GIT_REPO={redact(url)} at TRAINPOD_GIT_REF={ref or 'HEAD'} after "
         f"{ATTEMPTS} attempts ({last_error}); check the URL, the ref and the token"
     )
+
+
+def _timed_out(exc: subprocess.TimeoutExpired) -> str:
+    """Which git step ran past its bound, the bound, and for the LFS pull how to raise it."""
+    args = exc.cmd[3:]  # after `git -c advice.detachedHead=false`
+    if args[:2] == ["lfs", "pull"]:
+        return (
+            f"git lfs pull did not finish in {exc.timeout:g} s: the repo's LFS files take longer to download; "
+            f"raise {LFS_TIMEOUT_VAR}"
+        )
+    step = " ".join(args[:2] if args[0] == "submodule" else args[:1])
+    return f"git {step} did not finish in {exc.timeout:g} s"
 
 
 def _ssh_refusal(stderr: str) -> str | None:
@@ -310,12 +348,12 @@ def _take_the_first_clone(url: str, ref: str, target: Path, ours: Path, credenti
 def _remove_killed_clones(repos_root: Path) -> None:
     """A pod killed during a first clone (a spot interruption, the OOM killer) never reached its `finally`, and
     its temp folder, a whole clone's size, stayed on the volume. A temp folder is another pod's clone, perhaps
-    running now, until it is older than any clone runs (_TEMP_CLONE_MAX_AGE_S): its mtime is at least the time
+    running now, until it is older than any clone runs (_temp_clone_max_age_s): its mtime is at least the time
     it was made, so an older one is nobody's."""
     for folder in repos_root.iterdir():
         if not _TEMP_CLONE.fullmatch(folder.name) or not folder.is_dir():
             continue
-        if (_age_s(folder) or 0.0) > _TEMP_CLONE_MAX_AGE_S:
+        if (_age_s(folder) or 0.0) > _temp_clone_max_age_s():
             log.warning("removing %s: the temp folder of a first clone whose pod was killed", folder)
             shutil.rmtree(folder, ignore_errors=True)
 
@@ -411,10 +449,12 @@ def _pull_lfs_files(url: str, checkout: Path, credentials: dict[str, str]) -> No
         ) from None
     _git(["config", "remote.origin.url", url], checkout)
     _git(["lfs", "install", "--local", "--skip-smudge"], checkout)
-    _git(["lfs", "pull"], checkout, credentials)
+    _git(["lfs", "pull"], checkout, credentials, timeout_s=_lfs_timeout_s())
 
 
-def _git(args: list[str], cwd: Path, credentials: dict[str, str] | None = None) -> str:
+def _git(
+    args: list[str], cwd: Path, credentials: dict[str, str] | None = None, timeout_s: float | None = None
+) -> str:
     with tempfile.TemporaryDirectory(prefix="trainpod-askpass-") as folder:
         askpass = Path(folder) / "askpass.sh"
         askpass.write_text(_ASKPASS)
@@ -426,7 +466,7 @@ def _git(args: list[str], cwd: Path, credentials: dict[str, str] | None = None) 
             env=env,
             capture_output=True,
             text=True,
-            timeout=GIT_TIMEOUT_S,
+            timeout=timeout_s or GIT_TIMEOUT_S,
         )
         result.check_returncode()
         return result.stdout

@@ -362,7 +362,7 @@ def test_a_repos_lfs_files_are_fetched_with_it(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", f"{git_lfs.parent}{os.pathsep}{os.environ['PATH']}")
     weights = os.urandom(4096)
     lfs_repo(tmp_path, weights)
-    work = tmp_path / "work"
+    work = tmp_path / "trainer-work"
     checkout = sync(f"file://{tmp_path}/trainer.git", "main", tmp_path / "repos").path
     assert (checkout / "weights.bin").read_bytes() == weights, "the file, not its pointer"
     (work / "weights.bin").write_bytes(weights[::-1])
@@ -372,18 +372,43 @@ def test_a_repos_lfs_files_are_fetched_with_it(tmp_path, monkeypatch):
     assert (checkout / "weights.bin").read_bytes() == weights[::-1], "a later start fetches the new file"
 
 
-def lfs_repo(tmp_path: Path, weights: bytes) -> str:
-    """A bare repo (its URL) with `weights.bin` stored by Git LFS; git-lfs must be on PATH."""
-    work = tmp_path / "work"
+def lfs_repo(tmp_path: Path, weights: bytes, name: str = "trainer") -> str:
+    """A bare repo <name>.git (its URL) with `weights.bin` stored by Git LFS, made from <name>-work; git-lfs must be
+    on PATH."""
+    work = tmp_path / f"{name}-work"
     work.mkdir()
     git("init", "-q", "-b", "main", cwd=work)
     git("lfs", "install", "--local", cwd=work)
     (work / ".gitattributes").write_text("*.bin filter=lfs diff=lfs merge=lfs -text\n")
     (work / "weights.bin").write_bytes(weights)
     commit_all(work, "weights in LFS")
-    git("init", "-q", "--bare", str(tmp_path / "trainer.git"), cwd=tmp_path)
-    git("push", "-q", f"file://{tmp_path}/trainer.git", "main", cwd=work)  # LFS objects go with it
-    return f"file://{tmp_path}/trainer.git"
+    git("init", "-q", "--bare", "-b", "main", str(tmp_path / f"{name}.git"), cwd=tmp_path)
+    git("push", "-q", f"file://{tmp_path}/{name}.git", "main", cwd=work)  # LFS objects go with it
+    return f"file://{tmp_path}/{name}.git"
+
+
+def test_lfs_files_of_a_submodule_are_fetched_with_it(tmp_path, monkeypatch, file_submodules_allowed):
+    """A repo whose weights or data live in a submodule stored with Git LFS (a vendored model repo, a data repo) was
+    synced with that submodule's LFS pointers in place of its files, three lines of text the program read as them:
+    only the top repo's LFS files were pulled."""
+    git_lfs = debian_binary("git-lfs", "git-lfs")
+    monkeypatch.setenv("PATH", f"{git_lfs.parent}{os.pathsep}{os.environ['PATH']}")
+    weights = os.urandom(4096)
+    lfs_repo(tmp_path, weights, name="model")
+    trainer = tmp_path / "trainer-work"
+    trainer.mkdir()
+    (trainer / "train.py").write_text("open('model/weights.bin', 'rb').read()\n")
+    commit_all(trainer, "trainer")
+    git("submodule", "add", "-q", "../model.git", "model", cwd=trainer)
+    commit_all(trainer, "the model's weights in a submodule")
+    git("clone", "-q", "--bare", str(trainer), str(tmp_path / "trainer.git"), cwd=tmp_path)
+    checkout = sync(f"file://{tmp_path}/trainer.git", "main", tmp_path / "repos", sleep=lambda _: None).path
+    assert (checkout / "model/weights.bin").read_bytes() == weights, (
+        "the submodule's file, not its LFS pointer"
+    )
+    assert git("status", "--porcelain", "--ignore-submodules=none", cwd=checkout) == "", (
+        "the checkout is clean"
+    )
 
 
 def test_an_lfs_pull_outlasting_the_git_bound_has_its_own_which_a_timeout_names_with_its_variable(

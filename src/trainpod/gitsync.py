@@ -234,7 +234,7 @@ def sync(url: str, ref: str | None, repos_root: Path, sleep=time.sleep) -> Synce
 def _timed_out(exc: subprocess.TimeoutExpired) -> str:
     """Which git step ran past its bound, the bound, and for the LFS pull how to raise it."""
     args = exc.cmd[3:]  # after `git -c advice.detachedHead=false`
-    if args[:2] == ["lfs", "pull"]:
+    if args[:2] == ["lfs", "pull"] or args[-1].endswith("git lfs pull"):  # the repo's, or its submodules'
         return (
             f"git lfs pull did not finish in {exc.timeout:g} s: the repo's LFS files take longer to download; "
             f"raise {LFS_TIMEOUT_VAR}"
@@ -417,12 +417,15 @@ def _update_submodules(url: str, checkout: Path, credentials: dict[str, str]) ->
     fetch, and only TRAINPOD_GIT_REPO's server gets them (_URL_HOST)."""
     _git(["config", "remote.origin.url", url], checkout)
     _git(["submodule", "sync", "--quiet", "--recursive"], checkout)
-    _git(["submodule", "update", "--quiet", "--init", "--recursive", "--force"], checkout, credentials)
+    update = ["submodule", "update", "--quiet", "--init", "--recursive", "--force"]
+    _git(update, checkout, {**credentials, "GIT_LFS_SKIP_SMUDGE": "1"})  # LFS files: _pull_lfs_files
 
 
 def _tracks_lfs_files(checkout: Path) -> bool:
-    """Whether a .gitattributes of the checkout has files stored by Git LFS (filter=lfs)."""
-    listed = _git(["ls-files", "-z", "--", ".gitattributes", "*/.gitattributes"], checkout)
+    """Whether a .gitattributes of the checkout or of a submodule in it has files stored by Git LFS (filter=lfs)."""
+    listed = _git(
+        ["ls-files", "--recurse-submodules", "-z", "--", ".gitattributes", "*/.gitattributes"], checkout
+    )
     for name in filter(None, listed.split("\0")):
         with contextlib.suppress(OSError):
             lines = (checkout / name).read_text(errors="replace").splitlines()
@@ -432,10 +435,11 @@ def _tracks_lfs_files(checkout: Path) -> bool:
 
 
 def _pull_lfs_files(url: str, checkout: Path, credentials: dict[str, str]) -> None:
-    """Replace the LFS pointers the checkout holds with their files (weights, data, tokenizers). Without git-lfs
-    the program would read each pointer, 130 bytes of text, as the file: exit 2 naming the fix instead. LFS
-    finds its server from remote.origin.url (the URL without its credentials, which the askpass gives); its
-    smudge stays off (--skip-smudge), so every checkout leaves pointers and this pull alone fetches."""
+    """Replace the LFS pointers the checkout and its submodules hold with their files (weights, data, tokenizers).
+    Without git-lfs the program would read each pointer, 130 bytes of text, as the file: exit 2 naming the fix
+    instead. LFS finds its server from remote.origin.url (the URL without its credentials, which the askpass
+    gives; a submodule's own URL in it, whose server gets no token unless it is TRAINPOD_GIT_REPO's); its smudge
+    stays off (--skip-smudge), so every checkout leaves pointers and this pull alone fetches."""
     try:
         _git(["lfs", "version"], checkout)
     except subprocess.CalledProcessError:
@@ -450,6 +454,11 @@ def _pull_lfs_files(url: str, checkout: Path, credentials: dict[str, str]) -> No
     _git(["config", "remote.origin.url", url], checkout)
     _git(["lfs", "install", "--local", "--skip-smudge"], checkout)
     _git(["lfs", "pull"], checkout, credentials, timeout_s=_lfs_timeout_s())
+    if (checkout / ".gitmodules").is_file():
+        each = "git lfs install --local --skip-smudge >/dev/null && git lfs pull"
+        _git(
+            ["submodule", "foreach", "--quiet", "--recursive", each], checkout, credentials, _lfs_timeout_s()
+        )
 
 
 def _git(

@@ -326,6 +326,43 @@ def test_a_repos_submodules_are_checked_out_at_the_commits_it_records_and_follow
     )
 
 
+@pytest.mark.parametrize("protocol", ["2", "0"])
+def test_a_repos_submodules_are_fetched_shallow_at_the_commit_it_pins_not_their_whole_history(
+    tmp_path, monkeypatch, file_submodules_allowed, protocol
+):
+    """The repo itself is fetched with --depth 1, but its submodules were cloned whole: a vendored library or
+    model repo with years of history (gigabytes of old blobs) downloaded at each first clone and kept on the
+    volume. They are shallow now, at the commit the repo pins, though it is no branch's tip; a server that
+    hands out no commit by its id (protocol 0 without uploadpack.allowReachableSHA1InWant) is fetched whole."""
+    monkeypatch.setenv("GIT_CONFIG_COUNT", "2")
+    monkeypatch.setenv("GIT_CONFIG_KEY_1", "protocol.version")
+    monkeypatch.setenv("GIT_CONFIG_VALUE_1", protocol)
+    lib = tmp_path / "lib-work"
+    lib.mkdir()
+    commits = []
+    for value in range(5):
+        (lib / "helper.py").write_text(f"VALUE = {value}\n")
+        commits.append(commit_all(lib, f"value {value}"))
+    git("clone", "-q", "--bare", str(lib), str(tmp_path / "lib.git"), cwd=tmp_path)
+    trainer = tmp_path / "trainer-work"
+    trainer.mkdir()
+    (trainer / "train.py").write_text("from lib.helper import VALUE\n")
+    commit_all(trainer, "trainer")
+    git("submodule", "add", "-q", "../lib.git", "lib", cwd=trainer)
+    git("-C", "lib", "checkout", "-q", commits[3], cwd=trainer)  # pinned behind lib's tip
+    commit_all(trainer, "lib at its fourth commit")
+    git("clone", "-q", "--bare", str(trainer), str(tmp_path / "trainer.git"), cwd=tmp_path)
+
+    checkout = sync(f"file://{tmp_path}/trainer.git", "main", tmp_path / "repos", sleep=lambda _: None).path
+    assert (checkout / "lib/helper.py").read_text() == "VALUE = 3\n", "the commit the repo pins"
+    history = git("-C", "lib", "rev-list", "--count", "HEAD", cwd=checkout).strip()
+    if protocol == "2":
+        assert git("-C", "lib", "rev-parse", "--is-shallow-repository", cwd=checkout).strip() == "true"
+        assert history == "1", f"the submodule's history was fetched: {history} commits"
+    else:
+        assert history == "4", "a server refusing a commit by its id: the submodule fetched whole"
+
+
 LFS_POINTER = """version https://git-lfs.github.com/spec/v1
 oid sha256:5b6d432e398ffe3c43d8ad7a00d917b480a176557020059e6ca47569f11127de
 size 100

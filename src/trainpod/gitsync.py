@@ -62,6 +62,13 @@ _LOCKED_TRIES = 64
 # retry cannot help, and neither can a restart of the pod.
 _NO_SUCH_REF = ("couldn't find remote ref", "not our ref")
 _ABBREVIATED_COMMIT = re.compile(r"[0-9a-fA-F]{4,39}")  # as `git log --oneline` and GitHub show a commit
+# git's words when a submodule's shallow fetch lacks the pinned commit and its server refuses it by its id
+# ("Fetched in submodule path 'lib', but it did not contain <id>. Direct fetching of that commit failed.").
+_NOT_FETCHABLE_BY_ID = "Direct fetching of that commit failed"
+# Run in each submodule (git submodule foreach) before the update is tried again without --depth.
+_UNSHALLOW = (
+    'if [ "$(git rev-parse --is-shallow-repository)" = true ]; then git fetch --quiet --unshallow; fi'
+)
 # A first clone's temp folder (_sync_once): repos/<checkout>.tmp-<8 hex digits>.
 _TEMP_CLONE = re.compile(r".+\.tmp-[0-9a-f]{8}")
 
@@ -411,14 +418,25 @@ def _fetch_checkout(url: str, ref: str, checkout: Path, credentials: dict[str, s
 
 def _update_submodules(url: str, checkout: Path, credentials: dict[str, str]) -> None:
     """Check out the repo's submodules at the commits it records, nested ones too: without them the program's
-    imports from a submodule fail, or find an empty folder. A relative submodule URL (../lib.git, GitHub's way
+    imports from a submodule fail, or find an empty folder. Shallow, as the repo's own fetch: a vendored library
+    or model repo's whole history is gigabytes of old blobs no program reads. A pinned commit that is no
+    branch's tip is fetched by its id, which a server may refuse (protocol 0 without
+    uploadpack.allowReachableSHA1InWant): then the submodules' whole history is fetched instead. A relative submodule URL (../lib.git, GitHub's way
     for a sibling repo) resolves against remote.origin.url, so the URL (never its credentials) is stored as
     that; `sync` takes a URL changed in .gitmodules since the last start. Credentials reach git as for the
     fetch, and only TRAINPOD_GIT_REPO's server gets them (_URL_HOST)."""
     _git(["config", "remote.origin.url", url], checkout)
     _git(["submodule", "sync", "--quiet", "--recursive"], checkout)
     update = ["submodule", "update", "--quiet", "--init", "--recursive", "--force"]
-    _git(update, checkout, {**credentials, "GIT_LFS_SKIP_SMUDGE": "1"})  # LFS files: _pull_lfs_files
+    environment = {**credentials, "GIT_LFS_SKIP_SMUDGE": "1"}  # LFS files: _pull_lfs_files
+    try:
+        _git([*update, "--depth", "1"], checkout, environment)
+    except subprocess.CalledProcessError as exc:
+        if _NOT_FETCHABLE_BY_ID not in (exc.stderr or ""):
+            raise
+        log.info("a submodule's server hands out no commit by its id; fetching its whole history")
+        _git(["submodule", "foreach", "--quiet", "--recursive", _UNSHALLOW], checkout, credentials)
+        _git(update, checkout, environment)
 
 
 def _tracks_lfs_files(checkout: Path) -> bool:

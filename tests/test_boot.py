@@ -1019,3 +1019,38 @@ def test_an_ssh_url_the_pod_has_no_key_for_is_bad_input_at_once_naming_https(tmp
     assert sleeps == [], "not retried"
     assert refusal in str(refused.value) and "https://" in str(refused.value), str(refused.value)
     assert not (tmp_path / "repos/trainer@main").exists()
+
+
+def test_an_ssh_submodule_url_is_bad_input_naming_the_submodule_and_its_gitmodules_fix(
+    tmp_path, monkeypatch, file_submodules_allowed
+):
+    """A repo on https whose .gitmodules gives a submodule's SSH URL (git@github.com:org/lib.git, as `git submodule
+    add` copies it from GitHub) was refused telling the user to set TRAINPOD_GIT_REPO to its https URL, which it
+    already was: the fix is the submodule's URL in .gitmodules."""
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    (shim / "ssh").write_text("#!/bin/sh\necho 'Host key verification failed.' >&2\nexit 255\n")
+    (shim / "ssh").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{shim}:{os.environ['PATH']}")
+    monkeypatch.delenv("GIT_SSH_COMMAND", raising=False)
+    lib = tmp_path / "lib-work"
+    lib.mkdir()
+    (lib / "helper.py").write_text("VALUE = 1\n")
+    commit_all(lib, "one")
+    git("clone", "-q", "--bare", str(lib), str(tmp_path / "lib.git"), cwd=tmp_path)
+    trainer = tmp_path / "trainer-work"
+    trainer.mkdir()
+    (trainer / "train.py").write_text("from vendor.lib.helper import VALUE\n")
+    commit_all(trainer, "trainer")
+    git("submodule", "add", "-q", "../lib.git", "vendor/lib", cwd=trainer)
+    git("config", "-f", ".gitmodules", "submodule.vendor/lib.url", "git@github.com:org/lib.git", cwd=trainer)
+    commit_all(trainer, "lib by its SSH URL")
+    git("clone", "-q", "--bare", str(trainer), str(tmp_path / "trainer.git"), cwd=tmp_path)
+    sleeps: list[float] = []
+    with pytest.raises(ConfigError) as refused:
+        sync(f"file://{tmp_path}/trainer.git", "main", tmp_path / "repos", sleep=sleeps.append)
+    message = str(refused.value)
+    assert sleeps == [], "not retried"
+    assert "submodule 'vendor/lib'" in message and "git@github.com:org/lib.git" in message, message
+    assert ".gitmodules" in message and "https://" in message, message
+    assert "set TRAINPOD_GIT_REPO" not in message, message

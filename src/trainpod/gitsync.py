@@ -105,6 +105,8 @@ _REFUSED = re.compile(
 # host, so no retry or restart fixes it; the https URL with a token does. git's own fatal line says only
 # "Could not read from remote repository", so these are looked for in all it wrote.
 _SSH_REFUSED = re.compile(r"Host key verification failed|Permission denied \(publickey")
+# git's words for a submodule it could not clone: "fatal: clone of '<url>' into submodule path '<path>' failed".
+_SUBMODULE_CLONE_FAILED = re.compile(r"clone of '([^']*)' into submodule path '([^']*)' failed")
 # The URL's own user and password, for the askpass script (set only in git's environment).
 _URL_USER, _URL_PASSWORD = "TRAINPOD_GIT_URL_USER", "TRAINPOD_GIT_URL_PASSWORD"
 # TRAINPOD_GIT_REPO's host (and port): the one server the askpass answers. git asks it for every server that
@@ -214,11 +216,7 @@ def sync(url: str, ref: str | None, repos_root: Path, sleep=time.sleep) -> Synce
             ssh_refusal = _ssh_refusal(exc.stderr or "")
             if ssh_refusal:
                 raise ConfigError(
-                    [
-                        f"git could not fetch TRAINPOD_GIT_REPO={redact(url)} over SSH "
-                        f"({redact(ssh_refusal)}): a pod has no SSH key nor known host for it; set "
-                        "TRAINPOD_GIT_REPO to the repo's https:// URL (with TRAINPOD_GIT_TOKEN for a private repo)"
-                    ]
+                    [_refused_over_ssh(url, redact(ssh_refusal), exc.stderr, repos_root)]
                 ) from None
             if _REFUSED.search(last_error):
                 raise ConfigError(
@@ -248,6 +246,29 @@ def _timed_out(exc: subprocess.TimeoutExpired) -> str:
         )
     step = " ".join(args[:2] if args[0] == "submodule" else args[:1])
     return f"git {step} did not finish in {exc.timeout:g} s"
+
+
+def _refused_over_ssh(url: str, refusal: str, stderr: str, repos_root: Path) -> str:
+    """What to do about an SSH URL ssh refused: TRAINPOD_GIT_REPO's, or a submodule's in .gitmodules (an https repo
+    whose submodule was added by its SSH URL, as GitHub's clone button gives it), which no TRAINPOD_GIT_REPO fixes."""
+    submodule = _SUBMODULE_CLONE_FAILED.search(stderr)
+    if submodule is None:
+        return (
+            f"git could not fetch TRAINPOD_GIT_REPO={redact(url)} over SSH ({refusal}): a pod has no SSH key nor "
+            "known host for it; set TRAINPOD_GIT_REPO to the repo's https:// URL (with TRAINPOD_GIT_TOKEN for a "
+            "private repo)"
+        )
+    submodule_url, path = submodule.groups()
+    with contextlib.suppress(
+        ValueError
+    ):  # the checkout's folder under repos/ (or its temp one) is no part of it
+        path = Path(path).relative_to(repos_root).as_posix().split("/", 1)[-1]
+    return (
+        f"git could not fetch the submodule '{path}' of TRAINPOD_GIT_REPO={redact(url)} over SSH ({refusal}): the "
+        f".gitmodules listing it gives its URL as {redact(submodule_url)}, and a pod has no SSH key nor known host "
+        "for it; set its url in that .gitmodules to the https:// one (a relative one such as ../lib.git for a repo "
+        "on TRAINPOD_GIT_REPO's server, which then gets TRAINPOD_GIT_TOKEN), commit and push"
+    )
 
 
 def _ssh_refusal(stderr: str) -> str | None:

@@ -442,9 +442,28 @@ def test_a_token_written_into_env_git_repo_is_refused_masked_naming_the_git_toke
     assert [method for method, *_ in fake.requests if method != "GET"] == [], "nothing is made or started"
 
 
+@pytest.mark.parametrize(
+    "token",
+    [
+        "deadbeef" * 5,  # a classic GitHub token (40 hex digits, no prefix): still accepted as a URL's user
+        "gldt-" + "notarealdeploytoken",  # a GitLab deploy token, one of its prefixes besides glpat-
+        "a1b2c3d4e5" * 5 + "zz",  # an Azure DevOps personal access token (52 characters)
+    ],
+)
+def test_a_token_of_no_listed_prefix_as_env_git_repos_user_is_refused_masked(fake, tmp_path, capsys, token):
+    """A token as the URL's user alone was recognised by a few prefixes (ghp_, github_pat_, glpat-, hf_), so a
+    classic GitHub token, an Azure DevOps one or a GitLab deploy token went to the pod's env as plain text."""
+    path = deploy_config(tmp_path, **{"env.git_repo": f"https://{token}@github.com/org/trainer.git"})
+    assert cli.main(["deploy", str(path), "--dry-run"]) == 2
+    captured = capsys.readouterr()
+    assert "env.git_repo=https://***@github.com/org/trainer.git holds credentials" in captured.out
+    assert token not in captured.out + captured.err
+
+
 def test_a_user_alone_in_env_git_repo_is_no_secret_and_deploys(fake, tmp_path, capsys):
-    path = deploy_config(tmp_path, **{"env.git_repo": "https://alice@github.com/org/trainer.git"})
-    assert cli.main(["deploy", str(path), "--dry-run"]) == 0, capsys.readouterr().out
+    for user in ("alice", "glenn-smith", "a-long-but-ordinary-user-name-of-39-chr", "alice%40example.com"):
+        path = deploy_config(tmp_path, **{"env.git_repo": f"https://{user}@github.com/org/trainer.git"})
+        assert cli.main(["deploy", str(path), "--dry-run"]) == 0, capsys.readouterr().out
 
 
 def test_deploy_with_supervise_supervises_the_run_until_done(fake, tmp_path, monkeypatch, capsys):

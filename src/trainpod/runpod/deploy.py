@@ -61,8 +61,13 @@ PLACEHOLDER_IMAGE = re.compile(
 )  # what the shipped configs and infra/ carry (git_repo too)
 REFERENCE = re.compile(r"^\{\{\s*RUNPOD_SECRET_[A-Za-z0-9_]+\s*\}\}$")
 # A token given as a URL's user alone (https://<token>@github.com/...: GitHub's and GitLab's own way), by the
-# prefixes GitHub, GitLab and Hugging Face give their tokens; a user name alone is no secret.
-_TOKEN_AS_USER = re.compile(r"gh[pousr]_|github_pat_|glpat-|hf_")
+# prefixes GitHub, GitLab (personal, deploy, runner, trigger, OAuth ... tokens) and Hugging Face give their
+# tokens, or by a token's shape: 40 or more letters, digits, _ and - (a classic GitHub token is 40 hex digits
+# with no prefix, an Azure DevOps one 52 characters), longer than any GitHub user name (39). A user name alone
+# is no secret.
+_TOKEN_AS_USER = re.compile(
+    r"gh[pousr]_|github_pat_|gl(pat|dt|rt|ptt|cbt|imt|agent|oas|soat|ft|ffct)-|hf_|[A-Za-z0-9_-]{40,}$"
+)
 
 
 def pod_problems(config: DeployConfig) -> list[str]:

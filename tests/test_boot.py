@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -564,15 +565,41 @@ def test_a_commit_given_by_its_abbreviated_id_exits_2_asking_for_its_full_id(tmp
 
 def test_a_git_that_hangs_is_a_failed_attempt_then_exit_75_not_a_crash(tmp_path, monkeypatch):
     """A host that accepts the connection and never answers: git runs into its timeout."""
+    import socket
+
     from trainpod import gitsync
 
-    def hang(cmd, **kwargs):
-        raise subprocess.TimeoutExpired(cmd, kwargs["timeout"])
-
-    monkeypatch.setattr(gitsync.subprocess, "run", hang)
-    with pytest.raises(TemporaryError, match=r"after 3 attempts \(git init did not finish in 600 s\)"):
-        sync("https://example.com/org/cfg.git", "main", tmp_path / "repos", sleep=lambda _: None)
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts (the backlog), never answers
+    monkeypatch.setattr(gitsync, "GIT_TIMEOUT_S", 1.0)
+    try:
+        with pytest.raises(TemporaryError, match=r"after 3 attempts \(git fetch did not finish in 1 s\)"):
+            sync(f"http://127.0.0.1:{silent.getsockname()[1]}/org/cfg.git", "main", tmp_path / "repos",
+                 sleep=lambda _: None)  # fmt: skip
+    finally:
+        silent.close()
     assert list((tmp_path / "repos").iterdir()) == []
+
+
+def test_a_git_step_past_its_bound_is_ended_with_the_programs_it_started(tmp_path, monkeypatch):
+    """The timeout killed git alone: `git lfs pull` runs git-lfs (as a fetch runs git-remote-https) as its child,
+    which went on downloading beside the next attempt's pull into the same checkout, or into the temp folder the
+    sync had removed, each attempt adding one more to the slow link. The whole step ends at its bound now."""
+    real = debian_binary("git-lfs", "git-lfs")
+    monkeypatch.setenv("PATH", f"{real.parent}{os.pathsep}{os.environ['PATH']}")
+    url = lfs_repo(tmp_path, os.urandom(4096))
+    still_running = tmp_path / "still-running"
+    slow_link = tmp_path / "bin"
+    slow_link.mkdir()
+    (slow_link / "git-lfs").write_text(
+        f'#!/bin/sh\nif [ "$1" = pull ]; then sleep 2; touch {still_running}; fi\nexec {real} "$@"\n'
+    )
+    (slow_link / "git-lfs").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{slow_link}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("TRAINPOD_GIT_LFS_TIMEOUT_S", "0.5")
+    with pytest.raises(TemporaryError, match="git lfs pull did not finish in 0.5 s"):
+        sync(url, "main", tmp_path / "repos", sleep=lambda _: None)
+    time.sleep(3)  # past the slow pull's 2 s
+    assert not still_running.exists(), "git-lfs went on after its git was killed"
 
 
 def test_repo_name_comes_from_the_url():

@@ -29,6 +29,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import stat
 import subprocess
 import tempfile
@@ -508,16 +509,27 @@ def _git(
         askpass.write_text(_ASKPASS)
         askpass.chmod(stat.S_IRWXU)
         env = dict(os.environ, **(credentials or {}), GIT_ASKPASS=str(askpass), GIT_TERMINAL_PROMPT="0")
-        result = subprocess.run(
-            ["git", "-c", "advice.detachedHead=false", *args],
-            cwd=cwd,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=timeout_s or GIT_TIMEOUT_S,
-        )
-        result.check_returncode()
-        return result.stdout
+        command = ["git", "-c", "advice.detachedHead=false", *args]
+        timeout = timeout_s or GIT_TIMEOUT_S
+        # Its own process group, ended whole at the bound: git runs git-lfs, git-remote-https, a submodule's git
+        # as children, which killing git alone left downloading beside the next attempt. Ended as well when this
+        # process is interrupted (Ctrl-C reaches our group alone, no longer git's).
+        with subprocess.Popen(
+            command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            start_new_session=True,
+        ) as process:  # fmt: skip
+            try:
+                stdout, stderr = process.communicate(timeout=timeout)
+            except BaseException as stopped:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
+                process.communicate()
+                if isinstance(stopped, subprocess.TimeoutExpired):
+                    raise subprocess.TimeoutExpired(command, timeout) from None
+                raise
+        if process.returncode:
+            raise subprocess.CalledProcessError(process.returncode, command, stdout, stderr)
+        return stdout
 
 
 def _git_reason(exc: subprocess.CalledProcessError) -> str:

@@ -982,7 +982,8 @@ def test_a_refused_token_or_a_missing_repo_is_bad_input_at_once_not_a_retry(
 
 def test_a_submodule_on_another_server_never_gets_the_repos_token(tmp_path: Path, file_submodules_allowed):
     """git hands whatever server asks for credentials to the askpass: a submodule on another forge or a mirror
-    asking would have got TRAINPOD_GIT_REPO's token. Only the repo's own server gets it."""
+    asking would have got TRAINPOD_GIT_REPO's token. Only the repo's own server gets it, and the refusal names the
+    submodule and its server (it told the user to check a token that was never sent there)."""
     lib = tmp_path / "elsewhere/lib-work"
     lib.mkdir(parents=True)
     (lib / "helper.py").write_text("VALUE = 1\n")
@@ -1016,7 +1017,7 @@ def test_a_submodule_on_another_server_never_gets_the_repos_token(tmp_path: Path
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), home)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        with pytest.raises(ConfigError):  # the other server wants credentials it is never given
+        with pytest.raises(ConfigError) as refused:  # the other server wants credentials it is never given
             sync(f"http://me:{TOKEN}@127.0.0.1:{server.server_port}/trainer.git", "main", tmp_path / "repos",
                  sleep=lambda _: None)  # fmt: skip
     finally:
@@ -1025,6 +1026,10 @@ def test_a_submodule_on_another_server_never_gets_the_repos_token(tmp_path: Path
     assert seen_elsewhere, "the submodule's server was asked"
     sent = [base64.b64decode(header.split()[1]).decode() for header in seen_elsewhere if header]
     assert not any(TOKEN in credentials for credentials in sent), sent
+    message = str(refused.value)
+    assert "submodule 'lib'" in message and f"127.0.0.1:{elsewhere.server_port}/lib.git" in message, message
+    assert "TRAINPOD_GIT_TOKEN goes to TRAINPOD_GIT_REPO's server alone" in message, message
+    assert TOKEN not in message
 
 
 @pytest.mark.parametrize(

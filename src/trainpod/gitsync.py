@@ -220,12 +220,7 @@ def sync(url: str, ref: str | None, repos_root: Path, sleep=time.sleep) -> Synce
                     [_refused_over_ssh(url, redact(ssh_refusal), exc.stderr, repos_root)]
                 ) from None
             if _REFUSED.search(last_error):
-                raise ConfigError(
-                    [
-                        f"git could not fetch TRAINPOD_GIT_REPO={redact(url)} ({last_error}); check the URL "
-                        "and that TRAINPOD_GIT_TOKEN (and TRAINPOD_GIT_USER) holds a token that can read it"
-                    ]
-                ) from None
+                raise ConfigError([_refused(url, last_error, exc.stderr, repos_root)]) from None
         except subprocess.TimeoutExpired as exc:
             last_error = _timed_out(exc)
         log.warning("git sync attempt %d/%d failed: %s", attempt, ATTEMPTS, last_error)
@@ -252,24 +247,51 @@ def _timed_out(exc: subprocess.TimeoutExpired) -> str:
 def _refused_over_ssh(url: str, refusal: str, stderr: str, repos_root: Path) -> str:
     """What to do about an SSH URL ssh refused: TRAINPOD_GIT_REPO's, or a submodule's in .gitmodules (an https repo
     whose submodule was added by its SSH URL, as GitHub's clone button gives it), which no TRAINPOD_GIT_REPO fixes."""
-    submodule = _SUBMODULE_CLONE_FAILED.search(stderr)
+    submodule = _failed_submodule(stderr, repos_root)
     if submodule is None:
         return (
             f"git could not fetch TRAINPOD_GIT_REPO={redact(url)} over SSH ({refusal}): a pod has no SSH key nor "
             "known host for it; set TRAINPOD_GIT_REPO to the repo's https:// URL (with TRAINPOD_GIT_TOKEN for a "
             "private repo)"
         )
-    submodule_url, path = submodule.groups()
-    with contextlib.suppress(
-        ValueError
-    ):  # the checkout's folder under repos/ (or its temp one) is no part of it
-        path = Path(path).relative_to(repos_root).as_posix().split("/", 1)[-1]
+    path, submodule_url = submodule
     return (
         f"git could not fetch the submodule '{path}' of TRAINPOD_GIT_REPO={redact(url)} over SSH ({refusal}): the "
         f".gitmodules listing it gives its URL as {redact(submodule_url)}, and a pod has no SSH key nor known host "
         "for it; set its url in that .gitmodules to the https:// one (a relative one such as ../lib.git for a repo "
         "on TRAINPOD_GIT_REPO's server, which then gets TRAINPOD_GIT_TOKEN), commit and push"
     )
+
+
+def _refused(url: str, reason: str, stderr: str, repos_root: Path) -> str:
+    """What to do about credentials a server refused: TRAINPOD_GIT_REPO's token, or, for a submodule on another
+    server, which never gets that token (_URL_HOST), where that submodule's repo lives."""
+    submodule = _failed_submodule(stderr, repos_root)
+    if submodule is not None and _askpass_host(submodule[1]) not in ("", _askpass_host(url)):
+        path, submodule_url = submodule
+        return (
+            f"git could not fetch the submodule '{path}' of TRAINPOD_GIT_REPO={redact(url)} ({reason}): its URL, "
+            f"{redact(submodule_url)}, is on another server than TRAINPOD_GIT_REPO's, which asks for credentials, "
+            "and TRAINPOD_GIT_TOKEN goes to TRAINPOD_GIT_REPO's server alone; make that repo readable without them, "
+            "or move it beside TRAINPOD_GIT_REPO (a relative url such as ../lib.git in .gitmodules), commit and push"
+        )
+    return (
+        f"git could not fetch TRAINPOD_GIT_REPO={redact(url)} ({reason}); check the URL and that TRAINPOD_GIT_TOKEN "
+        "(and TRAINPOD_GIT_USER) holds a token that can read it"
+    )
+
+
+def _failed_submodule(stderr: str, repos_root: Path) -> tuple[str, str] | None:
+    """The path (in the checkout) and URL of a submodule git could not clone, from what it wrote; None if none."""
+    failed = _SUBMODULE_CLONE_FAILED.search(stderr)
+    if failed is None:
+        return None
+    submodule_url, path = failed.groups()
+    with contextlib.suppress(
+        ValueError
+    ):  # the checkout's folder under repos/ (or its temp one) is no part of it
+        path = Path(path).relative_to(repos_root).as_posix().split("/", 1)[-1]
+    return path, submodule_url
 
 
 def _ssh_refusal(stderr: str) -> str | None:

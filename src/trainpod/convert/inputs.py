@@ -8,8 +8,7 @@ import re
 from pathlib import Path
 
 from trainpod.config.convert import RUN_PREFIX
-from trainpod.diskspace import is_disk_full, volume_full
-from trainpod.errors import InputError, TemporaryError
+from trainpod.errors import InputError
 from trainpod.volume import Volume
 
 log = logging.getLogger(__name__)
@@ -82,7 +81,8 @@ def fetch_base(reference: str, volume: Volume, revision: str | None = None) -> P
         RevisionNotFoundError,
     )
 
-    from trainpod.train.base_model import HUB_OTHER_FORMATS  # the finetune's rule: both fill cache/hf
+    # the finetune's rules: both fill cache/hf
+    from trainpod.train.base_model import HUB_OTHER_FORMATS, failed_download
 
     log.info(
         "fetching the base model %s (revision %s) from the Hugging Face hub into %s",
@@ -112,15 +112,4 @@ def fetch_base(reference: str, volume: Volume, revision: str | None = None) -> P
             "base_model to a local folder"
         ) from None
     except (HfHubHTTPError, OSError) as exc:
-        if is_disk_full(exc):  # no outage that passes: every start would download into the same full volume
-            raise volume_full(volume.cache() / "hf", f"the base model {reference}") from exc
-        if constants.HF_HUB_OFFLINE:  # no outage: every start would read the same cache without it
-            raise InputError(
-                f"base model {reference!r} (revision {revision or 'main'}) is not in {volume.cache() / 'hf'}, and "
-                "HF_HUB_OFFLINE is set, so the hub is not asked: unset HF_HUB_OFFLINE to download it, or set "
-                "base_model to a local folder"
-            ) from None
-        raise TemporaryError(
-            f"could not fetch the base model {reference!r} from the Hugging Face hub "
-            f"({type(exc).__name__}); the next start tries again"
-        ) from None
+        raise failed_download(exc, "base_model", reference, revision, volume) from exc

@@ -127,17 +127,29 @@ def _download(cfg: BaseModelConfig, volume: Volume, revision: str | None, pinned
             )
         ) from None
     except Exception as exc:  # network and hub outages: the supervisor starts us again later
-        if is_disk_full(exc):  # no outage that passes: every start would download into the same full volume
-            raise volume_full(volume.cache() / "hf", f"the base model {cfg.path}") from exc
-        if constants.HF_HUB_OFFLINE:  # no outage: every start would read the same cache without it
-            raise InputError(
-                f"base_model.path={cfg.path!r} (revision {revision or 'main'}) is not in {volume.cache() / 'hf'}, "
-                "and HF_HUB_OFFLINE is set, so the hub is not asked: unset HF_HUB_OFFLINE to download it, or set "
-                "base_model.path to a local folder"
-            ) from None
-        raise TemporaryError(
-            f"downloading base_model.path={cfg.path!r} failed ({type(exc).__name__}); will retry on the next start"
-        ) from None
+        raise failed_download(exc, "base_model.path", cfg.path, revision, volume) from exc
+
+
+def failed_download(
+    exc: BaseException, field: str, reference: str, revision: str | None, volume: Volume
+) -> Exception:
+    """The error for a hub download of the base model `reference` (set by `field`) that failed with `exc` and was
+    neither refused nor gated: the finetune's and convert's rule. A full volume is exit 5 and a model missing from
+    the cache offline (HF_HUB_OFFLINE) exit 2, since every start would meet the same volume or the same cache;
+    anything else is an outage the next start tries again (75)."""
+    from huggingface_hub import constants
+
+    if is_disk_full(exc):
+        return volume_full(volume.cache() / "hf", f"the base model {reference}")
+    if constants.HF_HUB_OFFLINE:
+        return InputError(
+            f"{field}={reference!r} (revision {revision or 'main'}) is not in {volume.cache() / 'hf'}, and "
+            f"HF_HUB_OFFLINE is set, so the hub is not asked: unset HF_HUB_OFFLINE to download it, or set {field} "
+            "to a local folder"
+        )
+    return TemporaryError(
+        f"downloading {field}={reference!r} failed ({type(exc).__name__}); the next start tries again"
+    )
 
 
 ATTENTION_FLAGS = {  # transformers' class flags for the attention implementations a model has

@@ -80,42 +80,11 @@ def test_any_variable_named_like_a_secret_is_masked(monkeypatch):
     assert text == "*** *** *** *** AAAAC3Nzapublic"
 
 
-def test_one_rule_says_which_variable_names_hold_secrets_for_the_logs_and_for_deploy():
+def env_extra_problems(extra: dict[str, str]) -> list[str]:
+    """What deploy's config check says about env.extra, in a deploy config that is otherwise fine."""
     from trainpod.config.deploy import DeployConfig
     from trainpod.deploy_checks import config_problems
 
-    secrets = ["HF_TOKEN", "DB_KEY", "OPENAI_API_KEY", "PASSWORD", "my_secret", "RUNPOD_SECRET_X", "TOKEN"]
-    plain = ["TOKENIZERS_PARALLELISM", "PUBLIC_KEY", "SSH_PUBLIC_KEY", "KEYBOARD", "SORT_KEYS", "MONKEY"]
-    assert [n for n in secrets if not is_secret_name(n)] == []
-    assert [n for n in plain if is_secret_name(n)] == []
-    config = DeployConfig.model_validate(
-        {
-            "run": "r",
-            "workload": "pretrain",
-            "config": "configs/pretrain/tiny.yaml",
-            "image": {"name": "ghcr.io/org/trainpod:0.1.0"},
-            "pod": {"gpu_types": ["NVIDIA H100 80GB HBM3"]},
-            "volume": {"name": "vol", "data_center": "EU-RO-1"},
-            "env": {"extra": {"TOKENIZERS_PARALLELISM": "false", "DB_KEY": "hunter2-long"}},
-        }
-    )
-    problems = [p for p in config_problems(config, "configs/deploy/x.yaml", False) if "env.extra" in p]
-    assert len(problems) == 1 and problems[0].startswith("env.extra.DB_KEY holds a value")
-
-
-def test_a_url_with_credentials_in_env_extra_is_refused_masked_whatever_its_name():
-    """MLFLOW_TRACKING_URI=https://user:password@host went to the pod as plain env (RunPod's console and API
-    show it), though deploy_checks promised env.extra holds no value that looks like a secret."""
-    from trainpod.config.deploy import DeployConfig
-    from trainpod.deploy_checks import config_problems
-
-    extra = {
-        "MLFLOW_TRACKING_URI": "https://mlflow-user:s3cretpassw0rd@mlflow.example.com",
-        "DATABASE_URL": "postgresql://app:dbpassw0rd@db.example.com:5432/runs",
-        "PLAIN_URL": "https://mlflow.example.com/api",  # no credentials: fine
-        "AS_REFERENCE": "{{ RUNPOD_SECRET_AS_REFERENCE }}",
-        "PATH_LIKE": "/workspace/data@v2",
-    }
     config = DeployConfig.model_validate(
         {
             "run": "r",
@@ -127,7 +96,29 @@ def test_a_url_with_credentials_in_env_extra_is_refused_masked_whatever_its_name
             "env": {"extra": extra},
         }
     )
-    problems = [p for p in config_problems(config, "configs/deploy/x.yaml", False) if "env.extra" in p]
+    return [p for p in config_problems(config, "configs/deploy/x.yaml", False) if "env.extra" in p]
+
+
+def test_one_rule_says_which_variable_names_hold_secrets_for_the_logs_and_for_deploy():
+    secrets = ["HF_TOKEN", "DB_KEY", "OPENAI_API_KEY", "PASSWORD", "my_secret", "RUNPOD_SECRET_X", "TOKEN"]
+    plain = ["TOKENIZERS_PARALLELISM", "PUBLIC_KEY", "SSH_PUBLIC_KEY", "KEYBOARD", "SORT_KEYS", "MONKEY"]
+    assert [n for n in secrets if not is_secret_name(n)] == []
+    assert [n for n in plain if is_secret_name(n)] == []
+    problems = env_extra_problems({"TOKENIZERS_PARALLELISM": "false", "DB_KEY": "hunter2-long"})
+    assert len(problems) == 1 and problems[0].startswith("env.extra.DB_KEY holds a value")
+
+
+def test_a_url_with_credentials_in_env_extra_is_refused_masked_whatever_its_name():
+    """MLFLOW_TRACKING_URI=https://user:password@host went to the pod as plain env (RunPod's console and API
+    show it), though deploy_checks promised env.extra holds no value that looks like a secret."""
+    extra = {
+        "MLFLOW_TRACKING_URI": "https://mlflow-user:s3cretpassw0rd@mlflow.example.com",
+        "DATABASE_URL": "postgresql://app:dbpassw0rd@db.example.com:5432/runs",
+        "PLAIN_URL": "https://mlflow.example.com/api",  # no credentials: fine
+        "AS_REFERENCE": "{{ RUNPOD_SECRET_AS_REFERENCE }}",
+        "PATH_LIKE": "/workspace/data@v2",
+    }
+    problems = env_extra_problems(extra)
     assert [p.split("=", 1)[0] for p in problems] == [
         "env.extra.MLFLOW_TRACKING_URI",
         "env.extra.DATABASE_URL",

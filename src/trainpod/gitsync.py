@@ -287,9 +287,8 @@ def _failed_submodule(stderr: str, repos_root: Path) -> tuple[str, str] | None:
     if failed is None:
         return None
     submodule_url, path = failed.groups()
-    with contextlib.suppress(
-        ValueError
-    ):  # the checkout's folder under repos/ (or its temp one) is no part of it
+    # The checkout's folder under repos/ (or its temp one) is no part of the path in the checkout.
+    with contextlib.suppress(ValueError):
         path = Path(path).relative_to(repos_root).as_posix().split("/", 1)[-1]
     return path, submodule_url
 
@@ -461,14 +460,14 @@ def _fetch_checkout(url: str, ref: str, checkout: Path, credentials: dict[str, s
 
 
 def _update_submodules(url: str, checkout: Path, credentials: dict[str, str]) -> None:
-    """Check out the repo's submodules at the commits it records, nested ones too: without them the program's
-    imports from a submodule fail, or find an empty folder. Shallow, as the repo's own fetch: a vendored library
-    or model repo's whole history is gigabytes of old blobs no program reads. A pinned commit that is no
-    branch's tip is fetched by its id, which a server may refuse (protocol 0 without
-    uploadpack.allowReachableSHA1InWant): then the submodules' whole history is fetched instead. A relative submodule URL (../lib.git, GitHub's way
-    for a sibling repo) resolves against remote.origin.url, so the URL (never its credentials) is stored as
-    that; `sync` takes a URL changed in .gitmodules since the last start. Credentials reach git as for the
-    fetch, and only TRAINPOD_GIT_REPO's server gets them (_URL_HOST)."""
+    """Check out the repo's submodules at the commits it records, nested ones too: without them the program's imports
+    from a submodule fail, or find an empty folder. Shallow, as the repo's own fetch: a vendored library or model
+    repo's whole history is gigabytes of old blobs no program reads. A pinned commit that is no branch's tip is
+    fetched by its id, which a server may refuse (protocol 0 without uploadpack.allowReachableSHA1InWant): then the
+    submodules' whole history is fetched instead. A relative submodule URL (../lib.git, GitHub's way for a sibling
+    repo) resolves against remote.origin.url, so the URL (never its credentials) is stored as that; `sync` takes a
+    URL changed in .gitmodules since the last start. Credentials reach git as for the fetch, and only
+    TRAINPOD_GIT_REPO's server gets them (_URL_HOST)."""
     _git(["config", "remote.origin.url", url], checkout)
     _git(["submodule", "sync", "--quiet", "--recursive"], checkout)
     update = ["submodule", "update", "--quiet", "--init", "--recursive", "--force"]

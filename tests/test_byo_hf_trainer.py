@@ -242,6 +242,76 @@ def test_each_hf_checkpoint_records_its_eval_loss_so_keep_best_ranks_them(tmp_pa
     assert set(kept) == {best, 5, 6}, f"keep_last=2 and keep_best=1 keep {sorted(kept)}; HF logged {logged}"
 
 
+def test_keep_best_ranks_by_hf_metric_for_best_model_and_its_greater_is_better(tmp_path):
+    """HF's metric_for_best_model (an accuracy, a BLEU: greater is better) was ignored and keep_best kept the
+    checkpoints of the lowest eval loss, so the one the user's own metric calls best could be deleted. Here the
+    metric is the squared error itself with greater_is_better=True: its best is the eval loss's worst, so a
+    ranking by the eval loss keeps another checkpoint."""
+    import json
+
+    import numpy as np
+    import torch
+    from transformers import Trainer, TrainingArguments
+
+    from trainpod import Checkpointer
+    from trainpod.integrations.hf import TrainpodCallback
+
+    def squared_error(prediction):
+        return {
+            "squared_error": float(np.mean((prediction.predictions.reshape(-1) - prediction.label_ids) ** 2))
+        }
+
+    generator = torch.Generator().manual_seed(0)
+    rows = [{"x": x, "labels": x.sum()} for x in torch.randn(16, 2, generator=generator)]
+    callback = TrainpodCallback(Checkpointer(tmp_path / "run", keep_last=2, keep_best=1, watch_signals=False))
+    args = TrainingArguments(
+        output_dir=callback.staging_dir,
+        max_steps=6,
+        per_device_train_batch_size=4,
+        learning_rate=0.05,  # small: the error falls at each step, so the greatest is the first eval's
+        lr_scheduler_type="constant",
+        eval_strategy="steps",
+        eval_steps=1,
+        save_steps=1,
+        metric_for_best_model="squared_error",
+        greater_is_better=True,
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+    )
+    torch.manual_seed(0)
+    trainer = Trainer(
+        model=_Predictor(),
+        args=args,
+        train_dataset=rows,
+        eval_dataset=rows,
+        compute_metrics=squared_error,
+        callbacks=[callback],
+    )
+    try:
+        trainer.train()
+    finally:
+        callback.ckpt.close()
+    logged = {
+        e["step"]: e["eval_squared_error"] for e in trainer.state.log_history if "eval_squared_error" in e
+    }
+    best = max(logged, key=lambda step: (logged[step], step))
+    by_loss = min(logged, key=lambda step: (logged[step], -step))
+    assert best not in (by_loss, 5, 6), f"the evals {logged} no longer tell the metric's best from the loss's"
+    kept = sorted(int(p.name.split("-")[1]) for p in (tmp_path / "run/checkpoints").glob("step-*"))
+    assert kept == sorted({best, 5, 6}), f"keep_last=2 and keep_best=1 keep {kept}; HF logged {logged}"
+    score = json.loads((tmp_path / f"run/checkpoints/step-{best}/manifest.json").read_text())["score"]
+    assert score == {"metric": "-eval_squared_error", "value": -logged[best]}
+
+
+class _Predictor(_Regression):
+    """_Regression that also returns its predictions, which HF's compute_metrics gets."""
+
+    def forward(self, x, labels):
+        prediction = self.linear(x).squeeze(-1)
+        return {"loss": ((prediction - labels) ** 2).mean(), "logits": prediction}
+
+
 def _resume_to_the_end(trainer, callback) -> None:
     """Train on from the checkpoint the callback resumes from, to max_steps; the Checkpointer closed after."""
     try:

@@ -60,8 +60,10 @@ def commit_directory(
     metadata: dict[str, Any],
     keep_source: bool = False,
     eval_loss: float | None = None,
+    score: tuple[str, float] | None = None,
 ) -> CommittedCheckpoint:
-    """Publish `source` as `step-<step>` and make it LATEST; `source` is consumed unless keep_source."""
+    """Publish `source` as `step-<step>` and make it LATEST; `source` is consumed unless keep_source. `score` as
+    CheckpointStore.commit's: what best-k retention ranks by in place of `eval_loss`."""
     step = whole_step(step)
     refuse_the_stores_own_folder(store, source)
     names = files_to_publish(source)
@@ -78,7 +80,7 @@ def commit_directory(
         with _one_publish_at_a_time(store):
             # Again: a newer step may have been published while this one was written.
             refuse_older_step(store, step)
-            committed = store.commit(pending, step, metadata, eval_loss)
+            committed = store.commit(pending, step, metadata, eval_loss, score=score)
     if not keep_source:
         _remove_empty_tree(source)
     return committed

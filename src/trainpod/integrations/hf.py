@@ -23,7 +23,8 @@ exits 143 without a save (HF saves only after its eval): the steps since the las
 lease and not a save cut short by the SIGKILL.
 
 Not supported: `load_best_model_at_end` (it wants HF's own folder layout; refused when the Trainer is made): use the
-store's keep_best, which ranks each checkpoint by the eval loss HF logged at its step.
+store's keep_best, which ranks each checkpoint by what HF logged at its step: `metric_for_best_model` where set
+(negated under `greater_is_better`), else the eval loss.
 """
 
 from __future__ import annotations
@@ -224,7 +225,12 @@ class TrainpodCallback(TrainerCallback):
             _save_args_without_secrets(args, folder)
             metadata = {"writer": "trainpod.integrations.hf", "versions": {"trainpod": trainpod.__version__}}
             commit_directory(
-                self.ckpt.store, state.global_step, folder, metadata, eval_loss=_eval_loss(state)
+                self.ckpt.store,
+                state.global_step,
+                folder,
+                metadata,
+                eval_loss=_logged_at_this_step(state, "eval_loss"),
+                score=_score(args, state),
             )
             log.info("committed %s as step-%d", folder.name, state.global_step)
         _barrier()
@@ -284,16 +290,33 @@ def _save_args_without_secrets(args: TrainingArguments, folder: Path) -> None:
     torch.save(cleaned, path)
 
 
-def _eval_loss(state: TrainerState) -> float | None:
-    """The eval loss HF logged at this step (it evaluates before it saves), which keep_best ranks by."""
+def _logged_at_this_step(state: TrainerState, key: str) -> float | None:
+    """The value HF logged under `key` at this step (it evaluates before it saves), else None."""
     return next(
-        (
-            e["eval_loss"]
-            for e in reversed(state.log_history)
-            if e.get("step") == state.global_step and "eval_loss" in e
-        ),
+        (e[key] for e in reversed(state.log_history) if e.get("step") == state.global_step and key in e),
         None,
     )
+
+
+def _score(args: TrainingArguments, state: TrainerState) -> tuple[str, float] | None:
+    """What keep_best ranks this checkpoint by, lower is better, where TrainingArguments names a metric other than
+    the eval loss (metric_for_best_model, as HF's own best-model tracking reads it): its logged value, negated
+    under greater_is_better (an accuracy), named "-eval_<metric>" then. None ranks by the eval loss. HF's
+    save_total_limit keeps the best by this metric; keep_best replaces it, so it must rank by the same one."""
+    metric = args.metric_for_best_model
+    if not metric:
+        return None
+    key = metric if metric.startswith("eval_") else f"eval_{metric}"
+    value = _logged_at_this_step(state, key)
+    # HF's own default when unset: greater is better unless the metric is a loss.
+    greater_is_better = (
+        args.greater_is_better if args.greater_is_better is not None else not metric.endswith("loss")
+    )
+    if key == "eval_loss" and not greater_is_better:
+        return None  # the eval loss is ranked by as it is, as without a metric
+    if value is None:
+        return None
+    return (f"-{key}", -float(value)) if greater_is_better else (key, float(value))
 
 
 def _barrier() -> None:

@@ -12,6 +12,7 @@ import pytest
 
 from trainpod import atomic
 from trainpod.config.deploy import DeployConfig
+from trainpod.errors import ConfigError
 from trainpod.runpod.deploy import deploy
 from trainpod.runpod.finish import FAILED_MARKER, UNFIT_MARKER, after_workload
 from trainpod.runpod.supervise import Supervisor, SupervisorState
@@ -285,3 +286,56 @@ def test_a_gone_cluster_deployed_with_secret_values_is_created_again_with_them(f
     assert sup.step() is None
     for node in fake.nodes_of(the_cluster(fake)["id"]):
         assert {n: node["env"][n] for n in secrets} == secrets, "the new cluster lost the secrets' values"
+
+
+def test_a_supervisor_of_the_cluster_config_makes_no_cluster_beside_the_runs_running_pod(fake, volume):
+    """nodes changed to 2 in the YAML a supervisor reads while the run's single pod trains (deploy refuses it, a
+    supervisor did not): its look found no cluster and made one beside the pod, two trainers on one run, every
+    node refused the run's lease (exit 75, a duplicate) and billed while it pulled the image, made again at each
+    look. It is now refused as deploy refuses it: exit 2 naming the pod, nothing made."""
+    single = cluster_config()
+    single.nodes = 1
+    pod = deploy(client_for(fake), single).pod
+    with pytest.raises(ConfigError) as refused:
+        supervisor(fake, volume).step()
+    assert refused.value.exit_code == 2
+    assert not fake.calls("POST", "/v2/clusters") and not fake.clusters, "no cluster made beside the pod"
+    assert f"pod {NAME} ({pod.id})" in str(refused.value) and "trainpod stop big" in str(refused.value)
+    fake.interrupt(pod.id)  # stopped: a cluster may take the run over from its checkpoints
+    assert supervisor(fake, volume).step() is None and len(fake.clusters_named(NAME)) == 1
+
+
+def test_a_supervisor_of_the_single_pod_config_makes_no_pod_beside_the_runs_cluster(fake, volume):
+    """The other way round: nodes back to 1 while the run's cluster trains; a pod beside it would train the run."""
+    cluster = deploy(client_for(fake), cluster_config()).cluster
+    single = cluster_config()
+    single.nodes = 1
+    sup = Supervisor(client_for(fake), single, volume, volume.run("big").root / "supervise.json",
+                     clock=Clock(), sleep=lambda s: None)  # fmt: skip
+    with pytest.raises(ConfigError) as refused:
+        sup.step()
+    assert not fake.calls("POST", "/pods") and not fake.pods, "no pod made beside the cluster"
+    assert f"Instant Cluster {NAME} ({cluster.id}, 2 nodes)" in str(refused.value)
+
+
+def test_v2_down_does_not_keep_the_runs_single_pod_down(fake, volume, caplog):
+    """The look for a cluster beside the pod goes to v2 (beta, clusters alone): its outage must not keep a spot
+    pod down; a pod made beside a cluster after all finds the run's lease held and stops itself (exit 75)."""
+    single = cluster_config()
+    single.nodes = 1
+    pod = deploy(client_for(fake), single).pod
+    fake.interrupt(pod.id)
+    handle = fake.handle
+
+    def v2_down(method, raw_path, headers, raw_body):
+        if raw_path.startswith("/v2/"):
+            return 503, {"title": "Service Unavailable", "status": 503, "detail": "down"}, {}
+        return handle(method, raw_path, headers, raw_body)
+
+    fake.handle = v2_down
+    sup = Supervisor(client_for(fake), single, volume, volume.run("big").root / "supervise.json",
+                     clock=Clock(), sleep=lambda s: None)  # fmt: skip
+    caplog.set_level(logging.INFO, "trainpod")
+    assert sup.step() is None
+    assert fake.pods[pod.id]["desiredStatus"] == "RUNNING", "started again"
+    assert "could not look for a cluster of run big" in caplog.text

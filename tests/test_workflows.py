@@ -283,7 +283,8 @@ def test_the_scheduled_supervisor_restarts_an_interrupted_pod(tmp_path: Path, fa
     shim.chmod(0o755)
     runner = {k: v for k, v in os.environ.items() if not k.startswith(("TRAINPOD_", "RUNPOD_"))}
     runner |= {"PATH": f"{shim.parent}:{runner['PATH']}", "XDG_CACHE_HOME": str(tmp_path / "cache")}
-    runner |= {"TRAINPOD_RUNPOD_API_URL": fake_runpod.url}  # the one difference from GitHub's runner
+    # The one difference from GitHub's runner: RunPod's API (v1, and v2 for clusters) is the fake.
+    runner |= {"TRAINPOD_RUNPOD_API_URL": fake_runpod.url, "TRAINPOD_RUNPOD_API_V2_URL": fake_runpod.url_v2}
     result = subprocess.run(
         ["bash", "--noprofile", "--norc", "-eo", "pipefail", "-c", step["run"]],
         cwd=checkout, env=runner | env, capture_output=True, text=True, timeout=120,
@@ -341,7 +342,10 @@ def test_the_scheduled_supervisors_state_is_carried_from_one_run_to_the_next(tmp
         fake_runpod.interrupt(deployed.pod.id)
         runner = {k: v for k, v in os.environ.items() if not k.startswith(("TRAINPOD_", "RUNPOD_", "XDG_"))}
         runner |= {"PATH": f"{shim.parent}:{runner['PATH']}", "HOME": str(home)}
-        runner |= {"TRAINPOD_RUNPOD_API_URL": fake_runpod.url}
+        runner |= {
+            "TRAINPOD_RUNPOD_API_URL": fake_runpod.url,
+            "TRAINPOD_RUNPOD_API_V2_URL": fake_runpod.url_v2,
+        }
         result = subprocess.run(
             ["bash", "--noprofile", "--norc", "-eo", "pipefail", "-c", step["run"]],
             cwd=checkout, env=runner | env, capture_output=True, text=True, timeout=120,

@@ -12,17 +12,20 @@ marker makes the whole cluster down, and it is deleted and created again (cluste
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
 from trainpod.config.deploy import DeployConfig
 from trainpod.runpod import cluster as clusters
-from trainpod.runpod.client import Pod, RunPodClient
-from trainpod.runpod.deploy import bring_back, secrets_sent_as_values, stop_pod
+from trainpod.runpod.client import Pod, RunPodClient, RunPodUnavailable
+from trainpod.runpod.deploy import bring_back, refuse_beside_a_cluster, secrets_sent_as_values, stop_pod
 
 if TYPE_CHECKING:
     from trainpod.runpod.supervise import SupervisorState
+
+log = logging.getLogger("trainpod.supervise")
 
 UNFIT = "on a machine that cannot run the image (exit 4)"
 
@@ -87,6 +90,15 @@ class PodUnit:
         return [f"stopped pod {pod.id}: {why}" for pod in self._running if stop_pod(self.client, pod)]
 
     def bring_back(self, replace: bool, fresh_env: Callable[[], dict[str, str]]) -> str:
+        # A YAML changed to nodes: 1 while the run's cluster trains: a pod beside it would train the same run.
+        try:
+            refuse_beside_a_cluster(self.client, self.config)
+        except RunPodUnavailable as exc:
+            # v2 (beta, clusters alone) down must not keep a spot pod down: a pod made beside a cluster after all
+            # finds the run's lease held, exits 75 as a duplicate and stops itself.
+            log.warning(
+                "could not look for a cluster of run %s (%s); bringing the pod back", self.config.run, exc
+            )
         env = fresh_env() if self._exited is None else None  # else the old pod's env, secrets and all
         pod, action = bring_back(self.client, self.config, self._exited, env=env, replace=replace)
         return f"{action} pod {pod.id}"
@@ -133,6 +145,9 @@ class ClusterUnit:
         return [f"deleted cluster {self._seen.cluster.id} (every node): {why}"]
 
     def bring_back(self, replace: bool, fresh_env: Callable[[], dict[str, str]]) -> str:
+        # A YAML changed to nodes > 1 while the run's single pod trains: a cluster beside it would train the same
+        # run, its node 0 refused the lease (exit 75) and the cluster made again at every look, as deploy refuses.
+        clusters.refuse_beside_a_running_pod(self.client, self.config)
         new = clusters.recreate(self.client, self.config, self._seen, fresh_env)
         old = f"deleted {self._seen.cluster.id} and " if self._seen.cluster is not None else ""
         return f"{old}created cluster {new.id} ({self.config.nodes} nodes)"

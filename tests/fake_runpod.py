@@ -54,6 +54,10 @@ REFERENCE = HERE.parent / "docs/runpod"
 OPENAPI = REFERENCE / "runpod-rest-openapi.json"
 OPENAPI_V2 = REFERENCE / "runpod-rest-v2-openapi.json"
 KEY = "fake-runpod-key-for-tests"
+# RunPod's words when no machine is free for a create (as recorded from its live API, v1 and v2 alike).
+NO_CAPACITY_TEXT = (
+    "There are no longer any instances available with the requested specifications. Please refresh and try again."
+)
 
 # What trainpod sends, as (method, OpenAPI path): the derived schema holds exactly these.
 OPERATIONS = [
@@ -283,6 +287,9 @@ class FakeRunPod:
     violations: list[str] = field(default_factory=list)
     forced: list[tuple[int, str | None]] = field(default_factory=list)  # (status, Retry-After) to answer next
     no_capacity: set[str] = field(default_factory=set)  # GPU types with no free machine anywhere
+    # What a create with none of its GPU types free is answered: RunPod's 400 (v2's description: capacity carries
+    # no code of its own, its `detail` alone says it; v1 gives the same text as `error`); a test may ask for 500.
+    no_capacity_status: int = 400
     refuse_start: set[str] = field(default_factory=set)  # pod ids whose machine has no free GPU
     delay_s: float = 0.0
     gpu_catalog: list[dict[str, Any]] = field(default_factory=lambda: default_gpu_catalog())
@@ -462,7 +469,9 @@ class FakeRunPod:
     def _createCluster(self, query, headers, body):
         gpu = body["compute"]["gpuTypeId"]
         if gpu in self.no_capacity:
-            return 500, {"title": "no capacity", "status": 500, "detail": "no instances available"}, {}
+            status = self.no_capacity_status
+            title = "Bad Request" if status == 400 else "Internal Server Error"
+            return status, {"title": title, "status": status, "detail": NO_CAPACITY_TEXT}, {}
         cluster_id = self._new_id("cluster")
         data_center = (body.get("dataCenterIds") or ["EU-RO-1"])[0]
         cluster = {
@@ -641,9 +650,7 @@ class FakeRunPod:
         if body.get("computeType", "GPU") == "GPU":
             gpu = next((g for g in body.get("gpuTypeIds", []) if g not in self.no_capacity), None)
             if gpu is None:
-                return 500, {
-                    "error": "There are no longer any instances available with the requested specifications."
-                }
+                return self.no_capacity_status, {"error": NO_CAPACITY_TEXT}
         count = body.get("gpuCount", 1)
         pod = {
             "id": self._new_id("pod"),

@@ -438,3 +438,17 @@ def test_deploying_a_cluster_after_its_volume_moved_is_refused_before_anything_i
     with pytest.raises(ConfigError, match=r"on network volume 'vol' .* in EU-RO-1.*trainpod stop"):
         deploy(client_for(fake), config(tmp_path, **{"volume.data_center": "US-KS-2"}))
     assert list(fake.clusters) == [first.cluster.id] and len(fake.volumes) == 1
+
+
+def test_no_machines_free_for_any_gpu_type_is_exit_75_saying_the_config_is_fine_and_what_to_do(
+    fake, tmp_path, capsys
+):
+    """v2 answers a cluster it cannot place with a 400 whose `detail` alone says so: the last GPU type's refusal
+    read as 'the request does not fit RunPod's API; check the deploy config's values' (exit 2)."""
+    fake.no_capacity.update(GPUS)
+    assert cli.main(["deploy", str(write_config(tmp_path))]) == 75
+    out = capsys.readouterr().out
+    assert "no capacity" in out and "2 nodes" in out and all(gpu in out for gpu in GPUS), out
+    assert "the config is fine" in out and "trainpod supervise big" in out and "pod.gpu_types" in out
+    assert "does not fit RunPod's API" not in out
+    assert len(fake.calls("POST", "/v2/clusters")) == len(GPUS) and not fake.clusters

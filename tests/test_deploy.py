@@ -519,3 +519,39 @@ def test_a_volume_runpod_refuses_to_grow_is_a_warning_and_the_deploy_goes_on(fak
     assert any(
         "RunPod refused to grow it" in r.getMessage() for r in caplog.records if r.levelname == "WARNING"
     )
+
+
+@pytest.mark.parametrize("status", [400, 500])
+def test_no_machine_free_for_any_gpu_type_is_exit_75_saying_the_config_is_fine_and_what_to_do(
+    fake, tmp_path, capsys, status
+):
+    """RunPod answers a create it has no machine for with a 400 whose text alone says so (v2's description: capacity
+    carries no machine-readable code; 'There are no longer any instances available ...'), spot's most common
+    failure. It read as 'the request does not fit RunPod's API; check the deploy config's values' (exit 2), sending
+    the user to edit a config that was fine; as a 500, as 'RunPod may have done it anyway ... look before trying
+    again'. It is now exit 75 (temporary) saying no machine is free and the ways on."""
+    fake.no_capacity.update(GPUS)
+    fake.no_capacity_status = status
+    assert cli.main(["deploy", str(write_config(tmp_path))]) == 75
+    out = capsys.readouterr().out
+    assert "no capacity" in out and "no spot machine free" in out and all(gpu in out for gpu in GPUS), out
+    assert "SECURE cloud" in out and "EU-RO-1" in out and "the config is fine" in out
+    assert "pod.gpu_types" in out and "--on-demand" in out and "trainpod supervise tiny" in out
+    assert "does not fit RunPod's API" not in out and "may have done it anyway" not in out
+    assert len(fake.calls("POST", "/pods")) == 1 and not fake.pods, "nothing made, nothing sent twice"
+
+
+def test_a_refusal_that_does_not_say_no_capacity_still_names_the_config(fake, tmp_path, capsys):
+    """Only RunPod's own words for no capacity are read so: any other 400 to a create is the request's."""
+    handle = fake.handle
+
+    def refusing(method, raw_path, headers, raw_body):
+        if method == "POST" and raw_path.split("?")[0].endswith("/pods"):
+            return 400, {"error": "gpuCount exceeds the maximum for this GPU type"}, {}
+        return handle(method, raw_path, headers, raw_body)
+
+    fake.handle = refusing
+    assert cli.main(["deploy", str(write_config(tmp_path))]) == 2
+    out = capsys.readouterr().out
+    assert "does not fit RunPod's API" in out and "no capacity" not in out
+    assert "exceeds" not in out, "RunPod's body is never echoed"

@@ -12,7 +12,8 @@ A create (POST /pods, /v2/clusters, ...) is not idempotent: after a timeout, a 5
 connection RunPod may have made it anyway, so it is not sent again (the caller's next look by name
 finds it); only a 429 or a connection that was never made is retried. Errors carry the status
 code, the method and path and a hint, never the key and never the response body (RunPod's bodies
-may echo the request, secrets included); the key goes to the origin it is meant for alone (a redirect
+may echo the request, secrets included; a create's is read only to tell RunPod's "no instances available"
+apart, RunPodNoCapacity, exit 75); the key goes to the origin it is meant for alone (a redirect
 to another host, or from https to http, is followed without it). The official `runpod` SDK is not
 used: it has no spot support, builds GraphQL without escaping, and pulls about 100 packages.
 """
@@ -73,6 +74,19 @@ class RunPodUnavailable(RunPodError, TemporaryError):
     """429/5xx/timeouts that outlasted every retry: a later attempt may succeed (exit 75)."""
 
     exit_code = ExitCode.TEMPORARY
+
+
+class RunPodNoCapacity(RunPodUnavailable):
+    """A create RunPod has no machine free for now (NO_CAPACITY): the request is fine, a later one, or one of other
+    GPU types, cloud or data center, may be placed (exit 75). Nothing was made."""
+
+
+# RunPod's words when it has no machine free for a create: v2's description says capacity "carries no
+# machine-readable code of its own, only a human-readable `detail`" of a 400 (v1 gives the same text as `error`),
+# e.g. "There are no longer any instances available with the requested specifications. Please refresh and try
+# again." Matched narrowly: any other refusal stays the request's (_client_error).
+NO_CAPACITY = re.compile(r"\bno (?:longer any )?instances available\b", re.IGNORECASE)
+ERROR_BODY_READ_LIMIT = 64 * 1024  # an error's JSON is a line; a proxy's HTML page is not read whole
 
 
 @dataclass(frozen=True)
@@ -348,7 +362,14 @@ class RunPodClient:
                 return self._send(method, url, data, headers or {}, stream, timeout, answer_needed)
             except urllib.error.HTTPError as exc:
                 retry_after = exc.headers.get("Retry-After") if exc.headers else None
+                no_capacity = not idempotent and _says_no_capacity(exc)  # read to tell it apart, never shown
                 exc.close()
+                if no_capacity:
+                    raise RunPodNoCapacity(
+                        f"RunPod has no machine free for {endpoint} now ({exc.code}: no instances available); "
+                        "nothing was made",
+                        exc.code,
+                    ) from None
                 if exc.code == 404 and method == "DELETE" and done_maybe_before:
                     return None  # an earlier try whose answer was lost deleted it: done, nothing left to bill
                 if exc.code != 429 and exc.code < 500:
@@ -616,6 +637,21 @@ def _client_error(status: int, endpoint: str) -> RunPodError:
         "config's values (GPU type names, data center ids, sizes) against https://docs.runpod.io/api-reference",
         status,
     )
+
+
+def _says_no_capacity(exc: urllib.error.HTTPError) -> bool:
+    """Whether RunPod's error answer is its "no instances available" (NO_CAPACITY), by its `detail` (v2) or `error`
+    (v1) text alone. The body is read only for this: it may echo the request, secrets included."""
+    if exc.code in (401, 403, 404, 429):
+        return False
+    try:
+        answer = json.loads(exc.read(ERROR_BODY_READ_LIMIT) or b"null")
+    except (OSError, ValueError, http.client.HTTPException):
+        return False
+    if not isinstance(answer, dict):
+        return False
+    text = answer.get("detail") or answer.get("error")
+    return isinstance(text, str) and NO_CAPACITY.search(text) is not None
 
 
 def _reason(exc: urllib.error.URLError) -> str:

@@ -30,6 +30,7 @@ from trainpod.runpod.client import (
     RunPodAuthError,
     RunPodClient,
     RunPodError,
+    RunPodNoCapacity,
     RunPodNotFound,
     RunPodUnavailable,
 )
@@ -167,7 +168,24 @@ def create(client: RunPodClient, config: DeployConfig, volume_id: str, env: dict
                 gpu_type,
                 exc.status,
             )
-    raise refusals[-1]
+    # A refusal for the request itself (a rule one GPU type breaks) is the user's to fix; else no machines are free.
+    raise next((r for r in refusals if not isinstance(r, RunPodNoCapacity)), None) or no_capacity(
+        config, refusals[-1]
+    )
+
+
+def no_capacity(config: DeployConfig, exc: RunPodError) -> RunPodNoCapacity:
+    """No GPU type of `config` had `config.nodes` machines free: exit 75 saying so and the ways on."""
+    return RunPodNoCapacity(
+        f"no capacity: RunPod has no {config.nodes} nodes free now for an Instant Cluster of {config.nodes} nodes x "
+        f"{config.pod.gpu_count} x any of pod.gpu_types {list(config.pod.gpu_types)} in {config.volume.data_center} "
+        f"(the network volume's data center) ({exc.status} to POST /v2/clusters, each type: no instances "
+        "available). Nothing of the cluster was made and the config is fine: deploy again later, or `trainpod "
+        f"supervise {config.run} --config ...`, which tries again with backoff; or widen the choice: more GPU types "
+        "in pod.gpu_types, fewer nodes or GPUs per node, or a volume in another data center (volume.name and "
+        "volume.data_center: a new volume there; the run's checkpoints stay on this one)",
+        exc.status,
+    )
 
 
 def _outcome_unknown(exc: RunPodError) -> bool:

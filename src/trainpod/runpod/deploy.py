@@ -31,6 +31,7 @@ from trainpod.runpod.client import (
     RunPodAuthError,
     RunPodClient,
     RunPodError,
+    RunPodNoCapacity,
     RunPodNotFound,
     Template,
 )
@@ -371,10 +372,36 @@ def bring_back(
     if env is None and old is not None:
         # The supervisor's replacement gets exactly the env and spot setting the interrupted pod had.
         env, spot = old.env, old.interruptible
-    pod = client.create_pod(pod_body(config, template_id, volume_id, env=env, spot=spot))
+    body = pod_body(config, template_id, volume_id, env=env, spot=spot)
+    try:
+        pod = client.create_pod(body)
+    except RunPodNoCapacity as exc:
+        raise no_capacity(config, bool(body.get("interruptible")), exc) from None
     if old is not None:
         _terminate_quietly(client, old)  # one pod per name: the replacement takes over
     return pod, "created"
+
+
+def no_capacity(config: DeployConfig, spot: bool, exc: RunPodNoCapacity) -> RunPodNoCapacity:
+    """RunPod placed no pod of `config` for want of a free machine: exit 75 saying so and the ways on, never
+    'check the config' (the config is fine; spot machines run out first and most often)."""
+    if config.image.flavour == "cuda":
+        kind = f"{'spot' if spot else 'on-demand'} machine free with {config.pod.gpu_count} x any of pod.gpu_types"
+        machines, choice = f"{kind} {list(config.pod.gpu_types)}", "more GPU types in pod.gpu_types"
+    else:
+        flavors = list(config.pod.cpu_flavors)
+        machines = f"machine free with {config.pod.vcpu_count} vCPUs of any of pod.cpu_flavors {flavors}"
+        choice = "more CPU flavors in pod.cpu_flavors"
+    return RunPodNoCapacity(
+        f"no capacity: RunPod has no {machines} in the {config.pod.cloud} cloud in {config.volume.data_center} "
+        f"(the network volume's data center) now ({exc.status} to POST /pods: no instances available). Nothing of "
+        "the pod was made and the config is fine: deploy again later, or `trainpod supervise "
+        f"{config.run} --config ...`, which tries again with backoff; or widen the choice: {choice}"
+        + (", --on-demand (spot machines run out first)" if spot else "")
+        + ", the other pod.cloud, or a volume in another data center (volume.name and volume.data_center: a new "
+        "volume there; the run's checkpoints stay on this one)",
+        exc.status,
+    )
 
 
 def _terminate_quietly(client: RunPodClient, pod: Pod) -> None:

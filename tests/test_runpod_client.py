@@ -279,10 +279,11 @@ def test_the_key_goes_to_runpod_alone_never_to_another_host_an_answer_redirects_
     assert elsewhere_saw == [None], "the other host was sent the API key"
 
 
-@pytest.mark.parametrize("code", [301, 302, 303])
+@pytest.mark.parametrize("code", [301, 302, 303, 307, 308])
 def test_a_create_redirected_is_refused_never_sent_on_as_a_list(fake, code):
     """urllib turns a POST answered 301/302/303 into a GET without its body: a create became GET /pods (a proxy's
-    http->https redirect), read as a pod made or failing on a list. It is now a clear error, and no GET is sent."""
+    http->https redirect), read as a pod made or failing on a list. It is now a clear error, and no GET is sent;
+    a 307/308 (which keeps the method) is the same clear error, never a create sent twice."""
     handle = fake.handle
 
     def redirecting(method, raw_path, headers, raw_body):
@@ -296,3 +297,33 @@ def test_a_create_redirected_is_refused_never_sent_on_as_a_list(fake, code):
             {"name": "tiny-pretrain", "imageName": "img", "gpuTypeIds": ["NVIDIA H100 80GB HBM3"]}
         )
     assert fake.calls("GET") == [], "the create was sent on as a GET"
+
+
+@pytest.mark.parametrize(("method", "code"), [("POST", 307), ("POST", 308), ("GET", 308), ("GET", 302)])
+def test_a_redirect_not_followed_says_so_never_that_the_request_does_not_fit_runpods_api(fake, method, code):
+    """A 3xx urllib does not follow (no Location: a proxy's or a wrong TRAINPOD_RUNPOD_API_URL's; a 308 on Python
+    3.10, which knows no 308) reached the 4xx path: 'the request does not fit RunPod's API; check the deploy
+    config's values', sending the user to a config that was fine. It now names the redirect and the URL settings."""
+    handle, sent = fake.handle, []
+
+    def redirecting_nowhere(m, raw_path, headers, raw_body):
+        sent.append(m)
+        if m == method and raw_path.split("?")[0].endswith("/pods"):
+            return code, None, {}
+        return handle(m, raw_path, headers, raw_body)
+
+    fake.handle = redirecting_nowhere
+    client = client_for(fake)
+    with pytest.raises(RunPodError) as caught:
+        if method == "POST":
+            client.create_pod(
+                {"name": "tiny-pretrain", "imageName": "img", "gpuTypeIds": ["NVIDIA H100 80GB HBM3"]}
+            )
+        else:
+            client.list_pods()
+    message = str(caught.value)
+    assert f"answered {code}" in message and "redirect" in message and "TRAINPOD_RUNPOD_API_URL" in message, (
+        message
+    )
+    assert "does not fit RunPod's API" not in message and caught.value.exit_code == ExitCode.BAD_INPUT
+    assert sent == [method], "sent once, nothing sent on"

@@ -632,6 +632,13 @@ def _client_error(status: int, endpoint: str) -> RunPodError:
         )
     if status == 404:
         return RunPodNotFound(f"RunPod {endpoint}: not found (404); it may have been terminated", status)
+    if 300 <= status < 400:  # one urllib does not follow: no Location (a proxy's), a 308 on Python 3.10, ...
+        return RunPodError(
+            f"RunPod {endpoint} answered {status}, a redirect that was not followed (nothing sent on): RunPod's API "
+            f"answers without redirects, so the URL or something in between is wrong; check {API_URL_ENV} / "
+            f"{API_V2_URL_ENV} (unset: {DEFAULT_API_URL}, {DEFAULT_API_V2_URL}) or the proxy in between",
+            status,
+        )
     return RunPodError(
         f"RunPod refused {endpoint} ({status}): the request does not fit RunPod's API; check the deploy "
         "config's values (GPU type names, data center ids, sizes) against https://docs.runpod.io/api-reference",

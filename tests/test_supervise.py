@@ -4,11 +4,13 @@ injected clock makes backoff and cost instant: no test sleeps."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from pathlib import Path
 
 import pytest
+import yaml
 
 from trainpod import atomic, cli
 from trainpod.config.deploy import DeployConfig
@@ -992,17 +994,16 @@ def test_supervise_refuses_a_volume_flag_that_names_no_folder_instead_of_going_b
     assert not fake.pods_named("tiny-pretrain"), "no pod made for a run whose DONE it could not see"
 
 
-def test_a_stop_whose_record_on_the_volume_fails_still_stops_the_pods_and_says_what_is_not_recorded(
-    fake, tmp_path, monkeypatch, capsys
-):
-    """RunPod's S3 API refusing the S3 key (revoked, a typo in it) or unreachable while the user stops a run: the
-    record of the stop failed (exit 2 or 75) before any pod was stopped, and every GPU went on billing."""
+@contextlib.contextmanager
+def s3_refusing_the_key(monkeypatch, tmp_path):
+    """RunPod's S3 API refusing the exported S3 key (revoked, a typo in it) at every request, with the run's deploy
+    config as TRAINPOD_CONFIG (its volume looked up by name through the API)."""
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     import yaml
 
-    class RefusingS3(BaseHTTPRequestHandler):  # RunPod's S3 API, refusing this key
+    class RefusingS3(BaseHTTPRequestHandler):
         def _refuse(self):
             body = b"<Error><Code>InvalidAccessKeyId</Code><Message>no such key</Message></Error>"
             self.send_response(403)
@@ -1017,8 +1018,6 @@ def test_a_stop_whose_record_on_the_volume_fails_still_stops_the_pods_and_says_w
 
     s3 = ThreadingHTTPServer(("127.0.0.1", 0), RefusingS3)
     threading.Thread(target=s3.serve_forever, daemon=True).start()
-    on_a_laptop_that_sees_neither_the_volume_nor_its_s3_api(fake, monkeypatch, tmp_path)
-    deploy(client_for(fake), deploy_config())
     path = tmp_path / "deploy.yaml"
     path.write_text(yaml.safe_dump(deploy_config().model_dump(mode="json")))
     monkeypatch.setenv("TRAINPOD_CONFIG", str(path))
@@ -1026,10 +1025,21 @@ def test_a_stop_whose_record_on_the_volume_fails_still_stops_the_pods_and_says_w
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "rps_FAKESECRETFORTESTS0123456789")
     monkeypatch.setenv("TRAINPOD_S3_ENDPOINT_URL", f"http://127.0.0.1:{s3.server_port}")
     try:
-        assert cli.main(["stop", "tiny"]) == 0
+        yield path
     finally:
         s3.shutdown()
         s3.server_close()
+
+
+def test_a_stop_whose_record_on_the_volume_fails_still_stops_the_pods_and_says_what_is_not_recorded(
+    fake, tmp_path, monkeypatch, capsys
+):
+    """RunPod's S3 API refusing the S3 key (revoked, a typo in it) or unreachable while the user stops a run: the
+    record of the stop failed (exit 2 or 75) before any pod was stopped, and every GPU went on billing."""
+    on_a_laptop_that_sees_neither_the_volume_nor_its_s3_api(fake, monkeypatch, tmp_path)
+    deploy(client_for(fake), deploy_config())
+    with s3_refusing_the_key(monkeypatch, tmp_path):
+        assert cli.main(["stop", "tiny"]) == 0
     out = capsys.readouterr().out
     assert the_pod(fake)["desiredStatus"] == "EXITED", "the pod is stopped: it bills no more"
     assert "STOPPED is not recorded on the volume" in out and "S3 API key was refused" in out, out
@@ -1038,3 +1048,47 @@ def test_a_stop_whose_record_on_the_volume_fails_still_stops_the_pods_and_says_w
 
     stopped_here = SupervisorState.load(state_path(None, "tiny")).stopped_unix
     assert stopped_here is not None, "this machine's supervisor knows"
+
+
+def test_a_deploy_whose_clear_of_the_stop_fails_says_what_failed_and_keeps_the_stop_here_too(
+    fake, tmp_path, monkeypatch, capsys
+):
+    """A deploy refuses to go on while the run's STOPPED on the volume cannot be removed (a supervisor elsewhere
+    reading it would leave the new pod down after an interruption), but it said only S3's 'could not remove
+    s3://...', not that this was the deploy's clear of the user's stop, that nothing was made, nor the ways on;
+    and it had cleared this machine's record of the stop first, so a supervisor here going by the API alone (S3
+    unreadable) started the stopped pod again though the deploy was refused."""
+    from trainpod.runpod.supervise import SupervisorState, state_path
+
+    on_a_laptop_that_sees_neither_the_volume_nor_its_s3_api(fake, monkeypatch, tmp_path)
+    deploy(client_for(fake), deploy_config())
+    with s3_refusing_the_key(monkeypatch, tmp_path) as path:
+        assert cli.main(["stop", "tiny"]) == 0
+        capsys.readouterr()
+        assert cli.main(["deploy", str(path)]) == 2
+    out = capsys.readouterr().out
+    assert "deploy refused" in out and "runs/.tiny.STOPPED" in out and "trainpod stop" in out, out
+    assert "S3 API key was refused" in out and "nothing was made or started" in out
+    assert "rm " in out, "how to remove it by hand"
+    assert the_pod(fake)["desiredStatus"] == "EXITED", "nothing started"
+    stopped_here = SupervisorState.load(state_path(None, "tiny")).stopped_unix
+    assert stopped_here is not None, "this machine keeps the stop"
+
+
+def test_a_deploy_whose_clear_of_the_stop_on_the_mounted_volume_fails_is_one_message_not_a_traceback(
+    fake, tmp_path, monkeypatch, capsys
+):
+    """An I/O error removing runs/.<run>.STOPPED from the volume mounted here (a network volume's FUSE) was an
+    OSError no handler took: a traceback and exit 1."""
+    on_a_laptop_that_sees_neither_the_volume_nor_its_s3_api(fake, monkeypatch, tmp_path)
+    volume = tmp_path / "volume"
+    (volume / "runs/.tiny.STOPPED/unremovable").mkdir(parents=True)  # unlink() fails on it as on an I/O error
+    monkeypatch.setenv("TRAINPOD_VOLUME", str(volume))
+    deploy(client_for(fake), deploy_config())
+    fake.interrupt(the_pod(fake)["id"])
+    path = tmp_path / "deploy.yaml"
+    path.write_text(yaml.safe_dump(deploy_config().model_dump(mode="json")))
+    assert cli.main(["deploy", str(path)]) == 75
+    out = capsys.readouterr().out
+    assert "deploy refused" in out and f"on the volume at {volume}" in out and "Traceback" not in out, out
+    assert the_pod(fake)["desiredStatus"] == "EXITED", "nothing started"

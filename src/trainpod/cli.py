@@ -444,13 +444,18 @@ def deploy(
             print(line)
         if catalog and not free:
             logging.getLogger("trainpod.deploy").warning("%s", checks.no_stock_warning(cfg, cuda))
-        from trainpod.runpod.supervise import DeployRecord, mark_stopped
+        from trainpod.errors import TrainpodError
+        from trainpod.runpod.supervise import DeployRecord, mark_stopped, stop_not_cleared
 
         volume = Volume.from_env()
         mounted = volume if volume.root.is_dir() else None
 
         def resume() -> None:  # a supervisor that still saw STOPPED would end at once; a refusal keeps it
-            mark_stopped(cfg.run, mounted, False, None if mounted else _supervised_volume_s3(config))
+            volume_s3 = None if mounted else _supervised_volume_s3(config)
+            try:
+                mark_stopped(cfg.run, mounted, False, volume_s3)
+            except (TrainpodError, OSError) as exc:
+                raise stop_not_cleared(cfg.run, mounted, volume_s3, cfg.volume.mount_path, exc) from None
 
         record = DeployRecord(bool(cfg.pod.spot), secrets is not None, time.time())
         done = deploying.deploy(client, cfg, secrets, deployed=record.to_json(), accepted=resume)

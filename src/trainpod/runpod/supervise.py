@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING
 
 from trainpod import atomic
 from trainpod.config.deploy import DeployConfig
-from trainpod.errors import ConfigError, ExitCode, TemporaryError, TrainpodError
+from trainpod.errors import ConfigError, ExitCode, InputError, TemporaryError, TrainpodError
 from trainpod.remote.listing import LocalFiles, VolumeFiles
 from trainpod.runpod.client import RunPodAuthError, RunPodClient, RunPodError, RunPodUnavailable
 from trainpod.runpod.deploy import pod_env, pod_problems
@@ -178,12 +178,27 @@ def mark_stopped(
 ) -> None:
     """Record (or, `stopped=False`, clear) a user's `trainpod stop` where supervisors look: this
     machine's supervisor state and a STOPPED marker beside the run, on the volume when it is mounted
-    here, else through its S3 API when given (what a supervisor away from the volume reads)."""
+    here, else through its S3 API when given (what a supervisor away from the volume reads). A record is made
+    here first and a clear made here last: one that fails on the volume leaves this machine's supervisor stopped
+    (`trainpod stop` stops the pods all the same, a deploy is refused and the run stays stopped)."""
+    if stopped:
+        _mark_stopped_here(run, volume, stopped)
+    _mark_stopped_on_the_volume(run, volume, stopped, volume_s3)
+    if not stopped:
+        _mark_stopped_here(run, volume, stopped)
+
+
+def _mark_stopped_here(run: str, volume: Volume | None, stopped: bool) -> None:
     for where in {state_path(None, run), *([state_path(volume, run)] if volume is not None else [])}:
         state = SupervisorState.load(where)
         if stopped or state.stopped_unix is not None:
             state.stopped_unix = time.time() if stopped else None
             state.save(where)
+
+
+def _mark_stopped_on_the_volume(
+    run: str, volume: Volume | None, stopped: bool, volume_s3: VolumeS3 | None
+) -> None:
     marker, *older = stop_marker_keys(run)
     if volume is not None:
         if stopped:
@@ -198,6 +213,26 @@ def mark_stopped(
         else:
             for key in (marker, *older):
                 volume_s3.remove(key)
+
+
+def stop_not_cleared(
+    run: str, volume: Volume | None, volume_s3: VolumeS3 | None, mount_path: str, exc: Exception
+) -> TrainpodError:
+    """`trainpod deploy` could not remove the run's STOPPED (mark_stopped): the deploy is refused, since a supervisor
+    still reading it (supervise.yml, a supervise pod, another machine) would leave the new pod down after an
+    interruption. Exit 75 where S3 or the volume is having trouble, else 2 (the S3 key refused, ...)."""
+    marker = stop_marker_keys(run)[0]
+    where = f"on the volume at {volume.root}" if volume is not None else f"through {volume_s3!r}'s S3 API"
+    message = (
+        f"deploy refused, nothing was made or started: run {run} was stopped with `trainpod stop`, and its record "
+        f"of that, {marker} {where}, could not be removed: {exc}. A supervisor that still reads it (supervise.yml, "
+        "a supervise pod, another machine) would leave the new pod down after an interruption. Fix that and deploy "
+        f"again, or remove the record where the volume can be reached (in a pod on it: rm {mount_path}/{marker}) "
+        "and deploy again"
+    )
+    # An I/O error of the volume (OSError) or S3 down is worth the same deploy again; the S3 key refused is not.
+    transient = isinstance(exc, TemporaryError) or not isinstance(exc, TrainpodError)
+    return TemporaryError(message) if transient else InputError(message)
 
 
 @dataclass(frozen=True)

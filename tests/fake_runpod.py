@@ -56,7 +56,8 @@ OPENAPI_V2 = REFERENCE / "runpod-rest-v2-openapi.json"
 KEY = "fake-runpod-key-for-tests"
 # RunPod's words when no machine is free for a create (as recorded from its live API, v1 and v2 alike).
 NO_CAPACITY_TEXT = (
-    "There are no longer any instances available with the requested specifications. Please refresh and try again."
+    "There are no longer any instances available with the requested specifications. "
+    "Please refresh and try again."
 )
 
 # What trainpod sends, as (method, OpenAPI path): the derived schema holds exactly these.
@@ -290,6 +291,8 @@ class FakeRunPod:
     # What a create with none of its GPU types free is answered: RunPod's 400 (v2's description: capacity carries
     # no code of its own, its `detail` alone says it; v1 gives the same text as `error`); a test may ask for 500.
     no_capacity_status: int = 400
+    # The account's balance pays for nothing: creates are answered 402 (v2's description: "Insufficient balance").
+    out_of_funds: bool = False
     refuse_start: set[str] = field(default_factory=set)  # pod ids whose machine has no free GPU
     delay_s: float = 0.0
     gpu_catalog: list[dict[str, Any]] = field(default_factory=lambda: default_gpu_catalog())
@@ -468,6 +471,8 @@ class FakeRunPod:
     # ------------------------------------------------------------------ v2 Instant Clusters
     def _createCluster(self, query, headers, body):
         gpu = body["compute"]["gpuTypeId"]
+        if self.out_of_funds:
+            return 402, {"title": "Payment Required", "status": 402, "detail": "insufficient balance"}, {}
         if gpu in self.no_capacity:
             status = self.no_capacity_status
             title = "Bad Request" if status == 400 else "Internal Server Error"
@@ -646,6 +651,8 @@ class FakeRunPod:
         return None, self._pod_answer(self.pods[podId], query)
 
     def _CreatePod(self, body, query):
+        if self.out_of_funds:
+            return 402, {"error": "insufficient balance"}
         gpu = None
         if body.get("computeType", "GPU") == "GPU":
             gpu = next((g for g in body.get("gpuTypeIds", []) if g not in self.no_capacity), None)

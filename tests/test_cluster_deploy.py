@@ -452,3 +452,17 @@ def test_no_machines_free_for_any_gpu_type_is_exit_75_saying_the_config_is_fine_
     assert "the config is fine" in out and "trainpod supervise big" in out and "pod.gpu_types" in out
     assert "does not fit RunPod's API" not in out
     assert len(fake.calls("POST", "/v2/clusters")) == len(GPUS) and not fake.clusters
+
+
+def test_an_account_without_funds_is_told_so_not_sent_to_its_config_nor_asked_of_every_gpu_type(
+    fake, tmp_path, capsys
+):
+    """v2 answers a create the account's balance cannot pay for with 402 ('Stop; no candidate will succeed'): it
+    read as 'the request does not fit RunPod's API; check the deploy config's values', after a create of every GPU
+    type of the config, each refused the same way."""
+    fake.out_of_funds = True
+    assert cli.main(["deploy", str(write_config(tmp_path))]) == 2
+    out = capsys.readouterr().out
+    assert "402" in out and "balance" in out and "console.runpod.io/user/billing" in out, out
+    assert "does not fit RunPod's API" not in out
+    assert len(fake.calls("POST", "/v2/clusters")) == 1, "no other GPU type asked for: none would be paid for"

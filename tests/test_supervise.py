@@ -1092,3 +1092,14 @@ def test_a_deploy_whose_clear_of_the_stop_on_the_mounted_volume_fails_is_one_mes
     out = capsys.readouterr().out
     assert "deploy refused" in out and f"on the volume at {volume}" in out and "Traceback" not in out, out
     assert the_pod(fake)["desiredStatus"] == "EXITED", "nothing started"
+
+
+def test_a_supervisor_whose_account_has_no_funds_ends_saying_so_instead_of_backing_off(fake, volume, caplog):
+    """A 402 to the replacement's create (the account's balance spent) was a failed start backed off and tried
+    again until 'N failed starts in a row ... try again later or add GPU types' (exit 75), which RunPod restarts
+    a supervise pod on; no later try is paid for until funds are added, as with a key RunPod refuses."""
+    interrupted_pod_that_cannot_come_back(fake)
+    fake.out_of_funds = True
+    caplog.set_level(logging.INFO, "trainpod")
+    assert supervisor(fake, volume).step() == 2
+    assert "balance" in caplog.text and "add GPU types" not in caplog.text

@@ -66,6 +66,11 @@ class RunPodAuthError(RunPodError):
     """No key, or RunPod rejected it (401/403): nothing will work until the user fixes the key."""
 
 
+class RunPodNoFunds(RunPodAuthError):
+    """402: the account's balance cannot pay for what was asked. As with a key refused, every later try (another GPU
+    type, a supervisor's next start) fails the same way until the user acts: adds funds."""
+
+
 class RunPodNotFound(RunPodError):
     """404: the pod, template or volume does not exist (any more)."""
 
@@ -630,6 +635,12 @@ def _client_error(status: int, endpoint: str) -> RunPodError:
             "All permissions at https://console.runpod.io/user/settings",
             status,
         )
+    if status == 402:
+        return RunPodNoFunds(
+            f"RunPod refused {endpoint} (402): the account's balance is too low to pay for it; nothing was made. "
+            "Add funds (https://console.runpod.io/user/billing), then run the same command again",
+            status,
+        )
     if status == 404:
         return RunPodNotFound(f"RunPod {endpoint}: not found (404); it may have been terminated", status)
     if 300 <= status < 400:  # one urllib does not follow: no Location (a proxy's), a 308 on Python 3.10, ...
@@ -649,7 +660,7 @@ def _client_error(status: int, endpoint: str) -> RunPodError:
 def _says_no_capacity(exc: urllib.error.HTTPError) -> bool:
     """Whether RunPod's error answer is its "no instances available" (NO_CAPACITY), by its `detail` (v2) or `error`
     (v1) text alone. The body is read only for this: it may echo the request, secrets included."""
-    if exc.code in (401, 403, 404, 429):
+    if exc.code in (401, 402, 403, 404, 429):
         return False
     try:
         answer = json.loads(exc.read(ERROR_BODY_READ_LIMIT) or b"null")

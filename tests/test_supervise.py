@@ -1103,3 +1103,21 @@ def test_a_supervisor_whose_account_has_no_funds_ends_saying_so_instead_of_backi
     caplog.set_level(logging.INFO, "trainpod")
     assert supervisor(fake, volume).step() == 2
     assert "balance" in caplog.text and "add GPU types" not in caplog.text
+
+
+def test_a_first_deploy_with_the_s3_key_exported_says_nothing_of_a_volume_it_is_about_to_make(
+    fake, s3_server, tmp_path, monkeypatch, capsys
+):
+    """Before the pod, deploy clears the run's STOPPED on the volume through S3, its id looked up by name: on a first
+    deploy there is no volume yet, and the deploy warned 'not reading the run's markers through S3: no network volume
+    named ...; `trainpod deploy CONFIG` creates it', the very command running, as if it had failed to."""
+    on_a_laptop_that_sees_neither_the_volume_nor_its_s3_api(fake, monkeypatch, tmp_path)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "user_2f21CfO73Mm2Uq2lEGFiEF24IPw")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "rps_FAKESECRETFORTESTS0123456789")
+    monkeypatch.setenv("TRAINPOD_S3_ENDPOINT_URL", s3_server)
+    path = tmp_path / "deploy.yaml"
+    path.write_text(yaml.safe_dump(deploy_config().model_dump(mode="json")))
+    assert cli.main(["deploy", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "no network volume named" not in out and "not reading the run's markers" not in out, out
+    assert the_pod(fake)["desiredStatus"] == "RUNNING"

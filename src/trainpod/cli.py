@@ -451,7 +451,14 @@ def deploy(
         mounted = volume if volume.root.is_dir() else None
 
         def resume() -> None:  # a supervisor that still saw STOPPED would end at once; a refusal keeps it
-            volume_s3 = None if mounted else _supervised_volume_s3(config)
+            # A first deploy's volume is not made yet and holds no STOPPED: looking it up by name for S3 would warn
+            # that it does not exist and that `trainpod deploy` makes it, the very command running.
+            volume_s3 = None
+            if mounted is None and any(
+                (v.name, v.data_center_id) == (cfg.volume.name, cfg.volume.data_center)
+                for v in client.list_network_volumes()
+            ):
+                volume_s3 = _supervised_volume_s3(config)
             try:
                 mark_stopped(cfg.run, mounted, False, volume_s3)
             except (TrainpodError, OSError) as exc:

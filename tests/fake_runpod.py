@@ -293,6 +293,8 @@ class FakeRunPod:
     no_capacity_status: int = 400
     # The account's balance pays for nothing: creates are answered 402 (v2's description: "Insufficient balance").
     out_of_funds: bool = False
+    # RunPod having trouble: creates are answered 500 with no word of capacity (a create it may have made).
+    create_outage: bool = False
     refuse_start: set[str] = field(default_factory=set)  # pod ids whose machine has no free GPU
     delay_s: float = 0.0
     gpu_catalog: list[dict[str, Any]] = field(default_factory=lambda: default_gpu_catalog())
@@ -473,6 +475,8 @@ class FakeRunPod:
         gpu = body["compute"]["gpuTypeId"]
         if self.out_of_funds:
             return 402, {"title": "Payment Required", "status": 402, "detail": "insufficient balance"}, {}
+        if self.create_outage:
+            return 500, {"title": "Internal Server Error", "status": 500, "detail": "internal error"}, {}
         if gpu in self.no_capacity:
             status = self.no_capacity_status
             title = "Bad Request" if status == 400 else "Internal Server Error"
@@ -653,6 +657,8 @@ class FakeRunPod:
     def _CreatePod(self, body, query):
         if self.out_of_funds:
             return 402, {"error": "insufficient balance"}
+        if self.create_outage:
+            return 500, {"error": "internal error"}
         gpu = None
         if body.get("computeType", "GPU") == "GPU":
             gpu = next((g for g in body.get("gpuTypeIds", []) if g not in self.no_capacity), None)

@@ -182,7 +182,7 @@ def test_recreations_are_bounded_by_max_restarts(fake, volume, caplog):
 
 def test_failed_creations_try_every_gpu_type_back_off_and_end_with_75(fake, volume, caplog):
     deploy(client_for(fake), cluster_config())
-    fake.no_capacity.update(GPUS)
+    fake.create_outage = True  # RunPod having trouble; a shortage is waited out (the next test)
     fake.interrupt_node(the_cluster(fake)["id"], 1)
     clock = Clock()
     sup = supervisor(fake, volume, clock)
@@ -197,6 +197,28 @@ def test_failed_creations_try_every_gpu_type_back_off_and_end_with_75(fake, volu
     assert sup.step() is None and "cluster gone and no start possible" in caplog.text
     clock.now += 60
     assert sup.step() == 75 and "3 failed starts in a row" in caplog.text
+
+
+def test_no_free_machine_for_any_gpu_type_is_waited_out_not_an_end(fake, volume, caplog):
+    """A shortage of every GPU type ended supervising after max_failed_starts (exit 75), leaving the run down."""
+    deploy(client_for(fake), cluster_config())
+    fake.no_capacity.update(GPUS)
+    fake.interrupt_node(the_cluster(fake)["id"], 1)
+    clock = Clock()
+    sup = supervisor(fake, volume, clock)
+    caplog.set_level(logging.INFO, "trainpod")
+    attempts = 0
+    for _ in range(6):
+        caplog.clear()
+        assert sup.step() is None, caplog.text
+        assert "no machine free" in caplog.text and "as long as it takes" in caplog.text, caplog.text
+        attempts += 1
+        clock.now += int(caplog.text.split("next attempt in ")[1].split(" s")[0])
+    assert attempts > 3, "more than max_failed_starts"
+    fake.no_capacity.clear()
+    clock.now += 3600
+    caplog.clear()
+    assert sup.step() is None and fake.clusters, caplog.text
 
 
 def test_the_budget_counts_every_node_and_deletes_the_cluster_when_spent(fake, volume):

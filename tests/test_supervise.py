@@ -175,6 +175,7 @@ def interrupted_pod_that_cannot_come_back(fake) -> str:
 
 def test_failed_starts_back_off_exponentially_and_are_bounded(fake, volume, caplog):
     interrupted_pod_that_cannot_come_back(fake)
+    fake.create_outage = True  # RunPod having trouble, not a shortage: that is waited out (below)
     clock = Clock()
     sup = supervisor(fake, volume, clock)
     caplog.set_level(logging.INFO, "trainpod")
@@ -188,6 +189,30 @@ def test_failed_starts_back_off_exponentially_and_are_bounded(fake, volume, capl
     clock.now += 60
     assert sup.step() == 75
     assert "3 failed starts in a row" in caplog.text
+
+
+def test_no_free_machine_is_waited_out_at_the_longest_backoff_and_the_pod_made_once_one_is(
+    fake, volume, caplog
+):
+    """RunPod's 'no instances available' (spot's common shortage) counted as a failed start, so a supervisor ended
+    (exit 75) after max_failed_starts, minutes of backoff: on a laptop, the run stayed down until the user came
+    back, though a machine came free soon after. Nothing runs or bills while it waits."""
+    interrupted_pod_that_cannot_come_back(fake)
+    clock = Clock()
+    sup = supervisor(fake, volume, clock, max_backoff_s=120)
+    caplog.set_level(logging.INFO, "trainpod")
+    waits = []
+    for _ in range(8):  # well past max_failed_starts=3
+        caplog.clear()
+        assert sup.step() is None, caplog.text
+        assert "no machine free" in caplog.text and "trainpod stop tiny" in caplog.text, caplog.text
+        waits.append(int(caplog.text.split("next attempt in ")[1].split(" s")[0]))
+        clock.now += waits[-1]
+    assert waits == [30, 60, 120, 120, 120, 120, 120, 120]
+    fake.no_capacity.clear()
+    caplog.clear()
+    assert sup.step() is None and "created" in caplog.text.lower(), caplog.text
+    assert [p["desiredStatus"] for p in fake.pods.values()].count("RUNNING") == 1
 
 
 def test_restarts_are_bounded(fake, volume, caplog):
@@ -428,6 +453,7 @@ def test_a_stop_recorded_while_a_supervisor_on_this_machine_looks_is_not_erased_
 
 def test_the_supervise_pods_exit_75_leaves_a_backoff_for_its_restarted_container(fake, volume):
     interrupted_pod_that_cannot_come_back(fake)
+    fake.create_outage = True
     clock = Clock()
     for _ in range(3):
         code = supervisor(fake, volume, clock).step()

@@ -169,7 +169,10 @@ class SuperviseSettings(Section):
     backoff_s: float = Field(30.0, ge=0, description="First wait after a failed start; doubles each time.")
     max_backoff_s: float = Field(900.0, ge=0, description="Longest wait between failed starts.")
     max_failed_starts: int = Field(
-        5, ge=1, description="Failed start attempts in a row (no GPU anywhere) before supervising stops."
+        5,
+        ge=1,
+        description="Failed start attempts in a row (RunPod failing them) before supervising stops with exit 75; "
+        "no machine free for any GPU type (spot's shortage) is waited out instead, every max_backoff_s at most.",
     )
     max_replacements: int = Field(
         3,

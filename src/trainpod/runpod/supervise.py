@@ -46,7 +46,13 @@ from trainpod import atomic
 from trainpod.config.deploy import DeployConfig
 from trainpod.errors import ConfigError, ExitCode, InputError, TemporaryError, TrainpodError
 from trainpod.remote.listing import LocalFiles, VolumeFiles
-from trainpod.runpod.client import RunPodAuthError, RunPodClient, RunPodError, RunPodUnavailable
+from trainpod.runpod.client import (
+    RunPodAuthError,
+    RunPodClient,
+    RunPodError,
+    RunPodNoCapacity,
+    RunPodUnavailable,
+)
 from trainpod.runpod.deploy import pod_env, pod_problems
 from trainpod.runpod.finish import FAILED_MARKER, UNFIT_MARKER
 from trainpod.runpod.units import Look, build_unit
@@ -70,6 +76,9 @@ class SupervisorState:
 
     restarts: int = 0
     failed_starts: int = 0
+    # Starts in a row refused for want of a free machine (RunPodNoCapacity): backed off as failed starts, never
+    # an end of supervising (_restart).
+    capacity_waits: int = 0
     replacements: int = 0  # pods replaced in a row because their machine could not run the image
     next_attempt_unix: float = 0.0
     observed_cost_usd: float = 0.0
@@ -482,9 +491,20 @@ class Supervisor:
             action = self.unit.bring_back(seen.unfit, lambda: self._fresh_env(state))
         except RunPodAuthError:
             raise
+        except RunPodNoCapacity as exc:
+            # No machine free for any GPU type the config allows: spot's common shortage, which passes, and while
+            # it lasts nothing runs or bills. Ending after max_failed_starts (minutes of backoff) left the run down
+            # until the user came back; the supervisor waits it out instead, at the longest backoff once there.
+            state.capacity_waits += 1
+            wait = self._backoff(state.failed_starts + state.capacity_waits)
+            state.next_attempt_unix = now + wait
+            return self._say(
+                f"{noun} {seen.down} and no machine free for it ({exc}); waiting for one, as long as it takes "
+                f"(`trainpod stop {self.config.run}` ends it): next attempt in {wait:.0f} s"
+            )
         except RunPodError as exc:
             state.failed_starts += 1
-            wait = min(self.policy.max_backoff_s, self.policy.backoff_s * 2 ** (state.failed_starts - 1))
+            wait = self._backoff(state.failed_starts + state.capacity_waits)
             state.next_attempt_unix = now + wait
             if state.failed_starts >= self.policy.max_failed_starts:
                 # Exit 75 restarts the supervise pod's container at once (finish.py): the next round of
@@ -499,7 +519,7 @@ class Supervisor:
         state.restarts += 1
         # No status.json yet: any step recorded later is progress. Blind: unknown, the count never resets.
         state.step_at_restart = (-1 if view.step is None else view.step) if view.visible else None
-        state.failed_starts = 0
+        state.failed_starts = state.capacity_waits = 0
         state.next_attempt_unix = 0.0
         state.replacements = state.replacements + 1 if seen.unfit else 0
         if seen.unfit:
@@ -508,6 +528,10 @@ class Supervisor:
             f"{noun} {seen.down} and the run not DONE{unseen}: {action} "
             f"(restart {state.restarts}/{self.policy.max_restarts})"
         )
+
+    def _backoff(self, failures: int) -> float:
+        """The wait after the `failures`-th failed start in a row: backoff_s doubling, at most max_backoff_s."""
+        return min(self.policy.max_backoff_s, self.policy.backoff_s * 2 ** min(failures - 1, 32))
 
     def _fresh_env(self, state: SupervisorState) -> dict[str, str]:
         """The env of a pod (or cluster) made with none left to copy it from: the config's, with the secrets

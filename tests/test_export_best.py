@@ -360,3 +360,38 @@ def test_a_pretrains_export_weights_best_on_a_dataset_without_a_validation_split
     assert result.returncode == ExitCode.BAD_INPUT, output
     assert "export.weights=best needs a validation split" in output and "export.weights=last" in output
     assert not (volume / "runs" / RUN).exists(), output
+
+
+def flip_a_byte(file: Path) -> None:
+    """Bit rot of one byte, the size kept."""
+    data = bytearray(file.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    file.write_bytes(bytes(data))
+
+
+def export_again(volume: Path, run: Path) -> str:
+    """The export made again at the next start, as after a stop during it."""
+    (run / "DONE").unlink()
+    shutil.rmtree(run / "export")
+    return finetune(volume, "best")
+
+
+def test_the_best_checkpoint_is_verified_by_the_files_its_export_reads_not_its_optimizer_state(
+    finetune_volume: Path,
+):
+    """The verification before the export hashed the best checkpoint's every file, its optimizer state too (twice
+    the weights: minutes of reads on the network volume for a large run), which the export never reads: damaged
+    there, the best weights were passed over for a worse checkpoint's."""
+    finetune(finetune_volume, "best")
+    run = finetune_volume / "runs" / FINETUNE_RUN
+    flip_a_byte(run / "checkpoints" / "step-4" / "optimizer.safetensors")
+    output = export_again(finetune_volume, run)
+    assert "exporting the weights of step 4" in output and "invalid" not in output, output
+    assert_holds_the_weights_of(run, 4)
+
+    flip_a_byte(run / "checkpoints" / "step-4" / "trainable.safetensors")  # what the export reads: verified
+    output = export_again(finetune_volume, run)
+    assert "step-4 ranks best but is invalid (trainable.safetensors does not match its sha256" in output, (
+        output
+    )
+    assert json.loads((run / "export" / "adapter" / "manifest.json").read_text())["weights"]["step"] == 6

@@ -29,7 +29,7 @@ import shutil
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -312,8 +312,9 @@ class CheckpointStore:
             return None
         return name if _STEP_DIR.match(name) else None
 
-    def verify(self, path: Path) -> tuple[dict[str, Any] | None, str]:
-        """(manifest, "") when every file matches its manifest entry, else (None, reason)."""
+    def verify(self, path: Path, files: Collection[str] | None = None) -> tuple[dict[str, Any] | None, str]:
+        """(manifest, "") when every file matches its manifest entry, else (None, reason). `files`: those alone
+        (a reader of part of the checkpoint, the weights of an export), each of which the manifest must list."""
         try:
             manifest = atomic.read_json(path / MANIFEST)
         except FileNotFoundError:
@@ -325,7 +326,13 @@ class CheckpointStore:
         match = _STEP_DIR.match(path.name)
         if not match or manifest.get("step") != int(match.group(1)):
             return None, f"manifest step {manifest.get('step')!r} does not match the folder name"
-        for name, expected in manifest.get("files", {}).items():
+        listed = manifest.get("files", {})
+        unlisted = sorted(set(files or ()) - set(listed))
+        if unlisted:
+            return None, f"{unlisted[0]} is not in manifest.json"
+        for name, expected in listed.items():
+            if files is not None and name not in files:
+                continue
             file = path / name
             try:
                 size = file.stat().st_size

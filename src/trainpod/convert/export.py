@@ -122,9 +122,12 @@ def _step(requested: int | str, run: RunDir) -> int:
 
 
 def verify_checkpoint(source: CheckpointSource) -> None:
-    """Every file of the checkpoint against its manifest's hashes (exit 2 when one fails)."""
+    """The checkpoint's files that write_export reads against its manifest's hashes (exit 2 when one fails): not
+    the optimizer state beside the weights (AdamW's, twice them: minutes of reads on the network volume), except
+    in a sharded checkpoint, whose DCP files hold each rank's weights and optimizer state together."""
     store = CheckpointStore(source.run.checkpoints)
-    manifest, reason = store.verify(source.path)
+    read = None if has_shards(source.path) else ("model.safetensors", "trainer_state.json")
+    manifest, reason = store.verify(source.path, read)
     if manifest is None:
         raise InputError(
             f"checkpoint {source.path} fails verification ({reason}); export another step "

@@ -605,6 +605,10 @@ class Finetuner(Trainer):
             return
         self._copy_into_trainable(tensors)
 
+    def checkpoint_weight_files(self, path: Path) -> tuple[str, ...] | None:
+        # A sharded checkpoint's DCP files hold each rank's weights and optimizer state together: all of them.
+        return None if has_shards(path) else ("trainable.safetensors", "trainer_state.json")
+
     def _copy_into_trainable(self, tensors: dict[str, torch.Tensor]) -> None:
         with torch.no_grad():
             for name, param in self.trainable.items():

@@ -215,6 +215,10 @@ class Pretrainer(Trainer):
             return
         load_weights(self.model, weights, state["aliased_weights"])
 
+    def checkpoint_weight_files(self, path: Path) -> tuple[str, ...] | None:
+        # A sharded checkpoint's DCP files hold each rank's weights and optimizer state together: all of them.
+        return None if has_shards(path) else ("model.safetensors", "trainer_state.json")
+
     def extra_state(self) -> dict[str, Any]:
         return {"aliased_weights": self._aliases}
 

@@ -394,6 +394,51 @@ def test_pulling_an_output_remade_on_the_volume_never_leaves_the_old_manifest_ov
     assert (dest / "export/mine/manifest.json").read_bytes() == b'{"version": 2}'
 
 
+class RemadeWhileRead:
+    """The volume while a conversion makes export/merged again (the same file names, other weights: another step)
+    as pull reads it: at the GET of its manifest the old output is gone, and the new one lands right after."""
+
+    def __init__(self, client, raw, bucket: str, files: dict[str, bytes]):
+        self._client, self._raw, self._bucket, self.files = client, raw, bucket, files
+
+    def get_object(self, **kwargs):
+        if kwargs["Key"] != "runs/r/export/merged/manifest.json" or self.files is None:
+            return self._client.get_object(**kwargs)
+        for gone in objects(self._raw, self._bucket, "runs/r/export/merged/"):
+            self._raw.delete_object(Bucket=self._bucket, Key=gone)
+        try:
+            return self._client.get_object(**kwargs)
+        finally:
+            remake_output_on_the_volume(self._raw, self._bucket, self.files)
+            self.files = None
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+
+def test_an_output_whose_manifest_goes_while_it_is_listed_is_pulled_as_the_new_one_checked_by_its_manifest(
+    bucket, tmp_path
+):
+    """A manifest gone between the listing and its read was written into DEST as {}, a manifest claiming nothing,
+    and the output's files were pulled as whichever version each GET found, checked by nothing."""
+    from trainpod.remote.pull import pull
+
+    name, raw, _ = bucket
+    make_run_on_volume(raw, name, tmp_path / "pod")
+    remade = {"model.safetensors": os.urandom(5 * (1 << 20) + 1), "config.json": b'{"model_type": "llama"} '}
+    s3 = volume_s3(name)
+    s3._client = RemadeWhileRead(s3._client, raw, name, remade)
+    dest, lines = tmp_path / "laptop", []
+    pull(s3, "r", "export", dest, echo=lines.append)
+    merged = dest / "export/merged"
+    assert (merged / "manifest.json").read_bytes() == objects(
+        raw, name, "runs/r/export/merged/manifest.json"
+    )["runs/r/export/merged/manifest.json"], "the pulled output is not vouched for by the volume's manifest"
+    for file, data in remade.items():
+        assert (merged / file).read_bytes() == data, file
+    assert "2 checked against their manifest's sha256" in lines[-1], lines
+
+
 def commit_on_the_volume(raw, name: str, step: int, root: Path, retention: bool = True) -> None:
     """What a run training on the volume does at a commit: step-<N> whole, then LATEST naming it, then
     retention (keep_last 1) deleting the older checkpoints (unless `retention` is False)."""

@@ -16,7 +16,8 @@ read it, checked by that version's ETag, even where it changed since the listing
 Manifests are written after the files they cover, and checkpoints/LATEST last, as the workloads write
 them. An output the volume made again since an earlier pull into DEST (a conversion
 run again into the same `output`) loses its old manifest before its first file is replaced, and the
-files only the old one listed once the new one is whole. A checkpoint the run's retention deletes
+files only the old one listed once the new one is whole; one whose manifest went between the listing and its
+read (being made again) has the run listed again. A checkpoint the run's retention deletes
 while it is pulled is skipped, what DEST got of it removed (exit 75 where it was the newest: a newer
 one is there to pull). A DEST without room for what is still to come is exit 5 before any download.
 Temp and quarantined folders (`*.tmp-*`, `*.invalid-*`) and LEASE are never pulled.
@@ -155,15 +156,10 @@ def select(objects: dict[str, RemoteObject], what: str, latest: str | None) -> l
 def pull(s3: VolumeS3, run: str, what: str, dest: Path, echo=print) -> int:
     """Download `what` of `run` into `dest`; returns the number of files downloaded (0: all were there)."""
     prefix = f"runs/{run}/"
-    objects, latest = _listing(s3, prefix, run, what)
-    chosen = select(objects, what, latest)
-    if not chosen:
-        hint = "no committed checkpoint yet" if what == "checkpoint" else f"nothing under {prefix}{what}/ yet"
-        raise InputError(f"pull {run} {what}: {hint}; `trainpod status {run}` shows how far the run is")
-    read = {p: s3.read(prefix + p) for p in chosen if posixpath.basename(p) == MANIFEST}
+    objects, latest, chosen, read = _listing_and_manifests(s3, prefix, run, what)
     # A checkpoint whose manifest went since the listing was deleted by the run's retention (keep_last): skipped.
     vanished = {_checkpoint_of(p) for p, raw in read.items() if raw is None} - {None}
-    manifests = {p: raw or b"{}" for p, raw in read.items() if _checkpoint_of(p) not in vanished}
+    manifests = {p: raw for p, raw in read.items() if raw is not None}
     chosen = [p for p in chosen if _checkpoint_of(p) not in vanished]
     expected = {}
     for path, raw in manifests.items():
@@ -213,6 +209,36 @@ def pull(s3: VolumeS3, run: str, what: str, dest: Path, echo=print) -> int:
         f"{len(files) - downloaded} already there; {checked} checked against their manifest's sha256"
     )
     return downloaded
+
+
+def _listing_and_manifests(
+    s3: VolumeS3, prefix: str, run: str, what: str
+) -> tuple[dict[str, RemoteObject], str | None, list[str], dict[str, bytes | None]]:
+    """The run's files, LATEST's checkpoint, the files `what` chooses and their manifests as read (None: gone
+    since the listing). An output's manifest gone since the listing (the output made again, replaced whole: a
+    conversion run again into the same `output`) has the run listed again: taken as gone, the output's files
+    were pulled as whichever version each GET found, checked by nothing, and an empty manifest written for them."""
+    for _ in range(LISTING_ATTEMPTS):
+        objects, latest = _listing(s3, prefix, run, what)
+        chosen = select(objects, what, latest)
+        if not chosen:
+            hint = (
+                "no committed checkpoint yet"
+                if what == "checkpoint"
+                else f"nothing under {prefix}{what}/ yet"
+            )
+            raise InputError(f"pull {run} {what}: {hint}; `trainpod status {run}` shows how far the run is")
+        read = {p: s3.read(prefix + p) for p in chosen if posixpath.basename(p) == MANIFEST}
+        gone = sorted(p for p, raw in read.items() if raw is None and _checkpoint_of(p) is None)
+        if not gone:
+            return objects, latest, chosen, read
+        log.info(
+            "%s%s went since the listing (its output made again); listing the run again", prefix, gone[0]
+        )
+    raise TemporaryError(
+        f"{prefix}{gone[0]} was listed but gone when read, in {LISTING_ATTEMPTS} listings: that output is being "
+        "made again on the volume right now; run the same pull again once it is written (nothing was pulled)"
+    )
 
 
 def _listing(s3: VolumeS3, prefix: str, run: str, what: str) -> tuple[dict[str, RemoteObject], str | None]:

@@ -394,6 +394,37 @@ def test_pulling_an_output_remade_on_the_volume_never_leaves_the_old_manifest_ov
     assert (dest / "export/mine/manifest.json").read_bytes() == b'{"version": 2}'
 
 
+def test_an_interrupted_download_of_a_file_the_remade_output_dropped_is_removed_from_dest(bucket, tmp_path):
+    """A pull of a remade export/merged interrupted in its model.safetensors, then the output made again as
+    float32 shards: the old model.safetensors went, but its .tmp-pull (gigabytes) stayed in DEST for good, a
+    download no pull would finish."""
+    from trainpod.remote.pull import pull
+
+    name, raw, _ = bucket
+    make_run_on_volume(raw, name, tmp_path / "pod")
+    dest = tmp_path / "laptop"
+    pull(volume_s3(name), "r", "export", dest, echo=lambda line: None)
+    remake_output_on_the_volume(raw, name, {"model.safetensors": os.urandom(4 << 20), "config.json": b"{}"})
+    s3 = volume_s3(name)
+    s3._client = CutAt(s3._client, "runs/r/export/merged/model.safetensors")
+    with pytest.raises(KeyboardInterrupt):
+        pull(s3, "r", "export", dest, echo=lambda line: None)
+    merged = dest / "export/merged"
+    assert (merged / "model.safetensors.tmp-pull").is_file()
+    float32 = {
+        "model-00001-of-00001.safetensors": os.urandom(5000),
+        "config.json": b'{"torch_dtype": "float32"}',
+    }
+    remake_output_on_the_volume(raw, name, float32)
+    lines: list[str] = []
+    pull(volume_s3(name), "r", "export", dest, echo=lines.append)
+    assert not list(dest.rglob("*.tmp-pull")), (
+        "an interrupted download of a file the volume no longer has was left"
+    )
+    assert sorted(p.name for p in merged.iterdir()) == sorted([*float32, "manifest.json"])
+    assert any("model.safetensors" in line and "no longer on the volume" in line for line in lines), lines
+
+
 class RemadeWhileRead:
     """The volume while a conversion makes export/merged again (the same file names, other weights: another step)
     as pull reads it: at the GET of its manifest the old output is gone, and the new one lands right after."""

@@ -16,7 +16,8 @@ read it, checked by that version's ETag, even where it changed since the listing
 Manifests are written after the files they cover, and checkpoints/LATEST last, as the workloads write
 them. An output the volume made again since an earlier pull into DEST (a conversion
 run again into the same `output`) loses its old manifest before its first file is replaced, and the
-files only the old one listed once the new one is whole; one whose manifest went between the listing and its
+files only the old one listed once the new one is whole (and the `.tmp-pull` of an interrupted download of
+a file the volume no longer has); one whose manifest went between the listing and its
 read (being made again) has the run listed again. A checkpoint the run's retention deletes
 while it is pulled is skipped, what DEST got of it removed (exit 75 where it was the newest: a newer
 one is there to pull). A DEST without room for what is still to come is exit 5 before any download.
@@ -197,6 +198,7 @@ def pull(s3: VolumeS3, run: str, what: str, dest: Path, echo=print) -> int:
             raise
         raise _no_room(dest, prefix, sizes) from None
     _remove_files_the_remade_outputs_dropped(remade, manifests, set(files), dest, echo)
+    _remove_partials_of_files_gone(objects, dest, what, versions, echo)
     _drop_vanished_checkpoints(vanished, latest, dest, prefix, echo)
     if what != "export":
         _remove_interrupted_pulls_of_deleted_checkpoints(objects, dest, prefix, echo)
@@ -408,6 +410,31 @@ def _remove_files_the_remade_outputs_dropped(
                 f"removed {len(gone)} file(s) of the earlier {posixpath.dirname(path)} that the volume's remade "
                 f"one no longer has: {', '.join(posixpath.basename(p) for p in gone[:5])}"
             )
+
+
+def _remove_partials_of_files_gone(
+    objects: dict[str, RemoteObject], dest: Path, what: str, versions: PulledVersions, echo
+) -> None:
+    """The `.tmp-pull` of an interrupted download of a file the volume no longer has (an output made again
+    without it since: a float32 remake's shards in place of a bf16 merge's model.safetensors), which no pull
+    would finish or remove, gigabytes left in DEST for good. Within what this pull mirrors whole (export/, or
+    the run for `all`); a checkpoint's are removed with the checkpoint (_remove_interrupted_pulls_of_deleted_
+    checkpoints). The list an output remade keeps beside its manifest is no download."""
+    if what == "checkpoint":
+        return
+    root = dest if what == "all" else dest / "export"
+    gone = []
+    for partial in sorted(root.rglob(f"*{PARTIAL}")):
+        path = partial.relative_to(dest).as_posix().removesuffix(PARTIAL)
+        if partial.is_file() and partial.name != MANIFEST + PARTIAL and path not in objects:
+            partial.unlink()
+            versions.note(path + PARTIAL, None)
+            gone.append(path)
+    if gone:
+        echo(
+            f"removed {len(gone)} interrupted download(s) of file(s) no longer on the volume: "
+            f"{', '.join(gone[:5])}"
+        )
 
 
 def _point_latest(checkpoints: Path, latest: str, echo) -> None:

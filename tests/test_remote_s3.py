@@ -1119,6 +1119,85 @@ def test_an_upload_another_machine_left_unfinished_is_aborted_once_it_has_been_i
     assert objects(raw, name, "datasets/d/")["datasets/d/train.bin"] == local.read_bytes()
 
 
+class AbortedUploadAsS3Answers:
+    """S3 proper's answer to a part of an upload aborted meanwhile: 404 NoSuchUpload (moto's server answers 500,
+    an internal KeyError, so this one answer is S3's, through the real client on moto otherwise)."""
+
+    def __init__(self, client):
+        self._client, self.aborted = client, set()
+
+    def upload_part(self, **kwargs):
+        from botocore.exceptions import ClientError
+
+        if kwargs["UploadId"] in self.aborted:
+            error = {"Code": "NoSuchUpload", "Message": "The specified upload does not exist."}
+            raise ClientError({"Error": error, "ResponseMetadata": {"HTTPStatusCode": 404}}, "UploadPart")
+        return self._client.upload_part(**kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+
+def test_an_upload_aborted_meanwhile_is_exit_75_and_the_same_push_again_finishes_it(bucket, tmp_path):
+    """An upload aborted while it was sent (another machine's push found it idle for a day: a laptop that slept
+    mid-push; the gateway's own cleanup) had its next part refused with NoSuchUpload, which read as exit 2, a
+    setting to fix, where the same push again starts it anew and finishes."""
+    name, raw, _ = bucket
+    local = tmp_path / "train.bin"
+    local.write_bytes(os.urandom(5 * PART + 17))  # 6 parts
+    key = "datasets/d/train.bin"
+    s3 = volume_s3(name)
+    s3._client = gateway = AbortedUploadAsS3Answers(s3._client)
+
+    def aborted_after_the_first_part(done: int, total: int) -> None:
+        if done == 1:
+            for upload in raw.list_multipart_uploads(Bucket=name).get("Uploads", []):
+                raw.abort_multipart_upload(Bucket=name, Key=key, UploadId=upload["UploadId"])
+                gateway.aborted.add(upload["UploadId"])
+
+    with pytest.raises(TemporaryError) as aborted:
+        s3.upload_file(local, key, on_part=aborted_after_the_first_part)
+    assert aborted.value.exit_code == 75 and "push again" in str(aborted.value), aborted.value
+    volume_s3(name).upload_file(local, key)
+    assert objects(raw, name, key)[key] == local.read_bytes()
+
+
+class OtherUploadEndsAfterTheListing:
+    """A gateway listing unfinished uploads without their dates, through which another machine's upload of the key
+    ends (that machine completed or aborted it) right after the listing: moto answers its parts' listing and its
+    abort with NoSuchUpload, as S3 does."""
+
+    def __init__(self, client, raw, bucket: str):
+        self._client, self._raw, self._bucket = client, raw, bucket
+
+    def list_multipart_uploads(self, **kwargs):
+        answer = self._client.list_multipart_uploads(**kwargs)
+        for upload in answer.get("Uploads", []):
+            self._raw.abort_multipart_upload(
+                Bucket=self._bucket, Key=upload["Key"], UploadId=upload["UploadId"]
+            )
+        undated = [{k: v for k, v in u.items() if k != "Initiated"} for u in answer.get("Uploads", [])]
+        return {**answer, "Uploads": undated}
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+
+def test_another_machines_upload_ended_right_after_the_listing_is_passed_over_not_exit_2(bucket, tmp_path):
+    """Another machine's upload of the key, listed, then ended by that machine before this push looked at its
+    parts: NoSuchUpload ended this push with exit 2 'S3 answered NoSuchUpload', a config error, for an upload that
+    was simply no more."""
+    name, raw, _ = bucket
+    local = tmp_path / "train.bin"
+    local.write_bytes(os.urandom(2 * PART + 17))
+    key = "datasets/d/train.bin"
+    raw.create_multipart_upload(Bucket=name, Key=key)  # the laptop's, ended right after the listing
+    workstation = machine(name, tmp_path / "workstation")
+    workstation._client = OtherUploadEndsAfterTheListing(workstation._client, raw, name)
+    workstation.upload_file(local, key)
+    assert objects(raw, name, key)[key] == local.read_bytes()
+
+
 class AnotherPushMeanwhile:
     """One machine's client, through which another machine's push of the same key (other bytes) completes
     right after this one's upload completes, before its check of what landed: the last writer wins."""

@@ -25,9 +25,10 @@ a file already on the volume from other bytes of its size on any gateway; an upl
 the machine that started it, for the same bytes, so that metadata never misnames an object. Another
 machine's unfinished upload of the same key is left alone (aborted, its push would fail at its next
 part) until nothing was sent to it for a day (ABANDONED_UPLOAD_S); one the gateway gives no dates to
-judge that by is left alone. An object appears only when its upload completes, so no reader ever sees
-half of one. Downloads append to a `.tmp-pull` file with ranged GETs, so an interrupted one continues
-where it stopped.
+judge that by is left alone, and one ended meanwhile (NoSuchUpload) passed over; this push's own upload
+ended so is exit 75, the same push again starting it anew. An object appears only when its upload
+completes, so no reader ever sees half of one. Downloads append to a `.tmp-pull` file with ranged GETs,
+so an interrupted one continues where it stopped.
 """
 
 from __future__ import annotations
@@ -471,26 +472,45 @@ class VolumeS3:
         # trainpod's) once idle past ABANDONED_UPLOAD_S. One with a part sent lately is another machine
         # pushing the same file right now: aborted, its next part would fail and its parts be lost.
         for other in uploads:
-            if other is not mine and (record.made(other["UploadId"]) or self._abandoned(key, other)):
-                self._call(
-                    "abort an old upload of",
-                    key,
-                    self._client.abort_multipart_upload,
-                    Bucket=self.bucket,
-                    Key=key,
-                    UploadId=other["UploadId"],
+            # One ended since the listing (completed or aborted by the machine pushing it) is nothing to abort.
+            with contextlib.suppress(UploadGone):
+                if other is not mine and (record.made(other["UploadId"]) or self._abandoned(key, other)):
+                    self._call(
+                        "abort an old upload of",
+                        key,
+                        self._client.abort_multipart_upload,
+                        Bucket=self.bucket,
+                        Key=key,
+                        UploadId=other["UploadId"],
+                    )
+        if mine is not None:
+            with contextlib.suppress(UploadGone):  # aborted since the listing: begun anew
+                return mine["UploadId"], self._kept_parts(
+                    key, mine["UploadId"], digests, part, size, record, md5
                 )
-        if mine is None:
-            created = self._call(
-                "start the upload of",
-                key,
-                self._client.create_multipart_upload,
-                Bucket=self.bucket,
-                Key=key,
-                Metadata={METADATA_MD5: md5},
-            )
-            return created["UploadId"], {}
-        upload_id, recorded = mine["UploadId"], record.load(mine["UploadId"], part, md5) or {}
+        created = self._call(
+            "start the upload of",
+            key,
+            self._client.create_multipart_upload,
+            Bucket=self.bucket,
+            Key=key,
+            Metadata={METADATA_MD5: md5},
+        )
+        return created["UploadId"], {}
+
+    def _kept_parts(
+        self,
+        key: str,
+        upload_id: str,
+        digests: list[bytes],
+        part: int,
+        size: int,
+        record: UploadRecord,
+        md5: str,
+    ) -> dict[int, str]:
+        """The parts of this machine's unfinished `upload_id` that match the local bytes (number: the server's
+        ETag), by their MD5 ETag or the ETag recorded when those bytes were sent as that part."""
+        recorded = record.load(upload_id, part, md5) or {}
         kept = {}
         for sent in self._parts(key, upload_id):
             number, etag = sent["PartNumber"], _etag(sent["ETag"])
@@ -506,7 +526,7 @@ class VolumeS3:
             len(kept),
             len(digests),
         )
-        return upload_id, kept
+        return kept
 
     def _abandoned(self, key: str, upload: dict) -> bool:
         """Whether nothing was sent to `upload` (started or a part uploaded) for ABANDONED_UPLOAD_S. A date the
@@ -633,12 +653,23 @@ class VolumeS3:
             status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
             if code in ("NoSuchKey", "404", "NotFound"):
                 raise FileNotFoundError(key) from None
+            if code == "NoSuchUpload":
+                raise UploadGone(
+                    f"could not {doing} {where}: its upload was ended meanwhile (NoSuchUpload: aborted by another "
+                    "machine's push of it, which found it idle for a day, or by the gateway; or completed by "
+                    "another push of the same file); run the same push again: it starts the upload anew"
+                ) from None
             raise _client_error(code, status, doing, where, self.target) from None
         except BotoCoreError as exc:
             raise TemporaryError(
                 f"could not {doing} {where}: {type(exc).__name__}; the network or RunPod's S3 API is having "
                 "trouble: run the same command again"
             ) from None
+
+
+class UploadGone(TemporaryError):
+    """A multipart upload that is no more (S3's NoSuchUpload): completed or aborted by another machine, or expired
+    by the gateway. Another push's doing, not a setting to fix: the same push again starts it anew."""
 
 
 def _client_error(code: str, status: int, doing: str, where: str, target: S3Target) -> Exception:

@@ -1236,6 +1236,41 @@ def test_a_push_overwritten_by_another_machines_push_says_so_not_corrupted_on_th
     assert objects(raw, name, key)[key] == theirs.read_bytes()
 
 
+class AnotherPutMeanwhile:
+    """One machine's client, through which another machine's push of the same small key (other bytes, one request)
+    lands right after this one's, before its check of what landed: the last writer wins."""
+
+    def __init__(self, client, other_push):
+        self._client, self.other_push = client, other_push
+
+    def put_object(self, **kwargs):
+        answer = self._client.put_object(**kwargs)
+        self.other_push()
+        return answer
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+
+def test_a_single_request_push_overwritten_by_another_machines_push_says_so_not_verified(bucket, tmp_path):
+    """A file of one part (a manifest.json, a tokenizer, a small shard) was checked by its PutObject's ETag alone,
+    never by what the key held after it, so the push another machine's bytes replaced said 'uploaded ...
+    verified' while the volume held theirs (the multipart path checked the key)."""
+    name, raw, _ = bucket
+    mine, theirs = tmp_path / "mine.json", tmp_path / "theirs.json"
+    mine.write_bytes(b'{"tokenizer": "mine"}')
+    theirs.write_bytes(b'{"tokenizer": "theirs"}')
+    key = "datasets/d/manifest.json"
+    laptop, workstation = machine(name, tmp_path / "laptop"), machine(name, tmp_path / "workstation")
+    laptop._client = AnotherPutMeanwhile(laptop._client, lambda: workstation.upload_file(theirs, key))
+    with pytest.raises(InputError) as refused:
+        laptop.upload_file(mine, key)
+    said = str(refused.value)
+    assert "another" in said and "meanwhile" in said, said
+    assert hashlib.md5(theirs.read_bytes()).hexdigest() in said, "the message names the bytes now there"
+    assert objects(raw, name, key)[key] == theirs.read_bytes()
+
+
 class UndatedUploads:
     """A gateway that lists unfinished uploads without their Initiated date (S3 gives it; an S3-compatible
     gateway need not), through the real client on moto."""

@@ -18,9 +18,9 @@ MD5s (opaque tokens) proves nothing by them alone, so each part sent is also rec
 right size whose ETag is the one recorded for it, recorded with the MD5 the local bytes have now, is
 kept too; anything else is sent again. Each part is sent with Content-MD5 and its returned ETag
 compared; the completed object's multipart ETag (the MD5 of the parts' MD5s) is checked against the
-local file's, then what the key holds by its size and recorded MD5: another push's object completed
-meanwhile (other bytes, the last writer wins) is said to be that, exit 2, not bytes corrupted on the
-way. Every object uploaded carries the whole file's MD5 as user metadata (`trainpod-md5`), which tells
+local file's, then what the key holds by its size and recorded MD5 (a file of one part's too, sent in one
+PutObject): another push's object completed meanwhile (other bytes, the last writer wins) is said to be
+that, exit 2, not bytes corrupted on the way nor a verified upload. Every object uploaded carries the whole file's MD5 as user metadata (`trainpod-md5`), which tells
 a file already on the volume from other bytes of its size on any gateway; an upload is resumed only by
 the machine that started it, for the same bytes, so that metadata never misnames an object. Another
 machine's unfinished upload of the same key is left alone (aborted, its push would fail at its next
@@ -398,7 +398,11 @@ class VolumeS3:
         size = path.stat().st_size
         part = part_size(size, self.part_bytes)
         if size <= part:
-            self.put_bytes(key, path.read_bytes())
+            data = path.read_bytes()
+            self.put_bytes(key, data)
+            md5 = hashlib.md5(data, usedforsecurity=False).hexdigest()
+            # Checked as a multipart upload's: another push's PutObject of other bytes may land after this one's.
+            self._check_landed(key, size, md5, md5)
             return 0
         whole = hashlib.md5(usedforsecurity=False)
         digests = part_md5s(path, part, whole)
@@ -427,16 +431,21 @@ class VolumeS3:
         # This upload's object as the server assembled it (not the file read again), then what the key holds now:
         # another writer's object completed meanwhile is not bytes corrupted on the way.
         self._check_etag(key, _etag(completed.get("ETag", "")), multipart_etag(digests))
+        self._check_landed(key, size, whole.hexdigest(), multipart_etag(digests))
+        record.remove()
+        return len(kept)
+
+    def _check_landed(self, key: str, size: int, md5: str, etag: str) -> None:
+        """What the key holds after this file's upload: another push's object completed meanwhile (other bytes:
+        the last writer wins) is InputError saying so, not bytes corrupted on the way nor a verified upload."""
         landed = self.head(key)
         if landed is None:
             raise TemporaryError(
                 f"s3://{self.bucket}/{key}: no object on the volume after the upload (deleted meanwhile); run the "
                 "same push again"
             )
-        if not self._holds(landed, size, whole.hexdigest(), multipart_etag(digests)):
+        if not self._holds(landed, size, md5, etag):
             raise self._overwritten(key, landed, size)
-        record.remove()
-        return len(kept)
 
     @staticmethod
     def _holds(landed: RemoteObject, size: int, md5: str, etag: str) -> bool:

@@ -326,6 +326,29 @@ def test_pull_never_replaces_a_checkpoint_of_the_same_step_committed_here(bucket
     pull(volume_s3(name), "r", "checkpoint", tmp_path / "elsewhere", echo=lambda line: None)  # same one: fine
 
 
+def test_a_checkpoint_whose_eval_was_recorded_after_an_earlier_pull_is_pulled_again_not_refused(
+    bucket, tmp_path
+):
+    """A run stopped during the eval of a committed step puts that eval's score into the step's manifest when the
+    next start runs it (CheckpointStore.record_eval; its files unchanged). A pull of the run before that, then
+    the same pull again: DEST's copy was refused as 'another checkpoint' (exit 2, nothing pulled), the whole run
+    to be pulled again into another DEST."""
+    from trainpod.remote.pull import pull
+
+    name, raw, _ = bucket
+    run = make_run_on_volume(raw, name, tmp_path / "pod")
+    dest = tmp_path / "laptop"
+    pull(volume_s3(name), "r", "all", dest, echo=lambda line: None)
+    CheckpointStore(run / "checkpoints").record_eval(10, 2.25)  # the resumed run's eval of step 10
+    raw.upload_file(
+        str(run / "checkpoints/step-10/manifest.json"), name, "runs/r/checkpoints/step-10/manifest.json"
+    )
+    lines: list[str] = []
+    assert pull(volume_s3(name), "r", "all", dest, echo=lines.append) == 0, lines
+    latest = CheckpointStore(dest / "checkpoints").latest()  # verifies every piece's sha256
+    assert latest is not None and latest.step == 10 and latest.manifest["eval_loss"] == 2.25
+
+
 def remake_output_on_the_volume(raw, name: str, files: dict[str, bytes]) -> None:
     """export/merged made again by a conversion (another step, another dtype): the folder replaced whole."""
     for listed in raw.list_objects_v2(Bucket=name, Prefix="runs/r/export/merged/").get("Contents", []):

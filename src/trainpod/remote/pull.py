@@ -348,17 +348,28 @@ def _remove_interrupted_pulls_of_deleted_checkpoints(
 
 
 def _refuse_other_checkpoints(manifests: dict[str, bytes], dest: Path, prefix: str) -> None:
-    """A committed checkpoint is never rewritten (checkpoint/store.py): one of the same step that DEST holds
-    with another manifest (committed here, by a run continued from an older pull) is not pulled over."""
+    """A committed checkpoint's files are never rewritten (checkpoint/store.py): one of the same step that DEST
+    holds with other files in its manifest (committed here, by a run continued from an older pull) is not pulled
+    over. Its eval's score may come later (CheckpointStore.record_eval: a stop interrupted that eval, the next
+    start ran it), which makes it no other checkpoint: its manifest is pulled with the score."""
     for path, raw in manifests.items():
         local = dest / path
-        if path.startswith("checkpoints/") and local.is_file() and local.read_bytes() != raw:
+        if (
+            path.startswith("checkpoints/")
+            and local.is_file()
+            and _unscored(local.read_bytes()) != _unscored(raw)
+        ):
             folder = posixpath.dirname(path)
             raise InputError(
                 f"{dest / folder} holds another checkpoint than {prefix}{folder} on the volume (their manifests "
                 "differ); nothing was pulled and nothing is replaced. Pull into another DEST, or move that "
                 "folder away first"
             )
+
+
+def _unscored(manifest: bytes) -> dict:
+    """A checkpoint's manifest without what record_eval adds to it after the commit."""
+    return {k: v for k, v in _parsed(manifest).items() if k not in ("eval_loss", "score")}
 
 
 def _unvouch_remade_outputs(manifests: dict[str, bytes], dest: Path) -> dict[str, set[str]]:

@@ -268,3 +268,88 @@ def test_on_a_volume_without_hard_links_a_first_lease_is_written_and_read_back(t
     assert json.loads((tmp_path / "LEASE").read_text())["owner"]["id"] == lease.owner["id"]
     assert [p.name for p in tmp_path.iterdir()] == ["LEASE"], "no temp file is left"
     lease.release()
+
+
+def _race_for_a_stale_lease(path, judged, late, someone_won, results, all_told) -> None:
+    """One pod taking over the stale lease at `path`: it judges the lease stale, waits until every racer has
+    judged the same one (`judged`), and the `late` one goes on only after another racer has won (a pod whose
+    write came seconds after its read: a slow network volume, a loaded host)."""
+    lease = Lease(path, ttl_seconds=60)
+    lease.takeover_settle_s = 0.2
+    judge = lease._holder_alive
+
+    def judge_then_wait(held):
+        alive = judge(held)
+        judged.wait()
+        if late:
+            someone_won.wait(60)
+        return alive
+
+    lease._holder_alive = judge_then_wait
+    try:
+        lease.acquire()
+    except TemporaryError:
+        results.put("refused")
+        return
+    results.put("won")
+    someone_won.set()
+    all_told.wait(60)
+    lease.release()
+
+
+def test_of_writers_taking_over_one_stale_lease_exactly_one_wins_even_when_one_writes_late(tmp_path):
+    """Pods that all found the same stale lease each wrote theirs, waited 2 s and read it back: one whose write
+    came after another's read-back (a slow volume, a loaded host) read its own back too, and two writers
+    committed to one run. A takeover is now a compare-and-swap of that very lease: one writer wins."""
+    import multiprocessing
+
+    path = tmp_path / "LEASE"
+    another_hosts_lease(path, expires_in=-1, beat=0.0)  # expired: every racer takes it over at once
+    forked = multiprocessing.get_context("fork")
+    writers = 4
+    judged, someone_won, all_told = forked.Barrier(writers), forked.Event(), forked.Event()
+    results = forked.Queue()
+    racers = [
+        forked.Process(
+            target=_race_for_a_stale_lease,
+            args=(path, judged, index == 0, someone_won, results, all_told),
+        )
+        for index in range(writers)
+    ]
+    for racer in racers:
+        racer.start()
+    outcomes = sorted(results.get(timeout=120) for _ in racers)
+    all_told.set()
+    for racer in racers:
+        racer.join(timeout=30)
+    assert outcomes == ["refused"] * (writers - 1) + ["won"], (
+        f"{outcomes.count('won')} writers took the lease"
+    )
+    assert not path.exists(), "the winner released it"
+
+
+def test_a_takeover_claim_left_by_a_killed_writer_holds_the_next_one_up_only_while_it_is_young(tmp_path):
+    # A pod killed between its claim of a stale lease and its rename over it left the claim behind: a
+    # young one is a takeover running now (refused), an old one a killed taker's (skipped, the lease taken).
+    import hashlib
+    import os
+
+    from trainpod.checkpoint import lease as lease_module
+
+    path = tmp_path / "LEASE"
+    another_hosts_lease(path, expires_in=-1, beat=0.0)
+    claim = tmp_path / f"LEASE.takeover-{hashlib.sha256(path.read_bytes()).hexdigest()[:16]}-0"
+    killed = {"id": "killed", "host": "elsewhere-too", "pid": 9, "pod_id": "pod-killed"}
+    claim.write_text(json.dumps({"owner": killed}))
+    with pytest.raises(TemporaryError, match="pod pod-killed\\) took this run's stale lease over"):
+        Lease(path, ttl_seconds=60).acquire()
+    assert json.loads(path.read_text())["owner"]["id"] == "x", "the stale lease is left to the claim's taker"
+    old = time.time() - lease_module.LEASE_TEMP_MAX_AGE_S - 1
+    os.utime(claim, (old, old))
+    lease = Lease(path, ttl_seconds=60)
+    lease.takeover_settle_s = 0.05
+    lease.acquire()
+    try:
+        assert json.loads(path.read_text())["owner"]["id"] == lease.owner["id"]
+    finally:
+        lease.release()

@@ -12,11 +12,18 @@ Where there is no lease yet (a fresh run, or one released), it is created with l
 file, which fails where the file exists: of writers starting together exactly one makes it, and each other
 reads the winner's and is refused at once, before it writes anything (a plain write, rename included,
 replaces the file, and every one of them went on until its first heartbeat found it another's).
+
+A stale lease is taken over by a compare-and-swap of those very bytes: the taker first links its complete
+temp file to a claim named after them (`LEASE.takeover-<their hash>-<n>`), which fails where another writer
+claimed them, then checks that the lease still holds them and renames its own over it. Of writers that found
+the same stale lease, however late one of them writes, exactly one replaces it; the others exit 75. A claim
+left by a writer killed in between holds no later taker up for longer than LEASE_TEMP_MAX_AGE_S.
 """
 
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import logging
 import os
@@ -42,6 +49,10 @@ RENEWAL_POLL_S = 1.0
 # expire write theirs within a poll of each other, and the one whose write came first must find out
 # before it writes a checkpoint (the file holds the last write; a heartbeat would notice only TTL/4 later).
 TAKEOVER_SETTLE_S = 2 * RENEWAL_POLL_S
+# A lease write's temp file (and a takeover's claim) lives milliseconds: written, fsynced, linked or renamed.
+# One older than this was left by a process killed in between (a spot pod's SIGKILL) and is nobody's; ten
+# minutes leaves room for a stalled volume and for clocks of pods on other hosts that differ.
+LEASE_TEMP_MAX_AGE_S = 600.0
 # As a training run's: a replacement pod on another machine waits at most this long for a killed one's.
 FOLDER_LEASE_TTL_S = 90.0
 
@@ -119,6 +130,41 @@ def renewed_by_its_holder(path: Path, held: dict[str, Any]) -> bool:
     return False
 
 
+def json_or_empty(raw: bytes) -> dict[str, Any]:
+    """A lease record from its bytes; {} for bytes that are no record (a damaged file, taken over as stale)."""
+    try:
+        held = json.loads(raw.decode("utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        return {}
+    return held if isinstance(held, dict) else {}
+
+
+def _read_or_empty(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        return b""
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except FileNotFoundError:
+        return False
+
+
+def _age_s(path: Path) -> float | None:
+    """Seconds since `path` was last modified; None once it is gone (removed by its owner meanwhile)."""
+    try:
+        return time.time() - path.stat().st_mtime
+    except FileNotFoundError:
+        return None
+
+
+# What link(2) fails with on a volume without hard links (a FUSE mount): the lease is then written over.
+_NO_HARD_LINKS = (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS, errno.EMLINK)
+
+
 def _process_start_ticks(pid: int) -> int | None:
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -194,6 +240,21 @@ class Lease:
     def _write(self) -> None:
         atomic.write_json(self.path, self._record())
 
+    def _read_bytes(self) -> bytes | None:
+        try:
+            return self.path.read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def _complete_temp(self) -> Path:
+        """This writer's lease record in a temp file beside the lease, whole and fsynced, to be linked."""
+        temp = atomic.temp_name(self.path)
+        with open(temp, "x", encoding="utf-8") as file:
+            json.dump(self._record(), file)
+            file.flush()
+            os.fsync(file.fileno())
+        return temp
+
     def _create(self) -> bool | None:
         """Make the lease where none exists: True when this writer made it, False when another writer's came
         first, None where the volume has no hard links (the caller then writes it and reads it back).
@@ -201,17 +262,13 @@ class Lease:
         link(2) publishes a complete, fsynced file and refuses to replace one, so no reader sees it half
         written. Over NFS a link whose reply was lost is retried and says EEXIST though it was made: the
         lease read back decides."""
-        temp = atomic.temp_name(self.path)
+        temp = self._complete_temp()
         try:
-            with open(temp, "x", encoding="utf-8") as file:
-                json.dump(self._record(), file)
-                file.flush()
-                os.fsync(file.fileno())
             os.link(temp, self.path)
         except FileExistsError:
             pass
         except OSError as exc:
-            if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS, errno.EMLINK):
+            if exc.errno not in _NO_HARD_LINKS:
                 raise
             return None
         finally:
@@ -219,42 +276,124 @@ class Lease:
         atomic.fsync_dir(self.path.parent)
         return (self._read() or {}).get("owner", {}).get("id") == self.owner["id"]
 
+    def _take_over(self, stale: bytes) -> bool | None:
+        """Replace the stale lease whose bytes are `stale` with this writer's, if it still holds them: True
+        when this writer did, False when the lease is gone meanwhile (released: look again), None where the
+        volume has no hard links. TemporaryError when another writer took it over first.
+
+        Writing over it and reading it back later was no compare-and-swap: a writer whose write came after
+        another's read-back (a slow volume) read its own back too, and both went on. The claim is made with
+        link(2), which one writer alone makes, and only its maker checks and replaces the lease; a winner's
+        lease never holds the stale bytes, so a claim made after its end finds them gone."""
+        temp = self._complete_temp()
+        try:
+            claim = self._claim(hashlib.sha256(stale).hexdigest()[:16], temp)
+            if claim is None:
+                return None
+            try:
+                now = self._read_bytes()
+                if now is None:
+                    return False
+                if now != stale:
+                    raise self._holding_now(json_or_empty(now), json_or_empty(stale))
+                os.replace(temp, self.path)
+                atomic.fsync_dir(self.path.parent)
+                return True
+            finally:
+                claim.unlink(missing_ok=True)
+        finally:
+            temp.unlink(missing_ok=True)
+
+    def _claim(self, stale_hash: str, temp: Path) -> Path | None:
+        """Link `temp` to the first claim of the stale lease `stale_hash` that is free (one older than
+        LEASE_TEMP_MAX_AGE_S is a killed taker's and skipped): the claim, or None without hard links.
+        TemporaryError where another writer's claim is younger: it is taking the lease over now."""
+        attempt = 0
+        while True:
+            claim = self.path.with_name(f"{self.path.name}.takeover-{stale_hash}-{attempt}")
+            try:
+                os.link(temp, claim)
+                return claim
+            except FileExistsError:
+                if _same_file(temp, claim):  # made by this link, whose NFS reply was lost and retried
+                    return claim
+                age = _age_s(claim)
+                if age is not None and age > LEASE_TEMP_MAX_AGE_S:
+                    attempt += 1
+                elif age is not None:
+                    rival = json_or_empty(_read_or_empty(claim)).get("owner", {})
+                    raise self._taken_by(rival, stale=True) from None
+                # else: gone meanwhile, its taker done or given up: claimed again, and checked as any
+            except OSError as exc:
+                if exc.errno not in _NO_HARD_LINKS:
+                    raise
+                return None
+
+    def _holding_now(self, now: dict[str, Any], stale: dict[str, Any]) -> TemporaryError:
+        """The refusal where the lease no longer holds the stale bytes, naming who holds it now."""
+        owner = now.get("owner", {})
+        if owner.get("id") is not None and owner.get("id") == stale.get("owner", {}).get("id"):
+            return self._alive(owner)  # renewed by its holder, which was stalled past its expiry, not gone
+        return self._taken_by(owner, stale=True)
+
+    def _alive(self, owner: dict[str, Any]) -> TemporaryError:
+        return TemporaryError(
+            f"{self.what} is leased by another writer (host {owner.get('host')}, pid {owner.get('pid')}, "
+            f"pod {owner.get('pod_id') or '-'}), which is alive and renews it every {self.ttl / 4:.0f} s or so; "
+            f"stop that process or pod first (its lease at {self.path} is then released)"
+        )
+
+    def _taken_by(self, rival: dict[str, Any], stale: bool) -> TemporaryError:
+        return TemporaryError(
+            f"another writer (host {rival.get('host')}, pid {rival.get('pid')}, pod "
+            f"{rival.get('pod_id') or '-'}) took this {self.what}'s {'stale ' if stale else ''}lease over at the "
+            "same moment; it goes on, this start stops"
+        )
+
     def acquire(self) -> None:
-        held, made = self._read(), None
-        for _ in range(3):  # a lease made and released by another writer in between is looked for again
-            if held is not None or self.path.exists():
-                break
-            made = self._create()
-            if made is not False:
-                break
-            held = self._read()  # another writer's, made since: judged as any lease found
-        if made:
-            self._start_heartbeat()
-            return
-        if held and held.get("owner", {}).get("id") != self.owner["id"] and self._holder_alive(held):
-            owner = held.get("owner", {})
-            raise TemporaryError(
-                f"{self.what} is leased by another writer (host {owner.get('host')}, pid {owner.get('pid')}, "
-                f"pod {owner.get('pod_id') or '-'}), which is alive and renews it every {self.ttl / 4:.0f} s "
-                f"or so; stop that process or pod first (its lease at {self.path} is then released)"
-            )
-        if held:
+        for _ in range(3):  # a lease released (or made and released by another writer) in between: look again
+            found = self._read_bytes()
+            if found is None:
+                made = self._create()
+                if made:
+                    self._start_heartbeat()
+                    return
+                if made is None:
+                    return self._write_and_read_back(stale=False)
+                continue  # another writer's, made since: judged as any lease found
+            held = json_or_empty(found) or None
+            if held is None:
+                log.warning("LEASE at %s is unreadable; treating it as stale", self.path)
+            elif held.get("owner", {}).get("id") != self.owner["id"] and self._holder_alive(held):
+                raise self._alive(held.get("owner", {}))
             log.info(
                 "taking over a stale lease (owner host %s pid %s)",
-                held.get("owner", {}).get("host"),
-                held.get("owner", {}).get("pid"),
+                (held or {}).get("owner", {}).get("host"),
+                (held or {}).get("owner", {}).get("pid"),
             )
-        # Written over a stale or unreadable lease, or where link(2) could not make it: the file holds the
-        # last write of any writers doing the same, read back after they all have.
+            taken = self._take_over(found)
+            if taken is None:
+                return self._write_and_read_back(stale=True)
+            if taken:
+                return self._read_back_after_settle(stale=True)
+        raise TemporaryError(
+            f"the {self.what}'s lease at {self.path} was made and released by other writers again and again "
+            "while this one looked; this start stops"
+        )
+
+    def _write_and_read_back(self, stale: bool) -> None:
+        """Where the volume has no hard links: the file holds the last write of any writers doing the same,
+        read back after they all have."""
         self._write()
+        self._read_back_after_settle(stale)
+
+    def _read_back_after_settle(self, stale: bool) -> None:
+        """A writer outside the compare-and-swap (one writing over the lease, as a kit without it did, or a
+        holder stalled past its expiry renewing it) writes within a poll of this one: the last write holds."""
         time.sleep(self.takeover_settle_s)
         rival = (self._read() or {}).get("owner", {})
         if rival.get("id") != self.owner["id"]:
-            raise TemporaryError(
-                f"another writer (host {rival.get('host')}, pid {rival.get('pid')}, pod "
-                f"{rival.get('pod_id') or '-'}) took this {self.what}'s {'stale ' if held else ''}lease over at the "
-                "same moment; it goes on, this start stops"
-            )
+            raise self._taken_by(rival, stale)
         self._start_heartbeat()
 
     def _start_heartbeat(self) -> None:

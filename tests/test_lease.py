@@ -353,3 +353,26 @@ def test_a_takeover_claim_left_by_a_killed_writer_holds_the_next_one_up_only_whi
         assert json.loads(path.read_text())["owner"]["id"] == lease.owner["id"]
     finally:
         lease.release()
+
+
+def test_temp_files_and_claims_of_lease_writes_killed_midway_are_removed_and_a_live_ones_kept(tmp_path):
+    """A pod killed between a lease write's temp file and its rename or link (a heartbeat, a first lease, a
+    takeover's claim) left LEASE.tmp-<id> behind, and nothing removed them: one more on the volume per kill."""
+    import os
+
+    from trainpod.checkpoint import lease as lease_module
+
+    path = tmp_path / "LEASE"
+    killed = tmp_path / "LEASE.tmp-0123456789ab"
+    live = tmp_path / "LEASE.tmp-ba9876543210"  # another writer's, being written now
+    past_claim = tmp_path / "LEASE.takeover-0123456789abcdef-0"  # of a lease taken over since
+    for leftover in (killed, live, past_claim):
+        leftover.write_text("{")
+    old = time.time() - lease_module.LEASE_TEMP_MAX_AGE_S - 1
+    os.utime(killed, (old, old))
+    lease = Lease(path, ttl_seconds=60)
+    lease.acquire()
+    try:
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["LEASE", live.name]
+    finally:
+        lease.release()

@@ -350,7 +350,32 @@ class Lease:
             "same moment; it goes on, this start stops"
         )
 
+    def _remove_leftovers(self) -> None:
+        """Remove what lease writes killed midway left beside the lease (a spot pod's SIGKILL between a temp
+        file and its rename or link): a temp file older than any write of one takes (LEASE_TEMP_MAX_AGE_S; a
+        younger one may be a live writer's), and a takeover's claim of a lease that is no longer there (its
+        bytes are gone for good, so the claim decides nothing). A claim of the lease there now is left: a
+        later claim of it, skipping an old one, is only exclusive while the old one stays."""
+        temps = list(self.path.parent.glob(f"{self.path.name}.tmp-*"))
+        # Listed before the lease is read: a claim made since may be of the lease read, never of one before it.
+        claims = list(self.path.parent.glob(f"{self.path.name}.takeover-*"))
+        now = self._read_bytes()
+        current = (
+            f"{self.path.name}.takeover-{hashlib.sha256(now).hexdigest()[:16]}-" if now is not None else None
+        )
+        leftovers = [temp for temp in temps if (_age_s(temp) or 0.0) > LEASE_TEMP_MAX_AGE_S]
+        leftovers += [claim for claim in claims if current is None or not claim.name.startswith(current)]
+        for leftover in leftovers:
+            leftover.unlink(missing_ok=True)
+        if leftovers:
+            log.info(
+                "removed %d leftover file(s) of lease writes killed midway: %s",
+                len(leftovers),
+                ", ".join(sorted(leftover.name for leftover in leftovers)),
+            )
+
     def acquire(self) -> None:
+        self._remove_leftovers()
         for _ in range(3):  # a lease released (or made and released by another writer) in between: look again
             found = self._read_bytes()
             if found is None:

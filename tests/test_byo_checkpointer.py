@@ -595,3 +595,40 @@ def test_a_checkpointer_keeping_fewer_than_two_checkpoints_is_refused_as_the_wor
         Checkpointer(tmp_path / "run", keep_last=given.get("keep_last"), watch_signals=False)
     assert refused.value.exit_code == 2
     assert not (tmp_path / "run").exists(), "nothing is made for a refused setting"
+
+
+class TakenOverWhileItsStateIsRead:
+    """A state whose state_dict() takes long (a gather of a large model, a stalled network volume): meanwhile
+    another pod takes the run's lease over, and this process's heartbeat finds it taken."""
+
+    def __init__(self, lease):
+        self.lease = lease
+
+    def state_dict(self):
+        held = json.loads(self.lease.path.read_text())
+        held["owner"] = {"id": "rival", "host": "elsewhere", "pid": 7, "pod_id": "pod-rival"}
+        self.lease.path.write_text(json.dumps(held))
+        assert self.lease.lost.wait(10), "the heartbeat must find the lease another writer's"
+        return {"position": 2}
+
+
+def test_a_commit_during_which_the_lease_was_taken_over_is_not_published(tmp_path):
+    """The lease was looked at before a commit only: one lost during it (minutes for a large model on the
+    network volume) was published all the same, LATEST and retention moved under the writer that took the run
+    over. It is now refused at the commit point (exit 75), LATEST left as it was."""
+    from trainpod.checkpoint import Lease
+
+    run = tmp_path / "run"
+    run.mkdir()
+    model, optimizer = trained_pair()
+    ckpt = Checkpointer(run, watch_signals=False)
+    ckpt.lease = Lease(run / "LEASE", ttl_seconds=0.8)  # a heartbeat every 0.2 s
+    ckpt.lease.acquire()
+    with ckpt.open():
+        ckpt.commit(1, model=model)
+        with pytest.raises(TemporaryError, match="took over this run's lease"):
+            ckpt.commit(2, model=model, loader=TakenOverWhileItsStateIsRead(ckpt.lease))
+    checkpoints = run / "checkpoints"
+    assert (checkpoints / "LATEST").read_text().strip() == "step-1"
+    assert sorted(p.name for p in checkpoints.iterdir() if p.name.startswith("step-")) == ["step-1"]
+    assert json.loads((run / "LEASE").read_text())["owner"]["id"] == "rival", "the new writer's lease stays"

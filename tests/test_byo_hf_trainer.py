@@ -620,3 +620,36 @@ def test_every_rank_abandons_the_eval_at_the_same_batch_when_sigterm_reached_onl
     mp.spawn(_rank_decides_in_an_eval, args=args, nprocs=2, join=True)
     decisions = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert decisions == [143, 143], "rank 0 must leave the eval with rank 1, which saw the SIGTERM"
+
+
+def test_a_save_during_which_the_lease_was_taken_over_is_not_committed_and_every_rank_exits_75(tmp_path):
+    """HF's save of a large model takes minutes; another pod that took the run's lease over meanwhile owns LATEST
+    and retention. The callback committed the save all the same; it now commits nothing and exits 75, as the
+    lease lost at a step's end does."""
+    import json
+
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    from trainpod import Checkpointer
+    from trainpod.checkpoint import Lease
+    from trainpod.integrations.hf import TrainpodCallback
+
+    run = tmp_path / "run"
+    run.mkdir()
+    ckpt = Checkpointer(run, watch_signals=False)
+    ckpt.lease = Lease(run / "LEASE", ttl_seconds=0.8)  # a heartbeat every 0.2 s
+    ckpt.lease.acquire()
+    callback = TrainpodCallback(ckpt)
+    saved = Path(callback.staging_dir) / "checkpoint-5"
+    saved.mkdir(parents=True)
+    (saved / "model.safetensors").write_bytes(b"\0" * 64)
+    held = json.loads((run / "LEASE").read_text())  # HF writing: another pod takes the run over
+    held["owner"] = {"id": "rival", "host": "elsewhere", "pid": 7, "pod_id": "pod-rival"}
+    (run / "LEASE").write_text(json.dumps(held))
+    assert ckpt.lease.lost.wait(10)
+    args = TrainingArguments(output_dir=callback.staging_dir, report_to=[], use_cpu=True)
+    with pytest.raises(SystemExit) as exited:
+        callback.on_save(args, TrainerState(global_step=5), TrainerControl())
+    assert exited.value.code == 75
+    assert not (run / "checkpoints/LATEST").exists() and not (run / "checkpoints/step-5").exists()
+    assert json.loads((run / "LEASE").read_text())["owner"]["id"] == "rival", "the new writer's lease stays"

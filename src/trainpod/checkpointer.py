@@ -209,6 +209,7 @@ class Checkpointer:
             # Released at any exit Python sees (sys.exit, the end of the script); after a SIGKILL the
             # next start takes the stale lease over (same host) or waits for its expiry (90 s).
             atexit.register(self.close)
+        self.store.lease = self.lease  # a commit whose lease was lost while it wrote is not published
         return self
 
     def close(self) -> None:

@@ -33,11 +33,15 @@ from collections.abc import Collection, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
 
 from trainpod import atomic
+from trainpod.errors import TemporaryError
+
+if TYPE_CHECKING:
+    from trainpod.checkpoint.lease import Lease
 
 log = logging.getLogger(__name__)
 
@@ -289,6 +293,9 @@ class CheckpointStore:
         self.keep_last = keep_last
         self.keep_best = keep_best
         self.verify_mode = verify
+        # The run's lease this process commits under, where it holds one: a commit is published only while it
+        # is not lost (a writer that took the run over owns LATEST and retention from then on).
+        self.lease: Lease | None = None
         self.last_commit_seconds: float | None = None
         self._hashers = ThreadPoolExecutor(
             max_workers=os.cpu_count() or 2, thread_name_prefix="checkpoint-sha256"
@@ -475,6 +482,12 @@ class CheckpointStore:
         for sub in sorted(subs, key=lambda sub: -len(sub.parts)):
             atomic.fsync_dir(pending.dir / sub)
         target = self.root / step_dir_name(step)
+        if self.lease is not None and self.lease.lost.is_set():  # lost while the files were written: minutes
+            raise TemporaryError(
+                f"another writer took over this run's lease while step-{step} was written; it is not published "
+                f"(LATEST names {self._latest_name() or 'none'} as before) and this writer stops: the one that "
+                "holds the lease goes on"
+            )
         if target.exists():
             # Same step written again (e.g. a resumed run preempted before its first new step):
             # the committed one stays; the duplicate is discarded.

@@ -46,7 +46,7 @@ import trainpod
 from trainpod.checkpoint.directory import commit_directory
 from trainpod.checkpoint.store import step_dir_name, step_of
 from trainpod.checkpointer import COMMIT_MARGIN, Checkpointer, exit_without_last_collection, on_any_rank
-from trainpod.errors import ConfigError, ExitCode
+from trainpod.errors import ConfigError, ExitCode, TemporaryError
 from trainpod.log import secret_values
 
 log = logging.getLogger(__name__)
@@ -224,15 +224,20 @@ class TrainpodCallback(TrainerCallback):
         if state.is_world_process_zero:
             _save_args_without_secrets(args, folder)
             metadata = {"writer": "trainpod.integrations.hf", "versions": {"trainpod": trainpod.__version__}}
-            commit_directory(
-                self.ckpt.store,
-                state.global_step,
-                folder,
-                metadata,
-                eval_loss=_logged_at_this_step(state, "eval_loss"),
-                score=_score(args, state),
-            )
-            log.info("committed %s as step-%d", folder.name, state.global_step)
+            try:
+                commit_directory(
+                    self.ckpt.store,
+                    state.global_step,
+                    folder,
+                    metadata,
+                    eval_loss=_logged_at_this_step(state, "eval_loss"),
+                    score=_score(args, state),
+                )
+                log.info("committed %s as step-%d", folder.name, state.global_step)
+            except TemporaryError as exc:  # the lease was lost during the save: every rank exits 75 below
+                if not self._lease_lost():
+                    raise
+                log.error("%s", exc)
         _barrier()
         self.ckpt.last_committed_step = (
             state.global_step

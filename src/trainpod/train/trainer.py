@@ -142,6 +142,8 @@ class Trainer:
         self.store = CheckpointStore(
             ctx.run.checkpoints, checkpoint.keep_last, checkpoint.keep_best, checkpoint.verify
         )
+        # Rank 0's lease (the others hold none): a commit whose lease was lost while it wrote is not published.
+        self.store.lease = ctx.lease
         on_gpu = dist.device.type == "cuda"
         self.writer = CheckpointWriter(self.store, pin_memory=on_gpu)
         self.shard_writer = ShardWriter()  # this rank's DCP writes, for sharded (FSDP) checkpoints

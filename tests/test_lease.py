@@ -376,3 +376,27 @@ def test_temp_files_and_claims_of_lease_writes_killed_midway_are_removed_and_a_l
         assert sorted(p.name for p in tmp_path.iterdir()) == ["LEASE", live.name]
     finally:
         lease.release()
+
+
+def test_a_lease_taken_over_by_another_pod_while_it_was_watched_names_that_pod(tmp_path):
+    # A replacement pod watching a killed pod's lease for its heartbeat, when another replacement took it over
+    # meanwhile, was refused naming the killed pod as alive, and told to stop it: the pod to stop is the other.
+    path = tmp_path / "LEASE"
+    another_hosts_lease(path, expires_in=30, beat=time.time())
+    taker = {"id": "taker", "host": "elsewhere-too", "pid": 7, "pod_id": "pod-taker"}
+
+    stop = threading.Event()
+
+    def take_over_and_renew():  # the other replacement, then its heartbeat, fast
+        while not stop.wait(0.1):  # after this pod's first read (or, under load, before: named as well)
+            now = time.time()
+            atomic.write_json(path, {"owner": taker, "heartbeat_unix": now, "expires_unix": now + 60})
+
+    renewer = threading.Thread(target=take_over_and_renew)
+    renewer.start()
+    try:
+        with pytest.raises(TemporaryError, match="host elsewhere-too, pid 7, pod pod-taker"):
+            Lease(path, ttl_seconds=60).acquire()
+    finally:
+        stop.set()
+        renewer.join()

@@ -390,7 +390,8 @@ class Lease:
             if held is None:
                 log.warning("LEASE at %s is unreadable; treating it as stale", self.path)
             elif held.get("owner", {}).get("id") != self.owner["id"] and self._holder_alive(held):
-                raise self._alive(held.get("owner", {}))
+                # Named as it is now: watched for a heartbeat, it may be another pod's that took it over since.
+                raise self._alive((self._read() or held).get("owner", {}))
             log.info(
                 "taking over a stale lease (owner host %s pid %s)",
                 (held or {}).get("owner", {}).get("host"),

@@ -1406,3 +1406,17 @@ def test_pull_all_of_a_running_run_takes_its_log_and_status_as_they_are_when_rea
         run / "checkpoints/step-10/model.safetensors"
     ).read_bytes()
     assert not list(dest.rglob("*.tmp-pull"))
+
+
+def test_a_data_center_without_s3_names_the_endpoint_variable_that_reaches_a_new_one():
+    """The refusal named the data centers the kit knows to serve S3 alone; one RunPod opened since is reached by
+    TRAINPOD_S3_ENDPOINT_URL, which the message now names (and which lifts the refusal)."""
+    from trainpod.errors import InputError
+    from trainpod.remote.s3 import ENDPOINT_ENV, target_from
+
+    with pytest.raises(InputError, match=f"reachable through a pod only .*{ENDPOINT_ENV}"):
+        target_from("vol", "XX-NEW-1", environ={})
+    assert (
+        target_from("vol", "XX-NEW-1", environ={ENDPOINT_ENV: "https://s3.example.com"}).datacenter
+        == "XX-NEW-1"
+    )

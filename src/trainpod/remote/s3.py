@@ -114,7 +114,8 @@ def target_from(
     elif datacenter not in S3_DATACENTERS and not environ.get(ENDPOINT_ENV):
         problems.append(
             f"--datacenter {datacenter}: RunPod serves S3 only in {', '.join(S3_DATACENTERS)}; "
-            "a volume elsewhere is reachable through a pod only"
+            f"a volume elsewhere is reachable through a pod only (or, where RunPod has opened S3 there since, set "
+            f"{ENDPOINT_ENV} to its endpoint)"
         )
     if problems:
         raise InputError("the S3 API needs " + "; and ".join(problems))

@@ -555,3 +555,42 @@ def test_a_refusal_that_does_not_say_no_capacity_still_names_the_config(fake, tm
     out = capsys.readouterr().out
     assert "does not fit RunPod's API" in out and "no capacity" not in out
     assert "exceeds" not in out, "RunPod's body is never echoed"
+
+
+def test_deploy_then_supervise_with_no_machine_free_hands_over_to_the_supervisor(
+    fake, tmp_path, monkeypatch, capsys
+):
+    """`deploy --supervise` answered 'no instances available' ended with exit 75 and never supervised: the user
+    who asked for a supervised spot run came back to no pod at all. The supervisor now takes over, and the pod it
+    makes once a machine is free has the secrets' values, as the deploy asked (--secrets-from-env)."""
+    import trainpod.runpod.supervise as supervising
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("TRAINPOD_VOLUME", str(tmp_path / "not-mounted"))
+    monkeypatch.setenv("HF_TOKEN", "hf_realsecretvalue123")
+    monkeypatch.setenv("WANDB_API_KEY", "wandb_realsecret456")
+    fake.no_capacity.update(g["id"] for g in fake.gpu_catalog)
+    looks = []
+
+    def one_look_then_a_machine_frees(cfg, volume, once=False, **kwargs):
+        assert not volume.root.is_dir()  # as supervise() builds it for a volume not mounted here:
+        supervisor = supervising.Supervisor(
+            client_for(fake), cfg, None, supervising.state_path(None, cfg.run), sleep=lambda s: None
+        )
+        looks.append(supervisor.step())  # no machine: waits
+        fake.no_capacity.clear()
+        supervisor.state_file.parent.mkdir(parents=True, exist_ok=True)
+        state = supervising.SupervisorState.load(supervisor.state_file)
+        state.next_attempt_unix = 0.0
+        state.save(supervisor.state_file)
+        looks.append(supervisor.step())
+        return 0
+
+    monkeypatch.setattr(supervising, "supervise", one_look_then_a_machine_frees)
+    assert cli.main(["deploy", str(write_config(tmp_path)), "--secrets-from-env", "--supervise"]) == 0
+    out = capsys.readouterr().out
+    assert "no capacity" in out and "handing over to the supervisor" in out, out
+    assert looks == [None, None]
+    (pod,) = fake.pods.values()
+    assert pod["env"]["HF_TOKEN"] == "hf_realsecretvalue123", "made with the values, as the deploy asked"
+    assert "hf_realsecretvalue123" not in out

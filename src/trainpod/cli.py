@@ -445,7 +445,8 @@ def deploy(
         if catalog and not free:
             logging.getLogger("trainpod.deploy").warning("%s", checks.no_stock_warning(cfg, cuda))
         from trainpod.errors import TrainpodError
-        from trainpod.runpod.supervise import DeployRecord, mark_stopped, stop_not_cleared
+        from trainpod.runpod.client import RunPodNoCapacity
+        from trainpod.runpod.supervise import DeployRecord, mark_stopped, record_deployment, stop_not_cleared
 
         volume = Volume.from_env()
         mounted = volume if volume.root.is_dir() else None
@@ -465,15 +466,30 @@ def deploy(
                 raise stop_not_cleared(cfg.run, mounted, volume_s3, cfg.volume.mount_path, exc) from None
 
         record = DeployRecord(bool(cfg.pod.spot), secrets is not None, time.time())
-        done = deploying.deploy(client, cfg, secrets, deployed=record.to_json(), accepted=resume)
+        try:
+            done = deploying.deploy(client, cfg, secrets, deployed=record.to_json(), accepted=resume)
+        except RunPodNoCapacity:
+            if then_supervise:  # its pod is made as this deploy asked: spot or not, secrets as values or not
+                record_deployment(cfg.run, mounted, bool(cfg.pod.spot), secrets is not None)
+                waiting_for_capacity.append(True)
+            raise
         if done.action != "reused":  # a running pod kept as it is may differ from this config: a look tells
             _record_deployment(cfg, mounted, done.volume.id, secrets is not None, spot is not None)
         print(f"{done.summary()}; supervise it with: "
               f"trainpod supervise {cfg.run} --config {config}")  # fmt: skip
         return ExitCode.DONE
 
+    waiting_for_capacity: list[
+        bool
+    ] = []  # --supervise, and RunPod had no machine free for the pod or cluster
     code = _reported(act)
-    if code == ExitCode.DONE and then_supervise and not dry_run:
+    if waiting_for_capacity:
+        # The user asked for a supervised run: ending here left nothing to make the pod once a machine is free.
+        logging.getLogger("trainpod.deploy").warning(
+            "handing over to the supervisor, which makes the %s once a machine is free (Ctrl-C ends it)",
+            "cluster" if load_config(DeployConfig, config).nodes > 1 else "pod",
+        )
+    if (code == ExitCode.DONE or waiting_for_capacity) and then_supervise and not dry_run:
         # --spot/--on-demand hold for the supervisor too: its replacement pods are made from its config.
         return supervise(load_config(DeployConfig, config).run, config, spot=spot)
     return code

@@ -176,6 +176,9 @@ def test_an_older_commit_overlapping_a_newer_one_never_moves_latest_backwards(tm
     assert main(["checkpoint", "latest", str(tmp_path / "run")]) == 0
     assert capsys.readouterr().out == f"{tmp_path}/run/checkpoints/step-15\n"
     assert not list((tmp_path / "run/checkpoints").glob("step-10*")), "the refused commit leaves nothing"
+    # ... and the program's folder as it was: its files had been moved into the refused commit's temp folder,
+    # then removed with it, though the refusal tells the program to resume and commit them on from there.
+    assert (tmp_path / "a/weights.bin").read_bytes() == b"w" * 100 and (tmp_path / "a/sub/state.txt").exists()
 
 
 def test_a_run_name_resolves_under_the_volume(tmp_path, capsys):

@@ -71,19 +71,37 @@ def commit_directory(
     if (store.root / step_dir_name(step)).exists():
         log.warning("step-%d is committed already; the committed one is kept, %s is discarded", step, source)
     with store.writing(step) as pending:  # a failed commit (a full volume) removes its temp folder at once
-        for name in names:
-            if keep_source:
-                with open(source / name, "rb") as src, pending.open(name) as dst:
-                    shutil.copyfileobj(src, dst, 1 << 20)
-            else:
-                pending.adopt(name, source / name)
-        with _one_publish_at_a_time(store):
-            # Again: a newer step may have been published while this one was written.
-            refuse_older_step(store, step)
-            committed = store.commit(pending, step, metadata, eval_loss, score=score)
+        try:
+            for name in names:
+                if keep_source:
+                    with open(source / name, "rb") as src, pending.open(name) as dst:
+                        shutil.copyfileobj(src, dst, 1 << 20)
+                else:
+                    pending.adopt(name, source / name)
+            with _one_publish_at_a_time(store):
+                # Again: a newer step may have been published while this one was written.
+                refuse_older_step(store, step)
+                committed = store.commit(pending, step, metadata, eval_loss, score=score)
+        except BaseException:
+            if not keep_source:
+                _give_back(pending.dir, source, names)
+            raise
     if not keep_source:
         _remove_empty_tree(source)
     return committed
+
+
+def _give_back(temp: Path, source: Path, names: list[str]) -> None:
+    """Move the files a failed commit took from `source` back there, before its temp folder is removed: a commit
+    refused or failed after it adopted them (a newer step published meanwhile, the lease lost, a full volume) left
+    the program's checkpoint nowhere, though its refusal tells the program to act on it. A file already published
+    (the temp folder renamed into place) is not there to move."""
+    for name in names:
+        taken = temp / name
+        if taken.is_file():
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(OSError):
+                shutil.move(taken, source / name)
 
 
 @contextlib.contextmanager

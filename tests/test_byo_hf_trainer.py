@@ -196,17 +196,17 @@ class _Regression(__import__("torch").nn.Module):
         return {"loss": ((self.linear(x).squeeze(-1) - labels) ** 2).mean()}
 
 
-def test_each_hf_checkpoint_records_its_eval_loss_so_keep_best_ranks_them(tmp_path):
-    """README: use `keep_best` (instead of load_best_model_at_end). The callback committed HF's checkpoints
-    without their eval loss, so best-k retention had nothing to rank and kept no best one."""
-    import json
-
+def evaluated_and_saved_at_every_step(tmp_path, model, learning_rate: float, **arguments):
+    """Six steps of HF's Trainer on a regression, evaluated and saved at each, through the callback
+    (keep_last=2, keep_best=1); the Trainer, trained, its Checkpointer closed. `arguments`: more of
+    TrainingArguments', and compute_metrics."""
     import torch
     from transformers import Trainer, TrainingArguments
 
     from trainpod import Checkpointer
     from trainpod.integrations.hf import TrainpodCallback
 
+    compute_metrics = arguments.pop("compute_metrics", None)
     generator = torch.Generator().manual_seed(0)
     rows = [{"x": x, "labels": x.sum()} for x in torch.randn(16, 2, generator=generator)]
     callback = TrainpodCallback(Checkpointer(tmp_path / "run", keep_last=2, keep_best=1, watch_signals=False))
@@ -214,7 +214,7 @@ def test_each_hf_checkpoint_records_its_eval_loss_so_keep_best_ranks_them(tmp_pa
         output_dir=callback.staging_dir,
         max_steps=6,
         per_device_train_batch_size=4,
-        learning_rate=1.0,  # too high, and constant: the evals overshoot, so the best is not the newest
+        learning_rate=learning_rate,
         lr_scheduler_type="constant",
         eval_strategy="steps",
         eval_steps=1,
@@ -222,15 +222,31 @@ def test_each_hf_checkpoint_records_its_eval_loss_so_keep_best_ranks_them(tmp_pa
         report_to=[],
         use_cpu=True,
         seed=0,
+        **arguments,
     )
     torch.manual_seed(0)  # the model's initial weights: HF seeds only once it trains
     trainer = Trainer(
-        model=_Regression(), args=args, train_dataset=rows, eval_dataset=rows, callbacks=[callback]
+        model=model(),
+        args=args,
+        train_dataset=rows,
+        eval_dataset=rows,
+        compute_metrics=compute_metrics,
+        callbacks=[callback],
     )
     try:
         trainer.train()
     finally:
         callback.ckpt.close()
+    return trainer
+
+
+def test_each_hf_checkpoint_records_its_eval_loss_so_keep_best_ranks_them(tmp_path):
+    """README: use `keep_best` (instead of load_best_model_at_end). The callback committed HF's checkpoints
+    without their eval loss, so best-k retention had nothing to rank and kept no best one."""
+    import json
+
+    # Too high a learning rate, and constant: the evals overshoot, so the best is not the newest.
+    trainer = evaluated_and_saved_at_every_step(tmp_path, _Regression, learning_rate=1.0)
     logged = {e["step"]: e["eval_loss"] for e in trainer.state.log_history if "eval_loss" in e}
     kept = {
         int(p.name.split("-")[1]): json.loads((p / "manifest.json").read_text()).get("eval_loss")
@@ -250,48 +266,21 @@ def test_keep_best_ranks_by_hf_metric_for_best_model_and_its_greater_is_better(t
     import json
 
     import numpy as np
-    import torch
-    from transformers import Trainer, TrainingArguments
-
-    from trainpod import Checkpointer
-    from trainpod.integrations.hf import TrainpodCallback
 
     def squared_error(prediction):
         return {
             "squared_error": float(np.mean((prediction.predictions.reshape(-1) - prediction.label_ids) ** 2))
         }
 
-    generator = torch.Generator().manual_seed(0)
-    rows = [{"x": x, "labels": x.sum()} for x in torch.randn(16, 2, generator=generator)]
-    callback = TrainpodCallback(Checkpointer(tmp_path / "run", keep_last=2, keep_best=1, watch_signals=False))
-    args = TrainingArguments(
-        output_dir=callback.staging_dir,
-        max_steps=6,
-        per_device_train_batch_size=4,
-        learning_rate=0.05,  # small: the error falls at each step, so the greatest is the first eval's
-        lr_scheduler_type="constant",
-        eval_strategy="steps",
-        eval_steps=1,
-        save_steps=1,
+    # A small learning rate: the error falls at each step, so the greatest is the first eval's.
+    trainer = evaluated_and_saved_at_every_step(
+        tmp_path,
+        _Predictor,
+        learning_rate=0.05,
+        compute_metrics=squared_error,
         metric_for_best_model="squared_error",
         greater_is_better=True,
-        report_to=[],
-        use_cpu=True,
-        seed=0,
     )
-    torch.manual_seed(0)
-    trainer = Trainer(
-        model=_Predictor(),
-        args=args,
-        train_dataset=rows,
-        eval_dataset=rows,
-        compute_metrics=squared_error,
-        callbacks=[callback],
-    )
-    try:
-        trainer.train()
-    finally:
-        callback.ckpt.close()
     logged = {
         e["step"]: e["eval_squared_error"] for e in trainer.state.log_history if "eval_squared_error" in e
     }

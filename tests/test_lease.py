@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import multiprocessing
 import subprocess
 import sys
 import threading
@@ -229,25 +230,32 @@ def _race_for_a_fresh_lease(path, barrier, results, all_told) -> None:
     lease.release()
 
 
+FORKED = multiprocessing.get_context("fork")
+
+
+def race(writers: int, racer, args_of) -> list[str]:
+    """Start `writers` processes of `racer(*args_of(index), results, all_told)`; their outcomes, sorted, once each
+    has told its own (they hold on until `all_told`, so a winner cannot release before a loser has looked)."""
+    results, all_told = FORKED.Queue(), FORKED.Event()
+    racers = [
+        FORKED.Process(target=racer, args=(*args_of(index), results, all_told)) for index in range(writers)
+    ]
+    for process in racers:
+        process.start()
+    outcomes = sorted(results.get(timeout=120) for _ in racers)
+    all_told.set()
+    for process in racers:
+        process.join(timeout=30)
+    return outcomes
+
+
 def test_of_writers_racing_for_a_runs_first_lease_exactly_one_wins_at_once(tmp_path):
     """Pods started together on a fresh run (deployed twice, a supervisor and a hand start) all found no
     LEASE and each wrote its own: every one of them went on, writing the same run, until its first heartbeat
     a quarter TTL later found the file another's. The lease file is now created atomically: one wins."""
-    import multiprocessing
-
-    forked = multiprocessing.get_context("fork")
     writers = 4
-    barrier, results, all_told = forked.Barrier(writers), forked.Queue(), forked.Event()
-    racers = [
-        forked.Process(target=_race_for_a_fresh_lease, args=(tmp_path / "LEASE", barrier, results, all_told))
-        for _ in range(writers)
-    ]
-    for racer in racers:
-        racer.start()
-    outcomes = sorted(results.get(timeout=60) for _ in racers)
-    all_told.set()
-    for racer in racers:
-        racer.join(timeout=30)
+    barrier = FORKED.Barrier(writers)
+    outcomes = race(writers, _race_for_a_fresh_lease, lambda _: (tmp_path / "LEASE", barrier))
     assert outcomes == ["refused"] * (writers - 1) + ["won"], (
         f"{outcomes.count('won')} writers took the lease"
     )
@@ -301,27 +309,12 @@ def test_of_writers_taking_over_one_stale_lease_exactly_one_wins_even_when_one_w
     """Pods that all found the same stale lease each wrote theirs, waited 2 s and read it back: one whose write
     came after another's read-back (a slow volume, a loaded host) read its own back too, and two writers
     committed to one run. A takeover is now a compare-and-swap of that very lease: one writer wins."""
-    import multiprocessing
 
     path = tmp_path / "LEASE"
     another_hosts_lease(path, expires_in=-1, beat=0.0)  # expired: every racer takes it over at once
-    forked = multiprocessing.get_context("fork")
     writers = 4
-    judged, someone_won, all_told = forked.Barrier(writers), forked.Event(), forked.Event()
-    results = forked.Queue()
-    racers = [
-        forked.Process(
-            target=_race_for_a_stale_lease,
-            args=(path, judged, index == 0, someone_won, results, all_told),
-        )
-        for index in range(writers)
-    ]
-    for racer in racers:
-        racer.start()
-    outcomes = sorted(results.get(timeout=120) for _ in racers)
-    all_told.set()
-    for racer in racers:
-        racer.join(timeout=30)
+    judged, someone_won = FORKED.Barrier(writers), FORKED.Event()
+    outcomes = race(writers, _race_for_a_stale_lease, lambda index: (path, judged, index == 0, someone_won))
     assert outcomes == ["refused"] * (writers - 1) + ["won"], (
         f"{outcomes.count('won')} writers took the lease"
     )

@@ -159,6 +159,32 @@ def test_an_export_of_the_best_stopped_and_started_again_exports_the_same_checkp
     assert json.loads((run / "export" / "adapter" / "manifest.json").read_text())["weights"]["step"] == 4
 
 
+def test_every_scored_checkpoint_damaged_exports_the_last_step_saying_why(finetune_volume: Path):
+    """The export fell back to the last step's weights, rightly, but warned that no kept checkpoint was scored by
+    an eval, though two were and both failed verification: the user looked for a missing eval, not bit rot."""
+    args = finetune_args(
+        *SETTINGS, "--set", "train.max_steps=9", "--set", "export.weights=best", "--run", "rot", method="lora"
+    )
+    run_with_scripted_evals(args, finetune_volume)  # evals at 2, 4, 6, 8; kept: step-4 (best), 8 and 9
+    run = finetune_volume / "runs" / "rot"
+    scored = sorted(
+        path.parent.name
+        for path in (run / "checkpoints").glob("step-*/manifest.json")
+        if json.loads(path.read_text()).get("eval_loss") is not None
+    )
+    assert scored == ["step-4", "step-8"], scored
+    for name in scored:
+        flip_a_byte(run / "checkpoints" / name / "trainable.safetensors")
+    (run / "DONE").unlink()
+    shutil.rmtree(run / "export")
+    output = run_with_scripted_evals(args, finetune_volume)  # resumes from step-9, which is whole
+    assert "every kept checkpoint an eval scored (step-4, step-8) fails verification" in output, output
+    assert "no kept checkpoint was scored" not in output, output
+    assert (
+        json.loads((run / "export" / "adapter" / "manifest.json").read_text())["weights"]["chosen"] == "last"
+    )
+
+
 BEST_VERIFIED_UNTIL_KILLED = """
 import os, time
 from pathlib import Path

@@ -304,18 +304,23 @@ class Trainer:
 
     def _best_checkpoint(self) -> CommittedCheckpoint | None:
         """The best-ranked committed checkpoint that verifies (rank 0), else None with a warning: no kept
-        checkpoint was scored by an eval at its own step (a run shorter than eval_every)."""
-        for candidate in self.store.ranked():
+        checkpoint was scored by an eval at its own step (a run shorter than eval_every), or none that was
+        verifies."""
+        ranked = self.store.ranked()
+        for candidate in ranked:
             # The files the export reads alone: the optimizer state beside the weights (AdamW's, twice them) is
             # minutes of reads on the network volume for nothing, and damaged there it spoils no export.
             _, problem = self.store.verify(candidate.path, self.checkpoint_weight_files(candidate.path))
             if not problem:
                 return candidate
             log.warning("%s ranks best but is invalid (%s); trying the next", candidate.path.name, problem)
+        why = (
+            f"every kept checkpoint an eval scored ({', '.join(c.path.name for c in ranked)}) fails verification"
+            if ranked
+            else "no kept checkpoint was scored by an eval at its own step"
+        )
         log.warning(
-            "export.weights=best: no kept checkpoint was scored by an eval at its own step; exporting the last "
-            "step's weights (step %d)",
-            self.progress.step,
+            "export.weights=best: %s; exporting the last step's weights (step %d)", why, self.progress.step
         )
         return None
 

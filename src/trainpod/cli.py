@@ -479,19 +479,19 @@ def deploy(
               f"trainpod supervise {cfg.run} --config {config}")  # fmt: skip
         return ExitCode.DONE
 
-    waiting_for_capacity: list[
-        bool
-    ] = []  # --supervise, and RunPod had no machine free for the pod or cluster
+    # --supervise, and RunPod had no machine free for the pod or cluster.
+    waiting_for_capacity: list[bool] = []
     code = _reported(act)
-    if waiting_for_capacity:
-        # The user asked for a supervised run: ending here left nothing to make the pod once a machine is free.
-        logging.getLogger("trainpod.deploy").warning(
-            "handing over to the supervisor, which makes the %s once a machine is free (Ctrl-C ends it)",
-            "cluster" if load_config(DeployConfig, config).nodes > 1 else "pod",
-        )
     if (code == ExitCode.DONE or waiting_for_capacity) and then_supervise and not dry_run:
+        cfg = load_config(DeployConfig, config)
+        if waiting_for_capacity:
+            # The user asked for a supervised run: ending here left nothing to make the pod once a machine is free.
+            logging.getLogger("trainpod.deploy").warning(
+                "handing over to the supervisor, which makes the %s once a machine is free (Ctrl-C ends it)",
+                "cluster" if cfg.nodes > 1 else "pod",
+            )
         # --spot/--on-demand hold for the supervisor too: its replacement pods are made from its config.
-        return supervise(load_config(DeployConfig, config).run, config, spot=spot)
+        return supervise(cfg.run, config, spot=spot)
     return code
 
 

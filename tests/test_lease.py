@@ -121,6 +121,50 @@ def test_heartbeat_notices_a_takeover(tmp_path):
     assert path.exists(), "release must not delete another writer's lease"
 
 
+def test_a_holder_stalled_in_its_renewal_does_not_write_over_the_lease_a_replacement_took(
+    tmp_path, monkeypatch
+):
+    """The heartbeat read the lease, found it its own, and wrote its renewal: a holder stalled in between (a
+    volume hang, a swapping host) past its expiry, while a replacement pod took the run over, wrote back over
+    the taker's lease, and both pods committed to one run until the taker's next heartbeat. A renewal is now
+    a compare-and-swap of the holder's own last bytes: it finds them gone, and stops."""
+    from trainpod.checkpoint import lease as lease_module
+
+    path = tmp_path / "LEASE"
+    lease = Lease(path, ttl_seconds=2)  # a beat every 0.5 s
+    lease.acquire()
+    taker = {"id": "taker", "host": "elsewhere", "pid": 7, "pod_id": "pod-taker"}
+    record = lease_module.Lease._record
+
+    def stalled_while_a_replacement_takes_over(self):  # the renewal's record, made after its read
+        if threading.current_thread() is self._thread:
+            now = time.time()
+            atomic.write_json(path, {"owner": taker, "heartbeat_unix": now, "expires_unix": now + 60})
+        return record(self)
+
+    monkeypatch.setattr(lease_module.Lease, "_record", stalled_while_a_replacement_takes_over)
+    assert lease.lost.wait(timeout=10), "the stalled holder must find its lease taken over"
+    monkeypatch.undo()
+    assert json.loads(path.read_text())["owner"]["id"] == "taker", "the taker's lease was written over"
+    lease.release()
+    assert json.loads(path.read_text())["owner"]["id"] == "taker"
+
+
+def test_a_taker_that_meets_the_holder_renewing_a_lease_it_judged_stale_is_told_the_holder_is_alive(tmp_path):
+    # A holder stalled past its expiry renews by the very claim a taker of its lease makes: the taker that
+    # meets it is refused, naming the holder as alive (not "another writer took it over at the same moment").
+    import hashlib
+
+    path = tmp_path / "LEASE"
+    another_hosts_lease(path, expires_in=-1, beat=0.0)
+    held = json.loads(path.read_text())
+    claim = tmp_path / f"LEASE.takeover-{hashlib.sha256(path.read_bytes()).hexdigest()[:16]}-0"
+    claim.write_text(json.dumps({**held, "expires_unix": time.time() + 60}))  # its renewal, under way
+    with pytest.raises(TemporaryError, match="pod pod-elsewhere\\), which is alive"):
+        Lease(path, ttl_seconds=60).acquire()
+    assert json.loads(path.read_text()) == held, "the lease is left to its holder"
+
+
 def test_a_lease_that_cannot_be_renewed_is_lost_before_it_expires_and_a_transient_error_is_retried(
     tmp_path, monkeypatch
 ):
@@ -129,18 +173,18 @@ def test_a_lease_that_cannot_be_renewed_is_lost_before_it_expires_and_a_transien
     from trainpod.checkpoint import lease as lease_module
 
     path = tmp_path / "LEASE"
-    real = lease_module.atomic.write_json
+    real = lease_module.Lease._complete_temp
     failing = {"writes": 1}
 
-    def write_json(target, obj):
+    def complete_temp(self):  # where a renewal writes its record
         if failing["writes"] > 0:
             failing["writes"] -= 1
             raise OSError(5, "Input/output error")
-        real(target, obj)
+        return real(self)
 
     lease = Lease(path, ttl_seconds=2)  # a beat every 0.5 s
     lease.acquire()
-    monkeypatch.setattr(lease_module.atomic, "write_json", write_json)
+    monkeypatch.setattr(lease_module.Lease, "_complete_temp", complete_temp)
     time.sleep(1.5)  # one failed renewal, then renewed again
     assert not lease.lost.is_set() and lease._thread.is_alive()
     assert json.loads(path.read_text())["expires_unix"] > time.time()
@@ -159,12 +203,12 @@ def test_a_full_volume_does_not_lose_the_lease(tmp_path, monkeypatch):
 
     from trainpod.checkpoint import lease as lease_module
 
-    def full(target, obj):
+    def full(self):  # where a renewal writes its record
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     lease = Lease(tmp_path / "LEASE", ttl_seconds=2)
     lease.acquire()
-    monkeypatch.setattr(lease_module.atomic, "write_json", full)
+    monkeypatch.setattr(lease_module.Lease, "_complete_temp", full)
     assert not lease.lost.wait(timeout=3)
     assert lease._thread.is_alive()
     monkeypatch.undo()

@@ -17,7 +17,9 @@ A stale lease is taken over by a compare-and-swap of those very bytes: the taker
 temp file to a claim named after them (`LEASE.takeover-<their hash>-<n>`), which fails where another writer
 claimed them, then checks that the lease still holds them and renames its own over it. Of writers that found
 the same stale lease, however late one of them writes, exactly one replaces it; the others exit 75. A claim
-left by a writer killed in between holds no later taker up for longer than LEASE_TEMP_MAX_AGE_S.
+left by a writer killed in between holds no later taker up for longer than LEASE_TEMP_MAX_AGE_S. The holder's
+heartbeat renews by the same compare-and-swap of its own last bytes, so a holder stalled past its expiry
+never writes over the lease of the pod that took its run over meanwhile.
 """
 
 from __future__ import annotations
@@ -213,6 +215,9 @@ class Lease:
         self._publishing = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # The bytes of this writer's lease as it last linked them in: each renewal is a compare-and-swap of
+        # them (None where the volume has no hard links, and the lease is written over).
+        self._held: bytes | None = None
 
     def _read(self) -> dict[str, Any] | None:
         return read_lease(self.path)
@@ -246,14 +251,16 @@ class Lease:
         except FileNotFoundError:
             return None
 
-    def _complete_temp(self) -> Path:
-        """This writer's lease record in a temp file beside the lease, whole and fsynced, to be linked."""
+    def _complete_temp(self) -> tuple[Path, bytes]:
+        """This writer's lease record in a temp file beside the lease, whole and fsynced, to be linked; and
+        its bytes."""
         temp = atomic.temp_name(self.path)
-        with open(temp, "x", encoding="utf-8") as file:
-            json.dump(self._record(), file)
+        data = json.dumps(self._record()).encode("utf-8")
+        with open(temp, "xb") as file:
+            file.write(data)
             file.flush()
             os.fsync(file.fileno())
-        return temp
+        return temp, data
 
     def _create(self) -> bool | None:
         """Make the lease where none exists: True when this writer made it, False when another writer's came
@@ -262,7 +269,7 @@ class Lease:
         link(2) publishes a complete, fsynced file and refuses to replace one, so no reader sees it half
         written. Over NFS a link whose reply was lost is retried and says EEXIST though it was made: the
         lease read back decides."""
-        temp = self._complete_temp()
+        temp, data = self._complete_temp()
         try:
             os.link(temp, self.path)
         except FileExistsError:
@@ -274,7 +281,10 @@ class Lease:
         finally:
             temp.unlink(missing_ok=True)
         atomic.fsync_dir(self.path.parent)
-        return (self._read() or {}).get("owner", {}).get("id") == self.owner["id"]
+        if self._read_bytes() != data:
+            return False
+        self._held = data
+        return True
 
     def _take_over(self, stale: bytes) -> bool | None:
         """Replace the stale lease whose bytes are `stale` with this writer's, if it still holds them: True
@@ -285,9 +295,9 @@ class Lease:
         another's read-back (a slow volume) read its own back too, and both went on. The claim is made with
         link(2), which one writer alone makes, and only its maker checks and replaces the lease; a winner's
         lease never holds the stale bytes, so a claim made after its end finds them gone."""
-        temp = self._complete_temp()
+        temp, data = self._complete_temp()
         try:
-            claim = self._claim(hashlib.sha256(stale).hexdigest()[:16], temp)
+            claim = self._claim(hashlib.sha256(stale).hexdigest()[:16], temp, json_or_empty(stale))
             if claim is None:
                 return None
             try:
@@ -297,6 +307,7 @@ class Lease:
                 if now != stale:
                     raise self._holding_now(json_or_empty(now), json_or_empty(stale))
                 os.replace(temp, self.path)
+                self._held = data
                 atomic.fsync_dir(self.path.parent)
                 return True
             finally:
@@ -304,7 +315,7 @@ class Lease:
         finally:
             temp.unlink(missing_ok=True)
 
-    def _claim(self, stale_hash: str, temp: Path) -> Path | None:
+    def _claim(self, stale_hash: str, temp: Path, stale: dict[str, Any]) -> Path | None:
         """Link `temp` to the first claim of the stale lease `stale_hash` that is free (one older than
         LEASE_TEMP_MAX_AGE_S is a killed taker's and skipped): the claim, or None without hard links.
         TemporaryError where another writer's claim is younger: it is taking the lease over now."""
@@ -322,6 +333,8 @@ class Lease:
                     attempt += 1
                 elif age is not None:
                     rival = json_or_empty(_read_or_empty(claim)).get("owner", {})
+                    if rival.get("id") is not None and rival.get("id") == stale.get("owner", {}).get("id"):
+                        raise self._alive(rival) from None  # its holder, renewing it (stalled, not gone)
                     raise self._taken_by(rival, stale=True) from None
                 # else: gone meanwhile, its taker done or given up: claimed again, and checked as any
             except OSError as exc:
@@ -426,18 +439,42 @@ class Lease:
         self._thread = threading.Thread(target=self._heartbeat, name="lease-heartbeat", daemon=True)
         self._thread.start()
 
+    def _renew(self) -> None:
+        """Renew this writer's lease; TemporaryError where another writer holds it now.
+
+        A renewal that read the lease and then wrote its own could overwrite a taker's: a holder stalled
+        (a volume hang, a swapping host) past its expiry between the two, while a replacement pod took the
+        run over, wrote its lease back over the taker's, and both went on committing to one run until the
+        taker's next heartbeat. A renewal is a takeover of this writer's own last bytes, by the same claim a
+        taker of them makes: of the two, one alone replaces them, and the other finds them gone."""
+        if self._held is not None:
+            now = self._read_bytes()
+            if now is not None and now != self._held and json_or_empty(now).get("owner", {}) == self.owner:
+                self._held = now  # its own, from a renewal that failed after it landed (an fsync error)
+            renewed = self._take_over(self._held)
+            if renewed is False:  # removed from under a live writer (by hand): made again, as before
+                renewed = self._create()
+                if renewed is False:
+                    raise self._taken_by((self._read() or {}).get("owner", {}), stale=False)
+            if renewed is not None:
+                return
+        self._held = None  # no hard links here: read, then written over
+        held = self._read()
+        if held and held.get("owner", {}).get("id") != self.owner["id"]:
+            raise self._taken_by(held.get("owner", {}), stale=False)
+        self._write()
+
     def _heartbeat(self) -> None:
         expires = time.time() + self.ttl
         while not self._stop.wait(self.ttl / 4):
             try:
-                held = self._read()
-                if held and held.get("owner", {}).get("id") != self.owner["id"]:
-                    log.error("the lease at %s was taken over by another writer; stopping", self.path)
-                    self.lost.set()
-                    return
                 renewing = time.time() + self.ttl
-                self._write()
+                self._renew()
                 expires = renewing
+            except TemporaryError:
+                log.error("the lease at %s was taken over by another writer; stopping", self.path)
+                self.lost.set()
+                return
             except OSError as exc:
                 # A volume error must not end the heartbeat unnoticed: the lease would expire and another
                 # writer take the run over while this one goes on writing. Retried at the next beat; lost

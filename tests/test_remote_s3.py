@@ -761,6 +761,22 @@ def test_a_part_size_that_is_not_a_number_exits_2_naming_it(bucket, tmp_path):
     assert "TRAINPOD_S3_PART_MB='64MB' is not a whole number" in result.stdout, result.stdout
 
 
+def test_a_download_continued_past_the_end_of_a_file_that_shrank_since_its_listing_reads_it_whole(
+    bucket, tmp_path
+):
+    """A log a run rewrote shorter between the listing and the GET: the ranged GET from the bytes an interrupted
+    pull kept asks past its end, and S3's InvalidRange was exit 2 ("S3 answered InvalidRange"), a pull that
+    failed the same way again and again. Those bytes are of another version: dropped, the file is read whole."""
+    name, raw, _ = bucket
+    key = "runs/r/logs/train.log"
+    raw.put_object(Bucket=name, Key=key, Body=b"new and short\n")
+    partial = tmp_path / "train.log.tmp-pull"
+    partial.write_bytes(b"old and much longer " * 10)  # kept from a pull of the older, longer version
+    kept, etag = volume_s3(name).download(key, partial, 400)  # 400: the size the listing said
+    assert partial.read_bytes() == b"new and short\n" and kept == 0
+    assert etag == raw.head_object(Bucket=name, Key=key)["ETag"].strip('"')
+
+
 def test_a_connection_dropped_mid_download_is_exit_75_and_keeps_the_bytes_received(tmp_path, monkeypatch):
     """The body is read after the call that error translation wraps: a dropped connection was botocore's
     IncompleteReadError, a traceback and exit 1, instead of 75 (run the same pull again)."""

@@ -359,9 +359,16 @@ class VolumeS3:
             had = 0
         if had < size:
             ranged = {"Range": f"bytes={had}-"} if had else {}
-            answer = self._call(
-                "download", key, self._client.get_object, Bucket=self.bucket, Key=key, **ranged
-            )
+            try:
+                answer = self._call(
+                    "download", key, self._client.get_object, Bucket=self.bucket, Key=key, **ranged
+                )
+            except _RangePastTheEnd:
+                # The object is no longer than the bytes kept (rewritten shorter since it was listed): they
+                # are another version's. Read whole; the caller checks what it got against what it expects.
+                partial.unlink()
+                had = 0
+                answer = self._call("download", key, self._client.get_object, Bucket=self.bucket, Key=key)
             with open(partial, "ab") as f, self._receiving("download", key):
                 for chunk in answer["Body"].iter_chunks(READ_CHUNK):
                     f.write(chunk)
@@ -663,6 +670,8 @@ class VolumeS3:
             status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
             if code in ("NoSuchKey", "404", "NotFound"):
                 raise FileNotFoundError(key) from None
+            if code == "InvalidRange" and "Range" in kwargs:
+                raise _RangePastTheEnd(key) from None
             if code == "NoSuchUpload":
                 raise UploadGone(
                     f"could not {doing} {where}: its upload was ended meanwhile (NoSuchUpload: aborted by another "
@@ -675,6 +684,10 @@ class VolumeS3:
                 f"could not {doing} {where}: {type(exc).__name__}; the network or RunPod's S3 API is having "
                 "trouble: run the same command again"
             ) from None
+
+
+class _RangePastTheEnd(Exception):
+    """A ranged GET from past the object's end (S3's InvalidRange): download reads it whole instead."""
 
 
 class UploadGone(TemporaryError):

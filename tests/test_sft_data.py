@@ -382,6 +382,36 @@ def test_a_file_starting_with_a_byte_order_mark_reads_like_one_without(tmp_path,
     assert ids(f"bom/{name}") == ids("plain/data.jsonl")
 
 
+def test_a_json_array_after_blank_lines_reads_like_one_without(tmp_path, tokenizer_dir):
+    # A pretty-printed .json whose "[" came after a blank line (a generated or hand-edited file) was read as
+    # JSON Lines: "line 2: not valid JSON ... fix that line" for a file that is valid JSON.
+    rows = [ROWS["alpaca"], {"instruction": "Hi", "input": "", "output": "Yo"}]
+    volume = tmp_path / "vol"
+    write_jsonl(volume / "plain" / "data.jsonl", rows)
+    (volume / "array").mkdir()
+    (volume / "array" / "data.json").write_text(
+        "\n  \n" + json.dumps(rows, indent=2) + "\n", encoding="utf-8"
+    )
+
+    def ids(path: str) -> list[list[int]]:
+        config = data_config([{"path": path}], template="chatml")
+        data = load_sft(prepare_sft(config, tokenizer_dir, tmp_path / path.replace("/", "-"), volume))
+        return [e.input_ids.tolist() for e in data.train]
+
+    assert ids("array/data.json") == ids("plain/data.jsonl")
+
+
+def test_a_bad_json_array_after_blank_lines_names_the_line_in_the_file(tmp_path, tokenizer_dir):
+    (tmp_path / "vol").mkdir()
+    (tmp_path / "vol" / "data.json").write_text(
+        '\n\n[\n{"instruction": "a", "output": "b"},\n{"instruction": }\n]\n'
+    )
+    config = data_config([{"path": "data.json"}], template="chatml")
+    with pytest.raises(InputError, match=r"data\.json, line 5: not valid JSON") as caught:
+        prepare_sft(config, tokenizer_dir, tmp_path / "out", tmp_path / "vol")
+    assert caught.value.exit_code == ExitCode.BAD_INPUT
+
+
 LATIN1_ROWS = '{"instruction": "a", "output": "b"}\n{"instruction": "c", "output": "d"}\n{"instruction": "café", "output": "e"}\n'
 
 

@@ -76,9 +76,9 @@ def _open_text(path: Path) -> io.TextIOBase:
     return open(path, encoding="utf-8-sig")
 
 
-def _json_lines(path: Path, f: io.TextIOBase, first_line: str) -> Iterator[Row]:
-    yield from _json_line(path, 1, first_line)
-    for line_number, line in enumerate(f, 2):
+def _json_lines(path: Path, f: io.TextIOBase, first_line: str, first_number: int) -> Iterator[Row]:
+    yield from _json_line(path, first_number, first_line)
+    for line_number, line in enumerate(f, first_number + 1):
         yield from _json_line(path, line_number, line)
 
 
@@ -104,14 +104,18 @@ def _object(record: object, where: str) -> dict:
 
 
 def _json_rows(path: Path) -> Iterator[Row]:
-    """A JSON array of objects (LLaMA-Factory's .json) or JSON Lines, told apart by the first character."""
+    """A JSON array of objects (LLaMA-Factory's .json) or JSON Lines, told apart by the first character
+    that is not whitespace (blank lines before an array's "[" made it JSON Lines, refused as invalid)."""
     with _open_text(path) as f:
+        blank = 0
         first_line = f.readline()
+        while first_line and not first_line.strip():
+            blank, first_line = blank + 1, f.readline()
         if not first_line.lstrip().startswith("["):
-            yield from _json_lines(path, f, first_line)
+            yield from _json_lines(path, f, first_line, blank + 1)
             return
-        try:
-            records = json.loads(first_line + f.read())
+        try:  # the blank lines put back as newlines, so that an error's line is the file's
+            records = json.loads("\n" * blank + first_line + f.read())
         except json.JSONDecodeError as exc:
             raise InputError(
                 f"{path}, line {exc.lineno}: not valid JSON ({exc.msg} at column {exc.colno}); fix the file"

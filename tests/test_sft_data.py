@@ -412,6 +412,34 @@ def test_a_bad_json_array_after_blank_lines_names_the_line_in_the_file(tmp_path,
     assert caught.value.exit_code == ExitCode.BAD_INPUT
 
 
+def test_a_generator_runs_folder_as_a_source_is_refused_naming_its_train_jsonl(tmp_path, tokenizer_dir):
+    # Read whole, it failed on the run's generation.json, "not valid JSON ... fix that line", a file of the
+    # kit's own; its chunks/ repeat every record and val.jsonl and test.jsonl are held out.
+    from trainpod.data.generate import CHUNKS_DIR, GENERATION_FILE, METADATA_FILE
+
+    folder = tmp_path / "vol" / "datasets" / "gen"
+    rows = [{"id": f"gen/000000/{i}", "instruction": "Hi", "output": str(i)} for i in range(4)]
+    write_jsonl(folder / CHUNKS_DIR / "chunk-000000.jsonl", rows)
+    for split, part in (("train", rows[:2]), ("val", rows[2:3]), ("test", rows[3:])):
+        write_jsonl(folder / f"{split}.jsonl", part)
+    for name in (GENERATION_FILE, METADATA_FILE):
+        (folder / name).write_text(json.dumps({"format": "trainpod-generate/1"}, indent=2) + "\n")
+    config = data_config([{"path": "datasets/gen"}], template="chatml")
+    with pytest.raises(InputError, match=r"is the folder of a generator run") as caught:
+        prepare_sft(config, tokenizer_dir, tmp_path / "out", tmp_path / "vol")
+    assert f"{folder / 'train.jsonl'}" in str(caught.value)
+    assert caught.value.exit_code == ExitCode.BAD_INPUT
+    data = load_sft(
+        prepare_sft(
+            data_config([{"path": "datasets/gen/train.jsonl"}], template="chatml"),
+            tokenizer_dir,
+            tmp_path / "out",
+            tmp_path / "vol",
+        )
+    )
+    assert len(data.train) == 2
+
+
 LATIN1_ROWS = '{"instruction": "a", "output": "b"}\n{"instruction": "c", "output": "d"}\n{"instruction": "café", "output": "e"}\n'
 
 

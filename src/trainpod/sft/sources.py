@@ -45,6 +45,7 @@ def resolve_files(source: SftSourceConfig, volume_root: Path) -> list[Path]:
     if source.path == BUILTIN_SFT_TINY:
         return [builtin_sft_tiny_path()]
     pattern, files = expand_path(source.path, volume_root, lambda p: _data_suffix(p) is not None)
+    _refuse_generated_dataset_folder(source, pattern)
     if not files:
         what = "folder holds no .json/.jsonl/.parquet files" if pattern.is_dir() else "matches no file"
         raise InputError(
@@ -58,6 +59,21 @@ def resolve_files(source: SftSourceConfig, volume_root: Path) -> list[Path]:
                 "convert it or point sft.datasets[].path at the data files only"
             )
     return files
+
+
+def _refuse_generated_dataset_folder(source: SftSourceConfig, pattern: Path) -> None:
+    """A generator run's folder (data/generate.py) holds each record three times over: in its chunks/, in one
+    of train/val/test.jsonl, and its generation.json and metadata.json are no rows. Read whole, it failed on
+    generation.json, 'not valid JSON ... fix that line', a file of the kit's own; README says to point at
+    train.jsonl, which the error now names."""
+    from trainpod.data.generate import GENERATION_FILE
+
+    if pattern.is_dir() and (pattern / GENERATION_FILE).is_file():
+        raise InputError(
+            f"sft dataset path {source.path!r} ({pattern}) is the folder of a generator run: its chunks/ hold "
+            "every record again and val.jsonl and test.jsonl are held out; point sft.datasets[].path at "
+            f"{pattern / 'train.jsonl'} (and hold out with sft.val_ratio, or a second dataset entry for val)"
+        )
 
 
 def describe_files(source: SftSourceConfig, volume_root: Path) -> list[dict]:

@@ -72,6 +72,14 @@ class Diverged(TrainpodError):
     exit_code = ExitCode.BAD_INPUT
 
 
+class GpuOutOfMemory(TrainpodError):
+    """The GPU ran out of memory in a stock trainer. A restart loads the same model and replays the same batches
+    into the same peak, so it is final like bad input: the fix is a smaller micro-batch or sequence, gradient
+    checkpointing, or a larger GPU (workloads/lifecycle.py names the config's fields)."""
+
+    exit_code = ExitCode.BAD_INPUT
+
+
 class MachineUnfit(TrainpodError):
     """This machine cannot run the workload (no usable GPU, a driver older than the image's CUDA).
 

@@ -11,10 +11,13 @@ runs with the volume in view and returns its own exit code.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
+import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,7 +28,7 @@ from trainpod.config import dump_config, parse_overrides
 from trainpod.config.loader import load_tree, validate_tree
 from trainpod.context import RunContext
 from trainpod.diskspace import volume_full_as_exit_5
-from trainpod.errors import ConfigError, ExitCode, Preempted, TrainpodError, stop_reason
+from trainpod.errors import ConfigError, ExitCode, GpuOutOfMemory, Preempted, TrainpodError, stop_reason
 from trainpod.gitsync import other_checkouts
 from trainpod.log import attach_log_file, setup_logging
 from trainpod.preemption import PreemptionWatch, exit_now_when_preempted
@@ -264,7 +267,10 @@ def _run_in_run_folder(workload: Workload, ctx: RunContext, config: Any, rank: i
         if rank == 0:
             _write_resolved_config(run.config, config)
         started = time.monotonic()
-        with volume_full_as_exit_5(run.root, "the run's files"):
+        with (
+            volume_full_as_exit_5(run.root, "the run's files"),
+            gpu_out_of_memory_as_exit_2(workload.name, config),
+        ):
             summary = module.run(ctx, config)
         if rank == 0:
             summary["wall_s_this_start"] = time.monotonic() - started
@@ -285,6 +291,78 @@ def _run_in_run_folder(workload: Workload, ctx: RunContext, config: Any, rank: i
         ctx.watch.last_resort = ctx.watch.release_at_stop = None
         if ctx.lease is not None:
             ctx.lease.release()
+
+
+@contextlib.contextmanager
+def gpu_out_of_memory_as_exit_2(workload: str, config: Any) -> Iterator[None]:
+    """Turn the GPU running out of memory inside the block into GpuOutOfMemory (exit 2), naming the config's
+    fields that lower the peak. As a crash (exit 1) it was started again up to TRAINPOD_MAX_FAILED_STARTS times,
+    each start loading the model and replaying the same batches into the same peak, paid for, before FAILED."""
+    try:
+        yield
+    except TrainpodError:
+        raise
+    except Exception as exc:
+        found = _gpu_out_of_memory(exc)
+        if found is None:
+            raise
+        raise GpuOutOfMemory(
+            f"the GPU ran out of memory in the {workload} ({_first_sentences(str(found))}): this config does not fit this GPU, and a "
+            f"restart would run out the same way; {'; '.join(_memory_fixes(config))}; or deploy on a GPU with "
+            "more memory (`trainpod estimate CONFIG --gpu TYPE` sizes a config before renting one)"
+        ) from exc
+
+
+# What the GPU running out of memory raises: torch's OutOfMemoryError, or where a library or a compiled graph
+# wrapped it (torch.compile's BackendCompilerFailed, a cuBLAS workspace), its text.
+_GPU_OOM_TEXT = ("CUDA out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "cudaErrorMemoryAllocation")
+
+
+def _gpu_out_of_memory(exc: BaseException | None) -> BaseException | None:
+    """The GPU's out-of-memory error among `exc` and its causes, else None."""
+    torch = sys.modules.get("torch")  # not loaded: nothing ran on a GPU
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen and torch is not None:
+        seen.add(id(exc))
+        if isinstance(exc, torch.OutOfMemoryError) or any(text in str(exc) for text in _GPU_OOM_TEXT):
+            return exc
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _first_sentences(message: str) -> str:
+    """torch's "CUDA out of memory. Tried to allocate 2.00 GiB." without the allocator's statistics after it."""
+    said = " ".join(message.split())
+    end = said.find(". ", said.find("Tried to allocate"))
+    return (said[: end + 1] if "Tried to allocate" in said and end >= 0 else said)[:300]
+
+
+def _memory_fixes(config: Any) -> list[str]:
+    """What lowers the peak, as the config's own fields and values (pretrain, finetune and finetune-vlm)."""
+    train = getattr(config, "train", None)
+    data = getattr(config, "data", None)
+    fixes = []
+    if getattr(train, "micro_batch_size", 1) > 1:
+        fixes.append(
+            f"lower train.micro_batch_size (now {train.micro_batch_size}) and raise train.grad_accum_steps "
+            f"(now {train.grad_accum_steps}) to keep the batch"
+        )
+    for field_name, value in (
+        ("train.seq_len", getattr(train, "seq_len", None)),
+        ("data.sft.cutoff_len", getattr(getattr(data, "sft", None), "cutoff_len", None)),
+        ("data.cutoff_len", getattr(data, "cutoff_len", None)),
+    ):
+        if isinstance(value, int):
+            fixes.append(f"shorten {field_name} (now {value})")
+    if getattr(train, "gradient_checkpointing", True) is False:
+        fixes.append(
+            "set train.gradient_checkpointing: true (recomputes activations: about a third more compute)"
+        )
+    if getattr(config, "method", None) == "full":
+        fixes.append("finetune with method: lora or qlora")
+    elif getattr(config, "method", None) == "lora":
+        fixes.append("finetune with method: qlora (4-bit base weights)")
+    return fixes or ["lower the batch or the sequence length"]
 
 
 # Top-level files of a run written only under its lease (by the lifecycle and the workloads); a supervisor's

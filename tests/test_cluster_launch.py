@@ -8,6 +8,7 @@ a tiny pretrain. RunPod itself is the fake API (the mock of RunPod).
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -149,3 +150,50 @@ def test_nccl_and_gloo_are_pointed_at_the_interface_of_node_addr_unless_the_pod_
         "an address on no interface: their own choice"
     )
     assert cluster_network_env({}) == {}, "no cluster network named"
+
+
+# Stands in for torchrun: counts the SIGTERMs it gets. The real one answers its first by stopping its workers
+# and waiting for them; a second breaks off that wait (torch's handler raises again), so it exits before them.
+_COUNTING_TORCHRUN = """
+import os, signal, sys, time
+received = []
+signal.signal(signal.SIGTERM, lambda *_: received.append(1))
+mask = lambda: int(next(l for l in open(f"/proc/{os.getppid()}/status") if l.startswith("SigCgt:")).split()[1], 16)
+while not mask() & (1 << (signal.SIGTERM - 1)):  # until the launcher handles SIGTERM: the test's cue
+    time.sleep(0.01)
+open(sys.argv[1] + ".ready", "w").close()
+while not received:
+    time.sleep(0.01)
+time.sleep(2)  # a second SIGTERM, forwarded by the launcher, comes within milliseconds
+open(sys.argv[1], "w").write(str(len(received)))
+"""
+_LAUNCHER = """
+import subprocess, sys
+from trainpod import launch
+popen = subprocess.Popen
+launch.subprocess.Popen = lambda cmd, **kw: popen([sys.executable, "-c", sys.argv[1], sys.argv[2]], **kw)
+print("exit", launch.launch_cluster(2, 0, 1, "127.0.0.1:29500", ["run", "pretrain"]))
+"""
+
+
+def test_a_stops_sigterm_to_boots_process_group_reaches_torchrun_once(tmp_path):
+    """The image's PID 1 is `tini -g`: a stop's SIGTERM reaches boot's whole process group. torchrun, in that
+    group, got it from tini and once more from boot's forward, and the second one ended torchrun before its
+    ranks had committed; boot then exited, and with PID 1 gone the container's ranks were SIGKILLed."""
+    count = tmp_path / "sigterms"
+    node = subprocess.Popen(
+        [sys.executable, "-c", _LAUNCHER, _COUNTING_TORCHRUN, str(count)],
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # a group of its own, as boot's under tini
+    )
+    deadline = time.monotonic() + 60
+    while not Path(f"{count}.ready").exists():
+        assert node.poll() is None and time.monotonic() < deadline, node.communicate()[0]
+        time.sleep(0.01)
+    os.killpg(node.pid, signal.SIGTERM)  # as tini -g passes RunPod's SIGTERM on
+    output = node.communicate(timeout=60)[0]
+    assert "exit 143" in output, output
+    assert count.read_text() == "1", "torchrun got the stop's SIGTERM more than once"

@@ -162,13 +162,17 @@ def launch_cluster(nnodes: int, node_rank: int, nproc_per_node: int, master: str
             "-m", "trainpod.rank", *argv,
         ]  # fmt: skip
         env = dict(os.environ, **cluster_network_env(os.environ), **{RANK_EXIT_DIR_ENV: exit_dir})
-        torchrun = subprocess.Popen(cmd, env=env)
+        # In a session of its own, and told of a stop once: torchrun answers its first SIGTERM by stopping its
+        # ranks and waiting for them, and a second (tini -g signals boot's whole group, boot forwarded one more)
+        # ended that wait with a traceback: boot exited before the ranks had committed, and with PID 1 gone
+        # the container's ranks were SIGKILLed mid-commit.
+        torchrun = subprocess.Popen(cmd, env=env, start_new_session=True)
         signalled: list[int] = []
 
         def forward(signum: int, _frame: object) -> None:
             first_signal_seen()
             signalled.append(signum)
-            if torchrun.poll() is None:
+            if len(signalled) == 1 and torchrun.poll() is None:
                 torchrun.send_signal(signum)  # torchrun passes it on to its ranks
 
         previous = {signum: signal.signal(signum, forward) for signum in (signal.SIGTERM, signal.SIGINT)}

@@ -125,6 +125,21 @@ def test_a_program_that_exits_0_is_done_with_its_environment_and_output_captured
     assert again.returncode == 0 and "already DONE" in again.stdout
 
 
+def test_a_secret_the_deploy_config_lists_under_another_name_is_masked_in_the_programs_output(tmp_path):
+    """A deploy config's `secrets:` may list any variable (DB_CREDS, OPENAI_API_KEY_2): the pod gets its value,
+    and its name alone did not say it is one, so the program's print of it reached program.log and the console.
+    deploy names them to the pod in TRAINPOD_SECRET_NAMES."""
+    source = "import os\nprint('creds', os.environ['DB_CREDS'], os.environ['OPENAI_API_KEY_2'], flush=True)\n"
+    config, volume = running_program(tmp_path, "creds.py", source)
+    secrets = {"DB_CREDS": "s3cr3t-db-pass", "OPENAI_API_KEY_2": "sk-openai-value-42"}
+    env = {**secrets, "TRAINPOD_SECRET_NAMES": "DB_CREDS,OPENAI_API_KEY_2"}
+    result = run_trainpod("run", "command", "--config", str(config), volume=volume, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    shown = program_log(volume) + result.stdout
+    assert "creds *** ***" in shown, shown
+    assert not any(value in shown for value in secrets.values()), shown
+
+
 def test_the_configs_env_path_is_where_the_program_and_its_tools_are_found(tmp_path):
     """env.PATH was replaced by the pod's own PATH: a tool in a folder it named was 'not on PATH' (exit 2)."""
     tools = tmp_path / "tools"

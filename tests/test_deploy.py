@@ -110,6 +110,14 @@ def test_secrets_are_runpod_secret_references_never_values(fake, tmp_path, monke
     assert "hf_realsecretvalue123" not in str(fake.requests)
 
 
+def test_the_pod_is_told_which_secrets_its_log_filter_would_not_know_by_name(tmp_path):
+    """A secret's value is masked in the pod's logs by its variable's name (HF_TOKEN, ..._KEY); one listed under
+    `secrets` with another name (DB_CREDS) is named to the pod in TRAINPOD_SECRET_NAMES, never its value."""
+    env = pod_env(config(tmp_path, secrets=["HF_TOKEN", "DB_CREDS", "OPENAI_API_KEY_2"]))
+    assert env["TRAINPOD_SECRET_NAMES"] == "DB_CREDS,OPENAI_API_KEY_2"
+    assert "TRAINPOD_SECRET_NAMES" not in pod_env(config(tmp_path)), "HF_TOKEN, WANDB_API_KEY: known by name"
+
+
 def test_deploying_again_reuses_everything_and_sends_no_create(fake, tmp_path):
     cfg = config(tmp_path)
     first = deploy(client_for(fake), cfg)

@@ -35,6 +35,8 @@ _NOT_SECRET_NAME = re.compile(r"PUBLIC_KEY$", re.IGNORECASE)
 # the scheme: a program's database or cache (postgresql://user:password@host, redis://:password@host).
 _URL_CREDENTIALS = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)(?:[^/\s:@]+(?::[^/\s@]*)?|:[^/\s@]+)@")
 _MIN_SECRET_LENGTH = 6  # shorter values would mask ordinary words
+# Set by `trainpod deploy` in the pod's env: the deploy config's `secrets` whose names is_secret_name does not know.
+SECRET_NAMES_ENV = "TRAINPOD_SECRET_NAMES"
 
 
 _REGISTERED: set[str] = set()
@@ -56,6 +58,10 @@ def is_secret_name(name: str) -> bool:
 def secret_values(environ: dict[str, str] | None = None) -> list[str]:
     environ = os.environ if environ is None else environ
     names = {name for name in environ if is_secret_name(name)}
+    # A deploy config's `secrets:` may list any variable (DB_CREDS): deploy names those unknown by name here.
+    names |= {
+        name.strip() for name in environ.get(SECRET_NAMES_ENV, "").split(",") if name.strip() in environ
+    }
     values = {environ[name] for name in names if len(environ.get(name, "")) >= _MIN_SECRET_LENGTH}
     return sorted(values | _REGISTERED, key=len, reverse=True)
 

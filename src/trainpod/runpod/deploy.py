@@ -24,7 +24,7 @@ from urllib.parse import unquote, urlsplit
 
 from trainpod.config.deploy import CUDA_VERSIONS, MAX_POD_ENV, DeployConfig
 from trainpod.errors import ConfigError
-from trainpod.log import is_secret_name, redact
+from trainpod.log import SECRET_NAMES_ENV, is_secret_name, redact
 from trainpod.runpod.client import (
     NetworkVolume,
     Pod,
@@ -165,6 +165,11 @@ def pod_env(config: DeployConfig, secret_values: dict[str, str] | None = None) -
     env.update(config.env.extra)
     for name in config.secrets:
         env[name] = secret_values[name] if secret_values is not None else secret_reference(name)
+    # The pod's log filter knows a secret by its variable's name (log.is_secret_name): the others are named to it,
+    # or a program's print of one reached program.log and the console unmasked.
+    unknown_by_name = [name for name in config.secrets if not is_secret_name(name)]
+    if unknown_by_name:
+        env[SECRET_NAMES_ENV] = ",".join(unknown_by_name)
     if len(env) > MAX_POD_ENV:
         raise ConfigError(
             [

@@ -15,6 +15,15 @@ def test_secret_values_from_the_environment_are_masked(monkeypatch):
     assert text.count("***") == 2
 
 
+def test_a_secret_pasted_with_a_line_end_is_masked_as_the_libraries_use_it(monkeypatch):
+    """A token pasted into RunPod's secrets with its line end: huggingface_hub strips it before use, so what it
+    (or a program) prints is the bare token, which masking the value as set never matched."""
+    monkeypatch.setenv("HF_TOKEN", "hf_pastedtokenvalue\n")
+    monkeypatch.setenv("WANDB_API_KEY", "  0123456789abcdef\r\n")
+    text = redact("Authorization: Bearer hf_pastedtokenvalue; wandb key 0123456789abcdef.")
+    assert text == "Authorization: Bearer ***; wandb key ***.", text
+
+
 def test_credentials_in_urls_are_masked_even_when_not_in_the_environment():
     assert (
         redact("cloning https://user:ghp_zzz@github.com/org/repo.git")

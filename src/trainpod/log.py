@@ -62,7 +62,10 @@ def secret_values(environ: dict[str, str] | None = None) -> list[str]:
     names |= {
         name.strip() for name in environ.get(SECRET_NAMES_ENV, "").split(",") if name.strip() in environ
     }
-    values = {environ[name] for name in names if len(environ.get(name, "")) >= _MIN_SECRET_LENGTH}
+    # Each as set and as the libraries use it: huggingface_hub strips a pasted token's spaces and line end, and
+    # what it (or a program) prints then is the bare token, which the value as set does not match.
+    raw = {environ[name] for name in names if name in environ}
+    values = {form for value in raw for form in (value, value.strip()) if len(form) >= _MIN_SECRET_LENGTH}
     return sorted(values | _REGISTERED, key=len, reverse=True)
 
 

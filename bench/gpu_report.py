@@ -181,10 +181,26 @@ def detail_lines(results: Path, units: list[tuple[str, str | None]]) -> list[str
             lines += [line for line in [_profile_line(unit)] if line]
     lines += _packing_lines(_load(results, "packing"))
     lines += _vlm_generation_lines(_load(results, "vlm-generation"))
+    lines += _gpu_tests_lines(results)
+    return lines
+
+
+def _gpu_tests_lines(results: Path) -> list[str]:
+    """The GPU tests' outcome, a failed (or cut off) or missing unit too, with the tests that failed named:
+    written for a success alone, the line left the report silent on the tests exactly when they failed."""
     tests = _load(results, "gpu-tests")
     if tests and "summary" in tests:
-        lines.append(f"- `pytest -m gpu`: {tests['summary']} (exit {tests['exit_code']})")
-    return lines
+        return [f"- `pytest -m gpu`: {tests['summary']} (exit {tests['exit_code']})"]
+    if tests is None:
+        return ["- `pytest -m gpu`: not run"]
+    try:  # _load keeps only a failed unit's error; its test outcomes are in the raw result
+        outcomes = json.loads((results / "gpu-tests.json").read_text()).get("tests") or {}
+    except (FileNotFoundError, ValueError):
+        outcomes = {}
+    failed = [*outcomes.get("failed", []), *outcomes.get("error", [])]
+    return [
+        f"- `pytest -m gpu`: failed ({tests['error']})" + (f"; failed: {', '.join(failed)}" if failed else "")
+    ]
 
 
 def _vlm_generation_lines(unit: dict[str, Any] | None) -> list[str]:

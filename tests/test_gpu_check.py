@@ -206,6 +206,29 @@ def test_a_failed_or_missing_unit_is_reported_as_such_never_as_a_number(tmp_path
     assert "pass" not in section(tmp_path, TARGETS, units(list(PARTS), dry=False))
 
 
+def test_gpu_tests_that_failed_or_did_not_run_are_in_the_report_with_the_failed_tests_named(tmp_path):
+    """The `pytest -m gpu` line was written for a unit that succeeded alone: one with a failed test (or cut
+    off by its limit, or not run) left no line at all, so the report said nothing of the GPU tests."""
+    (tmp_path / "env.json").write_text(json.dumps({"ok": True, "gpu": "NVIDIA H200", "dry": False}))
+    text = section(tmp_path, TARGETS, units(list(PARTS), dry=False))
+    assert "- `pytest -m gpu`: not run" in text
+    failed = "tests/test_gpu_checkpoint.py::test_async_commit_resumes_exactly"
+    result = {
+        "ok": False,
+        "error": "pytest exit 1: 1 failed, 14 passed in 431.20s (0:07:11)",
+        "tests": {"passed": ["tests/test_gpu.py::test_a"], "failed": [failed]},
+        "exit_code": 1,
+        "summary": "1 failed, 14 passed in 431.20s (0:07:11)",
+    }
+    (tmp_path / "gpu-tests.json").write_text(json.dumps(result))
+    text = section(tmp_path, TARGETS, units(list(PARTS), dry=False))
+    assert (
+        "- `pytest -m gpu`: failed (pytest exit 1: 1 failed, 14 passed in 431.20s (0:07:11)); failed: "
+        + failed
+        in text
+    )
+
+
 def test_the_pretrain_units_memory_fills_its_presets_memory_row_where_no_memory_unit_ran(tmp_path):
     """The pretrain part measures the 125m and 1b presets' peak in its own steps (a memory unit of their own
     cost a second compile each, two minutes of a lent GPU's fifteen); a memory unit that ran still decides."""

@@ -234,6 +234,10 @@ def _profile_steps(trainer: Pretrainer, model: torch.nn.Module, first: int, coun
         if seconds > 0:
             times[event.key] = times.get(event.key, 0.0) + seconds
     busy = sum(times.values())
+    if not busy:  # "busy 0%" would read as a host-bound step: the profiler saw nothing, which it says
+        raise RuntimeError(
+            "the profiler recorded no device kernel in the steps (CUPTI missing or not allowed here?)"
+        )
     by_category: dict[str, float] = {}
     for name, seconds in times.items():
         category = kernel_category(name)

@@ -180,6 +180,34 @@ def test_profiled_kernels_are_put_in_the_category_their_names_give():
     assert kernel_category("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_2") == "other"
 
 
+def test_a_profile_that_recorded_no_device_kernel_is_an_error_not_an_idle_gpu(monkeypatch):
+    """Where the profiler records no CUDA kernel (CUPTI missing or refused in a container), every step
+    added up to 0 s of device time: the report said the GPU was busy 0% of the step, a host-bound run,
+    the wrong reading of the MFU the profile is there to explain."""
+    import gpu_pretrain
+    import torch
+
+    class Step:
+        loss = torch.zeros(())
+
+    class Trainer:
+        def train_step(self, model, step):
+            torch.ones(64, 64) @ torch.ones(64, 64)  # CPU work only: no device kernel to record
+            return Step()
+
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as real_profile
+
+    # A GPU machine whose profiler records the CPU side alone (this CPU torch has no CUDA to record).
+    monkeypatch.setattr(
+        torch.profiler, "profile", lambda activities: real_profile(activities=[ProfilerActivity.CPU])
+    )
+    monkeypatch.setattr(gpu_pretrain.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gpu_pretrain, "_sync", lambda: None)
+    profile = gpu_pretrain.profile_steps(Trainer(), torch.nn.Identity(), 1, 2)
+    assert "no device kernel" in profile.get("error", ""), profile
+
+
 def test_the_report_leaves_every_other_section_of_benchmarks_md_as_it_was(tmp_path):
     benchmarks = tmp_path / "BENCHMARKS.md"
     before, after = "# Benchmarks\n\nintro\n\n## Datagen\n\nkept\n\n", "\n## VLM\n\nafter\n"

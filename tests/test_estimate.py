@@ -185,6 +185,24 @@ def test_qlora_weights_count_4_bits_only_for_what_4_bit_loading_quantizes(finetu
     assert sizing.memory["weights"] == pytest.approx(0.52 * linear + 2 * (total - linear))
 
 
+def test_a_full_finetune_under_fsdp_counts_its_state_sharded_across_the_gpus(finetune_base_volume, no_runpod):
+    """FSDP keeps 1/N of the weights, gradients and AdamW states per GPU: counted whole, an 8B full finetune on
+    8 GPUs read as not fitting them. DDP (and LoRA, which every GPU holds whole) keeps them whole."""
+    base = [f"base_model.path={BASE}", "method=full"]
+    volume = Volume(finetune_base_volume)
+    one = size_finetune(load_config(FinetuneConfig, TINY_FINETUNE, base), 1, volume).memory
+    sharded = size_finetune(
+        load_config(FinetuneConfig, TINY_FINETUNE, [*base, "train.parallel=fsdp"]), 4, volume
+    )
+    for part in ("weights", "gradients", "optimizer"):
+        assert sharded.memory[part] == pytest.approx(one[part] / 4), part
+    assert sharded.memory["fsdp gathered"] > 0 and any("FSDP" in note for note in sharded.notes)
+    replicated = size_finetune(
+        load_config(FinetuneConfig, TINY_FINETUNE, [*base, "train.parallel=ddp"]), 4, volume
+    )
+    assert replicated.memory["weights"] == one["weights"] and "fsdp gathered" not in replicated.memory
+
+
 def test_finetune_of_a_datagen_dataset_sizes_rows_by_the_cutoff_len_it_was_cut_at(
     finetune_base_volume, no_runpod, tmp_path
 ):

@@ -173,6 +173,8 @@ def size_pretrain(config: PretrainConfig, gpu_count: int, volume: Volume | None)
 
 
 def size_finetune(config: FinetuneConfig, gpu_count: int, volume: Volume | None) -> Sizing:
+    from trainpod.train.sharding import resolve_parallel
+
     t, notes = config.train, []
     shape = base_model_shape(config, volume, notes)
     n, width, layers, vocab = shape["parameters"], shape["width"], shape["layers"], shape["vocab"]
@@ -197,6 +199,15 @@ def size_finetune(config: FinetuneConfig, gpu_count: int, volume: Volume | None)
         weights=weights, trainable=trainable, optimizer_bytes_per_param=optimizer, layers=layers, width=width,
         vocab=vocab, rows=t.micro_batch_size, seq_len=cutoff, recompute=t.gradient_checkpointing,
     )  # fmt: skip
+    # A full finetune under FSDP (train.parallel, chosen as the trainer chooses it) keeps 1/N of the weights,
+    # gradients and optimizer states per GPU, plus the units it gathers: counted whole, an 8B full finetune on
+    # 8 GPUs read as not fitting them.
+    parallel = "ddp" if config.method != "full" else resolve_parallel(t.parallel, gpu_count, n, t.optimizer)
+    if parallel == "fsdp" and gpu_count > 1:
+        for part in ("weights", "gradients", "optimizer"):
+            memory[part] /= gpu_count
+        memory["fsdp gathered"] = 2.0 * 2 * n / layers  # two decoder layers at a time, in bf16
+        notes.append(f"FSDP: weights, gradients and optimizer states sharded across the {gpu_count} GPUs")
     return Sizing(
         config.method, config.name, n, trainable, steps, tokens, per_token, 12 * trainable, memory, notes
     )

@@ -168,21 +168,27 @@ def test_finetune_estimate_counts_exactly_the_lora_parameters_peft_trains(finetu
 
 
 def test_qlora_weights_count_4_bits_only_for_what_4_bit_loading_quantizes(finetune_base_volume, no_runpod):
-    # The embeddings and the output head stay 16-bit under bitsandbytes (transformers keeps lm_head out).
+    """The embeddings and the output head stay out of bitsandbytes' 4 bits (transformers keeps lm_head out), and
+    peft's prepare_model_for_kbit_training, which the trainer runs, upcasts them to fp32: counted at 16 bits,
+    Qwen2.5-7B's were 2.2 GB short."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from peft import prepare_model_for_kbit_training
+
+    from trainpod.train.base_model import load_4bit
 
     config = load_config(FinetuneConfig, TINY_FINETUNE, [f"base_model.path={BASE}", "method=qlora"])
-    model = AutoModelForCausalLM.from_pretrained(finetune_base_volume / BASE)
-    linear = sum(
-        m.weight.numel()
-        for name, m in model.named_modules()
-        if isinstance(m, torch.nn.Linear) and not name.endswith("lm_head")
+    # As the trainer loads it on a GPU: bf16 compute dtype, then peft's preparation.
+    model = load_4bit(
+        finetune_base_volume / BASE, config.base_model, config.quantization, torch.bfloat16, "sdpa", "cpu"
     )
-    total = sum(p.numel() for p in model.parameters())
-    assert total - linear > 0.1 * total, "the tiny base's embeddings are a large share, as in small models"
+    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    kept = [p for p in model.parameters() if type(p).__name__ != "Params4bit"]
+    quantized = sum(p.numel() for p in model.parameters()) - sum(p.numel() for p in kept)
+    kept_bytes = sum(p.numel() * p.element_size() for p in kept)
+    assert sum(p.numel() for p in kept) > 0.1 * quantized, "the tiny base's embeddings are a large share"
     sizing = size_finetune(config, 1, Volume(finetune_base_volume))
-    assert sizing.memory["weights"] == pytest.approx(0.52 * linear + 2 * (total - linear))
+    # Params4bit holds two 4-bit values a byte: its numel is half the weights it quantizes.
+    assert sizing.memory["weights"] == pytest.approx(0.52 * 2 * quantized + kept_bytes)
 
 
 def test_a_full_finetune_under_fsdp_counts_its_state_sharded_across_the_gpus(finetune_base_volume, no_runpod):

@@ -190,10 +190,14 @@ def size_finetune(config: FinetuneConfig, gpu_count: int, volume: Volume | None)
     # Forward 2N; backward 2N for activation gradients, plus 2N weight gradients only when every
     # weight trains; gradient checkpointing runs the forward twice.
     per_token = (2 + 2 + (2 if config.method == "full" else 0) + (2 if t.gradient_checkpointing else 0)) * n
-    # NF4 with double quantization is 4.15 bits a weight; what 4-bit loading leaves alone stays 16-bit (the
-    # embeddings and output head: 2.2 GB of Qwen2.5-7B, counted at 4 bits they were 1.6 GB short).
+    # NF4 with double quantization is 4.15 bits a weight. What 4-bit loading leaves alone (the embeddings and
+    # output head, norms) peft's prepare_model_for_kbit_training upcasts to fp32, 4 bytes: 4.4 GB of Qwen2.5-7B,
+    # counted at 2 they were 2.2 GB short; a VLM's frozen vision tower alone goes back to the compute dtype
+    # (finetune_vlm.py).
     quantized = shape.get("quantized_parameters", n)
-    weights = {"qlora": 0.52 * quantized + 2 * (n - quantized), "lora": 2 * n, "full": 4 * n}[config.method]
+    tower = shape.get("vision_tower_parameters", 0)
+    qlora = 0.52 * quantized + 2 * tower + 4 * (n - quantized - tower)
+    weights = {"qlora": qlora, "lora": 2 * n, "full": 4 * n}[config.method]
     optimizer = 2 if "8bit" in t.optimizer else 8
     memory = simple_training_memory(
         weights=weights, trainable=trainable, optimizer_bytes_per_param=optimizer, layers=layers, width=width,
@@ -312,6 +316,9 @@ def base_model_shape(config: FinetuneConfig, volume: Volume | None, notes: list[
     return {
         "parameters": sum(p.numel() for p in model.parameters()),
         "quantized_parameters": quantized,
+        "vision_tower_parameters": sum(
+            p.numel() for name, p in model.named_parameters() if vlm and _under(name, VISION_TOWERS)
+        ),
         "full_parameters": sum(p.numel() for name, p in model.named_parameters() if not frozen(name)),
         "width": text.hidden_size,
         "layers": text.num_hidden_layers,

@@ -176,3 +176,42 @@ def test_a_remote_code_models_step_weighs_micro_batches_by_their_trained_tokens(
     trainer = finetuner(volume, "base_model.trust_remote_code=true")
     assert not trainer.chunked_loss
     assert_token_weighted(trainer)
+
+
+def test_the_eval_of_a_chunked_loss_finetune_never_makes_a_whole_batchs_logits(volume):
+    """The eval took per-token losses from the model's own forward: the whole batch's logits, their fp32 copy and
+    log-softmax (12 GB for 4 x 2048 tokens of Qwen2.5's vocabulary), an OOM at the first eval of a run whose
+    chunked-loss steps fit the GPU. It computes them a chunk at a time now, with the same losses."""
+    from trainpod.train.loss import _base_model
+
+    trainer = finetuner(
+        volume, "data.sft.val_ratio=0.25", "train.micro_batch_size=4", "train.worst_samples=100"
+    )
+    assert trainer.chunked_loss and len(trainer.data.val) > 4
+    head_outputs = []
+    head = _base_model(trainer.model).get_output_embeddings()
+    hook = head.register_forward_hook(lambda module, args, output: head_outputs.append(output.shape))
+    model = trainer.wrap_for_training()
+    eval_loss = trainer.evaluate(model, 10)
+    hook.remove()
+    assert head_outputs == [], "the output head ran over whole eval batches"
+
+    total, tokens, per_sample = 0.0, 0, {}
+    with torch.no_grad():
+        for batch in trainer._eval_batches():
+            inputs = {k: batch[k] for k in ("input_ids", "attention_mask")}
+            logits = trainer.model(**inputs).logits[:, :-1].float()
+            targets = batch["labels"][:, 1:]
+            losses = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
+            trained = targets != IGNORE_INDEX
+            total += (losses * trained).sum().item()
+            tokens += int(trained.sum())
+            for row, index in enumerate(batch["sample_index"].tolist()):
+                if trained[row].any():
+                    per_sample[index] = ((losses[row] * trained[row]).sum() / trained[row].sum()).item()
+    assert eval_loss == pytest.approx(total / tokens, rel=1e-5)
+    written = (volume / "runs" / FINETUNE_RUN / "eval" / "step-10.worst.jsonl").read_text().splitlines()
+    worst = {record["val_index"]: record["loss"] for record in map(json.loads, written)}
+    assert worst.keys() == per_sample.keys()
+    for index, loss in worst.items():
+        assert loss == pytest.approx(per_sample[index], rel=1e-5), index

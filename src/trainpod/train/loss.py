@@ -80,6 +80,28 @@ def linear_cross_entropy(
     return total / divisor
 
 
+def token_losses(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int = IGNORE_INDEX
+) -> torch.Tensor:
+    """The cross-entropy of each row of `hidden @ weight.T` against `targets` (0 where the target is
+    `ignore_index`), in `targets`' shape, fp32, without gradients: an eval's per-token losses computed a chunk
+    of rows at a time, as the training loss is, so the fp32 logits of a whole batch (and their log-softmax)
+    never exist."""
+    shape = targets.shape
+    hidden, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+    rows = rows_per_chunk(weight.shape[0], hidden.shape[0])
+    compute_dtype = _compute_dtype(hidden)
+    losses = []
+    with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
+        w = weight.to(compute_dtype)
+        for h, t in zip(hidden.split(rows), targets.split(rows), strict=True):
+            logits = (h.to(compute_dtype) @ w.T).float()
+            valid = t != ignore_index
+            picked = logits.gather(1, t.where(valid, 0)[:, None]).squeeze(1)
+            losses.append((torch.logsumexp(logits, dim=-1) - picked) * valid)
+    return torch.cat(losses).reshape(shape)
+
+
 def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
     device = hidden.device.type
     if torch.is_autocast_enabled(device):
@@ -163,6 +185,12 @@ class CausalLMLoss(torch.nn.Module):
         base = _base_model(self.model)
         hidden = base.get_decoder()(input_ids=input_ids, **inputs).last_hidden_state
         return linear_cross_entropy(hidden, base.get_output_embeddings().weight, targets, divisor)
+
+    def token_losses(self, input_ids: torch.Tensor, targets: torch.Tensor, **inputs) -> torch.Tensor:
+        """Each target's loss (0 where ignored), chunked (`token_losses`): an eval's, with no gradients."""
+        base = _base_model(self.model)
+        hidden = base.get_decoder()(input_ids=input_ids, **inputs).last_hidden_state
+        return token_losses(hidden, base.get_output_embeddings().weight, targets)
 
 
 def _base_model(model: torch.nn.Module) -> torch.nn.Module:

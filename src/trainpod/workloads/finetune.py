@@ -686,17 +686,10 @@ class Finetuner(Trainer):
         for batch in self.until_stop(mine):
             if batch is None:  # this rank's batches ran out first
                 if self.parallel == "fsdp":  # every rank runs as many forwards: each one gathers weights
-                    with self._autocast(), gathered_root(self.loss_module):
-                        self.model(**self._eval_inputs(batches[0]))  # a repeat, not counted
+                    self._eval_token_losses(batches[0])  # a repeat, not counted
                 continue
-            inputs = self._eval_inputs(batch)
-            # The bare model, not the training wrapper: per-sample losses need logits.
-            with self._autocast(), gathered_root(self.loss_module):
-                logits = self.model(**inputs).logits
+            token_loss = self._eval_token_losses(batch)
             targets = to_device(batch["labels"][:, 1:], self.dist.device)
-            token_loss = F.cross_entropy(
-                logits[:, :-1].float().transpose(1, 2), targets, ignore_index=IGNORE_INDEX, reduction="none"
-            )
             trained = targets != IGNORE_INDEX
             row_sums, row_counts = (token_loss * trained).sum(1), trained.sum(1)
             loss_sum += row_sums.sum().item()
@@ -714,6 +707,24 @@ class Finetuner(Trainer):
             self._write_worst_samples(step, [s for rank in gathered for s in rank])
         self._generation_eval(step)
         return loss_sum / max(count, 1.0)
+
+    def _eval_token_losses(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The loss of each next-token target of an eval batch, (rows, tokens - 1), 0 where untrained. Through
+        the chunked loss where the step trains with it: the model's own forward makes the batch's whole logits,
+        which with their fp32 copy and log-softmax take 10 bytes a token per vocabulary entry (12 GB for 4 x 2048
+        tokens of Qwen2.5's 152k), an OOM at the first eval of a run whose steps fit the GPU."""
+        inputs = self._eval_inputs(batch)
+        # The bare model, not the training wrapper: per-sample losses need each token's loss.
+        with self._autocast(), gathered_root(self.loss_module):
+            if self.chunked_loss:
+                labels = to_device(batch["labels"], self.dist.device)
+                targets = shift_labels(labels)
+                return self.loss_module.token_losses(inputs.pop("input_ids"), targets, **inputs)[:, :-1]
+            logits = self.model(**inputs).logits
+        targets = to_device(batch["labels"][:, 1:], self.dist.device)
+        return F.cross_entropy(
+            logits[:, :-1].float().transpose(1, 2), targets, ignore_index=IGNORE_INDEX, reduction="none"
+        )
 
     def _eval_inputs(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {

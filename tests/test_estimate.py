@@ -99,6 +99,26 @@ def test_estimate_uses_the_mfu_a_previous_run_of_the_config_measured(no_runpod, 
     assert "31% MFU, measured by run pretrain-125m" in capsys.readouterr().out
 
 
+def test_a_measured_mfu_prices_the_model_flops_it_measured_not_the_recomputed_forward(no_runpod, tmp_path):
+    """A run's MFU counts the model's FLOPs (train/reporting.py), without gradient checkpointing's second
+    forward: applied to the FLOPs executed, the 4b preset's time and cost read 4/3 of what its run measured."""
+    from trainpod.train.model import flops_per_token, llama_config, padded_vocab, parameter_count
+    from trainpod.train.reporting import peak_flops_of
+
+    config, _ = load_target(str(CONFIGS / "pretrain/4b.yaml"))
+    assert config.train.gradient_checkpointing
+    status = tmp_path / "vol/runs" / config.name / "status.json"
+    status.parent.mkdir(parents=True)
+    status.write_text(json.dumps({"mfu": 0.3}))
+    est = estimate(config, volume=Volume(tmp_path / "vol"))
+    assert est.mfu_source.startswith("measured")
+    t = config.train
+    model = llama_config(config.model, padded_vocab(config.model.vocab_size or 32768), t.seq_len)
+    # What the run's status.json MFU was measured against: its log's tokens/s x these FLOPs per token.
+    model_flops = flops_per_token(model, parameter_count(model), t.seq_len) * est.sizing.tokens
+    assert est.hours == pytest.approx(model_flops / (peak_flops_of(est.gpu) * 0.3) / 3600, rel=1e-9)
+
+
 @pytest.mark.parametrize("mfu", ["0", "-0.5", "1.5"])
 def test_an_mfu_outside_0_to_1_is_bad_input_not_a_crash_or_a_negative_cost(
     no_runpod, monkeypatch, mfu, capsys

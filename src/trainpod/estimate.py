@@ -62,6 +62,9 @@ class Sizing:
     checkpoint_bytes: int
     memory: dict[str, float]  # bytes per GPU, by part
     notes: list[str] = field(default_factory=list)
+    recompute: float = (
+        1.0  # FLOPs executed over the model's: 4/3 with gradient checkpointing's second forward
+    )
 
     @property
     def flops(self) -> float:
@@ -169,7 +172,10 @@ def size_pretrain(config: PretrainConfig, gpu_count: int, volume: Volume | None)
         width=config.model.hidden_size, vocab=model_config.vocab_size, rows=t.micro_batch_size,
         seq_len=t.seq_len, recompute=t.gradient_checkpointing,
     )  # fmt: skip
-    return Sizing("pretrain", config.name, n, n, t.max_steps, tokens, per_token, 12 * n, memory, notes)
+    recompute = 4 / 3 if t.gradient_checkpointing else 1.0
+    return Sizing(
+        "pretrain", config.name, n, n, t.max_steps, tokens, per_token, 12 * n, memory, notes, recompute
+    )
 
 
 def size_finetune(config: FinetuneConfig, gpu_count: int, volume: Volume | None) -> Sizing:
@@ -467,14 +473,18 @@ def estimate(
             f"{', '.join(PEAK_BF16_FLOPS)}"
         )
     measured = measured_mfu(sizing.run, volume)
+    flops = sizing.flops
     if mfu is not None:
         mfu_source = "given with --mfu"
     elif measured:
         mfu, mfu_source = measured, f"measured by run {sizing.run} (status.json)"
+        # A run's MFU counts the model's FLOPs (train/reporting.py), not the forward gradient checkpointing runs
+        # again: applied to the FLOPs executed, the 4b preset's time and cost read 4/3 of what its run measured.
+        flops /= sizing.recompute
     else:
         mfu = ASSUMED_MFU[sizing.workload]
         mfu_source = f"assumed for {sizing.workload} (no run measured it yet; --mfu to change)"
-    hours = sizing.flops / (peak * mfu * gpu_count) / 3600
+    hours = flops / (peak * mfu * gpu_count) / 3600
     hourly, source = _hourly_price(offer, gpu_count, cloud, spot, deploy, nodes)
     # Over either budget is over: the pod stops at the deploy config's, whatever this shell's says.
     budgets = [b for b in (cost.budget_usd(), deploy.budget.budget_usd if deploy else None) if b is not None]

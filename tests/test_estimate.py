@@ -211,6 +211,30 @@ def test_qlora_weights_count_4_bits_only_for_what_4_bit_loading_quantizes(finetu
     assert sizing.memory["weights"] == pytest.approx(0.52 * 2 * quantized + kept_bytes)
 
 
+def test_a_finetune_through_the_chunked_loss_counts_one_chunks_logits_not_a_micro_batchs(no_runpod, tmp_path):
+    """The trainer runs a Qwen2 (Llama, Mistral, Qwen3) through the chunked loss, step and eval: the estimate
+    counted three fp32 copies of a micro-batch's whole logits, 15 GB for 4 x 2048 tokens of Qwen2.5's 152k
+    vocabulary, and read 'DOES NOT FIT' for runs that fit."""
+    from transformers import Qwen2Config
+
+    from trainpod.train.loss import rows_per_chunk
+
+    vocab, width = 152064, 64
+    Qwen2Config(
+        vocab_size=vocab, hidden_size=width, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2,
+    ).save_pretrained(tmp_path / "qwen2")  # fmt: skip
+    settings = [
+        f"base_model.path={tmp_path / 'qwen2'}",
+        "train.micro_batch_size=4",
+        "data.sft.cutoff_len=2048",
+    ]
+    sizing = size_finetune(load_config(FinetuneConfig, TINY_FINETUNE, settings), 1, None)
+    tokens = 4 * 2048
+    assert sizing.memory["logits"] == 3 * 4 * rows_per_chunk(vocab, tokens) * vocab + 4 * tokens * width
+    assert sizing.memory["logits"] < 3 * 4 * tokens * vocab / 8
+
+
 def test_a_full_finetune_under_fsdp_counts_its_state_sharded_across_the_gpus(finetune_base_volume, no_runpod):
     """FSDP keeps 1/N of the weights, gradients and AdamW states per GPU: counted whole, an 8B full finetune on
     8 GPUs read as not fitting them. DDP (and LoRA, which every GPU holds whole) keeps them whole."""

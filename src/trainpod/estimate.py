@@ -209,6 +209,16 @@ def size_finetune(config: FinetuneConfig, gpu_count: int, volume: Volume | None)
         weights=weights, trainable=trainable, optimizer_bytes_per_param=optimizer, layers=layers, width=width,
         vocab=vocab, rows=t.micro_batch_size, seq_len=cutoff, recompute=t.gradient_checkpointing,
     )  # fmt: skip
+    if shape.get("chunked_loss"):
+        # The chunked loss keeps one chunk's fp32 logits a few times over, the hidden states' gradient and, when
+        # the head trains, its fp32 gradient; the 3 fp32 copies of a micro-batch's whole logits counted for other
+        # models (15 GB for 4 x 2048 tokens of Qwen2.5's vocabulary) never exist.
+        from trainpod.train.loss import rows_per_chunk
+
+        rows = t.micro_batch_size * cutoff
+        chunk = 3 * 4 * min(rows, rows_per_chunk(vocab, rows)) * vocab
+        head = 4 * vocab * width if config.method == "full" else 0
+        memory["logits"] = float(chunk + 4 * rows * width + head)
     # A full finetune under FSDP (train.parallel, chosen as the trainer chooses it) keeps 1/N of the weights,
     # gradients and optimizer states per GPU, plus the units it gathers: counted whole, an 8B full finetune on
     # 8 GPUs read as not fitting them.
@@ -289,6 +299,7 @@ def base_model_shape(config: FinetuneConfig, volume: Volume | None, notes: list[
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+    from trainpod.train.loss import fits_chunked_loss
     from trainpod.workloads.finetune_vlm import PROJECTORS, VISION_TOWERS, _under, frozen_in_vlm_training
 
     vlm = isinstance(config, VlmFinetuneConfig)
@@ -330,6 +341,8 @@ def base_model_shape(config: FinetuneConfig, volume: Volume | None, notes: list[
         "layers": text.num_hidden_layers,
         "vocab": text.vocab_size,
         "lora_parameters": lora,
+        # The trainer's chunked loss (train/loss.py): no logits of a whole micro-batch, in the step or the eval.
+        "chunked_loss": int(fits_chunked_loss(model)),
     }
 
 

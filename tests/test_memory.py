@@ -195,3 +195,31 @@ def test_the_4b_preset_on_eight_gpus_is_sharded_by_auto_and_holds_a_third_of_a_r
     # on one GPU the single compiled backward returns all of them at once (test_memory_compiled.py).
     assert "gradients of a micro-batch (compiled)" not in ddp.parts
     assert one_gpu.settings["peak"] == "end of the backward"
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw_8bit"])
+def test_a_pretrain_checkpoint_is_the_size_the_disk_check_and_the_stop_count(volume, optimizer):
+    """A checkpoint holds fp32 weights and the optimizer's state: an 8-bit AdamW's is about a quarter of AdamW's.
+    Counted as AdamW's, boot's free-space check refused the 4b preset (exit 5, 'grow the network volume') on a
+    volume with room for its checkpoints, and a stop before the first commit thought one took twice as long."""
+    from test_eval_stop import pretrainer
+
+    from trainpod.workloads.pretrain import disk_estimate
+
+    trainer = pretrainer(
+        volume,
+        f"train.optimizer={optimizer}",
+        "train.max_steps=1",
+        "train.warmup_steps=0",
+        "train.eval_every=0",
+    )
+    trainer.train()
+    [checkpoint] = trainer.store.committed()
+    held = sum((checkpoint.path / f).stat().st_size for f in ("model.safetensors", "optimizer.safetensors"))
+    assert trainer.checkpoint_bytes_estimate() == pytest.approx(held, rel=0.05)
+    vocab = trainer.model_config.vocab_size
+    config = trainer.cfg.model_copy(
+        update={"model": trainer.cfg.model.model_copy(update={"vocab_size": vocab})}
+    )
+    kept = config.checkpoint.keep_last + config.checkpoint.keep_best + 1
+    assert disk_estimate(config) == pytest.approx(kept * held + 4 * trainer.n_params, rel=0.05)

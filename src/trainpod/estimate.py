@@ -154,6 +154,7 @@ def _yaml(path: Path) -> dict:
 
 # ------------------------------------------------------------------------------- sizing
 def size_pretrain(config: PretrainConfig, gpu_count: int, volume: Volume | None) -> Sizing:
+    from trainpod.train.memory import checkpoint_bytes, model_shape
     from trainpod.train.model import flops_per_token, llama_config, padded_vocab, parameter_count
 
     t, notes = config.train, []
@@ -173,8 +174,9 @@ def size_pretrain(config: PretrainConfig, gpu_count: int, volume: Volume | None)
         seq_len=t.seq_len, recompute=t.gradient_checkpointing,
     )  # fmt: skip
     recompute = 4 / 3 if t.gradient_checkpointing else 1.0
+    checkpoint = checkpoint_bytes(model_shape(config, model_config.vocab_size).tensor_sizes, t.optimizer)
     return Sizing(
-        "pretrain", config.name, n, n, t.max_steps, tokens, per_token, 12 * n, memory, notes, recompute
+        "pretrain", config.name, n, n, t.max_steps, tokens, per_token, checkpoint, memory, notes, recompute
     )
 
 

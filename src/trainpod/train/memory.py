@@ -275,6 +275,12 @@ def optimizer_bytes(tensor_sizes: tuple[int, ...], optimizer: str) -> int:
     return total + (quantization_maps if max(tensor_sizes) >= BNB_MIN_8BIT_SIZE else 0)
 
 
+def checkpoint_bytes(tensor_sizes: tuple[int, ...], optimizer: str) -> int:
+    """Bytes of a full-weights checkpoint of parameter tensors of these sizes: fp32 weights and the optimizer's
+    state as it stepped (`optimizer_bytes`: 8 bytes a parameter for AdamW, about 2 for an 8-bit one)."""
+    return 4 * sum(tensor_sizes) + optimizer_bytes(tensor_sizes, optimizer)
+
+
 def layer_activation_bytes(shape: ModelShape, bf16: bool) -> int:
     """Bytes one decoder layer saves for the backward, per token (see the module docstring)."""
     h, kv, mlp = shape.hidden, shape.kv_hidden, shape.mlp

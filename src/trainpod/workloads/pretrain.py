@@ -36,7 +36,7 @@ from trainpod.train.batches import (
 )
 from trainpod.train.export import DTYPES, export_hf
 from trainpod.train.loss import CausalLMLoss
-from trainpod.train.memory import check_fits
+from trainpod.train.memory import check_fits, checkpoint_bytes, model_shape
 from trainpod.train.model import (
     autocast_dtype,
     build_model,
@@ -68,9 +68,6 @@ from trainpod.train.trainer import StepResult, Trainer, train_and_export
 from trainpod.volume import Volume
 
 log = logging.getLogger(__name__)
-
-# Bytes per parameter a checkpoint holds: fp32 weights + two AdamW moments.
-CHECKPOINT_BYTES_PER_PARAM = 12
 
 
 class Pretrainer(Trainer):
@@ -138,6 +135,9 @@ class Pretrainer(Trainer):
         if t.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.n_params = parameter_count(self.model_config)
+        self._checkpoint_bytes = checkpoint_bytes(
+            tuple(p.numel() for p in self.model.parameters()), t.optimizer
+        )
         self.flops_per_token = flops_per_token(self.model_config, self.n_params, t.seq_len)
         self.parallel = resolve_parallel(t.parallel, self.dist.world_size, self.n_params, t.optimizer)
         # The module a step runs: the model and its chunked loss (train/loss.py) as one, so that DDP, FSDP
@@ -242,7 +242,7 @@ class Pretrainer(Trainer):
         self.batches.load_state_dict(state)
 
     def checkpoint_bytes_estimate(self) -> int:
-        return self.n_params * CHECKPOINT_BYTES_PER_PARAM
+        return self._checkpoint_bytes
 
     # ---------------------------------------------------------------------------- training
     def train_step(self, model: torch.nn.Module, step: int) -> StepResult:
@@ -323,9 +323,11 @@ def config_type(tree: dict[str, Any]) -> type:
 def disk_estimate(config: PretrainConfig) -> int:
     """The checkpoints retention keeps, the one being written, and the fp32 export."""
     vocab = config.model.vocab_size or padded_vocab(65536)  # before the tokenizer is read: a safe upper bound
-    params = parameter_count(llama_config(config.model, vocab, config.train.seq_len))
+    shape = model_shape(config, vocab)
     kept = config.checkpoint.keep_last + config.checkpoint.keep_best + 1
-    return params * CHECKPOINT_BYTES_PER_PARAM * kept + params * 4
+    # An 8-bit optimizer's state is a quarter of AdamW's: counted as AdamW's, boot refused (exit 5, 'grow the
+    # network volume') the 4b preset on a volume with room for its checkpoints.
+    return checkpoint_bytes(shape.tensor_sizes, config.train.optimizer) * kept + shape.params * 4
 
 
 def preflight(ctx: RunContext, config: PretrainConfig) -> None:

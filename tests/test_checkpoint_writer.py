@@ -297,3 +297,22 @@ def test_without_deferral_wait_for_snapshot_returns_at_once(tmp_path):
     writer.wait_for_snapshot()  # the copies were made in commit(): nothing to wait for, even held
     store.go.set()
     assert writer.wait().step == 1
+
+
+def test_a_commit_that_finished_while_the_next_one_waited_for_it_is_reported_by_poll(tmp_path):
+    store = HeldStore(tmp_path)
+    store.go.set()
+    writer = CheckpointWriter(store)
+    writer.commit(1, state(torch.zeros(2), torch.zeros(2), 1), {}, background=True)
+    assert writer._in_flight.done.wait(30)  # it finished after the last poll: the next commit waits for it
+    store.go.clear()
+    store.began.clear()
+    writer.commit(2, state(torch.ones(2), torch.ones(2), 2), {}, background=True)
+    assert store.began.wait(30)
+    # The trainer records what poll reports (status.json's checkpoint, the free-space warning): step 1 is
+    # committed though step 2 is still in flight; it was reported nowhere.
+    reported = writer.poll()
+    assert reported is not None and reported.step == 1
+    assert writer.poll() is None, "reported once"
+    store.go.set()
+    assert writer.wait().step == 2

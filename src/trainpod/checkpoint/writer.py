@@ -227,6 +227,9 @@ class CheckpointWriter:
         # The step of the commit whose error was raised last: a background commit's surfaces at a later step.
         self.failed_step: int | None = None
         self._in_flight: _Commit | None = None
+        # A background commit that finished while `commit` or `begin` waited for it: no caller saw it, so the
+        # next `poll`, `wait` or `abandon` hands it out (the trainer records the newest commit from those).
+        self._unreported: CommittedCheckpoint | None = None
         self._commit_point = threading.Lock()  # an abandon and a publish never interleave
         # One thread for every background commit, started at the first: starting a thread per commit made
         # the training thread wait, 1-10 ms on 2 busy cores, until the new thread had run. A daemon, so
@@ -254,7 +257,7 @@ class CheckpointWriter:
         copies them while training goes on. The caller promises that they stay unchanged until
         `wait_for_snapshot` returns, which it calls before changing them (the trainer: before each
         optimizer step). This hides the copy itself (~10 ms per 46 MB on a CPU) from training."""
-        self.wait()  # one in flight at most, and its buffers are the ones the snapshot reuses
+        self._wait_unreported()  # one in flight at most, and its buffers are the ones the snapshot reuses
         started = time.monotonic()
         buffers = self.buffers if background else None
         deferred: list | None = [] if background and defer_copies else None
@@ -281,7 +284,9 @@ class CheckpointWriter:
             job.snapshot_taken.set()
         if not background:
             self._write(job)
-            return self._finish(job)
+            committed = self._finish(job)
+            self._unreported = None  # this newer one is the one reported
+            return committed
         self._in_flight = job
         if self._thread is None:
             self._thread = threading.Thread(target=self._serve, name="checkpoint-writer", daemon=True)
@@ -343,8 +348,20 @@ class CheckpointWriter:
     def begin(self, step: int) -> PendingCheckpoint:
         """A pending checkpoint for files that other processes write (`ShardFiles`), after the commit in
         flight: one at a time, as for `commit`."""
-        self.wait()
+        self._wait_unreported()
         return self.store.begin(step)
+
+    def _wait_unreported(self) -> None:
+        """`wait`, its checkpoint kept for the next `poll`: dropped, a commit that finished while the next
+        snapshot waited for it (a commit slower than the interval between commits) was never recorded."""
+        committed = self.wait()
+        if committed is not None:
+            self._unreported = committed
+
+    def _newest(self, committed: CommittedCheckpoint | None) -> CommittedCheckpoint | None:
+        """`committed`, else the unreported one; either way none is unreported any longer."""
+        unreported, self._unreported = self._unreported, None
+        return committed or unreported
 
     # ------------------------------------------------------------------------- in flight
     @property
@@ -366,27 +383,28 @@ class CheckpointWriter:
         """The checkpoint a background commit finished since the last call, or None; raises its error."""
         job = self._in_flight
         if job is None or not job.done.is_set():
-            return None
-        return self._finish(job)
+            return self._newest(None)
+        return self._newest(self._finish(job))
 
     def wait(self) -> CommittedCheckpoint | None:
-        """Wait for the commit in flight: the checkpoint it committed, or None (none, or abandoned)."""
+        """Wait for the commit in flight: the checkpoint it committed (else one that finished unreported while
+        `commit` waited for it), or None (none, or abandoned)."""
         job = self._in_flight
         if job is None:
-            return None
+            return self._newest(None)
         job.done.wait()
-        return self._finish(job)
+        return self._newest(self._finish(job))
 
     def abandon(self) -> CommittedCheckpoint | None:
         """Give up the commit in flight: it stops writing at its next piece, is never published, and its
         temp folder is removed at the next start. Returns the checkpoint when it had been published
-        already (it stays committed: LATEST only moves forward), else None."""
+        already (it stays committed: LATEST only moves forward), else one that finished unreported, or None."""
         job, self._in_flight = self._in_flight, None
         if job is None:
-            return None
+            return self._newest(None)
         with self._commit_point:
             job.abandoned.set()
-            return job.result
+            return self._newest(job.result)
 
     def close(self) -> None:
         """Wait for the commit in flight, logging (not raising) its error: for exits on another error."""

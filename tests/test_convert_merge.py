@@ -15,6 +15,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
+from trainpod.chat import find_export
 from trainpod.convert import run_convert
 from trainpod.errors import ExitCode, InputError
 from trainpod.preemption import PreemptionWatch
@@ -197,6 +198,20 @@ def test_a_tokenizer_changed_in_the_adapter_folder_is_merged_again(vol: Volume, 
     tokenizer.save_pretrained(adapter_dir(vol))
     merge(vol)
     assert AutoTokenizer.from_pretrained(str(out)).chat_template == tokenizer.chat_template
+
+
+def test_a_merge_made_under_another_runs_name_is_chatted_with_in_the_template_it_trained_on(
+    vol: Volume, base: Path
+) -> None:
+    # `trainpod chat` reads the template from the run's training_summary.json or its finetune config.yaml: a
+    # merge written under a convert run's own name has neither, and its finetuned model was prompted as plain text.
+    make_adapter(base, adapter_dir(vol), summary={"data": {"template": "alpaca"}})
+    [out] = run_convert(
+        convert_config({"kind": "merge"}, name="ft-merged", adapter="run:ft"), vol, PreemptionWatch()
+    )
+    found = find_export(vol, "ft-merged")
+    assert found.kind == "merged" and Path(found.model_dir) == out
+    assert found.template == "alpaca"
 
 
 def test_merge_into_a_base_of_another_shape_is_exit_2_before_anything_is_written(

@@ -23,7 +23,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as transformers_logging
 
 from trainpod.convert import tensor_merge
-from trainpod.convert.adapter import PeftAdapter, base_weight_shapes, vision_module_shapes
+from trainpod.convert.adapter import (
+    TRAINING_SUMMARY,
+    PeftAdapter,
+    base_weight_shapes,
+    vision_module_shapes,
+)
 from trainpod.convert.output import Staging
 from trainpod.diskspace import check_room
 from trainpod.errors import InputError
@@ -248,6 +253,12 @@ def write_merged(
     # The chat template the adapter was trained with, and its end of turn as eos: an adapter exported before
     # its folder's tokenizer carried it has only the base's (none, for a base model's tokenizer).
     carry_training_template(staging.folder, ((adapter.summary or {}).get("data") or {}).get("template"))
+    if adapter.summary is not None:
+        # What the model was trained with (its chat template above all), beside it: `trainpod chat` reads it
+        # there for a merge made under another run's name, whose run folder holds no finetune config; without
+        # it a model finetuned on a template was prompted with plain text.
+        summary = adapter.folder / TRAINING_SUMMARY
+        staging.write_file(TRAINING_SUMMARY, summary.read_bytes())
 
 
 def merged_weight_bytes(base_dir: Path, dtype: str) -> int:

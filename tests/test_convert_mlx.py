@@ -412,3 +412,47 @@ def test_mlx_lm_builds_an_exported_model_with_the_rope_it_was_trained_with(
     mlx_model, _tokenizer = mlx_load(str(out))
     got = np.array(mlx_model(mx.array(INPUT_IDS))[0].astype(mx.float32))
     assert np.abs(got - expected).max() <= TOLERANCE, "mlx-lm built the exported model with another RoPE"
+
+
+def test_a_gpt_neox_adapter_loads_in_mlx_lm_under_its_renamed_layers_and_gives_peft_logits(
+    vol: Volume, tmp_path: Path
+) -> None:
+    # mlx-lm renames GPT-NeoX's (Pythia's) gpt_neox.layers.<i> to model.h.<i> and its embed_out to
+    # model.embed_out: the adapter kept the hub's names, which mlx-lm refused at load ("not an adapter parameter").
+    import torch
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    from convert_support import VOCAB, randomize_adapter, save_tokenizer
+
+    torch.manual_seed(0)
+    config = GPTNeoXConfig(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256,
+        max_position_embeddings=64, rotary_pct=0.25, tie_word_embeddings=False,
+    )  # fmt: skip
+    base = tmp_path / "neox"
+    GPTNeoXForCausalLM(config).save_pretrained(base)
+    save_tokenizer(base)
+    saved = json.loads((base / "config.json").read_text())  # as a hub Pythia's config.json has them
+    (base / "config.json").write_text(json.dumps(saved | {"rotary_pct": 0.25, "rotary_emb_base": 10000}))
+    model = get_peft_model(
+        GPTNeoXForCausalLM.from_pretrained(base),
+        LoraConfig(r=4, lora_alpha=8, target_modules=["query_key_value", "dense_4h_to_h", "embed_out"]),
+    )
+    randomize_adapter(model, 1)
+    model.save_pretrained(adapter_dir(vol))
+    save_tokenizer(adapter_dir(vol))
+    (adapter_dir(vol) / "training_summary.json").write_text(
+        json.dumps({"method": "lora", "base_model": str(base)})
+    )
+    out = convert_to_mlx(vol)
+    peft_model = PeftModel.from_pretrained(
+        GPTNeoXForCausalLM.from_pretrained(base), str(adapter_dir(vol))
+    ).eval()
+    with torch.no_grad():
+        expected = peft_model(input_ids=torch.tensor(INPUT_IDS)).logits[0].numpy()
+        with peft_model.disable_adapter():
+            unadapted = peft_model(input_ids=torch.tensor(INPUT_IDS)).logits[0].numpy()
+    assert np.abs(expected - unadapted).max() > 1e-2, "the adapter must change the logits"
+    diff = np.abs(mlx_logits(base, out) - expected).max()
+    assert diff <= TOLERANCE, f"mlx-lm logits differ from PEFT's by {diff}"

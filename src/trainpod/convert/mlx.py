@@ -25,7 +25,13 @@ from trainpod.convert.adapter import PeftAdapter
 from trainpod.convert.output import Staging
 from trainpod.errors import InputError
 
-_LAYER_MODULE = re.compile(r"^(?:model\.)?layers\.(\d+)\.(.+)$")
+_LAYER_MODULE = re.compile(r"^(?:model\.|gpt_neox\.)?layers\.(\d+)\.(.+)$")
+# Where mlx-lm's model classes name a module otherwise than transformers (their `sanitize` renames the weights):
+# GPT-NeoX (Pythia) keeps its decoder layers in model.h and the rest of gpt_neox.* and its embed_out in model.
+_MLX_RENAMES = (
+    (re.compile(r"^gpt_neox\.layers\."), "model.h."),
+    (re.compile(r"^(?:gpt_neox\.|(?=embed_out$))"), "model."),
+)
 _MERGE_INSTEAD = (
     "use a `kind: merge` task and convert the merged model for MLX with "
     "`mlx_lm.convert --hf-path <merged folder>`"
@@ -95,14 +101,17 @@ def refusals(adapter: PeftAdapter) -> list[str]:
 
 
 def mlx_name(peft_module: str) -> str:
-    """PEFT's module path is the base model's, which is also mlx-lm's (mlx-lm keeps HF's names)."""
+    """PEFT's module path is the base model's, which is mlx-lm's too (mlx-lm keeps HF's names), but for the
+    architectures whose names mlx-lm changes (_MLX_RENAMES): a tensor under the HF name is refused at load."""
+    for pattern, replacement in _MLX_RENAMES:
+        peft_module = pattern.sub(replacement, peft_module, count=1)
     return peft_module
 
 
 def relative_key(module: str) -> str:
-    """The key mlx-lm's lora_parameters.keys uses: the path inside a decoder layer, else the full path."""
+    """The key mlx-lm's lora_parameters.keys uses: the path inside a decoder layer, else mlx-lm's full path."""
     match = _LAYER_MODULE.match(module)
-    return match.group(2) if match else module
+    return match.group(2) if match else mlx_name(module)
 
 
 def mlx_layout(adapter: PeftAdapter) -> tuple[tensorfile.TensorLayout, dict[str, Callable], int, float]:

@@ -385,3 +385,34 @@ def test_a_long_chat_drops_its_oldest_turns_to_fit_the_models_positions_and_says
     )
     assert conversation.history[-1][0] == "Add 2 and 3.", conversation.history
     assert any("shorten the message" in r.getMessage() for r in caplog.records), caplog.text
+
+
+def test_an_adapters_hub_base_is_loaded_at_the_commit_the_finetune_trained_on(tmp_path, monkeypatch):
+    """The finetune pinned its hub base's commit (training_summary.json's base_model_revision), as convert's
+    merge fetches it; chat loaded the hub's main, which may have moved on since: another model under the adapter."""
+    import json
+
+    import trainpod.chat as chat
+    from trainpod.errors import InputError
+
+    from sft_support import make_tiny_tokenizer
+
+    adapter = make_tiny_tokenizer(tmp_path / "volume/runs/ft/export/adapter")
+    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "org/base"}))
+    summary = {"base_model": "org/base", "base_model_folder": "/workspace/cache/hf/org-base", "data": {}}
+    summary |= {"base_model_revision": "0123abc"}
+    (adapter / "training_summary.json").write_text(json.dumps(summary))
+    export = find_export(Volume(tmp_path / "volume"), "ft")
+    assert export.model_dir == "org/base"
+    asked = {}
+
+    class Hub:
+        @staticmethod
+        def from_pretrained(name, **kwargs):
+            asked.update(kwargs, name=name)
+            raise OSError("offline")
+
+    monkeypatch.setattr(chat, "_model_class", lambda *args, **kwargs: Hub)
+    with pytest.raises(InputError):
+        chat.load(export)
+    assert asked["name"] == "org/base" and asked.get("revision") == "0123abc"

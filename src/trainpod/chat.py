@@ -42,6 +42,7 @@ class Export:
     adapter_dir: Path | None
     template: str | None  # the SFT template (alpaca, chatml, qwen, llama3, tokenizer); None: plain text
     quantization: dict | None = None  # QLoRA's 4-bit settings, from training_summary.json
+    revision: str | None = None  # the hub commit of a hub-id model_dir the finetune trained on
 
 
 def find_export(volume: Volume, run: str, which: str = "auto") -> Export:
@@ -54,7 +55,11 @@ def find_export(volume: Volume, run: str, which: str = "auto") -> Export:
         if kind == "adapter" and (folder / "adapter_config.json").is_file():
             summary = _summary(folder)
             base = _adapter_base(folder, summary, volume)
-            return Export(kind, base, folder, training_template(run_dir), summary.get("quantization"))
+            # A hub id at the commit the finetune pinned (as convert's merge fetches it): the hub's main may
+            # have moved on since, and the adapter belongs to the weights it trained on.
+            revision = summary.get("base_model_revision") if isinstance(base, str) else None
+            template = training_template(run_dir)
+            return Export(kind, base, folder, template, summary.get("quantization"), revision)
         if kind != "adapter" and (folder / "config.json").is_file():
             return Export(kind, folder, None, training_template(run_dir))
     found = ", ".join(sorted(p.name for p in export.iterdir())) if export.is_dir() else ""
@@ -128,7 +133,9 @@ def load(export: Export) -> tuple[Any, Any]:
         )
     tokenizer = AutoTokenizer.from_pretrained(str(export.adapter_dir or export.model_dir))
     try:
-        model = _model_class(export.model_dir).from_pretrained(str(export.model_dir), **kwargs)
+        model = _model_class(export.model_dir, export.revision).from_pretrained(
+            str(export.model_dir), revision=export.revision, **kwargs
+        )
     except OSError as exc:  # no folder here, and the hub did not give it (offline, gated, a volume path)
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0].rstrip(".")
         raise InputError(
@@ -145,12 +152,13 @@ def load(export: Export) -> tuple[Any, Any]:
     return model.eval(), tokenizer
 
 
-def _model_class(model_dir: Path | str) -> Any:
+def _model_class(model_dir: Path | str, revision: str | None = None) -> Any:
     """AutoModelForCausalLM, or AutoModelForImageTextToText for a vision-language model (a finetune-vlm
     run's), which AutoModelForCausalLM refuses; it answers a text-only conversation too."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
-    vision = getattr(AutoConfig.from_pretrained(str(model_dir)), "vision_config", None) is not None
+    config = AutoConfig.from_pretrained(str(model_dir), revision=revision)
+    vision = getattr(config, "vision_config", None) is not None
     return AutoModelForImageTextToText if vision else AutoModelForCausalLM
 
 

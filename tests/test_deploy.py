@@ -166,6 +166,30 @@ def test_exactly_50_env_variables_are_fine(tmp_path):
     assert len(pod_env(config(tmp_path, **{"env.extra": extra}))) == 50
 
 
+def test_env_extra_cannot_override_what_the_deploy_config_sets_and_names_the_field(fake, tmp_path, capsys):
+    """env.extra went into the pod's env over the contract's variables: TRAINPOD_RUN there made the pod train
+    runs/<other>/ while deploy, supervise, status and pull went by `run`, TRAINPOD_VOLUME another mount."""
+    with pytest.raises(ConfigError) as caught:
+        config(
+            tmp_path, **{"env.extra": {"TRAINPOD_RUN": "other", "TRAINPOD_VOLUME": "/data", "MY_FLAG": "1"}}
+        )
+    text = str(caught.value)
+    assert "env.extra.TRAINPOD_RUN='other'" in text and "set `run`" in text
+    assert "env.extra.TRAINPOD_VOLUME='/data'" in text and "volume.mount_path" in text
+    assert "MY_FLAG" not in text
+    with pytest.raises(ConfigError) as caught:
+        config(
+            tmp_path, **{"env.extra": {"TRAINPOD_GIT_REPO": "https://ghp_abcdef123456@github.com/o/r.git"}}
+        )
+    assert "env.git_repo" in str(caught.value) and "ghp_abcdef123456" not in str(caught.value)
+    code = cli.main(["deploy", str(write_config(tmp_path, **{"env.extra": {"TRAINPOD_BUDGET_USD": "5"}}))])
+    assert code == 2 and fake.requests == []
+    assert "env.extra.TRAINPOD_BUDGET_USD" in capsys.readouterr().out
+    assert (
+        pod_env(config(tmp_path, **{"env.extra": {"TRAINPOD_GIT_USER": "me"}}))["TRAINPOD_GIT_USER"] == "me"
+    )
+
+
 def test_a_git_repo_without_a_ref_is_synced_at_the_remotes_head_as_the_pods_contract_says(tmp_path):
     """README: TRAINPOD_GIT_REF unset is the remote's HEAD; a deploy sent `main`, which a repo whose default
     branch is another (master, trunk) lacks: exit 2 at the pod's boot, after it was paid for."""

@@ -14,6 +14,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from trainpod.config.loader import Section
+from trainpod.log import redact
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
@@ -38,6 +39,22 @@ CUDA_VERSIONS = (
 DEFAULT_IMAGE_CUDA = "12.8"
 MAX_POD_ENV = 50  # RunPod's limit on environment variables per pod
 MAX_CLUSTER_NODES = 250  # ClusterCompute.podCount's maximum in RunPod's v2 description
+# The pod's variables the deploy sets from this file's fields (runpod.deploy.pod_env), and those fields: one in
+# env.extra would replace the field's value in the pod alone (TRAINPOD_RUN: the pod trains another run than
+# deploy, supervise, status and pull go by), so it is refused, naming the field to set instead.
+SET_BY_DEPLOY = {
+    "TRAINPOD_WORKLOAD": "workload",
+    "TRAINPOD_CONFIG": "config",
+    "TRAINPOD_RUN": "run",
+    "TRAINPOD_VOLUME": "volume.mount_path",
+    "TRAINPOD_ON_FINISH": "env.on_finish",
+    "TRAINPOD_MAX_FAILED_STARTS": "env.max_failed_starts",
+    "TRAINPOD_SET": "env.set",
+    "TRAINPOD_GIT_REPO": "env.git_repo",
+    "TRAINPOD_GIT_REF": "env.git_ref",
+    "TRAINPOD_GPU_HOURLY_USD": "budget.hourly_usd",
+    "TRAINPOD_BUDGET_USD": "budget.budget_usd",
+}
 
 
 class ImageSettings(Section):
@@ -136,7 +153,9 @@ class EnvSettings(Section):
         3, ge=1, description="TRAINPOD_MAX_FAILED_STARTS: failed starts in a row before the run is FAILED."
     )
     extra: dict[str, str] = Field(
-        default_factory=dict, description="Further variables, NAME: value (never secrets: use `secrets`)."
+        default_factory=dict,
+        description="Further variables, NAME: value (never secrets: use `secrets`; never one the deploy sets "
+        "from a field, e.g. TRAINPOD_RUN: set `run`).",
     )
 
 
@@ -227,6 +246,17 @@ class DeployConfig(Section):
         bad = [name for name in [*self.secrets, *self.env.extra] if not _is_env_name(name)]
         if bad:
             problems.append(f"{', '.join(bad)}: not environment variable names; use letters, digits and _")
+        for name, value in self.env.extra.items():
+            if name in SET_BY_DEPLOY:
+                problems.append(
+                    f"env.extra.{name}={redact(value)!r}: the deploy sets {name} from `{SET_BY_DEPLOY[name]}`, and a "
+                    f"value here would replace it in the pod alone; remove it from env.extra and set "
+                    f"`{SET_BY_DEPLOY[name]}` instead"
+                )
+            elif name == "TRAINPOD_DEPLOYED":
+                problems.append(
+                    f"env.extra.{name}: set by `trainpod deploy` itself (what it rented); remove it from env.extra"
+                )
         problems += cluster_problems(self)
         if problems:
             raise ValueError("; ".join(problems))

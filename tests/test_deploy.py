@@ -190,6 +190,23 @@ def test_env_extra_cannot_override_what_the_deploy_config_sets_and_names_the_fie
     )
 
 
+def test_ports_and_mount_path_out_of_runpods_form_are_refused_naming_the_field(fake, tmp_path, capsys):
+    """RunPod's API takes ports as port/protocol (http or tcp) and an absolute mount path; `ports: ["22"]` or
+    `mount_path: workspace` went to RunPod as written (TRAINPOD_VOLUME=workspace: the run relative to the
+    pod's working directory, on the container disk every restart wipes)."""
+    with pytest.raises(ConfigError) as caught:
+        config(tmp_path, **{"pod.ports": ["22", "8888/https", "70000/tcp"], "volume.mount_path": "workspace"})
+    text = str(caught.value)
+    assert "pod.ports = ['22', '8888/https', '70000/tcp']" in text
+    assert "'22', '8888/https', '70000/tcp' not of the form PORT/http or PORT/tcp" in text
+    assert "volume.mount_path = 'workspace'" in text and "absolute path" in text
+    code = cli.main(["deploy", str(write_config(tmp_path, **{"pod.ports": ["22"]}))])
+    assert code == 2 and fake.requests == []
+    assert "pod.ports" in capsys.readouterr().out
+    assert config(tmp_path, **{"pod.ports": ["22/tcp", "8888/http"]}).pod.ports == ["22/tcp", "8888/http"]
+    assert config(tmp_path, **{"volume.mount_path": "/data"}).volume.mount_path == "/data"
+
+
 def test_a_git_repo_without_a_ref_is_synced_at_the_remotes_head_as_the_pods_contract_says(tmp_path):
     """README: TRAINPOD_GIT_REF unset is the remote's HEAD; a deploy sent `main`, which a repo whose default
     branch is another (master, trunk) lacks: exit 2 at the pod's boot, after it was paid for."""

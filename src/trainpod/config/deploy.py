@@ -9,6 +9,7 @@ The pod's environment is built from this file alone (README, "The pod's environm
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -18,6 +19,7 @@ from trainpod.log import redact
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
+PORT = re.compile(r"([0-9]{1,5})/(?:http|tcp)")  # RunPod's form of an exposed port (PodCreateInput.ports)
 # RunPod's `allowedCudaVersions` enum (PodCreateInput), newest first; tests/test_runpod_schema.py
 # checks it against RunPod's OpenAPI file so the two cannot drift.
 CUDA_VERSIONS = (
@@ -112,7 +114,23 @@ class PodSettings(Section):
     container_disk_gb: int = Field(
         40, ge=5, description="Container disk in GB: the image plus temp space; wiped on every restart."
     )
-    ports: list[str] = Field(default_factory=lambda: ["22/tcp"], description="Ports to expose, e.g. 22/tcp.")
+    ports: list[str] = Field(
+        default_factory=lambda: ["22/tcp"],
+        description="Ports to expose, each PORT/http or PORT/tcp (1-65535), e.g. 22/tcp.",
+    )
+
+    @field_validator("ports")
+    @classmethod
+    def _ports_in_runpods_form(cls, ports: list[str]) -> list[str]:
+        """RunPod's API takes `[port number]/[protocol]`, http or tcp: checked here, before a template or a
+        volume is made, rather than refused by RunPod with its 400."""
+        bad = [p for p in ports if not ((m := PORT.fullmatch(p)) and 1 <= int(m.group(1)) <= 65535)]
+        if bad:
+            raise ValueError(
+                f"{', '.join(repr(p) for p in bad)} not of the form PORT/http or PORT/tcp (1-65535), as RunPod "
+                "takes them; write e.g. 22/tcp or 8888/http"
+            )
+        return ports
 
 
 class VolumeSettings(Section):
@@ -129,7 +147,13 @@ class VolumeSettings(Section):
     data_center: str = Field(
         description="RunPod data center id of the volume, e.g. EU-RO-1; pods are created there."
     )
-    mount_path: str = Field("/workspace", description="Where pods mount it (TRAINPOD_VOLUME).")
+    mount_path: str = Field(
+        "/workspace",
+        # RunPod's volumeMountPath is an absolute path; a relative one would be TRAINPOD_VOLUME relative to the
+        # pod's working directory: the run on the container disk, which every restart wipes.
+        pattern=r"^/.",
+        description="Where pods mount it (TRAINPOD_VOLUME): an absolute path, e.g. /workspace.",
+    )
 
 
 class EnvSettings(Section):

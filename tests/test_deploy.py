@@ -322,6 +322,16 @@ def test_a_bad_deploy_config_names_the_field_and_the_fix(tmp_path):
     assert "volume.size_gb = 5" in text
 
 
+def test_a_missing_deploy_field_is_not_told_to_be_passed_with_a_set_flag_deploy_lacks(tmp_path, capsys):
+    """The deploy config's missing fields said "add it to the YAML or pass --set volume.data_center=VALUE", and
+    `trainpod deploy` (supervise, status) has no --set: the flag the message named was an argparse error."""
+    path = write_config(tmp_path, volume={"name": "vol"})
+    assert cli.main(["deploy", str(path), "--dry-run"]) == 2
+    out = capsys.readouterr().out
+    assert "volume.data_center: required but missing" in out and "add it to the YAML" in out
+    assert "--set" not in out
+
+
 def test_a_cuda_version_written_unquoted_is_the_version_it_spells(tmp_path):
     """YAML reads `cuda_version: 12.8` as a float: it was refused as "not a valid string", next to a
     description that lists 12.8 among the versions to pick."""

@@ -10,7 +10,7 @@ The pod's environment is built from this file alone (README, "The pod's environm
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -227,6 +227,10 @@ class SuperviseSettings(Section):
 
 class DeployConfig(Section):
     """One run on RunPod: the pod `<run>-<workload>` on a network volume, from a template for the image."""
+
+    # Read by deploy, supervise, status and estimate, none of which takes --set: a missing field's message
+    # says to add it to the YAML only (config.loader._describe).
+    takes_overrides: ClassVar[bool] = False
 
     run: str = Field(pattern=NAME_PATTERN, description="Run name (TRAINPOD_RUN): runs/<run>/ on the volume.")
     workload: str = Field(

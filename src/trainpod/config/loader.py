@@ -152,6 +152,8 @@ def _describe(model_cls: type[BaseModel], error: dict[str, Any]) -> str:
         about = f" ({description})" if description else ""
         if any(isinstance(part, int) for part in loc):  # --set reaches no list item (a.0.b is not a path)
             return f"{dotted}: required but missing{about}; add it to that entry of the list in the YAML"
+        if not getattr(model_cls, "takes_overrides", True):  # its commands have no --set (deploy, supervise)
+            return f"{dotted}: required but missing{about}; add it to the YAML"
         return f"{dotted}: required but missing{about}; add it to the YAML or pass --set {dotted}=VALUE"
     if kind == "value_error" and isinstance(error.get("input"), dict):
         # A cross-field check on a whole section: its message already names the fields and the fix.

@@ -182,6 +182,8 @@ def test_env_extra_cannot_override_what_the_deploy_config_sets_and_names_the_fie
             tmp_path, **{"env.extra": {"TRAINPOD_GIT_REPO": "https://ghp_abcdef123456@github.com/o/r.git"}}
         )
     assert "env.git_repo" in str(caught.value) and "ghp_abcdef123456" not in str(caught.value)
+    with pytest.raises(ConfigError, match="TRAINPOD_SECRET_NAMES from `secrets`"):
+        config(tmp_path, **{"env.extra": {"TRAINPOD_SECRET_NAMES": ""}})  # would unmask the secrets it names
     code = cli.main(["deploy", str(write_config(tmp_path, **{"env.extra": {"TRAINPOD_BUDGET_USD": "5"}}))])
     assert code == 2 and fake.requests == []
     assert "env.extra.TRAINPOD_BUDGET_USD" in capsys.readouterr().out

@@ -15,7 +15,7 @@ from typing import ClassVar, Literal
 from pydantic import Field, field_validator, model_validator
 
 from trainpod.config.loader import Section
-from trainpod.log import redact
+from trainpod.log import SECRET_NAMES_ENV, redact
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
@@ -56,6 +56,7 @@ SET_BY_DEPLOY = {
     "TRAINPOD_GIT_REF": "env.git_ref",
     "TRAINPOD_GPU_HOURLY_USD": "budget.hourly_usd",
     "TRAINPOD_BUDGET_USD": "budget.budget_usd",
+    SECRET_NAMES_ENV: "secrets",  # the secrets the pod's log filter would not know by their names
 }
 
 

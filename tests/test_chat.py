@@ -341,6 +341,15 @@ def test_a_max_new_tokens_below_1_is_refused_before_the_model_loads(tokens, caps
     assert exited.value.code == 2 and "argument --max-new-tokens" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("temperature", ["-0.5", "nan", "warm"])
+def test_a_temperature_below_0_is_refused_not_taken_for_greedy(temperature, capsys):
+    from trainpod import cli
+
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["generate", "any-run", "--prompt", "x", "--temperature", temperature])
+    assert exited.value.code == 2 and "argument --temperature" in capsys.readouterr().err
+
+
 def test_a_long_chat_drops_its_oldest_turns_to_fit_the_models_positions_and_says_so_once(tmp_path, caplog):
     """The conversation so far is sent each turn: past the model's positions (a GPT-2's n_positions, learned
     position embeddings) generation failed with an IndexError, a RoPE model's went on beyond what it trained

@@ -23,6 +23,7 @@ import contextlib
 import inspect
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -1056,13 +1057,25 @@ def _positive_int(raw: str) -> int:
     return value
 
 
+def _temperature(raw: str) -> float:
+    """An argparse type for --temperature: 0 (greedy) or more. A negative or nan one was greedy decoding
+    without a word (chat samples only above 0), where the user asked for something else."""
+    try:
+        value = float(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a number") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{raw} is not 0 (greedy) or more, e.g. 0.7")
+    return value
+
+
 def _chat_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_name", metavar="RUN")
     p.add_argument("--volume", help="volume root (default: $TRAINPOD_VOLUME, else /workspace)")
     p.add_argument("--export", default="auto", choices=["auto", "merged", "hf", "adapter"])
     p.add_argument("--system", help="a system message, for templates that have one")
     p.add_argument("--max-new-tokens", type=_positive_int, default=200)
-    p.add_argument("--temperature", type=float, default=0.7, help="0: greedy")
+    p.add_argument("--temperature", type=_temperature, default=0.7, help="0: greedy")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (the same seed, the same answer)")
 
 

@@ -53,6 +53,34 @@ def test_the_template_a_finetune_trained_with_is_read_from_its_adapter(finetuned
     assert Path(found.model_dir) == finetuned / BASE
 
 
+def test_a_converted_checkpoint_is_chatted_with_by_its_folder_name_and_a_missing_one_lists_those_there(
+    tmp_path, capsys
+):
+    """A convert task's export of a checkpoint lands in export/hf-step-<N>: chat offered merged, hf and adapter
+    alone, so trying the model at an earlier step meant moving folders by hand."""
+    from trainpod.errors import InputError
+
+    export = tmp_path / "runs/pt/export"
+    (export / "hf-step-400").mkdir(parents=True)
+    (export / "hf-step-400/config.json").write_text("{}")
+    found = find_export(Volume(tmp_path), "pt", "hf-step-400")
+    assert found.model_dir == export / "hf-step-400" and found.adapter_dir is None
+    for missing in ("hf-step-500", "../pt/export/hf-step-400"):
+        with pytest.raises(InputError) as caught:
+            find_export(Volume(tmp_path), "pt", missing)
+        assert "(found: hf-step-400); pass --export with one of those" in str(caught.value)
+    with pytest.raises(InputError, match="found: hf-step-400"):
+        find_export(Volume(tmp_path), "pt")  # auto: no merged, hf or adapter
+    from trainpod import cli
+
+    # Through the command line (argparse offered merged, hf and adapter alone): the folder is looked for.
+    assert (
+        cli.main(["generate", "pt", "--prompt", "x", "--export", "hf-step-5", "--volume", str(tmp_path)]) == 2
+    )
+    said = capsys.readouterr()
+    assert "no export/hf-step-5 with a model" in said.out + said.err
+
+
 def test_a_finetune_on_plain_text_alone_is_prompted_with_plain_text(tmp_path):
     """Continued pretraining (format text) wraps no sample in a template: its prompts must not be either."""
     run = tmp_path / "runs/docs"

@@ -46,13 +46,16 @@ class Export:
 
 
 def find_export(volume: Volume, run: str, which: str = "auto") -> Export:
-    """The run's export to load: `which` (merged, hf, adapter), or the first of them that exists."""
+    """The run's export to load: `which` (merged, hf, adapter, or any folder under export/: a convert task's
+    hf-step-<N>), or the first of merged, hf and adapter that exists."""
     run_dir = volume.run(run).root
     export = run_dir / "export"
     kinds = EXPORT_ORDER if which == "auto" else (which,)
     for kind in kinds:
         folder = export / kind
-        if kind == "adapter" and (folder / "adapter_config.json").is_file():
+        if "/" in kind or kind in ("", ".", ".."):  # a folder of export/ by its name, nothing outside it
+            break
+        if (folder / "adapter_config.json").is_file() and (kind == "adapter" or kind not in EXPORT_ORDER):
             summary = _summary(folder)
             base = _adapter_base(folder, summary, volume)
             # A hub id at the commit the finetune pinned (as convert's merge fetches it): the hub's main may
@@ -62,11 +65,11 @@ def find_export(volume: Volume, run: str, which: str = "auto") -> Export:
             return Export(kind, base, folder, template, summary.get("quantization"), revision)
         if kind != "adapter" and (folder / "config.json").is_file():
             return Export(kind, folder, None, training_template(run_dir))
-    found = ", ".join(sorted(p.name for p in export.iterdir())) if export.is_dir() else ""
+    found = ", ".join(sorted(p.name for p in export.iterdir() if p.is_dir())) if export.is_dir() else ""
     raise InputError(
-        f"run {run}: no {' or '.join(f'export/{k}' for k in kinds)} under {run_dir} "
-        f"(found: {found or 'nothing'}); finish the run (trainpod run ...) or convert it "
-        "(trainpod run convert), or pass --volume where it lives"
+        f"run {run}: no {' or '.join(f'export/{k}' for k in kinds)} with a model under {run_dir} "
+        f"(found: {found or 'nothing'}); pass --export with one of those, finish the run (trainpod run ...) or "
+        "convert it (trainpod run convert: a checkpoint's hf-step-<N>), or pass --volume where it lives"
     )
 
 

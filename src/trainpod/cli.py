@@ -1072,7 +1072,13 @@ def _temperature(raw: str) -> float:
 def _chat_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_name", metavar="RUN")
     p.add_argument("--volume", help="volume root (default: $TRAINPOD_VOLUME, else /workspace)")
-    p.add_argument("--export", default="auto", choices=["auto", "merged", "hf", "adapter"])
+    p.add_argument(
+        "--export",
+        default="auto",
+        metavar="FOLDER",
+        help="auto (merged, else hf, else adapter), or a folder of the run's export/: merged, hf, adapter, or a "
+        "converted checkpoint's hf-step-<N>",
+    )
     p.add_argument("--system", help="a system message, for templates that have one")
     p.add_argument("--max-new-tokens", type=_positive_int, default=200)
     p.add_argument("--temperature", type=_temperature, default=0.7, help="0: greedy")

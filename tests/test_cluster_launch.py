@@ -8,6 +8,7 @@ a tiny pretrain. RunPod itself is the fake API (the mock of RunPod).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -197,3 +198,21 @@ def test_a_stops_sigterm_to_boots_process_group_reaches_torchrun_once(tmp_path):
     output = node.communicate(timeout=60)[0]
     assert "exit 143" in output, output
     assert count.read_text() == "1", "torchrun got the stop's SIGTERM more than once"
+
+
+@pytest.mark.parametrize(("exit_with", "code"), [("None", 0), ("3", 3), ("'a message'", 1)])
+def test_a_rank_that_calls_sys_exit_reports_the_code_python_exits_with(tmp_path, exit_with, code):
+    """A rank's sys.exit() (a library ending a finished run so) was reported as 2, bad input: the node's
+    launcher marked a run that had succeeded FAILED. It is reported as Python exits: 0, the int, or 1."""
+    program = (
+        "import runpy, trainpod.cli as cli\n"
+        f"def main(argv): raise SystemExit({exit_with})\n"
+        "cli.main = main\n"
+        "runpy.run_module('trainpod.rank', run_name='__main__')\n"
+    )
+    env = child_env({"TRAINPOD_RANK_EXIT_DIR": str(tmp_path), "RANK": "1"})
+    ran = subprocess.run(
+        [sys.executable, "-c", program], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert ran.returncode == code, ran.stderr
+    assert json.loads((tmp_path / "rank-1.json").read_text()) == {"rank": 1, "code": code}

@@ -16,7 +16,8 @@ code = 1  # an exception escaping the CLI is a crash: the failed-start path
 try:
     code = main(sys.argv[1:])
 except SystemExit as exc:  # argparse's usage errors and sys.exit inside a workload
-    code = exc.code if isinstance(exc.code, int) else 2
+    # As Python exits on it: sys.exit() is success, sys.exit("message") a failure (1).
+    code = 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1
 finally:
     report_rank_exit(code)
 sys.exit(code)

@@ -334,6 +334,19 @@ def test_a_missing_deploy_field_is_not_told_to_be_passed_with_a_set_flag_deploy_
     assert "--set" not in out
 
 
+def test_a_workload_configs_missing_field_names_env_set_the_deploys_way_to_override_it(tmp_path, capsys):
+    """A workload config's missing field, found by deploy, repeated the loader's "pass --set train.max_steps=VALUE";
+    deploy has no --set (argparse: unrecognized arguments). The pod applies the deploy YAML's env.set to it."""
+    workload = tmp_path / "work.yaml"
+    workload.write_text("train: {}\n")
+    path = write_config(tmp_path, config=str(workload))
+    assert cli.main(["deploy", str(path), "--dry-run"]) == 2
+    out = capsys.readouterr().out
+    assert "train.max_steps: required but missing" in out
+    assert "set train.max_steps=VALUE in the deploy YAML's env.set" in out
+    assert "--set" not in out, "deploy has no --set flag: the fix must name env.set"
+
+
 def test_a_cuda_version_written_unquoted_is_the_version_it_spells(tmp_path):
     """YAML reads `cuda_version: 12.8` as a float: it was refused as "not a valid string", next to a
     description that lists 12.8 among the versions to pick."""

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from trainpod.config.deploy import DeployConfig
+from trainpod.config.loader import SET_FLAG_FIX
 from trainpod.errors import ConfigError, InputError, TrainpodError
 from trainpod.runpod.deploy import pod_problems
 
@@ -82,9 +83,19 @@ def workload_config_problems(config: DeployConfig, deploy_path: str) -> list[str
         return []  # it may come from env.git_repo or the volume: the pod's boot checks it (exit 2)
     try:
         load_workload_config(workloads.get(config.workload), path, parse_overrides(config.env.set))
+    except ConfigError as exc:
+        return [
+            f"config={config.config!r} ({path}): {_fix_for_a_deploy(problem)}" for problem in exc.problems
+        ]
     except TrainpodError as exc:
         return [f"config={config.config!r} ({path}): {exc}"]
     return []
+
+
+def _fix_for_a_deploy(problem: str) -> str:
+    """The loader's "pass --set key=VALUE" names a flag of `trainpod run` that deploy lacks: in a deploy, the pod
+    applies the deploy YAML's env.set (its TRAINPOD_SET) to the workload config, so that is where a value goes."""
+    return SET_FLAG_FIX.sub(r"set \1=VALUE in the deploy YAML's env.set (the pod's TRAINPOD_SET)", problem)
 
 
 def secrets_line(config: DeployConfig, secrets_from_env: bool) -> str:

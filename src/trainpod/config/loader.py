@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import re
 import shlex
 import typing
 from pathlib import Path
@@ -138,6 +139,15 @@ def _field_description(model_cls: type[BaseModel], loc: tuple[Any, ...]) -> str 
     return field.description if field is not None else None
 
 
+# The fix a missing field's message names where the command takes --set (`trainpod run`); a deploy, which has no
+# --set, finds it by this pattern and names its own way to the same override (deploy_checks).
+SET_FLAG_FIX = re.compile(r"pass --set (\S+?)=VALUE")
+
+
+def set_flag_fix(dotted: str) -> str:
+    return f"pass --set {dotted}=VALUE"
+
+
 def _describe(model_cls: type[BaseModel], error: dict[str, Any]) -> str:
     loc = tuple(error["loc"])
     dotted = ".".join(str(part) for part in loc) or "(top level)"
@@ -154,7 +164,7 @@ def _describe(model_cls: type[BaseModel], error: dict[str, Any]) -> str:
             return f"{dotted}: required but missing{about}; add it to that entry of the list in the YAML"
         if not getattr(model_cls, "takes_overrides", True):  # its commands have no --set (deploy, supervise)
             return f"{dotted}: required but missing{about}; add it to the YAML"
-        return f"{dotted}: required but missing{about}; add it to the YAML or pass --set {dotted}=VALUE"
+        return f"{dotted}: required but missing{about}; add it to the YAML or {set_flag_fix(dotted)}"
     if kind == "value_error" and isinstance(error.get("input"), dict):
         # A cross-field check on a whole section: its message already names the fields and the fix.
         return str(error["msg"]).removeprefix("Value error, ")

@@ -14,6 +14,7 @@ from trainpod.runpod.client import (
     RunPodAuthError,
     RunPodClient,
     RunPodError,
+    RunPodForbidden,
     RunPodUnavailable,
     api_key,
 )
@@ -91,6 +92,37 @@ def test_a_rejected_key_is_a_clear_error_and_never_shown(fake, caplog, capsys):
     assert len(fake.requests) == 1, "a 401 is not retried"
     seen = str(caught.value) + caplog.text + capsys.readouterr().out + repr(client)
     assert "WRONGKEY" not in seen
+
+
+@pytest.mark.parametrize(
+    ("answer", "refused_key"),
+    [
+        ({"title": "Forbidden", "status": 403, "detail": "no access to this pool"}, False),
+        ({"error": "you do not have permission to use this network volume"}, False),
+        ({"title": "Forbidden", "status": 403, "detail": "API key does not have write access"}, True),
+        ({"message": "Forbidden"}, True),
+        (None, True),
+    ],
+)
+def test_a_403_about_what_was_asked_for_is_not_called_a_refused_key(fake, answer, refused_key):
+    """v2's 403 "no access to this pool" read as "RUNPOD_API_KEY rejected ... create one with All permissions": the
+    user replaced a key that worked. A 403 whose words name the key (or that has none) is still the key refused;
+    any other says the key was accepted and names what to check, without RunPod's words (they may echo secrets)."""
+    asked: list[str] = []
+    fake.handle = lambda method, raw_path, headers, raw_body: (asked.append(raw_path), (403, answer, {}))[1]
+    with pytest.raises(RunPodError) as caught:
+        client_for(fake).list_pods()
+    message = str(caught.value)
+    if refused_key:
+        assert isinstance(caught.value, RunPodAuthError) and "RUNPOD_API_KEY rejected" in message
+    else:
+        assert isinstance(caught.value, RunPodForbidden), (
+            "ends deploy and supervise (exit 2) as a refused key does"
+        )
+        assert "RUNPOD_API_KEY rejected" not in message
+        assert "the key was accepted" in message and "pod.gpu_types" in message, message
+        assert "pool" not in message.split("(403)")[0] and "no access" not in message
+    assert len(asked) == 1, "a 403 is not retried"
 
 
 def test_a_slow_api_times_out_and_is_retried_then_reported(fake):

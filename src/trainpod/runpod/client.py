@@ -63,7 +63,21 @@ class RunPodError(TrainpodError):
 
 
 class RunPodAuthError(RunPodError):
-    """No key, or RunPod rejected it (401/403): nothing will work until the user fixes the key."""
+    """No key, or RunPod rejected it (401, or a 403 about the key): nothing will work until the user fixes the key."""
+
+
+class RunPodForbidden(RunPodAuthError):
+    """403 about what the request names, not the key (v2's "no access to this pool"): the key works, but as with a
+    key refused every later try of the same request fails until the user acts, so it ends deploy and supervise (exit
+    2) as a refused key does, with its own fix."""
+
+
+# A 403 is about what was asked for when RunPod's words name a thing the request names and not the key; any other
+# (the key named, a bare "Forbidden", no words) stays the key refused, as RunPod's 403s were read before.
+KEY_WORDS = re.compile(r"\b(api[ _-]?key|key|token|credential|unauthori[sz]ed|authenticat)", re.IGNORECASE)
+RESOURCE_WORDS = re.compile(
+    r"\b(pool|gpu|volume|template|data ?cent(er|re)|region|cloud|cluster|pod|resource)s?\b", re.IGNORECASE
+)
 
 
 class RunPodNoFunds(RunPodAuthError):
@@ -367,7 +381,8 @@ class RunPodClient:
                 return self._send(method, url, data, headers or {}, stream, timeout, answer_needed)
             except urllib.error.HTTPError as exc:
                 retry_after = exc.headers.get("Retry-After") if exc.headers else None
-                no_capacity = not idempotent and _says_no_capacity(exc)  # read to tell it apart, never shown
+                said = _answer_text(exc)  # read to tell answers of one status apart, never shown
+                no_capacity = not idempotent and _says_no_capacity(exc.code, said)
                 exc.close()
                 if no_capacity:
                     raise RunPodNoCapacity(
@@ -378,7 +393,7 @@ class RunPodClient:
                 if exc.code == 404 and method == "DELETE" and done_maybe_before:
                     return None  # an earlier try whose answer was lost deleted it: done, nothing left to bill
                 if exc.code != 429 and exc.code < 500:
-                    raise _client_error(exc.code, endpoint) from None
+                    raise _client_error(exc.code, endpoint, said) from None
                 status, problem, wait = exc.code, f"answered {exc.code}", self._delay(attempt, retry_after)
                 maybe_done = exc.code != 429  # a 429 is refused before anything is done
             except TimeoutError:
@@ -627,7 +642,16 @@ class DryRunClient(RunPodClient):
         return {**(body or {}), "id": f"<new {kind} id>", "desiredStatus": "RUNNING"}
 
 
-def _client_error(status: int, endpoint: str) -> RunPodError:
+def _client_error(status: int, endpoint: str, said: str | None = None) -> RunPodError:
+    if status == 403 and said and RESOURCE_WORDS.search(said) and not KEY_WORDS.search(said):
+        return RunPodForbidden(
+            f"RunPod refused {endpoint} (403): the key was accepted, but what the request names is not open to "
+            "it (a GPU type's pool, a data center, a volume or template of another account), or the key may read "
+            "but not write; nothing was made. Check pod.gpu_types and volume.data_center against what the account "
+            "can rent in RunPod's console, and that the key has All permissions "
+            "(https://console.runpod.io/user/settings)",
+            status,
+        )
     if status in (401, 403):
         return RunPodAuthError(
             f"RUNPOD_API_KEY rejected: RunPod answered {status} to {endpoint}; the key is wrong, revoked, "
@@ -657,19 +681,24 @@ def _client_error(status: int, endpoint: str) -> RunPodError:
     )
 
 
-def _says_no_capacity(exc: urllib.error.HTTPError) -> bool:
-    """Whether RunPod's error answer is its "no instances available" (NO_CAPACITY), by its `detail` (v2) or `error`
-    (v1) text alone. The body is read only for this: it may echo the request, secrets included."""
-    if exc.code in (401, 402, 403, 404, 429):
-        return False
+def _answer_text(exc: urllib.error.HTTPError) -> str | None:
+    """RunPod's words in an error answer: `detail` (v2), `error` or `message` (v1); None when it has none. Read only
+    to tell answers of one status apart, never shown: it may echo the request, secrets included."""
     try:
         answer = json.loads(exc.read(ERROR_BODY_READ_LIMIT) or b"null")
     except (OSError, ValueError, http.client.HTTPException):
-        return False
+        return None
     if not isinstance(answer, dict):
+        return None
+    text = answer.get("detail") or answer.get("error") or answer.get("message")
+    return text if isinstance(text, str) else None
+
+
+def _says_no_capacity(status: int, said: str | None) -> bool:
+    """Whether RunPod's error answer is its "no instances available" (NO_CAPACITY), by its text alone."""
+    if status in (401, 402, 403, 404, 429) or said is None:
         return False
-    text = answer.get("detail") or answer.get("error")
-    return isinstance(text, str) and NO_CAPACITY.search(text) is not None
+    return NO_CAPACITY.search(said) is not None
 
 
 def _reason(exc: urllib.error.URLError) -> str:

@@ -324,11 +324,15 @@ def test_a_create_redirected_is_refused_never_sent_on_as_a_list(fake, code):
         return handle(method, raw_path, headers, raw_body)
 
     fake.handle = redirecting
-    with pytest.raises(RunPodError, match=f"answered {code} redirecting.*TRAINPOD_RUNPOD_API_URL"):
+    with pytest.raises(RunPodError, match=f"answered {code} redirecting.*TRAINPOD_RUNPOD_API_URL") as caught:
         client_for(fake).create_pod(
             {"name": "tiny-pretrain", "imageName": "img", "gpuTypeIds": ["NVIDIA H100 80GB HBM3"]}
         )
     assert fake.calls("GET") == [], "the create was sent on as a GET"
+    # A 307/308 keeps the method and body: saying it would become a GET (or "another request") was untrue of them.
+    keeps_the_request = code in (307, 308)
+    assert ("body and all" in str(caught.value)) is keeps_the_request, str(caught.value)
+    assert ("GET without its body" in str(caught.value)) is not keeps_the_request, str(caught.value)
 
 
 @pytest.mark.parametrize(("method", "code"), [("POST", 307), ("POST", 308), ("GET", 308), ("GET", 302)])

@@ -590,17 +590,24 @@ class _KeyStaysWithItsOrigin(urllib.request.HTTPRedirectHandler):
     log archive's, an http:// downgrade) would be handed the account's key, which rents GPUs on it."""
 
     def redirect_request(self, req, fp, code, msg, headers, newurl):  # type: ignore[override]
-        if req.get_method() not in ("GET", "HEAD"):  # urllib sends a POST on as a GET, without its body
+        if req.get_method() not in ("GET", "HEAD"):
             raise RunPodError(
                 f"RunPod answered {code} redirecting {req.get_method()} {urllib.parse.urlsplit(req.full_url).path} "
-                f"to {_origin(newurl)[1]}: a create, update or delete is never sent on (it would arrive as "
-                f"another request); check {API_URL_ENV} / {API_V2_URL_ENV} or the proxy in between",
+                f"to {_origin(newurl)[1]}: a create, update or delete is never sent on ({_what_sending_on_does(code)}); "
+                f"nothing was sent there; check {API_URL_ENV} / {API_V2_URL_ENV} or the proxy in between",
                 code,
             )
         redirected = super().redirect_request(req, fp, code, msg, headers, newurl)
         if redirected is not None and _origin(redirected.full_url) != _origin(req.full_url):
             redirected.remove_header("Authorization")
         return redirected
+
+
+def _what_sending_on_does(code: int) -> str:
+    """What following this redirect would do to a create, update or delete; 307 and 308 keep method and body."""
+    if code in (307, 308):
+        return f"a {code} asks for the same request, body and all, at that address"
+    return f"a {code} turns it into a GET without its body: another request"
 
 
 def _origin(url: str) -> tuple[str, str | None, int | None]:

@@ -284,6 +284,26 @@ def test_stop_and_terminate_act_on_the_runs_pods_only(fake, tmp_path, capsys):
     assert [p["name"] for p in fake.pods.values()] == ["other-pretrain"]
 
 
+def test_stop_stops_the_pods_when_the_deploy_config_at_hand_cannot_be_read(
+    fake, tmp_path, monkeypatch, capsys
+):
+    """With RunPod's S3 key exported, `trainpod stop` read the deploy config ($TRAINPOD_CONFIG, often a workload
+    YAML left exported from `trainpod run`) to find the volume for its STOPPED record; a config that did not load
+    ended the stop with exit 2 before any pod was stopped, and the GPUs billed on. The record is skipped, said so."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("TRAINPOD_VOLUME", str(tmp_path / "not-mounted"))
+    deploy(client_for(fake), config(tmp_path))
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "user_test")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test-secret")
+    workload = tmp_path / "pretrain.yaml"
+    workload.write_text("name: tiny\ntrain: {max_steps: 5}\n")
+    monkeypatch.setenv("TRAINPOD_CONFIG", str(workload))
+    assert cli.main(["stop", "tiny"]) == 0
+    assert fake.pods_named("tiny-pretrain")[0]["desiredStatus"] == "EXITED", "the pod was left billing"
+    said = capsys.readouterr()
+    assert "STOPPED is not recorded on the volume" in said.out + said.err
+
+
 def test_stop_goes_on_past_a_pod_that_terminated_itself_meanwhile(fake, tmp_path, monkeypatch):
     """The supervisor pod (stopped first) terminates itself between the listing and its stop: the
     training pod must still be stopped and the run marked stopped, or it keeps billing."""

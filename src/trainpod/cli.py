@@ -612,9 +612,14 @@ def stop(run_name: str, terminate: bool = False) -> int:
         client = RunPodClient.from_env()  # first: without a key nothing is recorded as stopped
         volume = Volume.from_env()
         mounted = volume if volume.root.is_dir() else None
-        volume_s3 = None if mounted else _supervised_volume_s3(_deploy_config_of(run_name))
-        unrecorded = None
-        if mounted is None and volume_s3 is None:
+        unrecorded, volume_s3 = None, None
+        # The record's volume comes from the deploy config: one that does not load ($TRAINPOD_CONFIG left naming a
+        # workload's YAML) or a volume lookup RunPod fails loses the record, never the stop of pods that bill.
+        try:
+            volume_s3 = None if mounted else _supervised_volume_s3(_deploy_config_of(run_name))
+        except TrainpodError as exc:
+            unrecorded = f"the run's deploy config, which names the volume, could not be used ({exc})"
+        if unrecorded is None and mounted is None and volume_s3 is None:
             unrecorded = (
                 f"it is not mounted here (TRAINPOD_VOLUME, {volume.root}) and RunPod's S3 key (AWS_ACCESS_KEY_ID, "
                 "AWS_SECRET_ACCESS_KEY) with the run's deploy config is not at hand"

@@ -453,3 +453,24 @@ def test_an_adapters_hub_base_is_loaded_at_the_commit_the_finetune_trained_on(tm
     with pytest.raises(InputError):
         chat.load(export)
     assert asked["name"] == "org/base" and asked.get("revision") == "0123abc"
+
+
+def test_a_qlora_adapters_4bit_base_computes_in_the_dtype_its_run_trained_with():
+    """A run on a GPU without bf16 trains with fp16 compute; chat's 4-bit base computes in that dtype too."""
+    from trainpod.chat import Export, load_kwargs
+    from trainpod.errors import InputError
+
+    def export(quantization: dict) -> Export:
+        return Export("adapter", "base", Path("adapter"), None, quantization)
+
+    fp16 = load_kwargs(
+        export({"quant_type": "nf4", "double_quant": True, "compute_dtype": "float16"}), cuda=True
+    )
+    assert fp16["dtype"] == torch.float16
+    assert fp16["quantization_config"].bnb_4bit_compute_dtype == torch.float16
+    # A summary from before the dtype was recorded trained in bf16.
+    older = load_kwargs(export({"quant_type": "nf4", "double_quant": True}), cuda=True)
+    assert older["quantization_config"].bnb_4bit_compute_dtype == torch.bfloat16
+    assert load_kwargs(export({"compute_dtype": "float16"}), cuda=False) == {"dtype": torch.float32}
+    with pytest.raises(InputError, match=r"compute_dtype 'int8'.*bfloat16, float16, float32"):
+        load_kwargs(export({"compute_dtype": "int8"}), cuda=True)

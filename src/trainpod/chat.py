@@ -121,19 +121,7 @@ def load(export: Export) -> tuple[Any, Any]:
 
     transformers_logging.disable_progress_bar()
     cuda = torch.cuda.is_available()
-    kwargs: dict[str, Any] = {"dtype": torch.bfloat16 if cuda else torch.float32}
-    if (
-        export.quantization and cuda
-    ):  # as it trained; on CPU 4-bit matmuls are slow, the 16/32-bit base is used
-        from transformers import BitsAndBytesConfig
-
-        q = export.quantization
-        kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_quant_type=q.get("quant_type", "nf4"),
-            bnb_4bit_use_double_quant=q.get("double_quant", True),
-            bnb_4bit_compute_dtype=torch.bfloat16,
-        )
+    kwargs = load_kwargs(export, cuda)
     tokenizer = AutoTokenizer.from_pretrained(str(export.adapter_dir or export.model_dir))
     try:
         model = _model_class(export.model_dir, export.revision).from_pretrained(
@@ -153,6 +141,32 @@ def load(export: Export) -> tuple[Any, Any]:
     if cuda and not export.quantization:
         model = model.to("cuda")
     return model.eval(), tokenizer
+
+
+def load_kwargs(export: Export, cuda: bool) -> dict[str, Any]:
+    """from_pretrained's dtype (and 4-bit settings): bf16 on a GPU, fp32 on the CPU; a QLoRA adapter's base on
+    a GPU in 4 bits as it trained, computing in the dtype its run recorded (fp16 where the GPU had no bf16)."""
+    import torch
+
+    if not (export.quantization and cuda):  # on CPU 4-bit matmuls are slow, the 16/32-bit base is used
+        return {"dtype": torch.bfloat16 if cuda else torch.float32}
+    from transformers import BitsAndBytesConfig
+
+    q = export.quantization
+    name = q.get("compute_dtype") or "bfloat16"  # summaries from before it was recorded trained in bf16
+    compute_dtype = getattr(torch, name, None) if name in ("bfloat16", "float16", "float32") else None
+    if compute_dtype is None:
+        raise InputError(
+            f"{SUMMARY}: quantization compute_dtype {name!r} is not one of bfloat16, float16, float32; "
+            "fix the summary to the dtype the run trained in"
+        )
+    quantization_config = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=q.get("quant_type", "nf4"),
+        bnb_4bit_use_double_quant=q.get("double_quant", True),
+        bnb_4bit_compute_dtype=compute_dtype,
+    )
+    return {"dtype": compute_dtype, "quantization_config": quantization_config}
 
 
 def _model_class(model_dir: Path | str, revision: str | None = None) -> Any:

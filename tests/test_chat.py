@@ -474,3 +474,26 @@ def test_a_qlora_adapters_4bit_base_computes_in_the_dtype_its_run_trained_with()
     assert load_kwargs(export({"compute_dtype": "float16"}), cuda=False) == {"dtype": torch.float32}
     with pytest.raises(InputError, match=r"compute_dtype 'int8'.*bfloat16, float16, float32"):
         load_kwargs(export({"compute_dtype": "int8"}), cuda=True)
+
+
+def test_a_rope_scaled_models_chat_is_trimmed_to_the_context_its_scaling_stretches_to():
+    """Under YaRN the usable context is original_max_position_embeddings times the factor; trimming the history
+    at max_position_embeddings (the pretrained length) dropped turns the model reads fine."""
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig
+
+    from trainpod.chat import model_positions
+
+    def positions(**config) -> int | None:
+        return model_positions(SimpleNamespace(config=LlamaConfig(**config)), tokenizer=None)
+
+    assert positions(max_position_embeddings=64) == 64
+    assert positions(max_position_embeddings=64, rope_scaling={"rope_type": "yarn", "factor": 4.0}) == 256
+    assert positions(max_position_embeddings=64, rope_scaling={"rope_type": "dynamic", "factor": 2.0}) == 128
+    # Llama 3.1's config already names the stretched length.
+    llama31 = {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 16}
+    llama31 |= {"low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    assert positions(max_position_embeddings=128, rope_scaling=llama31) == 128
+    # Linear scaling's configs write either length as max_position_embeddings: it is kept.
+    assert positions(max_position_embeddings=64, rope_scaling={"rope_type": "linear", "factor": 4.0}) == 64

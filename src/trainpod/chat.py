@@ -272,16 +272,41 @@ class Conversation:
 
 
 def model_positions(model: Any, tokenizer: Any) -> int | None:
-    """Tokens the model reads at most: its config's max_position_embeddings (n_positions for GPT-2's learned
-    ones; a vision-language model's text model's), else the tokenizer's model_max_length; None where neither
-    says (transformers' "no limit" is 1e30)."""
+    """Tokens the model reads at most: its config's max_position_embeddings or the length its RoPE scaling
+    stretches to (n_positions for GPT-2's learned ones; a vision-language model's text model's), else the
+    tokenizer's model_max_length; None where neither says (transformers' "no limit" is 1e30)."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     for name in ("max_position_embeddings", "n_positions"):
         value = getattr(config, name, None)
         if isinstance(value, int) and value > 0:
-            return value
+            return max(value, _rope_scaled_positions(config, value))
     limit = getattr(tokenizer, "model_max_length", None)
     return limit if isinstance(limit, int) and 0 < limit < 10**9 else None
+
+
+def _rope_scaled_positions(config: Any, max_positions: int) -> int:
+    """The context a RoPE scaling stretches to, 0 where none does. Transformers scales YaRN and dynamic NTK
+    from original_max_position_embeddings (max_position_embeddings where it is absent) by the factor; a
+    config whose max_position_embeddings is already the stretched length (Llama 3.1's llama3, Phi-3's
+    longrope) keeps it, as the caller takes the larger. Linear scaling without an original length leaves
+    max_position_embeddings as it is: such configs write either length there."""
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if not isinstance(rope, dict):
+        return 0
+    per_layer_type = [r for r in rope.values() if isinstance(r, dict)]  # Gemma 3: full and sliding attention
+    longest = 0
+    for params in per_layer_type or [rope]:
+        factor = params.get("factor")
+        kind = params.get("rope_type") or params.get("type")
+        original = params.get("original_max_position_embeddings")
+        if not isinstance(factor, (int, float)) or factor <= 1:
+            continue
+        if not isinstance(original, int) or original <= 0:
+            if kind not in ("yarn", "dynamic"):
+                continue
+            original = max_positions
+        longest = max(longest, int(original * factor))
+    return longest
 
 
 def stream_reply(

@@ -456,3 +456,44 @@ def test_a_gpt_neox_adapter_loads_in_mlx_lm_under_its_renamed_layers_and_gives_p
     assert np.abs(expected - unadapted).max() > 1e-2, "the adapter must change the logits"
     diff = np.abs(mlx_logits(base, out) - expected).max()
     assert diff <= TOLERANCE, f"mlx-lm logits differ from PEFT's by {diff}"
+
+
+def test_a_gpt_j_adapter_loads_in_mlx_lm_under_its_renamed_model_and_gives_peft_logits(
+    vol: Volume, tmp_path: Path
+) -> None:
+    # mlx-lm's GPT-J keeps transformer.* as model.* (GPTBigCode, also transformer.h, keeps transformer.*): the
+    # adapter kept the hub's names, which mlx-lm refused at load, and its keys named no layer's modules.
+    import torch
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import GPTJConfig, GPTJForCausalLM
+
+    from convert_support import VOCAB, randomize_adapter, save_tokenizer
+
+    torch.manual_seed(0)
+    config = GPTJConfig(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64, rotary_dim=8)
+    base = tmp_path / "gptj"
+    GPTJForCausalLM(config).save_pretrained(base)
+    save_tokenizer(base)
+    model = get_peft_model(
+        GPTJForCausalLM.from_pretrained(base),
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "fc_out"]),
+    )
+    randomize_adapter(model, 1)
+    model.save_pretrained(adapter_dir(vol))
+    save_tokenizer(adapter_dir(vol))
+    (adapter_dir(vol) / "training_summary.json").write_text(
+        json.dumps({"method": "lora", "base_model": str(base)})
+    )
+    out = convert_to_mlx(vol)
+    saved = json.loads((out / "adapter_config.json").read_text())
+    assert saved["lora_parameters"]["keys"] == ["attn.q_proj", "attn.v_proj", "mlp.fc_out"]
+    peft_model = PeftModel.from_pretrained(
+        GPTJForCausalLM.from_pretrained(base), str(adapter_dir(vol))
+    ).eval()
+    with torch.no_grad():
+        expected = peft_model(input_ids=torch.tensor(INPUT_IDS)).logits[0].numpy()
+        with peft_model.disable_adapter():
+            unadapted = peft_model(input_ids=torch.tensor(INPUT_IDS)).logits[0].numpy()
+    assert np.abs(expected - unadapted).max() > 1e-2, "the adapter must change the logits"
+    diff = np.abs(mlx_logits(base, out) - expected).max()
+    assert diff <= TOLERANCE, f"mlx-lm logits differ from PEFT's by {diff}"

@@ -71,6 +71,12 @@ class AdapterInputs:
             return None
         return peft_adapter.base_config(self.base_dir).get("num_hidden_layers")
 
+    def base_model_type(self) -> str | None:
+        """The base's config.json model_type, None where the base is no local folder."""
+        if self.base_dir is None:
+            return None
+        return peft_adapter.base_config(self.base_dir).get("model_type")
+
 
 def _folder_files(folder: Path, label: str) -> dict[str, Path]:
     files = sorted(p for p in folder.iterdir() if p.is_file() and not p.name.startswith("."))
@@ -216,6 +222,9 @@ def _mlx(task: MlxTask, sources: AdapterInputs, export_root: Path) -> Output:
     settings = {"task": task.model_dump(mode="json"), "base_model": sources.base_name, "base_layers": layers}
     if sources.base_revision:  # the README loads it; set only for a hub base, so other outputs keep their key
         settings["base_revision"] = sources.base_revision
+    model_type = sources.base_model_type()
+    if mlx.renames_module_names(model_type):  # made again under mlx-lm's names (GPT-J's were HF's before)
+        settings["base_model_type"] = model_type
     chat_format = mlx.trained_template_name(sources.adapter)
     if chat_format:  # made again with its chat format, as above
         settings["chat_format"] = chat_format
@@ -225,7 +234,7 @@ def _mlx(task: MlxTask, sources: AdapterInputs, export_root: Path) -> Output:
         sources.adapter.files(),
         settings,
         lambda staging: mlx.write_mlx_adapter(
-            sources.adapter, staging, sources.base_name, layers, sources.base_revision
+            sources.adapter, staging, sources.base_name, layers, sources.base_revision, model_type
         ),
     )
 

@@ -25,13 +25,18 @@ from trainpod.convert.adapter import PeftAdapter
 from trainpod.convert.output import Staging
 from trainpod.errors import InputError
 
-_LAYER_MODULE = re.compile(r"^(?:model\.|gpt_neox\.)?layers\.(\d+)\.(.+)$")
+# A decoder layer's module: Llama-likes' model.layers.<i>, GPT-NeoX's gpt_neox.layers.<i>, GPT-J's and
+# GPTBigCode's transformer.h.<i>.
+_LAYER_MODULE = re.compile(r"^(?:(?:model\.|gpt_neox\.)?layers|transformer\.h)\.(\d+)\.(.+)$")
 # Where mlx-lm's model classes name a module otherwise than transformers (their `sanitize` renames the weights):
 # GPT-NeoX (Pythia) keeps its decoder layers in model.h and the rest of gpt_neox.* and its embed_out in model.
 _MLX_RENAMES = (
     (re.compile(r"^gpt_neox\.layers\."), "model.h."),
     (re.compile(r"^(?:gpt_neox\.|(?=embed_out$))"), "model."),
 )
+# Renames that only the base's model_type tells apart: GPT-J's transformer.* is mlx-lm's model.*, while
+# GPTBigCode keeps transformer.* in mlx-lm too.
+_MLX_RENAMES_BY_MODEL_TYPE = {"gptj": ((re.compile(r"^transformer\."), "model."),)}
 _MERGE_INSTEAD = (
     "use a `kind: merge` task and convert the merged model for MLX with "
     "`mlx_lm.convert --hf-path <merged folder>`"
@@ -100,21 +105,29 @@ def refusals(adapter: PeftAdapter) -> list[str]:
     return problems
 
 
-def mlx_name(peft_module: str) -> str:
+def renames_module_names(model_type: str | None) -> bool:
+    """Whether mlx-lm names this base model_type's modules otherwise than transformers by model_type alone."""
+    return model_type in _MLX_RENAMES_BY_MODEL_TYPE
+
+
+def mlx_name(peft_module: str, model_type: str | None = None) -> str:
     """PEFT's module path is the base model's, which is mlx-lm's too (mlx-lm keeps HF's names), but for the
-    architectures whose names mlx-lm changes (_MLX_RENAMES): a tensor under the HF name is refused at load."""
-    for pattern, replacement in _MLX_RENAMES:
+    architectures whose names mlx-lm changes (_MLX_RENAMES, and by the base's model_type): a tensor under the
+    HF name is refused at load."""
+    for pattern, replacement in _MLX_RENAMES + _MLX_RENAMES_BY_MODEL_TYPE.get(model_type or "", ()):
         peft_module = pattern.sub(replacement, peft_module, count=1)
     return peft_module
 
 
-def relative_key(module: str) -> str:
+def relative_key(module: str, model_type: str | None = None) -> str:
     """The key mlx-lm's lora_parameters.keys uses: the path inside a decoder layer, else mlx-lm's full path."""
     match = _LAYER_MODULE.match(module)
-    return match.group(2) if match else mlx_name(module)
+    return match.group(2) if match else mlx_name(module, model_type)
 
 
-def mlx_layout(adapter: PeftAdapter) -> tuple[tensorfile.TensorLayout, dict[str, Callable], int, float]:
+def mlx_layout(
+    adapter: PeftAdapter, model_type: str | None = None
+) -> tuple[tensorfile.TensorLayout, dict[str, Callable], int, float]:
     """adapters.safetensors laid out in memory, how to fill each tensor, the common rank and the common scale.
 
     Each transpose, zero-padding and scale fold is computed straight into the tensor's place in the
@@ -124,7 +137,7 @@ def mlx_layout(adapter: PeftAdapter) -> tuple[tensorfile.TensorLayout, dict[str,
     scale = adapter.default_scale or 1.0
     specs, fillers = {}, {}
     for module in adapter.modules.values():
-        name, r, fold = mlx_name(module.name), module.rank, adapter.scale(module) / scale
+        name, r, fold = mlx_name(module.name, model_type), module.rank, adapter.scale(module) / scale
         # A 16-bit lora_b keeps float32 when a scale is folded in: rounding the product would change it.
         b_dtype = (
             module.lora_b.dtype if fold == 1.0 else torch.promote_types(module.lora_b.dtype, torch.float32)
@@ -184,9 +197,15 @@ def num_layers(adapter: PeftAdapter, base_layers: int | None) -> int:
 
 
 def mlx_config(
-    adapter: PeftAdapter, rank: int, scale: float, layers: int, base: str, revision: str | None = None
+    adapter: PeftAdapter,
+    rank: int,
+    scale: float,
+    layers: int,
+    base: str,
+    revision: str | None = None,
+    model_type: str | None = None,
 ) -> dict[str, Any]:
-    keys = sorted({relative_key(m) for m in adapter.modules})
+    keys = sorted({relative_key(m, model_type) for m in adapter.modules})
     pinned = {"revision": revision} if revision else {}
     return {
         "fine_tune_type": "dora" if adapter.uses_dora else "lora",
@@ -202,18 +221,24 @@ def mlx_config(
 
 
 def write_mlx_adapter(
-    adapter: PeftAdapter, staging: Staging, base: str, base_layers: int | None, revision: str | None = None
+    adapter: PeftAdapter,
+    staging: Staging,
+    base: str,
+    base_layers: int | None,
+    revision: str | None = None,
+    model_type: str | None = None,
 ) -> None:
     """Write the mlx-lm adapter into `staging.folder` (created here). `revision`: the commit of the hub id
-    `base` the finetune trained on, which the README loads (the hub's main may have moved on since)."""
+    `base` the finetune trained on, which the README loads (the hub's main may have moved on since).
+    `model_type`: the base's, for the module names mlx-lm gives that architecture."""
     problems = refusals(adapter)
     if problems:
         raise InputError(
             f"the adapter {adapter.folder} cannot be converted to an mlx-lm adapter without changing what it "
             "computes:\n  - " + "\n  - ".join(problems)
         )
-    file, fillers, rank, scale = mlx_layout(adapter)
-    config = mlx_config(adapter, rank, scale, num_layers(adapter, base_layers), base, revision)
+    file, fillers, rank, scale = mlx_layout(adapter, model_type)
+    config = mlx_config(adapter, rank, scale, num_layers(adapter, base_layers), base, revision, model_type)
     template, turn_end = trained_chat_format(adapter)
     staging.folder.mkdir(parents=True)
     staging.write_tensors("adapters.safetensors", file, lambda name, slot: fill(fillers[name], slot))

@@ -53,6 +53,7 @@ from trainpod.train.loss import (
     shift_labels,
     summed_sft_loss,
 )
+from trainpod.train.memory import checkpoint_bytes
 from trainpod.train.model import autocast_dtype, resolve_attention
 from trainpod.train.optim import build_optimizer, decay_groups, in_groups_of
 from trainpod.train.reporting import RunReporter
@@ -634,7 +635,9 @@ class Finetuner(Trainer):
         self.tracker_run_id = state.get("tracker", {}).get("wandb_run_id")
 
     def checkpoint_bytes_estimate(self) -> int:
-        return self.n_trainable * 4 * 3  # fp32 trainable tensors + two AdamW moments
+        # What trains and its optimizer's state: an 8-bit AdamW keeps about a quarter of AdamW's.
+        sizes = tuple(p.numel() for p in self.trainable.values())
+        return checkpoint_bytes(sizes, self.train_cfg.optimizer) if sizes else 0
 
     # ---------------------------------------------------------------------------- training
     def train_step(self, model: torch.nn.Module, step: int) -> StepResult:

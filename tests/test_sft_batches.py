@@ -340,3 +340,18 @@ def test_every_epoch_fills_its_steps_when_another_order_packs_into_fewer_rows():
         assert batch["input_ids"].shape[0] == 1
         seen.append(int((batch["position_ids"] == 0).sum()))
     assert sum(seen[batches.steps_per_epoch : 2 * batches.steps_per_epoch]) == len(examples)
+
+
+def test_a_later_epoch_packing_into_more_rows_says_once_how_many_it_leaves_out(caplog):
+    """Every epoch takes the first epoch's steps; another order that packs into more rows (here the second
+    epoch's: 6 rows of the 12 samples, the first's 5) left the extra row out without a word."""
+    batches = SftBatches(synthetic(12), 1, 20, True, seed=21, rank=0, world_size=1, pad_id=0)
+    assert batches.steps_per_epoch == 5
+    with caplog.at_level(logging.INFO, logger="trainpod.sft.batches"):
+        for _ in range(4 * batches.steps_per_epoch):
+            batches.next_batch()
+    said = [r.getMessage() for r in caplog.records if "more than the first epoch's" in r.getMessage()]
+    assert said == [
+        "epoch 2 packs into 6 rows, 1 more than the first epoch's 5, which set the steps of every "
+        "epoch: they are left out of it (as later epochs' extra rows are, another set each; said once)"
+    ]

@@ -153,6 +153,7 @@ class SftBatches:
         self.last_real_tokens = 0  # non-padding tokens in the latest micro batch of this rank
         self._epoch = 0
         self._step = 0
+        self._extra_rows_reported = False
         self._rows = self._plan(0)
         self._planned_rows = len(self._rows)  # the first epoch's: every epoch takes this many steps
         if self.steps_per_epoch == 0:
@@ -192,6 +193,22 @@ class SftBatches:
             self.micro_batch_size,
         )
 
+    def _report_extra_rows(self, epoch: int, rows: int) -> None:
+        """Another order may pack into more rows than the first epoch's, whose count sets every epoch's steps:
+        the rows past them are left out of that epoch on top of the ones the start reported. Said once a run,
+        with the count, as it is a few rows and another set each epoch."""
+        if self._extra_rows_reported or self.rank:
+            return
+        self._extra_rows_reported = True
+        log.info(
+            "epoch %d packs into %d rows, %d more than the first epoch's %d, which set the steps of every epoch: "
+            "they are left out of it (as later epochs' extra rows are, another set each; said once)",
+            epoch + 1,
+            rows,
+            rows - self._planned_rows,
+            self._planned_rows,
+        )
+
     @staticmethod
     def _lengths(examples: Sequence) -> np.ndarray:
         if hasattr(examples, "lengths"):
@@ -217,6 +234,8 @@ class SftBatches:
         rows = pack_first_fit(order, self.lengths, self.max_len)
         if epoch == 0:
             return rows
+        if len(rows) > self._planned_rows:
+            self._report_extra_rows(epoch, len(rows))
         # Every epoch takes the first epoch's steps, but another order may pack into fewer rows: split
         # rows (their last sample into a row of its own) until it has as many. There are enough samples
         # to split off: the first epoch made that many rows of the same samples.

@@ -99,6 +99,16 @@ def test_estimate_uses_the_mfu_a_previous_run_of_the_config_measured(no_runpod, 
     assert "31% MFU, measured by run pretrain-125m" in capsys.readouterr().out
 
 
+def test_the_estimate_prices_with_the_whole_runs_mfu_not_its_last_log_window(no_runpod, tmp_path, capsys):
+    """status.json's `mfu` is the last log window's (low after an eval or a commit in it); `run_mfu` counts the
+    whole run over the time it was billed for, as the estimate's price does."""
+    status = tmp_path / "vol/runs/pretrain-125m/status.json"
+    status.parent.mkdir(parents=True)
+    status.write_text(json.dumps({"mfu": 0.12, "run_mfu": 0.37}))
+    assert cli.main(["estimate", str(PRETRAIN_125M), "--volume", str(tmp_path / "vol")]) == 0
+    assert "37% MFU, measured by run pretrain-125m over the whole run" in capsys.readouterr().out
+
+
 def test_a_measured_mfu_prices_the_model_flops_it_measured_not_the_recomputed_forward(no_runpod, tmp_path):
     """A run's MFU counts the model's FLOPs (train/reporting.py), without gradient checkpointing's second
     forward: applied to the FLOPs executed, the 4b preset's time and cost read 4/3 of what its run measured."""

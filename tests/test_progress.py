@@ -307,3 +307,20 @@ def test_run_on_a_volume_folder_that_is_not_there_names_the_flag_given_too(tmp_p
     out = capsys.readouterr()
     assert f"TRAINPOD_VOLUME (or --volume) {missing} does not exist" in out.out + out.err
     assert not missing.exists()
+
+
+def test_status_json_holds_the_whole_runs_mfu_over_the_time_it_is_billed_for(volume, monkeypatch):
+    """`trainpod estimate` prices a run with the MFU its status.json holds. The log window's `mfu` reads low
+    after a window with an eval or a commit, high in one without; `run_mfu` is the whole run's: every token
+    over all the time it was billed for. The CPU has no bf16 peak, so the test gives it one (1 TFLOP/s)."""
+    import trainpod.train.trainer as trainer
+
+    monkeypatch.setattr(trainer, "peak_flops", lambda device: 1e12)
+    assert cli.main(["run", "pretrain", "--config", str(TINY_PRETRAIN), "--volume", str(volume)]) == 0
+    run = Volume(volume).run(RUN)
+    status = json.loads(run.status.read_text())
+    done = json.loads((run.root / "DONE").read_text())
+    rows = [json.loads(line) for line in (run.logs / "metrics.jsonl").read_text().splitlines()]
+    flops_per_token = rows[-1]["mfu"] * 1e12 / rows[-1]["tokens_per_s"]  # the run's model FLOPs per token
+    expected = done["tokens_seen"] * flops_per_token / (1e12 * status["elapsed_s"])
+    assert status["run_mfu"] == pytest.approx(expected, rel=1e-6)

@@ -448,15 +448,23 @@ def _steps_for_epochs(
 
 
 # -------------------------------------------------------------------------------- estimate
-def measured_mfu(run: str, volume: Volume | None) -> float | None:
-    """The MFU a run of this name last reported (status.json on the volume), if any."""
+def measured_mfu(run: str, volume: Volume | None) -> tuple[float, str] | None:
+    """The MFU a run of this name reported (status.json on the volume), if any, and what it covers: the whole
+    run's (`run_mfu`: evals, commits and startup in its time, as the bill has them) where the run wrote it,
+    else its last log window's (`mfu`, from runs before run_mfu: one window, with or without an eval)."""
     if volume is None:
         return None
     try:
-        value = json.loads(volume.run(run).status.read_text()).get("mfu")
+        status = json.loads(volume.run(run).status.read_text())
     except (OSError, ValueError):
         return None
-    return float(value) if value else None
+    if not isinstance(status, dict):
+        return None
+    for name, covers in (("run_mfu", "over the whole run"), ("mfu", "of its last log window")):
+        value = status.get(name)
+        if isinstance(value, (int, float)) and 0 < value <= 1:
+            return float(value), covers
+    return None
 
 
 def estimate(
@@ -492,7 +500,8 @@ def estimate(
     if mfu is not None:
         mfu_source = "given with --mfu"
     elif measured:
-        mfu, mfu_source = measured, f"measured by run {sizing.run} (status.json)"
+        mfu, covers = measured
+        mfu_source = f"measured by run {sizing.run} {covers} (status.json)"
         # A run's MFU counts the model's FLOPs (train/reporting.py), not the forward gradient checkpointing runs
         # again: applied to the FLOPs executed, the 4b preset's time and cost read 4/3 of what its run measured.
         flops /= sizing.recompute

@@ -212,6 +212,7 @@ class RunReporter:
                 "lr": metrics.get("lr"),
                 "tokens_per_s": metrics.get("tokens_per_s"),
                 "mfu": metrics.get("mfu"),
+                "run_mfu": metrics.get("run_mfu"),
                 "eta_s": eta,
                 "elapsed_s": elapsed_s,
                 "cost_usd": self.cost(elapsed_s),

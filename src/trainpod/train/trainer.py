@@ -886,11 +886,20 @@ class Trainer:
         checkpoint = None
         if self.last_committed_step is not None:
             checkpoint = {"step": self.last_committed_step, "committed_unix": self._committed_unix}
-        self.reporter.write_status(
-            state, self.progress.step, metrics or self._last_metrics, checkpoint, self.progress.elapsed_s
-        )
+        shown = {**(metrics or self._last_metrics), "run_mfu": self._run_mfu()}
+        self.reporter.write_status(state, self.progress.step, shown, checkpoint, self.progress.elapsed_s)
         if metrics:
             self._last_metrics = metrics
+
+    def _run_mfu(self) -> float | None:
+        """The whole run's MFU: every token over all the time it was billed for (progress.elapsed_s: its
+        evals, commits and startup too), what `trainpod estimate` prices a run with. A log window's `mfu`
+        reads low after a window with an eval or a commit, and high in one without."""
+        peak = peak_flops(self.dist.device)
+        if not (peak and self.flops_per_token and self.progress.elapsed_s > 0):
+            return None
+        flops = self.progress.tokens_seen * self.flops_per_token
+        return flops / (peak * self.dist.world_size * self.progress.elapsed_s)
 
     # ------------------------------------------------------------------------------ finish
     def summary(self) -> dict[str, Any]:

@@ -10,6 +10,10 @@ TORCH_SPEC ?= torch==2.13.0
 # TORCH_INDEX=https://download.pytorch.org/whl/cpu
 TORCH_INDEX ?=
 PYTEST_ARGS ?=
+# Test processes for the unit tier (pytest-xdist). Most tests wait on one trainer subprocess at a time,
+# which keeps one core busy: two workers use both cores of a CI machine. worksteal: a worker that runs out
+# takes tests queued for the other; xdist's default split left one worker alone on the last ten minutes.
+TEST_WORKERS ?= 2
 
 .PHONY: setup lock-dev demo demo-vlm test test-container bench lint clean gpu-wheels gpu-check
 
@@ -50,7 +54,7 @@ demo-vlm: setup
 	TRAINPOD_VOLUME=demo-volume $(PY) -m trainpod status tiny-vlm
 
 test: setup
-	$(PY) -m pytest -m "not container and not gpu" $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal -m "not container and not gpu" $(PYTEST_ARGS)
 
 # The container tier: installs Docker's engine from Debian if missing (root), builds the cpu image
 # offline and runs it like RunPod would (tests/container). CI runs it after `make test`.

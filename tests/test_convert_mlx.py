@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -420,10 +421,10 @@ def test_a_gpt_neox_adapter_loads_in_mlx_lm_under_its_renamed_layers_and_gives_p
     # mlx-lm renames GPT-NeoX's (Pythia's) gpt_neox.layers.<i> to model.h.<i> and its embed_out to
     # model.embed_out: the adapter kept the hub's names, which mlx-lm refused at load ("not an adapter parameter").
     import torch
-    from peft import LoraConfig, PeftModel, get_peft_model
+    from peft import LoraConfig, get_peft_model
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
-    from convert_support import VOCAB, randomize_adapter, save_tokenizer
+    from convert_support import VOCAB, save_tokenizer
 
     torch.manual_seed(0)
     config = GPTNeoXConfig(
@@ -439,23 +440,7 @@ def test_a_gpt_neox_adapter_loads_in_mlx_lm_under_its_renamed_layers_and_gives_p
         GPTNeoXForCausalLM.from_pretrained(base),
         LoraConfig(r=4, lora_alpha=8, target_modules=["query_key_value", "dense_4h_to_h", "embed_out"]),
     )
-    randomize_adapter(model, 1)
-    model.save_pretrained(adapter_dir(vol))
-    save_tokenizer(adapter_dir(vol))
-    (adapter_dir(vol) / "training_summary.json").write_text(
-        json.dumps({"method": "lora", "base_model": str(base)})
-    )
-    out = convert_to_mlx(vol)
-    peft_model = PeftModel.from_pretrained(
-        GPTNeoXForCausalLM.from_pretrained(base), str(adapter_dir(vol))
-    ).eval()
-    with torch.no_grad():
-        expected = peft_model(input_ids=torch.tensor(INPUT_IDS)).logits[0].numpy()
-        with peft_model.disable_adapter():
-            unadapted = peft_model(input_ids=torch.tensor(INPUT_IDS)).logits[0].numpy()
-    assert np.abs(expected - unadapted).max() > 1e-2, "the adapter must change the logits"
-    diff = np.abs(mlx_logits(base, out) - expected).max()
-    assert diff <= TOLERANCE, f"mlx-lm logits differ from PEFT's by {diff}"
+    convert_and_compare_logits(vol, model, GPTNeoXForCausalLM, base)
 
 
 def test_a_gpt_j_adapter_loads_in_mlx_lm_under_its_renamed_model_and_gives_peft_logits(
@@ -464,10 +449,10 @@ def test_a_gpt_j_adapter_loads_in_mlx_lm_under_its_renamed_model_and_gives_peft_
     # mlx-lm's GPT-J keeps transformer.* as model.* (GPTBigCode, also transformer.h, keeps transformer.*): the
     # adapter kept the hub's names, which mlx-lm refused at load, and its keys named no layer's modules.
     import torch
-    from peft import LoraConfig, PeftModel, get_peft_model
+    from peft import LoraConfig, get_peft_model
     from transformers import GPTJConfig, GPTJForCausalLM
 
-    from convert_support import VOCAB, randomize_adapter, save_tokenizer
+    from convert_support import VOCAB, save_tokenizer
 
     torch.manual_seed(0)
     config = GPTJConfig(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64, rotary_dim=8)
@@ -478,6 +463,19 @@ def test_a_gpt_j_adapter_loads_in_mlx_lm_under_its_renamed_model_and_gives_peft_
         GPTJForCausalLM.from_pretrained(base),
         LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "fc_out"]),
     )
+    out = convert_and_compare_logits(vol, model, GPTJForCausalLM, base)
+    saved = json.loads((out / "adapter_config.json").read_text())
+    assert saved["lora_parameters"]["keys"] == ["attn.q_proj", "attn.v_proj", "mlp.fc_out"]
+
+
+def convert_and_compare_logits(vol: Volume, model: Any, model_class: Any, base: Path) -> Path:
+    """Save the peft `model`'s randomized adapter as a finetune's, convert it, and check mlx-lm's logits of the
+    converted adapter on `base` against peft's; returns the mlx output folder."""
+    import torch
+    from peft import PeftModel
+
+    from convert_support import randomize_adapter, save_tokenizer
+
     randomize_adapter(model, 1)
     model.save_pretrained(adapter_dir(vol))
     save_tokenizer(adapter_dir(vol))
@@ -485,11 +483,7 @@ def test_a_gpt_j_adapter_loads_in_mlx_lm_under_its_renamed_model_and_gives_peft_
         json.dumps({"method": "lora", "base_model": str(base)})
     )
     out = convert_to_mlx(vol)
-    saved = json.loads((out / "adapter_config.json").read_text())
-    assert saved["lora_parameters"]["keys"] == ["attn.q_proj", "attn.v_proj", "mlp.fc_out"]
-    peft_model = PeftModel.from_pretrained(
-        GPTJForCausalLM.from_pretrained(base), str(adapter_dir(vol))
-    ).eval()
+    peft_model = PeftModel.from_pretrained(model_class.from_pretrained(base), str(adapter_dir(vol))).eval()
     with torch.no_grad():
         expected = peft_model(input_ids=torch.tensor(INPUT_IDS)).logits[0].numpy()
         with peft_model.disable_adapter():
@@ -497,3 +491,4 @@ def test_a_gpt_j_adapter_loads_in_mlx_lm_under_its_renamed_model_and_gives_peft_
     assert np.abs(expected - unadapted).max() > 1e-2, "the adapter must change the logits"
     diff = np.abs(mlx_logits(base, out) - expected).max()
     assert diff <= TOLERANCE, f"mlx-lm logits differ from PEFT's by {diff}"
+    return out

@@ -152,14 +152,16 @@ def load_kwargs(export: Export, cuda: bool) -> dict[str, Any]:
         return {"dtype": torch.bfloat16 if cuda else torch.float32}
     from transformers import BitsAndBytesConfig
 
+    from trainpod.train.export import DTYPES  # the names the finetune records, as the merge reads them
+
     q = export.quantization
     name = q.get("compute_dtype") or "bfloat16"  # summaries from before it was recorded trained in bf16
-    compute_dtype = getattr(torch, name, None) if name in ("bfloat16", "float16", "float32") else None
-    if compute_dtype is None:
+    if name not in DTYPES:
         raise InputError(
-            f"{SUMMARY}: quantization compute_dtype {name!r} is not one of bfloat16, float16, float32; "
+            f"{SUMMARY}: quantization compute_dtype {name!r} is not one of {', '.join(sorted(DTYPES))}; "
             "fix the summary to the dtype the run trained in"
         )
+    compute_dtype = DTYPES[name]
     quantization_config = BitsAndBytesConfig(
         load_in_4bit=True,
         bnb_4bit_quant_type=q.get("quant_type", "nf4"),

@@ -41,7 +41,9 @@ def test_qlora_adapter_loads_in_peft_with_the_tokenizer_summary_and_eval_reports
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    ok(run_trainpod(*finetune_args(), volume=volume))
+    output = ok(run_trainpod(*finetune_args(), volume=volume))
+    # The console is a pod's log: no per-tensor progress bar, no library deprecation the user can't act on.
+    assert "Loading weights" not in output and "FutureWarning" not in output, output
     adapter = run_dir(volume) / "export" / "adapter"
     summary = json.loads((adapter / "training_summary.json").read_text())
     assert summary["method"] == "qlora"

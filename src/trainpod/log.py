@@ -12,6 +12,7 @@ import logging
 import os
 import re
 import sys
+import warnings
 from pathlib import Path
 
 SECRET_ENV_VARS = (
@@ -82,6 +83,11 @@ class RedactingFormatter(logging.Formatter):
 
 _FORMAT = "%(asctime)s %(levelname)s [%(name)s] %(message)s"
 
+# Library warnings a user can do nothing about, printed at every finetune, merge and generate: peft 0.21
+# reads transformers 5's deprecated `is_gradient_checkpointing` when it wraps a model (a pair of versions
+# the lock pins together). Matched by message, so any other FutureWarning still shows.
+LIBRARY_NOISE = (r"`is_gradient_checkpointing` is deprecated",)
+
 
 def setup_logging(log_file: Path | None = None, rank: int = 0) -> None:
     """Log INFO to stdout (rank 0 only; other ranks log warnings) and everything to `log_file`."""
@@ -102,6 +108,8 @@ def setup_logging(log_file: Path | None = None, rank: int = 0) -> None:
         root.addHandler(file_handler)
     for noisy in ("urllib3", "filelock", "matplotlib", "PIL", "httpx"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    for message in LIBRARY_NOISE:
+        warnings.filterwarnings("ignore", message=message, category=FutureWarning)
 
 
 def attach_log_file(log_file: Path) -> None:

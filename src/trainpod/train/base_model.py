@@ -241,6 +241,9 @@ def _auto_class(vision: bool):
     """transformers' auto class: causal LMs, or image-text-to-text models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL)."""
     import transformers
 
+    # Its "Loading weights" bar redraws a line per tensor on stderr, which a pod's log keeps as one long
+    # line of carriage returns; the run's own log says when the model is loaded.
+    transformers.utils.logging.disable_progress_bar()
     return transformers.AutoModelForImageTextToText if vision else transformers.AutoModelForCausalLM
 
 

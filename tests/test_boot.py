@@ -663,6 +663,23 @@ def test_bad_input_at_boot_exits_2_and_writes_nothing(tmp_path, config):
     assert list(tmp_path.iterdir()) == [], "preflight failures must leave the volume as it was"
 
 
+def test_a_missing_field_at_boot_names_trainpod_set_the_pods_way_to_override_it(tmp_path):
+    """On the pod, boot's config check said "pass --set train=VALUE": a pod has no command line to pass it on;
+    the pod's environment's TRAINPOD_SET (a deploy's env.set) is the way."""
+    config = tmp_path / "pretrain.yaml"
+    config.write_text("name: x\ndata: {dataset: d}\n")
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    result = boot_process(volume, TRAINPOD_WORKLOAD="pretrain", TRAINPOD_CONFIG=str(config))
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert (
+        "train: required but missing; add it to the YAML or add train=VALUE to TRAINPOD_SET" in result.stdout
+    )
+    assert "--set" not in result.stdout + result.stderr, (
+        "a pod has no --set flag: the fix must name TRAINPOD_SET"
+    )
+
+
 def test_trainpod_set_with_an_unbalanced_quote_exits_2_at_boot_not_a_crash(tmp_path):
     # Exit 1 before the run is known is never counted: RunPod would restart the pod without end.
     result = boot_process(

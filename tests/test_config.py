@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from trainpod.config import load_config, parse_overrides
+from trainpod.config.loader import DEPLOY_ENV_SET, SET_FLAG, TRAINPOD_SET_VARIABLE
 from trainpod.config.pretrain import PretrainConfig
 from trainpod.errors import ConfigError, ExitCode
 
@@ -66,10 +67,26 @@ def test_malformed_yaml_names_the_line(tmp_path):
         load_config(PretrainConfig, path)
 
 
-def test_missing_required_field_says_how_to_add_it(tmp_path):
+@pytest.mark.parametrize(
+    ("route", "fix"),
+    [
+        (None, "add it to the YAML"),
+        (SET_FLAG, "add it to the YAML or pass --set train=VALUE"),
+        (TRAINPOD_SET_VARIABLE, "add it to the YAML or add train=VALUE to TRAINPOD_SET"),
+        (
+            DEPLOY_ENV_SET,
+            "add it to the YAML or add train=VALUE to the deploy YAML's env.set (the pod's TRAINPOD_SET)",
+        ),
+    ],
+    ids=["no-route", "run-flag", "pod-variable", "deploy-env-set"],
+)
+def test_missing_required_field_says_how_to_add_it_by_the_callers_route(tmp_path, route, fix):
+    """The loader named `trainpod run`'s --set wherever it was called: a pod (boot) has TRAINPOD_SET, a deploy its
+    YAML's env.set; without a route, a flag no command of the caller takes must not be named."""
     path = write(tmp_path, "name: x\ndata: {dataset: d}\n")
-    with pytest.raises(ConfigError, match=r"train: required but missing.*--set train=VALUE"):
-        load_config(PretrainConfig, path)
+    with pytest.raises(ConfigError) as caught:
+        load_config(PretrainConfig, path, route=route)
+    assert caught.value.problems == [f"train: required but missing; {fix}"]
 
 
 def test_cross_field_check_names_both_fields(tmp_path):

@@ -363,7 +363,7 @@ def test_a_workload_configs_missing_field_names_env_set_the_deploys_way_to_overr
     assert cli.main(["deploy", str(path), "--dry-run"]) == 2
     out = capsys.readouterr().out
     assert "train.max_steps: required but missing" in out
-    assert "set train.max_steps=VALUE in the deploy YAML's env.set" in out
+    assert "add train.max_steps=VALUE to the deploy YAML's env.set" in out
     assert "--set" not in out, "deploy has no --set flag: the fix must name env.set"
 
 

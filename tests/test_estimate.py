@@ -314,6 +314,23 @@ def test_finetune_by_epochs_without_a_volume_says_to_pass_one(no_runpod, tmp_pat
     assert "pass --volume where the data lives" in out and "--set train.max_steps=N" in out
 
 
+def test_deploys_estimate_of_a_finetune_by_epochs_names_env_set_not_a_set_flag(
+    no_runpod, tmp_path, monkeypatch, capsys
+):
+    """Deploy's "estimate not made" line repeated `trainpod estimate`'s "pass --set train.epochs=null --set
+    train.max_steps=N"; deploy has no --set (argparse: unrecognized arguments): the deploy YAML's env.set is the way."""
+    monkeypatch.chdir(tmp_path)
+    qlora = str(CONFIGS / "finetune/qwen2.5-7b-qlora-24gb.yaml")
+    path = deploy_config(tmp_path, workload="finetune", config=qlora)
+    assert cli.main(["deploy", str(path), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "estimate   not made: train.epochs needs the data's size" in out
+    assert (
+        "add train.epochs=null train.max_steps=N to the deploy YAML's env.set (the pod's TRAINPOD_SET)" in out
+    )
+    assert "--set" not in out, "deploy has no --set flag: the fix must name env.set"
+
+
 def test_a_finetune_vlm_config_is_estimated_by_its_own_data_not_refused_as_a_text_finetune(
     vlm_base_volume, no_runpod, capsys
 ):

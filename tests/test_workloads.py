@@ -14,6 +14,7 @@ import pytest
 from trainpod import cli, workloads
 from trainpod.config.datagen import DatagenConfig
 from trainpod.config.generate import GeneratorDatagenConfig
+from trainpod.config.loader import SET_FLAG
 from trainpod.config.sft import SftDatagenConfig
 from trainpod.errors import ConfigError, ExitCode
 from trainpod.workloads import REGISTRY, Kind, Workload
@@ -167,7 +168,7 @@ def test_another_workloads_config_is_refused_in_one_line_naming_the_workload_it_
 
     vlm = CONFIGS / "finetune/qwen3-vl-2b-qlora-ocr.yaml"
     with caplog.at_level(logging.WARNING), pytest.raises(ConfigError) as caught:
-        load_workload_config(REGISTRY["finetune"], vlm, [])
+        load_workload_config(REGISTRY["finetune"], vlm, [], SET_FLAG)
     assert caught.value.problems == [
         "this is a finetune-vlm config (it validates as one), not a finetune config: run `trainpod run "
         "finetune-vlm` with it (in a pod TRAINPOD_WORKLOAD=finetune-vlm, in a deploy config `workload: "
@@ -188,7 +189,22 @@ def test_another_workloads_config_is_refused_in_one_line_naming_the_workload_it_
     )
     assert not any(volume.iterdir()), "nothing written"
     with pytest.raises(ConfigError, match=r"train.max_stepz: unknown key; did you mean 'max_steps'"):
-        load_workload_config(REGISTRY["pretrain"], CONFIGS / "pretrain/tiny.yaml", ["train.max_stepz=3"])
+        load_workload_config(
+            REGISTRY["pretrain"], CONFIGS / "pretrain/tiny.yaml", ["train.max_stepz=3"], SET_FLAG
+        )
+
+
+def test_trainpod_run_names_its_set_flag_for_a_missing_field(tmp_path, capsys):
+    """`trainpod run` takes --set: its fix for a missing field names the flag, not the pod's TRAINPOD_SET."""
+    config = tmp_path / "pretrain.yaml"
+    config.write_text("name: x\ndata: {dataset: d}\n")
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    assert (
+        cli.main(["run", "pretrain", "--config", str(config), "--volume", str(volume)]) == ExitCode.BAD_INPUT
+    )
+    out = capsys.readouterr()
+    assert "train: required but missing; add it to the YAML or pass --set train=VALUE" in out.out + out.err
 
 
 ECHO_MODULE = """

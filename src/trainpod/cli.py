@@ -47,6 +47,7 @@ def run(
     Flags override the environment: --config over TRAINPOD_CONFIG, --run over TRAINPOD_RUN,
     --volume over TRAINPOD_VOLUME; --set assignments apply after TRAINPOD_SET.
     """
+    from trainpod.config.loader import SET_FLAG
     from trainpod.errors import InputError, TrainpodError
     from trainpod.workloads import REGISTRY
     from trainpod.workloads.lifecycle import RunRequest, execute
@@ -80,6 +81,7 @@ def run(
         return int(exc.exit_code)
     request.config_path = config or request.config_path
     request.overrides += list(set or [])
+    request.override_route = SET_FLAG  # TRAINPOD_SET works here too, but the flag is this command's own way
     request.run_name = run_name or request.run_name
     request.volume = Volume(Path(volume)) if volume else request.volume
     return execute(request)
@@ -851,10 +853,11 @@ def estimate(
     TRAINPOD_GPU_HOURLY_USD. The MFU is the one the run last measured (--volume), else an assumption.
     """
     from trainpod import estimate as estimating
+    from trainpod.config.loader import SET_FLAG
     from trainpod.errors import InputError
 
     def act() -> int:
-        workload_config, deploy_config = estimating.load_target(config, list(set or []))
+        workload_config, deploy_config = estimating.load_target(config, list(set or []), SET_FLAG)
         vol = Volume(Path(volume)) if volume else None
         if (
             vol is not None and not vol.root.is_dir()
@@ -864,7 +867,7 @@ def estimate(
                 "or leave --volume out to estimate from the config alone"
             )
         est = estimating.estimate(
-            workload_config, deploy_config, gpu, spot, mfu, _catalog(deploy_config), vol
+            workload_config, deploy_config, gpu, spot, mfu, _catalog(deploy_config), vol, SET_FLAG
         )
         print("\n".join(estimating.report(est)))
         return ExitCode.DONE

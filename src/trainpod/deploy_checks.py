@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from trainpod.config.deploy import DeployConfig
-from trainpod.config.loader import SET_FLAG_FIX
+from trainpod.config.loader import DEPLOY_ENV_SET
 from trainpod.errors import ConfigError, InputError, TrainpodError
 from trainpod.runpod.deploy import pod_problems
 
@@ -82,20 +82,14 @@ def workload_config_problems(config: DeployConfig, deploy_path: str) -> list[str
     if path is None:
         return []  # it may come from env.git_repo or the volume: the pod's boot checks it (exit 2)
     try:
-        load_workload_config(workloads.get(config.workload), path, parse_overrides(config.env.set))
+        load_workload_config(
+            workloads.get(config.workload), path, parse_overrides(config.env.set), DEPLOY_ENV_SET
+        )
     except ConfigError as exc:
-        return [
-            f"config={config.config!r} ({path}): {_fix_for_a_deploy(problem)}" for problem in exc.problems
-        ]
+        return [f"config={config.config!r} ({path}): {problem}" for problem in exc.problems]
     except TrainpodError as exc:
         return [f"config={config.config!r} ({path}): {exc}"]
     return []
-
-
-def _fix_for_a_deploy(problem: str) -> str:
-    """The loader's "pass --set key=VALUE" names a flag of `trainpod run` that deploy lacks: in a deploy, the pod
-    applies the deploy YAML's env.set (its TRAINPOD_SET) to the workload config, so that is where a value goes."""
-    return SET_FLAG_FIX.sub(r"set \1=VALUE in the deploy YAML's env.set (the pod's TRAINPOD_SET)", problem)
 
 
 def secrets_line(config: DeployConfig, secrets_from_env: bool) -> str:
@@ -110,8 +104,8 @@ def estimate_lines(config: DeployConfig, deploy_path: str, catalog: list, force:
     from trainpod import estimate as estimating
 
     try:
-        workload_config, _ = estimating.load_target(deploy_path)
-        est = estimating.estimate(workload_config, config, catalog=catalog)
+        workload_config, _ = estimating.load_target(deploy_path, route=DEPLOY_ENV_SET)
+        est = estimating.estimate(workload_config, config, catalog=catalog, route=DEPLOY_ENV_SET)
     except TrainpodError as exc:
         return [f"estimate   not made: {exc}"]
     lines = estimating.report(est)

@@ -27,6 +27,7 @@ from trainpod.config import load_config, parse_overrides
 from trainpod.config.deploy import DeployConfig
 from trainpod.config.finetune import FinetuneConfig
 from trainpod.config.finetune_vlm import VisionDataConfig, VisionSourceConfig, VlmFinetuneConfig
+from trainpod.config.loader import OverrideRoute
 from trainpod.config.pretrain import PretrainConfig
 from trainpod.config.sft import SftDataConfig
 from trainpod.errors import ConfigError, InputError
@@ -94,8 +95,11 @@ class Estimate:
 
 
 # ---------------------------------------------------------------------------------- configs
-def load_target(path: str, overrides: list[str] | None = None) -> tuple[Any, DeployConfig | None]:
-    """The workload config CONFIG names (directly, or through a deploy config) and the deploy config."""
+def load_target(
+    path: str, overrides: list[str] | None = None, route: OverrideRoute | None = None
+) -> tuple[Any, DeployConfig | None]:
+    """The workload config CONFIG names (directly, or through a deploy config) and the deploy config; a problem's
+    fix names `route`, the caller's way to override a field (`trainpod estimate`'s --set, deploy's env.set)."""
     tree = _yaml(Path(path))
     deploy = None
     if "workload" in tree and "image" in tree:
@@ -113,7 +117,7 @@ def load_target(path: str, overrides: list[str] | None = None) -> tuple[Any, Dep
             )
         # What the pod runs: the YAML with env.set (its TRAINPOD_SET) applied, then this command's --set.
         pod_overrides = [*parse_overrides(deploy.env.set), *(overrides or [])]
-        return load_config(_config_type(deploy.workload), workload_path, pod_overrides), deploy
+        return load_config(_config_type(deploy.workload), workload_path, pod_overrides, route), deploy
     data = tree.get("data") if isinstance(tree.get("data"), dict) else {}
     workload = None  # a convert config (its `task`) names a base_model too, and trains nothing
     if "base_model" in tree and "task" not in tree:
@@ -124,7 +128,7 @@ def load_target(path: str, overrides: list[str] | None = None) -> tuple[Any, Dep
         raise InputError(
             f"{path}: neither a pretrain, a finetune nor a deploy config; estimate needs one of them"
         )
-    return load_config(_config_type(workload), path, overrides or []), None
+    return load_config(_config_type(workload), path, overrides or [], route), None
 
 
 def find_workload_config(raw: str, deploy_path: Path) -> Path | None:
@@ -180,7 +184,9 @@ def size_pretrain(config: PretrainConfig, gpu_count: int, volume: Volume | None)
     )
 
 
-def size_finetune(config: FinetuneConfig, gpu_count: int, volume: Volume | None) -> Sizing:
+def size_finetune(
+    config: FinetuneConfig, gpu_count: int, volume: Volume | None, route: OverrideRoute | None = None
+) -> Sizing:
     from trainpod.train.sharding import resolve_parallel
 
     t, notes = config.train, []
@@ -192,7 +198,7 @@ def size_finetune(config: FinetuneConfig, gpu_count: int, volume: Volume | None)
     samples = config.data if isinstance(config, VlmFinetuneConfig) else config.data.sft
     cutoff = samples.cutoff_len if samples else _dataset_cutoff(config.data.dataset, volume, notes)
     rows_per_step = t.micro_batch_size * t.grad_accum_steps * gpu_count
-    steps = t.max_steps or _steps_for_epochs(config, samples, rows_per_step, volume, notes)
+    steps = t.max_steps or _steps_for_epochs(config, samples, rows_per_step, volume, notes, route)
     tokens = steps * rows_per_step * cutoff
     notes.append(f"tokens counted as full rows of {cutoff} (an upper bound: unpacked rows are shorter)")
     # Forward 2N; backward 2N for activation gradients, plus 2N weight gradients only when every
@@ -414,6 +420,7 @@ def _steps_for_epochs(
     rows_per_step: int,
     volume: Volume | None,
     notes: list[str],
+    route: OverrideRoute | None,
 ) -> int:
     from trainpod.sft.sources import iter_rows
     from trainpod.sft.vision import count_rows
@@ -421,7 +428,7 @@ def _steps_for_epochs(
     if sft is None:
         raise InputError(
             f"train.epochs={config.train.epochs} with data.dataset: estimate cannot count its samples; "
-            "pass --set train.epochs=null --set train.max_steps=N"
+            f"{_by_steps_instead(route)}"
         )
     root = volume.root if volume else Path.cwd()
     try:
@@ -437,14 +444,20 @@ def _steps_for_epochs(
             "where the data lives)"
         )  # fmt: skip
         raise InputError(
-            f"train.epochs needs the data's size: {exc}{where}; "
-            "or pass --set train.epochs=null --set train.max_steps=N"
+            f"train.epochs needs the data's size: {exc}{where}; or {_by_steps_instead(route)}"
         ) from None
     train_samples = samples * (1 - sft.val_ratio)
     notes.append(
         f"{samples:,} samples counted, {train_samples:,.0f} train one row each (packing fits more per row)"
     )
     return max(math.ceil(config.train.epochs * train_samples / rows_per_step), 1)
+
+
+def _by_steps_instead(route: OverrideRoute | None) -> str:
+    """The way to give the run's length in steps, which needs no count of the data."""
+    if route is None:
+        return "set train.epochs to null and train.max_steps to N in the config"
+    return route.fix("train.epochs=null", "train.max_steps=N")
 
 
 # -------------------------------------------------------------------------------- estimate
@@ -475,8 +488,10 @@ def estimate(
     mfu: float | None = None,
     catalog: list | None = None,
     volume: Volume | None = None,
+    route: OverrideRoute | None = None,
 ) -> Estimate:
-    """The estimate for `config`; `catalog` (RunPodClient.catalog_gpus) gives prices and memory."""
+    """The estimate for `config`; `catalog` (RunPodClient.catalog_gpus) gives prices and memory; a problem's fix
+    names `route`, the caller's way to override a field."""
     # Hours divide by the MFU: 0 would crash, a negative one would make the cost negative.
     if mfu is not None and not 0 < mfu <= 1:
         raise InputError(f"--mfu {mfu:g}: a share of the GPU's peak, above 0 and at most 1; e.g. --mfu 0.4")
@@ -485,9 +500,10 @@ def estimate(
     gpu_count = (deploy.pod.gpu_count if deploy else 1) * nodes
     spot = spot if spot is not None else (deploy.pod.spot if deploy else False)
     cloud = deploy.pod.cloud if deploy else "SECURE"
-    sizing = (size_pretrain if isinstance(config, PretrainConfig) else size_finetune)(
-        config, gpu_count, volume
-    )
+    if isinstance(config, PretrainConfig):
+        sizing = size_pretrain(config, gpu_count, volume)
+    else:
+        sizing = size_finetune(config, gpu_count, volume, route)
     offer = next((o for o in catalog or [] if o.id == gpu), None)
     peak = peak_flops_of(gpu)
     if peak is None:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
-import re
 import shlex
 import typing
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -139,16 +139,28 @@ def _field_description(model_cls: type[BaseModel], loc: tuple[Any, ...]) -> str 
     return field.description if field is not None else None
 
 
-# The fix a missing field's message names where the command takes --set (`trainpod run`); a deploy, which has no
-# --set, finds it by this pattern and names its own way to the same override (deploy_checks).
-SET_FLAG_FIX = re.compile(r"pass --set (\S+?)=VALUE")
+@dataclass(frozen=True)
+class OverrideRoute:
+    """How the command at hand lets its user override a config field, which a config error names as the fix.
+
+    `trainpod run` and `trainpod estimate` take --set; a pod reads TRAINPOD_SET; `trainpod deploy` takes
+    neither (argparse: unrecognized arguments) and the pod it rents applies the deploy YAML's env.set, its
+    TRAINPOD_SET. A loader given no route names the YAML alone, a fix that holds wherever the config is read.
+    """
+
+    each: str  # written before each assignment: "--set " for a flag, "" for a list of them
+    sentence: str  # the fix, {} standing for the assignments
+
+    def fix(self, *assignments: str) -> str:
+        return self.sentence.format(" ".join(self.each + assignment for assignment in assignments))
 
 
-def set_flag_fix(dotted: str) -> str:
-    return f"pass --set {dotted}=VALUE"
+SET_FLAG = OverrideRoute("--set ", "pass {}")
+TRAINPOD_SET_VARIABLE = OverrideRoute("", "add {} to TRAINPOD_SET")
+DEPLOY_ENV_SET = OverrideRoute("", "add {} to the deploy YAML's env.set (the pod's TRAINPOD_SET)")
 
 
-def _describe(model_cls: type[BaseModel], error: dict[str, Any]) -> str:
+def _describe(model_cls: type[BaseModel], error: dict[str, Any], route: OverrideRoute | None) -> str:
     loc = tuple(error["loc"])
     dotted = ".".join(str(part) for part in loc) or "(top level)"
     kind = error["type"]
@@ -162,9 +174,9 @@ def _describe(model_cls: type[BaseModel], error: dict[str, Any]) -> str:
         about = f" ({description})" if description else ""
         if any(isinstance(part, int) for part in loc):  # --set reaches no list item (a.0.b is not a path)
             return f"{dotted}: required but missing{about}; add it to that entry of the list in the YAML"
-        if not getattr(model_cls, "takes_overrides", True):  # its commands have no --set (deploy, supervise)
+        if route is None or not getattr(model_cls, "takes_overrides", True):  # deploy, supervise: no --set
             return f"{dotted}: required but missing{about}; add it to the YAML"
-        return f"{dotted}: required but missing{about}; add it to the YAML or {set_flag_fix(dotted)}"
+        return f"{dotted}: required but missing{about}; add it to the YAML or {route.fix(f'{dotted}=VALUE')}"
     if kind == "value_error" and isinstance(error.get("input"), dict):
         # A cross-field check on a whole section: its message already names the fields and the fix.
         return str(error["msg"]).removeprefix("Value error, ")
@@ -192,7 +204,10 @@ def _sentence_inside(description: str) -> str:
     return description[0].lower() + description[1:]
 
 
-def validate_tree(model_cls: type[ConfigT], tree: Any, source: str | None = None) -> ConfigT:
+def validate_tree(
+    model_cls: type[ConfigT], tree: Any, source: str | None = None, route: OverrideRoute | None = None
+) -> ConfigT:
+    """`tree` as a `model_cls`; ConfigError listing every problem, each fix by `route` where one can override."""
     if not isinstance(tree, dict):
         raise ConfigError(
             [f"the config must be a mapping of keys to values, got {type(tree).__name__}"], source
@@ -200,7 +215,7 @@ def validate_tree(model_cls: type[ConfigT], tree: Any, source: str | None = None
     try:
         return model_cls.model_validate(tree)
     except pydantic.ValidationError as exc:
-        raise ConfigError([_describe(model_cls, e) for e in exc.errors()], source) from None
+        raise ConfigError([_describe(model_cls, e, route) for e in exc.errors()], source) from None
 
 
 def load_tree(path: Path | str | None, overrides: list[str] = ()) -> tuple[dict[str, Any], str]:
@@ -244,14 +259,19 @@ def load_tree(path: Path | str | None, overrides: list[str] = ()) -> tuple[dict[
     return tree, source
 
 
-def load_config(model_cls: type[ConfigT], path: Path | str | None, overrides: list[str] = ()) -> ConfigT:
+def load_config(
+    model_cls: type[ConfigT],
+    path: Path | str | None,
+    overrides: list[str] = (),
+    route: OverrideRoute | None = None,
+) -> ConfigT:
     """Read `path` (YAML), apply `overrides` in order, validate, and return the typed config.
 
     Raises ConfigError (exit 2) listing every problem: YAML syntax, malformed overrides, unknown
-    keys, wrong types, failed checks.
+    keys, wrong types, failed checks; a missing field's fix names `route`, the caller's way to override one.
     """
     tree, source = load_tree(path, overrides)
-    return validate_tree(model_cls, tree, source)
+    return validate_tree(model_cls, tree, source, route)
 
 
 def dump_config(config: BaseModel) -> str:

@@ -25,7 +25,7 @@ from typing import Any
 from trainpod import atomic, cost, workloads
 from trainpod.checkpoint import Lease
 from trainpod.config import dump_config, parse_overrides
-from trainpod.config.loader import load_tree, validate_tree
+from trainpod.config.loader import TRAINPOD_SET_VARIABLE, OverrideRoute, load_tree, validate_tree
 from trainpod.context import RunContext
 from trainpod.diskspace import volume_full_as_exit_5
 from trainpod.errors import ConfigError, ExitCode, GpuOutOfMemory, Preempted, TrainpodError, stop_reason
@@ -50,6 +50,8 @@ class RunRequest:
     overrides: list[str] = field(default_factory=list)
     run_name: str | None = None
     volume: Volume = field(default_factory=Volume.from_env)
+    # The fix a config error names: the environment's TRAINPOD_SET; `trainpod run` names its --set instead.
+    override_route: OverrideRoute = TRAINPOD_SET_VARIABLE
 
     @classmethod
     def from_env(cls, workload: str, environ: dict[str, str] | None = None) -> RunRequest:
@@ -84,14 +86,17 @@ def resolve_config_path(raw: str | None, volume: Volume, synced: Path | None = N
     return next((c for c in candidates if c.is_file()), candidates[0])
 
 
-def load_workload_config(workload: Workload, config_path: Path, overrides: list[str]) -> Any:
-    """The workload's typed config: the YAML and overrides, validated as the class its module picks.
+def load_workload_config(
+    workload: Workload, config_path: Path, overrides: list[str], route: OverrideRoute
+) -> Any:
+    """The workload's typed config: the YAML and overrides, validated as the class its module picks; a problem's
+    fix names `route`, the way the caller's user overrides a field (config.loader.OverrideRoute).
 
     A config that is another workload's (configs/finetune/ holds finetune-vlm ones too) is refused with one
     line naming that workload, not with a line per key its sections do not share."""
     tree, source = load_tree(config_path, overrides)
     try:
-        return validate_tree(workload.module().config_type(tree), tree, source)
+        return validate_tree(workload.module().config_type(tree), tree, source, route)
     except ConfigError:
         others = [
             name for name, other in workloads.REGISTRY.items() if other is not workload and _fits(other, tree)
@@ -168,7 +173,7 @@ def _execute(request: RunRequest, rank: int) -> int:
     # A malformed price, or a budget a run could never spend (no price): exit 2 before anything is written.
     cost.check_environment(counts_cost=workload.kind.owns_run_folder)
     config_path = resolve_config_path(request.config_path, request.volume)
-    config = load_workload_config(workload, config_path, request.overrides)
+    config = load_workload_config(workload, config_path, request.overrides, request.override_route)
     request.run_name = run_name(request, config)  # where a crash is logged
     request.volume.check_writable()
     watch = PreemptionWatch(getattr(getattr(config, "checkpoint", None), "preemption_window_seconds", 5.0))

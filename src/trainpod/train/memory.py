@@ -272,7 +272,7 @@ def optimizer_bytes(tensor_sizes: tuple[int, ...], optimizer: str) -> int:
         else:  # two uint8 moments and an fp32 absmax per block of each
             total += 2 * (n + math.ceil(n / BNB_BLOCK) * 4)
     quantization_maps = 2 * 256 * 4  # one 256-entry fp32 map per moment, shared by every tensor
-    return total + (quantization_maps if max(tensor_sizes) >= BNB_MIN_8BIT_SIZE else 0)
+    return total + (quantization_maps if max(tensor_sizes, default=0) >= BNB_MIN_8BIT_SIZE else 0)
 
 
 def checkpoint_bytes(tensor_sizes: tuple[int, ...], optimizer: str) -> int:

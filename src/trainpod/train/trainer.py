@@ -161,6 +161,8 @@ class Trainer:
         self._uncounted_since = time.perf_counter()  # this attempt's time not yet in progress.elapsed_s
         self.eval_metrics: dict[str, float] = {}  # more metrics of the latest eval (set by evaluate)
         self.reporter: RunReporter | None = None  # made in train(): rank 0 writes, the others do not
+        # The GPU's bf16 peak for both MFUs (a log line's and the run's), looked up once; None off a GPU or unknown.
+        self._peak_flops = peak_flops(dist.device)
         self.autocast_dtype: torch.dtype | None = None  # the workload's mixed precision (bf16), if any
         # The first step whose loss or gradient norm was NaN or inf (0: none), kept on the device so that
         # noting it costs no host sync; read where the loop syncs anyway (a log line, a commit).
@@ -601,10 +603,9 @@ class Trainer:
         self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, tokens: int, seconds: float, steps: int
     ) -> dict[str, Any]:
         tokens_per_s = tokens / seconds if seconds > 0 else None
-        peak = peak_flops(self.dist.device)
         mfu = None
-        if peak and tokens_per_s and self.flops_per_token:
-            mfu = tokens_per_s * self.flops_per_token / (peak * self.dist.world_size)
+        if self._peak_flops and tokens_per_s and self.flops_per_token:
+            mfu = tokens_per_s * self.flops_per_token / (self._peak_flops * self.dist.world_size)
         return {
             "step": step,
             "loss": D.all_reduce_mean(self.dist, loss.detach().clone()).item(),
@@ -895,11 +896,10 @@ class Trainer:
         """The whole run's MFU: every token over all the time it was billed for (progress.elapsed_s: its
         evals, commits and startup too), what `trainpod estimate` prices a run with. A log window's `mfu`
         reads low after a window with an eval or a commit, and high in one without."""
-        peak = peak_flops(self.dist.device)
-        if not (peak and self.flops_per_token and self.progress.elapsed_s > 0):
+        if not (self._peak_flops and self.flops_per_token and self.progress.elapsed_s > 0):
             return None
         flops = self.progress.tokens_seen * self.flops_per_token
-        return flops / (peak * self.dist.world_size * self.progress.elapsed_s)
+        return flops / (self._peak_flops * self.dist.world_size * self.progress.elapsed_s)
 
     # ------------------------------------------------------------------------------ finish
     def summary(self) -> dict[str, Any]:

@@ -637,7 +637,7 @@ class Finetuner(Trainer):
     def checkpoint_bytes_estimate(self) -> int:
         # What trains and its optimizer's state: an 8-bit AdamW keeps about a quarter of AdamW's.
         sizes = tuple(p.numel() for p in self.trainable.values())
-        return checkpoint_bytes(sizes, self.train_cfg.optimizer) if sizes else 0
+        return checkpoint_bytes(sizes, self.train_cfg.optimizer)
 
     # ---------------------------------------------------------------------------- training
     def train_step(self, model: torch.nn.Module, step: int) -> StepResult:

@@ -351,6 +351,29 @@ def test_replacements_in_a_row_are_bounded_and_end_with_exit_4(fake, volume, cap
     assert "1 new pods in a row landed on machines that cannot run the image" in caplog.text
 
 
+def test_giving_up_on_unfit_machines_terminates_the_last_pod_so_a_deploy_again_never_starts_it(
+    fake, volume, caplog
+):
+    """At the bound the last unfit pod was left stopped, and `trainpod deploy` (the way on that the message names)
+    started it again: a stopped pod keeps its machine, the one that cannot run the image, so it exited 4 again.
+    It is terminated, as a replacement would have terminated it; the network volume keeps the run."""
+    cfg = deploy_config()
+    deploy(client_for(fake), cfg)
+    sup = supervisor(fake, volume, max_replacements=1)
+    machine_unfit_in_the_pod(fake, volume, the_pod(fake)["id"])
+    assert sup.step() is None
+    unfit = the_pod(fake)["id"]
+    machine_unfit_in_the_pod(fake, volume, unfit)
+    caplog.set_level(logging.INFO, "trainpod")
+    assert sup.step() == 4
+    assert unfit not in fake.pods, "the pod on the unfit machine is terminated, not left stopped"
+    assert f"terminated pod {unfit}: its machine cannot run the image" in caplog.text
+    assert "deploy again (the volume keeps the run)" in caplog.text
+    again = deploy(client_for(fake), cfg)
+    assert again.action == "created" and again.pod.id != unfit
+    assert not fake.calls("POST", f"/pods/{unfit}/start"), "the unfit machine is never started again"
+
+
 def test_a_plain_interruption_between_two_exit_4s_resets_the_replacement_count(fake, volume):
     deploy(client_for(fake), deploy_config())
     sup = supervisor(fake, volume, max_replacements=1)

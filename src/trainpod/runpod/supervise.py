@@ -16,7 +16,8 @@ then exactly one decision, logged in one line with its reason:
   attempts back off exponentially and are bounded;
   EXITED with a MACHINE_UNFIT marker naming it (exit 4: its machine cannot run the image) -> never
   started again but replaced by a new pod, same volume, env and GPU-type priority (RunPod places it;
-  its API cannot exclude a machine), at most supervise.max_replacements times in a row, then exit 4.
+  its API cannot exclude a machine), at most supervise.max_replacements times in a row, then the last one
+  terminated (a stopped pod keeps its machine: a deploy would start it there again) and exit 4.
 With `nodes: N` > 1 the unit is the run's Instant Cluster (runpod/units.py): DONE, FAILED and a spent
 budget delete it (v2 has no stop for clusters); any node EXITED, ERROR, TERMINATED, lost, or named by
 MACHINE_UNFIT deletes it and creates it again on the same volume with its nodes' env, within the same
@@ -481,9 +482,14 @@ class Supervisor:
     def _restart(self, state: SupervisorState, seen: Look, now: float, view: RunView) -> int | None:
         noun = self.unit.noun
         if seen.unfit and state.replacements >= self.policy.max_replacements:
+            # Never started again, as a replacement would not start it: left stopped, the next `trainpod deploy`
+            # started it again, on the machine that cannot run the image (a stopped pod keeps its machine).
+            for line in self.unit.delete("its machine cannot run the image and no replacement is left"):
+                self._say(line)
             return self._end(ExitCode.MACHINE_UNFIT, f"{state.replacements} new {noun}s in a row landed on "
                              "machines that cannot run the image (exit 4); pick other GPU types, or the cu128 "
-                             "image (image.cuda_version 12.8) for older drivers")  # fmt: skip
+                             "image (image.cuda_version 12.8) for older drivers, and deploy again (the volume "
+                             "keeps the run)")  # fmt: skip
         unseen = "" if view.visible else " (the volume is not mounted here: DONE is unknown)"
         if state.spot is not None:  # as the run was deployed, not as its YAML says (a pod made anew)
             self.config.pod.spot = state.spot

@@ -47,6 +47,10 @@ class Unit(Protocol):
 
     def stop(self, why: str) -> list[str]: ...
 
+    def delete(self, why: str) -> list[str]:
+        """Terminate the pods (delete the cluster) seen at the look, for good; the network volume keeps the run."""
+        ...
+
     def bring_back(self, replace: bool, fresh_env: Callable[[], dict[str, str]]) -> str:
         """Start or replace the unit; `fresh_env()` is the env of one made with no old one to copy."""
         ...
@@ -88,6 +92,12 @@ class PodUnit:
     def stop(self, why: str) -> list[str]:
         # A pod gone since the look (it terminated itself at DONE) needs no stop, and ends nothing.
         return [f"stopped pod {pod.id}: {why}" for pod in self._running if stop_pod(self.client, pod)]
+
+    def delete(self, why: str) -> list[str]:
+        pods = [*self._running, *([self._exited] if self._exited is not None else [])]
+        return [
+            f"terminated pod {pod.id}: {why}" for pod in pods if stop_pod(self.client, pod, terminate=True)
+        ]
 
     def bring_back(self, replace: bool, fresh_env: Callable[[], dict[str, str]]) -> str:
         # A YAML changed to nodes: 1 while the run's cluster trains: a pod beside it would train the same run.
@@ -143,6 +153,9 @@ class ClusterUnit:
             return []
         clusters.delete(self.client, self._seen.cluster, why)
         return [f"deleted cluster {self._seen.cluster.id} (every node): {why}"]
+
+    def delete(self, why: str) -> list[str]:
+        return self.stop(why)  # v2 has no stop for clusters: stopping one is deleting it
 
     def bring_back(self, replace: bool, fresh_env: Callable[[], dict[str, str]]) -> str:
         # A YAML changed to nodes > 1 while the run's single pod trains: a cluster beside it would train the same

@@ -310,8 +310,9 @@ def test_finetune_by_epochs_without_a_volume_says_to_pass_one(no_runpod, tmp_pat
     code = cli.main(["estimate", str(CONFIGS / "finetune/qwen2.5-7b-qlora-24gb.yaml")])
     out = capsys.readouterr().out
     assert code == 2 and "data/train.jsonl" in out, out
-    assert f"no --volume given, so the current directory {tmp_path} stood for the volume" in out
-    assert "pass --volume where the data lives" in out and "--set train.max_steps=N" in out
+    assert f"no volume given, so the current directory {tmp_path} stood for the volume" in out
+    assert "`trainpod estimate CONFIG --volume DIR` counts the data where it lives" in out
+    assert "--set train.max_steps=N" in out
 
 
 def test_deploys_estimate_of_a_finetune_by_epochs_names_env_set_not_a_set_flag(
@@ -329,6 +330,22 @@ def test_deploys_estimate_of_a_finetune_by_epochs_names_env_set_not_a_set_flag(
         "add train.epochs=null train.max_steps=N to the deploy YAML's env.set (the pod's TRAINPOD_SET)" in out
     )
     assert "--set" not in out, "deploy has no --set flag: the fix must name env.set"
+
+
+def test_deploys_estimate_of_a_finetune_by_epochs_names_estimates_volume_flag_not_its_own(
+    no_runpod, tmp_path, monkeypatch, capsys
+):
+    """Deploy's "estimate not made" line said "pass --volume where the data lives"; deploy has no --volume (argparse:
+    unrecognized arguments): `trainpod estimate` has, and counts the data where it lives."""
+    monkeypatch.chdir(tmp_path)
+    qlora = str(CONFIGS / "finetune/qwen2.5-7b-qlora-24gb.yaml")
+    assert (
+        cli.main(["deploy", str(deploy_config(tmp_path, workload="finetune", config=qlora)), "--dry-run"])
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "`trainpod estimate CONFIG --volume DIR` counts the data where it lives" in out
+    assert "pass --volume" not in out and "no --volume given" not in out
 
 
 def test_a_finetune_vlm_config_is_estimated_by_its_own_data_not_refused_as_a_text_finetune(

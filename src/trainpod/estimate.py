@@ -94,6 +94,11 @@ class Estimate:
         return self.budget_usd is not None and self.dollars is not None and self.dollars > self.budget_usd
 
 
+# The way to a volume's data and models, named with its command: deploy, whose "estimate not made" line shows
+# these messages too, has no --volume.
+WITH_A_VOLUME = "`trainpod estimate CONFIG --volume DIR`"
+
+
 # ---------------------------------------------------------------------------------- configs
 def load_target(
     path: str, overrides: list[str] | None = None, route: OverrideRoute | None = None
@@ -250,7 +255,8 @@ def _dataset_cutoff(name: str, volume: Volume | None, notes: list[str]) -> int:
     manifest = read_manifest(folder) if folder is not None else None
     if manifest is None:
         notes.append(
-            f"data.dataset={name!r} not found (pass --volume where it lives): its cutoff_len assumed 2048"
+            f"data.dataset={name!r} not found ({WITH_A_VOLUME} reads it where it lives): "
+            "its cutoff_len assumed 2048"
         )
         return 2048
     return int(manifest["settings"]["cutoff_len"])
@@ -398,9 +404,9 @@ def _shape_from_name(config: FinetuneConfig, notes: list[str]) -> dict[str, int]
     match = re.search(r"(\d+(?:\.\d+)?)[bB]\b", config.base_model.path)
     if match is None:
         raise InputError(
-            f"base_model.path={config.base_model.path!r}: its config.json could not be read "
-            "(no such folder here "
-            "or on --volume, hub not reachable); pass --volume where the model lives, or estimate online"
+            f"base_model.path={config.base_model.path!r}: its config.json could not be read (no such folder "
+            f"here or on the volume, hub not reachable); {WITH_A_VOLUME} reads it where the model lives, or "
+            "estimate online"
         )
     n = int(float(match.group(1)) * 1e9)
     notes.append(
@@ -440,8 +446,8 @@ def _steps_for_epochs(
         )
     except InputError as exc:
         where = "" if volume else (
-            f" (no --volume given, so the current directory {root} stood for the volume: pass --volume "
-            "where the data lives)"
+            f" (no volume given, so the current directory {root} stood for the volume: {WITH_A_VOLUME} "
+            "counts the data where it lives)"
         )  # fmt: skip
         raise InputError(
             f"train.epochs needs the data's size: {exc}{where}; or {_by_steps_instead(route)}"

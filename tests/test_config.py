@@ -118,15 +118,21 @@ def test_override_into_a_scalar_is_refused():
         load_config(PretrainConfig, TINY, ["train.max_steps.x=1"])
 
 
-def test_missing_config_file_says_what_to_set(tmp_path):
-    with pytest.raises(ConfigError, match="does not exist; set TRAINPOD_CONFIG"):
+def test_missing_config_file_names_no_variable_its_caller_may_not_read(tmp_path):
+    """ "set TRAINPOD_CONFIG" was the fix for every command: `trainpod deploy X.yaml` reads no such variable, and
+    `trainpod run --config` wins over it. Where the path came from is the caller's to name (resolve_config_path)."""
+    with pytest.raises(ConfigError) as caught:
         load_config(PretrainConfig, tmp_path / "nope.yaml")
+    assert caught.value.problems == [
+        f"config file {tmp_path / 'nope.yaml'} does not exist; give the path of an existing YAML file"
+    ]
 
 
 def test_a_folder_given_as_the_config_is_not_said_to_be_missing(tmp_path):
     # `--config configs/` (a tab completion short of the file) read "config file .../configs does not exist".
     with pytest.raises(
-        ConfigError, match=rf"config file {tmp_path} is a folder, not a file; set TRAINPOD_CONFIG"
+        ConfigError,
+        match=rf"config file {tmp_path} is a folder, not a file; give the path of an existing YAML",
     ):
         load_config(PretrainConfig, tmp_path)
 

@@ -354,6 +354,17 @@ def test_a_missing_deploy_field_is_not_told_to_be_passed_with_a_set_flag_deploy_
     assert "--set" not in out
 
 
+def test_a_missing_deploy_config_file_is_not_told_to_be_set_in_a_variable_deploy_never_reads(
+    tmp_path, capsys
+):
+    """`trainpod deploy nope.yaml` said "set TRAINPOD_CONFIG to an existing YAML file": deploy takes its config as
+    its argument and reads no TRAINPOD_CONFIG."""
+    assert cli.main(["deploy", str(tmp_path / "nope.yaml"), "--dry-run"]) == 2
+    out = capsys.readouterr().out
+    assert "nope.yaml does not exist; give the path of an existing YAML file" in out
+    assert "TRAINPOD_CONFIG" not in out
+
+
 def test_a_workload_configs_missing_field_names_env_set_the_deploys_way_to_override_it(tmp_path, capsys):
     """A workload config's missing field, found by deploy, repeated the loader's "pass --set train.max_steps=VALUE";
     deploy has no --set (argparse: unrecognized arguments). The pod applies the deploy YAML's env.set to it."""

@@ -207,6 +207,26 @@ def test_trainpod_run_names_its_set_flag_for_a_missing_field(tmp_path, capsys):
     assert "train: required but missing; add it to the YAML or pass --set train=VALUE" in out.out + out.err
 
 
+def test_trainpod_run_with_a_missing_config_says_where_it_looked_and_names_both_ways_to_give_one(
+    tmp_path, capsys
+):
+    """The pod's TRAINPOD_CONFIG and `trainpod run --config` are looked for in the same places: the message names
+    them, and both ways (it named TRAINPOD_CONFIG alone, which --config wins over)."""
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    assert (
+        cli.main(["run", "pretrain", "--config", "nope.yaml", "--volume", str(volume)]) == ExitCode.BAD_INPUT
+    )
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert (
+        f"config nope.yaml: no such file (looked for {Path.cwd() / 'nope.yaml'}, {volume / 'nope.yaml'}"
+        in text
+    )
+    assert "point TRAINPOD_CONFIG (or --config) at an existing YAML file" in text
+    assert not any(volume.iterdir()), "nothing written"
+
+
 ECHO_MODULE = """
 from pathlib import Path
 

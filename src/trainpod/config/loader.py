@@ -232,8 +232,9 @@ def load_tree(path: Path | str | None, overrides: list[str] = ()) -> tuple[dict[
             what = "is a folder, not a file" if path.is_dir() else "does not exist"
             raise ConfigError(
                 [
-                    f"config file {path} {what}; set TRAINPOD_CONFIG to an existing YAML file "
-                    "(an absolute path, a path in the synced git checkout, or a path on the volume)"
+                    # Where the path came from (deploy's argument, --config, TRAINPOD_CONFIG) is the caller's to say:
+                    # TRAINPOD_CONFIG named here told `trainpod deploy X.yaml` of a variable it never reads.
+                    f"config file {path} {what}; give the path of an existing YAML file"
                 ],
                 source,
             )

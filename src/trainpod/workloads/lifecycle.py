@@ -70,7 +70,8 @@ def resolve_config_path(raw: str | None, volume: Volume, synced: Path | None = N
     """An absolute path; else the first that exists of: in `synced` (TRAINPOD_GIT_REPO's checkout, which boot
     just synced: the user's edit of a config must not be shadowed by the image's shipped one at the same
     path), relative to here (the image's /opt/trainpod), on the volume, in the other checkouts under repos/ (not
-    the synced repo's at other refs: gitsync.other_checkouts)."""
+    the synced repo's at other refs: gitsync.other_checkouts). Nothing at any of them: ConfigError (exit 2) naming
+    where it looked."""
     if not raw:
         raise ConfigError(
             [
@@ -79,10 +80,18 @@ def resolve_config_path(raw: str | None, volume: Volume, synced: Path | None = N
             ]
         )
     path = Path(raw)
-    if path.is_absolute():
-        return path
-    candidates = ([synced / path] if synced is not None else []) + [Path.cwd() / path, volume.root / path]
-    candidates += [repo / path for repo in other_checkouts(volume.root / "repos", synced)]
+    candidates = [path]
+    if not path.is_absolute():
+        candidates = ([synced / path] if synced is not None else []) + [Path.cwd() / path, volume.root / path]
+        candidates += [repo / path for repo in other_checkouts(volume.root / "repos", synced)]
+    if not any(c.exists() for c in candidates):  # a folder is the loader's to name: "is a folder, not a file"
+        raise ConfigError(
+            [
+                f"config {raw}: no such file (looked for {', '.join(map(str, candidates))}); point TRAINPOD_CONFIG "
+                "(or --config) at an existing YAML file: an absolute path, a path in the synced git checkout, or "
+                "a path on the volume"
+            ]
+        )
     return next((c for c in candidates if c.is_file()), candidates[0])
 
 

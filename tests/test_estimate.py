@@ -245,6 +245,28 @@ def test_a_finetune_through_the_chunked_loss_counts_one_chunks_logits_not_a_micr
     assert sizing.memory["logits"] < 3 * 4 * tokens * vocab / 8
 
 
+def test_a_finetunes_checkpoint_is_sized_by_its_optimizer_as_the_trainer_sizes_it(no_runpod, tmp_path):
+    """The estimate took 12 bytes a trainable parameter (fp32 and AdamW's two moments) whatever train.optimizer: with
+    paged_adamw_8bit, which the 24 GB QLoRA config uses, the checkpoint and its commit time read about twice what
+    they are (the trainer's own size, train/memory.py checkpoint_bytes, counts the 8-bit state)."""
+    from transformers import Qwen2Config
+
+    Qwen2Config(
+        vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2,
+    ).save_pretrained(tmp_path / "qwen2")  # fmt: skip
+
+    def checkpoint(optimizer: str) -> tuple[int, int]:
+        settings = [f"base_model.path={tmp_path / 'qwen2'}", f"train.optimizer={optimizer}"]
+        sizing = size_finetune(load_config(FinetuneConfig, TINY_FINETUNE, settings), 1, None)
+        return sizing.checkpoint_bytes, sizing.trainable
+
+    adamw, trainable = checkpoint("adamw")
+    assert adamw == pytest.approx(12 * trainable, rel=0.01), "fp32 weights and two fp32 moments"
+    eight_bit, _ = checkpoint("paged_adamw_8bit")
+    assert eight_bit == pytest.approx(6 * trainable, rel=0.05), "fp32 weights and two 8-bit moments"
+
+
 def test_a_full_finetune_under_fsdp_counts_its_state_sharded_across_the_gpus(finetune_base_volume, no_runpod):
     """FSDP keeps 1/N of the weights, gradients and AdamW states per GPU: counted whole, an 8B full finetune on
     8 GPUs read as not fitting them. DDP (and LoRA, which every GPU holds whole) keeps them whole."""

@@ -192,6 +192,7 @@ def size_pretrain(config: PretrainConfig, gpu_count: int, volume: Volume | None)
 def size_finetune(
     config: FinetuneConfig, gpu_count: int, volume: Volume | None, route: OverrideRoute | None = None
 ) -> Sizing:
+    from trainpod.train.memory import checkpoint_bytes
     from trainpod.train.sharding import resolve_parallel
 
     t, notes = config.train, []
@@ -241,8 +242,11 @@ def size_finetune(
             memory[part] /= gpu_count
         memory["fsdp gathered"] = 2.0 * 2 * n / layers  # two decoder layers at a time, in bf16
         notes.append(f"FSDP: weights, gradients and optimizer states sharded across the {gpu_count} GPUs")
+    # What trains in fp32 and its optimizer's state, as the trainer sizes its checkpoint (an 8-bit AdamW keeps about a
+    # quarter of AdamW's); taken as one tensor, which the adapters' tensors (above bitsandbytes' 4096) are like.
+    checkpoint = checkpoint_bytes((trainable,), t.optimizer)
     return Sizing(
-        config.method, config.name, n, trainable, steps, tokens, per_token, 12 * trainable, memory, notes
+        config.method, config.name, n, trainable, steps, tokens, per_token, checkpoint, memory, notes
     )
 
 

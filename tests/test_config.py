@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from trainpod.config import load_config, parse_overrides
-from trainpod.config.loader import DEPLOY_ENV_SET, SET_FLAG, TRAINPOD_SET_VARIABLE
+from trainpod.config.loader import DEPLOY_ENV_SET, POD_SET_VARIABLE, SET_FLAG
 from trainpod.config.pretrain import PretrainConfig
 from trainpod.errors import ConfigError, ExitCode
 
@@ -72,7 +72,7 @@ def test_malformed_yaml_names_the_line(tmp_path):
     [
         (None, "add it to the YAML"),
         (SET_FLAG, "add it to the YAML or pass --set train=VALUE"),
-        (TRAINPOD_SET_VARIABLE, "add it to the YAML or add train=VALUE to TRAINPOD_SET"),
+        (POD_SET_VARIABLE, "add it to the YAML or add train=VALUE to TRAINPOD_SET"),
         (
             DEPLOY_ENV_SET,
             "add it to the YAML or add train=VALUE to the deploy YAML's env.set (the pod's TRAINPOD_SET)",

@@ -211,7 +211,7 @@ def _learn_the_pods_price(workload: Workload, environ: dict[str, str]) -> None:
 
 def _preflight(workload: Workload, volume: Volume, environ: dict[str, str], synced=None):
     from trainpod.config import parse_overrides
-    from trainpod.config.loader import TRAINPOD_SET_VARIABLE
+    from trainpod.config.loader import POD_SET_VARIABLE
     from trainpod.workloads.lifecycle import load_workload_config, resolve_config_path
 
     check_finish_environment(environ)
@@ -221,7 +221,7 @@ def _preflight(workload: Workload, volume: Volume, environ: dict[str, str], sync
         check_run_name(environ["TRAINPOD_RUN"])
     config_path = resolve_config_path(environ.get("TRAINPOD_CONFIG"), volume, synced)
     overrides = parse_overrides(environ.get("TRAINPOD_SET"))  # a pod's only way to override: its fix names it
-    config = load_workload_config(workload, config_path, overrides, TRAINPOD_SET_VARIABLE)
+    config = load_workload_config(workload, config_path, overrides, POD_SET_VARIABLE)
     # The workload (and each rank launched for it) reads the file checked here, not its own search.
     environ["TRAINPOD_CONFIG"] = str(config_path.absolute())
     if workload.kind.owns_run_folder:  # training, and your own trainer, which is "as training"

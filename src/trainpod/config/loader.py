@@ -156,7 +156,7 @@ class OverrideRoute:
 
 
 SET_FLAG = OverrideRoute("--set ", "pass {}")
-TRAINPOD_SET_VARIABLE = OverrideRoute("", "add {} to TRAINPOD_SET")
+POD_SET_VARIABLE = OverrideRoute("", "add {} to TRAINPOD_SET")
 DEPLOY_ENV_SET = OverrideRoute("", "add {} to the deploy YAML's env.set (the pod's TRAINPOD_SET)")
 
 

@@ -25,7 +25,7 @@ from typing import Any
 from trainpod import atomic, cost, workloads
 from trainpod.checkpoint import Lease
 from trainpod.config import dump_config, parse_overrides
-from trainpod.config.loader import TRAINPOD_SET_VARIABLE, OverrideRoute, load_tree, validate_tree
+from trainpod.config.loader import POD_SET_VARIABLE, OverrideRoute, load_tree, validate_tree
 from trainpod.context import RunContext
 from trainpod.diskspace import volume_full_as_exit_5
 from trainpod.errors import ConfigError, ExitCode, GpuOutOfMemory, Preempted, TrainpodError, stop_reason
@@ -51,7 +51,7 @@ class RunRequest:
     run_name: str | None = None
     volume: Volume = field(default_factory=Volume.from_env)
     # The fix a config error names: the environment's TRAINPOD_SET; `trainpod run` names its --set instead.
-    override_route: OverrideRoute = TRAINPOD_SET_VARIABLE
+    override_route: OverrideRoute = POD_SET_VARIABLE
 
     @classmethod
     def from_env(cls, workload: str, environ: dict[str, str] | None = None) -> RunRequest:

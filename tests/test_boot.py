@@ -746,6 +746,21 @@ def test_unknown_on_finish_action_exits_2(tmp_path):
     assert "TRAINPOD_ON_FINISH='shutdown'; set it to one of: stop, terminate, idle" in result.stdout
 
 
+def test_an_unknown_on_finish_action_exits_2_before_the_git_sync(tmp_path):
+    """The check ran after the sync: a repo out of reach took three tries (minutes against an outage) and ended
+    as a counted exit 75, the typo unreported."""
+    result = boot_process(
+        tmp_path,
+        TRAINPOD_WORKLOAD="datagen",
+        TRAINPOD_CONFIG=str(TINY_DATAGEN),
+        TRAINPOD_GIT_REPO=f"file://{tmp_path}/missing.git",
+        TRAINPOD_ON_FINISH="shutdown",
+    )
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "TRAINPOD_ON_FINISH='shutdown'; set it to one of: stop, terminate, idle" in result.stdout
+    assert "git sync attempt" not in result.stdout, "refused before any slow work"
+
+
 def test_malformed_price_exits_2_at_boot_not_hours_into_the_run(tmp_path):
     result = boot_process(
         tmp_path,

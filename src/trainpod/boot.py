@@ -57,6 +57,9 @@ def boot(environ: dict[str, str] | None = None) -> int:
     run, latest_at_start, progressed = None, None, False
     try:
         workload = _workload(environ)
+        # Before the git sync, which can take minutes (a large repo, three tries against an outage): a typo in
+        # TRAINPOD_ON_FINISH is exit 2 at once, not after it.
+        check_finish_environment(environ)
         volume.check_writable()
         _keep_deploy_record(volume, environ)  # the deploy's, whatever this start makes of its config
         synced = None
@@ -214,7 +217,6 @@ def _preflight(workload: Workload, volume: Volume, environ: dict[str, str], sync
     from trainpod.config.loader import POD_SET_VARIABLE
     from trainpod.workloads.lifecycle import load_workload_config, resolve_config_path
 
-    check_finish_environment(environ)
     _learn_the_pods_price(workload, environ)
     cost.check_environment(counts_cost=workload.kind.owns_run_folder, environ=environ)
     if environ.get("TRAINPOD_RUN"):

@@ -121,6 +121,56 @@ def test_heartbeat_notices_a_takeover(tmp_path):
     assert path.exists(), "release must not delete another writer's lease"
 
 
+def test_a_release_never_removes_the_lease_of_a_writer_that_took_it_over_meanwhile(tmp_path, monkeypatch):
+    """The release read the lease, found it its own, and removed it: a holder stalled in between (past its
+    expiry) removed the lease of the pod that took the run over meanwhile, and a third one then took the run
+    beside it. The release is now a compare-and-swap of the holder's own bytes, the claim a taker makes: of
+    the two, one alone acts."""
+    import pathlib
+
+    path = tmp_path / "LEASE"
+    lease = Lease(path, ttl_seconds=60)
+    lease.acquire()
+    taker = Lease(path, ttl_seconds=60)
+    taker.owner = {**taker.owner, "id": "taker", "host": "elsewhere", "pod_id": "pod-taker"}
+    taken = []
+    unlink = pathlib.Path.unlink
+
+    def a_taker_lands_just_before(self, missing_ok=False):  # it judged the lease stale: its holder stalled
+        if self == path and not taken:
+            try:
+                taken.append(taker._take_over(path.read_bytes()))
+            except TemporaryError:
+                taken.append(False)
+        unlink(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(pathlib.Path, "unlink", a_taker_lands_just_before)
+    lease.release()
+    monkeypatch.undo()
+    assert taken, "the release removed the lease"
+    if taken[0]:
+        assert json.loads(path.read_text())["owner"]["id"] == "taker", "the taker's lease was removed"
+    else:
+        assert not path.exists(), "refused, the taker leaves the released lease to its holder"
+
+
+def test_a_release_on_a_full_volume_still_removes_the_lease(tmp_path, monkeypatch):
+    """No room for the claim's temp file: no taker has room for its own either, and a run ending with exit 5
+    must not leave its lease to expire."""
+    import errno
+
+    path = tmp_path / "LEASE"
+    lease = Lease(path, ttl_seconds=60)
+    lease.acquire()
+
+    def full(*_):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(lease, "_complete_temp", full)
+    lease.release()
+    assert not path.exists()
+
+
 def test_a_holder_stalled_in_its_renewal_does_not_write_over_the_lease_a_replacement_took(
     tmp_path, monkeypatch
 ):

@@ -18,8 +18,8 @@ temp file to a claim named after them (`LEASE.takeover-<their hash>-<n>`), which
 claimed them, then checks that the lease still holds them and renames its own over it. Of writers that found
 the same stale lease, however late one of them writes, exactly one replaces it; the others exit 75. A claim
 left by a writer killed in between holds no later taker up for longer than LEASE_TEMP_MAX_AGE_S. The holder's
-heartbeat renews by the same compare-and-swap of its own last bytes, so a holder stalled past its expiry
-never writes over the lease of the pod that took its run over meanwhile.
+heartbeat renews, and its release removes the lease, by the same compare-and-swap of its own last bytes, so a
+holder stalled past its expiry never writes over (nor removes) the lease of the pod that took its run over meanwhile.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -292,28 +292,41 @@ class Lease:
         volume has no hard links. TemporaryError when another writer took it over first.
 
         Writing over it and reading it back later was no compare-and-swap: a writer whose write came after
-        another's read-back (a slow volume) read its own back too, and both went on. The claim is made with
-        link(2), which one writer alone makes, and only its maker checks and replaces the lease; a winner's
-        lease never holds the stale bytes, so a claim made after its end finds them gone."""
+        another's read-back (a slow volume) read its own back too, and both went on."""
         temp, data = self._complete_temp()
+
+        def replace() -> None:
+            os.replace(temp, self.path)
+            self._held = data
+
         try:
-            claim = self._claim(hashlib.sha256(stale).hexdigest()[:16], temp, json_or_empty(stale))
-            if claim is None:
-                return None
-            try:
-                now = self._read_bytes()
-                if now is None:
-                    return False
-                if now != stale:
-                    raise self._holding_now(json_or_empty(now), json_or_empty(stale))
-                os.replace(temp, self.path)
-                self._held = data
-                atomic.fsync_dir(self.path.parent)
-                return True
-            finally:
-                claim.unlink(missing_ok=True)
+            return self._compare_and_swap(stale, temp, replace)
         finally:
             temp.unlink(missing_ok=True)
+
+    def _compare_and_swap(self, expected: bytes, temp: Path, swap: Callable[[], None]) -> bool | None:
+        """Run `swap` (a replace or a removal of the lease) if the lease still holds the bytes `expected`: True
+        once it ran, False when the lease is gone, None where the volume has no hard links (nothing ran).
+        TemporaryError when another writer holds it now, or claims these very bytes at this moment.
+
+        The claim is made by linking `temp` (a complete record of this writer), which one writer alone makes,
+        and only its maker checks the lease and swaps it; a winner's lease never holds the bytes it replaced,
+        so a claim made after its end finds them gone. The check comes after the claim: before it, a taker
+        could claim, replace and let go between the check and this writer's own claim."""
+        claim = self._claim(hashlib.sha256(expected).hexdigest()[:16], temp, json_or_empty(expected))
+        if claim is None:
+            return None
+        try:
+            now = self._read_bytes()
+            if now is None:
+                return False
+            if now != expected:
+                raise self._holding_now(json_or_empty(now), json_or_empty(expected))
+            swap()
+            atomic.fsync_dir(self.path.parent)
+            return True
+        finally:
+            claim.unlink(missing_ok=True)
 
     def _claim(self, stale_hash: str, temp: Path, stale: dict[str, Any]) -> Path | None:
         """Link `temp` to the first claim of the stale lease `stale_hash` that is free (one older than
@@ -448,10 +461,7 @@ class Lease:
         taker's next heartbeat. A renewal is a takeover of this writer's own last bytes, by the same claim a
         taker of them makes: of the two, one alone replaces them, and the other finds them gone."""
         if self._held is not None:
-            now = self._read_bytes()
-            if now is not None and now != self._held and json_or_empty(now).get("owner", {}) == self.owner:
-                self._held = now  # its own, from a renewal that failed after it landed (an fsync error)
-            renewed = self._take_over(self._held)
+            renewed = self._as_its_own(lambda: self._take_over(self._held))
             if renewed is False:  # removed from under a live writer (by hand): made again, as before
                 renewed = self._create()
                 if renewed is False:
@@ -463,6 +473,30 @@ class Lease:
         if held and held.get("owner", {}).get("id") != self.owner["id"]:
             raise self._taken_by(held.get("owner", {}), stale=False)
         self._write()
+
+    def _as_its_own(self, swap_held: Callable[[], bool | None]) -> bool | None:
+        """`swap_held`, a compare-and-swap of this writer's last bytes (one read of the lease, the one after the
+        claim). Where the lease holds other bytes of this writer (a renewal that failed after it landed: an
+        fsync error), those are its last, and the swap is made of them; another writer's stay its own."""
+        try:
+            return swap_held()
+        except TemporaryError:
+            now = self._read_bytes()
+            if now is None or json_or_empty(now).get("owner", {}) != self.owner:
+                raise
+            self._held = now
+            return swap_held()
+
+    def _temp_if_writable(self) -> Path | None:
+        """A complete temp file of this writer's record, to claim with; None where it cannot be written (a
+        full volume, an I/O error). Then the lease is removed as before the compare-and-swap, read then
+        removed: on a full volume no taker can write its own either, and a release (a run's exit 5 makes one)
+        must not fail nor leave the lease to expire."""
+        try:
+            return self._complete_temp()[0]
+        except OSError as exc:
+            log.warning("releasing the lease at %s without its compare-and-swap (%s)", self.path, exc)
+            return None
 
     def _heartbeat(self) -> None:
         expires = time.time() + self.ttl
@@ -508,10 +542,29 @@ class Lease:
             self._stop.set()
             if self._thread is not None:
                 self._thread.join(timeout=5)
-            held = self._read()
-            if held and held.get("owner", {}).get("id") == self.owner["id"]:
-                self.path.unlink(missing_ok=True)
-                atomic.fsync_dir(self.path.parent)
+            self._remove_if_its_own()
+
+    def _remove_if_its_own(self) -> None:
+        """Remove the lease where it still holds this writer's bytes, by the compare-and-swap a renewal makes.
+
+        Read, then deleted, it could delete the lease of a writer that took the run over in between (this
+        holder stalled past its expiry); a taker of the same bytes claims them as this removal does, so one of
+        the two alone acts. Another writer's lease, or one claimed by a taker now, is left to it."""
+        if self._held is not None and (temp := self._temp_if_writable()) is not None:
+            try:
+                removed = self._as_its_own(
+                    lambda: self._compare_and_swap(self._held, temp, lambda: self.path.unlink())
+                )
+            except TemporaryError:
+                return  # another writer's now, or being taken over by one
+            finally:
+                temp.unlink(missing_ok=True)
+            if removed is not None:
+                return
+        held = self._read()  # no hard links here (or no room for a claim): read, then removed
+        if held and held.get("owner", {}).get("id") == self.owner["id"]:
+            self.path.unlink(missing_ok=True)
+            atomic.fsync_dir(self.path.parent)
 
 
 def foreign_writer(path: Path) -> dict[str, Any] | None:

@@ -360,6 +360,27 @@ def test_another_pods_start_marker_is_not_held_against_this_pod(fake, pod, run):
     assert not (run.root / STARTS_FILE).exists()
 
 
+def test_a_duplicate_pod_leaves_the_start_marker_of_the_pod_that_trains_as_it_is(fake, pod, run, monkeypatch):
+    """A second pod on a run whose lease a live pod holds wrote its own START over that pod's, and removed it at
+    its exit 75: a death of the training pod without a word (the OOM killer) then went uncounted, its count
+    begun anew by nobody. The duplicate now marks nothing in the run."""
+    monkeypatch.setenv("RUNPOD_POD_ID", "the-pod-that-trains")
+    training = Lease(run.lease, ttl_seconds=60)
+    training.acquire()
+    try:
+        begin_start(run, pod_env(fake, {"id": "the-pod-that-trains"}), "pretrain")
+        trains = atomic.read_json(run.root / START_MARKER)
+        monkeypatch.setenv("RUNPOD_POD_ID", pod["id"])
+        env = pod_env(fake, pod)
+        assert begin_start(run, env, "pretrain") is None
+        assert atomic.read_json(run.root / START_MARKER) == trains, "the duplicate wrote over the START"
+        assert after_workload(75, run, env, "pretrain") == 75
+        assert atomic.read_json(run.root / START_MARKER) == trains, "the duplicate removed the START"
+        assert not (run.root / STARTS_FILE).exists()
+    finally:
+        training.release()
+
+
 def test_a_real_boot_killed_with_its_workload_is_counted_at_the_next_start(fake, pod, volume):
     """The pretrain runs in boot's process on one GPU (CPU here): SIGKILL stands in for a segfault or the
     OOM killer. With TRAINPOD_MAX_FAILED_STARTS=1 the next start marks FAILED and stops the pod unstarted."""

@@ -8,14 +8,16 @@ RunPod starts a pod's container again whenever it exits, so the exit code alone 
 | 143 | SIGTERM (spot interruption) | count reset: the start itself worked; RunPod stops the pod |
 | 2, 3, 5 | bad input, budget spent, volume full | FAILED marker (when the run folder exists) and the pod stopped at once |
 | 4 | this machine cannot run the image (trainpod.host) | MACHINE_UNFIT marker naming this pod, not counted as a failed start; the pod stopped: the supervisor replaces it with a new pod on another machine |
-| 75 while another pod holds the run's LEASE (a datagen's: its dataset's) and renews it | this pod is a duplicate (two deploys, a replacement racing the original) | not counted, no marker: this pod stopped, the one training goes on |
+| 75 while another pod holds the run's LEASE (a datagen's: its dataset's) and renews it | this pod is a duplicate (two deploys, a replacement racing the original) | not counted, no marker: this pod stopped, the one training goes on; found live before the workload, this pod writes no START (nor counts its own earlier one): the run's START stays the training pod's |
 | other (75, 1, ...) | temporary failure or crash | counted in runs/<run>/starts.json; at TRAINPOD_MAX_FAILED_STARTS in a row (default 3): FAILED marker (which takes the count over: once it is deleted, a start counts anew), pod stopped; a start that committed a newer checkpoint than LATEST named when it began begins the count again (it is failure 1); before the run is known (no TRAINPOD_RUN, the config not loaded yet) counted per pod in cache/starts/<pod id>.json, and the pod stopped at the same bound, with no marker |
 | any other, the run DONE already | a finished run's pod started again failed before "already DONE" (its branch deleted) | not counted, no marker: TRAINPOD_ON_FINISH as after DONE |
 | none: boot itself was killed | a segfault, the OOM killer, SIGKILL | found at the next start (`begin_start`): counted as exit 137 when no checkpoint was committed during it; one that committed a newer checkpoint is not counted and begins the count again |
 
 In a pod, a workload on one GPU runs in boot's own process, so a death that takes the process with it never
 reaches `after_workload`. Boot therefore writes runs/<run>/START before the workload and
-`after_workload` removes it; a START found by the next boot is a start that ended without a word.
+`after_workload` removes it (this pod's alone); a START found by the next boot is a start that ended without a word.
+A pod that finds another pod's live lease on the run before its workload (a duplicate) writes none:
+the run's START is the pod's that trains, and what counts its death.
 The first SIGTERM removes it at once (trainpod.preemption's first-signal hooks): a spot stop is no
 crash even when its SIGKILL comes during a long preflight. It counts only when the same pod wrote it
 (another pod's may be a start still running there) and LATEST did not move meanwhile: a crash loop
@@ -50,7 +52,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from trainpod import atomic
-from trainpod.checkpoint.lease import read_lease, renewed_by_its_holder
+from trainpod.checkpoint.lease import held_by_another, read_lease, renewed_by_its_holder
 from trainpod.checkpoint.store import LATEST
 from trainpod.errors import ConfigError, ExitCode
 from trainpod.preemption import call_at_first_signal, end_by_default_at_sigterm_meanwhile
@@ -124,7 +126,7 @@ def after_workload(
             )
         return code
     try:
-        _end_start(run)
+        _end_start(run, environ)
         action = _decide(code, run, environ, workload, owns_run, lease, progressed)
     except (ConfigError, OSError) as exc:  # a bad setting or an unwritable volume must not hide `code`
         log.warning("after exit %d: %s; the pod is left as it is", code, exc)
@@ -150,6 +152,12 @@ def begin_start(
         or int(environ.get("NODE_RANK") or 0)
         or run.done.exists()
     ):
+        return None
+    holder = _leased_by_another_pod(run, pod)
+    if holder is not None:
+        # A duplicate (two deploys, a replacement racing the original): the run's START and its count are the
+        # training pod's. Written over (and removed at this pod's exit 75), that pod's death went uncounted.
+        log.info("%s holds this run's lease: this start marks nothing in the run", holder)
         return None
     marker, latest = run.root / START_MARKER, _latest(run)
     try:
@@ -180,9 +188,25 @@ def begin_start(
     return None
 
 
-def _end_start(run: RunDir | None) -> None:
-    if run is not None:
-        atomic.remove(run.root / START_MARKER)
+def _leased_by_another_pod(run: RunDir, pod: str) -> str | None:
+    """Who holds the run's lease ("pod X", "a process on host Y") where a live writer other than this pod does."""
+    owner = (read_lease(run.lease) or {}).get("owner")
+    if not isinstance(owner, dict) or owner.get("pod_id") == pod or not held_by_another(run.lease):
+        return None
+    return f"pod {owner['pod_id']}" if owner.get("pod_id") else f"a process on host {owner.get('host')}"
+
+
+def _end_start(run: RunDir | None, environ: dict[str, str]) -> None:
+    """Remove this pod's START; another pod's (a duplicate here, which wrote none) is that pod's start."""
+    if run is None:
+        return
+    marker = run.root / START_MARKER
+    try:
+        mine = atomic.read_json(marker).get("pod") == environ.get("RUNPOD_POD_ID")
+    except (FileNotFoundError, ValueError, AttributeError):
+        mine = True  # none, or unreadable: nobody's to keep
+    if mine:
+        atomic.remove(marker)
 
 
 def _latest(run: RunDir) -> str | None:

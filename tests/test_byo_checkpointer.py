@@ -626,9 +626,47 @@ def test_a_commit_during_which_the_lease_was_taken_over_is_not_published(tmp_pat
     ckpt.lease.acquire()
     with ckpt.open():
         ckpt.commit(1, model=model)
-        with pytest.raises(TemporaryError, match="took over this run's lease"):
+        with pytest.raises(SystemExit) as exited:
             ckpt.commit(2, model=model, loader=TakenOverWhileItsStateIsRead(ckpt.lease))
+        assert exited.value.code == 75
     checkpoints = run / "checkpoints"
     assert (checkpoints / "LATEST").read_text().strip() == "step-1"
     assert sorted(p.name for p in checkpoints.iterdir() if p.name.startswith("step-")) == ["step-1"]
+    assert json.loads((run / "LEASE").read_text())["owner"]["id"] == "rival", "the new writer's lease stays"
+
+
+LOSES_ITS_LEASE = """
+import json, sys
+from pathlib import Path
+import torch
+from trainpod import Checkpointer
+run = Path(sys.argv[1])
+with Checkpointer(run, watch_signals=False) as ckpt:
+    ckpt.commit(1, weights={"w": torch.zeros(2)})
+    held = json.loads((run / "LEASE").read_text())
+    held["owner"] = {"id": "rival", "host": "elsewhere", "pid": 7, "pod_id": "pod-rival"}
+    (run / "LEASE").write_text(json.dumps(held))  # another pod took the run over: this one stalled
+    ckpt.lease.lost.set()  # what its next heartbeat finds
+    ckpt.commit(2, weights={"w": torch.ones(2)})
+print("went on after the lease was lost")
+"""
+
+
+def test_a_loop_run_alone_whose_lease_was_lost_exits_75_naming_the_writer_that_took_the_run_over(tmp_path):
+    """Run outside the command workload, the loop's commit raised TemporaryError: a traceback and exit 1, a crash
+    to count, where the README's table gives exit 75 for a run leased by another writer (as the HF callback
+    and the kit's own workloads end). It is one error line and exit 75, nothing committed, the lease left."""
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, "-c", LOSES_ITS_LEASE, str(run)], capture_output=True, text=True, timeout=120
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 75, output
+    assert "another writer (pod pod-rival, host elsewhere, pid 7) took this run over" in output, output
+    assert "step 2 is not committed" in output and "Traceback" not in output, output
+    assert "went on" not in output
+    assert (run / "checkpoints" / "LATEST").read_text().strip() == "step-1"
     assert json.loads((run / "LEASE").read_text())["owner"]["id"] == "rival", "the new writer's lease stays"

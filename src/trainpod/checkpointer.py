@@ -24,6 +24,8 @@ retention) and the same Lease as the stock trainers: there is no second commit p
 `command` workload the kit holds the run's lease for the program (TRAINPOD_LEASE_HELD=1); run
 alone, the Checkpointer takes it itself (rank 0's, under torchrun). One process commits (rank 0 under
 torchrun); each other rank saves its own RNG state beside the checkpoints (checkpoint/rank_rng.py).
+A commit that cannot land ends the program with one line and the README's exit code, as the kit's workloads
+end, not with a traceback and exit 1 (a crash, retried and counted): a lease lost to another writer is exit 75.
 """
 
 from __future__ import annotations
@@ -48,9 +50,10 @@ import torch
 import trainpod
 from trainpod.checkpoint import CheckpointStore, CommittedCheckpoint, Lease
 from trainpod.checkpoint.directory import refuse_older_step, whole_step
+from trainpod.checkpoint.lease import read_lease
 from trainpod.checkpoint.rank_rng import RankRng
 from trainpod.checkpoint.writer import CheckpointWriter
-from trainpod.errors import ExitCode, InputError, TemporaryError
+from trainpod.errors import ExitCode, InputError, TemporaryError, TrainpodError
 from trainpod.preemption import PreemptionWatch
 from trainpod.train.state import capture_rng, restore_rng, stored_once
 
@@ -261,7 +264,7 @@ class Checkpointer:
             self.last_committed_step = step
             return None
         if self.lease is not None and self.lease.lost.is_set():
-            raise TemporaryError("another writer took over this run's lease; stopping without a commit")
+            self._exit_lease_lost(step)
         refuse_older_step(self.store, step)
         files = dict(_state_file(name, state) for name, state in states.items())
         if rng:
@@ -271,11 +274,37 @@ class Checkpointer:
             "writer": "trainpod.Checkpointer",
             "versions": {"trainpod": trainpod.__version__, "torch": torch.__version__},
         }
-        committed = self.writer.commit(step, files, metadata, eval_loss)
+        try:
+            committed = self.writer.commit(step, files, metadata, eval_loss)
+        except TemporaryError:
+            if self.lease is not None and self.lease.lost.is_set():  # lost while its files were written
+                self._exit_lease_lost(step)
+            raise
         self.rank_rng.prune(step, lambda: {c.step for c in self.store.committed()})
         self.last_committed_step = step
         log.info("committed checkpoint step-%d in %.2f s", step, self.writer.last_commit_seconds)
         return committed
+
+    def _exit_lease_lost(self, step: int) -> NoReturn:
+        holder = (read_lease(self.lease.path) or {}).get("owner", {}) if self.lease is not None else {}
+        self._exit_with(
+            TemporaryError(
+                f"another writer (pod {holder.get('pod_id') or '-'}, host {holder.get('host')}, pid "
+                f"{holder.get('pid')}) took this run over: this process's lease at {self.run_dir / 'LEASE'} was "
+                f"not renewed in time (a stalled volume or process); step {step} is not committed, and this "
+                "process stops, leaving the run to that writer"
+            )
+        )
+
+    def _exit_with(self, error: TrainpodError) -> NoReturn:
+        """End the program with `error`'s line and exit code, as the kit's own workloads end: raised, the
+        program's uncaught error was a traceback and exit 1, a crash retried and counted, where a lost lease is
+        exit 75 (the pod that took the run over goes on)."""
+        log.error("%s", error)
+        log.error("exiting %d", error.exit_code)
+        self.close()
+        _leave_process_group()
+        exit_without_last_collection(error.exit_code)
 
     # ------------------------------------------------------------------------ stop
     @property

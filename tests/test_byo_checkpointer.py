@@ -670,3 +670,21 @@ def test_a_loop_run_alone_whose_lease_was_lost_exits_75_naming_the_writer_that_t
     assert "went on" not in output
     assert (run / "checkpoints" / "LATEST").read_text().strip() == "step-1"
     assert json.loads((run / "LEASE").read_text())["owner"]["id"] == "rival", "the new writer's lease stays"
+
+
+def test_a_first_commit_on_a_full_volume_exits_5_naming_the_step_not_a_crash(tmp_path, monkeypatch):
+    """Run alone, a commit that filled the volume was an OSError out of the loop: exit 1, retried at every
+    start into the same full volume. It is exit 5 with the volume's line, the first commit as any later one."""
+    import errno
+
+    from trainpod.checkpoint.writer import CheckpointWriter
+
+    def full(*_, **__):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(CheckpointWriter, "commit", full)
+    ckpt = Checkpointer(tmp_path / "run", watch_signals=False).open()
+    with pytest.raises(SystemExit) as exited:
+        ckpt.commit(1, weights={"w": torch.zeros(2)})
+    assert exited.value.code == 5
+    assert not (tmp_path / "run/LEASE").exists(), "released"

@@ -639,3 +639,31 @@ def test_a_program_that_fails_with_no_room_for_its_next_checkpoint_is_exit_5_not
         assert "no space left on the volume" in out and "exited with 5" in out, out[-2000:]
         assert "starting it again" not in out, "a retry on a full volume fails the same way"
         assert (run_dir(volume) / "checkpoints" / "LATEST").read_text().strip() == "step-1", "kept"
+
+
+FIRST_COMMIT_FILLS_THE_VOLUME = """
+import torch
+from trainpod import Checkpointer
+with Checkpointer() as ckpt:
+    ckpt.commit(1, weights={"w": torch.zeros(1024 * 1024)})  # 4 MiB, on a volume with 3
+print("committed")
+"""
+
+
+def test_a_program_whose_first_commit_fills_the_volume_is_exit_5_not_a_counted_retry(tmp_path):
+    """With no checkpoint before it to size the next one by, a first commit on a full volume was a failure to
+    retry (max_restarts times, then at every pod start) until FAILED. Its Checkpointer's line says the volume is
+    full: exit 5 at once, as for any later commit."""
+    from support import small_filesystem
+
+    config, volume = running_program(tmp_path, "first.py", FIRST_COMMIT_FILLS_THE_VOLUME, max_restarts=2)
+    with small_filesystem(volume / "runs", "3m"):
+        done = run_trainpod("run", "command", "--config", str(config), volume=volume)
+        out = done.stdout + done.stderr
+        assert done.returncode == 5, out[-3000:]
+        assert "the first checkpoint of" in out and "exited with 5" in out, out[-2000:]
+        assert "starting it again" not in out, "a retry on a full volume fails the same way"
+        assert not (run_dir(volume) / "checkpoints" / "LATEST").exists()
+        assert not [p for p in (run_dir(volume) / "checkpoints").iterdir() if ".tmp-" in p.name], (
+            "left half-written"
+        )

@@ -25,7 +25,8 @@ retention) and the same Lease as the stock trainers: there is no second commit p
 alone, the Checkpointer takes it itself (rank 0's, under torchrun). One process commits (rank 0 under
 torchrun); each other rank saves its own RNG state beside the checkpoints (checkpoint/rank_rng.py).
 A commit that cannot land ends the program with one line and the README's exit code, as the kit's workloads
-end, not with a traceback and exit 1 (a crash, retried and counted): a lease lost to another writer is exit 75.
+end, not with a traceback and exit 1 (a crash, retried and counted): a full volume is exit 5, a lease lost to
+another writer exit 75.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ from trainpod.checkpoint.directory import refuse_older_step, whole_step
 from trainpod.checkpoint.lease import read_lease
 from trainpod.checkpoint.rank_rng import RankRng
 from trainpod.checkpoint.writer import CheckpointWriter
-from trainpod.errors import ExitCode, InputError, TemporaryError, TrainpodError
+from trainpod.diskspace import volume_full_as_exit_5
+from trainpod.errors import ExitCode, InputError, TemporaryError, TrainpodError, VolumeFull
 from trainpod.preemption import PreemptionWatch
 from trainpod.train.state import capture_rng, restore_rng, stored_once
 
@@ -275,7 +277,10 @@ class Checkpointer:
             "versions": {"trainpod": trainpod.__version__, "torch": torch.__version__},
         }
         try:
-            committed = self.writer.commit(step, files, metadata, eval_loss)
+            with volume_full_as_exit_5(self.store.root, f"checkpoint step-{step}"):
+                committed = self.writer.commit(step, files, metadata, eval_loss)
+        except VolumeFull as exc:
+            self._exit_with(exc)
         except TemporaryError:
             if self.lease is not None and self.lease.lost.is_set():  # lost while its files were written
                 self._exit_lease_lost(step)
@@ -299,7 +304,7 @@ class Checkpointer:
     def _exit_with(self, error: TrainpodError) -> NoReturn:
         """End the program with `error`'s line and exit code, as the kit's own workloads end: raised, the
         program's uncaught error was a traceback and exit 1, a crash retried and counted, where a lost lease is
-        exit 75 (the pod that took the run over goes on)."""
+        exit 75 (the pod that took the run over goes on) and a full volume exit 5 (free space first)."""
         log.error("%s", error)
         log.error("exiting %d", error.exit_code)
         self.close()

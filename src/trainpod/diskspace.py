@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 DISK_FULL_MESSAGES = tuple(os.strerror(code) for code in DISK_FULL_ERRNOS)  # "No space left on device"
+VOLUME_FULL_PREFIX = "no space left on the volume"  # how volume_full's line begins
 WARN_BELOW_CHECKPOINTS = 2  # warn while a commit still works, before the one that does not
 FIX = (
     "free space on it (old runs, checkpoints, datasets, cache/) or grow the network volume, then start again"
@@ -43,6 +44,13 @@ def is_disk_full(exc: BaseException | None) -> bool:
             return True
         exc = exc.__cause__ or exc.__context__
     return False
+
+
+def says_disk_full(line: str) -> bool:
+    """Whether a line of a program's output reports a full disk: the OS's message (an ENOSPC traceback's last
+    line) or the kit's own (volume_full's, printed by a Checkpointer or `trainpod checkpoint commit`)."""
+    said = line.lower()
+    return any(message.lower() in said for message in (*DISK_FULL_MESSAGES, VOLUME_FULL_PREFIX))
 
 
 def free_bytes(path: Path) -> int:
@@ -64,7 +72,7 @@ def volume_full(where: Path, what: str, needed: int | None = None) -> VolumeFull
     """The one-line error: what could not be written, how much it needs and how much is free, the fix."""
     need = f"it needs about {size_text(needed)} and " if needed is not None else ""
     return VolumeFull(
-        f"no space left on the volume at {where} for {what}: {need}{size_text(free_bytes(where))} "
+        f"{VOLUME_FULL_PREFIX} at {where} for {what}: {need}{size_text(free_bytes(where))} "
         f"{'is' if needed is not None else 'are'} free; {FIX}"
     )
 

@@ -13,6 +13,7 @@ The `command` workload (workloads/command.py) runs one with the run's lifecycle 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import logging
@@ -36,6 +37,7 @@ _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None  
 _LINE_END = re.compile(rb"[\r\n]")
 PROGRAM_ID_ENV = "TRAINPOD_PROGRAM_ID"  # in the program's environment, inherited by all it starts
 STAND_DOWN = b"done"
+LAST_LINES_KEPT = 20  # torchrun's summary of a failed worker, after the worker's own last line, is about 15
 # Run by the kit's own Python, so nothing here is imported: it reads the program's pid, then the pipe's
 # end: with STAND_DOWN before it (nothing was started) it leaves, without (the kit died, or swept once the
 # program had ended) it kills.
@@ -93,6 +95,8 @@ class Program:
         self.env = env
         self.log_path = log_path
         self.last_line = ""
+        # The output's last lines: a failure's reason (a traceback's last line) may come before a launcher's own.
+        self.last_lines: collections.deque[str] = collections.deque(maxlen=LAST_LINES_KEPT)
         self.proc: subprocess.Popen | None = None
         self._pumps: list[threading.Thread] = []
         self._log_lock = threading.Lock()
@@ -215,6 +219,7 @@ class Program:
         shown = [line.strip() for line in re.split(r"[\r\n]", text) if line.strip()]
         if shown:
             self.last_line = shown[-1][:300]
+            self.last_lines.extend(line[:300] for line in shown)
 
     def _append_to_log(self, text: str) -> None:
         """The output into log_path; a write that fails (a network volume's I/O error, a full volume) is said

@@ -16,7 +16,7 @@ callback, or `trainpod checkpoint commit`). How it ends:
 | is over TRAINPOD_BUDGET_USD: SIGTERM, the window, then SIGKILL | 3 |
 | loses the run's lease to another writer: SIGKILL at once, so no commit of its lands | 75 |
 | exits with anything else (1, 2, 3, killed, ...), after `max_restarts` tries | 75: a failed start, counted; FAILED after TRAINPOD_MAX_FAILED_STARTS in a row |
-| fails with less free on the volume than the run's newest checkpoint takes | 5 at once: the next commit cannot land |
+| fails with less free on the volume than the run's newest checkpoint takes, or before its first commit with its last output lines saying the disk is full (its Checkpointer's exit 5, an ENOSPC traceback) | 5 at once: the next commit cannot land |
 
 A program's own exit 2 or 3 is not taken as "bad input" or "budget": the kit cannot know what a
 program means by them, and a failed start is bounded by the crash-loop limit anyway.
@@ -32,6 +32,7 @@ import shutil
 import signal
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,7 @@ from trainpod.checkpoint import CheckpointStore
 from trainpod.config.command import CommandConfig
 from trainpod.config.loader import Section
 from trainpod.context import RunContext
-from trainpod.diskspace import free_bytes, is_disk_full, volume_full
+from trainpod.diskspace import free_bytes, is_disk_full, says_disk_full, volume_full
 from trainpod.errors import BudgetExhausted, InputError, Preempted, TemporaryError
 from trainpod.gitsync import own_checkout
 from trainpod.program import Program
@@ -90,7 +91,7 @@ def run(ctx: RunContext, config: CommandConfig) -> dict[str, Any]:
                 "checkpoint": status.latest(),
                 "elapsed_s": status.elapsed(),
             }
-        _raise_if_no_checkpoint_fits(status, argv[0], code)
+        _raise_if_no_checkpoint_fits(status, argv[0], code, program.last_lines)
         if restarts >= config.max_restarts:
             raise ProgramFailed(
                 f"{argv[0]} exited with {code} (after {restarts} restart(s), max_restarts={config.max_restarts}); "
@@ -102,16 +103,26 @@ def run(ctx: RunContext, config: CommandConfig) -> dict[str, Any]:
         )
 
 
-def _raise_if_no_checkpoint_fits(status: CommandStatus, program: str, code: int) -> None:
+def _raise_if_no_checkpoint_fits(
+    status: CommandStatus, program: str, code: int, last_lines: Iterable[str]
+) -> None:
     """A program that failed with less free on the volume than the run's newest checkpoint takes (its
     Checkpointer's exit 5, or a write of its own on a full volume) fails the same way at every start: exit 5,
-    the volume's fix, not a counted retry. Its own exit codes alone say nothing (the table above)."""
+    the volume's fix, not a counted retry; before the first commit, one whose last lines say the disk is full.
+    Its own exit codes alone say nothing (the table above)."""
     committed = status.store.committed()
     if committed and free_bytes(status.store.root) < committed[0].nbytes:
         raise volume_full(
             status.store.root,
             f"the next checkpoint of {program}, which exited with {code}",
             committed[0].nbytes,
+        )
+    said = next((line for line in reversed(last_lines) if says_disk_full(line)), None)
+    if not committed and said is not None:
+        # No checkpoint yet to size the next one by: the first commit's own failure says it (its Checkpointer's
+        # exit 5, an ENOSPC traceback), and it fails the same way at every start.
+        raise volume_full(
+            status.store.root, f"the first checkpoint of {program}, which exited with {code} ({said})"
         )
 
 

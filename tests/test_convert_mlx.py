@@ -468,6 +468,38 @@ def test_a_gpt_j_adapter_loads_in_mlx_lm_under_its_renamed_model_and_gives_peft_
     assert saved["lora_parameters"]["keys"] == ["attn.q_proj", "attn.v_proj", "mlp.fc_out"]
 
 
+def test_a_gpt_j_adapter_of_its_first_layer_takes_the_bases_depth_and_gives_peft_logits_in_mlx_lm(
+    vol: Volume, tmp_path: Path
+) -> None:
+    # GPT-J's depth is n_layer, not num_hidden_layers: num_layers was not read from the base, and an adapter
+    # skipping the last layer was refused with "set base_model to the base model's folder", which it was.
+    from transformers import GPTJForCausalLM
+
+    model, base = gptj_peft_model(tmp_path, layers_to_transform=[0])
+    out = convert_and_compare_logits(vol, model, GPTJForCausalLM, base)
+    assert json.loads((out / "adapter_config.json").read_text())["num_layers"] == 2
+
+
+def gptj_peft_model(tmp_path: Path, **lora: Any) -> tuple[Any, Path]:
+    """A tiny two-layer GPT-J saved as a base folder, and a PEFT LoRA model on it."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import GPTJConfig, GPTJForCausalLM
+
+    from convert_support import VOCAB, save_tokenizer
+
+    torch.manual_seed(0)
+    config = GPTJConfig(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64, rotary_dim=8)
+    base = tmp_path / "gptj"
+    GPTJForCausalLM(config).save_pretrained(base)
+    save_tokenizer(base)
+    model = get_peft_model(
+        GPTJForCausalLM.from_pretrained(base),
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "out_proj", "fc_in"], **lora),
+    )
+    return model, base
+
+
 def convert_and_compare_logits(vol: Volume, model: Any, model_class: Any, base: Path) -> Path:
     """Save the peft `model`'s randomized adapter as a finetune's, convert it, and check mlx-lm's logits of the
     converted adapter on `base` against peft's; returns the mlx output folder."""

@@ -69,7 +69,7 @@ class AdapterInputs:
     def base_layers(self) -> int | None:
         if self.base_dir is None:
             return None
-        return peft_adapter.base_config(self.base_dir).get("num_hidden_layers")
+        return peft_adapter.base_layer_count(peft_adapter.base_config(self.base_dir))
 
     def base_model_type(self) -> str | None:
         """The base's config.json model_type, None where the base is no local folder."""

@@ -191,6 +191,19 @@ def base_config(base_dir: Path) -> dict[str, Any]:
     return _read_json(base_dir / "config.json")
 
 
+def base_layer_count(config: dict[str, Any]) -> int | None:
+    """The base's decoder layers from its config.json: num_hidden_layers, or the name its architecture gives
+    it (GPT-J's and GPT-2's n_layer, MPT's n_layers), which transformers' attribute_map maps it to."""
+    from transformers import CONFIG_MAPPING
+
+    model_type = config.get("model_type")
+    known = model_type in CONFIG_MAPPING  # a lazy mapping, whose get() is dict's, which finds none of them
+    attribute_map = CONFIG_MAPPING[model_type].attribute_map if known else {}
+    names = ["num_hidden_layers", attribute_map.get("num_hidden_layers")]
+    counts = [config.get(name) for name in names + ["n_layer", "n_layers", "num_layers"] if name]
+    return next((count for count in counts if isinstance(count, int) and count > 0), None)
+
+
 def vision_module_shapes(base_dir: Path) -> dict[str, tuple[int, ...]]:
     """A vision-language model's parameter shapes by module name, from its config on the meta device:
     its hub files name weights otherwise (model.layers.* for model.language_model.layers.*, renamed on load)."""

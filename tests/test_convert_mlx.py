@@ -468,6 +468,19 @@ def test_a_gpt_j_adapter_loads_in_mlx_lm_under_its_renamed_model_and_gives_peft_
     assert saved["lora_parameters"]["keys"] == ["attn.q_proj", "attn.v_proj", "mlp.fc_out"]
 
 
+def test_a_gpt_j_adapter_on_a_hub_base_not_fetched_loads_in_mlx_lm_and_gives_peft_logits(
+    vol: Volume, tmp_path: Path
+) -> None:
+    # A base named by hub id has no config.json here to give its model_type, and the adapter kept transformers'
+    # transformer.h.<i>, which mlx-lm refused at load; GPT-J's module names tell it apart.
+    from transformers import GPTJForCausalLM
+
+    model, base = gptj_peft_model(tmp_path)
+    out = convert_and_compare_logits(vol, model, GPTJForCausalLM, base, named_base="org/tiny-gptj")
+    saved = json.loads((out / "adapter_config.json").read_text())
+    assert saved["lora_parameters"]["keys"] == ["attn.out_proj", "attn.q_proj", "mlp.fc_in"]
+
+
 def test_a_gpt_j_adapter_of_its_first_layer_takes_the_bases_depth_and_gives_peft_logits_in_mlx_lm(
     vol: Volume, tmp_path: Path
 ) -> None:
@@ -500,9 +513,12 @@ def gptj_peft_model(tmp_path: Path, **lora: Any) -> tuple[Any, Path]:
     return model, base
 
 
-def convert_and_compare_logits(vol: Volume, model: Any, model_class: Any, base: Path) -> Path:
+def convert_and_compare_logits(
+    vol: Volume, model: Any, model_class: Any, base: Path, named_base: str | None = None
+) -> Path:
     """Save the peft `model`'s randomized adapter as a finetune's, convert it, and check mlx-lm's logits of the
-    converted adapter on `base` against peft's; returns the mlx output folder."""
+    converted adapter on `base` against peft's; returns the mlx output folder. `named_base`: the hub id the
+    finetune names its base by, not fetched for the convert (the base folder otherwise)."""
     import torch
     from peft import PeftModel
 
@@ -512,7 +528,7 @@ def convert_and_compare_logits(vol: Volume, model: Any, model_class: Any, base: 
     model.save_pretrained(adapter_dir(vol))
     save_tokenizer(adapter_dir(vol))
     (adapter_dir(vol) / "training_summary.json").write_text(
-        json.dumps({"method": "lora", "base_model": str(base)})
+        json.dumps({"method": "lora", "base_model": named_base or str(base)})
     )
     out = convert_to_mlx(vol)
     peft_model = PeftModel.from_pretrained(model_class.from_pretrained(base), str(adapter_dir(vol))).eval()

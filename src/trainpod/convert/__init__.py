@@ -222,7 +222,7 @@ def _mlx(task: MlxTask, sources: AdapterInputs, export_root: Path) -> Output:
     settings = {"task": task.model_dump(mode="json"), "base_model": sources.base_name, "base_layers": layers}
     if sources.base_revision:  # the README loads it; set only for a hub base, so other outputs keep their key
         settings["base_revision"] = sources.base_revision
-    model_type = sources.base_model_type()
+    model_type = mlx.mlx_model_type(sources.adapter, sources.base_model_type())
     if mlx.renames_module_names(model_type):  # made again under mlx-lm's names (GPT-J's were HF's before)
         settings["base_model_type"] = model_type
     chat_format = mlx.trained_template_name(sources.adapter)

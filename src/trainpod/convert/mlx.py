@@ -37,6 +37,10 @@ _MLX_RENAMES = (
 # Renames that only the base's model_type tells apart: GPT-J's transformer.* is mlx-lm's model.*, while
 # GPTBigCode keeps transformer.* in mlx-lm too.
 _MLX_RENAMES_BY_MODEL_TYPE = {"gptj": ((re.compile(r"^transformer\."), "model."),)}
+# GPT-J's layer modules: of the architectures mlx-lm loads that keep their layers in transformer.h (GPT-J,
+# GPTBigCode, GPT-2, Qwen, EXAONE's attn.attention.*, Phixtral's mixer.*), only GPT-J names them so, which tells
+# its adapter apart where the base is a hub id whose config.json is not here to read.
+_GPTJ_LAYER_MODULE = re.compile(r"^transformer\.h\.\d+\.(?:attn\.(?:q|k|v|out)_proj|mlp\.fc_(?:in|out))$")
 _MERGE_INSTEAD = (
     "use a `kind: merge` task and convert the merged model for MLX with "
     "`mlx_lm.convert --hf-path <merged folder>`"
@@ -108,6 +112,14 @@ def refusals(adapter: PeftAdapter) -> list[str]:
 def renames_module_names(model_type: str | None) -> bool:
     """Whether mlx-lm names this base model_type's modules otherwise than transformers by model_type alone."""
     return model_type in _MLX_RENAMES_BY_MODEL_TYPE
+
+
+def mlx_model_type(adapter: PeftAdapter, base_model_type: str | None) -> str | None:
+    """The model_type whose mlx-lm names the adapter takes: the base's config.json one, else (a hub base not
+    fetched) GPT-J where the adapted modules are GPT-J's, whose names mlx-lm changes."""
+    if base_model_type is None and any(map(_GPTJ_LAYER_MODULE.match, adapter.modules)):
+        return "gptj"
+    return base_model_type
 
 
 def mlx_name(peft_module: str, model_type: str | None = None) -> str:

@@ -448,21 +448,9 @@ def test_a_gpt_j_adapter_loads_in_mlx_lm_under_its_renamed_model_and_gives_peft_
 ) -> None:
     # mlx-lm's GPT-J keeps transformer.* as model.* (GPTBigCode, also transformer.h, keeps transformer.*): the
     # adapter kept the hub's names, which mlx-lm refused at load, and its keys named no layer's modules.
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import GPTJConfig, GPTJForCausalLM
+    from transformers import GPTJForCausalLM
 
-    from convert_support import VOCAB, save_tokenizer
-
-    torch.manual_seed(0)
-    config = GPTJConfig(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64, rotary_dim=8)
-    base = tmp_path / "gptj"
-    GPTJForCausalLM(config).save_pretrained(base)
-    save_tokenizer(base)
-    model = get_peft_model(
-        GPTJForCausalLM.from_pretrained(base),
-        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "fc_out"]),
-    )
+    model, base = gptj_peft_model(tmp_path, target_modules=["q_proj", "v_proj", "fc_out"])
     out = convert_and_compare_logits(vol, model, GPTJForCausalLM, base)
     saved = json.loads((out / "adapter_config.json").read_text())
     assert saved["lora_parameters"]["keys"] == ["attn.q_proj", "attn.v_proj", "mlp.fc_out"]
@@ -508,7 +496,7 @@ def gptj_peft_model(tmp_path: Path, **lora: Any) -> tuple[Any, Path]:
     save_tokenizer(base)
     model = get_peft_model(
         GPTJForCausalLM.from_pretrained(base),
-        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "out_proj", "fc_in"], **lora),
+        LoraConfig(**{"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "out_proj", "fc_in"], **lora}),
     )
     return model, base
 

@@ -66,7 +66,9 @@ def dry_results(tmp_path_factory) -> Path:
     return results
 
 
-def test_dry_mode_runs_every_part_and_records_its_result(dry_results):
+def test_dry_mode_runs_every_part_records_its_result_and_reports_it(dry_results):
+    """One test of the one dry run (minutes of CPU): under xdist, a second test of the same module fixture
+    made a worker of its own run it all again."""
     for part, preset in units(list(PARTS), dry=True):
         name = unit_name(part, preset)
         outcome = json.loads((dry_results / f"{name}.json").read_text())
@@ -100,6 +102,17 @@ def test_dry_mode_runs_every_part_and_records_its_result(dry_results):
     vlm = json.loads((dry_results / "vlm-generation.json").read_text())
     assert vlm["measured"]["step_s"] > 0 and vlm["measured"]["forced_tokens"] == 8
     assert vlm["scaled"]["generation_evals"] >= 1 and vlm["scaled"]["forced_share"] > 0
+
+    # The report replaces only the GPU section of BENCHMARKS.md and shows every target's row.
+    text = (dry_results / "BENCHMARKS.md").read_text()
+    assert "## Datagen\n\nkept" in text and "old placeholder" not in text
+    gpu = text[text.index("## GPU") :]
+    assert "dry run on CPU" in gpu
+    for row in TARGET_ROWS:
+        assert row in gpu, f"the GPU section lacks the {row!r} row"
+    assert "VLM generation eval at configs/finetune/qwen3-vl-2b-qlora-ocr.yaml's settings" in gpu
+    assert "  - profile of 2 steps (CPU operators (self time)): busy" in gpu
+    assert "- packed rows per attention, torch.float32 (" in gpu and "dry, sdpa, 32+32 0.000" in gpu
 
 
 def test_the_gpu_tests_part_names_every_file_with_gpu_tests():
@@ -152,18 +165,6 @@ def test_gpu_tests_cut_off_by_the_units_limit_keep_the_results_of_the_tests_that
     assert "error" not in resumed and resumed["exit_code"] == 0, resumed
     assert names(resumed["tests"]) == {"passed": ["test_slow"]}  # test_quick is not run again
     assert resumed["summary"].endswith("; 1 passed in an earlier call")
-
-
-def test_the_report_replaces_only_the_gpu_section_and_shows_every_target(dry_results):
-    text = (dry_results / "BENCHMARKS.md").read_text()
-    assert "## Datagen\n\nkept" in text and "old placeholder" not in text
-    gpu = text[text.index("## GPU") :]
-    assert "dry run on CPU" in gpu
-    for row in TARGET_ROWS:
-        assert row in gpu, f"the GPU section lacks the {row!r} row"
-    assert "VLM generation eval at configs/finetune/qwen3-vl-2b-qlora-ocr.yaml's settings" in gpu
-    assert "  - profile of 2 steps (CPU operators (self time)): busy" in gpu
-    assert "- packed rows per attention, torch.float32 (" in gpu and "dry, sdpa, 32+32 0.000" in gpu
 
 
 def test_profiled_kernels_are_put_in_the_category_their_names_give():

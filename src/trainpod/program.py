@@ -94,7 +94,6 @@ class Program:
         self.workdir = workdir
         self.env = env
         self.log_path = log_path
-        self.last_line = ""
         # The output's last lines: a failure's reason (a traceback's last line) may come before a launcher's own.
         self.last_lines: collections.deque[str] = collections.deque(maxlen=LAST_LINES_KEPT)
         self.proc: subprocess.Popen | None = None
@@ -103,6 +102,11 @@ class Program:
         self._log_failing = False  # the last write of log_path failed: said once until one works again
         self._watchdog: subprocess.Popen | None = None
         self._watchdog_pipe: int | None = None
+
+    @property
+    def last_line(self) -> str:
+        """The output's last non-blank line (status.json's last_log_line), "" before any."""
+        return self.last_lines[-1] if self.last_lines else ""
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -217,9 +221,7 @@ class Program:
             console.flush()
         self._append_to_log(text)
         shown = [line.strip() for line in re.split(r"[\r\n]", text) if line.strip()]
-        if shown:
-            self.last_line = shown[-1][:300]
-            self.last_lines.extend(line[:300] for line in shown)
+        self.last_lines.extend(line[:300] for line in shown)
 
     def _append_to_log(self, text: str) -> None:
         """The output into log_path; a write that fails (a network volume's I/O error, a full volume) is said

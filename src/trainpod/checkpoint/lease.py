@@ -570,9 +570,9 @@ class Lease:
 def foreign_writer(path: Path) -> dict[str, Any] | None:
     """The owner of a live lease at `path` that is neither this process nor one of its ancestors (a program
     holding the lease through the Python Checkpointer may run `trainpod checkpoint commit` itself), else None."""
-    if not held_by_another(path):
+    owner = live_holder(path)
+    if owner is None:
         return None
-    owner = (read_lease(path) or {}).get("owner", {})
     here = owner.get("host") == socket.gethostname()
     return None if here and int(owner.get("pid", -1)) in _this_process_and_ancestors() else owner
 
@@ -594,10 +594,16 @@ def _this_process_and_ancestors() -> set[int]:
 def held_by_another(path: Path) -> bool:
     """Whether a live writer holds the lease at `path` (a process other than one holding it through `Lease`
     here: this asks from outside, e.g. a command run beside a training run)."""
+    return live_holder(path) is not None
+
+
+def live_holder(path: Path) -> dict[str, Any] | None:
+    """The owner record of the live writer holding the lease at `path` (held_by_another's), from one read of
+    it; None where nobody does."""
     held = read_lease(path)
     if not held or held.get("expires_unix", 0) < time.time():
-        return False
+        return None
     owner = held.get("owner", {})
     if owner.get("host") != socket.gethostname():
-        return True  # another machine's unexpired lease: a reader does not wait to see it renewed
-    return _process_alive_here(owner)
+        return owner  # another machine's unexpired lease: a reader does not wait to see it renewed
+    return owner if _process_alive_here(owner) else None

@@ -52,7 +52,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from trainpod import atomic
-from trainpod.checkpoint.lease import held_by_another, read_lease, renewed_by_its_holder
+from trainpod.checkpoint.lease import live_holder, read_lease, renewed_by_its_holder
 from trainpod.checkpoint.store import LATEST
 from trainpod.errors import ConfigError, ExitCode
 from trainpod.preemption import call_at_first_signal, end_by_default_at_sigterm_meanwhile
@@ -190,8 +190,8 @@ def begin_start(
 
 def _leased_by_another_pod(run: RunDir, pod: str) -> str | None:
     """Who holds the run's lease ("pod X", "a process on host Y") where a live writer other than this pod does."""
-    owner = (read_lease(run.lease) or {}).get("owner")
-    if not isinstance(owner, dict) or owner.get("pod_id") == pod or not held_by_another(run.lease):
+    owner = live_holder(run.lease)
+    if not isinstance(owner, dict) or owner.get("pod_id") == pod:
         return None
     return f"pod {owner['pod_id']}" if owner.get("pod_id") else f"a process on host {owner.get('host')}"
 

@@ -19,6 +19,7 @@ from fake_runpod import (
     REFERENCE,
     SCHEMA_FILE,
     SCHEMA_V2_FILE,
+    FakeRunPodServer,
     derive_schema,
     derive_schema_v2,
 )
@@ -116,3 +117,20 @@ def test_a_cu130_image_admits_only_hosts_reporting_13_0(tmp_path):
         "pod: {gpu_types: [NVIDIA H100 80GB HBM3]}\nvolume: {data_center: EU-RO-1}\n"
     )
     assert pod_body(load_config(DeployConfig, path), "tpl1", "vol1")["allowedCudaVersions"] == ["13.0"]
+
+
+@pytest.mark.parametrize(
+    "error, printed", [(BrokenPipeError(), False), (ConnectionResetError(), False), (ValueError("a bug"), True)]
+)
+def test_the_fake_server_prints_a_traceback_for_its_own_errors_only(error, printed, capsys):
+    """A client that gave up on its answer (a timeout test) left socketserver's traceback in the tier's
+    output; an error of the fake's own still shows."""
+    server = FakeRunPodServer()
+    try:
+        try:
+            raise error
+        except Exception:
+            server.httpd.handle_error(None, ("127.0.0.1", 1))
+    finally:
+        server.httpd.server_close()
+    assert ("Traceback" in capsys.readouterr().err) is printed

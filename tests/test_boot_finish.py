@@ -381,6 +381,90 @@ def test_a_duplicate_pod_leaves_the_start_marker_of_the_pod_that_trains_as_it_is
         training.release()
 
 
+def lease_of_a_pod_that_died(run, seconds_left: float) -> None:
+    """The run's LEASE of a pod on another machine, killed before it could release it: live for `seconds_left`
+    more, never renewed."""
+    now = time.time()
+    owner = {"id": "its-lease", "host": "another-machine", "pod_id": "the-pod-that-died", "pid": 1}
+    atomic.write_json(run.lease, {"owner": owner, "heartbeat_unix": now, "expires_unix": now + seconds_left})
+
+
+def takes_the_lease_over(run) -> Lease:
+    """This pod's workload, waiting out the dead pod's lease and taking it over (the lifecycle's acquire)."""
+    lease = Lease(run.lease, ttl_seconds=60)
+    lease.takeover_settle_s = 0.0
+    lease.acquire()
+    return lease
+
+
+def test_a_duplicate_that_takes_the_lease_over_marks_its_start_and_its_death_without_a_word_is_counted(
+    fake, pod, run, monkeypatch
+):
+    """A pod that found the run leased by a live pod at boot wrote no START; when its workload then took the
+    lease over (that pod had died, its lease expired unrenewed), it trained the run with no START of its own, and
+    a death of it without a word (the OOM killer) was never counted: a crash loop of such starts never ended."""
+    monkeypatch.setenv("RUNPOD_POD_ID", pod["id"])
+    env = pod_env(fake, pod, TRAINPOD_MAX_FAILED_STARTS="1")
+    atomic.write_json(run.root / START_MARKER, {"unix": 0, "latest": None, "pod": "the-pod-that-died"})
+    lease_of_a_pod_that_died(run, seconds_left=1.5)
+    assert begin_start(run, env, "pretrain") is None
+    assert atomic.read_json(run.root / START_MARKER)["pod"] == "the-pod-that-died", (
+        "a duplicate marks nothing"
+    )
+    takes_the_lease_over(run)  # and then dies there without a word, its lease left behind
+    assert atomic.read_json(run.root / START_MARKER)["pod"] == pod["id"], "the run's writer has no START"
+    assert not (run.root / STARTS_FILE).exists(), (
+        "the dead pod's START is that pod's, not this pod's to count"
+    )
+    assert begin_start(run, env, "pretrain") == KILLED, "the start that took the run over died uncounted"
+    assert atomic.read_json(run.root / FAILED_MARKER)["exit_code"] == KILLED
+    assert fake.pods[pod["id"]]["desiredStatus"] == "EXITED"
+
+
+def test_a_duplicate_refused_the_lease_leaves_nothing_for_a_later_acquire(fake, pod, run, monkeypatch):
+    """What a duplicate leaves for its takeover is for its workload's one acquire: refused (the pod that trains
+    renews its lease), a later acquire in the process marks nothing."""
+    monkeypatch.setenv("RUNPOD_POD_ID", "the-pod-that-trains")
+    training = Lease(run.lease, ttl_seconds=2)  # renewed every 0.5 s
+    training.acquire()
+    monkeypatch.setenv("RUNPOD_POD_ID", pod["id"])
+    try:
+        assert begin_start(run, pod_env(fake, pod), "pretrain") is None
+        with pytest.raises(TemporaryError, match="leased by another writer"):
+            Lease(run.lease).acquire()
+    finally:
+        training.release()
+    takes_the_lease_over(run).release()
+    assert not (run.root / START_MARKER).exists()
+
+
+SILENTLY_KILLED_PROGRAM = """
+import os, signal
+os.kill(os.getppid(), signal.SIGKILL)  # the kit's process, as the OOM killer takes a pod's boot on one GPU
+"""
+
+
+def test_a_real_duplicate_boot_that_took_the_lease_over_and_died_without_a_word_is_counted(
+    fake, pod, tmp_path
+):
+    workdir, volume, env = command_pod(
+        fake, pod, tmp_path, "dup", SILENTLY_KILLED_PROGRAM, max_failed_starts=1
+    )
+    run = Volume(volume).run("dup")
+    run.create()
+    lease_of_a_pod_that_died(run, seconds_left=3)  # live at boot: this pod is a duplicate there
+    boot = [sys.executable, "-m", "trainpod", "boot"]
+    killed = subprocess.run(boot, env=child_env(env), capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr
+    assert "holds this run's lease" in killed.stdout, "no duplicate at boot: this test tests nothing"
+    assert (run.root / START_MARKER).exists(), "the start that took the run over and died has no START"
+    assert atomic.read_json(run.root / START_MARKER)["pod"] == pod["id"], killed.stdout
+    again = subprocess.run(boot, env=child_env(env), capture_output=True, text=True, timeout=300)
+    assert again.returncode == KILLED, again.stdout + again.stderr
+    assert atomic.read_json(run.root / FAILED_MARKER)["exit_code"] == KILLED
+    assert fake.pods[pod["id"]]["desiredStatus"] == "EXITED"
+
+
 def test_a_real_boot_killed_with_its_workload_is_counted_at_the_next_start(fake, pod, volume):
     """The pretrain runs in boot's process on one GPU (CPU here): SIGKILL stands in for a segfault or the
     OOM killer. With TRAINPOD_MAX_FAILED_STARTS=1 the next start marks FAILED and stops the pod unstarted."""

@@ -120,7 +120,8 @@ def test_a_cu130_image_admits_only_hosts_reporting_13_0(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "error, printed", [(BrokenPipeError(), False), (ConnectionResetError(), False), (ValueError("a bug"), True)]
+    "error, printed",
+    [(BrokenPipeError(), False), (ConnectionResetError(), False), (ValueError("a bug"), True)],
 )
 def test_the_fake_server_prints_a_traceback_for_its_own_errors_only(error, printed, capsys):
     """A client that gave up on its answer (a timeout test) left socketserver's traceback in the tier's

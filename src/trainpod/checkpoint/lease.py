@@ -89,6 +89,16 @@ def one_writer(folder: Path, what: str) -> Iterator[Lease]:
 
 _folder_leases_held: list[Lease] = []  # one_writer's, innermost last
 
+# Run by the next Lease of that path in this process once it holds it: boot's START marker of a pod that
+# found the run leased by another pod, written when its own workload takes the lease over (runpod/finish.py).
+_when_taken: dict[Path, list[Callable[[], None]]] = {}
+
+
+def call_when_taken(path: Path, hook: Callable[[], None]) -> None:
+    """Have the next `Lease(path).acquire()` of this process run `hook` once it holds the lease (where it is
+    refused, the hook is dropped). A hook that raises ends that acquire with its error, the lease let go."""
+    _when_taken.setdefault(Path(path).absolute(), []).append(hook)
+
 
 def release_folder_leases() -> None:
     """Let every lease one_writer holds in this process go, from any thread: the process exits right after
@@ -401,6 +411,19 @@ class Lease:
             )
 
     def acquire(self) -> None:
+        """Hold the lease (TemporaryError, exit 75, where a live writer holds it), then run what call_when_taken
+        left for it; a hook that raises lets the lease go again."""
+        # For this attempt only: where it is refused, a later acquire in this process is no takeover of boot's.
+        hooks = _when_taken.pop(self.path.absolute(), [])
+        self._take()
+        try:
+            for hook in hooks:
+                hook()
+        except BaseException:
+            self.release()
+            raise
+
+    def _take(self) -> None:
         self._remove_leftovers()
         for _ in range(3):  # a lease released (or made and released by another writer) in between: look again
             found = self._read_bytes()

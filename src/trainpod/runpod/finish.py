@@ -8,7 +8,7 @@ RunPod starts a pod's container again whenever it exits, so the exit code alone 
 | 143 | SIGTERM (spot interruption) | count reset: the start itself worked; RunPod stops the pod |
 | 2, 3, 5 | bad input, budget spent, volume full | FAILED marker (when the run folder exists) and the pod stopped at once |
 | 4 | this machine cannot run the image (trainpod.host) | MACHINE_UNFIT marker naming this pod, not counted as a failed start; the pod stopped: the supervisor replaces it with a new pod on another machine |
-| 75 while another pod holds the run's LEASE (a datagen's: its dataset's) and renews it | this pod is a duplicate (two deploys, a replacement racing the original) | not counted, no marker: this pod stopped, the one training goes on; found live before the workload, this pod writes no START (nor counts its own earlier one): the run's START stays the training pod's |
+| 75 while another pod holds the run's LEASE (a datagen's: its dataset's) and renews it | this pod is a duplicate (two deploys, a replacement racing the original) | not counted, no marker: this pod stopped, the one training goes on; found live before the workload, this pod writes no START (nor counts its own earlier one): the run's START stays the training pod's; it writes its own once its workload takes the lease over (expired unrenewed) |
 | other (75, 1, ...) | temporary failure or crash | counted in runs/<run>/starts.json; at TRAINPOD_MAX_FAILED_STARTS in a row (default 3): FAILED marker (which takes the count over: once it is deleted, a start counts anew), pod stopped; a start that committed a newer checkpoint than LATEST named when it began begins the count again (it is failure 1); before the run is known (no TRAINPOD_RUN, the config not loaded yet) counted per pod in cache/starts/<pod id>.json, and the pod stopped at the same bound, with no marker |
 | any other, the run DONE already | a finished run's pod started again failed before "already DONE" (its branch deleted) | not counted, no marker: TRAINPOD_ON_FINISH as after DONE |
 | none: boot itself was killed | a segfault, the OOM killer, SIGKILL | found at the next start (`begin_start`): counted as exit 137 when no checkpoint was committed during it; one that committed a newer checkpoint is not counted and begins the count again |
@@ -17,7 +17,9 @@ In a pod, a workload on one GPU runs in boot's own process, so a death that take
 reaches `after_workload`. Boot therefore writes runs/<run>/START before the workload and
 `after_workload` removes it (this pod's alone); a START found by the next boot is a start that ended without a word.
 A pod that finds another pod's live lease on the run before its workload (a duplicate) writes none:
-the run's START is the pod's that trains, and what counts its death.
+the run's START is the pod's that trains, and what counts its death. Where its workload then takes the
+lease over (that pod died, its lease expired unrenewed), the duplicate is the run's writer: it writes its
+START there (checkpoint/lease.call_when_taken), else a death of it went uncounted.
 The first SIGTERM removes it at once (trainpod.preemption's first-signal hooks): a spot stop is no
 crash even when its SIGKILL comes during a long preflight. It counts only when the same pod wrote it
 (another pod's may be a start still running there) and LATEST did not move meanwhile: a crash loop
@@ -52,7 +54,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from trainpod import atomic
-from trainpod.checkpoint.lease import live_holder, read_lease, renewed_by_its_holder
+from trainpod.checkpoint.lease import call_when_taken, live_holder, read_lease, renewed_by_its_holder
 from trainpod.checkpoint.store import LATEST
 from trainpod.errors import ConfigError, ExitCode
 from trainpod.preemption import call_at_first_signal, end_by_default_at_sigterm_meanwhile
@@ -157,7 +159,12 @@ def begin_start(
     if holder is not None:
         # A duplicate (two deploys, a replacement racing the original): the run's START and its count are the
         # training pod's. Written over (and removed at this pod's exit 75), that pod's death went uncounted.
-        log.info("%s holds this run's lease: this start marks nothing in the run", holder)
+        # Its workload may still take the lease over (that pod died, its lease expired unrenewed): from there
+        # this start is the run's writer, and a death of it without a word must be counted like any other's.
+        log.info(
+            "%s holds this run's lease: this start marks the run only if it takes the lease over", holder
+        )
+        call_when_taken(run.lease, lambda: _mark_start(run, pod))
         return None
     marker, latest = run.root / START_MARKER, _latest(run)
     try:
@@ -179,13 +186,21 @@ def begin_start(
             atomic.remove(marker)
             _act(action, run, environ, workload, client_factory)
             return KILLED
+    _mark_start(run, pod)
+    end_by_default_at_sigterm_meanwhile()  # until the workload installs its own handler
+    return None
+
+
+def _mark_start(run: RunDir, pod: str) -> None:
+    """This pod's START in the run, naming the LATEST it begins from: at boot, or where a duplicate's workload
+    takes the run's lease over. There the START found is the dead pod's, not this pod's to count (its own
+    earlier START, had it died silently, was counted when this pod booted without a live lease elsewhere)."""
+    marker = run.root / START_MARKER
     run.root.mkdir(parents=True, exist_ok=True)
-    atomic.write_json(marker, {"unix": time.time(), "latest": latest, "pod": pod})
+    atomic.write_json(marker, {"unix": time.time(), "latest": _latest(run), "pod": pod})
     # A SIGTERM from here on is a preemption, not a death without a word, even when RunPod's SIGKILL comes
     # before the workload can exit (a spot stop during a long preflight, such as a base model's download).
     call_at_first_signal(lambda: atomic.remove(marker))
-    end_by_default_at_sigterm_meanwhile()  # until the workload installs its own handler
-    return None
 
 
 def _leased_by_another_pod(run: RunDir, pod: str) -> str | None:

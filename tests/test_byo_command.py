@@ -667,3 +667,39 @@ def test_a_program_whose_first_commit_fills_the_volume_is_exit_5_not_a_counted_r
         assert not [p for p in (run_dir(volume) / "checkpoints").iterdir() if ".tmp-" in p.name], (
             "left half-written"
         )
+
+
+SAYS_A_DISK_IS_FULL = """
+import os, sys
+where = {where}
+print(f"OSError: [Errno 28] No space left on device{{where}}", file=sys.stderr)
+sys.exit(1)
+"""
+
+
+@pytest.mark.parametrize(
+    ("where", "code"),
+    [
+        (
+            "': ' + repr(os.environ['TRAINPOD_RUN_DIR'] + '/x.bin')",
+            5,
+        ),  # the volume: it fails so at every start
+        ("''", 5),  # a failed write() names no file: the volume, as before
+        ("': ' + repr('/tmp/trainpod-test-no-such-dir/x.bin')", 75),  # the container disk: wiped at a restart
+    ],
+    ids=["the-volume", "no-path", "the-container-disk"],
+)
+def test_a_disk_full_line_before_the_first_commit_is_exit_5_only_when_it_names_no_file_off_the_volume(
+    tmp_path, where, code
+):
+    """An ENOSPC on the container's own disk (/tmp, a cache outside the volume), named in the program's last
+    lines, was taken for a full volume: exit 5, FAILED, the pod stopped and told to free the volume, which had
+    room. It is a counted failure now (that disk is wiped at every restart), with a line naming the disk."""
+    config, volume = running_program(
+        tmp_path, "full.py", SAYS_A_DISK_IS_FULL.format(where=where), max_restarts=0
+    )
+    done = run_trainpod("run", "command", "--config", str(config), volume=volume)
+    out = done.stdout + done.stderr
+    assert done.returncode == code, out[-3000:]
+    assert ("no space left on the volume" in out) is (code == 5), out[-2000:]
+    assert ("a disk outside the volume is full" in out) is (code != 5), out[-2000:]

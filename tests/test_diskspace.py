@@ -71,3 +71,18 @@ def test_an_error_trainpod_reports_already_keeps_its_own_exit_code(tmp_path):
 
     with pytest.raises(InputError), diskspace.volume_full_as_exit_5(tmp_path):
         raise InputError("the source quotes an old log: No space left on device")
+
+
+@pytest.mark.parametrize(
+    ("line", "named"),
+    [
+        ("OSError: [Errno 28] No space left on device: '/tmp/cache/x.bin'", "/tmp/cache/x.bin"),
+        ("OSError: [Errno 28] No space left on device", None),  # a failed write() names no file
+        ("open('/workspace/a') failed: No space left on device", None),  # a path before the message is not it
+        ('shutil.Error: [Errno 122] Disk quota exceeded: "/workspace/runs/r/x"', "/workspace/runs/r/x"),
+        ("step 3 loss 2.1", None),
+    ],
+)
+def test_the_file_a_disk_full_line_names_is_read_after_the_oss_message(line, named):
+    found = diskspace.full_path_named(line)
+    assert (str(found) if found else None) == named

@@ -16,6 +16,7 @@ import contextlib
 import errno
 import logging
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -51,6 +52,21 @@ def says_disk_full(line: str) -> bool:
     line) or the kit's own (volume_full's, printed by a Checkpointer or `trainpod checkpoint commit`)."""
     said = line.lower()
     return any(message.lower() in said for message in (*DISK_FULL_MESSAGES, VOLUME_FULL_PREFIX))
+
+
+# A quoted absolute path after the OS's message: Python's OSError names the file it could not open or
+# create (`[Errno 28] No space left on device: '/tmp/x'`); a failed write() names none.
+_PATH_NAMED = re.compile(r"""['"](/[^'"]+)['"]""")
+
+
+def full_path_named(line: str) -> Path | None:
+    """The file a disk-full line of a program's output names, where it names one after the OS's message."""
+    for message in DISK_FULL_MESSAGES:
+        at = line.lower().find(message.lower())
+        if at >= 0:
+            named = _PATH_NAMED.findall(line[at:])
+            return Path(named[-1]) if named else None
+    return None
 
 
 def free_bytes(path: Path) -> int:

@@ -16,7 +16,7 @@ callback, or `trainpod checkpoint commit`). How it ends:
 | is over TRAINPOD_BUDGET_USD: SIGTERM, the window, then SIGKILL | 3 |
 | loses the run's lease to another writer: SIGKILL at once, so no commit of its lands | 75 |
 | exits with anything else (1, 2, 3, killed, ...), after `max_restarts` tries | 75: a failed start, counted; FAILED after TRAINPOD_MAX_FAILED_STARTS in a row |
-| fails with less free on the volume than the run's newest checkpoint takes, or before its first commit with its last output lines saying the disk is full (its Checkpointer's exit 5, an ENOSPC traceback) | 5 at once: the next commit cannot land |
+| fails with less free on the volume than the run's newest checkpoint takes, or before its first commit with its last output lines saying the disk is full (its Checkpointer's exit 5, an ENOSPC traceback naming no file off the volume) | 5 at once: the next commit cannot land |
 
 A program's own exit 2 or 3 is not taken as "bad input" or "budget": the kit cannot know what a
 program means by them, and a failed start is bounded by the crash-loop limit anyway.
@@ -41,7 +41,7 @@ from trainpod.checkpoint import CheckpointStore
 from trainpod.config.command import CommandConfig
 from trainpod.config.loader import Section
 from trainpod.context import RunContext
-from trainpod.diskspace import free_bytes, is_disk_full, says_disk_full, volume_full
+from trainpod.diskspace import free_bytes, full_path_named, is_disk_full, says_disk_full, volume_full
 from trainpod.errors import BudgetExhausted, InputError, Preempted, TemporaryError
 from trainpod.gitsync import own_checkout
 from trainpod.program import Program
@@ -108,7 +108,8 @@ def _raise_if_no_checkpoint_fits(
 ) -> None:
     """A program that failed with less free on the volume than the run's newest checkpoint takes (its
     Checkpointer's exit 5, or a write of its own on a full volume) fails the same way at every start: exit 5,
-    the volume's fix, not a counted retry; before the first commit, one whose last lines say the disk is full.
+    the volume's fix, not a counted retry; before the first commit, one whose last lines say the disk is full,
+    unless the file they name is off the volume (the container disk: a counted failure, that disk wiped at a restart).
     Its own exit codes alone say nothing (the table above)."""
     committed = status.store.committed()
     if committed and free_bytes(status.store.root) < committed[0].nbytes:
@@ -118,12 +119,30 @@ def _raise_if_no_checkpoint_fits(
             committed[0].nbytes,
         )
     said = next((line for line in reversed(last_lines) if says_disk_full(line)), None)
-    if not committed and said is not None:
-        # No checkpoint yet to size the next one by: the first commit's own failure says it (its Checkpointer's
-        # exit 5, an ENOSPC traceback), and it fails the same way at every start.
-        raise volume_full(
-            status.store.root, f"the first checkpoint of {program}, which exited with {code} ({said})"
+    if committed or said is None:
+        return
+    elsewhere = full_path_named(said)
+    if elsewhere is not None and not _on_the_volume(elsewhere, status.ctx.volume.root):
+        # Not the volume (freeing it would not help, and exit 5 stops the pod): the container disk, /tmp or
+        # /dev/shm. A counted failure, restarted; the line says which disk and how to grow it.
+        log.warning(
+            "%s's last lines say a disk outside the volume is full (%s): the container's own disk, "
+            "not the volume; raise pod.container_disk_gb in the deploy config (that disk is wiped at every restart) or have the program "
+            "write there less (TMPDIR, caches on the volume)",
+            program,
+            said,
         )
+        return
+    # No checkpoint yet to size the next one by: the first commit's own failure says it (its Checkpointer's
+    # exit 5, an ENOSPC traceback), and it fails the same way at every start.
+    raise volume_full(
+        status.store.root, f"the first checkpoint of {program}, which exited with {code} ({said})"
+    )
+
+
+def _on_the_volume(path: Path, volume_root: Path) -> bool:
+    """Whether `path` (which may be gone by now) is on the volume, through whatever links lead there."""
+    return path.resolve().is_relative_to(volume_root.resolve())
 
 
 def _raise_if_stopped(code: int, stopped_by: str | None, status: CommandStatus) -> None:

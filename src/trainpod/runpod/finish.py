@@ -164,7 +164,7 @@ def begin_start(
         log.info(
             "%s holds this run's lease: this start marks the run only if it takes the lease over", holder
         )
-        call_when_taken(run.lease, lambda: _mark_start(run, pod))
+        call_when_taken(run.lease, lambda: _mark_start(run, pod, _latest(run)))
         return None
     marker, latest = run.root / START_MARKER, _latest(run)
     try:
@@ -186,18 +186,18 @@ def begin_start(
             atomic.remove(marker)
             _act(action, run, environ, workload, client_factory)
             return KILLED
-    _mark_start(run, pod)
+    _mark_start(run, pod, latest)
     end_by_default_at_sigterm_meanwhile()  # until the workload installs its own handler
     return None
 
 
-def _mark_start(run: RunDir, pod: str) -> None:
-    """This pod's START in the run, naming the LATEST it begins from: at boot, or where a duplicate's workload
-    takes the run's lease over. There the START found is the dead pod's, not this pod's to count (its own
-    earlier START, had it died silently, was counted when this pod booted without a live lease elsewhere)."""
+def _mark_start(run: RunDir, pod: str, latest: str | None) -> None:
+    """This pod's START in the run, naming the LATEST it begins from (`latest`): at boot, or where a duplicate's
+    workload takes the run's lease over. There the START found is the dead pod's, not this pod's to count (its
+    own earlier START, had it died silently, was counted when this pod booted without a live lease elsewhere)."""
     marker = run.root / START_MARKER
     run.root.mkdir(parents=True, exist_ok=True)
-    atomic.write_json(marker, {"unix": time.time(), "latest": _latest(run), "pod": pod})
+    atomic.write_json(marker, {"unix": time.time(), "latest": latest, "pod": pod})
     # A SIGTERM from here on is a preemption, not a death without a word, even when RunPod's SIGKILL comes
     # before the workload can exit (a spot stop during a long preflight, such as a base model's download).
     call_at_first_signal(lambda: atomic.remove(marker))

@@ -126,9 +126,9 @@ def _raise_if_no_checkpoint_fits(
         # Not the volume (freeing it would not help, and exit 5 stops the pod): the container disk, /tmp or
         # /dev/shm. A counted failure, restarted; the line says which disk and how to grow it.
         log.warning(
-            "%s's last lines say a disk outside the volume is full (%s): the container's own disk, "
-            "not the volume; raise pod.container_disk_gb in the deploy config (that disk is wiped at every restart) or have the program "
-            "write there less (TMPDIR, caches on the volume)",
+            "%s's last lines say a disk outside the volume is full (%s): the container's own disk, not the "
+            "volume; raise pod.container_disk_gb in the deploy config (that disk is wiped at every restart) or "
+            "have the program write there less (TMPDIR, caches on the volume)",
             program,
             said,
         )

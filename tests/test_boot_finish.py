@@ -18,6 +18,7 @@ from trainpod import atomic
 from trainpod import boot as boot_module
 from trainpod.checkpoint.lease import Lease
 from trainpod.errors import TemporaryError
+from trainpod.preemption import first_signal_seen
 from trainpod.runpod.finish import (
     FAILED_MARKER,
     KILLED,
@@ -419,6 +420,23 @@ def test_a_duplicate_that_takes_the_lease_over_marks_its_start_and_its_death_wit
     assert begin_start(run, env, "pretrain") == KILLED, "the start that took the run over died uncounted"
     assert atomic.read_json(run.root / FAILED_MARKER)["exit_code"] == KILLED
     assert fake.pods[pod["id"]]["desiredStatus"] == "EXITED"
+
+
+def test_a_duplicate_stopped_while_it_waits_out_the_dead_pods_lease_leaves_no_start_at_its_takeover(
+    fake, pod, run, monkeypatch
+):
+    """A spot stop that came while the duplicate's workload waited for the dead pod's lease to expire ran the
+    first-signal hooks before the takeover wrote its START: that START outlived the platform's SIGKILL, and the
+    next start counted the preemption as a death without a word."""
+    monkeypatch.setenv("RUNPOD_POD_ID", pod["id"])
+    env = pod_env(fake, pod, TRAINPOD_MAX_FAILED_STARTS="1")
+    lease_of_a_pod_that_died(run, seconds_left=1.5)
+    assert begin_start(run, env, "pretrain") is None
+    first_signal_seen()  # the SIGTERM, as the workload's handler takes it, during the wait
+    takes_the_lease_over(run)  # then the SIGKILL, before after_workload could remove anything
+    assert not (run.root / START_MARKER).exists()
+    assert begin_start(run, env, "pretrain") is None, "the preemption was counted as a death"
+    assert not (run.root / STARTS_FILE).exists() and fake.pods[pod["id"]]["desiredStatus"] == "RUNNING"
 
 
 def test_a_duplicate_refused_the_lease_leaves_nothing_for_a_later_acquire(fake, pod, run, monkeypatch):

@@ -24,14 +24,23 @@ log = logging.getLogger(__name__)
 # its START marker there (runpod/finish.py), since a stop by signal is a preemption, not a start that
 # died without a word, even when the platform's SIGKILL comes before the workload could exit.
 _at_first_signal: list[Callable[[], None]] = []
+# How many stop signals trainpod's handlers have seen in this process: a caller compares two readings (one taken
+# before a wait, one after) to learn whether a stop came meanwhile, when its hook was not registered yet.
+_signals_seen = 0
 
 
 def call_at_first_signal(hook: Callable[[], None]) -> None:
     _at_first_signal.append(hook)
 
 
+def signals_seen() -> int:
+    return _signals_seen
+
+
 def first_signal_seen() -> None:
     """Called by every SIGTERM/SIGINT handler trainpod installs (here and in launch.py)."""
+    global _signals_seen
+    _signals_seen += 1
     while _at_first_signal:
         hook = _at_first_signal.pop()
         try:

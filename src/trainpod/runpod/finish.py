@@ -8,7 +8,7 @@ RunPod starts a pod's container again whenever it exits, so the exit code alone 
 | 143 | SIGTERM (spot interruption) | count reset: the start itself worked; RunPod stops the pod |
 | 2, 3, 5 | bad input, budget spent, volume full | FAILED marker (when the run folder exists) and the pod stopped at once |
 | 4 | this machine cannot run the image (trainpod.host) | MACHINE_UNFIT marker naming this pod, not counted as a failed start; the pod stopped: the supervisor replaces it with a new pod on another machine |
-| 75 while another pod holds the run's LEASE (a datagen's: its dataset's) and renews it | this pod is a duplicate (two deploys, a replacement racing the original) | not counted, no marker: this pod stopped, the one training goes on; found live before the workload, this pod writes no START (nor counts its own earlier one): the run's START stays the training pod's; it writes its own once its workload takes the lease over (expired unrenewed) |
+| 75 while another pod holds the run's LEASE (a datagen's: its dataset's) and renews it | this pod is a duplicate (two deploys, a replacement racing the original) | not counted, no marker: this pod stopped, the one training goes on; found live before the workload, this pod writes no START (nor counts its own earlier one): the run's START stays the training pod's; it writes its own once its workload takes the lease over (expired unrenewed), and none where a stop signal came during that wait |
 | other (75, 1, ...) | temporary failure or crash | counted in runs/<run>/starts.json; at TRAINPOD_MAX_FAILED_STARTS in a row (default 3): FAILED marker (which takes the count over: once it is deleted, a start counts anew), pod stopped; a start that committed a newer checkpoint than LATEST named when it began begins the count again (it is failure 1); before the run is known (no TRAINPOD_RUN, the config not loaded yet) counted per pod in cache/starts/<pod id>.json, and the pod stopped at the same bound, with no marker |
 | any other, the run DONE already | a finished run's pod started again failed before "already DONE" (its branch deleted) | not counted, no marker: TRAINPOD_ON_FINISH as after DONE |
 | none: boot itself was killed | a segfault, the OOM killer, SIGKILL | found at the next start (`begin_start`): counted as exit 137 when no checkpoint was committed during it; one that committed a newer checkpoint is not counted and begins the count again |
@@ -57,7 +57,7 @@ from trainpod import atomic
 from trainpod.checkpoint.lease import call_when_taken, live_holder, read_lease, renewed_by_its_holder
 from trainpod.checkpoint.store import LATEST
 from trainpod.errors import ConfigError, ExitCode
-from trainpod.preemption import call_at_first_signal, end_by_default_at_sigterm_meanwhile
+from trainpod.preemption import call_at_first_signal, end_by_default_at_sigterm_meanwhile, signals_seen
 from trainpod.runpod.client import RunPodClient, RunPodError
 from trainpod.volume import RunDir, Volume
 
@@ -164,7 +164,8 @@ def begin_start(
         log.info(
             "%s holds this run's lease: this start marks the run only if it takes the lease over", holder
         )
-        call_when_taken(run.lease, lambda: _mark_start(run, pod, _latest(run)))
+        stops_before = signals_seen()
+        call_when_taken(run.lease, lambda: _mark_start(run, pod, _latest(run), stops_before))
         return None
     marker, latest = run.root / START_MARKER, _latest(run)
     try:
@@ -191,16 +192,22 @@ def begin_start(
     return None
 
 
-def _mark_start(run: RunDir, pod: str, latest: str | None) -> None:
+def _mark_start(run: RunDir, pod: str, latest: str | None, stops_before: int | None = None) -> None:
     """This pod's START in the run, naming the LATEST it begins from (`latest`): at boot, or where a duplicate's
     workload takes the run's lease over. There the START found is the dead pod's, not this pod's to count (its
-    own earlier START, had it died silently, was counted when this pod booted without a live lease elsewhere)."""
+    own earlier START, had it died silently, was counted when this pod booted without a live lease elsewhere).
+
+    `stops_before` (a takeover's): preemption.signals_seen() at boot. A stop signal that came since, while the
+    workload waited for the dead pod's lease to expire, ran the first-signal hooks before this one was
+    registered: the START goes at once, as that signal would have removed it."""
     marker = run.root / START_MARKER
     run.root.mkdir(parents=True, exist_ok=True)
     atomic.write_json(marker, {"unix": time.time(), "latest": latest, "pod": pod})
     # A SIGTERM from here on is a preemption, not a death without a word, even when RunPod's SIGKILL comes
     # before the workload can exit (a spot stop during a long preflight, such as a base model's download).
     call_at_first_signal(lambda: atomic.remove(marker))
+    if stops_before is not None and signals_seen() != stops_before:  # read after the hook: no gap between
+        atomic.remove(marker)
 
 
 def _leased_by_another_pod(run: RunDir, pod: str) -> str | None:

@@ -26,7 +26,8 @@ presets' memory (memory-125m and memory-1b were a second compile each) and the m
 4b presets alone. A lent machine gives a session 15 minutes in all, its start (a minute or two) included:
 two calls, the second on the still-warm machine (it waits 30 s), with results kept outside the tree
 (`--results /tmp/gr`: a warm machine keeps /tmp and its compile caches, and --resume there skips what the
-first call finished); tar them back each call. The parts run in PARTS's order, those with a target first.
+first call finished); tar them back each call. The parts run in PARTS's order, those with a target first;
+near the deadline a unit that needs more time than is left (SHORTEST_ON_GPU_S) gives way to the next that fits.
 
 Name the --results folder every call (the default is named from the machine's date, and a run across
 midnight UTC would start a new one) and leave each unit's work/ folder out of what comes back (a unit
@@ -65,6 +66,18 @@ UNIT_TIMEOUT_S = 540  # under the 10 minutes one call to a lent GPU machine may 
 # Less than this before the deadline and a unit is not started: its process alone takes longer to start,
 # and comparing against zero made "the deadline has passed" depend on how fast the machine reached the check.
 TOO_LITTLE_TIME_TO_START_S = 0.1
+# The least each unit took on a GPU (the H100 of 2026-11-27, rounded down; a unit cut off there: the seconds it
+# had), so that a call near its deadline starts the next unit that can finish instead of one that cannot: a lent
+# machine's 15 minutes are all the GPU time a session gets. A unit a call cut off once needs more than it had
+# there (its result's `cut_at_s`); a unit not listed is started whenever time is left. Not used in --dry mode.
+SHORTEST_ON_GPU_S = {
+    "env": 10,
+    "pretrain-125m": 60,  # 206 s on 2026-11-27, 181 of them a compile since cut down
+    "pretrain-1b": 120,
+    "checkpoint-125m": 90,
+    "memory-2b": 110,
+    "packing": 70,
+}
 TARGETS = {
     "mfu_125m": 0.45,
     "mfu_1b": 0.50,
@@ -329,17 +342,33 @@ def run_unit(part: str, preset: str | None, results: Path, dry: bool) -> dict[st
 
 
 def run_units(
-    todo: list[tuple[str, str | None]], results: Path, dry: bool, deadline: float | None = None
+    todo: list[tuple[str, str | None]],
+    results: Path,
+    dry: bool,
+    deadline: float | None = None,
+    shortest: dict[str, float] | None = None,
 ) -> int:
     """Each unit in a process group of its own, killed whole at its time limit (a unit's pytest or trainer
     children would otherwise hold the GPU's memory into the next unit). `deadline` (time.monotonic()):
-    no unit starts after it and none runs past it, so a caller with a hard limit gets its results back."""
+    no unit starts after it and none runs past it, so a caller with a hard limit gets its results back; nor
+    does one start with less time left than it needs (`shortest`, by unit name; SHORTEST_ON_GPU_S on a GPU):
+    the units after it that fit run instead."""
+    if shortest is None:
+        shortest = {} if dry else SHORTEST_ON_GPU_S
     failures = 0
     for part, preset in todo:
         name = unit_name(part, preset)
         limit = UNIT_TIMEOUT_S if deadline is None else min(UNIT_TIMEOUT_S, deadline - time.monotonic())
         if limit < TOO_LITTLE_TIME_TO_START_S:
             print(f"gpu-check: {name} not started: the deadline has passed", flush=True)
+            failures += 1
+            continue
+        needs = max(shortest.get(name, 0.0), _load(results, name).get("cut_at_s", 0.0))
+        if deadline is not None and limit < needs:
+            print(
+                f"gpu-check: {name} not started: it needs more than {needs:.0f} s, {limit:.0f} s are left",
+                flush=True,
+            )
             failures += 1
             continue
         print(f"gpu-check: {name} ...", flush=True)
@@ -360,7 +389,12 @@ def run_units(
                 unit.wait()
                 code = "timeout"
                 error = f"timeout after {limit:.0f} s" + (" (the deadline)" if limit < UNIT_TIMEOUT_S else "")
-                (results / f"{name}.json").write_text(json.dumps({"unit": name, "ok": False, "error": error}))
+                cut = {"unit": name, "ok": False, "error": error}
+                if (
+                    limit < UNIT_TIMEOUT_S
+                ):  # cut by the call's deadline: a later call gives it more or skips it
+                    cut["cut_at_s"] = limit
+                (results / f"{name}.json").write_text(json.dumps(cut))
         # Its scratch volume (data, models, checkpoints: GBs at 1b) goes; the results and the log stay.
         shutil.rmtree(results / "work" / name, ignore_errors=True)
         outcome = _load(results, name)

@@ -353,3 +353,32 @@ def test_resume_skips_the_units_done_and_a_deadline_ends_the_rest(tmp_path):
 
     past = _gpu_check("--deadline-s", "0.000001", "--part", "env", *common)
     assert past.returncode == 1 and "gpu-check: env not started: the deadline has passed" in past.stdout
+
+
+def test_a_unit_that_cannot_finish_before_the_deadline_is_not_started_and_the_next_that_can_runs(tmp_path):
+    """Near a call's deadline a unit that needs more time than is left was started and cut off, and with it the
+    rest of a lent machine's minutes: the units after it that fit run instead. A unit cut off by one call's
+    deadline needs more than it had there, so a later call starts it only with more time."""
+    results = tmp_path / "results"
+    results.mkdir()
+    todo = [("pretrain", "125m"), ("env", None)]
+    deadline = time.monotonic() + 300
+    failures = gpu_check.run_units(
+        todo, results, dry=True, deadline=deadline, shortest={"pretrain-125m": 400}
+    )
+    assert failures == 1
+    assert not (results / "pretrain-125m.json").exists()  # not started: no result, not even a failed one
+    assert json.loads((results / "env.json").read_text())["ok"]
+
+    (results / "env.json").write_text(
+        json.dumps({"unit": "env", "ok": False, "error": "timeout", "cut_at_s": 250})
+    )
+    assert (
+        gpu_check.run_units([("env", None)], results, dry=True, deadline=time.monotonic() + 200, shortest={})
+        == 1
+    )
+    assert "cut_at_s" in json.loads((results / "env.json").read_text()), "started with less than it had"
+    assert (
+        gpu_check.run_units([("env", None)], results, dry=True, deadline=time.monotonic() + 300, shortest={})
+        == 0
+    )

@@ -14,6 +14,7 @@ trainpod logs RUN [-f] [--tail N]                 (the pod's logs through RunPod
 trainpod push LOCAL_PATH datasets/NAME --s3-volume VOL --datacenter DC   (the volume through its S3 API)
 trainpod pull RUN [export|checkpoint|all] [DEST] --s3-volume VOL --datacenter DC
 trainpod ls [--volume DIR | --s3-volume VOL --datacenter DC | --config DEPLOY.yaml]
+trainpod du [same flags as ls]                    (what takes the space, largest first)
 """
 
 from __future__ import annotations
@@ -276,6 +277,42 @@ def ls(
         print(f"{where}:" + ("" if lines else " empty (no datasets, tokenizers or runs)"))
         for line in lines:
             print("  " + line)
+        return ExitCode.DONE
+
+    return _reported(act)
+
+
+def du(
+    volume: str | None = None,
+    s3_volume: str | None = None,
+    datacenter: str | None = None,
+    config: str | None = None,
+) -> int:
+    """Show what takes the space on the volume: one line per entry, largest first, then the total.
+
+    Datasets, tokenizers, runs (their checkpoints, export and the rest), cache/sft/<key> and cache/vlm/<key>
+    (with the runs that pin them, DONE or not), other cache/ folders and repos/, each as `trainpod rm` takes
+    it; where the volume is mounted, its free space. Same volume flags as `ls`; sizes come from the file
+    listing (S3's), nothing large is read.
+    """
+    from trainpod.diskspace import free_bytes, size_text
+    from trainpod.remote.listing import LocalFiles
+    from trainpod.remote.space import du_lines
+
+    def act() -> int:
+        if _wants_s3(volume, s3_volume, config):
+            files = _volume_s3(s3_volume, datacenter, config)
+            where = f"volume {files.bucket} ({files.target.datacenter}) through S3"
+            free = "free space: RunPod's console shows it (Storage); S3 does not tell"
+        else:
+            files = LocalFiles(_mounted_root(volume))
+            where = str(files.root)
+            free = f"{size_text(free_bytes(files.root))} free"
+        lines, total = du_lines(files)
+        print(f"{where}:" + ("" if lines else " empty"))
+        for line in lines:
+            print("  " + line)
+        print(f"total {size_text(total)}; {free}")
         return ExitCode.DONE
 
     return _reported(act)
@@ -1190,6 +1227,7 @@ VERBS: dict[str, tuple[Callable[..., int], Callable[[argparse.ArgumentParser], N
     "push": (push, _push_arguments),
     "pull": (pull, _pull_arguments),
     "ls": (ls, _ls_arguments),
+    "du": (du, _ls_arguments),
 }
 
 

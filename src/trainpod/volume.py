@@ -15,6 +15,9 @@ from pathlib import Path
 from trainpod.errors import ConfigError, InputError
 
 DEFAULT_VOLUME = "/workspace"
+# runs/<run>/: the cache/sft/<key> its first start tokenized data.sft into (workloads/finetune.py), which every
+# resume takes; `trainpod du` and `rm` read it to tell who needs a key.
+SFT_DATA_PIN = "sft_data.json"
 RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"  # the configs' `name` (config/*.py NAME_PATTERN)
 
 

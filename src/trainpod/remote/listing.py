@@ -12,7 +12,9 @@ the two views cannot differ.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 from pathlib import Path
 from typing import Protocol
 
@@ -30,6 +32,11 @@ class VolumeFiles(Protocol):
     def files(self, prefix: str) -> dict[str, int]: ...
 
     def read(self, key: str) -> bytes | None: ...
+
+    def sizes(self, prefix: str) -> dict[str, int]:
+        """Every file under `prefix` (a folder path ending in /, or "" for the whole volume), at any depth, by
+        its path relative to it: its size in bytes. `trainpod du` sums these; nothing is read."""
+        ...
 
 
 class LocalFiles:
@@ -51,6 +58,17 @@ class LocalFiles:
             return (self.root / key).read_bytes()
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             return None
+
+    def sizes(self, prefix: str) -> dict[str, int]:
+        folder = self.root / prefix
+        found = {}
+        for parent, _, names in os.walk(folder):
+            for name in names:
+                path = Path(parent) / name
+                with contextlib.suppress(FileNotFoundError):  # removed since the walk listed it
+                    if not path.is_symlink():  # a link's target is counted where it lies, if on the volume
+                        found[path.relative_to(folder).as_posix()] = path.stat().st_size
+        return found
 
 
 def _json(files: VolumeFiles, key: str) -> dict | None:

@@ -306,6 +306,21 @@ class VolumeS3:
             if not item["Key"].endswith("/")
         }
 
+    def sizes(self, prefix: str) -> dict[str, int]:
+        """Every object under `prefix` ("" for the whole volume), at any depth: its size (VolumeFiles.sizes)."""
+        return {name: found.size for name, found in self.list_files(prefix).items()}
+
+    def folder_objects(self, prefix: str) -> list[str]:
+        """The keys under `prefix` that stand for folders (RunPod lists folders as objects ending in /), deepest
+        first: an emptied folder is listed by a Delimiter listing while its object is there."""
+        found = [
+            item["Key"]
+            for page in self._pages(Prefix=prefix)
+            for item in page.get("Contents", [])
+            if item["Key"].endswith("/")
+        ]
+        return sorted(found, key=lambda key: (-key.count("/"), key))
+
     def read(self, key: str) -> bytes | None:
         """The object's bytes; None when there is no such object. A connection lost while receiving them
         (which botocore's retries do not cover: they end with the response's headers) is tried again

@@ -76,12 +76,12 @@ from trainpod.train.sharding import (
 from trainpod.train.state import load_optimizer_state
 from trainpod.train.tracking import WandbTracker, check_wandb_installed, wandb_wanted
 from trainpod.train.trainer import EvalInterrupted, StepResult, Trainer, train_and_export
+from trainpod.volume import SFT_DATA_PIN
 
 log = logging.getLogger(__name__)
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "labels")
 BASE_MODEL_PIN = "base_model.json"  # runs/<run>/: the hub commit of the base model the run trains on
-SFT_DATA_PIN = "sft_data.json"  # runs/<run>/: the cache/sft/<key> its first start tokenized data.sft into
 
 
 def config_type(tree: dict[str, Any]) -> type:

@@ -4,11 +4,15 @@ layout matters, and the verbs run as a user runs them, `python -m trainpod ...` 
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
 import sys
+import time
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import boto3
@@ -183,3 +187,297 @@ def test_du_says_which_runs_pinning_a_cache_key_are_done(tmp_path):
 def test_du_of_a_volume_that_is_not_there_is_exit_2_naming_it(tmp_path):
     done = trainpod("du", "--volume", str(tmp_path / "nowhere"))
     assert done.returncode == 2 and "nowhere does not exist" in done.stdout + done.stderr, done.stdout
+
+
+# ---------------------------------------------------------------------------------------------- rm
+def listing(root: Path) -> dict[str, int]:
+    return {p.relative_to(root).as_posix(): p.stat().st_size for p in root.rglob("*") if p.is_file()}
+
+
+def s3_listing(raw, name: str) -> dict[str, int]:
+    pages = raw.get_paginator("list_objects_v2").paginate(Bucket=name)
+    return {o["Key"]: o["Size"] for page in pages for o in page.get("Contents", [])}
+
+
+def live_lease(host: str = "another-pod") -> bytes:
+    """A lease record of a writer on another machine, renewed a moment ago."""
+    now = time.time()
+    owner = {"id": "x", "host": host, "pod_id": "pod123", "pid": 7, "pid_start": 1}
+    return json.dumps({"owner": owner, "heartbeat_unix": now, "expires_unix": now + 90}).encode()
+
+
+@pytest.fixture(params=["mounted", "s3"])
+def volume(request, tmp_path):
+    """The volume of make_volume, mounted here or in a bucket; `.put` adds a file, `.files()` lists it all."""
+    root = tmp_path / "vol"
+    written = make_volume(root)
+    if request.param == "mounted":
+        return Volume(
+            root,
+            ["--volume", str(root)],
+            {},
+            lambda rel, data: write(root / rel, data),
+            lambda: listing(root),
+            written,
+        )
+    name, raw, env = request.getfixturevalue("bucket")
+    upload(raw, name, root)
+    return Volume(
+        root,
+        [],
+        env,
+        lambda rel, data: raw.put_object(Bucket=name, Key=rel, Body=data),
+        lambda: s3_listing(raw, name),
+        written,
+    )
+
+
+@dataclass
+class Volume:
+    root: Path
+    flags: list[str]
+    env: dict
+    put: Callable[[str, bytes], object]
+    files: Callable[[], dict[str, int]]
+    written: dict[str, int]
+
+    def rm(self, *entries: str) -> subprocess.CompletedProcess:
+        return trainpod("rm", *entries, *self.flags, env=self.env)
+
+
+REFUSALS = {  # entries and flags, files put on the volume first, exit code, what the message says
+    "not an entry": (
+        ["runs", "/", "..", "runs/r/status.json", "datasets/../runs/r", "--yes"],
+        {},
+        2,
+        "it takes",
+    ),
+    "a live run": (["runs/r", "--yes"], {"runs/r/LEASE": live_lease()}, 75, "`trainpod stop r`"),
+    "a checkpoint of a live run": (
+        ["runs/r/checkpoints/step-10", "--yes"],
+        {"runs/r/LEASE": live_lease()},
+        75,
+        "host another-pod",
+    ),
+    "a tokenizer being made": (
+        ["tokenizers/tok", "--yes"],
+        {"tokenizers/.tok.LEASE": live_lease()},
+        75,
+        "pod123",
+    ),
+    "the checkpoint LATEST names": (
+        ["runs/r/checkpoints/step-20", "--yes"],
+        {},
+        2,
+        "checkpoints/LATEST names it",
+    ),
+    "a cache key a run pins": (
+        ["cache/sft/k1", "--yes"],
+        {},
+        2,
+        "run(s) r, not DONE, pin it in sft_data.json",
+    ),
+    "a dataset a run names": (
+        ["datasets/my-data", "--yes"],
+        {},
+        2,
+        "run(s) r, not DONE, name it in config.yaml",
+    ),
+    "a cache folder while a run is live": (
+        ["cache/hf", "--yes"],
+        {"runs/r/LEASE": live_lease()},
+        75,
+        "run(s) r hold a live lease",
+    ),
+    "nothing there": (["datasets/nope", "--yes"], {}, 2, "datasets/nope: nothing there"),
+    "one refused among others": (
+        ["cache/sft/k2", "runs/r/checkpoints/step-20", "--yes"],
+        {},
+        2,
+        "LATEST names it",
+    ),
+    "no --yes and no terminal": (["cache/sft/k2"], {}, 2, "add --yes"),
+}
+
+
+@pytest.mark.parametrize("refusal", sorted(REFUSALS))
+def test_rm_refuses_before_deleting_anything(volume, refusal):
+    entries, extra, code, said = REFUSALS[refusal]
+    for rel, data in extra.items():
+        volume.put(rel, data)
+    before = volume.files()
+    done = volume.rm(*entries)
+    assert done.returncode == code and said in done.stdout, (done.returncode, done.stdout, done.stderr)
+    assert volume.files() == before, "rm deleted something though it refused"
+
+
+def test_rm_of_an_older_checkpoint_a_finished_runs_cache_key_and_an_unpinned_one_frees_their_bytes(volume):
+    before = volume.files()
+    done = volume.rm("runs/r/checkpoints/step-10", "cache/sft/k2", "runs/r", "cache/sft/k1", "--yes")
+    assert done.returncode == 0, done.stdout + done.stderr
+    after = volume.files()
+    gone = [k for k in before if k not in after]
+    assert all(k.startswith(("runs/r/", "cache/sft/k1/", "cache/sft/k2/")) for k in gone), gone
+    assert not [k for k in after if k.startswith(("runs/r/", "cache/sft/"))], after
+    assert sum(before.values()) - sum(after.values()) == sum(
+        volume.written[e] for e in ("runs/r", "cache/sft/k1", "cache/sft/k2")
+    )
+    assert "datasets/my-data" in trainpod("du", *volume.flags, env=volume.env).stdout
+
+
+def test_rm_of_an_older_checkpoint_leaves_the_run_resuming_from_latest(tmp_path):
+    root = tmp_path / "vol"
+    make_volume(root)
+    done = trainpod("rm", "runs/r/checkpoints/step-10", "--yes", "--volume", str(root))
+    assert done.returncode == 0, done.stdout + done.stderr
+    store = CheckpointStore(root / "runs/r/checkpoints")
+    assert [c.step for c in store.committed()] == [20] and store.latest().step == 20
+    assert not list((root / "runs/r/checkpoints").glob("step-10*")), "nothing of step-10 is left"
+
+
+def test_rm_of_a_done_run_and_its_dataset_and_tokenizer_together(tmp_path):
+    root = tmp_path / "vol"
+    make_volume(root)
+    write(root / "runs/r/DONE", b"")
+    done = trainpod("rm", "datasets/my-data", "tokenizers/tok", "--yes", "--volume", str(root))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert not (root / "datasets/my-data").exists() and not (root / "tokenizers/tok").exists()
+    assert (root / "runs/r/checkpoints/LATEST").exists()
+
+
+class Killed(Exception):
+    """Stands for a kill: nothing after it runs."""
+
+
+def test_a_mounted_rm_killed_after_its_rename_leaves_nothing_a_reader_takes_and_the_same_rm_finishes_it(
+    tmp_path, monkeypatch
+):
+    from trainpod import cli
+    from trainpod.remote import remove
+
+    root = tmp_path / "vol"
+    make_volume(root)
+    monkeypatch.setattr(remove, "delete_tree", lambda folder: (_ for _ in ()).throw(Killed()))
+    for entry in ("runs/r/checkpoints/step-10", "runs/r", "datasets/other"):
+        if entry == "datasets/other":
+            write(root / "datasets/other/train.bin", 1000)
+            write(
+                root / "datasets/other/manifest.json", b'{"format": "trainpod-datagen/1", "complete": true}'
+            )
+        with pytest.raises(Killed):
+            cli.main(["rm", entry, "--yes", "--volume", str(root)])
+    leftovers = sorted(p.relative_to(root).as_posix() for p in root.glob("*/*.tmp-deleting-*"))
+    assert [p.split(".tmp-")[0] for p in leftovers] == ["datasets/other", "runs/r"], leftovers
+    listed = trainpod("ls", "--volume", str(root)).stdout + trainpod("status", "--volume", str(root)).stdout
+    assert "runs/r" not in listed and "datasets/other" not in listed and " r:" not in listed, listed
+    monkeypatch.undo()
+    du = trainpod("du", "--volume", str(root)).stdout
+    assert "left by an interrupted write or rm" in du, du
+    for entry in ("runs/r", "datasets/other"):
+        done = trainpod("rm", entry, "--yes", "--volume", str(root))
+        assert done.returncode == 0, done.stdout + done.stderr
+    assert not list(root.glob("*/*.tmp-deleting-*")), listing(root)
+
+
+def test_a_checkpoint_whose_rm_was_killed_after_its_rename_is_swept_by_the_store(tmp_path, monkeypatch):
+    from trainpod import cli
+    from trainpod.remote import remove
+
+    root = tmp_path / "vol"
+    make_volume(root)
+    monkeypatch.setattr(remove, "delete_tree", lambda folder: (_ for _ in ()).throw(Killed()))
+    with pytest.raises(Killed):
+        cli.main(["rm", "runs/r/checkpoints/step-10", "--yes", "--volume", str(root)])
+    store = CheckpointStore(root / "runs/r/checkpoints")
+    assert [c.step for c in store.committed()] == [20]
+    store.remove_leftovers()
+    assert sorted(p.name for p in (root / "runs/r/checkpoints").iterdir()) == ["LATEST", "step-20"]
+
+
+def test_an_s3_rm_killed_after_its_first_delete_leaves_nothing_complete_and_the_same_rm_finishes_it(
+    bucket, tmp_path, monkeypatch
+):
+    from trainpod import cli
+    from trainpod.remote.s3 import VolumeS3
+
+    name, raw, env = bucket
+    root = tmp_path / "vol"
+    make_volume(root)
+    write(root / "runs/r/DONE", b"")
+    write(root / "datasets/other/train.bin", 1000)
+    write(root / "datasets/other/manifest.json", b'{"format": "trainpod-datagen/1", "complete": true}')
+    upload(raw, name, root)
+    raw.put_object(Bucket=name, Key="runs/r/", Body=b"")  # RunPod lists folders as objects too
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    real_remove = VolumeS3.remove
+
+    def first_then_killed(self, key):
+        real_remove(self, key)
+        raise Killed()
+
+    monkeypatch.setattr(VolumeS3, "remove", first_then_killed)
+    expected_first = {
+        "runs/r/checkpoints/step-10": "runs/r/checkpoints/step-10/manifest.json",
+        "datasets/other": "datasets/other/manifest.json",
+        "runs/r": "runs/r/DONE",
+    }
+    for entry, first in expected_first.items():
+        before = s3_listing(raw, name)
+        with pytest.raises(Killed):
+            cli.main(["rm", entry, "--yes"])
+        assert set(before) - set(s3_listing(raw, name)) == {first}, entry
+    store_view = s3_listing(raw, name)
+    assert "runs/r/checkpoints/step-10/model.safetensors" in store_view
+    monkeypatch.undo()
+    ls = trainpod("ls", env=env).stdout
+    assert "datasets/other: 1 file(s), no manifest.json" in ls and "runs/r: done" not in ls, ls
+    for entry in ("runs/r/checkpoints/step-10", "datasets/other", "runs/r"):
+        done = trainpod("rm", entry, "--yes", env=env)
+        assert done.returncode == 0, done.stdout + done.stderr
+    left = s3_listing(raw, name)
+    assert not [k for k in left if k.startswith(("runs/r", "datasets/other"))], left
+
+
+def test_an_s3_rm_of_a_run_takes_latests_checkpoint_manifest_before_the_older_ones_and_latest():
+    from trainpod.remote.remove import removal_rank
+
+    files = [
+        "checkpoints/step-10/manifest.json",
+        "checkpoints/step-10/model.safetensors",
+        "checkpoints/step-20/manifest.json",
+        "checkpoints/LATEST",
+        "DONE",
+        "export/merged/manifest.json",
+        "status.json",
+    ]
+    order = sorted(files, key=lambda rel: (removal_rank(rel, "step-20"), rel))
+    assert order[:5] == [
+        "DONE",
+        "checkpoints/step-20/manifest.json",
+        "checkpoints/step-10/manifest.json",
+        "export/merged/manifest.json",
+        "checkpoints/LATEST",
+    ], order
+
+
+class Terminal(io.StringIO):
+    """stdin as a terminal the user types `answer` on."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("answer", ["n", "y"])
+def test_rm_on_a_terminal_shows_what_would_go_and_deletes_only_when_told_yes(
+    tmp_path, monkeypatch, capsys, answer
+):
+    from trainpod import cli
+
+    root = tmp_path / "vol"
+    written = make_volume(root)
+    monkeypatch.setattr(sys, "stdin", Terminal(answer + "\n"))
+    assert cli.main(["rm", "cache/sft/k2", "--volume", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert f"{size_text(written['cache/sft/k2'])}  cache/sft/k2" in out, out
+    assert (root / "cache/sft/k2").exists() == (answer == "n"), out

@@ -15,6 +15,7 @@ trainpod push LOCAL_PATH datasets/NAME --s3-volume VOL --datacenter DC   (the vo
 trainpod pull RUN [export|checkpoint|all] [DEST] --s3-volume VOL --datacenter DC
 trainpod ls [--volume DIR | --s3-volume VOL --datacenter DC | --config DEPLOY.yaml]
 trainpod du [same flags as ls]                    (what takes the space, largest first)
+trainpod rm ENTRY... [--yes] [same flags as ls]   (free it: never what a live run or a resume needs)
 """
 
 from __future__ import annotations
@@ -137,8 +138,14 @@ def _status_from_api(run_name: str | None, unread: str) -> int:
 def _status_here(run_name: str | None, vol: Volume, snapshot: bool = False) -> int:
     """`snapshot`: `vol` is a temporary copy of the S3 volume's small files, gone when the command ends, so
     the loss curve is named by its place on the volume, not by a path here."""
+    from trainpod.remote.listing import _visible  # not a run: the folder of one `trainpod rm` is deleting
+
     runs_root = vol.root / "runs"
-    names = [run_name] if run_name else sorted(p.name for p in runs_root.glob("*") if p.is_dir())
+    names = (
+        [run_name]
+        if run_name
+        else sorted(p.name for p in runs_root.glob("*") if p.is_dir() and _visible(p.name))
+    )
     if not names:
         print(f"no runs under {runs_root}")
         return ExitCode.DONE
@@ -313,6 +320,53 @@ def du(
         for line in lines:
             print("  " + line)
         print(f"total {size_text(total)}; {free}")
+        return ExitCode.DONE
+
+    return _reported(act)
+
+
+def rm(
+    entries: list[str],
+    yes: bool = False,
+    volume: str | None = None,
+    s3_volume: str | None = None,
+    datacenter: str | None = None,
+    config: str | None = None,
+) -> int:
+    """Delete entries of the volume that `trainpod du` lists, or a run's older checkpoints (same flags as `ls`).
+
+    ENTRY: datasets/NAME, tokenizers/NAME, runs/RUN, runs/RUN/checkpoints/step-N, cache/sft/KEY, cache/vlm/KEY,
+    cache/FOLDER, repos/X. Every ENTRY is checked first and nothing is deleted when one is refused: a live lease
+    on it (exit 75: `trainpod stop RUN`, then wait for the lease to expire); the checkpoint LATEST names, or
+    a cache key, dataset or tokenizer that a run not DONE pins or names (exit 2: rm the run too, or let it
+    finish). Without --yes it prints what would go and asks on a terminal; elsewhere it is exit 2. A kill midway
+    leaves nothing that looks complete; the same rm again finishes it.
+    """
+    from trainpod.errors import InputError
+    from trainpod.remote.listing import LocalFiles
+    from trainpod.remote.remove import Removal, delete_mounted, delete_s3
+
+    def act() -> int:
+        if _wants_s3(volume, s3_volume, config):
+            files, delete = _volume_s3(s3_volume, datacenter, config), delete_s3
+        else:
+            files, delete = LocalFiles(_mounted_root(volume)), delete_mounted
+        removal = Removal(files)
+        targets = removal.targets(entries)
+        print("to remove:")
+        for line in removal.plan(targets):
+            print("  " + line)
+        if not yes:
+            if not sys.stdin.isatty():
+                raise InputError(
+                    "nothing removed: add --yes to remove these (there is no terminal here to ask on)"
+                )
+            if input("remove them? [y/N] ").strip().lower() not in ("y", "yes"):
+                print("nothing removed")
+                return ExitCode.DONE
+        for target in targets:
+            delete(target, files)
+            print(f"removed {target.path}")
         return ExitCode.DONE
 
     return _reported(act)
@@ -1204,6 +1258,14 @@ def _pull_arguments(p: argparse.ArgumentParser) -> None:
     _s3_flags(p)
 
 
+def _rm_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "entries", nargs="+", metavar="ENTRY", help="e.g. runs/old-run, runs/r/checkpoints/step-100"
+    )
+    p.add_argument("--yes", action="store_true", help="remove without asking")
+    _ls_arguments(p)
+
+
 def _ls_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--volume", help="a volume mounted here (default: $TRAINPOD_VOLUME)")
     _s3_flags(p)
@@ -1228,6 +1290,7 @@ VERBS: dict[str, tuple[Callable[..., int], Callable[[argparse.ArgumentParser], N
     "pull": (pull, _pull_arguments),
     "ls": (ls, _ls_arguments),
     "du": (du, _ls_arguments),
+    "rm": (rm, _rm_arguments),
 }
 
 

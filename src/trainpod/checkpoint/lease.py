@@ -623,7 +623,12 @@ def held_by_another(path: Path) -> bool:
 def live_holder(path: Path) -> dict[str, Any] | None:
     """The owner record of the live writer holding the lease at `path` (held_by_another's), from one read of
     it; None where nobody does."""
-    held = read_lease(path)
+    return live_owner(read_lease(path))
+
+
+def live_owner(held: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The owner of a lease record `held` (as read from its file, here or through S3) while it is live: not
+    expired and, where it was taken on this host, its process still running; None otherwise."""
     if not held or held.get("expires_unix", 0) < time.time():
         return None
     owner = held.get("owner", {})

@@ -481,3 +481,11 @@ def test_rm_on_a_terminal_shows_what_would_go_and_deletes_only_when_told_yes(
     out = capsys.readouterr().out
     assert f"{size_text(written['cache/sft/k2'])}  cache/sft/k2" in out, out
     assert (root / "cache/sft/k2").exists() == (answer == "n"), out
+
+
+def test_a_full_volumes_message_points_at_du_and_rm(tmp_path):
+    from trainpod.diskspace import volume_full
+
+    message = str(volume_full(tmp_path, "checkpoint step-10", 1 << 30))
+    assert "`trainpod du` shows what takes it" in message and "`trainpod rm` deletes" in message, message
+    assert "grow the network volume" in message and "\n" not in message, message

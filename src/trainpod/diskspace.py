@@ -30,7 +30,8 @@ DISK_FULL_MESSAGES = tuple(os.strerror(code) for code in DISK_FULL_ERRNOS)  # "N
 VOLUME_FULL_PREFIX = "no space left on the volume"  # how volume_full's line begins
 WARN_BELOW_CHECKPOINTS = 2  # warn while a commit still works, before the one that does not
 FIX = (
-    "free space on it (old runs, checkpoints, datasets, cache/) or grow the network volume, then start again"
+    "free space on it (`trainpod du` shows what takes it; `trainpod rm` deletes old runs, checkpoints, datasets, "
+    "cache/ keys, never what a live or unfinished run needs) or grow the network volume, then start again"
 )
 
 

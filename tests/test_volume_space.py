@@ -184,6 +184,17 @@ def test_du_says_which_runs_pinning_a_cache_key_are_done(tmp_path):
     assert "runs/r: done," in done.stdout, done.stdout
 
 
+def test_du_names_the_unfinished_run_whose_base_model_is_another_runs_export(tmp_path):
+    root = tmp_path / "vol"
+    make_volume(root)
+    write(root / "runs/base/export/hf/model.safetensors", 1_000)
+    write(root / "runs/r/config.yaml", b"name: r\nbase_model:\n  path: runs/base/export/hf\n")
+    out = trainpod("du", "--volume", str(root)).stdout
+    base = next(line for line in out.splitlines() if "runs/base:" in line)
+    assert base.endswith("named by the config of r (not done)"), out
+    assert "runs/r:" in out and "named by" not in next(line for line in out.splitlines() if "runs/r:" in line)
+
+
 def test_du_of_a_volume_that_is_not_there_is_exit_2_naming_it(tmp_path):
     done = trainpod("du", "--volume", str(tmp_path / "nowhere"))
     assert done.returncode == 2 and "nowhere does not exist" in done.stdout + done.stderr, done.stdout
@@ -219,6 +230,7 @@ def volume(request, tmp_path):
             lambda rel, data: write(root / rel, data),
             lambda: listing(root),
             written,
+            lambda rel: (root / rel).read_bytes(),
         )
     name, raw, env = request.getfixturevalue("bucket")
     upload(raw, name, root)
@@ -229,6 +241,7 @@ def volume(request, tmp_path):
         lambda rel, data: raw.put_object(Bucket=name, Key=rel, Body=data),
         lambda: s3_listing(raw, name),
         written,
+        lambda rel: raw.get_object(Bucket=name, Key=rel)["Body"].read(),
     )
 
 
@@ -240,6 +253,7 @@ class Volume:
     put: Callable[[str, bytes], object]
     files: Callable[[], dict[str, int]]
     written: dict[str, int]
+    read: Callable[[str], bytes]
 
     def rm(self, *entries: str) -> subprocess.CompletedProcess:
         return trainpod("rm", *entries, *self.flags, env=self.env)
@@ -289,6 +303,15 @@ REFUSALS = {  # entries and flags, files put on the volume first, exit code, wha
         75,
         "run(s) r hold a live lease",
     ),
+    "a run whose export another run trains on": (
+        ["runs/base", "--yes"],
+        {
+            "runs/base/export/hf/model.safetensors": b"weights",
+            "runs/r/config.yaml": b"name: r\nbase_model:\n  path: /workspace/runs/base/export/hf\n",
+        },
+        2,
+        "run(s) r, not DONE, name it in config.yaml",
+    ),
     "nothing there": (["datasets/nope", "--yes"], {}, 2, "datasets/nope: nothing there"),
     "one refused among others": (
         ["cache/sft/k2", "runs/r/checkpoints/step-20", "--yes"],
@@ -316,6 +339,10 @@ def test_rm_of_an_older_checkpoint_a_finished_runs_cache_key_and_an_unpinned_one
     done = volume.rm("runs/r/checkpoints/step-10", "cache/sft/k2", "runs/r", "cache/sft/k1", "--yes")
     assert done.returncode == 0, done.stdout + done.stderr
     after = volume.files()
+    # Recorded stopped first, as `trainpod stop` does: a supervisor still watching the run, its DONE gone, would
+    # take it for an interrupted one and start a pod that trains it anew.
+    assert json.loads(volume.read("runs/.r.STOPPED"))["by"] == "trainpod rm"
+    after.pop("runs/.r.STOPPED")
     gone = [k for k in before if k not in after]
     assert all(k.startswith(("runs/r/", "cache/sft/k1/", "cache/sft/k2/")) for k in gone), gone
     assert not [k for k in after if k.startswith(("runs/r/", "cache/sft/"))], after

@@ -6,10 +6,12 @@
 An ENTRY is one of `trainpod du`'s (datasets/<name>, tokenizers/<name>, runs/<run>, cache/sft/<key>,
 cache/vlm/<key>, cache/<folder>, repos/<x>) or runs/<run>/checkpoints/step-<N>. Every ENTRY is checked before
 anything is deleted: a live lease on it (or on its run) is exit 75; the checkpoint LATEST names, a cache/sft/<key>
-a run not DONE pins, a dataset or tokenizer a run not DONE names in its config.yaml are exit 2; cache/<folder>,
+a run not DONE pins, a dataset, tokenizer, repo or other run a run not DONE names in its config.yaml (a finetune's
+base model in another run's export) are exit 2; cache/<folder>,
 cache/vlm/<key> and repos/<x>, which no run names, wait (exit 75) while any run is leased.
 
-A kill at any point leaves nothing that looks complete but is partial. Mounted, the entry is renamed first to
+A run's removal first writes runs/.<run>.STOPPED (stopped_record), so no supervisor starts it again. A kill at any
+point leaves nothing that looks complete but is partial. Mounted, the entry is renamed first to
 `<name>.tmp-deleting-<id>`, a name every reader skips (listing._visible, the checkpoint store, which sweeps it
 as its own retention's, and the tokenizer and SFT preparers, which sweep `<name>.tmp-*`), then deleted. Through
 S3, which cannot rename, the objects that make an entry count as complete go first (a run's DONE, a dataset's or
@@ -20,8 +22,10 @@ checkpoint's manifest, the one of LATEST's checkpoint before the others, then LA
 from __future__ import annotations
 
 import glob
+import json
 import os
 import shutil
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -215,10 +219,24 @@ def _leftovers(root: Path, path: str) -> list[Path]:
     return sorted(target.parent.glob(f"{glob.escape(target.name)}{DELETING}*"))
 
 
+def stopped_record(target: Target) -> tuple[str, bytes] | None:
+    """A run's STOPPED marker beside its folder, as `trainpod stop` writes it (runpod/supervise.stop_marker_keys),
+    written before its files go: a supervisor still watching the run (supervise.yml, a supervise pod) would take
+    the run with its DONE deleted for an interrupted one and start a pod that trains it anew. `trainpod deploy` of
+    the name clears it."""
+    if target.kind != "run":
+        return None
+    from trainpod.runpod.supervise import stop_marker_keys
+
+    return stop_marker_keys(target.run)[0], json.dumps({"unix": time.time(), "by": "trainpod rm"}).encode()
+
+
 def delete_mounted(target: Target, files: VolumeFiles) -> None:
     """Rename the entry to `<name>.tmp-deleting-<id>` (fsynced: no reader sees it after this), then delete it
     and whatever an earlier interrupted rm of it left."""
     assert isinstance(files, LocalFiles)
+    if (stopped := stopped_record(target)) is not None:
+        atomic.write_bytes(files.root / stopped[0], stopped[1])
     folder = files.root / target.path
     if folder.exists():
         os.rename(folder, folder.with_name(f"{folder.name}{DELETING}{uuid.uuid4().hex[:8]}"))
@@ -248,6 +266,8 @@ def removal_rank(rel: str, latest: str | None) -> int:
 def delete_s3(target: Target, files: VolumeFiles) -> None:
     """Every object of the entry, in removal_rank's order, then the objects RunPod lists for its folders."""
     latest = None
+    if (stopped := stopped_record(target)) is not None:
+        files.put_bytes(*stopped)  # type: ignore[attr-defined]
     if target.kind == "run":
         raw = files.read(f"{target.path}/checkpoints/{LATEST}")
         latest = raw.decode(errors="replace").strip() if raw else None

@@ -119,9 +119,10 @@ def read_space(files: VolumeFiles) -> VolumeSpace:
 
 
 def _named_inputs(files: VolumeFiles, run: Entry) -> set[str]:
-    """The datasets/<name> and tokenizers/<name> a run's config.yaml names: any `dataset` or `tokenizer` field,
-    as a bare name, a path relative to the volume, or an absolute path on it (pretrain's data.dataset and
-    data.tokenizer, finetune's data.dataset, sft's tokenizer)."""
+    """The entries a run's config.yaml names: a `dataset` or `tokenizer` field's bare name (pretrain's data.dataset
+    and data.tokenizer, finetune's data.dataset, sft's tokenizer), and any path into datasets/, tokenizers/, runs/
+    or repos/, relative to the volume or absolute on it (a finetune's base model in another run's export, an SFT
+    file under datasets/). Another run's folder counts; its own does not."""
     raw = files.read(f"{run.path}/config.yaml")
     try:
         config = yaml.safe_load(raw or b"")
@@ -129,13 +130,26 @@ def _named_inputs(files: VolumeFiles, run: Entry) -> set[str]:
         return set()
     found = set()
     for key, value in _fields(config):
-        if key in ("dataset", "tokenizer") and isinstance(value, str) and value.strip():
-            top = f"{key}s"
-            parts = value.strip().rstrip("/").split("/")
-            name = parts[-1] if len(parts) == 1 or (len(parts) >= 2 and parts[-2] == top) else None
-            if name:
-                found.add(f"{top}/{name}")
-    return found
+        if not isinstance(value, str) or not value.strip():
+            continue
+        parts = value.strip().rstrip("/").split("/")
+        if key in ("dataset", "tokenizer") and len(parts) == 1:
+            found.add(f"{key}s/{parts[0]}")
+        found |= _volume_entry_in(parts)
+    return found - {run.path}
+
+
+def _volume_entry_in(parts: list[str]) -> set[str]:
+    """datasets/<name> (tokenizers/, runs/, repos/) from a path's parts: relative to the volume (starting there),
+    or absolute (where the volume is mounted is not known through S3: the first such folder on the path; a path
+    off the volume that happens to hold one only makes rm refuse more, never less)."""
+    starts = [0] if parts[0] in NAMED_FOLDERS else []
+    if parts[0] == "" and len(parts) > 1:  # absolute
+        starts = [i for i, part in enumerate(parts) if part in NAMED_FOLDERS][:1]
+    for i in starts:
+        if len(parts) > i + 1 and parts[i + 1] and not parts[i + 1].startswith("."):
+            return {f"{parts[i]}/{parts[i + 1]}"}
+    return set()
 
 
 def _fields(node: object) -> Iterator[tuple[str, object]]:
@@ -159,6 +173,10 @@ def _detail(space: VolumeSpace, entry: Entry, latest: str | None) -> str:
         notes.append("left by an interrupted write or rm (`trainpod rm` of it finishes it)")
     if entry.kind == "run":
         notes.append(_run_split(space, entry, latest))
+    if entry.kind in ("run", "repo") and space.needed_by(entry.path):
+        notes.append(
+            f"named by the config of {', '.join(_run_state(space, r) for r in space.needed_by(entry.path))}"
+        )
     elif entry.kind in ("dataset", "tokenizer", "sft-cache"):
         runs = space.needed_by(entry.path)
         if runs:

@@ -6,6 +6,7 @@ import difflib
 import hashlib
 import json
 import shlex
+import types
 import typing
 from dataclasses import dataclass
 from pathlib import Path
@@ -160,10 +161,54 @@ POD_SET_VARIABLE = OverrideRoute("", "add {} to TRAINPOD_SET")
 DEPLOY_ENV_SET = OverrideRoute("", "add {} to the deploy YAML's env.set (the pod's TRAINPOD_SET)")
 
 
+def _by_field(model_cls: type[BaseModel], errors: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`errors` with those of one field of several types (`int | Literal['latest']`) merged into one at the field.
+
+    pydantic reports a value that fits none of a union's types once per type, each at the field's path plus
+    the type's name: `task.0.export.step.int` and `task.0.export.step.literal['latest']`, two problems for one
+    value, at paths no --set can name, without the field's description as their fix."""
+    merged: dict[tuple[Any, ...], dict[str, Any]] = {}
+    kept: list[dict[str, Any]] = []
+    for error in errors:
+        loc = _union_field_loc(model_cls, tuple(error["loc"]))
+        if loc is None:
+            kept.append(error)
+            continue
+        if loc not in merged:
+            merged[loc] = {**error, "loc": loc, "depth": len(error["loc"])}
+            kept.append(merged[loc])
+            continue
+        first = merged[loc]
+        first["msg"] += ", or " + error["msg"].removeprefix("Input should be ")
+        if len(error["loc"]) < first["depth"]:  # an error about the whole value, not one item of it
+            first["input"], first["depth"] = error["input"], len(error["loc"])
+    return kept
+
+
+def _union_field_loc(model_cls: type[BaseModel], loc: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """The path of the field of several (non-section) types that `loc` lies inside, below one of its types' names."""
+    for end in range(len(loc) - 1, 0, -1):
+        cls, field = _section_at(model_cls, loc[:end])
+        if field is None or cls is not None:
+            continue
+        types_ = [arg for arg in typing.get_args(field.annotation) if arg is not type(None)]
+        if typing.get_origin(field.annotation) in (typing.Union, types.UnionType) and len(types_) > 1:
+            return loc[:end]
+        return None
+    return None
+
+
 def _describe(model_cls: type[BaseModel], error: dict[str, Any], route: OverrideRoute | None) -> str:
     loc = tuple(error["loc"])
-    dotted = ".".join(str(part) for part in loc) or "(top level)"
     kind = error["type"]
+    if kind == "union_tag_invalid":
+        # A list item of several sections (convert's `task`) whose tag names none: the tag is the wrong value.
+        tag_field = str(error["ctx"]["discriminator"]).strip("'")
+        expected = str(error["ctx"]["expected_tags"]).replace("'", "")
+        dotted = ".".join(str(part) for part in (*loc, tag_field))
+        value = error["input"].get(tag_field) if isinstance(error["input"], dict) else error["input"]
+        return f"{dotted} = {value!r}: should be one of: {expected}; fix: set {tag_field} to one of them"
+    dotted = ".".join(str(part) for part in loc) or "(top level)"
     if kind == "extra_forbidden":
         known = _known_fields(model_cls, loc[:-1])
         guess = difflib.get_close_matches(str(loc[-1]), known, n=1)
@@ -215,7 +260,8 @@ def validate_tree(
     try:
         return model_cls.model_validate(tree)
     except pydantic.ValidationError as exc:
-        raise ConfigError([_describe(model_cls, e, route) for e in exc.errors()], source) from None
+        errors = _by_field(model_cls, exc.errors())
+        raise ConfigError([_describe(model_cls, e, route) for e in errors], source) from None
 
 
 def load_tree(path: Path | str | None, overrides: list[str] = ()) -> tuple[dict[str, Any], str]:

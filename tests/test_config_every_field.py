@@ -1,0 +1,123 @@
+"""Every field of every workload's config refuses a value of the wrong type at load, with exit 2 and a message
+that names the field's dotted path, the value and a fix; and the numeric fields refuse the values of the right
+type that make no sense (a learning rate of 0, a batch of 0, a ratio above 1) in the same way.
+
+    PYTHONPATH=src:tests python -m pytest -q tests/test_config_every_field.py
+
+Config loading only: no model, no data, no training (seconds). The fields come from `trainpod config fields`'s
+own source (cli._config_types, fields.field_rows), so a field added later is checked without a new row here.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+
+import pytest
+
+from trainpod.cli import _config_types
+from trainpod.config.fields import field_rows
+from trainpod.config.loader import SET_FLAG, load_config, load_tree, validate_tree
+from trainpod.errors import ConfigError, ExitCode
+
+REPO = Path(__file__).resolve().parents[1]
+# A config of each type that loads as it is; each test changes one field of it.
+BASE_CONFIGS = {
+    "datagen": "configs/datagen/tiny.yaml",
+    "datagen-sft": "configs/datagen/sft-tiny.yaml",
+    "datagen-generator": "configs/datagen/generator-tiny.yaml",
+    "pretrain": "configs/pretrain/tiny.yaml",
+    "finetune": "configs/finetune/tiny.yaml",
+    "finetune-vlm": "configs/finetune/tiny-vlm.yaml",
+    "command": "examples/nanogpt/command.yaml",
+    "convert": "configs/convert/tiny.yaml",
+    "supervise": "configs/deploy/pretrain-spot.yaml",
+    "deploy": "configs/deploy/pretrain-spot.yaml",
+}
+WRONG_TYPE = {"wrong": "type"}  # a mapping where a number, text, choice or list belongs
+WRONG_TYPE_FOR_A_MAPPING = ["wrong", "type"]  # a list where a mapping belongs (env, params, kinds)
+ITEM = re.compile(r"^(?P<name>\w+)(?:\[(?P<tag>[^\]]*)\])?$")
+
+
+def leaf_fields() -> list[tuple[str, str, str]]:
+    """(workload, dotted path, type) of every field that holds a value rather than a section."""
+    found = []
+    for workload, config_type in _config_types().items():
+        rows = field_rows(config_type)
+        paths = [row.path for row in rows]
+        for row in rows:
+            if not any(p.startswith((row.path + ".", row.path + "[")) for p in paths):
+                found.append((workload, row.path, row.type))
+    return found
+
+
+def test_every_workload_has_a_base_config():
+    assert set(_config_types()) == set(BASE_CONFIGS), "add a loadable config of the new type to BASE_CONFIGS"
+
+
+def test_every_base_config_loads_as_it_is():
+    for workload, config_type in _config_types().items():
+        load_config(config_type, REPO / BASE_CONFIGS[workload])
+
+
+def set_in_tree(tree: dict, path: str, value: object) -> str:
+    """Put `value` at `path` (`sources[].path`: the first item; `task[kind=export].dtype`: the item of that kind,
+    added when the config has none) and return the dotted path pydantic's error gives (`sources.0.path`)."""
+    node, dotted = tree, []
+    parts = path.split(".")
+    for depth, part in enumerate(parts):
+        match = ITEM.match(part)
+        name, tag = match["name"], match["tag"]
+        last = depth == len(parts) - 1
+        if tag is None:
+            dotted.append(name)
+            if last:
+                node[name] = value
+            else:
+                if node.get(name) is None:
+                    node[name] = {}
+                node = node[name]
+            continue
+        items = node.setdefault(name, [])
+        if tag:  # one of several sections, told apart by a tag: kind=export
+            key, _, kind = tag.partition("=")
+            index = next((i for i, item in enumerate(items) if item.get(key) == kind), None)
+            if index is None:
+                items.append({key: kind})
+                index = len(items) - 1
+            tag_itself = depth == len(parts) - 2 and parts[-1] == key
+            dotted += [name, str(index)] if tag_itself else [name, str(index), kind]
+        else:
+            if not items:
+                items.append({})
+            index = 0
+            dotted += [name, "0"]
+        node = items[index]
+        if last:
+            raise AssertionError(f"{path}: a list of sections is not a leaf")
+    return ".".join(dotted)
+
+
+@pytest.mark.parametrize(("workload", "path", "type_name"), leaf_fields(), ids=lambda v: v)
+def test_a_value_of_the_wrong_type_is_refused_naming_field_value_and_fix(workload, path, type_name):
+    config_type = _config_types()[workload]
+    base = REPO / BASE_CONFIGS[workload]
+    wrong = WRONG_TYPE_FOR_A_MAPPING if type_name.startswith("dict") or " dict[" in type_name else WRONG_TYPE
+    with pytest.raises(ConfigError) as caught:
+        if "[" in path:  # a list item: no override reaches it, the YAML does
+            tree, source = load_tree(base)
+            tree = copy.deepcopy(tree)
+            dotted = set_in_tree(tree, path, wrong)
+            validate_tree(config_type, tree, source, SET_FLAG)
+        else:
+            dotted = path
+            flow = "{wrong: type}" if wrong is WRONG_TYPE else "[wrong, type]"
+            load_config(config_type, base, [f"{path}={flow}"], SET_FLAG)
+    assert caught.value.exit_code == ExitCode.BAD_INPUT
+    problems = caught.value.problems
+    assert len(problems) == 1, f"one wrong field, one problem; got:\n{caught.value}"
+    assert problems[0].startswith(f"{dotted} = {wrong!r}: "), (
+        f"the problem must start with the field's dotted path and the value given; got:\n{problems[0]}"
+    )
+    assert "; fix" in problems[0] or "; write it in quotes" in problems[0], f"no fix in:\n{problems[0]}"

@@ -15,7 +15,7 @@ from pydantic import Field, model_validator
 
 from trainpod.config.checkpoint import CheckpointConfig
 from trainpod.config.loader import Section
-from trainpod.config.pretrain import SHARDABLE_OPTIMIZERS, unshardable_optimizer
+from trainpod.config.pretrain import MAX_SEED, SHARDABLE_OPTIMIZERS, unshardable_optimizer
 from trainpod.config.sft import SftDataConfig
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
@@ -107,7 +107,7 @@ class FinetuneTrainConfig(Section):
     )
     micro_batch_size: int = Field(4, ge=1, description="Rows per GPU per forward pass.")
     grad_accum_steps: int = Field(4, ge=1, description="Micro-batches accumulated per optimizer step.")
-    lr: float | None = Field(
+    lr: float | None = Field(  # 0 refused as pretrain's (config/pretrain.py): a paid run that changes nothing
         None,
         gt=0,
         description="Peak learning rate; default 2e-4 for lora and qlora, 2e-5 for full (as axolotl's and "
@@ -141,7 +141,9 @@ class FinetuneTrainConfig(Section):
         True,
         description="Recompute activations in the backward pass: much less memory, about 30% more compute.",
     )
-    seed: int = Field(42, description="Seed for adapter init, dropout and data order.")
+    seed: int = Field(
+        42, ge=0, le=MAX_SEED, description="Seed for adapter init, dropout and data order (0 to 2**32-1)."
+    )
     eval_every: int = Field(
         100, ge=0, description="Evaluate on the validation split every N steps (0: never)."
     )

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from trainpod.config.finetune import FinetuneConfig, LoraSettings
 from trainpod.config.loader import Section
@@ -75,6 +75,17 @@ class VisionDataConfig(Section):
     )
     val_ratio: float = Field(0.0, ge=0, lt=1, description="Share of samples held out for validation.")
     seed: int = Field(0, ge=0, description="Seed of the validation choice.")
+
+    @model_validator(mode="after")
+    def _pixel_range(self) -> VisionDataConfig:
+        # Qwen-VL's smart_resize upscales an image under min_pixels before it looks at max_pixels: with min above
+        # max, a small image came out larger than max_pixels, silently, in tokens and memory.
+        if self.min_pixels is not None and self.max_pixels is not None and self.min_pixels > self.max_pixels:
+            raise ValueError(
+                f"data.min_pixels={self.min_pixels} is above data.max_pixels={self.max_pixels}: no image size "
+                "is within both; lower min_pixels or raise max_pixels"
+            )
+        return self
 
     @property
     def use_packing(self) -> bool:

@@ -13,6 +13,10 @@ from trainpod.config.loader import Section
 # finetune). bitsandbytes' 8-bit and paged ones cannot: their kernels take plain tensors, and the first
 # optimizer step fails ("got mixed torch.Tensor and DTensor").
 SHARDABLE_OPTIMIZERS = ("adamw",)
+# train.seed's range, numpy's and most tools': the data order is numpy.random.default_rng([seed, epoch]), which
+# refuses a negative seed (ValueError), and a resume reseeds torch with seed * 1_000_003 + step + rank, which
+# overflows torch's 64 bits from about 1.8e13.
+MAX_SEED = 2**32 - 1
 
 
 def unshardable_optimizer(optimizer: str) -> str:
@@ -89,6 +93,8 @@ class TrainConfig(Section):
     seq_len: int = Field(1024, ge=8, description="Tokens per sequence.")
     micro_batch_size: int = Field(8, ge=1, description="Sequences per GPU per forward pass.")
     grad_accum_steps: int = Field(1, ge=1, description="Micro-batches accumulated per optimizer step.")
+    # lr 0 is refused: the run would pay for GPU hours to write checkpoints of the initial weights (AdamW scales
+    # weight decay by lr too); an evaluation of fixed weights needs no training run.
     lr: float = Field(6e-4, gt=0, description="Peak learning rate.")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final learning rate as a fraction of lr.")
     warmup_steps: int = Field(100, ge=0, description="Linear warmup steps before the cosine decay.")
@@ -121,7 +127,9 @@ class TrainConfig(Section):
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in the backward pass: less memory, about 30% more compute."
     )
-    seed: int = Field(1337, description="Seed for weights init, dropout and data order.")
+    seed: int = Field(
+        1337, ge=0, le=MAX_SEED, description="Seed for weights init, dropout and data order (0 to 2**32-1)."
+    )
     eval_every: int = Field(
         200, ge=0, description="Evaluate on the validation split every N steps (0: never)."
     )

@@ -229,3 +229,16 @@ LEGITIMATE = [
 @pytest.mark.parametrize(("workload", "overrides"), LEGITIMATE, ids=lambda v: str(v))
 def test_a_value_that_is_odd_but_legitimate_loads(workload, overrides):
     load_config(_config_types()[workload], REPO / BASE_CONFIGS[workload], overrides, SET_FLAG)
+
+
+def test_config_fields_shows_each_numbers_range(capsys):
+    from trainpod import cli
+
+    assert cli.main(["config", "fields", "pretrain"]) == 0
+    types = {line.split()[0]: line.split("  default ")[0].split(None, 1)[1].strip() for line in
+             capsys.readouterr().out.splitlines() if line and not line[0].isspace()}  # fmt: skip
+    assert types["train.lr"] == "float > 0"
+    assert types["train.min_lr_ratio"] == "float >= 0, <= 1"
+    assert types["train.seed"] == "int >= 0, <= 4294967295"
+    assert types["model.vocab_size"] == "int >= 2 | None", "a bound is the number's, written before | None"
+    assert types["train.compile"] == "bool"

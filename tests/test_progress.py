@@ -165,7 +165,7 @@ def test_config_fields_lists_every_field_with_type_default_and_description(capsy
 
     assert cli.main(["config", "fields", "finetune"]) == 0
     out = capsys.readouterr().out
-    assert re.search(r"^lora\.r\s+int\s+default 16\n    LoRA rank\.$", out, re.M)
+    assert re.search(r"^lora\.r\s+int >= 1\s+default 16\n    LoRA rank\.$", out, re.M)
     assert re.search(r"^base_model\.path\s+str\s+default \(required\)$", out, re.M)
     assert re.search(r"^method\s+one of: qlora, lora, full\s+default 'qlora'$", out, re.M)
     assert re.search(r"^data\.sft\.datasets\[\]\.format\s", out, re.M), "list items of a section are walked"

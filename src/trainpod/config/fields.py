@@ -1,4 +1,4 @@
-"""Every field of a config, from its pydantic models: dotted path, type, default, description.
+"""Every field of a config, from its pydantic models: dotted path, type (with a number's range), default, description.
 
     trainpod config fields finetune     # or pretrain, datagen, datagen-sft, convert, deploy, ...
 
@@ -31,7 +31,7 @@ def field_rows(model: type[BaseModel], prefix: str = "") -> list[FieldRow]:
     rows = []
     for name, info in model.model_fields.items():
         path = prefix + name
-        rows.append(FieldRow(path, type_name(info.annotation), _default(info), info.description or ""))
+        rows.append(FieldRow(path, _type_with_bounds(info), _default(info), info.description or ""))
         for nested, suffix in sections_of(info.annotation):
             rows += field_rows(nested, f"{path}{suffix}.")
     return rows
@@ -82,6 +82,30 @@ def type_name(annotation: Any) -> str:
     if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
         return "one of: " + ", ".join(str(m.value) for m in annotation)
     return getattr(annotation, "__name__", str(annotation))
+
+
+BOUNDS = (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<="))
+
+
+def bounds(info: Any) -> str:
+    """A number field's range as the loader checks it: `>= 1`, `>= 0, < 1` (empty when it has none)."""
+    found = [
+        f"{sign} {getattr(item, name)}"
+        for item in info.metadata
+        for name, sign in BOUNDS
+        if getattr(item, name, None) is not None
+    ]
+    return ", ".join(found)
+
+
+def _type_with_bounds(info: Any) -> str:
+    """`int >= 1`, and `int >= 1 | None` where None is allowed too (the bounds are the number's)."""
+    name, limits = type_name(info.annotation), bounds(info)
+    if not limits:
+        return name
+    if name.endswith(" | None"):
+        return f"{name.removesuffix(' | None')} {limits} | None"
+    return f"{name} {limits}"
 
 
 def _default(info: Any) -> str:

@@ -99,28 +99,51 @@ def set_in_tree(tree: dict, path: str, value: object) -> str:
     return ".".join(dotted)
 
 
-@pytest.mark.parametrize(("workload", "path", "type_name"), leaf_fields(), ids=lambda v: v)
-def test_a_value_of_the_wrong_type_is_refused_naming_field_value_and_fix(workload, path, type_name):
+def problems_of(workload: str, path: str, value: object, written: str) -> tuple[str, list[str]]:
+    """Load `workload`'s base config with `value` (`written` in YAML) at `path`: the dotted path pydantic gives
+    the field, and the problems of the ConfigError (exit 2) the loader must raise."""
     config_type = _config_types()[workload]
     base = REPO / BASE_CONFIGS[workload]
-    wrong = WRONG_TYPE_FOR_A_MAPPING if type_name.startswith("dict") or " dict[" in type_name else WRONG_TYPE
     with pytest.raises(ConfigError) as caught:
         if "[" in path:  # a list item: no override reaches it, the YAML does
             tree, source = load_tree(base)
             tree = copy.deepcopy(tree)
-            dotted = set_in_tree(tree, path, wrong)
+            dotted = set_in_tree(tree, path, value)
             validate_tree(config_type, tree, source, SET_FLAG)
         else:
             dotted = path
-            flow = "{wrong: type}" if wrong is WRONG_TYPE else "[wrong, type]"
-            load_config(config_type, base, [f"{path}={flow}"], SET_FLAG)
+            load_config(config_type, base, [f"{path}={written}"], SET_FLAG)
     assert caught.value.exit_code == ExitCode.BAD_INPUT
-    problems = caught.value.problems
-    assert len(problems) == 1, f"one wrong field, one problem; got:\n{caught.value}"
+    assert len(caught.value.problems) == 1, f"one wrong field, one problem; got:\n{caught.value}"
+    return dotted, caught.value.problems
+
+
+@pytest.mark.parametrize(("workload", "path", "type_name"), leaf_fields(), ids=lambda v: v)
+def test_a_value_of_the_wrong_type_is_refused_naming_field_value_and_fix(workload, path, type_name):
+    mapping = type_name.startswith("dict") or " dict[" in type_name
+    wrong, written = (WRONG_TYPE_FOR_A_MAPPING, "[wrong, type]") if mapping else (WRONG_TYPE, "{wrong: type}")
+    dotted, problems = problems_of(workload, path, wrong, written)
     assert problems[0].startswith(f"{dotted} = {wrong!r}: "), (
         f"the problem must start with the field's dotted path and the value given; got:\n{problems[0]}"
     )
     assert "; fix" in problems[0] or "; write it in quotes" in problems[0], f"no fix in:\n{problems[0]}"
+
+
+def takes_a_number(type_name: str) -> bool:
+    return bool(re.match(r"(int|float)\b", type_name)) and "bool" not in type_name
+
+
+@pytest.mark.parametrize(
+    ("workload", "path"), [(w, p) for w, p, t in leaf_fields() if takes_a_number(t)], ids=lambda v: v
+)
+def test_a_boolean_for_a_number_is_refused_not_read_as_1(workload, path):
+    """pydantic reads true as 1 and false as 0, and YAML reads yes and on as true: `train.lr: true` trained at
+    lr 1.0, `train.max_steps: yes` for one step."""
+    dotted, problems = problems_of(workload, path, True, "yes")
+    assert problems[0].startswith(
+        f"{dotted} = True: YAML reads true (and yes/no, on/off) without quotes as a "
+    ), problems[0]
+    assert "write the number" in problems[0]
 
 
 # Values of the right type that make no sense, each refused at load. Those the loader let through before this

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import difflib
 import hashlib
 import json
@@ -257,11 +258,75 @@ def validate_tree(
         raise ConfigError(
             [f"the config must be a mapping of keys to values, got {type(tree).__name__}"], source
         )
+    booleans = _booleans_for_numbers(model_cls, tree)
+    if booleans:
+        # Each replaced by a value no type takes: their fields fail, not as 1 or 0 in cross-field checks (a section
+        # with a failed field runs none), and their own errors are left out for the problems above.
+        tree = copy.deepcopy(tree)
+        for loc in booleans:
+            _replace(tree, loc, _NOT_A_VALUE)
     try:
-        return model_cls.model_validate(tree)
+        config = model_cls.model_validate(tree)
     except pydantic.ValidationError as exc:
-        errors = _by_field(model_cls, exc.errors())
-        raise ConfigError([_describe(model_cls, e, route) for e in errors], source) from None
+        errors = [e for e in _by_field(model_cls, exc.errors()) if tuple(e["loc"]) not in booleans]
+        problems = [*booleans.values(), *(_describe(model_cls, e, route) for e in errors)]
+        raise ConfigError(problems, source) from None
+    return config
+
+
+_NOT_A_VALUE = object()
+
+
+def _replace(tree: Any, loc: tuple[Any, ...], value: object) -> None:
+    """Put `value` at `loc` of `tree`; a part of `loc` that is not a key or index there (a tagged item's tag in
+    pydantic's loc, the index of convert's `task: {kind: mlx}`, a list of one) is passed over."""
+    node = tree
+    for part in loc[:-1]:
+        if (isinstance(node, list) and isinstance(part, int)) or (isinstance(node, dict) and part in node):
+            node = node[part]
+    node[loc[-1]] = value
+
+
+def _booleans_for_numbers(
+    model_cls: type[BaseModel], tree: Any, loc: tuple[Any, ...] = ()
+) -> dict[tuple[Any, ...], str]:
+    """A problem for each boolean given to a field that takes a number, which pydantic reads as 1 or 0: YAML reads
+    true, yes and on (false, no, off) as booleans, and `train.lr: true` trained at lr 1.0, `train.max_steps: yes`
+    for one step, silently. A check of the tree before pydantic's, as a validator on every field cannot be: pydantic
+    refuses one on a tag field (convert's `kind`)."""
+    if not isinstance(tree, dict):
+        return {}
+    problems = {}
+    for key, value in tree.items():
+        field = model_cls.model_fields.get(key)
+        if field is None:
+            continue
+        dotted = ".".join(str(part) for part in (*loc, key))
+        if isinstance(value, bool) and _takes_a_number_not_a_boolean(field.annotation):
+            written = str(value).lower()
+            description = f"; fix: {_sentence_inside(field.description)}" if field.description else ""
+            problems[(*loc, key)] = (
+                f"{dotted} = {value!r}: YAML reads {written} (and yes/no, on/off) without quotes as a boolean, and "
+                f"this takes a number; write the number{description}"
+            )
+            continue
+        sections = {_tag_of(section): section for section, _ in sections_of(field.annotation)}
+        listed = typing.get_origin(field.annotation) is list  # convert's `task: mlx` is a list of one
+        for index, item in enumerate(value if isinstance(value, list) else [value]):
+            where = (*loc, key, index) if listed else (*loc, key)
+            if len(sections) == 1:
+                problems |= _booleans_for_numbers(next(iter(sections.values())), item, where)
+            elif isinstance(item, dict) and isinstance(tag := item.get("kind"), str) and tag in sections:
+                problems |= _booleans_for_numbers(
+                    sections[tag], item, (*where, tag)
+                )  # convert's tasks, by kind
+    return problems
+
+
+def _takes_a_number_not_a_boolean(annotation: Any) -> bool:
+    union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    allowed = set(typing.get_args(annotation)) if union else {annotation}
+    return bool(allowed & {int, float}) and bool not in allowed
 
 
 def load_tree(path: Path | str | None, overrides: list[str] = ()) -> tuple[dict[str, Any], str]:

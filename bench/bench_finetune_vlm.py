@@ -92,6 +92,7 @@ def bench_config(steps: int, extra: Sequence[str] = ()) -> VlmFinetuneConfig:
         f"train.micro_batch_size={MICRO_BATCH}",
         "train.grad_accum_steps=1",
         "train.eval_every=0",
+        "generation_eval.every_evals=0",  # the shipped config's 1 runs at evals, and there are none
         "train.early_stopping_metric=eval_loss",
         "train.log_every=10",
         "train.gradient_checkpointing=false",

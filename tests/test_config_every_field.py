@@ -150,7 +150,8 @@ def test_a_boolean_for_a_number_is_refused_not_read_as_1(workload, path):
 # test (it fails on the code before them): train.seed below 0 or from 2**32 (numpy's data order raised
 # ValueError, in a finetune at its first batch, after the base model had loaded; in a pretrain at its second
 # pass over the shards), data.min_pixels above data.max_pixels (an image under min_pixels came out above
-# max_pixels, silently). The others pin the bounds every numeric field had already.
+# max_pixels, silently), generation_eval.every_evals with train.eval_every=0 (it runs at evals: never, silently).
+# The others pin the bounds every numeric field had already.
 NONSENSE = [
     ("pretrain", ["train.seed=-1"], "train.seed = -1: Input should be greater than or equal to 0"),
     ("pretrain", ["train.seed=4294967296"], "train.seed = 4294967296: Input should be less than or equal to"),
@@ -190,6 +191,11 @@ NONSENSE = [
         "finetune",
         ["train.eval_every=0", "train.early_stopping_patience=2"],
         "train.early_stopping_patience=2 never acts",
+    ),
+    (
+        "finetune",
+        ["generation_eval.every_evals=1", "train.eval_every=0"],
+        "generation_eval.every_evals=1 never runs with train.eval_every=0",
     ),
     (
         "finetune",

@@ -282,6 +282,17 @@ class FinetuneConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _generation_eval_can_run(self) -> FinetuneConfig:
+        """It runs at evals only (every every_evals-th): with none, a run configured to generate never did, silently."""
+        every = self.generation_eval.every_evals
+        if every and not self.train.eval_every:
+            raise ValueError(
+                f"generation_eval.every_evals={every} never runs with train.eval_every=0 (it generates at evals); "
+                "set train.eval_every to how often to evaluate, or generation_eval.every_evals to 0"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _best_export_can_be_found(self) -> FinetuneConfig:
         problem = self.checkpoint.best_export_problem(self.export.weights, self.train.eval_every)
         if problem:

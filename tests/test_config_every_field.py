@@ -245,11 +245,13 @@ def test_a_value_that_makes_no_sense_is_refused_at_load_naming_field_value_and_f
 
 # Odd but legitimate: each loads. A first eval after the last step (eval_every > max_steps) just never runs, as
 # in axolotl and LLaMA-Factory; warmup over the whole run holds the peak at the end; one image size (min equal
-# to max pixels) is a fixed size; seed 0 is a seed.
+# to max pixels) is a fixed size; seed 0 is a seed; beta1 0 is Adam without momentum (refused before, though torch's
+# and bitsandbytes' AdamW take it).
 LEGITIMATE = [
     ("pretrain", ["train.max_steps=50", "train.eval_every=500"]),
     ("pretrain", ["train.max_steps=50", "train.warmup_steps=50"]),
-    ("pretrain", ["train.seed=0", "train.min_lr_ratio=1"]),
+    ("pretrain", ["train.seed=0", "train.min_lr_ratio=1", "train.beta1=0"]),
+    ("finetune", ["train.beta1=0"]),
     ("finetune", ["train.seed=4294967295", "train.eval_every=1000", "train.early_stopping_patience=0"]),
     ("finetune-vlm", ["data.min_pixels=3136", "data.max_pixels=3136"]),
 ]

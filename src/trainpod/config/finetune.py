@@ -118,7 +118,9 @@ class FinetuneTrainConfig(Section):
     weight_decay: float = Field(
         0.0, ge=0, description="AdamW weight decay, on weight matrices only (not on norms or biases)."
     )
-    beta1: float = Field(0.9, gt=0, lt=1, description="AdamW beta1.")
+    # beta1 0 is Adam without momentum (RMSprop with bias correction), which GAN recipes use and torch's and
+    # bitsandbytes' AdamW take; beta2 0 would scale each step by its own gradient alone.
+    beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1 (0: no momentum).")
     beta2: float = Field(0.999, gt=0, lt=1, description="AdamW beta2.")
     eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
     grad_clip: float = Field(1.0, ge=0, description="Clip the global gradient norm to this (0 disables).")

@@ -99,7 +99,9 @@ class TrainConfig(Section):
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final learning rate as a fraction of lr.")
     warmup_steps: int = Field(100, ge=0, description="Linear warmup steps before the cosine decay.")
     weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay (not applied to norms).")
-    beta1: float = Field(0.9, gt=0, lt=1, description="AdamW beta1.")
+    # beta1 0 is Adam without momentum (RMSprop with bias correction), which GAN recipes use and torch's and
+    # bitsandbytes' AdamW take; beta2 0 would scale each step by its own gradient alone.
+    beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1 (0: no momentum).")
     beta2: float = Field(0.95, gt=0, lt=1, description="AdamW beta2.")
     eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
     grad_clip: float = Field(1.0, ge=0, description="Clip the global gradient norm to this (0 disables).")

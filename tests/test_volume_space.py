@@ -259,23 +259,25 @@ class Volume:
         return trainpod("rm", *entries, *self.flags, env=self.env)
 
 
-REFUSALS = {  # entries and flags, files put on the volume first, exit code, what the message says
+# Entries and flags, files put on the volume first (bytes, or a function making them when the test runs: a lease
+# made at collection had expired by the time a long run reached the test), exit code, what the message says.
+REFUSALS = {
     "not an entry": (
         ["runs", "/", "..", "runs/r/status.json", "datasets/../runs/r", "--yes"],
         {},
         2,
         "it takes",
     ),
-    "a live run": (["runs/r", "--yes"], {"runs/r/LEASE": live_lease()}, 75, "`trainpod stop r`"),
+    "a live run": (["runs/r", "--yes"], {"runs/r/LEASE": live_lease}, 75, "`trainpod stop r`"),
     "a checkpoint of a live run": (
         ["runs/r/checkpoints/step-10", "--yes"],
-        {"runs/r/LEASE": live_lease()},
+        {"runs/r/LEASE": live_lease},
         75,
         "host another-pod",
     ),
     "a tokenizer being made": (
         ["tokenizers/tok", "--yes"],
-        {"tokenizers/.tok.LEASE": live_lease()},
+        {"tokenizers/.tok.LEASE": live_lease},
         75,
         "pod123",
     ),
@@ -299,7 +301,7 @@ REFUSALS = {  # entries and flags, files put on the volume first, exit code, wha
     ),
     "a cache folder while a run is live": (
         ["cache/hf", "--yes"],
-        {"runs/r/LEASE": live_lease()},
+        {"runs/r/LEASE": live_lease},
         75,
         "run(s) r hold a live lease",
     ),
@@ -327,7 +329,7 @@ REFUSALS = {  # entries and flags, files put on the volume first, exit code, wha
 def test_rm_refuses_before_deleting_anything(volume, refusal):
     entries, extra, code, said = REFUSALS[refusal]
     for rel, data in extra.items():
-        volume.put(rel, data)
+        volume.put(rel, data() if callable(data) else data)
     before = volume.files()
     done = volume.rm(*entries)
     assert done.returncode == code and said in done.stdout, (done.returncode, done.stdout, done.stderr)

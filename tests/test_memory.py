@@ -238,7 +238,12 @@ def test_a_finetune_checkpoint_is_the_size_the_disk_check_and_the_stop_count(
     volume = tmp_path / "volume"
     shutil.copytree(finetune_base_volume, volume)
     trainer = generation_eval_finetuner(
-        volume, "method=full", f"train.optimizer={optimizer}", "train.max_steps=1", "train.eval_every=0"
+        volume,
+        "method=full",
+        f"train.optimizer={optimizer}",
+        "train.max_steps=1",
+        "train.eval_every=0",
+        "generation_eval.every_evals=0",
     )
     trainer.train()
     [checkpoint] = trainer.store.committed()

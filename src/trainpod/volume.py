@@ -19,6 +19,17 @@ DEFAULT_VOLUME = "/workspace"
 # resume takes; `trainpod du` and `rm` read it to tell who needs a key.
 SFT_DATA_PIN = "sft_data.json"
 RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"  # the configs' `name` (config/*.py NAME_PATTERN)
+STOPPED_MARKER = (
+    "STOPPED"  # written by `trainpod stop` (and `trainpod rm` of a run), removed by `trainpod deploy`
+)
+
+
+def stop_marker_keys(run: str) -> tuple[str, str]:
+    """Where `trainpod stop` records a stop, relative to the volume's root: runs/.<run>.STOPPED, beside the run
+    folder as the deploy record is (runpod/supervise.deploy_record_key: a run stopped before its first start gets
+    no folder), then runs/<run>/STOPPED, where older kits wrote it: still read, and removed with the new one. Here,
+    below both runpod/ (supervisors read it) and remote/ (`trainpod rm` writes it)."""
+    return f"runs/.{run}.{STOPPED_MARKER}", f"runs/{run}/{STOPPED_MARKER}"
 
 
 def is_run_name(name: str) -> bool:

@@ -37,6 +37,7 @@ from trainpod.diskspace import size_text
 from trainpod.errors import InputError, TemporaryError, TrainpodError
 from trainpod.remote.listing import LocalFiles, VolumeFiles, _json
 from trainpod.remote.space import KEYED_CACHES, LEFTOVER_MARKS, NAMED_FOLDERS, Entry, VolumeSpace, read_space
+from trainpod.volume import stop_marker_keys
 
 DELETING = ".tmp-deleting-"  # as the checkpoint store's retention names a checkpoint it is deleting
 RM_TAKES = (
@@ -220,14 +221,12 @@ def _leftovers(root: Path, path: str) -> list[Path]:
 
 
 def stopped_record(target: Target) -> tuple[str, bytes] | None:
-    """A run's STOPPED marker beside its folder, as `trainpod stop` writes it (runpod/supervise.stop_marker_keys),
+    """A run's STOPPED marker beside its folder, as `trainpod stop` writes it (volume.stop_marker_keys),
     written before its files go: a supervisor still watching the run (supervise.yml, a supervise pod) would take
     the run with its DONE deleted for an interrupted one and start a pod that trains it anew. `trainpod deploy` of
     the name clears it."""
     if target.kind != "run":
         return None
-    from trainpod.runpod.supervise import stop_marker_keys
-
     return stop_marker_keys(target.run)[0], json.dumps({"unix": time.time(), "by": "trainpod rm"}).encode()
 
 

@@ -57,7 +57,7 @@ from trainpod.runpod.client import (
 from trainpod.runpod.deploy import pod_env, pod_problems
 from trainpod.runpod.finish import FAILED_MARKER, UNFIT_MARKER
 from trainpod.runpod.units import Look, build_unit
-from trainpod.volume import Volume
+from trainpod.volume import Volume, stop_marker_keys
 
 if TYPE_CHECKING:
     from trainpod.remote.s3 import VolumeS3
@@ -173,14 +173,6 @@ class RunView:
 
 
 UNREADABLE = "_unreadable"  # a marker whose bytes are not a JSON object (cut short, say)
-STOPPED_MARKER = "STOPPED"  # written by `trainpod stop`, removed by `trainpod deploy`
-
-
-def stop_marker_keys(run: str) -> tuple[str, str]:
-    """Where `trainpod stop` records a stop, relative to the volume's root: runs/.<run>.STOPPED, beside the run
-    folder as the deploy record is (deploy_record_key: a run stopped before its first start gets no folder),
-    then runs/<run>/STOPPED, where older kits wrote it: still read, and removed with the new one."""
-    return f"runs/.{run}.{STOPPED_MARKER}", f"runs/{run}/{STOPPED_MARKER}"
 
 
 def mark_stopped(

@@ -47,6 +47,8 @@ log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 LATEST = "LATEST"
+# A checkpoint being deleted (retention, `trainpod rm`) is first renamed <name><DELETING><id>: no reader takes it.
+DELETING = ".tmp-deleting-"
 RANK_RNG_FOLDER = "rng"  # beside the checkpoints: the other ranks' RNG states (checkpoint/rank_rng.py)
 FORMAT = "trainpod-checkpoint/1"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -559,7 +561,7 @@ class CheckpointStore:
         return removed
 
     def _delete(self, path: Path) -> None:
-        doomed = path.with_name(f"{path.name}.tmp-deleting-{uuid.uuid4().hex[:8]}")
+        doomed = path.with_name(f"{path.name}{DELETING}{uuid.uuid4().hex[:8]}")
         try:
             os.rename(path, doomed)
         except FileNotFoundError:  # retention of an abandoned background commit got there first

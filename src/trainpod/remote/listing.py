@@ -71,6 +71,12 @@ class LocalFiles:
         return found
 
 
+def latest_named(files: VolumeFiles, run_path: str) -> str | None:
+    """The checkpoint a run's checkpoints/LATEST names (`runs/<run>` given), None where it has none."""
+    raw = files.read(f"{run_path}/checkpoints/{LATEST}")
+    return raw.decode(errors="replace").strip() if raw else None
+
+
 def _json(files: VolumeFiles, key: str) -> dict | None:
     raw = files.read(key)
     if raw is None:

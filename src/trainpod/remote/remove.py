@@ -32,14 +32,13 @@ from pathlib import Path
 
 from trainpod import atomic
 from trainpod.checkpoint.lease import live_owner
-from trainpod.checkpoint.store import LATEST, MANIFEST, step_of
+from trainpod.checkpoint.store import DELETING, LATEST, MANIFEST, step_of
 from trainpod.diskspace import size_text
 from trainpod.errors import InputError, TemporaryError, TrainpodError
-from trainpod.remote.listing import LocalFiles, VolumeFiles, _json
+from trainpod.remote.listing import LocalFiles, VolumeFiles, _json, latest_named
 from trainpod.remote.space import KEYED_CACHES, LEFTOVER_MARKS, NAMED_FOLDERS, Entry, VolumeSpace, read_space
 from trainpod.volume import stop_marker_keys
 
-DELETING = ".tmp-deleting-"  # as the checkpoint store's retention names a checkpoint it is deleting
 RM_TAKES = (
     "datasets/<name>, tokenizers/<name>, runs/<run>, runs/<run>/checkpoints/step-<N>, cache/sft/<key>, "
     "cache/vlm/<key>, cache/<folder>, repos/<x> (`trainpod du` lists them)"
@@ -163,15 +162,14 @@ class Removal:
                     "wait for its lease to expire (90 s) and run rm again"
                 )
             )
-        if target.kind == "checkpoint":
-            raw = self.files.read(f"runs/{target.run}/checkpoints/{LATEST}")
-            if raw is not None and raw.decode(errors="replace").strip() == target.path.rsplit("/", 1)[1]:
-                found.append(
-                    InputError(
-                        f"{target.path}: checkpoints/{LATEST} names it, and the run's resume starts from it; rm "
-                        f"older checkpoints, or the whole run (trainpod rm runs/{target.run})"
-                    )
+        latest = latest_named(self.files, f"runs/{target.run}") if target.kind == "checkpoint" else None
+        if latest is not None and latest == target.path.rsplit("/", 1)[1]:
+            found.append(
+                InputError(
+                    f"{target.path}: checkpoints/{LATEST} names it, and the run's resume starts from it; rm "
+                    f"older checkpoints, or the whole run (trainpod rm runs/{target.run})"
                 )
+            )
         needing = [r for r in self.space.unfinished(self.space.needed_by(target.path)) if r not in going]
         if needing:
             how = "pin it in sft_data.json" if target.kind == "sft-cache" else "name it in config.yaml"
@@ -268,8 +266,7 @@ def delete_s3(target: Target, files: VolumeFiles) -> None:
     if (stopped := stopped_record(target)) is not None:
         files.put_bytes(*stopped)  # type: ignore[attr-defined]
     if target.kind == "run":
-        raw = files.read(f"{target.path}/checkpoints/{LATEST}")
-        latest = raw.decode(errors="replace").strip() if raw else None
+        latest = latest_named(files, target.path)
     for rel in sorted(target.files, key=lambda rel: (removal_rank(rel, latest), rel)):
         files.remove(f"{target.path}/{rel}")  # type: ignore[attr-defined]
     for key in files.folder_objects(f"{target.path}/"):  # type: ignore[attr-defined]

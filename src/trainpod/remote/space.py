@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import yaml
 
 from trainpod.diskspace import size_text
-from trainpod.remote.listing import VolumeFiles, _json
+from trainpod.remote.listing import VolumeFiles, _json, latest_named
 from trainpod.volume import SFT_DATA_PIN
 
 NAMED_FOLDERS = ("datasets", "tokenizers", "runs", "repos")  # <top>/<name>/ is one entry
@@ -215,7 +215,6 @@ def du_lines(files: VolumeFiles) -> tuple[list[str], int]:
     for entry in sorted(space.entries.values(), key=lambda e: (-e.nbytes, e.path)):
         latest = None
         if entry.kind == "run" and "checkpoints/LATEST" in entry.files:
-            raw = files.read(f"{entry.path}/checkpoints/LATEST")
-            latest = raw.decode(errors="replace").strip() if raw else None
+            latest = latest_named(files, entry.path)
         lines.append(entry_line(space, entry, latest))
     return lines, sum(e.nbytes for e in space.entries.values())

@@ -146,6 +146,17 @@ def test_a_boolean_for_a_number_is_refused_not_read_as_1(workload, path):
     assert "write the number" in problems[0]
 
 
+def test_a_boolean_among_a_mappings_numbers_is_refused_not_read_as_1():
+    """datagen's `kinds: {easy: yes, hard: 0}` was read as {easy: 1.0, hard: 0.0}: a share the user never wrote."""
+    dotted, problems = problems_of(
+        "datagen-generator", "kinds", {"easy": True, "hard": 0.0}, "{easy: yes, hard: 0}"
+    )
+    assert problems == [
+        "kinds.easy = True: YAML reads true (and yes/no, on/off) without quotes as a boolean, and this takes a "
+        "number; write the number"
+    ]
+
+
 # Values of the right type that make no sense, each refused at load. Those the loader let through before this
 # test (it fails on the code before them): train.seed below 0 or from 2**32 (numpy's data order raised
 # ValueError, in a finetune at its first batch, after the base model had loaded; in a pretrain at its second
@@ -223,6 +234,11 @@ NONSENSE = [
     ("command", ["status_every_seconds=0"], "status_every_seconds = 0: Input should be greater than 0"),
     ("deploy", ["pod.gpu_count=0"], "pod.gpu_count = 0: Input should be greater than or equal to 1"),
     ("deploy", ["supervise.poll_s=0"], "supervise.poll_s = 0: Input should be greater than 0"),
+    (
+        "deploy",
+        ["supervise.backoff_s=600", "supervise.max_backoff_s=60"],
+        "supervise.max_backoff_s=60 is below supervise.backoff_s=600",
+    ),
     (
         "deploy",
         ["budget.budget_usd=-1"],

@@ -225,6 +225,17 @@ class SuperviseSettings(Section):
         "driver older than the image's CUDA) before supervising stops with exit 4.",
     )
 
+    @model_validator(mode="after")
+    def _backoff_range(self) -> SuperviseSettings:
+        # The wait is min(max_backoff_s, backoff_s doubling): with the cap below the first wait, every wait is the
+        # cap, and the backoff_s the user wrote is never used, silently.
+        if self.max_backoff_s < self.backoff_s:
+            raise ValueError(
+                f"supervise.max_backoff_s={self.max_backoff_s:g} is below supervise.backoff_s={self.backoff_s:g}: "
+                "the longest wait would be shorter than the first; raise max_backoff_s or lower backoff_s"
+            )
+        return self
+
 
 class DeployConfig(Section):
     """One run on RunPod: the pod `<run>-<workload>` on a network volume, from a template for the image."""

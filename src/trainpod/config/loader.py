@@ -310,6 +310,14 @@ def _booleans_for_numbers(
                 f"this takes a number; write the number{description}"
             )
             continue
+        if isinstance(value, dict) and _maps_to_numbers(field.annotation):  # datagen's `kinds: {easy: yes}`
+            for name, share in value.items():
+                if isinstance(share, bool):
+                    problems[(*loc, key, name)] = (
+                        f"{dotted}.{name} = {share!r}: YAML reads {str(share).lower()} (and yes/no, on/off) without "
+                        f"quotes as a boolean, and this takes a number; write the number"
+                    )
+            continue
         sections = {_tag_of(section): section for section, _ in sections_of(field.annotation)}
         listed = typing.get_origin(field.annotation) is list  # convert's `task: mlx` is a list of one
         for index, item in enumerate(value if isinstance(value, list) else [value]):
@@ -321,6 +329,15 @@ def _booleans_for_numbers(
                     sections[tag], item, (*where, tag)
                 )  # convert's tasks, by kind
     return problems
+
+
+def _maps_to_numbers(annotation: Any) -> bool:
+    """A mapping field whose values are numbers (`dict[str, float] | None`)."""
+    union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    for allowed in typing.get_args(annotation) if union else (annotation,):
+        if typing.get_origin(allowed) is dict and _takes_a_number_not_a_boolean(typing.get_args(allowed)[1]):
+            return True
+    return False
 
 
 def _takes_a_number_not_a_boolean(annotation: Any) -> bool:

@@ -78,6 +78,10 @@ class FaultyS3Proxy:
         from urllib.parse import urlsplit
 
         self.faults, self.suffix, self.kind, self.broken = 0, "", "drop", 0
+        self.requests: list[tuple[str, str]] = []  # (method, path with its query) of each request, in order
+        self.refuse_batch_delete = (
+            False  # answer DeleteObjects (POST ?delete) 501 NotImplemented, as a gateway may
+        )
         # hold_parts(): uploads of parts after the first wait here, so a test can act mid-upload on a busy machine
         self.parts_forwarded, self.parts_gate = 0, threading.Event()
         self.parts_gate.set()
@@ -90,6 +94,9 @@ class FaultyS3Proxy:
             def _forward(self):
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 path = self.path.split("?", 1)[0]
+                proxy.requests.append((self.command, self.path))
+                if self.command == "POST" and proxy.refuse_batch_delete and self.path.endswith("?delete"):
+                    return self._error(501, "NotImplemented")
                 if self.command == "GET" and proxy.faults and proxy.suffix and path.endswith(proxy.suffix):
                     proxy.faults -= 1
                     proxy.broken += 1
@@ -118,14 +125,16 @@ class FaultyS3Proxy:
                 self.wfile.write(data)
                 upstream_conn.close()
 
+            def _error(self, status: int, code: str):
+                error = f"<Error><Code>{code}</Code></Error>".encode()
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(error)))
+                self.end_headers()
+                self.wfile.write(error)
+
             def _break(self):
                 if proxy.kind == "503":
-                    error = b"<Error><Code>ServiceUnavailable</Code></Error>"
-                    self.send_response(503)
-                    self.send_header("Content-Length", str(len(error)))
-                    self.end_headers()
-                    self.wfile.write(error)
-                    return
+                    return self._error(503, "ServiceUnavailable")
                 self.send_response(200)
                 self.send_header("Content-Length", "1000")
                 self.end_headers()

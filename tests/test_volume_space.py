@@ -468,6 +468,41 @@ def test_an_s3_rm_killed_after_its_first_delete_leaves_nothing_complete_and_the_
     assert not [k for k in left if k.startswith(("runs/r", "datasets/other"))], left
 
 
+def put_cache(raw, name: str, files: int) -> None:
+    """cache/hf: an HF cache of `files` small files in two folders, with the folder objects RunPod lists."""
+    for i in range(files):
+        raw.put_object(Bucket=name, Key=f"cache/hf/blobs/{i:05d}", Body=b"x")
+    for folder in ("cache/hf/", "cache/hf/blobs/"):
+        raw.put_object(Bucket=name, Key=folder, Body=b"")
+
+
+def test_an_s3_rm_of_thousands_of_files_deletes_them_a_thousand_to_a_request(bucket, faulty_s3):
+    """One DeleteObject a file took minutes for an HF cache from a laptop; DeleteObjects takes 1000 keys."""
+    name, raw, env = bucket
+    put_cache(raw, name, 1001)
+    done = trainpod("rm", "cache/hf", "--yes", env=env | {"TRAINPOD_S3_ENDPOINT_URL": faulty_s3.url})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert not [key for key in s3_listing(raw, name) if key.startswith("cache/hf")]
+    batches = [path for method, path in faulty_s3.requests if method == "POST" and path.endswith("?delete")]
+    singles = [path for method, path in faulty_s3.requests if method == "DELETE"]
+    assert len(batches) == 2, batches
+    assert sorted(singles) == [f"/{name}/cache/hf/", f"/{name}/cache/hf/blobs/"]  # deepest first, alone
+
+
+def test_an_s3_gateway_that_refuses_batched_deletes_gets_one_request_an_object(bucket, faulty_s3):
+    """RunPod does not document DeleteObjects: a gateway answering NotImplemented still gets the entry deleted,
+    with one batch tried and no more."""
+    name, raw, env = bucket
+    put_cache(raw, name, 30)
+    faulty_s3.refuse_batch_delete = True
+    done = trainpod("rm", "cache/hf", "--yes", env=env | {"TRAINPOD_S3_ENDPOINT_URL": faulty_s3.url})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert not [key for key in s3_listing(raw, name) if key.startswith("cache/hf")]
+    batches = [path for method, path in faulty_s3.requests if method == "POST" and path.endswith("?delete")]
+    singles = [path for method, path in faulty_s3.requests if method == "DELETE"]
+    assert len(batches) == 1 and len(singles) == 30 + 2, (batches, len(singles))
+
+
 def test_an_s3_rm_of_a_run_takes_latests_checkpoint_manifest_before_the_older_ones_and_latest():
     from trainpod.remote.remove import removal_rank
 

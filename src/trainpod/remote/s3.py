@@ -67,6 +67,7 @@ MAX_PARTS = 10_000
 PARALLEL_PARTS = 4  # one TCP stream rarely fills a link to another continent; 4 parts in flight usually do
 READ_CHUNK = 8 << 20
 READ_ATTEMPTS = 3  # a small object's read, body included: 1 s and 2 s between them
+DELETE_BATCH = 1000  # the most keys S3's DeleteObjects takes in one request
 # Another machine's unfinished upload of a key is aborted by a push of that key only once nothing was sent to it
 # for this long: a live one sends a part every few seconds, and a laptop that slept longer starts its upload anew.
 ABANDONED_UPLOAD_S = 24 * 3600
@@ -274,6 +275,7 @@ class VolumeS3:
         self.part_bytes = part_bytes or max(mb, MIN_PART_MB) << 20
         self._records = upload_records_folder(environ)
         self._client = _make_client(target, max_attempts)
+        self._batches_taken: bool | None = None  # remove_many: None until the gateway took or refused a batch
 
     def __repr__(self) -> str:  # never the credentials, not even in a traceback's locals
         return f"VolumeS3({self.bucket} in {self.target.datacenter})"
@@ -399,6 +401,42 @@ class VolumeS3:
     def remove(self, key: str) -> None:
         """Delete one object (S3 answers a missing key with success too)."""
         self._call("remove", key, self._client.delete_object, Bucket=self.bucket, Key=key)
+
+    def remove_many(self, keys: list[str]) -> None:
+        """Delete the objects in no particular order, DELETE_BATCH to a request (S3's DeleteObjects): an HF cache
+        of thousands of files goes in a few requests, where one a file took minutes from a laptop. RunPod does not
+        document DeleteObjects, so a gateway that refuses the first batch (any S3 error but a missing volume or a
+        refused S3 API key: NotImplemented, a checksum it does not take) gets one request an object, as `remove`, from then on.
+        An object the batch could not delete is a TemporaryError naming it: the same command again finishes it."""
+        pending = list(keys)
+        while pending and self._batches_taken is not False:
+            batch = pending[:DELETE_BATCH]
+            objects = {"Objects": [{"Key": key} for key in batch], "Quiet": True}
+            try:
+                answer = self._call(
+                    "remove", batch[0], self._client.delete_objects, Bucket=self.bucket, Delete=objects
+                )
+            except BatchRefused as exc:
+                # It took batches before: not the operation refused but the gateway in trouble.
+                if self._batches_taken:
+                    raise TemporaryError(
+                        f"could not remove s3://{self.bucket}/{batch[0]} and {len(batch) - 1} other object(s) "
+                        f"({self.target.endpoint_url}): S3 answered {exc.code}; run the same command again (it resumes)"
+                    ) from None
+                log.info("the S3 API refused a batched delete (%s); deleting one object a request", exc.code)
+                self._batches_taken = False
+                break
+            self._batches_taken = True
+            if failed := answer.get("Errors"):
+                first = failed[0]
+                raise TemporaryError(
+                    f"could not remove s3://{self.bucket}/{first.get('Key')} ({self.target.endpoint_url}): S3 "
+                    f"answered {first.get('Code')} for it and {len(failed) - 1} other object(s); run the same "
+                    "command again (it resumes)"
+                )
+            pending = pending[DELETE_BATCH:]
+        for key in pending:
+            self.remove(key)
 
     # ------------------------------------------------------------------ uploading
     def put_bytes(self, key: str, data: bytes) -> None:
@@ -693,6 +731,8 @@ class VolumeS3:
                     "machine's push of it, which found it idle for a day, or by the gateway; or completed by "
                     "another push of the same file); run the same push again: it starts the upload anew"
                 ) from None
+            if operation == self._client.delete_objects and not _refused_key(code, status):
+                raise BatchRefused(code or str(status)) from None
             raise _client_error(code, status, doing, where, self.target) from None
         except BotoCoreError as exc:
             raise TemporaryError(
@@ -708,6 +748,24 @@ class _RangePastTheEnd(Exception):
 class UploadGone(TemporaryError):
     """A multipart upload that is no more (S3's NoSuchUpload): completed or aborted by another machine, or expired
     by the gateway. Another push's doing, not a setting to fix: the same push again starts it anew."""
+
+
+class BatchRefused(Exception):
+    """The gateway answered a DeleteObjects with an error that is not about the volume or the key (remove_many)."""
+
+    def __init__(self, code: str):
+        super().__init__(code)
+        self.code = code
+
+
+def _refused_key(code: str, status: int) -> bool:
+    """The volume is not there or the S3 API key was refused: as much a DeleteObject's error as a DeleteObjects's."""
+    return code in (
+        "NoSuchBucket",
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "AccessDenied",
+    ) or status in (401, 403)
 
 
 def _client_error(code: str, status: int, doing: str, where: str, target: S3Target) -> Exception:

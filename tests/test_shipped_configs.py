@@ -48,7 +48,7 @@ def config_type(path: Path) -> type:
     workload = REGISTRY.get(path.parent.name)
     if path.parent.name == "finetune" and "-vl" in path.stem:
         workload = REGISTRY["finetune-vlm"]
-    return workload.module().config_type(load_tree(path)[0]) if workload else TYPES[path.parent.name]
+    return workload.config_type(load_tree(path)[0]) if workload else TYPES[path.parent.name]
 
 
 def test_every_shipped_datagen_config_names_its_kind(caplog):

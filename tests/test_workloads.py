@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import inspect
 import logging
+import subprocess
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -21,8 +22,9 @@ from trainpod.workloads import REGISTRY, Kind, Workload
 
 from support import TINY_DATAGEN, run_trainpod
 
-SRC = Path(__file__).resolve().parents[1] / "src"
-PROTOCOL = ("config_type", "preflight", "run", "disk_estimate")
+REPO = Path(__file__).resolve().parents[1]
+SRC = REPO / "src"
+PROTOCOL = ("preflight", "run", "disk_estimate")
 
 
 def test_every_registered_workload_module_provides_the_protocol():
@@ -230,14 +232,12 @@ def test_trainpod_run_with_a_missing_config_says_where_it_looked_and_names_both_
 ECHO_MODULE = """
 from pathlib import Path
 
-def config_type(tree):
-    from trainpod.config.loader import Section
+from trainpod.config.loader import Section
 
-    class EchoConfig(Section):
-        name: str
-        text: str
 
-    return EchoConfig
+class EchoConfig(Section):
+    name: str
+    text: str
 
 def preflight(ctx, config):
     pass
@@ -256,7 +256,11 @@ def disk_estimate(config):
 def test_a_new_workload_is_one_module_and_one_registry_line(tmp_path, monkeypatch):
     (tmp_path / "echo_workload.py").write_text(ECHO_MODULE)
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setitem(REGISTRY, "echo", Workload("echo", Kind.DATA, "writes its text", "echo_workload"))
+    monkeypatch.setitem(
+        REGISTRY,
+        "echo",
+        Workload("echo", Kind.DATA, "writes its text", "echo_workload", "echo_workload:EchoConfig"),
+    )
     (tmp_path / "echo.yaml").write_text("name: hello\ntext: hi there\n")
     volume = tmp_path / "volume"
     volume.mkdir()
@@ -264,3 +268,29 @@ def test_a_new_workload_is_one_module_and_one_registry_line(tmp_path, monkeypatc
     assert code == ExitCode.DONE
     assert (volume / "datasets/hello/echo.txt").read_text() == "hi there"
     sys.modules.pop("echo_workload", None)
+
+
+@pytest.mark.parametrize(
+    ("workload", "config"),
+    [
+        ("pretrain", "configs/pretrain/tiny.yaml"),
+        ("finetune", "configs/finetune/tiny.yaml"),
+        ("finetune-vlm", "configs/finetune/tiny-vlm.yaml"),
+    ],
+)
+def test_a_trainers_bad_config_is_refused_before_torch_is_imported(workload, config, tmp_path):
+    """The config class came from the workload's module, which imports torch and transformers: `trainpod run`
+    refused a misspelt key after ten seconds of imports on two cores. The registry line names the class now."""
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    probe = (
+        "import sys\n"
+        "from trainpod import cli\n"
+        f"code = cli.main(['run', {workload!r}, '--config', {str(REPO / config)!r}, '--volume', {str(volume)!r},"
+        " '--set', 'train.lerning_rate=1'])\n"
+        "print('exit', code, 'imported', sorted(m for m in ('torch', 'transformers', 'peft') if m in sys.modules))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip().endswith("exit 2 imported []"), result.stdout + result.stderr
+    assert "train.lerning_rate" in result.stdout + result.stderr  # the refusal names the field
+    assert not any(volume.iterdir())

@@ -1076,7 +1076,7 @@ def _config_types() -> dict[str, type]:
                 for kind, cls in datagen.KINDS.items()
             }
         else:
-            types[name] = workload.module().config_type({})
+            types[name] = workload.config_type({})
     return types | {"deploy": DeployConfig}
 
 

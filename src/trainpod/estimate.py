@@ -146,7 +146,7 @@ def find_workload_config(raw: str, deploy_path: Path) -> Path | None:
 
 
 def _config_type(workload: str) -> type:
-    return workloads.get(workload).module().config_type({})
+    return workloads.get(workload).config_type({})
 
 
 def _yaml(path: Path) -> dict:

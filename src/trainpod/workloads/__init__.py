@@ -4,9 +4,11 @@
     TRAINPOD_WORKLOAD=finetune TRAINPOD_CONFIG=... trainpod boot
 
 Adding a workload is one module in this package plus one line in REGISTRY (docs/design.md,
-"Workloads"). The module provides the four functions of `WorkloadModule`; its `Kind` says which
-lifecycle wraps it (workloads/lifecycle.py): the run folder, the lease, DONE, ranks per GPU.
-Modules are imported only when their workload runs, so `trainpod --help` does not import torch.
+"Workloads"). The module provides the three functions of `WorkloadModule`; the line names its config
+class; its `Kind` says which lifecycle wraps it (workloads/lifecycle.py): the run folder, the lease,
+DONE, ranks per GPU. Modules are imported only when their workload runs, so `trainpod --help` does not
+import torch, and a config is validated (`trainpod run`'s refusal of a bad one, the check of the workload
+config `deploy` makes, `config fields`) without the seconds torch and transformers take to import.
 """
 
 from __future__ import annotations
@@ -42,9 +44,6 @@ class Kind(enum.Enum):
 class WorkloadModule(Protocol):
     """What a workload module defines (trainpod/workloads/<name>.py)."""
 
-    def config_type(self, tree: dict[str, Any]) -> type:
-        """The pydantic config class for this YAML tree (before validation)."""
-
     def preflight(self, ctx: Any, config: Any) -> None:
         """Check the inputs and raise a TrainpodError (exit 2) before anything is written."""
 
@@ -65,19 +64,28 @@ class Workload:
     kind: Kind
     summary: str
     module_name: str
+    # "module:attribute", a module that imports neither torch nor transformers: the pydantic config class, or a
+    # function of the YAML tree (before validation) that returns it (datagen picks by `kind:`).
+    config: str
 
     def module(self) -> WorkloadModule:
         return importlib.import_module(self.module_name)  # type: ignore[return-value]
 
+    def config_type(self, tree: dict[str, Any]) -> type:
+        """The pydantic config class for this YAML tree (before validation)."""
+        module_name, _, attribute = self.config.partition(":")
+        found = getattr(importlib.import_module(module_name), attribute)
+        return found if isinstance(found, type) else found(tree)
+
 
 _WORKLOADS = (
-    Workload("datagen", Kind.DATA, "tokenizer + token shards, SFT data, or your generator's records", __name__ + ".datagen"),
-    Workload("pretrain", Kind.TRAINING, "a Llama decoder from scratch on token shards", __name__ + ".pretrain"),
-    Workload("finetune", Kind.TRAINING, "QLoRA, LoRA or full finetuning of an existing model", __name__ + ".finetune"),
-    Workload("finetune-vlm", Kind.TRAINING, "QLoRA, LoRA or full finetuning of a vision-language model (Qwen-VL) on images + text", __name__ + ".finetune_vlm"),
-    Workload("command", Kind.COMMAND, "your own program (any language) under the run lifecycle", __name__ + ".command"),
-    Workload("convert", Kind.CONVERSION, "adapters to MLX, merged into their base; checkpoints to HF", __name__ + ".convert"),
-    Workload("supervise", Kind.SERVICE, "bring a run's interrupted spot pods back until it is done", __name__ + ".supervise"),
+    Workload("datagen", Kind.DATA, "tokenizer + token shards, SFT data, or your generator's records", __name__ + ".datagen", __name__ + ".datagen:config_type"),
+    Workload("pretrain", Kind.TRAINING, "a Llama decoder from scratch on token shards", __name__ + ".pretrain", "trainpod.config.pretrain:PretrainConfig"),
+    Workload("finetune", Kind.TRAINING, "QLoRA, LoRA or full finetuning of an existing model", __name__ + ".finetune", "trainpod.config.finetune:FinetuneConfig"),
+    Workload("finetune-vlm", Kind.TRAINING, "QLoRA, LoRA or full finetuning of a vision-language model (Qwen-VL) on images + text", __name__ + ".finetune_vlm", "trainpod.config.finetune_vlm:VlmFinetuneConfig"),
+    Workload("command", Kind.COMMAND, "your own program (any language) under the run lifecycle", __name__ + ".command", "trainpod.config.command:CommandConfig"),
+    Workload("convert", Kind.CONVERSION, "adapters to MLX, merged into their base; checkpoints to HF", __name__ + ".convert", "trainpod.config.convert:ConvertConfig"),
+    Workload("supervise", Kind.SERVICE, "bring a run's interrupted spot pods back until it is done", __name__ + ".supervise", "trainpod.config.deploy:DeployConfig"),
 )  # fmt: skip
 REGISTRY: dict[str, Workload] = {workload.name: workload for workload in _WORKLOADS}
 

@@ -39,7 +39,6 @@ from typing import Any
 from trainpod import atomic, cost
 from trainpod.checkpoint import CheckpointStore
 from trainpod.config.command import CommandConfig
-from trainpod.config.loader import Section
 from trainpod.context import RunContext
 from trainpod.diskspace import free_bytes, full_path_named, is_disk_full, says_disk_full, volume_full
 from trainpod.errors import BudgetExhausted, InputError, Preempted, TemporaryError
@@ -57,10 +56,6 @@ OUTPUT_WAIT_MIN_S = 0.2  # ... even when the window is spent: its pipes are at t
 
 class ProgramFailed(TemporaryError):
     """The program exited with a failure; a later start may not (a crash loop is bounded by finish.py)."""
-
-
-def config_type(tree: dict) -> type[Section]:
-    return CommandConfig
 
 
 def disk_estimate(config: CommandConfig) -> int | None:

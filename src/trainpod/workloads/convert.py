@@ -9,14 +9,9 @@ lease (workloads/lifecycle.py), and a run converted again skips what is done.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from trainpod.config.convert import ConvertConfig
 from trainpod.context import RunContext
-
-
-def config_type(tree: dict[str, Any]) -> type:
-    return ConvertConfig
 
 
 def preflight(ctx: RunContext, config: ConvertConfig) -> None:

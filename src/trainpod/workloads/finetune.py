@@ -84,10 +84,6 @@ MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "labels")
 BASE_MODEL_PIN = "base_model.json"  # runs/<run>/: the hub commit of the base model the run trains on
 
 
-def config_type(tree: dict[str, Any]) -> type:
-    return FinetuneConfig
-
-
 def disk_estimate(config: FinetuneConfig) -> int | None:
     return None  # the base model's size is known only once it is resolved (it may still be on the hub)
 

@@ -50,10 +50,6 @@ PROJECTORS = ("merger", "deepstack_merger_list", "multi_modal_projector")  # ins
 VISION_INPUTS = ("pixel_values", "image_grid_thw", "mm_token_type_ids")
 
 
-def config_type(tree: dict[str, Any]) -> type:
-    return VlmFinetuneConfig
-
-
 def disk_estimate(config: VlmFinetuneConfig) -> int | None:
     return None  # as for text: the base model's size is known once it is resolved
 

@@ -98,14 +98,14 @@ def resolve_config_path(raw: str | None, volume: Volume, synced: Path | None = N
 def load_workload_config(
     workload: Workload, config_path: Path, overrides: list[str], route: OverrideRoute
 ) -> Any:
-    """The workload's typed config: the YAML and overrides, validated as the class its module picks; a problem's
-    fix names `route`, the way the caller's user overrides a field (config.loader.OverrideRoute).
+    """The workload's typed config: the YAML and overrides, validated as the class its registry line names; a
+    problem's fix names `route`, the way the caller's user overrides a field (config.loader.OverrideRoute).
 
     A config that is another workload's (configs/finetune/ holds finetune-vlm ones too) is refused with one
     line naming that workload, not with a line per key its sections do not share."""
     tree, source = load_tree(config_path, overrides)
     try:
-        return validate_tree(workload.module().config_type(tree), tree, source, route)
+        return validate_tree(workload.config_type(tree), tree, source, route)
     except ConfigError:
         others = [
             name for name, other in workloads.REGISTRY.items() if other is not workload and _fits(other, tree)
@@ -119,7 +119,7 @@ def _fits(workload: Workload, tree: dict[str, Any]) -> bool:
     disabled = logging.root.manager.disable
     logging.disable(logging.WARNING)  # datagen's guess of a kind by the keys warns: not for a config tried on
     try:
-        validate_tree(workload.module().config_type(tree), tree)
+        validate_tree(workload.config_type(tree), tree)
     except TrainpodError:  # ConfigError, or a datagen config_type refusing a kind it does not know
         return False
     finally:

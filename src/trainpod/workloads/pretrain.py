@@ -316,10 +316,6 @@ class Pretrainer(Trainer):
         return super().summary() | {"parameters": self.n_params}
 
 
-def config_type(tree: dict[str, Any]) -> type:
-    return PretrainConfig
-
-
 def disk_estimate(config: PretrainConfig) -> int:
     """The checkpoints retention keeps, the one being written, and the fp32 export."""
     vocab = config.model.vocab_size or padded_vocab(65536)  # before the tokenizer is read: a safe upper bound

@@ -8,14 +8,8 @@ FAILED and status.json directly (runpod/supervise.py). Its config is the run's d
 
 from __future__ import annotations
 
-from typing import Any
-
 from trainpod.config.deploy import DeployConfig
 from trainpod.context import RunContext
-
-
-def config_type(tree: dict[str, Any]) -> type:
-    return DeployConfig
 
 
 def preflight(ctx: RunContext, config: DeployConfig) -> None:

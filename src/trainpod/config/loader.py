@@ -303,20 +303,13 @@ def _booleans_for_numbers(
             continue
         dotted = ".".join(str(part) for part in (*loc, key))
         if isinstance(value, bool) and _takes_a_number_not_a_boolean(field.annotation):
-            written = str(value).lower()
             description = f"; fix: {_sentence_inside(field.description)}" if field.description else ""
-            problems[(*loc, key)] = (
-                f"{dotted} = {value!r}: YAML reads {written} (and yes/no, on/off) without quotes as a boolean, and "
-                f"this takes a number; write the number{description}"
-            )
+            problems[(*loc, key)] = _boolean_for_a_number(dotted, value) + description
             continue
         if isinstance(value, dict) and _maps_to_numbers(field.annotation):  # datagen's `kinds: {easy: yes}`
             for name, share in value.items():
                 if isinstance(share, bool):
-                    problems[(*loc, key, name)] = (
-                        f"{dotted}.{name} = {share!r}: YAML reads {str(share).lower()} (and yes/no, on/off) without "
-                        f"quotes as a boolean, and this takes a number; write the number"
-                    )
+                    problems[(*loc, key, name)] = _boolean_for_a_number(f"{dotted}.{name}", share)
             continue
         sections = {_tag_of(section): section for section, _ in sections_of(field.annotation)}
         listed = typing.get_origin(field.annotation) is list  # convert's `task: mlx` is a list of one
@@ -329,6 +322,13 @@ def _booleans_for_numbers(
                     sections[tag], item, (*where, tag)
                 )  # convert's tasks, by kind
     return problems
+
+
+def _boolean_for_a_number(dotted: str, value: bool) -> str:
+    return (
+        f"{dotted} = {value!r}: YAML reads {str(value).lower()} (and yes/no, on/off) without quotes as a boolean, "
+        "and this takes a number; write the number"
+    )
 
 
 def _maps_to_numbers(annotation: Any) -> bool:

@@ -271,12 +271,13 @@ def delete_s3(target: Target, files: VolumeFiles) -> None:
         files.put_bytes(*stopped)  # type: ignore[attr-defined]
     if target.kind == "run":
         latest = latest_named(files, target.path)
-    ranked = sorted(target.files, key=lambda rel: (removal_rank(rel, latest), rel))
-    rest = [rel for rel in ranked if removal_rank(rel, latest) == LAST_RANK]
-    for rel in ranked[
-        : len(ranked) - len(rest)
-    ]:  # one at a time, in order: what makes the entry count complete
+    ranks = {rel: removal_rank(rel, latest) for rel in target.files}
+    # One at a time, in order: what makes the entry count as complete. Then the rest, in batches.
+    for rel in sorted(
+        (rel for rel, rank in ranks.items() if rank < LAST_RANK), key=lambda rel: (ranks[rel], rel)
+    ):
         files.remove(f"{target.path}/{rel}")  # type: ignore[attr-defined]
+    rest = sorted(rel for rel, rank in ranks.items() if rank == LAST_RANK)
     files.remove_many([f"{target.path}/{rel}" for rel in rest])  # type: ignore[attr-defined]
     for key in files.folder_objects(f"{target.path}/"):  # type: ignore[attr-defined]  # deepest first
         files.remove(key)  # type: ignore[attr-defined]

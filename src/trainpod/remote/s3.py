@@ -406,15 +406,21 @@ class VolumeS3:
         """Delete the objects in no particular order, DELETE_BATCH to a request (S3's DeleteObjects): an HF cache
         of thousands of files goes in a few requests, where one a file took minutes from a laptop. RunPod does not
         document DeleteObjects, so a gateway that refuses the first batch (any S3 error but a missing volume or a
-        refused S3 API key: NotImplemented, a checksum it does not take) gets one request an object, as `remove`, from then on.
-        An object the batch could not delete is a TemporaryError naming it: the same command again finishes it."""
+        refused S3 API key: NotImplemented, a checksum it does not take) gets one request an object, as `remove`,
+        from then on. An object the batch could not delete is a TemporaryError naming it: the same command again
+        finishes it."""
         pending = list(keys)
         while pending and self._batches_taken is not False:
             batch = pending[:DELETE_BATCH]
             objects = {"Objects": [{"Key": key} for key in batch], "Quiet": True}
             try:
                 answer = self._call(
-                    "remove", batch[0], self._client.delete_objects, Bucket=self.bucket, Delete=objects
+                    "remove",
+                    batch[0],
+                    self._client.delete_objects,
+                    batch=True,
+                    Bucket=self.bucket,
+                    Delete=objects,
                 )
             except BatchRefused as exc:
                 # It took batches before: not the operation refused but the gateway in trouble.
@@ -710,9 +716,12 @@ class VolumeS3:
                 "again (it resumes)"
             ) from None
 
-    def _call(self, doing: str, key: str, operation: Callable[..., Any], **kwargs: Any) -> Any:
+    def _call(
+        self, doing: str, key: str, operation: Callable[..., Any], batch: bool = False, **kwargs: Any
+    ) -> Any:
         """One S3 call: a missing key is FileNotFoundError; anything else a TrainpodError that names the
-        volume, the key and what to do, never the credentials or the server's body."""
+        volume, the key and what to do, never the credentials or the server's body. `batch` (a DeleteObjects,
+        remove_many): an error that is not about the volume or the S3 API key is BatchRefused."""
         from botocore.exceptions import BotoCoreError, ClientError
 
         where = f"s3://{self.bucket}/{key} ({self.target.endpoint_url})"
@@ -731,7 +740,7 @@ class VolumeS3:
                     "machine's push of it, which found it idle for a day, or by the gateway; or completed by "
                     "another push of the same file); run the same push again: it starts the upload anew"
                 ) from None
-            if operation == self._client.delete_objects and not _refused_key(code, status):
+            if batch and not _refused_key(code, status):
                 raise BatchRefused(code or str(status)) from None
             raise _client_error(code, status, doing, where, self.target) from None
         except BotoCoreError as exc:

@@ -81,13 +81,23 @@ def test_the_adapter_loads_with_peft_onto_the_base_and_the_processor_from_its_fo
 
 
 @pytest.mark.parametrize(
-    ("signum", "at"), [(signal.SIGTERM, 3), (signal.SIGKILL, 5)], ids=["sigterm", "sigkill"]
+    ("signum", "at", "data_edited"),
+    [(signal.SIGTERM, 3, True), (signal.SIGKILL, 5, False)],
+    ids=["sigterm-data-edited", "sigkill"],
 )
-def test_an_interrupted_run_resumes_to_the_same_adapter(vlm_base_volume, finished, tmp_path, signum, at):
+def test_an_interrupted_run_resumes_to_the_same_adapter(
+    vlm_base_volume, finished, tmp_path, signum, at, data_edited
+):
+    """With the data file edited while the run was stopped (rows dropped and reordered, the images as they
+    were), the resume trains on the rows its first start prepared (runs/<run>/vlm_data.json): it prepared the
+    edited ones and went on at the same step of another sample list, silently."""
     volume = fresh(vlm_base_volume, tmp_path / "volume")
     proc = start_trainpod(*vlm_args(), volume=volume)
     out = signal_when_step_reached(proc, volume, at, signum, timeout=600, run=VLM_RUN)
     assert proc.returncode == (143 if signum == signal.SIGTERM else -signal.SIGKILL), out
+    if data_edited:
+        rows = (volume / OCR_FILE).read_text().splitlines(keepends=True)
+        (volume / OCR_FILE).write_text("".join(reversed(rows[8:])))
     result = run_trainpod(*vlm_args(), volume=volume, timeout=900)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "resumed from step-" in result.stdout + result.stderr

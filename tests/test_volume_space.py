@@ -184,6 +184,16 @@ def test_du_says_which_runs_pinning_a_cache_key_are_done(tmp_path):
     assert "runs/r: done," in done.stdout, done.stdout
 
 
+def test_du_says_which_run_pins_a_vlm_cache_key(tmp_path):
+    root = tmp_path / "vol"
+    make_volume(root)
+    write(root / "runs/vlm/vlm_data.json", json.dumps({"settings_key": "s", "key": "v1"}).encode())
+    write(root / "cache/vlm/v1/manifest.json", 2_000)
+    write(root / "cache/vlm/v2/manifest.json", 1_000)
+    out = trainpod("du", "--volume", str(root)).stdout
+    assert "cache/vlm/v1: pinned by vlm (not done)" in out and "cache/vlm/v2: pinned by no run" in out, out
+
+
 def test_du_names_the_unfinished_run_whose_base_model_is_another_runs_export(tmp_path):
     root = tmp_path / "vol"
     make_volume(root)
@@ -292,6 +302,16 @@ REFUSALS = {
         {},
         2,
         "run(s) r, not DONE, pin it in sft_data.json",
+    ),
+    "a vlm cache key a run pins": (
+        ["cache/vlm/v1", "--yes"],
+        {
+            "runs/vlm/vlm_data.json": json.dumps({"settings_key": "s", "key": "v1"}).encode(),
+            "runs/vlm/status.json": b'{"state": "stopped"}',
+            "cache/vlm/v1/manifest.json": b"{}",
+        },
+        2,
+        "run(s) vlm, not DONE, pin it in vlm_data.json",
     ),
     "a dataset a run names": (
         ["datasets/my-data", "--yes"],

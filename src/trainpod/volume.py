@@ -18,6 +18,8 @@ DEFAULT_VOLUME = "/workspace"
 # runs/<run>/: the cache/sft/<key> its first start tokenized data.sft into (workloads/finetune.py), which every
 # resume takes; `trainpod du` and `rm` read it to tell who needs a key.
 SFT_DATA_PIN = "sft_data.json"
+# The same for finetune-vlm: the cache/vlm/<key> its first start prepared data into (workloads/finetune_vlm.py).
+VLM_DATA_PIN = "vlm_data.json"
 RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"  # the configs' `name` (config/*.py NAME_PATTERN)
 STOPPED_MARKER = (
     "STOPPED"  # written by `trainpod stop` (and `trainpod rm` of a run), removed by `trainpod deploy`

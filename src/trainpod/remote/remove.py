@@ -6,9 +6,10 @@
 An ENTRY is one of `trainpod du`'s (datasets/<name>, tokenizers/<name>, runs/<run>, cache/sft/<key>,
 cache/vlm/<key>, cache/<folder>, repos/<x>) or runs/<run>/checkpoints/step-<N>. Every ENTRY is checked before
 anything is deleted: a live lease on it (or on its run) is exit 75; the checkpoint LATEST names, a cache/sft/<key>
-a run not DONE pins, a dataset, tokenizer, repo or other run a run not DONE names in its config.yaml (a finetune's
+or cache/vlm/<key> a run not DONE pins, a dataset, tokenizer, repo or other run a run not DONE names in its config.yaml (a finetune's
 base model in another run's export) are exit 2; cache/<folder>,
-cache/vlm/<key> and repos/<x>, which no run names, wait (exit 75) while any run is leased.
+cache/vlm/<key> and repos/<x>, which a run may read without naming them (a cache/vlm/<key> of a run begun before
+the pin), wait (exit 75) while any run is leased.
 
 A run's removal first writes runs/.<run>.STOPPED (stopped_record), so no supervisor starts it again. A kill at any
 point leaves nothing that looks complete but is partial. Mounted, the entry is renamed first to
@@ -37,7 +38,15 @@ from trainpod.checkpoint.store import DELETING, LATEST, MANIFEST, step_of
 from trainpod.diskspace import size_text
 from trainpod.errors import InputError, TemporaryError, TrainpodError
 from trainpod.remote.listing import LocalFiles, VolumeFiles, _json, latest_named
-from trainpod.remote.space import KEYED_CACHES, LEFTOVER_MARKS, NAMED_FOLDERS, Entry, VolumeSpace, read_space
+from trainpod.remote.space import (
+    CACHE_PINS,
+    KEYED_CACHES,
+    LEFTOVER_MARKS,
+    NAMED_FOLDERS,
+    Entry,
+    VolumeSpace,
+    read_space,
+)
 from trainpod.volume import stop_marker_keys
 
 RM_TAKES = (
@@ -173,7 +182,8 @@ class Removal:
             )
         needing = [r for r in self.space.unfinished(self.space.needed_by(target.path)) if r not in going]
         if needing:
-            how = "pin it in sft_data.json" if target.kind == "sft-cache" else "name it in config.yaml"
+            pin_file = CACHE_PINS.get(target.kind.removesuffix("-cache"))
+            how = f"pin it in {pin_file}" if pin_file else "name it in config.yaml"
             runs = ", ".join(needing)
             found.append(
                 InputError(

@@ -7,7 +7,8 @@ An entry is one thing `trainpod rm` takes: datasets/<name>, tokenizers/<name>, r
 checkpoints, its export and the rest), cache/sft/<key> and cache/vlm/<key>, another cache/ folder, repos/<x>.
 Sizes come from one listing of the volume (VolumeFiles.sizes: a walk here, ListObjectsV2 through S3), so the
 two views cannot differ; the only files read are small ones that say who needs an entry: each run's
-sft_data.json (the cache/sft/<key> its resume takes) and config.yaml (the dataset and tokenizer it names).
+sft_data.json and vlm_data.json (the cache/sft/<key> and cache/vlm/<key> its resume takes) and config.yaml (the
+dataset and tokenizer it names).
 """
 
 from __future__ import annotations
@@ -20,10 +21,14 @@ import yaml
 
 from trainpod.diskspace import size_text
 from trainpod.remote.listing import VolumeFiles, _json, latest_named
-from trainpod.volume import SFT_DATA_PIN
+from trainpod.volume import SFT_DATA_PIN, VLM_DATA_PIN
 
 NAMED_FOLDERS = ("datasets", "tokenizers", "runs", "repos")  # <top>/<name>/ is one entry
 KEYED_CACHES = ("sft", "vlm")  # cache/<kind>/<key>/ is one entry; another cache/<x>/ is one as a whole
+CACHE_PINS = {
+    "sft": SFT_DATA_PIN,
+    "vlm": VLM_DATA_PIN,
+}  # the file in runs/<run>/ that pins a cache/<kind>/<key>
 CHECKPOINT_FILE = re.compile(r"^checkpoints/(step-\d+)/")
 LEFTOVER_MARKS = (".tmp-", ".invalid-")  # an interrupted write's or rm's folder (listing._visible skips them)
 
@@ -82,12 +87,12 @@ def entry_of(key: str) -> str:
 
 @dataclass
 class VolumeSpace:
-    """The volume's entries with what says who needs them: which runs are DONE, which cache/sft/<key> each
-    run's resume takes, which datasets and tokenizers each run's config names."""
+    """The volume's entries with what says who needs them: which runs are DONE, which cache/sft/<key> and
+    cache/vlm/<key> each run's resume takes, which datasets and tokenizers each run's config names."""
 
     entries: dict[str, Entry]
     done: set[str]
-    sft_pins: dict[str, list[str]]  # cache/sft/<key>: the runs that pin it
+    cache_pins: dict[str, list[str]]  # cache/sft/<key>, cache/vlm/<key>: the runs that pin it
     named: dict[str, list[str]]  # datasets/<name>, tokenizers/<name>: the runs whose config names it
 
     def runs(self) -> Iterator[Entry]:
@@ -95,7 +100,7 @@ class VolumeSpace:
 
     def needed_by(self, path: str) -> list[str]:
         """The runs that pin `path` or name it in their config."""
-        return sorted({*self.sft_pins.get(path, []), *self.named.get(path, [])})
+        return sorted({*self.cache_pins.get(path, []), *self.named.get(path, [])})
 
     def unfinished(self, runs: list[str]) -> list[str]:
         return [run for run in runs if run not in self.done]
@@ -110,9 +115,10 @@ def read_space(files: VolumeFiles) -> VolumeSpace:
     for run in space.runs():
         if "DONE" in run.files:
             space.done.add(run.name)
-        pin = _json(files, f"{run.path}/{SFT_DATA_PIN}") if SFT_DATA_PIN in run.files else None
-        if pin and pin.get("key"):
-            space.sft_pins.setdefault(f"cache/sft/{pin['key']}", []).append(run.name)
+        for kind, pin_file in CACHE_PINS.items():
+            pin = _json(files, f"{run.path}/{pin_file}") if pin_file in run.files else None
+            if isinstance(pin, dict) and pin.get("key"):
+                space.cache_pins.setdefault(f"cache/{kind}/{pin['key']}", []).append(run.name)
         for named in _named_inputs(files, run) if "config.yaml" in run.files else []:
             space.named.setdefault(named, []).append(run.name)
     return space
@@ -177,15 +183,14 @@ def _detail(space: VolumeSpace, entry: Entry, latest: str | None) -> str:
         notes.append(
             f"named by the config of {', '.join(_run_state(space, r) for r in space.needed_by(entry.path))}"
         )
-    elif entry.kind in ("dataset", "tokenizer", "sft-cache"):
+    elif entry.kind in ("dataset", "tokenizer", "sft-cache", "vlm-cache"):
         runs = space.needed_by(entry.path)
+        pinned = entry.kind.endswith("-cache")
         if runs:
-            what = "pinned by" if entry.kind == "sft-cache" else "named by the config of"
+            what = "pinned by" if pinned else "named by the config of"
             notes.append(f"{what} {', '.join(_run_state(space, r) for r in runs)}")
-        elif entry.kind == "sft-cache":
+        elif pinned:
             notes.append("pinned by no run")
-    elif entry.kind == "vlm-cache":
-        notes.append("pinned by no run: a finetune-vlm start finds it by its data's key, and makes it again")
     elif entry.kind == "markers":
         notes.append("leases and markers beside the folders")
     return ": " + "; ".join(notes) if notes else ""

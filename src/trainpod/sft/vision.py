@@ -506,14 +506,36 @@ def vision_key(data: VisionDataConfig, processor: VisionProcessor, model_dir: Pa
         else _hf_fingerprint(s, volume_root)  # type: ignore[arg-type]
         for s in data.datasets
     ]
-    record = {
+    return _key(_settings_record(data, processor, model_dir, volume_root) | {"files": files})
+
+
+def vision_settings_key(
+    data: VisionDataConfig, processor: VisionProcessor, model_dir: Path, volume_root: Path
+) -> str:
+    """vision_key without the data files' contents: what a run's pin (VLM_DATA_PIN) is kept for. A resume whose
+    settings, processor and volume are the ones its first start prepared with takes that start's folder, though
+    the data files were edited or removed since."""
+    return _key(_settings_record(data, processor, model_dir, volume_root))
+
+
+def _settings_record(
+    data: VisionDataConfig, processor: VisionProcessor, model_dir: Path, volume_root: Path
+) -> dict[str, Any]:
+    return {
         "format": VISION_FORMAT,
         "settings": data.model_dump(mode="json"),
         "processor": processor.files_hash(model_dir),
-        "files": files,
         "volume_root": str(volume_root),
     }
+
+
+def _key(record: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def is_complete(folder: Path) -> bool:
+    """Whether prepare_vision finished `folder` (its manifest is written last)."""
+    return (Path(folder) / MANIFEST_FILE).is_file()
 
 
 def _hf_fingerprint(source: VisionSourceConfig, volume_root: Path) -> list[str]:
@@ -535,7 +557,7 @@ def prepare_vision(
 ) -> Path:
     """Build the text side of the dataset into `out_dir` (reused when complete), written whole."""
     out_dir = Path(out_dir)
-    if (out_dir / MANIFEST_FILE).is_file():
+    if is_complete(out_dir):
         log.info("VLM dataset %s is complete: reusing it", out_dir)
         return out_dir
     out_dir.parent.mkdir(parents=True, exist_ok=True)

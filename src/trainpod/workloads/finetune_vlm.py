@@ -27,20 +27,24 @@ from typing import Any
 
 import torch
 
+from trainpod import atomic
 from trainpod.config.finetune_vlm import VlmFinetuneConfig
 from trainpod.context import RunContext
 from trainpod.errors import InputError
 from trainpod.sft.vision import (
     VisionBatches,
     VisionProcessor,
+    is_complete,
     load_vision,
     prepare_vision,
     vision_batch,
     vision_key,
+    vision_settings_key,
 )
 from trainpod.train.base_model import load_4bit, load_model, resolve_base_model
 from trainpod.train.generation_eval import Prompt
 from trainpod.train.trainer import train_and_export
+from trainpod.volume import VLM_DATA_PIN
 from trainpod.workloads.finetune import MODEL_INPUTS, Finetuner, answer_span
 
 log = logging.getLogger(__name__)
@@ -98,13 +102,7 @@ class VlmFinetuner(Finetuner):
     def _setup_data(self) -> None:
         data_cfg, t = self.cfg.data, self.train_cfg
         self.processor = VisionProcessor(self.base_dir, data_cfg.min_pixels, data_cfg.max_pixels)
-        key = vision_key(data_cfg, self.processor, self.base_dir, self.ctx.volume.root)
-        folder = self.ctx.volume.cache() / "vlm" / key
-        self._on_main_first(
-            lambda: prepare_vision(
-                data_cfg, self.processor, self.base_dir, folder, self.ctx.volume.root, self.ctx.watch
-            )
-        )
+        folder = self._on_main_first(self._prepare_vision_cache)
         self.data = load_vision(folder)
         self.max_len = data_cfg.cutoff_len
         self.batches = VisionBatches(
@@ -118,6 +116,30 @@ class VlmFinetuner(Finetuner):
             pad_id=self.data.pad_id,
             grad_accum_steps=t.grad_accum_steps,
         )
+
+    def _prepare_vision_cache(self) -> Path:
+        """cache/vlm/<key> of data, keyed by the data files' contents; a resume takes the folder its first start
+        pinned in runs/<run>/vlm_data.json while it is complete and of the same settings and processor, so it
+        trains on the samples it started on though the files were edited or removed since (as a text finetune
+        does with sft_data.json). Without the pin, a resume after an edit prepared the edited rows and went on
+        at the same (epoch, step) of another sample list: no error, and not the run that began."""
+        data_cfg, volume = self.cfg.data, self.ctx.volume
+        pin = self.ctx.run.root / VLM_DATA_PIN
+        settings_key = vision_settings_key(data_cfg, self.processor, self.base_dir, volume.root)
+        try:
+            pinned = atomic.read_json(pin)
+        except (OSError, ValueError):
+            pinned = None
+        if isinstance(pinned, dict) and pinned.get("settings_key") == settings_key:
+            folder = volume.cache() / "vlm" / str(pinned.get("key"))
+            if is_complete(folder):
+                log.info("VLM data: %s, prepared at this run's first start (%s)", folder, pin.name)
+                return folder
+        folder = volume.cache() / "vlm" / vision_key(data_cfg, self.processor, self.base_dir, volume.root)
+        prepare_vision(data_cfg, self.processor, self.base_dir, folder, volume.root, self.ctx.watch)
+        if self.dist.is_main:
+            atomic.write_json(pin, {"settings_key": settings_key, "key": folder.name})
+        return folder
 
     @property
     def val_ratio_field(self) -> str:

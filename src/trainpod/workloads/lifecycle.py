@@ -389,6 +389,7 @@ LEASED_FILES = (
     "loss.png",
     "base_model.json",
     "sft_data.json",
+    "vlm_data.json",
     "tokenizer",  # a folder: a pretrain run's tokenizer (RunContext.carry_tokenizer)
 )
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +21,7 @@ from trainpod.volume import Volume
 
 from fake_runpod import FakeRunPodServer, api_env, client_for
 from finetune_support import BASE, TINY_FINETUNE
-from support import CONFIGS
+from support import CONFIGS, child_env
 from vlm_support import TINY_VLM_CONFIG
 
 PRETRAIN_125M = CONFIGS / "pretrain/125m.yaml"
@@ -112,8 +114,8 @@ def test_the_estimate_prices_with_the_whole_runs_mfu_not_its_last_log_window(no_
 def test_a_measured_mfu_prices_the_model_flops_it_measured_not_the_recomputed_forward(no_runpod, tmp_path):
     """A run's MFU counts the model's FLOPs (train/reporting.py), without gradient checkpointing's second
     forward: applied to the FLOPs executed, the 4b preset's time and cost read 4/3 of what its run measured."""
-    from trainpod.train.model import flops_per_token, llama_config, padded_vocab, parameter_count
     from trainpod.train.reporting import peak_flops_of
+    from trainpod.train.shape import flops_per_token, model_shape, padded_vocab
 
     config, _ = load_target(str(CONFIGS / "pretrain/4b.yaml"))
     assert config.train.gradient_checkpointing
@@ -123,9 +125,9 @@ def test_a_measured_mfu_prices_the_model_flops_it_measured_not_the_recomputed_fo
     est = estimate(config, volume=Volume(tmp_path / "vol"))
     assert est.mfu_source.startswith("measured")
     t = config.train
-    model = llama_config(config.model, padded_vocab(config.model.vocab_size or 32768), t.seq_len)
+    shape = model_shape(config, padded_vocab(config.model.vocab_size or 32768))
     # What the run's status.json MFU was measured against: its log's tokens/s x these FLOPs per token.
-    model_flops = flops_per_token(model, parameter_count(model), t.seq_len) * est.sizing.tokens
+    model_flops = flops_per_token(shape, t.seq_len) * est.sizing.tokens
     assert est.hours == pytest.approx(model_flops / (peak_flops_of(est.gpu) * 0.3) / 3600, rel=1e-9)
 
 
@@ -227,7 +229,7 @@ def test_a_finetune_through_the_chunked_loss_counts_one_chunks_logits_not_a_micr
     vocabulary, and read 'DOES NOT FIT' for runs that fit."""
     from transformers import Qwen2Config
 
-    from trainpod.train.loss import rows_per_chunk
+    from trainpod.train.loss_chunks import rows_per_chunk
 
     vocab, width = 152064, 64
     Qwen2Config(
@@ -403,6 +405,47 @@ def test_deploying_a_finetune_vlm_run_prints_its_estimate_instead_of_crashing(
     assert "full rows of 64" in capsys.readouterr().out
     assert cli.main(["deploy", str(deploy), "--dry-run"]) == 0
     assert "estimate   not made" in capsys.readouterr().out, "the model is on the volume, not here"
+
+
+# `python -m trainpod ARGS` as a user runs it, then the heavy libraries it imported on the way.
+IMPORTS_PROBE = """
+import atexit, runpy, sys
+atexit.register(lambda: print('imported', sorted(m for m in ('torch', 'transformers', 'peft') if m in sys.modules)))
+sys.argv = ['trainpod', *sys.argv[1:]]
+runpy.run_module('trainpod', run_name='__main__', alter_sys=True)
+"""
+
+
+def test_the_estimate_and_deploys_dry_run_import_neither_torch_transformers_nor_peft(tmp_path):
+    """A laptop command, run before a GPU is paid for: it built the model on the meta device for its shape, and
+    imported torch and transformers for it (9 s on two cores, before any line was printed). The sizes are
+    arithmetic now (train/shape.py); a finetune's base model whose config.json is not at hand is sized by its
+    name, and the samples of its data are counted, without them either."""
+    volume = tmp_path / "volume"
+    (volume / "data").mkdir(parents=True)
+    rows = [
+        {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a"}]}
+        for i in range(50)
+    ]
+    (volume / "data/train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    env = child_env({"HOME": str(tmp_path), "HF_ENDPOINT": "http://127.0.0.1:9"})  # no hub: sized by the name
+    env.pop("RUNPOD_API_KEY", None)
+    commands = {
+        "memory     ": ["estimate", str(CONFIGS / "pretrain/1b.yaml")],
+        "7B parameters read from the name": [
+            "estimate", str(CONFIGS / "finetune/qwen2.5-7b-qlora-24gb.yaml"), "--volume", str(volume),
+        ],
+        "would create pod p125-pretrain": ["deploy", str(deploy_config(tmp_path)), "--dry-run"],
+    }  # fmt: skip
+    for expected, args in commands.items():
+        result = subprocess.run(
+            [sys.executable, "-c", IMPORTS_PROBE, *args], env=env, capture_output=True, text=True, timeout=120
+        )
+        shown = f"trainpod {' '.join(args)}:\n{result.stdout}{result.stderr}"
+        assert result.returncode == 0 and expected in result.stdout, shown
+        assert result.stdout.strip().endswith("imported []"), (
+            f"keep torch out of the estimate's path; {shown}"
+        )
 
 
 # ----------------------------------------------------------------------------------- deploy

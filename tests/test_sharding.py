@@ -16,13 +16,8 @@ from trainpod.errors import ConfigError, ExitCode, InputError
 from trainpod.train.loss import CausalLMLoss
 from trainpod.train.model import build_model
 from trainpod.train.optim import build_optimizer, decay_groups
-from trainpod.train.sharding import (
-    FSDP_AUTO_PARAMS,
-    is_sharded,
-    load_full_into,
-    resolve_parallel,
-    shard_model,
-)
+from trainpod.train.parallel import FSDP_AUTO_PARAMS, resolve_parallel
+from trainpod.train.sharding import is_sharded, load_full_into, shard_model
 from trainpod.train.state import unique_weights
 
 torch.set_num_threads(1)

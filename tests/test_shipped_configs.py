@@ -14,7 +14,8 @@ from trainpod.config.finetune import FinetuneConfig
 from trainpod.config.loader import load_tree
 from trainpod.config.pretrain import PretrainConfig
 from trainpod.config.sft import SftDatagenConfig
-from trainpod.train.model import llama_config, padded_vocab, parameter_count
+from trainpod.train.model import llama_config, parameter_count
+from trainpod.train.shape import padded_vocab
 from trainpod.workloads import REGISTRY
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"

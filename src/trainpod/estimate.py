@@ -163,8 +163,9 @@ def _yaml(path: Path) -> dict:
 
 # ------------------------------------------------------------------------------- sizing
 def size_pretrain(config: PretrainConfig, gpu_count: int, volume: Volume | None) -> Sizing:
-    from trainpod.train.memory import checkpoint_bytes, model_shape
-    from trainpod.train.model import flops_per_token, llama_config, padded_vocab, parameter_count
+    # On paper, no torch nor transformers (train/shape.py): the sizes the trainer's model has, in a laptop's second.
+    from trainpod.train.memory import checkpoint_bytes
+    from trainpod.train.shape import flops_per_token, model_shape, padded_vocab
 
     t, notes = config.train, []
     from trainpod.data.datagen import dataset_vocab
@@ -173,17 +174,17 @@ def size_pretrain(config: PretrainConfig, gpu_count: int, volume: Volume | None)
     if vocab is None:
         vocab = 32768
         notes.append("vocabulary assumed 32768 (set model.vocab_size, or have the dataset on the volume)")
-    model_config = llama_config(config.model, padded_vocab(vocab), t.seq_len)
-    n = parameter_count(model_config)
+    shape = model_shape(config, padded_vocab(vocab))
+    n = shape.params
     tokens = t.max_steps * t.tokens_per_step_per_rank * gpu_count
-    per_token = flops_per_token(model_config, n, t.seq_len) * (4 / 3 if t.gradient_checkpointing else 1)
-    memory = preflight_memory(config, model_config.vocab_size, gpu_count) or simple_training_memory(
+    per_token = flops_per_token(shape, t.seq_len) * (4 / 3 if t.gradient_checkpointing else 1)
+    memory = preflight_memory(config, shape.vocab, gpu_count) or simple_training_memory(
         weights=4 * n, trainable=n, optimizer_bytes_per_param=8, layers=config.model.num_layers,
-        width=config.model.hidden_size, vocab=model_config.vocab_size, rows=t.micro_batch_size,
+        width=config.model.hidden_size, vocab=shape.vocab, rows=t.micro_batch_size,
         seq_len=t.seq_len, recompute=t.gradient_checkpointing,
     )  # fmt: skip
     recompute = 4 / 3 if t.gradient_checkpointing else 1.0
-    checkpoint = checkpoint_bytes(model_shape(config, model_config.vocab_size).tensor_sizes, t.optimizer)
+    checkpoint = checkpoint_bytes(shape.tensor_sizes, t.optimizer)
     return Sizing(
         "pretrain", config.name, n, n, t.max_steps, tokens, per_token, checkpoint, memory, notes, recompute
     )
@@ -193,7 +194,7 @@ def size_finetune(
     config: FinetuneConfig, gpu_count: int, volume: Volume | None, route: OverrideRoute | None = None
 ) -> Sizing:
     from trainpod.train.memory import checkpoint_bytes
-    from trainpod.train.sharding import resolve_parallel
+    from trainpod.train.parallel import resolve_parallel
 
     t, notes = config.train, []
     shape = base_model_shape(config, volume, notes)
@@ -227,7 +228,7 @@ def size_finetune(
         # The chunked loss keeps one chunk's fp32 logits a few times over, the hidden states' gradient and, when
         # the head trains, its fp32 gradient; the 3 fp32 copies of a micro-batch's whole logits counted for other
         # models (15 GB for 4 x 2048 tokens of Qwen2.5's vocabulary) never exist.
-        from trainpod.train.loss import rows_per_chunk
+        from trainpod.train.loss_chunks import rows_per_chunk
 
         rows = t.micro_batch_size * cutoff
         chunk = 3 * 4 * min(rows, rows_per_chunk(vocab, rows)) * vocab
@@ -365,13 +366,15 @@ def base_model_shape(config: FinetuneConfig, volume: Volume | None, notes: list[
 
 
 def _base_model_config(config: FinetuneConfig, volume: Volume | None) -> Any:
-    """The base model's transformers config: from its folder, or config.json alone from the hub."""
-    from transformers import AutoConfig
-
+    """The base model's transformers config: from its folder, or config.json alone from the hub. transformers is
+    imported only once a config.json is found: the estimate from the model's name, offline, needs none (seconds on a
+    laptop)."""
     raw = Path(config.base_model.path).expanduser()
     folders = [raw] if raw.is_absolute() else [Path.cwd() / raw] + ([volume.root / raw] if volume else [])
     for folder in folders:
         if (folder / "config.json").is_file():
+            from transformers import AutoConfig
+
             return AutoConfig.from_pretrained(
                 str(folder), trust_remote_code=config.base_model.trust_remote_code
             )
@@ -386,8 +389,6 @@ def _hub_config(repo: str, revision: str) -> Any:
     import urllib.parse
     import urllib.request
 
-    from transformers import AutoConfig
-
     hub = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")  # a mirror, as huggingface_hub
     url = f"{hub}/{repo}/resolve/{urllib.parse.quote(revision, safe='')}/config.json"
     request = urllib.request.Request(url)
@@ -397,6 +398,8 @@ def _hub_config(repo: str, revision: str) -> Any:
     try:
         with urllib.request.urlopen(request, timeout=HUB_TIMEOUT_S) as response:  # noqa: S310 - the hub's https
             data = json.loads(response.read())
+        from transformers import AutoConfig  # only with a config to read (_base_model_config)
+
         return AutoConfig.for_model(**data)
     except Exception:  # offline, gated, not on the hub, or an architecture transformers lacks: use the name
         return None
@@ -432,9 +435,6 @@ def _steps_for_epochs(
     notes: list[str],
     route: OverrideRoute | None,
 ) -> int:
-    from trainpod.sft.sources import iter_rows
-    from trainpod.sft.vision import count_rows
-
     if sft is None:
         raise InputError(
             f"train.epochs={config.train.epochs} with data.dataset: estimate cannot count its samples; "
@@ -442,12 +442,7 @@ def _steps_for_epochs(
         )
     root = volume.root if volume else Path.cwd()
     try:
-        samples = sum(
-            count_rows(source, root)
-            if isinstance(source, VisionSourceConfig)
-            else sum(1 for _ in iter_rows(source, root))
-            for source in sft.datasets
-        )
+        samples = sum(_count_rows(source, root) for source in sft.datasets)
     except InputError as exc:
         where = "" if volume else (
             f" (no volume given, so the current directory {root} stood for the volume: {WITH_A_VOLUME} "
@@ -461,6 +456,17 @@ def _steps_for_epochs(
         f"{samples:,} samples counted, {train_samples:,.0f} train one row each (packing fits more per row)"
     )
     return max(math.ceil(config.train.epochs * train_samples / rows_per_step), 1)
+
+
+def _count_rows(source: Any, root: Path) -> int:
+    """Samples of one of a finetune's datasets; sft.vision, which imports torch, only for a VLM's."""
+    if isinstance(source, VisionSourceConfig):
+        from trainpod.sft.vision import count_rows
+
+        return count_rows(source, root)
+    from trainpod.sft.sources import iter_rows
+
+    return sum(1 for _ in iter_rows(source, root))
 
 
 def _by_steps_instead(route: OverrideRoute | None) -> str:

@@ -23,7 +23,8 @@ from trainpod.diskspace import check_room
 from trainpod.errors import InputError
 from trainpod.preemption import PreemptionWatch
 from trainpod.train.export import DTYPES, export_hf
-from trainpod.train.model import build_model, llama_config, padded_vocab
+from trainpod.train.model import build_model, llama_config
+from trainpod.train.shape import padded_vocab
 from trainpod.train.sharding import has_shards, load_sharded_weights
 from trainpod.train.state import load_weights
 from trainpod.volume import RunDir, Volume

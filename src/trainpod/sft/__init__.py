@@ -4,22 +4,35 @@
 
 prepare_sft / run_sft_datagen build (or reuse) datasets/<name>/; load_sft reads it; SftBatches and
 eval_batches turn its samples into the batches the finetune trainer feeds to a transformers model.
+
+The names below are imported from their modules when first asked for: `trainpod estimate` reads
+sft.sources (to count a finetune's samples) and sft.dataset (a dataset's cutoff_len) on a laptop, and
+importing this package used to import sft.batches, hence torch (seconds on two cores), first.
 """
 
-from trainpod.sft.batches import SftBatches, eval_batches
-from trainpod.sft.dataset import IGNORE_INDEX, SftData, SftExample, SftExamples, load_sft
-from trainpod.sft.prepare import prepare_sft, run_sft_datagen, sft_cache_key, sft_key
+from __future__ import annotations
 
-__all__ = [
-    "IGNORE_INDEX",
-    "SftBatches",
-    "SftData",
-    "SftExample",
-    "SftExamples",
-    "eval_batches",
-    "load_sft",
-    "prepare_sft",
-    "run_sft_datagen",
-    "sft_cache_key",
-    "sft_key",
-]
+import importlib
+from typing import Any
+
+_MODULE_OF = {
+    "SftBatches": "trainpod.sft.batches",
+    "eval_batches": "trainpod.sft.batches",
+    "IGNORE_INDEX": "trainpod.sft.dataset",
+    "SftData": "trainpod.sft.dataset",
+    "SftExample": "trainpod.sft.dataset",
+    "SftExamples": "trainpod.sft.dataset",
+    "load_sft": "trainpod.sft.dataset",
+    "prepare_sft": "trainpod.sft.prepare",
+    "run_sft_datagen": "trainpod.sft.prepare",
+    "sft_cache_key": "trainpod.sft.prepare",
+    "sft_key": "trainpod.sft.prepare",
+}
+
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_MODULE_OF[name]), name)

@@ -12,7 +12,8 @@ forward pass, as Liger-Kernel's fused linear cross-entropy does: no logits outli
 nothing is recomputed (the same three matmuls as the plain loss), and the backward only scales the
 stored gradients by the incoming one. What stays alive: one chunk's logits a few times over, the
 gradient of the hidden states (N x H) and of the head weight (V x H, accumulated in fp32). A micro-batch
-is cut into at most MAX_CHUNKS chunks, each between 64 and 512 MiB of fp32 logits (see MAX_CHUNKS).
+is cut into at most MAX_CHUNKS chunks, each between 64 and 512 MiB of fp32 logits (see MAX_CHUNKS in
+train/loss_chunks.py, which the estimates on paper read without torch).
 
 It is plain torch, so it runs on CPU, and torch.compile traces it with the model (see
 `CausalLMLoss`): inductor fuses each chunk's softmax, target pick and gradient into few kernels. It also
@@ -27,27 +28,9 @@ from __future__ import annotations
 
 import torch
 
+from trainpod.train.loss_chunks import rows_per_chunk
+
 IGNORE_INDEX = -100  # targets with this value add nothing to the loss (padding, prompts in SFT)
-# fp32 logits of one chunk: at least 64 MiB (512 rows at a 32k vocabulary, a matmul of 512 x width x
-# 32768 that keeps a GPU busy), far below the 2 GiB of one full fp32 logits copy at 16 x 1024 tokens.
-CHUNK_LOGIT_BYTES = 64 * 2**20
-# torch.compile unrolls the chunk loop, and its compile time grows with the chunks: on this kit's 2-core
-# CPU a loss of 8, 32 and 128 chunks took 19, 68 and 289 s to compile; on an H100's host the 125m preset
-# (64 x 1024 tokens: 128 chunks of 512 rows) took 181 s for its first step against 78 s for the 1b (16 x
-# 1024 tokens a micro-batch: 32 chunks), at every start of a run, spot restarts included. A micro-batch is
-# therefore cut into at most this many chunks, as long as one chunk's fp32 logits stay under
-# MAX_CHUNK_LOGIT_BYTES; bigger chunks are also bigger, fewer matmuls on a GPU.
-MAX_CHUNKS = 16
-MAX_CHUNK_LOGIT_BYTES = 512 * 2**20
-
-
-def rows_per_chunk(vocab_size: int, rows: int | None = None) -> int:
-    """Rows of each chunk of a loss over `rows` rows (None: the least a chunk takes) at `vocab_size`."""
-    least = max(1, CHUNK_LOGIT_BYTES // (4 * vocab_size))
-    if rows is None:
-        return least
-    most = max(least, MAX_CHUNK_LOGIT_BYTES // (4 * vocab_size))
-    return max(least, min(most, -(-rows // MAX_CHUNKS)))
 
 
 def linear_cross_entropy(

@@ -4,7 +4,8 @@
     print(estimate_training_memory(config, vocab_size=32768, gpu_bytes=80 * 10**9).report())
 
 Preflight (workloads/pretrain.py and `trainpod boot`) logs this estimate and refuses, with exit 2, a
-config whose estimate exceeds the GPU it sees, naming the knobs that lower it. What is counted, per
+config whose estimate exceeds the GPU it sees, naming the knobs that lower it; `trainpod estimate` prints it
+on a laptop, so this module imports no torch (the model's sizes are train/shape.py's arithmetic). What is counted, per
 GPU, for one rank of DDP (every rank holds everything) or of FSDP (train.parallel, train/sharding.py:
 each rank holds 1/N of the weights, gradients and optimizer states, plus the units it gathers):
 
@@ -57,7 +58,7 @@ Against torch.cuda.max_memory_allocated on an NVIDIA H100 80GB HBM3 (torch 2.11,
 rows: 128 a micro-batch at the 125m preset, 32 at the 1b), the estimate's allocated bytes land 2.0% high
 at the 125m preset (31.12 GB against 30.50; with one micro-batch a step its gradients, counted here, are
 freed before the forward) and 0.5% high at the 1b preset (47.92 GB against 47.69). The eager terms it used
-before were 24% and 25% high there. The loss now cuts a micro-batch into at most 16 chunks (train/loss.py,
+before were 24% and 25% high there. The loss now cuts a micro-batch into at most 16 chunks (train/loss_chunks.py,
 MAX_CHUNKS), which this estimate puts at 29.68 and 45.88 GB: not measured yet, nor are the 2b and 4b.
 """
 
@@ -67,12 +68,11 @@ import logging
 import math
 from dataclasses import dataclass, field
 
-import torch
-
 from trainpod.config.pretrain import PretrainConfig, TrainConfig
 from trainpod.errors import InputError
-from trainpod.train.loss import rows_per_chunk
-from trainpod.train.sharding import resolve_parallel
+from trainpod.train.loss_chunks import rows_per_chunk
+from trainpod.train.parallel import resolve_parallel
+from trainpod.train.shape import ModelShape, model_shape
 
 log = logging.getLogger(__name__)
 
@@ -82,46 +82,6 @@ FRAGMENTATION = 0.05
 BNB_BLOCK = 256  # values per absmax in bitsandbytes' blockwise 8-bit optimizer states
 BNB_MIN_8BIT_SIZE = 4096  # smaller tensors keep 32-bit states in bitsandbytes' optimizers
 EIGHT_BIT_OPTIMIZERS = ("adamw_8bit", "paged_adamw_8bit")
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What the estimate needs to know of a model: its parameter tensors and widths."""
-
-    tensor_sizes: tuple[int, ...]  # numel of each parameter tensor (tied ones once)
-    hidden: int
-    kv_hidden: int
-    mlp: int
-    layers: int
-    vocab: int
-    embedding_params: int  # input embedding + output head (once when tied)
-    heads: int = 1  # attention heads: the compiled graph saves one fp32 log-sum-exp per head and token
-
-    @property
-    def params(self) -> int:
-        return sum(self.tensor_sizes)
-
-
-def model_shape(config: PretrainConfig, vocab_size: int) -> ModelShape:
-    from transformers import LlamaForCausalLM
-
-    from trainpod.train.model import llama_config
-
-    llama = llama_config(config.model, vocab_size, config.train.seq_len)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(llama)
-    head_dim = llama.hidden_size // llama.num_attention_heads
-    embedding = {id(model.get_input_embeddings().weight), id(model.get_output_embeddings().weight)}
-    return ModelShape(
-        tensor_sizes=tuple(p.numel() for p in model.parameters()),
-        hidden=llama.hidden_size,
-        kv_hidden=llama.num_key_value_heads * head_dim,
-        mlp=llama.intermediate_size,
-        layers=llama.num_hidden_layers,
-        vocab=vocab_size,
-        embedding_params=sum(p.numel() for p in model.parameters() if id(p) in embedding),
-        heads=llama.num_attention_heads,
-    )
 
 
 @dataclass(frozen=True)
@@ -340,6 +300,8 @@ def compiled_loss_bytes(shape: ModelShape, tokens: int, bf16: bool) -> int:
 
 def visible_gpu_bytes() -> int | None:
     """Total memory of the GPU this process uses, or None without CUDA."""
+    import torch  # here, not at the top: `trainpod estimate` reads this module on a laptop without torch
+
     if not torch.cuda.is_available():
         return None
     return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory

@@ -1,5 +1,6 @@
 """The pretraining model: transformers' LlamaForCausalLM built from `ModelConfig`, randomly initialised,
-and the attention kernels both training workloads choose from."""
+and the attention kernels both training workloads choose from. Its sizes on paper (tensor sizes, FLOPs
+per token, the padded vocabulary), which `trainpod estimate` reads without torch, are train/shape.py's."""
 
 from __future__ import annotations
 
@@ -11,16 +12,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from trainpod.config.pretrain import ModelConfig
 from trainpod.errors import InputError
 
-VOCAB_MULTIPLE = 64  # embedding rows padded to a multiple of 64 keep the lm_head matmul on fast paths
 # SDPA with is_causal=True and no mask, for sequences that are neither padded nor packed (pretraining).
 # transformers builds a dense mask for "sdpa" under torch.compile (its packed-sequence check cannot
 # run while tracing), and a mask makes SDPA leave its flash kernel; a name its mask table does not
 # know makes create_causal_mask return None, and its sdpa function then passes is_causal=True.
 CAUSAL_SDPA = "sdpa_causal"
-
-
-def padded_vocab(tokenizer_vocab: int) -> int:
-    return -(-tokenizer_vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
 
 
 FLASH_ATTN_MAX_HEAD_DIM = 256  # flash-attn 2's kernels stop at 256 dimensions per head
@@ -126,17 +122,11 @@ def build_model(config: LlamaConfig, seed: int, device: torch.device | str = "cp
 
 
 def parameter_count(config: LlamaConfig) -> int:
-    """Parameters of the model `config` describes, counted on the meta device (no memory used)."""
+    """Parameters of the model `config` describes, counted on the meta device (no memory used); train/shape.py
+    gives the same count without torch."""
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     return sum(p.numel() for p in model.parameters())  # shared (tied) tensors are counted once
-
-
-def flops_per_token(config: LlamaConfig, n_params: int, seq_len: int) -> float:
-    """Training FLOPs per token: 6N for the matmuls plus attention's 12 * layers * width * seq_len (PaLM)."""
-    embedding = config.vocab_size * config.hidden_size
-    non_embedding = n_params - (0 if config.tie_word_embeddings else embedding)
-    return 6 * non_embedding + 12 * config.num_hidden_layers * config.hidden_size * seq_len
 
 
 def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:

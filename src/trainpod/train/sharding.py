@@ -3,10 +3,8 @@
     train.parallel: auto | ddp | fsdp                   (configs/pretrain/*.yaml)
     torchrun --nproc_per_node 8 -m trainpod run pretrain --config configs/pretrain/1b.yaml
 
-- `resolve_parallel`: `auto` is FSDP when there are several ranks and the model has at least
-  FSDP_AUTO_PARAMS parameters (and the optimizer can step sharded parameters), else DDP. Below that
-  DDP is as fast and simpler: a replica of a 350M model's weights, gradients and AdamW state is
-  5.6 GB, 7% of an 80 GB GPU.
+- Which of DDP and FSDP a run uses (`train.parallel: auto`) is train/parallel.py's `resolve_parallel`,
+  apart from torch so that `trainpod estimate` chooses as the trainer does without importing it.
 - `shard_model`: `fully_shard` on every decoder layer and then on the module that runs the loss
   (torchtitan's layout): each layer's weights are gathered just before it runs and freed after,
   so a rank holds 1/N of the weights, gradients and optimizer state plus one layer in full. With
@@ -33,25 +31,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainpod.config.pretrain import SHARDABLE_OPTIMIZERS, unshardable_optimizer
 from trainpod.errors import InputError
 
 log = logging.getLogger(__name__)
 
-FSDP_AUTO_PARAMS = 1_000_000_000  # 16 bytes per parameter replicated (fp32 weights, grads, AdamW) = 16 GB
 SHARDED_DIR = "model"  # the DCP folder inside a checkpoint; its `.metadata` marks a sharded checkpoint
-
-
-def resolve_parallel(requested: str, world_size: int, parameters: int, optimizer: str = "adamw") -> str:
-    """ "ddp" or "fsdp" for `train.parallel` (auto, ddp, fsdp) with this many ranks and parameters and
-    `train.optimizer`: auto replicates for an optimizer that cannot step sharded parameters, and an
-    explicit fsdp with one is an InputError (exit 2) before any step."""
-    shardable = optimizer in SHARDABLE_OPTIMIZERS
-    if requested == "fsdp" and not shardable:
-        raise InputError(unshardable_optimizer(optimizer))
-    if requested != "auto":
-        return requested
-    return "fsdp" if world_size > 1 and parameters >= FSDP_AUTO_PARAMS and shardable else "ddp"
 
 
 def device_mesh(device: torch.device) -> Any:

@@ -56,6 +56,7 @@ from trainpod.train.loss import (
 from trainpod.train.memory import checkpoint_bytes
 from trainpod.train.model import autocast_dtype, resolve_attention
 from trainpod.train.optim import build_optimizer, decay_groups, in_groups_of
+from trainpod.train.parallel import resolve_parallel
 from trainpod.train.reporting import RunReporter
 from trainpod.train.schedule import cosine_with_warmup
 from trainpod.train.sharding import (
@@ -69,7 +70,6 @@ from trainpod.train.sharding import (
     load_sharded_weights,
     local_value,
     require_process_group,
-    resolve_parallel,
     shard_model,
     sharded_state,
 )

@@ -36,19 +36,19 @@ from trainpod.train.batches import (
 )
 from trainpod.train.export import DTYPES, export_hf
 from trainpod.train.loss import CausalLMLoss
-from trainpod.train.memory import check_fits, checkpoint_bytes, model_shape
+from trainpod.train.memory import check_fits, checkpoint_bytes
 from trainpod.train.model import (
     autocast_dtype,
     build_model,
     causal_fast_path,
-    flops_per_token,
     llama_config,
-    padded_vocab,
     parameter_count,
     resolve_attention,
 )
 from trainpod.train.optim import build_optimizer, decay_groups
+from trainpod.train.parallel import resolve_parallel
 from trainpod.train.schedule import cosine_with_warmup
+from trainpod.train.shape import flops_per_token, model_shape, padded_vocab
 from trainpod.train.sharding import (
     decoder_layers,
     gathered_copy,
@@ -59,7 +59,6 @@ from trainpod.train.sharding import (
     load_sharded_weights,
     local_value,
     require_process_group,
-    resolve_parallel,
     shard_model,
     sharded_state,
 )
@@ -138,7 +137,7 @@ class Pretrainer(Trainer):
         self._checkpoint_bytes = checkpoint_bytes(
             tuple(p.numel() for p in self.model.parameters()), t.optimizer
         )
-        self.flops_per_token = flops_per_token(self.model_config, self.n_params, t.seq_len)
+        self.flops_per_token = flops_per_token(model_shape(self.cfg, vocab), t.seq_len)
         self.parallel = resolve_parallel(t.parallel, self.dist.world_size, self.n_params, t.optimizer)
         # The module a step runs: the model and its chunked loss (train/loss.py) as one, so that DDP, FSDP
         # and torch.compile each wrap both; `loss_module(inputs, targets)` is the mean loss.

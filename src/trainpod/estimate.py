@@ -178,11 +178,7 @@ def size_pretrain(config: PretrainConfig, gpu_count: int, volume: Volume | None)
     n = shape.params
     tokens = t.max_steps * t.tokens_per_step_per_rank * gpu_count
     per_token = flops_per_token(shape, t.seq_len) * (4 / 3 if t.gradient_checkpointing else 1)
-    memory = preflight_memory(config, shape.vocab, gpu_count) or simple_training_memory(
-        weights=4 * n, trainable=n, optimizer_bytes_per_param=8, layers=config.model.num_layers,
-        width=config.model.hidden_size, vocab=shape.vocab, rows=t.micro_batch_size,
-        seq_len=t.seq_len, recompute=t.gradient_checkpointing,
-    )  # fmt: skip
+    memory = preflight_memory(config, shape.vocab, gpu_count)
     recompute = 4 / 3 if t.gradient_checkpointing else 1.0
     checkpoint = checkpoint_bytes(shape.tensor_sizes, t.optimizer)
     return Sizing(
@@ -267,13 +263,10 @@ def _dataset_cutoff(name: str, volume: Volume | None, notes: list[str]) -> int:
     return int(manifest["settings"]["cutoff_len"])
 
 
-def preflight_memory(config: PretrainConfig, vocab: int, world_size: int) -> dict[str, float] | None:
-    """Pretraining's preflight estimate (train/memory.py's estimate_training_memory, by the `loss` work)
-    where this tree has it; None before it lands, and simple_training_memory stands in."""
-    try:
-        from trainpod.train.memory import estimate_training_memory
-    except ImportError:
-        return None
+def preflight_memory(config: PretrainConfig, vocab: int, world_size: int) -> dict[str, float]:
+    """Pretraining's memory per GPU as its preflight estimates it (train/memory.py), by part."""
+    from trainpod.train.memory import estimate_training_memory
+
     estimate = estimate_training_memory(config, vocab, world_size=world_size)
     return {part: float(size) for part, size in estimate.parts.items()}
 
@@ -292,7 +285,7 @@ def simple_training_memory(
 ) -> dict[str, float]:
     """GPU bytes: weights + fp32 gradients + optimizer moments + activations + logits + CUDA context.
 
-    The simple estimate: finetuning's, and pretraining's until train/memory.py (preflight_memory) lands.
+    The simple estimate, finetuning's (pretraining has its preflight's, preflight_memory).
     Activations: 34 bytes x tokens x width per layer in bf16 with fused attention (Korthikanti et al.
     2022); with recomputation only each layer's input (2 bytes) stays, plus one layer's worth.
     """

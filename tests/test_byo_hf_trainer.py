@@ -374,6 +374,28 @@ def test_hfs_own_resume_idiom_never_finds_a_checkpoint_a_kill_left_half_written_
         callback.ckpt.close()
 
 
+def test_a_checkpoint_of_the_users_own_in_an_output_dir_other_than_staging_is_never_deleted(tmp_path):
+    """A script that kept its own output_dir (holding an earlier run's checkpoint-1000/, the one it resumes from)
+    had that folder deleted when training began, logged as a save a kill had interrupted."""
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    from trainpod import Checkpointer
+    from trainpod.integrations.hf import TrainpodCallback
+
+    users_own = tmp_path / "out/checkpoint-1000"
+    users_own.mkdir(parents=True)
+    (users_own / "model.safetensors").write_bytes(b"weights of an earlier run")
+    callback = TrainpodCallback(Checkpointer(tmp_path / "run", watch_signals=False))
+    try:
+        args = TrainingArguments(output_dir=str(tmp_path / "out"), report_to=[], use_cpu=True)
+        callback.on_train_begin(args, TrainerState(), TrainerControl())
+    finally:
+        callback.ckpt.close()
+    assert (users_own / "model.safetensors").read_bytes() == b"weights of an earlier run", (
+        "a folder outside the kit's staging is the user's: leave it"
+    )
+
+
 def test_a_trainer_that_did_not_resume_from_the_newest_commit_is_refused_before_its_first_step(tmp_path):
     """A script that resumes the HF way (get_last_checkpoint(output_dir): None, since every checkpoint is moved
     into the store) trained from step 0 at every start: each spot stop lost everything since the first."""

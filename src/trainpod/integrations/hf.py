@@ -13,7 +13,8 @@ Here HF writes into a staging folder; once `on_save` says the folder is complete
 moved into the store's temp folder, hashed, given a manifest, renamed and named by LATEST, through
 the same commit path as every trainpod checkpoint. `resume_from_checkpoint()` returns the newest
 checkpoint that verifies (older ones are tried in turn) or None; anything left in staging is
-discarded (also when the callback is made, before HF's own get_last_checkpoint could find it). A Trainer
+discarded (also when the callback is made, before HF's own get_last_checkpoint could find it); an output_dir
+other than staging is the user's, and its checkpoint-<N>/ folders are never deleted. A Trainer
 that starts below the newest committed step (it resumed from elsewhere, or not at all) is refused before
 its first step. On SIGTERM the step in flight ends, a save is made when the last one's duration (x 1.5;
 HF's save and the commit, not an eval HF ran before it) fits the window, and the process exits 143 (a SIGTERM during a save: right after its commit).
@@ -92,14 +93,18 @@ class TrainpodCallback(TrainerCallback):
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **_: Any):
         if Path(args.output_dir).resolve() != Path(self.staging_dir).resolve():
+            # Not the kit's folder: a checkpoint-<N>/ there may be the user's own (an earlier run's, the one this
+            # run resumed from), not a save a kill interrupted, so it is left alone; HF writes a step's folder
+            # anew when it saves that step.
             log.warning(
                 "TrainingArguments.output_dir is %s, not callback.staging_dir (%s): checkpoints are copied "
-                "into the store instead of moved when it is on another filesystem",
+                "into the store instead of moved when it is on another filesystem, and checkpoint-* folders "
+                "already there are left as they are",
                 args.output_dir,
                 self.staging_dir,
             )
-        if state.is_world_process_zero:
-            self._discard_staging(Path(args.output_dir))
+        elif state.is_world_process_zero:
+            self._discard_staging()
         newest = step_of(self.ckpt.store._latest_name())
         if newest is not None and state.global_step < newest:
             raise ConfigError(

@@ -382,3 +382,30 @@ def test_a_commit_beside_a_live_writer_of_the_run_is_exit_75_and_commits_nothing
     finally:
         lease.release()
     assert (run / "checkpoints" / "LATEST").read_text().strip() == "step-3"
+
+
+@pytest.mark.parametrize("action", ["commit", "latest"])
+def test_the_checkpoints_folder_given_for_the_run_is_exit_2_naming_the_run_folder(
+    tmp_path, capsys, monkeypatch, action
+):
+    """`trainpod checkpoint latest "$TRAINPOD_CHECKPOINT_DIR"` (the variable beside TRAINPOD_RUN_DIR) made a store
+    of its own in checkpoints/checkpoints/: `latest` printed nothing, so the trainer started from scratch, and its
+    commits landed where no start of the kit, `trainpod status` or `pull` looks."""
+    run = tmp_path / "run"
+    assert main(["checkpoint", "commit", str(run), "--step", "4", str(written(tmp_path))]) == 0
+    capsys.readouterr()
+    source = written(tmp_path, "next")
+    extra = ["--step", "5", str(source)] if action == "commit" else []
+    monkeypatch.delenv("TRAINPOD_CHECKPOINT_DIR", raising=False)
+    assert main(["checkpoint", action, str(run / "checkpoints"), *extra]) == 2, "a folder holding LATEST"
+    assert f'"$TRAINPOD_RUN_DIR" ({run})' in capsys.readouterr().err
+    empty = tmp_path / "fresh/checkpoints"
+    empty.mkdir(parents=True)
+    monkeypatch.setenv("TRAINPOD_CHECKPOINT_DIR", str(empty))
+    assert main(["checkpoint", action, str(empty), *extra]) == 2, (
+        "the variable's folder, no checkpoint in it yet"
+    )
+    assert "it is $TRAINPOD_CHECKPOINT_DIR" in capsys.readouterr().err
+    assert not (run / "checkpoints/checkpoints").exists() and not (empty / "checkpoints").exists()
+    assert (source / "weights.bin").exists(), "nothing was committed"
+    assert (run / "checkpoints/LATEST").read_text() == "step-4\n"

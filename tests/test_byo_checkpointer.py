@@ -688,3 +688,15 @@ def test_a_first_commit_on_a_full_volume_exits_5_naming_the_step_not_a_crash(tmp
         ckpt.commit(1, weights={"w": torch.zeros(2)})
     assert exited.value.code == 5
     assert not (tmp_path / "run/LEASE").exists(), "released"
+
+
+def test_a_checkpointer_given_the_checkpoints_folder_for_its_run_is_exit_2(tmp_path, monkeypatch):
+    """Checkpointer(os.environ["TRAINPOD_CHECKPOINT_DIR"]) restored nothing from checkpoints/checkpoints/ and
+    committed there, where no start of the kit, `trainpod status` or `pull` looks."""
+    folder = tmp_path / "run/checkpoints"
+    folder.mkdir(parents=True)
+    monkeypatch.setenv("TRAINPOD_CHECKPOINT_DIR", str(folder))
+    with pytest.raises(InputError, match=r"TRAINPOD_CHECKPOINT_DIR.*TRAINPOD_RUN_DIR") as refused:
+        Checkpointer(folder, watch_signals=False)
+    assert refused.value.exit_code == 2
+    assert not (folder / "checkpoints").exists()

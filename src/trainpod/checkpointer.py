@@ -50,7 +50,11 @@ import torch
 
 import trainpod
 from trainpod.checkpoint import CheckpointStore, CommittedCheckpoint, Lease
-from trainpod.checkpoint.directory import refuse_older_step, whole_step
+from trainpod.checkpoint.directory import (
+    refuse_a_checkpoints_folder_for_a_run,
+    refuse_older_step,
+    whole_step,
+)
 from trainpod.checkpoint.lease import read_lease
 from trainpod.checkpoint.rank_rng import RankRng
 from trainpod.checkpoint.writer import CheckpointWriter
@@ -171,6 +175,8 @@ class Checkpointer:
         watch_signals: bool = True,
     ):
         self.run_dir = Path(run_dir) if run_dir is not None else run_dir_from_env()
+        if run_dir is not None:  # $TRAINPOD_CHECKPOINT_DIR given for it: a store in checkpoints/checkpoints/
+            refuse_a_checkpoints_folder_for_a_run(self.run_dir, "Checkpointer(run_dir=...)")
         root = os.environ.get("TRAINPOD_CHECKPOINT_DIR") if run_dir is None else None
         kept = keep_last if keep_last is not None else _env_int("TRAINPOD_KEEP_LAST", 2)
         if kept < 2:  # as the workloads' checkpoint.keep_last and `trainpod checkpoint commit` refuse it

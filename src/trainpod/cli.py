@@ -828,10 +828,12 @@ def _keep_last(flag: int | None) -> int:
 
 def _run_folder(run_name: str, vol: Volume) -> Path:
     """RUN of `trainpod checkpoint`: a run folder's path, else a run name under the volume's runs/."""
+    from trainpod.checkpoint.directory import refuse_a_checkpoints_folder_for_a_run
     from trainpod.errors import InputError
     from trainpod.volume import is_run_name
 
     if "/" in run_name or run_name in (".", ".."):
+        refuse_a_checkpoints_folder_for_a_run(Path(run_name), "RUN")
         return Path(run_name)
     if not is_run_name(run_name):  # '' would be runs/ itself, whose checkpoints/ is no run's
         raise InputError(

@@ -14,6 +14,7 @@ import fcntl
 import hashlib
 import logging
 import numbers
+import os
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -27,6 +28,7 @@ from trainpod.checkpoint.store import (
     CheckpointStore,
     CommittedCheckpoint,
     step_dir_name,
+    step_of,
 )
 from trainpod.errors import InputError
 
@@ -138,6 +140,32 @@ def refuse_the_stores_own_folder(store: CheckpointStore, source: Path) -> None:
     raise InputError(
         f"cannot commit {source} as a checkpoint: {problem}. Write the checkpoint to a folder of its own, "
         "like $TRAINPOD_RUN_DIR/scratch/step-<N>, and commit that"
+    )
+
+
+def refuse_a_checkpoints_folder_for_a_run(run_dir: Path, where: str) -> None:
+    """A run folder that is a run's checkpoints folder ($TRAINPOD_CHECKPOINT_DIR, where $TRAINPOD_RUN_DIR was
+    meant) made a store of its own in checkpoints/checkpoints/: `latest` found nothing there and the program
+    started from scratch, and its commits landed where no start of the kit, `trainpod status`, `pull` or the
+    crash-loop count looks. Refused (exit 2): the folder is $TRAINPOD_CHECKPOINT_DIR, or holds LATEST or a
+    step-<N>/ folder of its own."""
+    named = os.environ.get("TRAINPOD_CHECKPOINT_DIR")
+    if named and run_dir.resolve() == Path(named).resolve():
+        problem = "it is $TRAINPOD_CHECKPOINT_DIR, the run's checkpoints folder"
+    elif (run_dir / LATEST).is_file() or _holds_a_step_folder(run_dir):
+        problem = "it holds checkpoints itself (LATEST, step-<N>/): it is a run's checkpoints folder"
+    else:
+        return
+    raise InputError(
+        f"{where}={run_dir} is not a run folder: {problem}, and the checkpoints would go to "
+        f"{run_dir / 'checkpoints'}, where no start, `trainpod status` or `trainpod pull` looks. Pass the run "
+        f'folder, "$TRAINPOD_RUN_DIR" ({run_dir.parent})'
+    )
+
+
+def _holds_a_step_folder(folder: Path) -> bool:
+    return folder.is_dir() and any(
+        step_of(path.name) is not None and path.is_dir() for path in folder.iterdir()
     )
 
 

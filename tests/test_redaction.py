@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import logging
+import os
+import sys
+import time
 
 from trainpod.log import is_secret_name, redact, setup_logging
+from trainpod.program import Program
 
 
 def test_secret_values_from_the_environment_are_masked(monkeypatch):
@@ -134,3 +138,31 @@ def test_a_url_with_credentials_in_env_extra_is_refused_masked_whatever_its_name
     ]
     assert all("holds credentials" in p and "RUNPOD_SECRET_" in p for p in problems)
     assert not any("s3cretpassw0rd" in p or "dbpassw0rd" in p for p in problems), problems
+
+
+def test_a_line_with_a_long_word_is_masked_at_once_with_the_url_credentials_after_it():
+    """The URL pattern tried a scheme at every letter of a word and read to its end each time: a run of 100 kB
+    without a space (a DNA sample, a base64 image in a JSON log) took 25 s with the GIL held."""
+    word = "ACGT" * 10_000
+    started = time.monotonic()
+    text = redact(f"sample {word} from https://user:db-pass-123456@db/x and {word}://a:b@c")
+    assert time.monotonic() - started < 2, "masking is linear in the line's length"
+    assert text == f"sample {word} from https://***@db/x and {word}://***@c"
+
+
+def test_a_programs_line_of_a_hundred_kb_without_an_end_never_blocks_it(tmp_path):
+    """Its output is read (and masked) as it comes: the program printing such a line waited at its next write,
+    a minute and more, on a pod billed meanwhile."""
+    printing = (
+        "import sys\nfor _ in range(50): sys.stdout.write('x' * 2000); sys.stdout.flush()\nprint('end')"
+    )
+    program = Program([sys.executable, "-c", printing], tmp_path, dict(os.environ), tmp_path / "program.log")
+    started = time.monotonic()
+    program.start()
+    while program.poll() is None and time.monotonic() - started < 30:
+        time.sleep(0.05)
+    program.wait_for_output(5)
+    program.sweep()
+    assert time.monotonic() - started < 10, "the program and its output are done in well under a second"
+    assert program.poll() == 0
+    assert ("x" * 100_000 + "end\n") in (tmp_path / "program.log").read_text()

@@ -34,7 +34,11 @@ _SECRET_NAME = re.compile(r"(^|_)(TOKEN|KEY|SECRET|PASSWORD)$|^RUNPOD_SECRET_", 
 _NOT_SECRET_NAME = re.compile(r"PUBLIC_KEY$", re.IGNORECASE)
 # Credentials embedded in URLs (https://user:token@host/...), whatever variable they came from, and whatever
 # the scheme: a program's database or cache (postgresql://user:password@host, redis://:password@host).
-_URL_CREDENTIALS = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)(?:[^/\s:@]+(?::[^/\s@]*)?|:[^/\s@]+)@")
+# Found from its "://" (a scheme's last character before it): a pattern that began with the scheme tried it at
+# every letter of a long word and read on to the word's end each time, quadratic: a line holding a run of 100 kB
+# without a space (a DNA sample, base64) took 25 s, with the GIL held (the lease's heartbeat waited), and the
+# program that printed it blocked at its next write meanwhile.
+_URL_CREDENTIALS = re.compile(r"(?<=[A-Za-z0-9+.-])(://)(?:[^/\s:@]+(?::[^/\s@]*)?|:[^/\s@]+)@")
 _MIN_SECRET_LENGTH = 6  # shorter values would mask ordinary words
 # Set by `trainpod deploy` in the pod's env: the deploy config's `secrets` whose names is_secret_name does not know.
 SECRET_NAMES_ENV = "TRAINPOD_SECRET_NAMES"

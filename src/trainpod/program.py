@@ -34,7 +34,6 @@ log = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None  # loaded before any fork
-_LINE_END = re.compile(rb"[\r\n]")
 PROGRAM_ID_ENV = "TRAINPOD_PROGRAM_ID"  # in the program's environment, inherited by all it starts
 STAND_DOWN = b"done"
 LAST_LINES_KEPT = 20  # torchrun's summary of a failed worker, after the worker's own last line, is about 15
@@ -202,13 +201,20 @@ class Program:
             pump.join(timeout=max(deadline - time.monotonic(), 0.0))
 
     def _pump(self, pipe: BinaryIO, console: TextIO) -> None:
-        """Copy the program's output line by line ('\\r' ends a progress bar's line too), masked."""
-        pending = b""
+        """Copy the program's output line by line ('\\r' ends a progress bar's line too), masked: a secret is
+        masked in a whole line, never in pieces of one. Each chunk is looked at once: the unfinished line was
+        copied and searched whole at every chunk, so a program writing a line of some MB without its end (a
+        JSON dump, a row of dots) was read slower and slower and blocked at its next write, for minutes."""
+        pending = bytearray()  # the unfinished line
         for chunk in iter(lambda: os.read(pipe.fileno(), 65536), b""):
-            pending += chunk
-            *lines, pending = _split_keeping_ends(pending)
-            self._emit(b"".join(lines), console)
-        self._emit(pending, console)
+            end = max(chunk.rfind(b"\n"), chunk.rfind(b"\r")) + 1  # after its last line end; 0: none
+            if not end:
+                pending += chunk
+                continue
+            pending += chunk[:end]
+            self._emit(bytes(pending), console)
+            pending = bytearray(chunk[end:])
+        self._emit(bytes(pending), console)
 
     def _emit(self, data: bytes, console: TextIO) -> None:
         if not data:
@@ -240,13 +246,3 @@ class Program:
                 self._log_failing = True
                 return
             self._log_failing = False
-
-
-def _split_keeping_ends(data: bytes) -> list[bytes]:
-    """b'a\\nb\\rc' -> [b'a\\n', b'b\\r', b'c']: complete lines, then the unfinished rest."""
-    parts, start = [], 0
-    for match in _LINE_END.finditer(data):
-        parts.append(data[start : match.end()])
-        start = match.end()
-    parts.append(data[start:])
-    return parts

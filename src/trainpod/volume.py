@@ -11,7 +11,9 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from trainpod import atomic
 from trainpod.errors import ConfigError, InputError
 
 DEFAULT_VOLUME = "/workspace"
@@ -140,3 +142,17 @@ class RunDir:
     def create(self) -> None:
         for path in (self.root, self.checkpoints, self.export, self.logs, self.tensorboard):
             path.mkdir(parents=True, exist_ok=True)
+
+
+def read_cache_pin(pin: Path) -> dict[str, Any]:
+    """A run's data pin (SFT_DATA_PIN, VLM_DATA_PIN): {"settings_key": ..., "key": <the cache folder's name>},
+    or {} where there is none or it cannot be read (the start then prepares its data and pins it anew)."""
+    try:
+        pinned = atomic.read_json(pin)
+    except (OSError, ValueError):
+        return {}
+    return pinned if isinstance(pinned, dict) else {}
+
+
+def write_cache_pin(pin: Path, settings_key: str, key: str) -> None:
+    atomic.write_json(pin, {"settings_key": settings_key, "key": key})

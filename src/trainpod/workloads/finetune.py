@@ -76,7 +76,7 @@ from trainpod.train.sharding import (
 from trainpod.train.state import load_optimizer_state
 from trainpod.train.tracking import WandbTracker, check_wandb_installed, wandb_wanted
 from trainpod.train.trainer import EvalInterrupted, StepResult, Trainer, train_and_export
-from trainpod.volume import SFT_DATA_PIN
+from trainpod.volume import SFT_DATA_PIN, read_cache_pin, write_cache_pin
 
 log = logging.getLogger(__name__)
 
@@ -258,18 +258,13 @@ class Finetuner(Trainer):
         sft, volume = self.cfg.data.sft, self.ctx.volume
         pin = self.ctx.run.root / SFT_DATA_PIN
         settings_key = sft_key(sft, self.base_dir)
-        try:
-            pinned = atomic.read_json(pin)
-        except (OSError, ValueError):
-            pinned = None
-        if isinstance(pinned, dict) and pinned.get("settings_key") == settings_key:
+        pinned = read_cache_pin(pin)
+        if pinned.get("settings_key") == settings_key:
             folder = volume.cache() / "sft" / str(pinned.get("key"))
             if read_manifest(folder) is not None:
                 log.info("SFT data: %s, tokenized at this run's first start (%s)", folder, pin.name)
                 return folder
-        if isinstance(pinned, dict) and pinned.get("settings_key") == sft_key(
-            sft, self.base_dir, encoding=None
-        ):
+        if pinned.get("settings_key") == sft_key(sft, self.base_dir, encoding=None):
             folder = volume.cache() / "sft" / str(pinned.get("key"))
             if read_manifest(folder) is not None and self.store.committed():
                 # Its steps so far trained on these samples in this order; others (a newline token more here and
@@ -284,7 +279,7 @@ class Finetuner(Trainer):
         folder = volume.cache() / "sft" / sft_cache_key(sft, self.base_dir, volume.root)
         prepare_sft(sft, self.base_dir, folder, volume.root, self.ctx.watch)
         if self.dist.is_main:
-            atomic.write_json(pin, {"settings_key": settings_key, "key": folder.name})
+            write_cache_pin(pin, settings_key, folder.name)
         return folder
 
     @property

@@ -27,7 +27,6 @@ from typing import Any
 
 import torch
 
-from trainpod import atomic
 from trainpod.config.finetune_vlm import VlmFinetuneConfig
 from trainpod.context import RunContext
 from trainpod.errors import InputError
@@ -44,7 +43,7 @@ from trainpod.sft.vision import (
 from trainpod.train.base_model import load_4bit, load_model, resolve_base_model
 from trainpod.train.generation_eval import Prompt
 from trainpod.train.trainer import train_and_export
-from trainpod.volume import VLM_DATA_PIN
+from trainpod.volume import VLM_DATA_PIN, read_cache_pin, write_cache_pin
 from trainpod.workloads.finetune import MODEL_INPUTS, Finetuner, answer_span
 
 log = logging.getLogger(__name__)
@@ -126,11 +125,8 @@ class VlmFinetuner(Finetuner):
         data_cfg, volume = self.cfg.data, self.ctx.volume
         pin = self.ctx.run.root / VLM_DATA_PIN
         settings_key = vision_settings_key(data_cfg, self.processor, self.base_dir, volume.root)
-        try:
-            pinned = atomic.read_json(pin)
-        except (OSError, ValueError):
-            pinned = None
-        if isinstance(pinned, dict) and pinned.get("settings_key") == settings_key:
+        pinned = read_cache_pin(pin)
+        if pinned.get("settings_key") == settings_key:
             folder = volume.cache() / "vlm" / str(pinned.get("key"))
             if is_complete(folder):
                 log.info("VLM data: %s, prepared at this run's first start (%s)", folder, pin.name)
@@ -138,7 +134,7 @@ class VlmFinetuner(Finetuner):
         folder = volume.cache() / "vlm" / vision_key(data_cfg, self.processor, self.base_dir, volume.root)
         prepare_vision(data_cfg, self.processor, self.base_dir, folder, volume.root, self.ctx.watch)
         if self.dist.is_main:
-            atomic.write_json(pin, {"settings_key": settings_key, "key": folder.name})
+            write_cache_pin(pin, settings_key, folder.name)
         return folder
 
     @property

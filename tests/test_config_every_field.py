@@ -38,6 +38,8 @@ BASE_CONFIGS = {
 WRONG_TYPE = {"wrong": "type"}  # a mapping where a number, text, choice or list belongs
 WRONG_TYPE_FOR_A_MAPPING = ["wrong", "type"]  # a list where a mapping belongs (env, params, kinds)
 ITEM = re.compile(r"^(?P<name>\w+)(?:\[(?P<tag>[^\]]*)\])?$")
+# What a section added by its tag needs besides the tag to be valid (a hub task names what it pushes, and where).
+REQUIRED_OF_ADDED = {"hub": {"source": "merged", "repo_id": "someone/tiny-ft"}}
 
 
 def leaf_fields() -> list[tuple[str, str, str]]:
@@ -84,7 +86,7 @@ def set_in_tree(tree: dict, path: str, value: object) -> str:
             key, _, kind = tag.partition("=")
             index = next((i for i, item in enumerate(items) if item.get(key) == kind), None)
             if index is None:
-                items.append({key: kind})
+                items.append({key: kind} | REQUIRED_OF_ADDED.get(kind, {}))
                 index = len(items) - 1
             tag_itself = depth == len(parts) - 2 and parts[-1] == key
             dotted += [name, str(index)] if tag_itself else [name, str(index), kind]

@@ -2,7 +2,7 @@
 
 $TRAINPOD_VOLUME/
   datasets/<name>/   tokenizers/<name>/   repos/<name>@<ref>/   cache/
-  runs/<run>/config.yaml checkpoints/ export/ logs/ tensorboard/ loss.png status.json DONE LEASE
+  runs/<run>/config.yaml checkpoints/ export/ hub/ logs/ tensorboard/ loss.png status.json DONE LEASE
 """
 
 from __future__ import annotations
@@ -109,6 +109,11 @@ class RunDir:
     @property
     def export(self) -> Path:
         return self.root / "export"
+
+    @property
+    def hub(self) -> Path:
+        """Records of the export folders convert's hub tasks pushed to the Hugging Face Hub (convert/hub.py)."""
+        return self.root / "hub"
 
     @property
     def logs(self) -> Path:

@@ -1,5 +1,6 @@
 """The convert workload's config: a finetune's adapter to MLX or merged into its base, a pretrain
-checkpoint to an HF model. Outputs go to $TRAINPOD_VOLUME/runs/<name>/export/<output>/.
+checkpoint to an HF model, an export folder pushed to the Hugging Face Hub. Outputs go to
+$TRAINPOD_VOLUME/runs/<name>/export/<output>/.
 
     TRAINPOD_CONFIG=configs/convert/tiny.yaml TRAINPOD_VOLUME=/tmp/vol trainpod run convert
 
@@ -9,6 +10,9 @@ checkpoint to an HF model. Outputs go to $TRAINPOD_VOLUME/runs/<name>/export/<ou
       - kind: mlx
       - kind: merge
         dtype: float32
+      - kind: hub                     # needs HF_TOKEN with write access to the repo
+        source: merged
+        repo_id: someone/tiny-ft
 """
 
 from __future__ import annotations
@@ -26,6 +30,13 @@ DTYPE_CHOICES = Literal["auto", "float32", "bfloat16", "float16"]
 SHARD_SIZE_PATTERN = r"^\d+(\.\d+)?\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)$"
 _SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _SIZE_UNITS |= {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+# A Hub model repo, owner included: the Hub's own rule (huggingface_hub's validate_repo_id: word characters,
+# '-' and '.', no '--' or '..', at most 96 characters), with the owner required, since a repo without one
+# lands in whichever account the token belongs to.
+REPO_ID_PATTERN = r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$"
+REPO_ID_MAX_CHARS = 96
+# A branch name: git's ref characters, '/'-separated parts, none of them '.' or '..'.
+REVISION_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9._-]*(/[A-Za-z0-9_][A-Za-z0-9._-]*)*$"
 
 
 def shard_size_bytes(size: str) -> int:
@@ -113,7 +124,43 @@ class ExportTask(Section):
         return step
 
 
-Task = Annotated[MlxTask | MergeTask | ExportTask, Field(discriminator="kind")]
+class HubTask(Section):
+    """An export folder pushed to a Hugging Face Hub model repo in one commit (convert/hub.py)."""
+
+    kind: Literal["hub"] = Field(description="'hub': push an export folder to the Hugging Face Hub.")
+    source: str = Field(
+        pattern=NAME_PATTERN,
+        description="The folder under runs/<name>/export/ to push (merged, mlx, adapter, hf, hf-step-<N>): "
+        "one with the manifest.json the kit wrote, made by an earlier task of this config or by an earlier run.",
+    )
+    repo_id: str = Field(
+        pattern=REPO_ID_PATTERN,
+        max_length=REPO_ID_MAX_CHARS,
+        description="The Hub model repo, as 'owner/name'; created when missing (HF_TOKEN needs write access).",
+    )
+    private: bool = Field(
+        True,
+        description="Create the repo private (the default, so that weights are not published by accident); "
+        "a repo that exists keeps its visibility.",
+    )
+    revision: str = Field(
+        "main",
+        pattern=REVISION_PATTERN,
+        max_length=200,
+        description="The branch to commit to; created from main when missing.",
+    )
+
+    @field_validator("repo_id")
+    @classmethod
+    def _repo_id_as_the_hub_takes_it(cls, repo_id: str) -> str:
+        if "--" in repo_id or ".." in repo_id or repo_id.endswith((".git", ".")):
+            raise ValueError(
+                "a Hub repo id has no '--' or '..' and does not end in '.' or '.git'; like 'someone/tiny-ft'"
+            )
+        return repo_id
+
+
+Task = Annotated[MlxTask | MergeTask | ExportTask | HubTask, Field(discriminator="kind")]
 
 
 class ConvertConfig(Section):
@@ -136,7 +183,7 @@ class ConvertConfig(Section):
     )
     task: list[Task] = Field(
         min_length=1,
-        description="What to make: one task or a list, each with kind mlx, merge or export "
+        description="What to make, in order: one task or a list, each with kind mlx, merge, export or hub "
         "(a bare kind like 'mlx' is short for {kind: mlx}).",
     )
 
@@ -154,6 +201,20 @@ class ConvertConfig(Section):
         if repeated:
             raise ValueError(
                 f"two tasks write the same output folder {repeated}; give each task its own 'output'"
+            )
+        return tasks
+
+    @field_validator("task")
+    @classmethod
+    def _pushes_distinct(cls, tasks: list[Any]) -> list[Any]:
+        targets = [(t.repo_id, t.revision) for t in tasks if isinstance(t, HubTask)]
+        repeated = sorted(
+            {f"{repo}@{revision}" for repo, revision in targets if targets.count((repo, revision)) > 1}
+        )
+        if repeated:
+            raise ValueError(
+                f"two hub tasks push to the same repo and branch {repeated}, the second replacing the first; "
+                "give each its own repo_id or revision"
             )
         return tasks
 

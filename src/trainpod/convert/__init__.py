@@ -1,5 +1,6 @@
 """`trainpod run convert`: a finetune's PEFT adapter to an mlx-lm adapter or merged into its base model,
-and pretrain checkpoints to HF models; outputs in runs/<name>/export/<output>/.
+and pretrain checkpoints to HF models; outputs in runs/<name>/export/<output>/, pushed to the Hugging
+Face Hub by `hub` tasks (convert/hub.py).
 
     TRAINPOD_CONFIG=configs/convert/tiny.yaml TRAINPOD_VOLUME=/tmp/vol trainpod run convert
 
@@ -17,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainpod.config.convert import ConvertConfig, ExportTask, MergeTask, MlxTask, Task
+from trainpod.config.convert import ConvertConfig, ExportTask, HubTask, MergeTask, MlxTask, Task
 from trainpod.convert import adapter as peft_adapter
-from trainpod.convert import export, inputs, merge, mlx, output
+from trainpod.convert import export, hub, inputs, merge, mlx, output
 from trainpod.errors import InputError, Preempted
 from trainpod.preemption import PreemptionWatch, WorkAbandoned
 from trainpod.volume import Volume
@@ -114,7 +115,7 @@ class Output:
 class ConvertPlan:
     """Every task's output, its inputs resolved and checked: what `make` writes."""
 
-    outputs: list[Output]
+    outputs: list[Output | hub.HubPush]
 
     def make(self, watch: PreemptionWatch) -> list[Path]:
         """Check the inputs of every output not finished yet, all before the first is written (a corrupt
@@ -131,7 +132,7 @@ class ConvertPlan:
                     continue
                 if watch.requested:
                     raise WorkAbandoned(watch.signal_name)
-                done.append(_produce(item, watch))
+                done.append(item.push(watch) if isinstance(item, hub.HubPush) else _produce(item, watch))
         except WorkAbandoned:
             # A stop in the middle of a task ends it at once (PreemptionWatch.abandoning): run on, a merge of
             # a large model met the SIGKILL with the run's lease held, which a new pod then waited out.
@@ -165,15 +166,46 @@ def plan_convert(config: ConvertConfig, volume: Volume) -> ConvertPlan:
                     f"the adapter {sources.adapter.folder} cannot be merged into its base:\n  - "
                     + "\n  - ".join(problems)
                 )
-    outputs: list[Output] = []
-    for task in config.task:
+    outputs: list[Output | hub.HubPush] = []
+    for number, task in enumerate(config.task, start=1):
         if isinstance(task, MlxTask):
             outputs.append(_mlx(task, sources, export_root))
         elif isinstance(task, MergeTask):
             outputs.append(_merge(task, sources, export_root))
+        elif isinstance(task, HubTask):
+            outputs.append(_push(task, number, outputs, config, volume))
         else:
             outputs.append(_export(task, config.name, volume, export_root))
+    _refuse_pushes_before_their_source(outputs)
     return ConvertPlan(_one_output_per_folder(outputs))
+
+
+def _push(
+    task: HubTask, number: int, earlier: list[Output | hub.HubPush], config: ConvertConfig, volume: Volume
+) -> hub.HubPush:
+    export_root = volume.run(config.name).export
+    makers = [
+        item for item in earlier if isinstance(item, Output) and item.target == export_root / task.source
+    ]
+    made_by = makers[0].task.kind if makers else None
+    return hub.plan_push(task, number, export_root, volume.run(config.name).hub, config.name, made_by)
+
+
+def _refuse_pushes_before_their_source(outputs: list[Output | hub.HubPush]) -> None:
+    """A hub task before the task that makes its source would push the folder that task then replaces."""
+    for number, item in enumerate(outputs, start=1):
+        if not isinstance(item, hub.HubPush):
+            continue
+        later = [
+            n
+            for n, o in enumerate(outputs, start=1)
+            if n > number and isinstance(o, Output) and o.target == item.source
+        ]
+        if later:
+            raise InputError(
+                f"task {number} (hub) pushes {item.source}, which task {later[0]} ({outputs[later[0] - 1].task.kind}) "
+                "makes after it; put the hub task after that one"
+            )
 
 
 def _one_output_per_folder(outputs: list[Output]) -> list[Output]:

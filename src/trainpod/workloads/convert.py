@@ -1,4 +1,5 @@
-"""`trainpod run convert`: adapters to MLX or merged into their base, checkpoints to HF models.
+"""`trainpod run convert`: adapters to MLX or merged into their base, checkpoints to HF models, export
+folders pushed to the Hugging Face Hub.
 
     TRAINPOD_CONFIG=configs/convert/tiny.yaml TRAINPOD_VOLUME=/tmp/vol trainpod run convert
 

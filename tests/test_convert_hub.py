@@ -315,3 +315,28 @@ def test_a_push_before_the_task_that_makes_its_source_is_exit_2(
     with pytest.raises(InputError, match=r"task 2 \(merge\) makes after it"):
         run_convert(config, Volume(volume), PreemptionWatch())
     assert hub.requests == []
+
+
+def test_hf_xets_refusal_of_the_token_is_exit_2_naming_hf_token_and_its_network_errors_exit_75() -> None:
+    """The image uploads to the real Hub through hf_xet, whose errors no fake serves: its own classes, mapped."""
+    import hf_xet
+
+    from trainpod.convert.hub import hub_error
+
+    task = hub_config(repo_id=REPO).task[0]
+    try:
+        try:
+            raise hf_xet.XetAuthenticationError("token refused")
+        except hf_xet.XetAuthenticationError as exc:
+            raise RuntimeError("Error while uploading 'model.safetensors' to the Hub.") from exc
+    except RuntimeError as wrapped:
+        refused = hub_error(wrapped, task, 2)
+    assert (
+        isinstance(refused, InputError)
+        and "refused HF_TOKEN" in str(refused)
+        and "task 2 (hub)" in str(refused)
+    )
+    assert isinstance(hub_error(ConnectionResetError(104, "reset"), task, 2), TemporaryError)
+    assert hub_error(ValueError("a bug"), task, 2) is None, (
+        "a failure neither the Hub's nor the network's is a crash"
+    )

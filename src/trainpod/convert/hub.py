@@ -244,7 +244,9 @@ def hub_error(exc: BaseException, task: HubTask, number: int) -> TrainpodError |
     """The exit the failed push `exc` means: a refused token exit 2, the network or a Hub outage 75; None for
     a failure that is neither.
 
-    huggingface_hub wraps an LFS upload's failure in a RuntimeError; the cause chain holds the HTTP error."""
+    huggingface_hub wraps an LFS upload's failure in a RuntimeError; the cause chain holds the HTTP error.
+    hf_xet (the image's upload path to the real Hub) raises XetAuthenticationError, a PermissionError, for a
+    token its storage refuses, and ConnectionError or TimeoutError for the network."""
     from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
 
     where = f"task {number} (hub): pushing to {task.repo_id}@{task.revision}"
@@ -252,19 +254,25 @@ def hub_error(exc: BaseException, task: HubTask, number: int) -> TrainpodError |
         if isinstance(cause, HfHubHTTPError) and cause.response is not None:
             status = cause.response.status_code
             if status in (401, 403) or isinstance(cause, RepositoryNotFoundError):
-                return InputError(
-                    f"{where}: the Hub refused {TOKEN_VARIABLE} (HTTP {status}); it needs write access to "
-                    f"{task.repo_id}: give {TOKEN_VARIABLE} a token with the write role, or a fine-grained one "
-                    f"that may write to {task.repo_id.split('/')[0]}'s repos"
-                )
+                return _token_refused(where, task, f"HTTP {status}")
             if status == 429 or status >= 500:
                 return TemporaryError(f"{where}: the Hub answered HTTP {status}; the next start pushes again")
             return InputError(f"{where}: the Hub refused the push (HTTP {status}): {_first_line(cause)}")
+        if type(cause).__name__ == "XetAuthenticationError":
+            return _token_refused(where, task, "its Xet storage refused it")
         if isinstance(cause, OSError | TimeoutError) or _is_transport_error(cause):
             return TemporaryError(
                 f"{where}: the Hub could not be reached ({type(cause).__name__}); the next start pushes again"
             )
     return None
+
+
+def _token_refused(where: str, task: HubTask, how: str) -> InputError:
+    return InputError(
+        f"{where}: the Hub refused {TOKEN_VARIABLE} ({how}); it needs write access to {task.repo_id}: give "
+        f"{TOKEN_VARIABLE} a token with the write role, or a fine-grained one that may write to "
+        f"{task.repo_id.split('/')[0]}'s repos"
+    )
 
 
 def _causes(exc: BaseException) -> list[BaseException]:

@@ -280,12 +280,10 @@ def _peak_memory(config: PretrainConfig, trainer: Pretrainer) -> dict[str, Any]:
     }
 
 
-def preflight_estimate(config: PretrainConfig, trainer: Pretrainer) -> int | None:
-    """What preflight predicts for this config (train/memory.py), or None where this tree has no estimate."""
-    try:
-        from trainpod.train import memory
-    except ImportError:
-        return None
+def preflight_estimate(config: PretrainConfig, trainer: Pretrainer) -> int:
+    """What preflight predicts for this config (train/memory.py)."""
+    from trainpod.train import memory
+
     vocab = config.model.vocab_size or 32768
     estimate = memory.estimate_training_memory(config, vocab, world_size=trainer.dist.world_size)
     return estimate.allocated  # what max_memory_allocated sees: no CUDA context, no fragmentation

@@ -166,3 +166,29 @@ def test_a_programs_line_of_a_hundred_kb_without_an_end_never_blocks_it(tmp_path
     assert time.monotonic() - started < 10, "the program and its output are done in well under a second"
     assert program.poll() == 0
     assert ("x" * 100_000 + "end\n") in (tmp_path / "program.log").read_text()
+
+
+def test_a_secret_on_the_programs_command_line_is_masked_in_its_started_line(monkeypatch, tmp_path):
+    """program.log's first line, `--- started [argv]`, was written as it was: a token passed as an argument
+    (`--hub-token $HF_TOKEN`, expanded by a wrapper or the config) or a git URL's password reached the volume."""
+    monkeypatch.setenv("HF_TOKEN", "hf_onthecommandline123")
+    argv = [
+        sys.executable,
+        "-c",
+        "pass",
+        "--hub-token",
+        "hf_onthecommandline123",
+        "https://me:gitpass9876@host/r",
+    ]
+    program = Program(argv, tmp_path, dict(os.environ), tmp_path / "program.log")
+    program.start()
+    started = time.monotonic()
+    while program.poll() is None and time.monotonic() - started < 30:
+        time.sleep(0.05)
+    program.wait_for_output(5)
+    program.sweep()
+    logged = (tmp_path / "program.log").read_text()
+    assert logged.startswith("--- started ") and "'--hub-token', '***', 'https://***@host/r'" in logged, (
+        logged
+    )
+    assert "hf_onthecommandline123" not in logged and "gitpass9876" not in logged

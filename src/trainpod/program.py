@@ -127,8 +127,10 @@ class Program:
             raise
         with contextlib.suppress(OSError):  # a watchdog gone (killed by hand) must not end the kit's start
             os.write(self._watchdog_pipe, f"{self.proc.pid}\n".encode())  # the program's group
-        # Like every line after it: a failed write is said, and the program's output is still read
-        self._append_to_log(f"--- started {self.argv} in {self.workdir} (pid {self.proc.pid})\n")
+        # Like every line after it: masked (a token given on the command line, `--hub-token $HF_TOKEN` expanded,
+        # a git URL with credentials, is on the volume otherwise), and a failed write is said while the program's
+        # output is still read
+        self._append_to_log(redact(f"--- started {self.argv} in {self.workdir} (pid {self.proc.pid})\n"))
         for pipe, console in ((self.proc.stdout, sys.stdout), (self.proc.stderr, sys.stderr)):
             pump = threading.Thread(target=self._pump, args=(pipe, console), daemon=True)
             pump.start()

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
+import re
 import signal
 from collections import namedtuple
 
@@ -267,18 +269,26 @@ def test_a_cuda_model_optimizer_and_cuda_rng_round_trip_exactly(tmp_path):
     assert fresh.embed.weight.device.type == "cuda"
 
 
-def test_a_step_older_than_latest_is_refused_and_the_newer_checkpoints_stay(tmp_path):
+def refused_with_exit_2(commit, caplog) -> None:
+    """`commit()` ends the program with exit 2 and one error line (the test's process sees the SystemExit)."""
+    with caplog.at_level(logging.ERROR, logger="trainpod.checkpointer"), pytest.raises(SystemExit) as exited:
+        commit()
+    assert exited.value.code == 2, caplog.text
+    assert caplog.records[-1].getMessage() == "exiting 2", caplog.text
+
+
+def test_a_step_older_than_latest_is_exit_2_and_the_newer_checkpoints_stay(tmp_path, caplog):
     # Committed, LATEST moved backwards, and the next start deleted step-200 and step-300 as leftovers.
     model = torch.nn.Linear(2, 2)
     with Checkpointer(tmp_path, watch_signals=False) as ckpt:
         for step in (100, 200, 300):
             ckpt.commit(step, model=model)
     with Checkpointer(tmp_path, watch_signals=False) as ckpt:  # a start that forgot restore()
-        with pytest.raises(
-            InputError, match="older than the newest committed checkpoint .*step-300"
-        ) as caught:
-            ckpt.commit(10, model=model)
-        assert caught.value.exit_code == 2
+        refused_with_exit_2(lambda: ckpt.commit(10, model=model), caplog)
+    assert (
+        "step=10 is older than the newest committed checkpoint" in caplog.text and "step-300" in caplog.text
+    )
+    with Checkpointer(tmp_path, watch_signals=False) as ckpt:
         ckpt.commit(300, model=model)  # the same step again stays allowed (a stop right after a resume)
     with Checkpointer(tmp_path, watch_signals=False) as ckpt:
         assert ckpt.restore().step == 300
@@ -288,14 +298,15 @@ def test_a_step_older_than_latest_is_refused_and_the_newer_checkpoints_stay(tmp_
 @pytest.mark.parametrize(
     "step", [10 / 2, -1, torch.tensor(5), True], ids=["float", "negative", "tensor", "bool"]
 )
-def test_a_step_that_is_no_whole_number_is_refused_not_committed_where_no_start_finds_it(tmp_path, step):
+def test_a_step_that_is_no_whole_number_is_exit_2_not_committed_where_no_start_finds_it(
+    tmp_path, step, caplog
+):
     # step-5.0 was committed and named by LATEST, restore() found no step-<N> and every start began anew.
     model = torch.nn.Linear(2, 2)
     with Checkpointer(tmp_path, watch_signals=False) as ckpt:
         ckpt.commit(3, model=model)
-        with pytest.raises(InputError, match=r"is not a whole number >= 0.*int\(step\)") as caught:
-            ckpt.commit(step, model=model)
-        assert caught.value.exit_code == 2
+        refused_with_exit_2(lambda: ckpt.commit(step, model=model), caplog)
+        assert re.search(r"step=.* is not a whole number >= 0.*int\(step\)", caplog.text), caplog.text
         ckpt.commit(
             np.int64(4), model=model
         )  # numpy's integers (a step counted in an array) are whole numbers
@@ -554,16 +565,20 @@ def test_at_a_stop_the_other_ranks_save_their_rng_state_whenever_rank_0_commits(
     assert torch.equal(torch.rand(3), expected), "rank 1 resumed on rank 0's RNG stream, not its own"
 
 
-def test_a_state_that_would_not_load_back_is_refused_at_the_commit_not_at_every_restore(tmp_path):
+def test_a_state_that_would_not_load_back_is_exit_2_at_the_commit_not_at_every_restore(tmp_path, caplog):
     """A state with a numpy value (a position counted in an array, np.random.get_state()) was committed, and
     every later start failed to restore it: torch.load(weights_only=True) refuses numpy's types, so the run
     could not resume from any checkpoint it had made since. The commit now says so, and commits nothing."""
     model, optimizer = trained_pair()
     with Checkpointer(tmp_path / "run", watch_signals=False) as ckpt:
         ckpt.commit(1, model=model, optimizer=optimizer, sampler={"epoch": 0, "position": 5})
-        with pytest.raises(InputError, match=r"sampler.*would not load back.*numpy.*int\(x\)") as caught:
-            ckpt.commit(2, model=model, optimizer=optimizer, sampler={"epoch": 0, "position": np.int64(9)})
-        assert caught.value.exit_code == 2
+        refused_with_exit_2(
+            lambda: ckpt.commit(
+                2, model=model, optimizer=optimizer, sampler={"epoch": 0, "position": np.int64(9)}
+            ),
+            caplog,
+        )
+        assert re.search(r"sampler.*would not load back.*numpy.*int\(x\)", caplog.text), caplog.text
         restored = ckpt.restore()
         assert restored.step == 1
         assert restored.object("sampler") == {"epoch": 0, "position": 5}
@@ -572,13 +587,18 @@ def test_a_state_that_would_not_load_back_is_refused_at_the_commit_not_at_every_
 Position = namedtuple("Position", "epoch index")  # module level: pickle finds a class by its name
 
 
-def test_a_state_holding_a_named_tuple_is_refused_with_the_same_message_not_a_type_error(tmp_path):
+def test_a_state_holding_a_named_tuple_is_refused_with_the_same_message_not_a_type_error(tmp_path, caplog):
     """The check rebuilds the state's containers without their tensors: a namedtuple, which cannot be rebuilt
     from one iterable, crashed the commit with a TypeError (exit 1) instead of saying what would not load."""
     model, optimizer = trained_pair()
-    refused = pytest.raises(InputError, match=r"sampler.*would not load back.*Position")
-    with Checkpointer(tmp_path / "run", watch_signals=False) as ckpt, refused:
-        ckpt.commit(1, model=model, optimizer=optimizer, sampler={"at": Position(0, torch.tensor(5))})
+    with Checkpointer(tmp_path / "run", watch_signals=False) as ckpt:
+        refused_with_exit_2(
+            lambda: ckpt.commit(
+                1, model=model, optimizer=optimizer, sampler={"at": Position(0, torch.tensor(5))}
+            ),
+            caplog,
+        )
+    assert re.search(r"sampler.*would not load back.*Position", caplog.text), caplog.text
 
 
 @pytest.mark.parametrize("given", [{"keep_last": 1}, {"keep_last": 0}, {"env": "1"}])
@@ -700,3 +720,48 @@ def test_a_checkpointer_given_the_checkpoints_folder_for_its_run_is_exit_2(tmp_p
         Checkpointer(folder, watch_signals=False)
     assert refused.value.exit_code == 2
     assert not (folder / "checkpoints").exists()
+
+
+REFUSED_COMMITS = """
+import sys, numpy as np, torch
+from trainpod import Checkpointer
+ckpt = Checkpointer(sys.argv[1]).open()
+ckpt.commit(10, model=torch.nn.Linear(2, 2))
+refused = {"older": (5, {}), "float": (12 / 2, {}), "numpy": (11, {"sampler": {"position": np.int64(9)}})}
+step, states = refused[sys.argv[2]]
+ckpt.commit(step, model=torch.nn.Linear(2, 2), **states)
+print("went on after the refused commit")
+"""
+
+
+@pytest.mark.parametrize(
+    "refused, said",
+    [
+        ("older", "step=5 is older than the newest committed checkpoint"),
+        ("float", "step=6.0 is not a whole number >= 0"),
+        ("numpy", "the state 'sampler' would not load back"),
+    ],
+)
+def test_a_program_whose_commit_is_refused_exits_2_with_one_line_and_the_committed_step_stays(
+    tmp_path, refused, said
+):
+    """The README promises exit 2 for these: the refusal was an InputError out of the program's loop, a traceback
+    and exit 1, a crash that every start repeated (and counted) into the same refusal."""
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, "-c", REFUSED_COMMITS, str(run), refused],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output
+    assert said in output and "Traceback" not in output and "went on" not in output, output
+    assert (run / "checkpoints" / "LATEST").read_text().strip() == "step-10"
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["LATEST", "step-10"], (
+        "nothing else written"
+    )
+    assert not (run / "LEASE").exists(), "the lease is released at the exit"

@@ -26,12 +26,14 @@ alone, the Checkpointer takes it itself (rank 0's, under torchrun). One process 
 torchrun); each other rank saves its own RNG state beside the checkpoints (checkpoint/rank_rng.py).
 A commit that cannot land ends the program with one line and the README's exit code, as the kit's workloads
 end, not with a traceback and exit 1 (a crash, retried and counted): a full volume is exit 5, a lease lost to
-another writer exit 75.
+another writer exit 75, and a commit refused for its arguments (a step that is no whole number or older than
+LATEST, a state that would not load back) exit 2, nothing committed touched.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
 import io
 import json
@@ -40,7 +42,7 @@ import os
 import pickle
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -265,7 +267,8 @@ class Checkpointer:
         returns None. Every rank writing the same step raced to rename its folder into place, and the
         loser crashed (ENOTEMPTY), taking the job down; a rank other than 0 holds no lease anyway.
         """
-        step = whole_step(step)
+        with self._bad_input_ends_the_program():
+            step = whole_step(step)
         if _rank() != 0:
             if rng:
                 self.rank_rng.write(step, _rank(), capture_rng())
@@ -273,8 +276,9 @@ class Checkpointer:
             return None
         if self.lease is not None and self.lease.lost.is_set():
             self._exit_lease_lost(step)
-        refuse_older_step(self.store, step)
-        files = dict(_state_file(name, state) for name, state in states.items())
+        with self._bad_input_ends_the_program():
+            refuse_older_step(self.store, step)
+            files = dict(_state_file(name, state) for name, state in states.items())
         if rng:
             files[RNG_FILE] = capture_rng()
         files[EXTRA_FILE] = extra or {}
@@ -306,6 +310,17 @@ class Checkpointer:
                 "process stops, leaving the run to that writer"
             )
         )
+
+    @contextlib.contextmanager
+    def _bad_input_ends_the_program(self) -> Iterator[None]:
+        """A commit refused before it writes anything (a step that is no whole number or older than LATEST, a state
+        that would not load back) ends the program with its line and exit 2, as the README's table says: raised,
+        it was a traceback and exit 1, a crash retried and counted at every start into the same refusal. What
+        is committed is untouched."""
+        try:
+            yield
+        except InputError as exc:
+            self._exit_with(exc)
 
     def _exit_with(self, error: TrainpodError) -> NoReturn:
         """End the program with `error`'s line and exit code, as the kit's own workloads end: raised, the

@@ -188,7 +188,7 @@ def refuse_older_step(store: CheckpointStore, step: int) -> None:
     newest = int(latest.removeprefix("step-")) if latest else None
     if newest is not None and step < newest and (store.root / latest).is_dir():
         raise InputError(
-            f"step {step} is older than the newest committed checkpoint {store.root / latest}; committing it "
+            f"step={step} is older than the newest committed checkpoint {store.root / latest}; committing it "
             "would move LATEST backwards and the next start would delete the newer checkpoints. Resume from "
             "the newest one (Checkpointer.restore(), `trainpod checkpoint latest`, the HF callback's "
             "resume_from_checkpoint()) and count steps on from it, or use a new run name"

@@ -349,6 +349,12 @@ SCRIPTS_EXEC_REFUSES = {
         ({"command": ["bash", "missing.sh", "--epochs", "3"]}, "command[1]='missing.sh': "),
         ({"command": ["bash", "-euo", "pipefail", "missing.sh"]}, "command[3]='missing.sh': "),
         ({"command": ["python", "-uW", "ignore", "trian.py"]}, "command[3]='trian.py': "),
+        # an interpreter with no script read its program from stdin (/dev/null), exited 0 and the run was DONE
+        ({"command": ["python"]}, "command = ['python']: Value error, it gives python no script to run"),
+        ({"command": ["python", "-u", "-"]}, "it gives python no script to run"),
+        ({"command": ["bash", "-l"]}, "it gives bash no script to run"),
+        ({"command": ["sh", "-s", "--epochs", "3"]}, "it gives sh no script to run"),
+        ({"command": ["node"]}, "it gives node no script to run"),
     ],
 )
 def test_bad_input_exits_2_naming_the_field_and_writes_nothing(tmp_path, change, message):

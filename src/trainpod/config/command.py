@@ -6,7 +6,11 @@ trainpod run command --config examples/nanogpt/command.yaml
 
 from __future__ import annotations
 
-from pydantic import Field, model_validator
+import re
+from pathlib import Path
+from typing import NamedTuple
+
+from pydantic import Field, field_validator, model_validator
 
 from trainpod.config.checkpoint import CheckpointConfig
 from trainpod.config.deploy import ENV_NAME_PATTERN, NAME_PATTERN
@@ -23,6 +27,60 @@ PROGRAM_ENV = (
     "TRAINPOD_KEEP_BEST",
     "TRAINPOD_PROGRAM_ID",
 )
+
+
+SCRIPT_RUNNERS = re.compile(r"^(python[0-9.]*|sh|bash|dash|zsh)$")
+# Interpreters that, given no argument at all, read their program from standard input as the ones above do (their
+# options are not read here: only the bare name is refused). Rscript and R refuse to start without one instead.
+_STDIN_WHEN_BARE = re.compile(r"^(node|nodejs|perl|ruby|php|lua|julia)[0-9.]*$")
+# The interpreters' one-letter options, which may come clustered in one word (`bash -lc CMD`, `sh -ec CMD`,
+# `bash -euo pipefail script.sh`, `python -uc CODE`, `python -um MODULE`): those that mean there is no
+# script file (inline code, a module), the shells' -s (commands from stdin), and those that take the next word
+# as their value (python's -O takes none: it is the shells' -O that does; python's -W and -X may carry it in
+# the same word).
+_INLINE = {"python": "cm", "shell": "c"}
+_FROM_STDIN = {"python": "", "shell": "s"}
+_TAKES_A_VALUE = {"python": "WX", "shell": "oO"}
+_LONG_OPTIONS_WITH_A_VALUE = {"--check-hash-based-pycs", "--rcfile", "--init-file"}
+
+
+class Runs(NamedTuple):
+    """What an interpreter's command line runs: `script` (the file at `index`), `code` (-c, -m), `stdin` (its
+    program read from standard input), or `other` (no interpreter these rules know)."""
+
+    what: str
+    index: int | None = None
+
+
+def what_it_runs(command: list[str]) -> Runs:
+    """Where in `command` the interpreter's script file is named, or what it runs instead."""
+    name = Path(command[0]).name
+    if not SCRIPT_RUNNERS.match(name):
+        return Runs("stdin" if len(command) == 1 and _STDIN_WHEN_BARE.match(name) else "other")
+    kind = "python" if name.startswith("python") else "shell"
+    index = 1
+    while index < len(command):
+        word = command[index]
+        if word == "-":
+            return Runs("stdin")
+        if word == "--":
+            return Runs("script", index + 1) if index + 1 < len(command) else Runs("stdin")
+        if word.startswith("--"):
+            index += 2 if word in _LONG_OPTIONS_WITH_A_VALUE else 1
+            continue
+        if not (word.startswith("-") or (kind == "shell" and word.startswith("+"))):
+            return Runs("script", index)
+        for position, letter in enumerate(word[1:], start=1):
+            if letter in _INLINE[kind]:
+                return Runs("code")
+            if letter in _FROM_STDIN[kind]:
+                return Runs("stdin")
+            if letter in _TAKES_A_VALUE[kind]:
+                index += 1 if position < len(word) - 1 else 2  # its value: the rest of the word, or the next
+                break
+        else:
+            index += 1
+    return Runs("stdin")  # no script named: python and the shells read their program from standard input
 
 
 class CommandConfig(Section):
@@ -64,10 +122,28 @@ class CommandConfig(Section):
         "preemption window and the lease; the program decides when to commit.",
     )
 
+    @field_validator("command")
+    @classmethod
+    def _names_what_to_run(cls, command: list[str]) -> list[str]:
+        """An interpreter with no script (`[python]`, `[bash, -l]`) reads its program from standard input, which
+        is /dev/null in a pod (no terminal: a read would wait, billed, for good): it did nothing, exited 0 at
+        once, and the run was DONE, its pod stopped as finished."""
+        if command and what_it_runs(command).what == "stdin":
+            name = Path(command[0]).name
+            fix = {"python": f"[{name}, train.py], or code, like [{name}, -m, my.module]",
+                   "shell": f"[{name}, train.sh], or commands, like [{name}, -c, './train.sh --lr 3e-4']"}  # fmt: skip
+            kind = (
+                ("python" if name.startswith("python") else "shell") if SCRIPT_RUNNERS.match(name) else None
+            )
+            raise ValueError(
+                f"it gives {name} no script to run, so {name} would read its program from standard input, which is "
+                "empty here (/dev/null): it would exit 0 at once and the run be marked DONE having done nothing. "
+                f"Name the script, like {fix.get(kind, f'[{name}, <your script>]')}"
+            )
+        return command
+
     @model_validator(mode="after")
     def _env_names(self) -> CommandConfig:
-        import re
-
         problems = [
             f"env.{name}: not a variable name"
             for name in self.env

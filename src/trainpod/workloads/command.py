@@ -27,7 +27,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import re
 import shutil
 import signal
 import sys
@@ -38,7 +37,7 @@ from typing import Any
 
 from trainpod import atomic, cost
 from trainpod.checkpoint import CheckpointStore
-from trainpod.config.command import CommandConfig
+from trainpod.config.command import CommandConfig, what_it_runs
 from trainpod.context import RunContext
 from trainpod.diskspace import free_bytes, full_path_named, is_disk_full, says_disk_full, volume_full
 from trainpod.errors import BudgetExhausted, InputError, Preempted, TemporaryError
@@ -291,20 +290,10 @@ def resolve_program(config: CommandConfig, workdir: Path, path: str) -> str:
     return found
 
 
-SCRIPT_RUNNERS = re.compile(r"^(python[0-9.]*|sh|bash|dash|zsh)$")
-# The interpreters' one-letter options, which may come clustered in one word (`bash -lc CMD`, `sh -ec CMD`,
-# `bash -euo pipefail script.sh`, `python -uc CODE`, `python -um MODULE`): those that mean there is no
-# script file (inline code, a module, stdin), and those that take the next word as their value (python's
-# -O takes none: it is the shells' -O that does; python's -W and -X may carry it in the same word).
-_NO_SCRIPT = {"python": "cm", "shell": "cs"}
-_TAKES_A_VALUE = {"python": "WX", "shell": "oO"}
-_LONG_OPTIONS_WITH_A_VALUE = {"--check-hash-based-pycs", "--rcfile", "--init-file"}
-
-
 def _check_script_argument(command: list[str], workdir: Path) -> None:
     """`python train.py` or `bash train.sh` whose script is not in workdir: the interpreter's own exit 2
     counted as a failed start at every restart until the run was FAILED, its real reason in program.log."""
-    index = _script_index(command)
+    index = what_it_runs(command).index  # of the script: set for a script alone
     if index is None:
         return
     word = command[index]
@@ -314,35 +303,6 @@ def _check_script_argument(command: list[str], workdir: Path) -> None:
             f"command[{index}]={word!r}: {script} does not exist, so {command[0]} has no script to run; fix "
             "command or workdir (relative paths start at workdir)"
         )
-
-
-def _script_index(command: list[str]) -> int | None:
-    """Where in `command` the interpreter's script file is named; None when it runs none (inline code, a
-    module, stdin) or is no interpreter this knows."""
-    if not SCRIPT_RUNNERS.match(Path(command[0]).name):
-        return None
-    kind = "python" if Path(command[0]).name.startswith("python") else "shell"
-    index = 1
-    while index < len(command):
-        word = command[index]
-        if word == "-":
-            return None  # stdin
-        if word == "--":
-            return index + 1 if index + 1 < len(command) else None
-        if word.startswith("--"):
-            index += 2 if word in _LONG_OPTIONS_WITH_A_VALUE else 1
-            continue
-        if not (word.startswith("-") or (kind == "shell" and word.startswith("+"))):
-            return index
-        for position, letter in enumerate(word[1:], start=1):
-            if letter in _NO_SCRIPT[kind]:
-                return None
-            if letter in _TAKES_A_VALUE[kind]:
-                index += 1 if position < len(word) - 1 else 2  # its value: the rest of the word, or the next
-                break
-        else:
-            index += 1
-    return None
 
 
 def _check_interpreter_line(path: Path, name: str) -> None:

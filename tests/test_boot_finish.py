@@ -246,15 +246,19 @@ def test_a_supervisor_pod_stops_itself_when_done_but_retries_a_temporary_failure
     assert not (run.root / STARTS_FILE).exists(), "the supervisor's exits never count as the run's"
 
 
-def test_a_malformed_max_failed_starts_exits_2_at_boot(tmp_path, capsys):
+@pytest.mark.parametrize("value", ["three", "x", "0", "³"])  # '³': a digit to str.isdigit, a crash to int()
+def test_a_malformed_max_failed_starts_exits_2_at_boot(tmp_path, capsys, value):
     environ = {
         "TRAINPOD_VOLUME": str(tmp_path),
         "TRAINPOD_WORKLOAD": "datagen",
         "TRAINPOD_CONFIG": str(TINY_DATAGEN),
-        "TRAINPOD_MAX_FAILED_STARTS": "three",
+        "TRAINPOD_MAX_FAILED_STARTS": value,
     }
     assert boot_module.boot(environ) == 2
-    assert "TRAINPOD_MAX_FAILED_STARTS='three' is not a whole number" in capsys.readouterr().out
+    assert (
+        f"TRAINPOD_MAX_FAILED_STARTS={value!r} is not a whole number >= 1; set it like"
+        in capsys.readouterr().out
+    )
     assert list(tmp_path.iterdir()) == []
 
 

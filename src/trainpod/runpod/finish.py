@@ -88,7 +88,8 @@ def on_finish(environ: dict[str, str]) -> str:
 
 def max_failed_starts(environ: dict[str, str]) -> int:
     raw = environ.get("TRAINPOD_MAX_FAILED_STARTS") or str(DEFAULT_MAX_FAILED_STARTS)
-    if not raw.isdigit() or int(raw) < 1:
+    # ASCII digits alone: '³' is a digit to str.isdigit but no number to int(), a crash at boot (exit 1)
+    if not (raw.isascii() and raw.isdigit()) or int(raw) < 1:
         raise ConfigError(
             [f"TRAINPOD_MAX_FAILED_STARTS={raw!r} is not a whole number >= 1; set it like "
              f"TRAINPOD_MAX_FAILED_STARTS={DEFAULT_MAX_FAILED_STARTS}"]

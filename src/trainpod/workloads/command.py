@@ -163,7 +163,7 @@ def _supervise(
     stopped_by, killed, next_status = None, False, 0.0
     while (code := program.poll()) is None:
         if stopped_by is None:
-            stopped_by = _stop_reason(ctx, status)
+            stopped_by = _stop_to_make(ctx, status, program)
             if stopped_by == "lease":
                 # The run is another writer's now: a SIGTERM asks the program for its last commit, which
                 # would land in that writer's run (LATEST moved under it). As the stock trainers abandon theirs.
@@ -233,6 +233,19 @@ def _end_group(program: Program, ctx: RunContext, killed: bool) -> None:
 def _window_left(ctx: RunContext) -> float:
     """Seconds of the stop window left (a whole window when no stop was asked for)."""
     return max(ctx.watch.seconds_left() if ctx.watch.requested else ctx.watch.window_seconds, 0.0)
+
+
+def _stop_to_make(ctx: RunContext, status: CommandStatus, program: Program) -> str | None:
+    """The stop to make of the program still running at the loop's look: none for a budget spent once it had
+    exited since. Its own finish, racing the budget (the 50 ms between the look and the budget's), ended in 3
+    and no DONE, the run FAILED with its work done; a look again before the SIGTERM leaves microseconds of that
+    race. An exit after the SIGTERM stays the budget's (3): a program answering SIGTERM with a commit and exit 0
+    has steps left, and DONE would end its run for good where a raised budget resumes it."""
+    reason = _stop_reason(ctx, status)
+    if reason == "budget" and program.poll() is not None:
+        log.info("the program exited as the budget ran out: its exit decides")
+        return None
+    return reason
 
 
 def _stop_reason(ctx: RunContext, status: CommandStatus) -> str | None:

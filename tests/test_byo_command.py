@@ -293,7 +293,9 @@ def test_a_budget_found_spent_after_the_program_exited_is_no_stop(tmp_path):
     from trainpod.program import Program
     from trainpod.workloads import command
 
-    context = SimpleNamespace(watch=SimpleNamespace(requested=False), lease_lost=lambda: False, budget_usd=1.0)
+    context = SimpleNamespace(
+        watch=SimpleNamespace(requested=False), lease_lost=lambda: False, budget_usd=1.0
+    )
     spent = SimpleNamespace(cost_usd=lambda: 2.0)
     finishes_on_go = "import os, time\nwhile not os.path.exists('go'): time.sleep(0.01)"  # then exits 0
     argv = [sys.executable, "-c", finishes_on_go]
@@ -303,7 +305,9 @@ def test_a_budget_found_spent_after_the_program_exited_is_no_stop(tmp_path):
         assert command._stop_to_make(context, spent, program) == "budget", "running: the budget stops it"
         (tmp_path / "go").touch()
         assert program.proc.wait(timeout=60) == 0  # it finished after the loop's look, before the budget's
-        assert command._stop_to_make(context, spent, program) is None, "exited: its exit decides, not the budget"
+        assert command._stop_to_make(context, spent, program) is None, (
+            "exited: its exit decides, not the budget"
+        )
     finally:
         program.sweep()
 

@@ -378,6 +378,25 @@ def test_a_workload_configs_missing_field_names_env_set_the_deploys_way_to_overr
     assert "--set" not in out, "deploy has no --set flag: the fix must name env.set"
 
 
+def test_a_convert_that_pushes_to_the_hub_without_hf_token_among_the_secrets_is_refused(
+    fake, tmp_path, capsys
+):
+    """A hub task's push needs HF_TOKEN: a deploy without it rented a pod whose preflight could only refuse it."""
+    workload = tmp_path / "convert.yaml"
+    workload.write_text(
+        yaml.safe_dump(
+            {"name": "tiny", "task": [{"kind": "hub", "source": "merged", "repo_id": "me/tiny-ft"}]}
+        )
+    )
+    without = write_config(tmp_path, workload="convert", config=str(workload), secrets=["WANDB_API_KEY"])
+    assert cli.main(["deploy", str(without), "--dry-run"]) == 2
+    out = capsys.readouterr().out
+    assert "pushes to the Hugging Face Hub (me/tiny-ft)" in out and "add HF_TOKEN to `secrets`" in out
+    with_token = write_config(tmp_path, workload="convert", config=str(workload), secrets=["HF_TOKEN"])
+    assert cli.main(["deploy", str(with_token), "--dry-run"]) == 0, capsys.readouterr().out
+    assert fake.requests == []
+
+
 def test_a_cuda_version_written_unquoted_is_the_version_it_spells(tmp_path):
     """YAML reads `cuda_version: 12.8` as a float: it was refused as "not a valid string", next to a
     description that lists 12.8 among the versions to pick."""

@@ -2,7 +2,8 @@
 
     trainpod deploy configs/deploy/finetune-spot.yaml --dry-run    # the checks, then "would create ..."
 
-- the workload config the deploy config names is loaded and validated when this repo holds it;
+- the workload config the deploy config names is loaded and validated when this repo holds it, and a
+  convert config's hub task finds HF_TOKEN among the secrets;
 - a cluster (nodes > 1) runs a workload that trains across nodes (one rank per GPU);
 - the image is not the shipped placeholder (ghcr.io/YOUR_ORG/...), which no registry serves (this and
   the secrets' check below are runpod.deploy.pod_problems, which a supervisor checks too);
@@ -82,14 +83,29 @@ def workload_config_problems(config: DeployConfig, deploy_path: str) -> list[str
     if path is None:
         return []  # it may come from env.git_repo or the volume: the pod's boot checks it (exit 2)
     try:
-        load_workload_config(
+        workload_config = load_workload_config(
             workloads.get(config.workload), path, parse_overrides(config.env.set), DEPLOY_ENV_SET
         )
     except ConfigError as exc:
         return [f"config={config.config!r} ({path}): {problem}" for problem in exc.problems]
     except TrainpodError as exc:
         return [f"config={config.config!r} ({path}): {exc}"]
-    return []
+    return hub_token_problems(config, workload_config)
+
+
+def hub_token_problems(config: DeployConfig, workload_config: Any) -> list[str]:
+    """A convert config's hub task pushes with HF_TOKEN: a deploy that does not give the pod one rented a pod
+    whose preflight could only refuse it (exit 2) after the boot and the image pull."""
+    from trainpod.config.convert import HubTask
+
+    pushes = [task for task in getattr(workload_config, "task", []) if isinstance(task, HubTask)]
+    if not pushes or "HF_TOKEN" in config.secrets:
+        return []
+    return [
+        f"config={config.config!r} pushes to the Hugging Face Hub ({pushes[0].repo_id}) with HF_TOKEN, which this "
+        "deploy does not give the pod: add HF_TOKEN to `secrets` (a RunPod secret of that name holding a token "
+        "with write access)"
+    ]
 
 
 def secrets_line(config: DeployConfig, secrets_from_env: bool) -> str:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from trainpod import Checkpointer
-from trainpod.errors import InputError, TemporaryError
+from trainpod.errors import TemporaryError
 
 
 class TiedModel(torch.nn.Module):
@@ -167,11 +167,11 @@ def test_the_run_folder_and_window_come_from_the_environment(tmp_path, monkeypat
     assert ckpt.watch.window_seconds == 2.5
 
 
-def test_without_a_run_folder_the_error_names_the_variables(monkeypatch):
+def test_without_a_run_folder_the_program_ends_with_exit_2_naming_the_variables(monkeypatch, caplog):
     for name in ("TRAINPOD_RUN_DIR", "TRAINPOD_RUN"):
         monkeypatch.delenv(name, raising=False)
-    with pytest.raises(InputError, match="TRAINPOD_RUN_DIR"):
-        Checkpointer(watch_signals=False)
+    refused_with_exit_2(lambda: Checkpointer(watch_signals=False), caplog)
+    assert "no run folder: pass Checkpointer(run_dir=...), or set TRAINPOD_RUN_DIR" in caplog.text
 
 
 def test_sigterm_sets_stop_requested_and_the_window_decides_whether_a_commit_fits(tmp_path, signals_restored):
@@ -228,12 +228,35 @@ def test_exit_preempted_leaves_the_interpreters_last_collection_out(tmp_path):
     assert not (tmp_path / "run/LEASE").exists(), "atexit and the lease's release still run"
 
 
-def test_loading_a_name_that_was_not_committed_names_what_the_checkpoint_holds(tmp_path):
-    model, _ = trained_pair()
+@pytest.mark.parametrize(
+    "read, said",
+    [
+        (
+            lambda r, model: r.load("ema", model),
+            r"holds no state named 'ema' \(it holds \['model', 'optimizer'\]\)",
+        ),
+        (lambda r, model: r.tensors("ema"), "holds no state named 'ema'.*restored.names"),
+        (lambda r, model: r.object("ema"), "holds no state named 'ema'"),
+        (
+            lambda r, model: r.tensors("optimizer"),
+            r"'optimizer' .* is an object, not tensors.*restored.object",
+        ),
+        (lambda r, model: r.object("model"), r"'model' .* is tensors, not an object.*restored.tensors"),
+    ],
+    ids=["load", "tensors", "object", "tensors-of-an-object", "object-of-tensors"],
+)
+def test_reading_a_name_that_was_not_committed_ends_the_program_with_exit_2_naming_what_it_holds(
+    tmp_path, caplog, read, said
+):
+    """Was an InputError (load) or a FileNotFoundError (tensors, object) out of the program's restore: a traceback
+    and exit 1, met again at every start. The lease is released at the exit."""
+    model, optimizer = trained_pair()
     with Checkpointer(tmp_path / "run", watch_signals=False) as ckpt:
-        ckpt.commit(3, model=model)
-        with pytest.raises(InputError, match=r"no state named 'ema'.*\['model'\]"):
-            ckpt.restore().load("ema", model)
+        ckpt.commit(3, model=model, optimizer=optimizer)
+        restored = ckpt.restore()
+        refused_with_exit_2(lambda: read(restored, model), caplog)
+        assert ckpt.lease is None and not (tmp_path / "run/LEASE").exists(), "released"
+    assert re.search(said, caplog.text), caplog.text
 
 
 def test_the_manifest_records_the_writer_and_every_file(tmp_path):
@@ -602,8 +625,8 @@ def test_a_state_holding_a_named_tuple_is_refused_with_the_same_message_not_a_ty
 
 
 @pytest.mark.parametrize("given", [{"keep_last": 1}, {"keep_last": 0}, {"env": "1"}])
-def test_a_checkpointer_keeping_fewer_than_two_checkpoints_is_refused_as_the_workloads_refuse_it(
-    given, tmp_path, monkeypatch
+def test_a_checkpointer_keeping_fewer_than_two_checkpoints_is_exit_2_as_the_workloads_refuse_it(
+    given, tmp_path, monkeypatch, caplog
 ):
     """checkpoint.keep_last and `trainpod checkpoint commit --keep-last` refuse 1: a newest checkpoint that fails
     verification at the next start then has no older one to fall back to, and the run starts over. The
@@ -611,10 +634,24 @@ def test_a_checkpointer_keeping_fewer_than_two_checkpoints_is_refused_as_the_wor
     if "env" in given:
         monkeypatch.setenv("TRAINPOD_KEEP_LAST", given["env"])
     where = "TRAINPOD_KEEP_LAST" if "env" in given else r"Checkpointer\(keep_last=\.\.\.\)"
-    with pytest.raises(InputError, match=rf"{where}=\d: keep at least 2 checkpoints") as refused:
-        Checkpointer(tmp_path / "run", keep_last=given.get("keep_last"), watch_signals=False)
-    assert refused.value.exit_code == 2
+    refused_with_exit_2(
+        lambda: Checkpointer(tmp_path / "run", keep_last=given.get("keep_last"), watch_signals=False), caplog
+    )
+    assert re.search(rf"{where}=\d: keep at least 2 checkpoints", caplog.text), caplog.text
     assert not (tmp_path / "run").exists(), "nothing is made for a refused setting"
+
+
+@pytest.mark.parametrize("variable", ["TRAINPOD_KEEP_LAST", "TRAINPOD_KEEP_BEST"])
+@pytest.mark.parametrize("value", ["³", "two"])
+def test_a_retention_variable_that_is_no_whole_number_is_exit_2_naming_it(
+    tmp_path, monkeypatch, caplog, variable, value
+):
+    """'³' is a digit to str.isdigit but no number to int(): the Checkpointer crashed with a ValueError traceback
+    (exit 1), where 'two' was refused with its line."""
+    monkeypatch.setenv(variable, value)
+    refused_with_exit_2(lambda: Checkpointer(tmp_path / "run", watch_signals=False), caplog)
+    assert f"{variable}={value!r} is not a whole number; set it like {variable}=2" in caplog.text, caplog.text
+    assert not (tmp_path / "run").exists()
 
 
 class TakenOverWhileItsStateIsRead:
@@ -710,15 +747,14 @@ def test_a_first_commit_on_a_full_volume_exits_5_naming_the_step_not_a_crash(tmp
     assert not (tmp_path / "run/LEASE").exists(), "released"
 
 
-def test_a_checkpointer_given_the_checkpoints_folder_for_its_run_is_exit_2(tmp_path, monkeypatch):
+def test_a_checkpointer_given_the_checkpoints_folder_for_its_run_is_exit_2(tmp_path, monkeypatch, caplog):
     """Checkpointer(os.environ["TRAINPOD_CHECKPOINT_DIR"]) restored nothing from checkpoints/checkpoints/ and
     committed there, where no start of the kit, `trainpod status` or `pull` looks."""
     folder = tmp_path / "run/checkpoints"
     folder.mkdir(parents=True)
     monkeypatch.setenv("TRAINPOD_CHECKPOINT_DIR", str(folder))
-    with pytest.raises(InputError, match=r"TRAINPOD_CHECKPOINT_DIR.*TRAINPOD_RUN_DIR") as refused:
-        Checkpointer(folder, watch_signals=False)
-    assert refused.value.exit_code == 2
+    refused_with_exit_2(lambda: Checkpointer(folder, watch_signals=False), caplog)
+    assert re.search(r"TRAINPOD_CHECKPOINT_DIR.*TRAINPOD_RUN_DIR", caplog.text), caplog.text
     assert not (folder / "checkpoints").exists()
 
 
@@ -764,4 +800,61 @@ def test_a_program_whose_commit_is_refused_exits_2_with_one_line_and_the_committ
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["LATEST", "step-10"], (
         "nothing else written"
     )
+    assert not (run / "LEASE").exists(), "the lease is released at the exit"
+
+
+REFUSED_SETUPS = """
+import os, sys, torch
+from trainpod import Checkpointer
+run, case = sys.argv[1], sys.argv[2]
+with Checkpointer(run) as ckpt:
+    ckpt.commit(10, model=torch.nn.Linear(2, 2))
+if case == "keep_last":
+    Checkpointer(run, keep_last=1)
+elif case == "checkpoints folder":
+    Checkpointer(os.path.join(run, "checkpoints"))
+elif case == "env":
+    os.environ["TRAINPOD_KEEP_BEST"] = "\u00b3"
+    Checkpointer(run)
+else:
+    with Checkpointer(run) as ckpt:
+        ckpt.restore().load("ema", torch.nn.Linear(2, 2))
+print("went on after the refusal")
+"""
+
+
+@pytest.mark.parametrize(
+    "refused, said",
+    [
+        ("keep_last", "Checkpointer(keep_last=...)=1: keep at least 2 checkpoints"),
+        ("checkpoints folder", "checkpoints is not a run folder: it holds checkpoints itself"),
+        ("env", "TRAINPOD_KEEP_BEST='\u00b3' is not a whole number"),
+        ("load", "checkpoint step-10 holds no state named 'ema'"),
+    ],
+)
+def test_a_program_whose_checkpointer_or_restore_is_refused_exits_2_with_one_line_and_nothing_touched(
+    tmp_path, refused, said
+):
+    """Each was an error out of the program (InputError; a ValueError for '\u00b3'): a traceback and exit 1, a
+    crash that every start repeated (and counted) into the same refusal. The committed step stays as it was, no
+    store is made in the wrong folder, and the lease is released."""
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, "-c", REFUSED_SETUPS, str(run), refused],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output
+    assert "Traceback" not in output and "went on" not in output, output
+    *_, line, last = output.splitlines()
+    assert said in line and last == "exiting 2", output
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["LATEST", "step-10"], (
+        "nothing else written"
+    )
+    assert (run / "checkpoints" / "LATEST").read_text().strip() == "step-10"
     assert not (run / "LEASE").exists(), "the lease is released at the exit"

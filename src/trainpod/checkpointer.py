@@ -27,7 +27,10 @@ torchrun); each other rank saves its own RNG state beside the checkpoints (check
 A commit that cannot land ends the program with one line and the README's exit code, as the kit's workloads
 end, not with a traceback and exit 1 (a crash, retried and counted): a full volume is exit 5, a lease lost to
 another writer exit 75, and a commit refused for its arguments (a step that is no whole number or older than
-LATEST, a state that would not load back) exit 2, nothing committed touched.
+LATEST, a state that would not load back) exit 2, nothing committed touched. So does any other refusal of this
+API, which every start of the program would meet again: a Checkpointer that cannot be made (no run folder, the
+checkpoints folder given for the run's, keep_last below 2, a TRAINPOD_* setting that is no number) and a restore
+asked for a state its checkpoint does not hold are exit 2 with their line, nothing written.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ import os
 import pickle
 import re
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -85,7 +88,8 @@ def _env_float(name: str, default: float) -> float:
 
 def _env_int(name: str, default: int) -> int:
     raw = os.environ.get(name)
-    if raw and not raw.isdigit():
+    # ASCII digits alone: '³' is a digit to str.isdigit but no number to int(), a ValueError (exit 1)
+    if raw and not (raw.isascii() and raw.isdigit()):
         raise InputError(f"{name}={raw!r} is not a whole number; set it like {name}=2")
     return int(raw) if raw else default
 
@@ -105,8 +109,15 @@ def run_dir_from_env() -> Path:
 class Restored:
     """A verified committed checkpoint, read back: named tensors, objects, extra state, RNG."""
 
-    def __init__(self, committed: CommittedCheckpoint, rank_rng: RankRng | None = None, rank: int = 0):
+    def __init__(
+        self,
+        committed: CommittedCheckpoint,
+        rank_rng: RankRng | None = None,
+        rank: int = 0,
+        close: Callable[[], None] = lambda: None,
+    ):
         self.step = committed.step
+        self._close = close  # its Checkpointer's: the lease is released when a refusal ends the program
         self._rank_rng = rank_rng
         self._rank = rank
         self.path = committed.path
@@ -122,27 +133,43 @@ class Restored:
 
     def tensors(self, name: str, device: str = "cpu") -> dict[str, torch.Tensor]:
         """`<name>.safetensors` as a state dict; tensors that were tied are tied again."""
-        with safetensors.safe_open(self.path / f"{name}.safetensors", framework="pt", device=device) as f:
+        with safetensors.safe_open(self._file(name, ".safetensors"), framework="pt", device=device) as f:
             tensors = {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118 - safe_open has no __iter__
             aliases = json.loads((f.metadata() or {}).get(ALIASES_KEY, "{}"))
         return tensors | {alias: tensors[stored] for alias, stored in aliases.items()}
 
     def object(self, name: str, map_location: str = "cpu") -> Any:
         """`<name>.pt` (an optimizer or scheduler state dict) loaded with weights_only=True."""
-        return torch.load(self.path / f"{name}.pt", map_location=map_location, weights_only=True)
+        return torch.load(self._file(name, ".pt"), map_location=map_location, weights_only=True)
 
     def load(self, name: str, target: Any) -> None:
         """Load `name` into a module (strictly), an optimizer, a scheduler: anything with load_state_dict."""
-        if (self.path / f"{name}.safetensors").exists():
-            state = self.tensors(name)
-        elif (self.path / f"{name}.pt").exists():
-            state = self.object(name)
-        else:
-            raise InputError(
-                f"checkpoint {self.path.name} holds no state named {name!r} (it holds {self.names}); "
-                "commit it under that name, or load one of those"
+        tensors = (self.path / f"{name}.safetensors").exists()
+        target.load_state_dict(self.tensors(name) if tensors else self.object(name))
+
+    def _file(self, name: str, suffix: str) -> Path:
+        """`<name><suffix>` in this checkpoint. A name it does not hold, or holds as the other kind, ends the
+        program with its line and exit 2, the lease released: raised (an InputError, a FileNotFoundError), it was a
+        traceback and exit 1, a crash that every start met again at the same restore. A state that only newer
+        checkpoints hold is loaded when it is in `names`."""
+        path = self.path / f"{name}{suffix}"
+        if path.exists():
+            return path
+        if name in self.names:  # committed as the other kind
+            held, asked, read = (
+                ("an object", "tensors", "object")
+                if suffix == ".safetensors"
+                else ("tensors", "an object", "tensors")
             )
-        target.load_state_dict(state)
+            problem = f"{name!r} in checkpoint {self.path.name} is {held}, not {asked}"
+            fix = f"read it with restored.{read}({name!r}) or restored.load({name!r}, target)"
+        else:
+            problem = f"checkpoint {self.path.name} holds no state named {name!r} (it holds {self.names})"
+            fix = (
+                "commit it under that name, or load one of those (a state that older checkpoints lack: load it "
+                "when its name is in restored.names)"
+            )
+        end_the_program(InputError(f"{problem}; {fix}"), self._close)
 
     def restore_rng(self) -> None:
         """Python, numpy, torch (and CUDA) RNG states as they were at the commit, this rank's own under
@@ -176,26 +203,30 @@ class Checkpointer:
         verify: str = "sha256",
         watch_signals: bool = True,
     ):
-        self.run_dir = Path(run_dir) if run_dir is not None else run_dir_from_env()
-        if run_dir is not None:  # $TRAINPOD_CHECKPOINT_DIR given for it: a store in checkpoints/checkpoints/
-            refuse_a_checkpoints_folder_for_a_run(self.run_dir, "Checkpointer(run_dir=...)")
-        root = os.environ.get("TRAINPOD_CHECKPOINT_DIR") if run_dir is None else None
-        kept = keep_last if keep_last is not None else _env_int("TRAINPOD_KEEP_LAST", 2)
-        if kept < 2:  # as the workloads' checkpoint.keep_last and `trainpod checkpoint commit` refuse it
-            where = "Checkpointer(keep_last=...)" if keep_last is not None else "TRAINPOD_KEEP_LAST"
-            raise InputError(
-                f"{where}={kept}: keep at least 2 checkpoints, so that a newest one that fails verification at "
-                "the next start has an older one to fall back to (docs/design.md, 'Checkpoints'); set it to 2 "
-                "or more"
+        # Refused before anything is made or the lease taken: the program ends with the line and exit 2. Raised,
+        # it was a traceback and exit 1, a crash that every start met again at the same line of the program.
+        with bad_input_ends_the_program():
+            self.run_dir = Path(run_dir) if run_dir is not None else run_dir_from_env()
+            # $TRAINPOD_CHECKPOINT_DIR given for the run folder: a store in checkpoints/checkpoints/
+            if run_dir is not None:
+                refuse_a_checkpoints_folder_for_a_run(self.run_dir, "Checkpointer(run_dir=...)")
+            root = os.environ.get("TRAINPOD_CHECKPOINT_DIR") if run_dir is None else None
+            kept = keep_last if keep_last is not None else _env_int("TRAINPOD_KEEP_LAST", 2)
+            if kept < 2:  # as the workloads' checkpoint.keep_last and `trainpod checkpoint commit` refuse it
+                where = "Checkpointer(keep_last=...)" if keep_last is not None else "TRAINPOD_KEEP_LAST"
+                raise InputError(
+                    f"{where}={kept}: keep at least 2 checkpoints, so that a newest one that fails verification "
+                    "at the next start has an older one to fall back to (docs/design.md, 'Checkpoints'); set it "
+                    "to 2 or more"
+                )
+            self.store = CheckpointStore(
+                Path(root) if root else self.run_dir / "checkpoints",
+                kept,
+                keep_best if keep_best is not None else _env_int("TRAINPOD_KEEP_BEST", 0),
+                verify,
             )
-        self.store = CheckpointStore(
-            Path(root) if root else self.run_dir / "checkpoints",
-            kept,
-            keep_best if keep_best is not None else _env_int("TRAINPOD_KEEP_BEST", 0),
-            verify,
-        )
-        if window_seconds is None:
-            window_seconds = _env_float("TRAINPOD_PREEMPTION_WINDOW_S", DEFAULT_WINDOW_S)
+            if window_seconds is None:
+                window_seconds = _env_float("TRAINPOD_PREEMPTION_WINDOW_S", DEFAULT_WINDOW_S)
         self.watch = PreemptionWatch(window_seconds)
         if watch_signals:
             self.watch.install()
@@ -244,7 +275,7 @@ class Checkpointer:
             return None
         self.last_committed_step = latest.step
         log.info("resuming from %s", latest.path.name)
-        return Restored(latest, self.rank_rng, _rank())
+        return Restored(latest, self.rank_rng, _rank(), self.close)
 
     # ------------------------------------------------------------------------ commit
     def commit(
@@ -267,7 +298,7 @@ class Checkpointer:
         returns None. Every rank writing the same step raced to rename its folder into place, and the
         loser crashed (ENOTEMPTY), taking the job down; a rank other than 0 holds no lease anyway.
         """
-        with self._bad_input_ends_the_program():
+        with bad_input_ends_the_program(self.close):
             step = whole_step(step)
         if _rank() != 0:
             if rng:
@@ -276,7 +307,7 @@ class Checkpointer:
             return None
         if self.lease is not None and self.lease.lost.is_set():
             self._exit_lease_lost(step)
-        with self._bad_input_ends_the_program():
+        with bad_input_ends_the_program(self.close):
             refuse_older_step(self.store, step)
             files = dict(_state_file(name, state) for name, state in states.items())
         if rng:
@@ -311,26 +342,8 @@ class Checkpointer:
             )
         )
 
-    @contextlib.contextmanager
-    def _bad_input_ends_the_program(self) -> Iterator[None]:
-        """A commit refused before it writes anything (a step that is no whole number or older than LATEST, a state
-        that would not load back) ends the program with its line and exit 2, as the README's table says: raised,
-        it was a traceback and exit 1, a crash retried and counted at every start into the same refusal. What
-        is committed is untouched."""
-        try:
-            yield
-        except InputError as exc:
-            self._exit_with(exc)
-
     def _exit_with(self, error: TrainpodError) -> NoReturn:
-        """End the program with `error`'s line and exit code, as the kit's own workloads end: raised, the
-        program's uncaught error was a traceback and exit 1, a crash retried and counted, where a lost lease is
-        exit 75 (the pod that took the run over goes on) and a full volume exit 5 (free space first)."""
-        log.error("%s", error)
-        log.error("exiting %d", error.exit_code)
-        self.close()
-        _leave_process_group()
-        exit_without_last_collection(error.exit_code)
+        end_the_program(error, self.close)
 
     # ------------------------------------------------------------------------ stop
     @property
@@ -377,6 +390,31 @@ class Checkpointer:
         self.close()
         _leave_process_group()
         exit_without_last_collection(ExitCode.PREEMPTED)
+
+
+@contextlib.contextmanager
+def bad_input_ends_the_program(close: Callable[[], None] = lambda: None) -> Iterator[None]:
+    """A call of this API refused before it writes anything (a commit's step that is no whole number or older than
+    LATEST, a state that would not load back; a Checkpointer that cannot be made; a restore asked for a state not
+    committed) ends the program with its line and exit 2, as the README's table says: raised, it was a traceback
+    and exit 1, a crash retried and counted at every start into the same refusal. What is committed is
+    untouched; `close` releases the lease."""
+    try:
+        yield
+    except InputError as exc:
+        end_the_program(exc, close)
+
+
+def end_the_program(error: TrainpodError, close: Callable[[], None]) -> NoReturn:
+    """End the program with `error`'s line and exit code, as the kit's own workloads end, after `close` (the
+    lease's release): raised, the program's uncaught error was a traceback and exit 1, a crash retried and counted,
+    where a lost lease is exit 75 (the pod that took the run over goes on), a full volume exit 5 (free space
+    first) and bad input exit 2 (the fix is in the program)."""
+    log.error("%s", error)
+    log.error("exiting %d", error.exit_code)
+    close()
+    _leave_process_group()
+    exit_without_last_collection(error.exit_code)
 
 
 def exit_without_last_collection(code: int) -> NoReturn:

@@ -7,6 +7,8 @@ byte, as an uninterrupted one.
 
 from __future__ import annotations
 
+import logging
+import os
 import re
 import signal
 import subprocess
@@ -157,14 +159,21 @@ def test_every_rank_stops_at_the_same_step_when_sigterm_reached_only_one_of_them
     assert decisions == [True, True], "rank 0 must save with rank 1, which saw the SIGTERM"
 
 
-def test_load_best_model_at_end_is_refused_when_the_trainer_is_made_not_ignored_at_its_end(tmp_path):
+def refused_with_exit_2(call, caplog) -> None:
+    """`call()` ends the program with exit 2 and its line (the test's process sees the SystemExit)."""
+    with caplog.at_level(logging.ERROR, logger="trainpod.checkpointer"), pytest.raises(SystemExit) as exited:
+        call()
+    assert exited.value.code == 2, caplog.text
+    assert caplog.records[-1].getMessage() == "exiting 2", caplog.text
+
+
+def test_load_best_model_at_end_is_exit_2_when_the_trainer_is_made_not_ignored_at_its_end(tmp_path, caplog):
     """README: `load_best_model_at_end` is not supported. HF looked for the best checkpoint-<N>/ in the staging
     folder at the end, found it moved into the store, warned, and left the last weights in place of the best."""
     import torch
     from transformers import Trainer, TrainingArguments
 
     from trainpod import Checkpointer
-    from trainpod.errors import ConfigError
     from trainpod.integrations.hf import TrainpodCallback
 
     callback = TrainpodCallback(Checkpointer(tmp_path / "run", watch_signals=False))
@@ -177,10 +186,14 @@ def test_load_best_model_at_end_is_refused_when_the_trainer_is_made_not_ignored_
         use_cpu=True,
     )
     try:
-        with pytest.raises(ConfigError, match=r"load_best_model_at_end=True is not supported.*keep_best"):
-            Trainer(model=torch.nn.Linear(2, 2), args=args, eval_dataset=[0], callbacks=[callback])
+        refused_with_exit_2(
+            lambda: Trainer(model=torch.nn.Linear(2, 2), args=args, eval_dataset=[0], callbacks=[callback]),
+            caplog,
+        )
+        assert callback.ckpt.lease is None, "the lease is released at the exit"
     finally:
         callback.ckpt.close()
+    assert re.search(r"load_best_model_at_end=True is not supported.*keep_best", caplog.text), caplog.text
 
 
 class _Regression(__import__("torch").nn.Module):
@@ -396,11 +409,11 @@ def test_a_checkpoint_of_the_users_own_in_an_output_dir_other_than_staging_is_ne
     )
 
 
-def test_a_trainer_that_did_not_resume_from_the_newest_commit_is_refused_before_its_first_step(tmp_path):
+def test_a_trainer_that_did_not_resume_from_the_newest_commit_is_exit_2_before_its_first_step(
+    tmp_path, caplog
+):
     """A script that resumes the HF way (get_last_checkpoint(output_dir): None, since every checkpoint is moved
     into the store) trained from step 0 at every start: each spot stop lost everything since the first."""
-    from trainpod.errors import ConfigError
-
     trainer, callback = _regression_trainer(tmp_path / "run", max_steps=4)
     try:
         trainer.train()
@@ -409,10 +422,10 @@ def test_a_trainer_that_did_not_resume_from_the_newest_commit_is_refused_before_
     assert (tmp_path / "run/checkpoints/LATEST").read_text() == "step-4\n"
     trainer, callback = _regression_trainer(tmp_path / "run", max_steps=8)
     try:
-        with pytest.raises(ConfigError, match=r"starts at step 0.*resume_from_checkpoint=callback"):
-            trainer.train()
+        refused_with_exit_2(trainer.train, caplog)
     finally:
         callback.ckpt.close()
+    assert re.search(r"starts at step 0.*resume_from_checkpoint=callback", caplog.text), caplog.text
     assert trainer.state.global_step == 0, "refused before any step is trained"
     trainer, callback = _regression_trainer(tmp_path / "run", max_steps=8)
     _resume_to_the_end(trainer, callback)
@@ -664,3 +677,53 @@ def test_a_save_during_which_the_lease_was_taken_over_is_not_committed_and_every
     assert exited.value.code == 75
     assert not (run / "checkpoints/LATEST").exists() and not (run / "checkpoints/step-5").exists()
     assert json.loads((run / "LEASE").read_text())["owner"]["id"] == "rival", "the new writer's lease stays"
+
+
+REFUSED_TRAINERS = """
+import sys, torch
+from transformers import Trainer, TrainingArguments
+from trainpod import Checkpointer
+from trainpod.integrations.hf import TrainpodCallback
+class Regression(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(2, 1)
+    def forward(self, x, labels):
+        return {"loss": ((self.linear(x).squeeze(-1) - labels) ** 2).mean()}
+run = sys.argv[1]
+with Checkpointer(run) as ckpt:
+    ckpt.commit(4, model=Regression())
+callback = TrainpodCallback()
+rows = [{"x": x, "labels": x.sum()} for x in torch.randn(16, 2)]
+args = TrainingArguments(
+    output_dir=callback.staging_dir, max_steps=8, save_steps=2, report_to=[], use_cpu=True
+)
+trainer = Trainer(model=Regression(), args=args, train_dataset=rows, callbacks=[callback])
+trainer.train()  # not resumed from the run's step 4
+print("went on after the refusal")
+"""
+
+
+def test_a_script_whose_trainer_the_callback_refuses_exits_2_with_its_line_and_nothing_touched(tmp_path):
+    """The callback's ConfigError went out through the user's Trainer and script: a traceback and exit 1, a crash
+    that every start repeated (and counted) into the same refusal. Run alone (the callback takes the lease), the
+    lease is released and the run's checkpoints stay as they were. One case (7 s: transformers' import): the
+    refusal inside trainer.train(); the one when the Trainer is made ends through the same exit, tested above."""
+    run = tmp_path / "run"
+    said = "the Trainer starts at step 0, but the run's newest committed checkpoint is"
+    result = subprocess.run(
+        [sys.executable, "-c", REFUSED_TRAINERS, str(run)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "TRAINPOD_RUN_DIR": str(run)},
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output
+    assert "Traceback" not in output and "went on" not in output, output
+    *_, line, last = output.splitlines()
+    assert said in line and last == "exiting 2", output
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["LATEST", "step-4"]
+    assert (run / "checkpoints" / "LATEST").read_text().strip() == "step-4"
+    assert not list(run.glob("hf-staging/checkpoint-*")), "HF saved nothing"
+    assert not (run / "LEASE").exists(), "the lease is released at the exit"

@@ -16,14 +16,15 @@ checkpoint that verifies (older ones are tried in turn) or None; anything left i
 discarded (also when the callback is made, before HF's own get_last_checkpoint could find it); an output_dir
 other than staging is the user's, and its checkpoint-<N>/ folders are never deleted. A Trainer
 that starts below the newest committed step (it resumed from elsewhere, or not at all) is refused before
-its first step. On SIGTERM the step in flight ends, a save is made when the last one's duration (x 1.5;
+its first step: the program ends with the line and exit 2, the lease released. On SIGTERM the step in flight
+ends, a save is made when the last one's duration (x 1.5;
 HF's save and the commit, not an eval HF ran before it) fits the window, and the process exits 143 (a SIGTERM during a save: right after its commit).
 A SIGTERM during an eval lets it run on only while its rest (at the pace of its batches so far) and a save fit
 the window, the step then saved right after it; else the eval is abandoned at its next batch and the process
 exits 143 without a save (HF saves only after its eval): the steps since the last save are lost, not the run's
 lease and not a save cut short by the SIGKILL.
 
-Not supported: `load_best_model_at_end` (it wants HF's own folder layout; refused when the Trainer is made): use the
+Not supported: `load_best_model_at_end` (it wants HF's own folder layout; exit 2 when the Trainer is made): use the
 store's keep_best, which ranks each checkpoint by what HF logged at its step: `metric_for_best_model` where set
 (negated under `greater_is_better`), else the eval loss.
 """
@@ -38,7 +39,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
@@ -46,7 +47,13 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 import trainpod
 from trainpod.checkpoint.directory import commit_directory
 from trainpod.checkpoint.store import step_dir_name, step_of
-from trainpod.checkpointer import COMMIT_MARGIN, Checkpointer, exit_without_last_collection, on_any_rank
+from trainpod.checkpointer import (
+    COMMIT_MARGIN,
+    Checkpointer,
+    end_the_program,
+    exit_without_last_collection,
+    on_any_rank,
+)
 from trainpod.errors import ConfigError, ExitCode, TemporaryError
 from trainpod.log import secret_values
 
@@ -80,14 +87,12 @@ class TrainpodCallback(TrainerCallback):
     # ------------------------------------------------------------------------ HF's events
     def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **_: Any):
         if args.load_best_model_at_end:  # refused when the Trainer is made, before any paid training
-            raise ConfigError(
-                [
-                    "TrainingArguments.load_best_model_at_end=True is not supported with TrainpodCallback: each "
-                    "checkpoint-<N>/ is moved into the run's store when it is saved, so HF would not find the best "
-                    "one at the end and would keep the last weights instead. Set it to False, keep the best "
-                    "checkpoints with keep_best (TRAINPOD_KEEP_BEST, or checkpoint.keep_best in the command "
-                    "config) and load the one you want from checkpoints/step-<N>/"
-                ]
+            self._refuse(
+                "TrainingArguments.load_best_model_at_end=True is not supported with TrainpodCallback: each "
+                "checkpoint-<N>/ is moved into the run's store when it is saved, so HF would not find the best "
+                "one at the end and would keep the last weights instead. Set it to False, keep the best "
+                "checkpoints with keep_best (TRAINPOD_KEEP_BEST, or checkpoint.keep_best in the command "
+                "config) and load the one you want from checkpoints/step-<N>/"
             )
         return control
 
@@ -107,14 +112,12 @@ class TrainpodCallback(TrainerCallback):
             self._discard_staging()
         newest = step_of(self.ckpt.store._latest_name())
         if newest is not None and state.global_step < newest:
-            raise ConfigError(
-                [
-                    f"the Trainer starts at step {state.global_step}, but the run's newest committed checkpoint "
-                    f"is {self.ckpt.store.root / step_dir_name(newest)}: it would train again what is committed "
-                    "(every spot stop losing the steps since the start) and a save below that step is refused. "
-                    "Pass resume_from_checkpoint=callback.resume_from_checkpoint() to trainer.train(), or use "
-                    "a new run name to start over"
-                ]
+            self._refuse(
+                f"the Trainer starts at step {state.global_step}, but the run's newest committed checkpoint "
+                f"is {self.ckpt.store.root / step_dir_name(newest)}: it would train again what is committed "
+                "(every spot stop losing the steps since the start) and a save below that step is refused. "
+                "Pass resume_from_checkpoint=callback.resume_from_checkpoint() to trainer.train(), or use "
+                "a new run name to start over"
             )
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **_: Any):
@@ -262,6 +265,14 @@ class TrainpodCallback(TrainerCallback):
         for folder in (staging or Path(self.staging_dir)).glob(f"{PREFIX_CHECKPOINT_DIR}-*"):
             log.warning("discarding %s: HF was interrupted while writing it, it was never committed", folder)
             shutil.rmtree(folder, ignore_errors=True)
+
+    def _refuse(self, problem: str) -> NoReturn:
+        """End the program with the problem's line and exit 2, the lease released, on every rank (each meets the
+        same arguments and the same LATEST). Raised, the ConfigError went out through the user's Trainer and
+        script: a traceback and exit 1, a crash retried and counted at every start into the same refusal. It
+        comes before HF's first step and save (when the Trainer is made, or as train() begins): HF has written
+        nothing of the run, and nothing committed is touched."""
+        end_the_program(ConfigError([problem]), self.ckpt.close)
 
     def _exit(self, code: ExitCode) -> None:
         self.ckpt.close()

@@ -234,13 +234,15 @@ def test_a_commit_on_a_full_volume_exits_5_and_leaves_no_temp_folder(tmp_path, c
         (["--keep-last", "-1"], None, "--keep-last='-1'"),
         ([], "two", "TRAINPOD_KEEP_LAST='two'"),
         ([], "0", "TRAINPOD_KEEP_LAST='0'"),
+        ([], "³", "TRAINPOD_KEEP_LAST='³'"),  # a digit to str.isdigit, no number to int(): a ValueError
     ],
 )
 def test_a_retention_below_two_or_not_a_number_is_exit_2_naming_it(
     tmp_path, capsys, monkeypatch, args, env, named
 ):
-    """Was a traceback (exit 1) for a non-number or a negative count, and keep_last=1 was accepted: retention
-    then left no older checkpoint to fall back to when the newest fails verification."""
+    """Was a traceback (exit 1) for a non-number or a negative count ('³' too, which str.isdigit passes), and
+    keep_last=1 was accepted: retention then left no older checkpoint to fall back to when the newest fails
+    verification."""
     if env is not None:
         monkeypatch.setenv("TRAINPOD_KEEP_LAST", env)
     run = tmp_path / "run"
@@ -307,7 +309,8 @@ def test_commit_with_an_eval_loss_is_ranked_by_it(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize(("args", "env", "named"), [(["--keep-best", "-1"], None, "--keep-best='-1'"),
-                                                    ([], "one", "TRAINPOD_KEEP_BEST='one'")])  # fmt: skip
+                                                    ([], "one", "TRAINPOD_KEEP_BEST='one'"),
+                                                    ([], "³", "TRAINPOD_KEEP_BEST='³'")])  # fmt: skip
 def test_a_keep_best_that_is_not_a_whole_number_is_exit_2_naming_it(
     tmp_path, capsys, monkeypatch, args, env, named
 ):

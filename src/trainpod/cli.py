@@ -862,7 +862,8 @@ def _retention_count(flag: int | None, option: str, variable: str, least: int, p
     from trainpod.errors import InputError
 
     raw = str(flag) if flag is not None else os.environ.get(variable) or str(least)
-    if not raw.isdigit() or int(raw) < least:
+    # ASCII digits alone: '³' is a digit to str.isdigit but no number to int(), a ValueError traceback (exit 1)
+    if not (raw.isascii() and raw.isdigit()) or int(raw) < least:
         raise InputError(f"{option if flag is not None else variable}={raw!r}{problem}")
     return int(raw)
 

@@ -259,6 +259,19 @@ def test_reading_a_name_that_was_not_committed_ends_the_program_with_exit_2_nami
     assert re.search(said, caplog.text), caplog.text
 
 
+def test_restoring_the_rng_of_a_checkpoint_committed_without_it_ends_the_program_with_exit_2(
+    tmp_path, caplog
+):
+    """commit(rng=False) writes no rng.pt: restore_rng() was a FileNotFoundError out of the program's restore, a
+    traceback and exit 1 at every start."""
+    model, _ = trained_pair()
+    with Checkpointer(tmp_path / "run", watch_signals=False) as ckpt:
+        ckpt.commit(3, model=model, rng=False)
+        refused_with_exit_2(ckpt.restore().restore_rng, caplog)
+        assert not (tmp_path / "run/LEASE").exists(), "released"
+    assert "checkpoint step-3 holds no RNG state (rng.pt): it was committed with rng=False" in caplog.text
+
+
 def test_the_manifest_records_the_writer_and_every_file(tmp_path):
     model, optimizer = trained_pair()
     with Checkpointer(tmp_path / "run", watch_signals=False) as ckpt:

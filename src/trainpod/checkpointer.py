@@ -30,7 +30,8 @@ another writer exit 75, and a commit refused for its arguments (a step that is n
 LATEST, a state that would not load back) exit 2, nothing committed touched. So does any other refusal of this
 API, which every start of the program would meet again: a Checkpointer that cannot be made (no run folder, the
 checkpoints folder given for the run's, keep_last below 2, a TRAINPOD_* setting that is no number) and a restore
-asked for a state its checkpoint does not hold are exit 2 with their line, nothing written.
+asked for a state its checkpoint does not hold (RNG states too, after commit(rng=False)) are exit 2 with their
+line, nothing written.
 """
 
 from __future__ import annotations
@@ -186,6 +187,15 @@ class Restored:
                 self._rank,
                 missing,
                 self.step,
+            )
+        if not (self.path / RNG_FILE).exists():  # torch.load's FileNotFoundError: a traceback at every start
+            end_the_program(
+                InputError(
+                    f"checkpoint {self.path.name} holds no RNG state ({RNG_FILE}): it was committed with "
+                    "rng=False. Commit with rng=True (the default) to resume on the same random numbers, or leave "
+                    "restore_rng() out"
+                ),
+                self._close,
             )
         restore_rng(torch.load(self.path / RNG_FILE, weights_only=True))
 

@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from trainpod import Checkpointer
-from trainpod.errors import TemporaryError
 
 
 class TiedModel(torch.nn.Module):
@@ -129,13 +128,22 @@ def test_retention_keeps_the_newest_k(tmp_path):
     assert kept == ["step-3", "step-4"]
 
 
-def test_a_second_writer_on_the_same_run_is_refused_with_exit_75(tmp_path):
+def test_a_second_writer_on_the_same_run_ends_with_its_line_and_exit_75_the_first_ones_lease_kept(
+    tmp_path, caplog
+):
+    """Run alone, the TemporaryError out of open() was a traceback and exit 1: a crash counted, where the README's
+    table gives exit 75 for a run leased by another writer (a duplicate pod, not counted)."""
     second = Checkpointer(tmp_path / "run", watch_signals=False)
-    with (
-        Checkpointer(tmp_path / "run", watch_signals=False),
-        pytest.raises(TemporaryError, match="leased by another writer"),
-    ):
-        second.open()
+    with Checkpointer(tmp_path / "run", watch_signals=False) as first:
+        with (
+            caplog.at_level(logging.ERROR, logger="trainpod.checkpointer"),
+            pytest.raises(SystemExit) as exited,
+        ):
+            second.open()
+        assert exited.value.code == 75
+        assert "leased by another writer" in caplog.text and caplog.records[-1].getMessage() == "exiting 75"
+        assert second.lease is None and (tmp_path / "run/LEASE").exists(), "the first writer's lease stays"
+        assert first.lease is not None and not first.lease.lost.is_set()
 
 
 def test_under_the_command_workload_the_kit_holds_the_lease_for_the_program(tmp_path, monkeypatch):

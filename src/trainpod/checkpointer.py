@@ -26,7 +26,7 @@ alone, the Checkpointer takes it itself (rank 0's, under torchrun). One process 
 torchrun); each other rank saves its own RNG state beside the checkpoints (checkpoint/rank_rng.py).
 A commit that cannot land ends the program with one line and the README's exit code, as the kit's workloads
 end, not with a traceback and exit 1 (a crash, retried and counted): a full volume is exit 5, a lease lost to
-another writer exit 75, and a commit refused for its arguments (a step that is no whole number or older than
+another writer (or held by a live one at open()) exit 75, and a commit refused for its arguments (a step that is no whole number or older than
 LATEST, a state that would not load back) exit 2, nothing committed touched. So does any other refusal of this
 API, which every start of the program would meet again: a Checkpointer that cannot be made (no run folder, the
 checkpoints folder given for the run's, keep_last below 2, a TRAINPOD_* setting that is no number) and a restore
@@ -258,8 +258,13 @@ class Checkpointer:
         torchrun rank 0 takes it for every rank: another rank found it taken by rank 0 and exited 75."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if os.environ.get("TRAINPOD_LEASE_HELD") != "1" and self.lease is None and _rank() == 0:
-            self.lease = Lease(self.run_dir / "LEASE")
-            self.lease.acquire()
+            lease = Lease(self.run_dir / "LEASE")
+            try:
+                lease.acquire()
+            except TemporaryError as exc:  # another live writer (a duplicate pod): its line and exit 75, not
+                # a traceback and exit 1, a crash counted where the README's table leaves a duplicate uncounted
+                end_the_program(exc, lambda: None)
+            self.lease = lease
             # Released at any exit Python sees (sys.exit, the end of the script); after a SIGKILL the
             # next start takes the stale lease over (same host) or waits for its expiry (90 s).
             atexit.register(self.close)

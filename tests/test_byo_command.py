@@ -312,6 +312,40 @@ def test_a_budget_found_spent_after_the_program_exited_is_no_stop(tmp_path):
         program.sweep()
 
 
+COMMITS_AN_OLDER_STEP = {
+    "checkpointer.py": """
+import torch
+from trainpod import Checkpointer
+model = torch.nn.Linear(2, 2)
+with Checkpointer() as ckpt:
+    ckpt.commit(5, model=model)
+    ckpt.commit(3, model=model)  # refused: older than LATEST
+""",
+    "commit.sh": """
+for step in 5 3; do  # 3 is refused: older than LATEST
+  mkdir -p "out-$step" && echo "$step" > "out-$step/state.txt"
+  trainpod checkpoint commit "$TRAINPOD_RUN_DIR" --step "$step" "out-$step" >/dev/null || exit 75
+done
+""",
+}
+
+
+@pytest.mark.parametrize("name", sorted(COMMITS_AN_OLDER_STEP))
+def test_a_program_the_kits_checkpoint_api_refused_is_exit_2_and_not_started_again(tmp_path, name):
+    """A Checkpointer's or `trainpod checkpoint commit`'s refusal (here a step older than LATEST) ends the program
+    with exit 2, which the kit took for any failure: a start counted and retried (max_restarts here, then at every
+    pod start) into the same refusal until the crash-loop limit, each paying for the program's setup."""
+    config, volume = running_program(tmp_path, name, COMMITS_AN_OLDER_STEP[name], max_restarts=2)
+    interpreter = "python" if name.endswith(".py") else "sh"
+    config.write_text(config.read_text().replace("- python\n", f"- {interpreter}\n"))
+    result = run_trainpod("run", "command", "--config", str(config), volume=volume)
+    assert result.returncode == 2, result.stdout
+    assert "after the kit's checkpoint API refused it" in result.stdout and "step=3" in result.stdout
+    assert program_log(volume).count("--- started") == 1, "a refused program is not started again"
+    latest = (run_dir(volume) / "checkpoints" / "LATEST").read_text().strip()
+    assert latest == "step-5", "the committed checkpoint stays LATEST"
+
+
 COMMITS_ON_STOP = """
 import time
 import torch

@@ -55,6 +55,7 @@ import safetensors.torch
 import torch
 
 import trainpod
+from trainpod import refusal
 from trainpod.checkpoint import CheckpointStore, CommittedCheckpoint, Lease
 from trainpod.checkpoint.directory import (
     refuse_a_checkpoints_folder_for_a_run,
@@ -427,6 +428,7 @@ def end_the_program(error: TrainpodError, close: Callable[[], None]) -> NoReturn
     first) and bad input exit 2 (the fix is in the program)."""
     log.error("%s", error)
     log.error("exiting %d", error.exit_code)
+    refusal.record(error)  # bad input: the kit's command workload does not start the program again
     close()
     _leave_process_group()
     exit_without_last_collection(error.exit_code)

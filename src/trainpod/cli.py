@@ -761,6 +761,7 @@ def checkpoint(
     import logging
     import signal
 
+    from trainpod import refusal
     from trainpod.checkpoint import CheckpointStore
     from trainpod.checkpoint.directory import commit_directory, verify_committed
     from trainpod.checkpoint.lease import foreign_writer, held_by_another
@@ -811,6 +812,8 @@ def checkpoint(
         return ExitCode.DONE
     except TrainpodError as exc:
         logging.getLogger("trainpod").error("%s", exc)
+        if action == "commit":  # what the program asked is refused: the kit's command workload is told
+            refusal.record(exc)
         return int(exc.exit_code)
 
 

@@ -16,10 +16,12 @@ callback, or `trainpod checkpoint commit`). How it ends:
 | is over TRAINPOD_BUDGET_USD: SIGTERM, the window, then SIGKILL | 3 |
 | loses the run's lease to another writer: SIGKILL at once, so no commit of its lands | 75 |
 | exits with anything else (1, 2, 3, killed, ...), after `max_restarts` tries | 75: a failed start, counted; FAILED after TRAINPOD_MAX_FAILED_STARTS in a row |
+| fails after the kit's own API refused its input (a Checkpointer's, `trainpod checkpoint commit`'s or the HF callback's exit 2: a step older than LATEST, a state that would not load back; trainpod/refusal.py) | 2 at once: every start would be refused the same way |
 | fails with less free on the volume than the run's newest checkpoint takes, or before its first commit with its last output lines saying the disk is full (its Checkpointer's exit 5, an ENOSPC traceback naming no file off the volume) | 5 at once: the next commit cannot land |
 
 A program's own exit 2 or 3 is not taken as "bad input" or "budget": the kit cannot know what a
-program means by them, and a failed start is bounded by the crash-loop limit anyway.
+program means by them, and a failed start is bounded by the crash-loop limit anyway. Its own API's
+refusals it knows: they are written to TRAINPOD_REFUSAL_FILE, on the container's disk.
 """
 
 from __future__ import annotations
@@ -30,12 +32,13 @@ import os
 import shutil
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from trainpod import atomic, cost
+from trainpod import atomic, cost, refusal
 from trainpod.checkpoint import CheckpointStore
 from trainpod.config.command import CommandConfig, what_it_runs
 from trainpod.context import RunContext
@@ -70,30 +73,46 @@ def preflight(ctx: RunContext, config: CommandConfig) -> None:
 def run(ctx: RunContext, config: CommandConfig) -> dict[str, Any]:
     workdir = resolve_workdir(config, ctx.volume)
     argv = [resolve_program(config, workdir, program_path(config)), *config.command[1:]]
-    env = program_env(ctx, config)
     status = CommandStatus(ctx, config)
     restarts = 0
-    while True:
-        program = Program(argv, workdir, env, ctx.run.logs / "program.log")
-        code, stopped_by = _supervise(program, ctx, config, status)
-        status.write("exited", program)
-        _raise_if_stopped(code, stopped_by, status)
-        if code == 0:
-            return {
-                "exit_code": 0,
-                "restarts": restarts,
-                "checkpoint": status.latest(),
-                "elapsed_s": status.elapsed(),
-            }
-        _raise_if_no_checkpoint_fits(status, argv[0], code, program.last_lines)
-        if restarts >= config.max_restarts:
-            raise ProgramFailed(
-                f"{argv[0]} exited with {code} (after {restarts} restart(s), max_restarts={config.max_restarts}); "
-                f"its output is in {ctx.run.logs / 'program.log'}"
+    with tempfile.TemporaryDirectory(prefix="trainpod-program-") as scratch:  # the container's disk
+        refusal_file = Path(scratch) / "refusal.txt"
+        env = program_env(ctx, config) | {refusal.REFUSAL_FILE_ENV: str(refusal_file)}
+        while True:
+            refusal_file.unlink(missing_ok=True)  # a refusal said in an earlier try is that try's
+            program = Program(argv, workdir, env, ctx.run.logs / "program.log")
+            code, stopped_by = _supervise(program, ctx, config, status)
+            status.write("exited", program)
+            _raise_if_stopped(code, stopped_by, status)
+            if code == 0:
+                return {
+                    "exit_code": 0,
+                    "restarts": restarts,
+                    "checkpoint": status.latest(),
+                    "elapsed_s": status.elapsed(),
+                }
+            _raise_if_no_checkpoint_fits(status, argv[0], code, program.last_lines)
+            _raise_if_refused(argv[0], code, refusal_file)
+            if restarts >= config.max_restarts:
+                raise ProgramFailed(
+                    f"{argv[0]} exited with {code} (after {restarts} restart(s), max_restarts={config.max_restarts}); "
+                    f"its output is in {ctx.run.logs / 'program.log'}"
+                )
+            restarts += 1
+            log.warning(
+                "%s exited with %d; starting it again (%d/%d)", argv[0], code, restarts, config.max_restarts
             )
-        restarts += 1
-        log.warning(
-            "%s exited with %d; starting it again (%d/%d)", argv[0], code, restarts, config.max_restarts
+
+
+def _raise_if_refused(program: str, code: int, refusal_file: Path) -> None:
+    """A program that failed after the kit's own API refused its input (trainpod/refusal.py) fails the same way
+    at every start: exit 2, the line saying what to change, not a counted retry. Under torchrun the refused
+    rank's exit 2 reaches the kit as torchrun's 1: any failure after a refusal is the refusal's."""
+    said = refusal.read(refusal_file)
+    if said is not None:
+        raise InputError(
+            f"{program} exited with {code} after the kit's checkpoint API refused it; every start would end the "
+            f"same way, so it is not started again: {said}"
         )
 
 

@@ -142,6 +142,20 @@ def test_a_rerun_pushes_nothing_and_a_changed_source_pushes_a_new_commit(
     assert json.loads(record.read_text())["commit"] == repo.branches["main"]
 
 
+def test_status_says_where_on_the_hub_the_run_was_pushed(
+    volume: Path, hub: FakeHub, at_hub, capsys: pytest.CaptureFixture
+) -> None:
+    from trainpod import cli
+
+    export_folder(volume)
+    push_here(volume, revision="exp")
+    commit = hub.repos[REPO].branches["exp"]
+    capsys.readouterr()
+    assert cli.main(["status", RUN, "--volume", str(volume)]) == 0
+    shown = capsys.readouterr().out
+    assert f"on the hub  {REPO}@exp: merged, commit {commit[:12]} ({hub.url}/{REPO})" in shown, shown
+
+
 def test_a_missing_branch_is_made_and_a_public_repo_is_made_public(
     volume: Path, hub: FakeHub, at_hub
 ) -> None:

@@ -711,12 +711,21 @@ def test_status_and_ls_read_the_volume_through_s3_from_a_laptop(bucket, tmp_path
     )
     raw.put_object(Bucket=name, Key="datasets/half/train_000000.bin", Body=b"123")
     raw.put_object(Bucket=name, Key="runs/r/loss.png", Body=b"\x89PNG")
+    pushed = {
+        "repo_id": "me/r",
+        "revision": "main",
+        "source": "merged",
+        "commit": "c0ffee" * 7,
+        "url": "https://hf.co/me/r",
+    }
+    raw.put_object(Bucket=name, Key="runs/r/hub/me--r@main.json", Body=json.dumps(pushed).encode())
     status = trainpod(env, "status", "r")
     assert status.returncode == 0, status.stdout + status.stderr
     assert f"volume {name} ({DC}) through S3" in status.stdout
     assert "r: running | step 10/100 (10%) | loss 2.5000" in status.stdout
     # Not the path of the temporary copy status read, which is gone when it ends.
     assert "loss curve  runs/r/loss.png on the volume" in status.stdout, status.stdout
+    assert "on the hub  me/r@main: merged, commit c0ffeec0ffee (https://hf.co/me/r)" in status.stdout
     listing = trainpod(env, "ls")
     assert listing.returncode == 0, listing.stdout + listing.stderr
     assert "datasets/tiny-stories: tokens," in listing.stdout

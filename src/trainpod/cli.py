@@ -157,6 +157,11 @@ def _status_here(run_name: str | None, vol: Volume, snapshot: bool = False) -> i
             print(f"  loss curve  {where}")
         if run.tensorboard.is_dir() and not snapshot:
             print(f"  tensorboard --logdir {run.tensorboard}")
+        for push in run.hub_pushes():
+            print(
+                f"  on the hub  {push['repo_id']}@{push['revision']}: {push['source']}, commit "
+                f"{str(push['commit'])[:12]} ({push['url']})"
+            )
     _print_pods(run_name, names)
     return ExitCode.DONE
 

@@ -115,6 +115,22 @@ class RunDir:
         """Records of the export folders convert's hub tasks pushed to the Hugging Face Hub (convert/hub.py)."""
         return self.root / "hub"
 
+    def hub_pushes(self) -> list[dict[str, Any]]:
+        """The records in `hub`, one per repo and branch, as `trainpod status` shows them; an unreadable one is
+        skipped (status says what it can)."""
+        pushes = []
+        for path in sorted(self.hub.glob("*.json")):
+            try:
+                record = atomic.read_json(path)
+            except (OSError, ValueError):
+                continue
+            if (
+                isinstance(record, dict)
+                and {"repo_id", "revision", "source", "commit", "url"} <= record.keys()
+            ):
+                pushes.append(record)
+        return pushes
+
     @property
     def logs(self) -> Path:
         return self.root / "logs"

@@ -141,10 +141,12 @@ def volume_lines(files: VolumeFiles) -> list[str]:
 
 
 def snapshot_runs(files: VolumeFiles, names: list[str] | None, into: Path) -> Volume:
-    """Copy each run's top-level small files (and checkpoints/LATEST) into `into`, as a local volume."""
+    """Copy each run's top-level small files, checkpoints/LATEST and the records of its hub pushes (hub/) into
+    `into`, as a local volume."""
     for name in names if names else files.folders("runs/"):
         base = f"runs/{name}/"
         wanted = [n for n, size in files.files(base).items() if size <= SNAPSHOT_MAX_BYTES]
+        wanted += [f"hub/{n}" for n, size in files.files(base + "hub/").items() if size <= SNAPSHOT_MAX_BYTES]
         for rel in [*wanted, f"checkpoints/{LATEST}"]:
             data = files.read(base + rel)
             if data is not None:

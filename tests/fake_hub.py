@@ -10,6 +10,7 @@ uploads through Xet, which no fake can serve: tests set HF_HUB_DISABLE_XET=1):
     POST /<owner>/<name>.git/info/lfs/objects/batch     {objects: [{oid, size}]} -> upload hrefs back here
     PUT  /lfs-objects/<oid>                             the object's bytes, checked against oid and size
     POST /api/models/<owner>/<name>/commit/<rev>        NDJSON: header, file (base64), lfsFile (oid)
+    POST /api/validate-yaml                             {content}: a README.md's metadata, before its commit
     GET  /api/models/<owner>/<name>[/revision/<rev>]    repo info with the branch's head
 
 Every /api and .git request needs `Authorization: Bearer <token>`: a token in `tokens` with "write" may
@@ -29,6 +30,8 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import unquote, urlsplit
+
+import yaml
 
 LFS_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf", ".npz")  # the Hub's default .gitattributes, in part
 LFS_MIN_BYTES = 10 << 20  # larger text files go to LFS too
@@ -68,6 +71,7 @@ class FakeHub:
         self.lfs: dict[str, bytes] = {}  # oid -> content
         self.fail: dict[str, int | str] = {}
         self.requests: list[tuple[str, str]] = []  # (method, path), in order
+        self.model_cards: list[dict[str, Any]] = []  # the README.md metadata commits had validated
         self.lock = threading.Lock()
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
@@ -144,6 +148,8 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
                 return self._create_repo(json.loads(body))
             if path.endswith(".git/info/lfs/objects/batch"):
                 return self._lfs_batch(json.loads(body))
+            if path == "/api/validate-yaml":
+                return self._validate_yaml(json.loads(body))
             if parts[:2] != ["api", "models"] or len(parts) < 4:
                 return self._reply(404, {"error": f"no route {method} {path}"})
             repo = hub.repos.get(f"{parts[2]}/{parts[3]}")
@@ -163,6 +169,21 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
                     200, {"id": repo.repo_id, "private": repo.private, "sha": repo.branches.get(rest)}
                 )
             return self._reply(404, {"error": f"no route {method} {path}"})
+
+        def _validate_yaml(self, payload: dict[str, Any]) -> None:
+            """A commit with a README.md has its metadata (the YAML between its first two '---' lines) checked."""
+            content = payload["content"]
+            front = (
+                content.split("---", 2)[1] if content.startswith("---") and content.count("---") >= 2 else ""
+            )
+            try:
+                metadata = yaml.safe_load(front) or {}
+            except yaml.YAMLError as exc:
+                return self._reply(400, {"errors": [{"message": f"invalid YAML: {exc}"}]})
+            if not isinstance(metadata, dict):
+                return self._reply(400, {"errors": [{"message": "the metadata is not a mapping"}]})
+            hub.model_cards.append(metadata)
+            self._reply(200, {"warnings": []})
 
         def _create_repo(self, payload: dict[str, Any]) -> None:
             repo_id = f"{payload['organization']}/{payload['name']}"

@@ -317,6 +317,14 @@ def test_a_merge_then_a_push_in_one_config_pushes_the_folder_the_merge_made(
     assert {k: v for k, v in hub.repos[REPO].tree("main").items() if k != ".gitattributes"} == pushed_files(
         merged
     )
+    assert "README.md" in pushed_files(merged), "the merge's model card goes up with it"
+    assert hub.model_cards == [
+        {
+            "library_name": "transformers",
+            "pipeline_tag": "text-generation",
+            "tags": ["trainpod", "lora", "merged"],
+        }
+    ]
 
 
 def test_a_push_before_the_task_that_makes_its_source_is_exit_2(

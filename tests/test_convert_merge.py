@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
+from huggingface_hub import ModelCard
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
@@ -104,6 +105,10 @@ def test_transformers_loads_and_generates_with_the_sharded_merged_model(vol: Vol
     assert (logits - peft_logits(base, adapter_dir(vol))).abs().max().item() <= 1e-4
     assert generated.shape == (1, len(INPUT_IDS[0]) + 5)
     assert tokenizer.decode(generated[0, -5:]).strip(), "the tokenizer must travel with the model"
+    card = ModelCard.load(out / "README.md")  # the page a push to the Hub shows
+    assert card.data.library_name == "transformers" and card.data.pipeline_tag == "text-generation"
+    assert card.data.base_model is None, "a base on the volume is no Hub model to link to"
+    assert "float32" in card.text and "AutoModelForCausalLM.from_pretrained" in card.text
 
 
 @pytest.mark.parametrize(
@@ -323,8 +328,11 @@ def test_a_hub_base_is_fetched_at_the_revision_the_finetune_pinned(
         "base_model_revision": "abc123",
     }
     make_adapter(base, adapter_dir(vol), summary=summary)
-    merge(vol)
+    out = merge(vol)
     assert asked == [("org/tiny-base", "abc123", "hf")], "the finetune's revision, in the finetune's cache"
+    card = ModelCard.load(out / "README.md")
+    assert card.data.base_model == "org/tiny-base", "the Hub links a pushed merge to its hub base"
+    assert "`org/tiny-base` at commit `abc123`" in card.text
 
 
 def test_a_hub_base_the_finetune_downloaded_merges_offline_at_its_pinned_commit(

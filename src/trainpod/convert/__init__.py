@@ -294,6 +294,8 @@ def _merge(task: MergeTask, sources: AdapterInputs, export_root: Path) -> Output
             quantization,
             task.qlora_base,
             task.max_shard_bytes,
+            sources.base_name,
+            sources.base_revision,
         ),
     )
 

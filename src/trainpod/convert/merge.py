@@ -29,6 +29,7 @@ from trainpod.convert.adapter import (
     base_weight_shapes,
     vision_module_shapes,
 )
+from trainpod.convert.card import MODEL_CARD, merged_model_card
 from trainpod.convert.output import Staging
 from trainpod.diskspace import check_room
 from trainpod.errors import InputError
@@ -212,8 +213,12 @@ def write_merged(
     quantization: dict[str, Any] | None,
     qlora_base: str,
     max_shard_size: int | str,
+    base_name: str,
+    base_revision: str | None,
 ) -> None:
-    """The merged model (weights, config, tokenizer) into `staging.folder` (created here).
+    """The merged model (weights, config, tokenizer, model card) into `staging.folder` (created here).
+    `base_name`, `base_revision`: the base as the finetune named it, and the hub commit it trained on (a hub
+    base only), for the model card.
 
     Plain LoRA is merged tensor by tensor (tensor_merge, the same arithmetic as peft's); the rest by peft.
     """
@@ -259,6 +264,8 @@ def write_merged(
         # it a model finetuned on a template was prompted with plain text.
         summary = adapter.folder / TRAINING_SUMMARY
         staging.write_file(TRAINING_SUMMARY, summary.read_bytes())
+    card = merged_model_card(adapter.summary, base_name, base_revision, dtype, dequantize, vision is not None)
+    staging.write_file(MODEL_CARD, card.encode("utf-8"))
 
 
 def merged_weight_bytes(base_dir: Path, dtype: str) -> int:

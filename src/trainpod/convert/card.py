@@ -1,0 +1,91 @@
+"""The model card (README.md) of a merged model: what a folder pushed to the Hugging Face Hub (a convert `hub`
+task) shows on its page, and what a person handed the folder reads first.
+
+The metadata is huggingface_hub's ModelCardData: `base_model` (a hub base only: the Hub links the model to it
+and lists it among the base's finetunes; a folder on the volume means nothing elsewhere), `library_name`,
+`pipeline_tag` and tags. The text says how it was made from training_summary.json and how to load it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+MODEL_CARD = "README.md"
+
+
+def merged_model_card(
+    summary: dict[str, Any] | None,
+    base_name: str,
+    base_revision: str | None,
+    dtype: str,
+    dequantized: bool,
+    vision: bool,
+) -> str:
+    """README.md for a merged model. `base_revision`: the commit of the hub id `base_name` the finetune trained
+    on, set only for a hub base."""
+    from huggingface_hub import ModelCardData
+
+    summary = summary or {}
+    method = str(summary.get("method") or "lora")
+    data = ModelCardData(
+        base_model=base_name if base_revision else None,
+        library_name="transformers",
+        pipeline_tag="image-text-to-text" if vision else "text-generation",
+        tags=["trainpod", method, "merged"],
+    )
+    pinned = f" at commit `{base_revision}`" if base_revision else ""
+    into = (
+        "the base's weights rounded to 4 bits and back, those QLoRA trained it against, so that the model "
+        "computes what the finetuned one did"
+        if dequantized
+        else "the base's weights"
+    )
+    loader = "AutoModelForImageTextToText" if vision else "AutoModelForCausalLM"
+    return f"""---
+{data.to_yaml()}
+---
+
+# Finetuned `{base_name}`
+
+`{base_name}`{pinned}, finetuned with trainpod ({_method_line(summary, method)}). The adapter was merged
+in float32 into {into}, and saved as {dtype}.
+
+{_training_table(summary)}
+```python
+from transformers import AutoTokenizer, {loader}
+
+model = {loader}.from_pretrained("<this folder or its Hub repo id>", dtype="auto")
+tokenizer = AutoTokenizer.from_pretrained("<this folder or its Hub repo id>")
+```
+
+`training_summary.json` beside the weights holds everything the run recorded (data, settings, results).
+"""
+
+
+def _method_line(summary: dict[str, Any], method: str) -> str:
+    lora = summary.get("lora") or {}
+    shape = f", rank {lora['r']}, alpha {lora['alpha']:g}" if "r" in lora and "alpha" in lora else ""
+    return f"{method}{shape}"
+
+
+def _training_table(summary: dict[str, Any]) -> str:
+    """The run's results and data as a table; '' when the summary records none."""
+    results, data = summary.get("results") or {}, summary.get("data") or {}
+    rows = [
+        ("steps", results.get("step")),
+        ("epochs", results.get("epoch")),
+        ("final train loss", _number(results.get("loss"))),
+        ("final eval loss", _number(results.get("eval_loss"))),
+        ("training samples", data.get("train_samples")),
+        ("prompt format", data.get("template")),
+        ("sequence length", data.get("cutoff_len")),
+    ]
+    shown = [(name, value) for name, value in rows if value is not None]
+    if not shown:
+        return ""
+    lines = ["| training | |", "| --- | --- |", *(f"| {name} | {value} |" for name, value in shown)]
+    return "\n".join(lines) + "\n"
+
+
+def _number(value: Any) -> str | None:
+    return f"{value:.4f}" if isinstance(value, int | float) else None

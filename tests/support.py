@@ -175,3 +175,16 @@ def small_filesystem(folder: Path, size: str) -> Iterator[Path]:
         yield folder
     finally:
         subprocess.run(["umount", "-l", str(folder)], check=True)
+
+
+def refused_with_exit_2(call, caplog) -> None:
+    """`call()` ends the program with exit 2 and its line, as the kit's checkpoint API ends a program it refuses
+    (trainpod.checkpointer.end_the_program): the test's process sees the SystemExit."""
+    import logging
+
+    import pytest
+
+    with caplog.at_level(logging.ERROR, logger="trainpod.checkpointer"), pytest.raises(SystemExit) as exited:
+        call()
+    assert exited.value.code == 2, caplog.text
+    assert caplog.records[-1].getMessage() == "exiting 2", caplog.text

@@ -16,6 +16,8 @@ import torch
 
 from trainpod import Checkpointer
 
+from support import refused_with_exit_2
+
 
 class TiedModel(torch.nn.Module):
     def __init__(self):
@@ -311,14 +313,6 @@ def test_a_cuda_model_optimizer_and_cuda_rng_round_trip_exactly(tmp_path):
     for name, tensor in model.state_dict().items():
         assert torch.equal(fresh.state_dict()[name], tensor), name
     assert fresh.embed.weight.device.type == "cuda"
-
-
-def refused_with_exit_2(commit, caplog) -> None:
-    """`commit()` ends the program with exit 2 and one error line (the test's process sees the SystemExit)."""
-    with caplog.at_level(logging.ERROR, logger="trainpod.checkpointer"), pytest.raises(SystemExit) as exited:
-        commit()
-    assert exited.value.code == 2, caplog.text
-    assert caplog.records[-1].getMessage() == "exiting 2", caplog.text
 
 
 def test_a_step_older_than_latest_is_exit_2_and_the_newer_checkpoints_stay(tmp_path, caplog):
@@ -791,6 +785,19 @@ print("went on after the refused commit")
 """
 
 
+def exits_2(program: str, run, refused: str) -> str:
+    """Run `program` (python -c) on the run folder `run` with the case `refused`: its output, once it exited 2."""
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-c", program, str(run), refused], capture_output=True, text=True, timeout=120
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output
+    return output
+
+
 @pytest.mark.parametrize(
     "refused, said",
     [
@@ -804,18 +811,8 @@ def test_a_program_whose_commit_is_refused_exits_2_with_one_line_and_the_committ
 ):
     """The README promises exit 2 for these: the refusal was an InputError out of the program's loop, a traceback
     and exit 1, a crash that every start repeated (and counted) into the same refusal."""
-    import subprocess
-    import sys
-
     run = tmp_path / "run"
-    result = subprocess.run(
-        [sys.executable, "-c", REFUSED_COMMITS, str(run), refused],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    output = result.stdout + result.stderr
-    assert result.returncode == 2, output
+    output = exits_2(REFUSED_COMMITS, run, refused)
     assert said in output and "Traceback" not in output and "went on" not in output, output
     assert (run / "checkpoints" / "LATEST").read_text().strip() == "step-10"
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["LATEST", "step-10"], (
@@ -859,18 +856,8 @@ def test_a_program_whose_checkpointer_or_restore_is_refused_exits_2_with_one_lin
     """Each was an error out of the program (InputError; a ValueError for '\u00b3'): a traceback and exit 1, a
     crash that every start repeated (and counted) into the same refusal. The committed step stays as it was, no
     store is made in the wrong folder, and the lease is released."""
-    import subprocess
-    import sys
-
     run = tmp_path / "run"
-    result = subprocess.run(
-        [sys.executable, "-c", REFUSED_SETUPS, str(run), refused],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    output = result.stdout + result.stderr
-    assert result.returncode == 2, output
+    output = exits_2(REFUSED_SETUPS, run, refused)
     assert "Traceback" not in output and "went on" not in output, output
     *_, line, last = output.splitlines()
     assert said in line and last == "exiting 2", output

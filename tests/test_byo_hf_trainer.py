@@ -7,7 +7,6 @@ byte, as an uninterrupted one.
 
 from __future__ import annotations
 
-import logging
 import os
 import re
 import signal
@@ -19,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from support import REPO, run_trainpod, start_trainpod
+from support import REPO, refused_with_exit_2, run_trainpod, start_trainpod
 
 pytestmark = pytest.mark.slow
 RUN = "hf-trainer"
@@ -157,14 +156,6 @@ def test_every_rank_stops_at_the_same_step_when_sigterm_reached_only_one_of_them
     mp.spawn(_rank_decides_at_step_end, args=args, nprocs=2, join=True)
     decisions = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert decisions == [True, True], "rank 0 must save with rank 1, which saw the SIGTERM"
-
-
-def refused_with_exit_2(call, caplog) -> None:
-    """`call()` ends the program with exit 2 and its line (the test's process sees the SystemExit)."""
-    with caplog.at_level(logging.ERROR, logger="trainpod.checkpointer"), pytest.raises(SystemExit) as exited:
-        call()
-    assert exited.value.code == 2, caplog.text
-    assert caplog.records[-1].getMessage() == "exiting 2", caplog.text
 
 
 def test_load_best_model_at_end_is_exit_2_when_the_trainer_is_made_not_ignored_at_its_end(tmp_path, caplog):

@@ -179,12 +179,15 @@ def test_config_fields_lists_every_field_with_type_default_and_description(capsy
 def test_config_fields_of_convert_lists_each_task_kinds_own_fields(capsys):
     assert cli.main(["config", "fields", "convert"]) == 0
     out = capsys.readouterr().out
-    assert re.search(r"^task\s+list\[MlxTask \| MergeTask \| ExportTask\]\s+default \(required\)$", out, re.M)
+    assert re.search(
+        r"^task\s+list\[MlxTask \| MergeTask \| ExportTask \| HubTask\]\s+default \(required\)$", out, re.M
+    )
     assert re.search(
         r"^task\[kind=merge\]\.qlora_base\s+one of: dequantized, original\s+default 'dequantized'$", out, re.M
     )
     assert re.search(r"^task\[kind=export\]\.step\s+int \| one of: latest\s+default 'latest'$", out, re.M)
     assert re.search(r"^task\[kind=mlx\]\.output\s+str\s+default 'mlx'$", out, re.M)
+    assert re.search(r"^task\[kind=hub\]\.private\s+bool\s+default True$", out, re.M)
 
 
 @pytest.mark.parametrize("workload", sorted(cli._config_types()))

@@ -669,6 +669,17 @@ def test_a_retention_variable_that_is_no_whole_number_is_exit_2_naming_it(
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("value", ["five", "nan", "inf", "-3"])
+def test_a_stop_window_that_is_no_number_of_seconds_is_exit_2_naming_it(tmp_path, monkeypatch, caplog, value):
+    """float() took 'nan', 'inf' and '-3' for TRAINPOD_PREEMPTION_WINDOW_S: a window no commit at a stop could be
+    measured against."""
+    monkeypatch.setenv("TRAINPOD_PREEMPTION_WINDOW_S", value)
+    refused_with_exit_2(lambda: Checkpointer(tmp_path / "run", watch_signals=False), caplog)
+    assert f"TRAINPOD_PREEMPTION_WINDOW_S={value!r} is not a number of seconds >= 0" in caplog.text, (
+        caplog.text
+    )
+
+
 class TakenOverWhileItsStateIsRead:
     """A state whose state_dict() takes long (a gather of a large model, a stalled network volume): meanwhile
     another pod takes the run's lease over, and this process's heartbeat finds it taken."""

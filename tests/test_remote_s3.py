@@ -770,6 +770,16 @@ def test_a_part_size_that_is_not_a_number_exits_2_naming_it(bucket, tmp_path):
     assert "TRAINPOD_S3_PART_MB='64MB' is not a whole number" in result.stdout, result.stdout
 
 
+def test_a_part_size_of_a_digit_that_is_no_number_is_exit_2_naming_it():
+    """'³' is a digit to str.isdigit but no number to int(): a ValueError traceback (exit 1)."""
+    from trainpod.errors import InputError
+    from trainpod.remote.s3 import S3Target, VolumeS3
+
+    target = S3Target("vol", DC, "http://127.0.0.1:9")
+    with pytest.raises(InputError, match="TRAINPOD_S3_PART_MB='³' is not a whole number"):
+        VolumeS3(target, environ={"TRAINPOD_S3_PART_MB": "³"})
+
+
 def test_a_download_continued_past_the_end_of_a_file_that_shrank_since_its_listing_reads_it_whole(
     bucket, tmp_path
 ):

@@ -42,6 +42,7 @@ import gc
 import io
 import json
 import logging
+import math
 import os
 import pickle
 import re
@@ -81,11 +82,16 @@ ASSUMED_VOLUME_BYTES_PER_S = 200e6  # network volumes write 200-400 MB/s; before
 
 
 def _env_float(name: str, default: float) -> float:
+    """Seconds: a finite number >= 0. float() takes 'nan', 'inf' and '-3', and a stop window of those made every
+    commit at a stop `commit_fits` (nan compares false) or none."""
     raw = os.environ.get(name)
     try:
-        return float(raw) if raw else default
+        seconds = float(raw) if raw else default
     except ValueError:
-        raise InputError(f"{name}={raw!r} is not a number of seconds; set it like {name}=5") from None
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds >= 0):
+        raise InputError(f"{name}={raw!r} is not a number of seconds >= 0; set it like {name}=5")
+    return seconds
 
 
 def _env_int(name: str, default: int) -> int:

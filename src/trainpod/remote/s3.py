@@ -266,7 +266,7 @@ class VolumeS3:
         self.target, self.sleep = target, sleep
         self.bucket = target.volume_id
         raw_mb = (environ.get(PART_MB_ENV) or str(DEFAULT_PART_MB)).strip()
-        if not raw_mb.isdigit():
+        if not (raw_mb.isascii() and raw_mb.isdigit()):  # '³' is a digit to isdigit, no number to int()
             raise InputError(
                 f"{PART_MB_ENV}={raw_mb!r} is not a whole number of MiB; set it like {PART_MB_ENV}=64 "
                 f"(at least {MIN_PART_MB}), or unset it for {DEFAULT_PART_MB}"

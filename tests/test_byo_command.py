@@ -283,11 +283,13 @@ def test_a_spent_budget_stops_the_program_and_exits_3(tmp_path):
     assert json.loads((run_dir(volume) / "status.json").read_text())["cost_usd"] >= 2
 
 
-def test_a_budget_found_spent_after_the_program_exited_is_no_stop(tmp_path):
+@pytest.mark.parametrize(("exit_code", "stop"), [(0, None), (1, "budget")], ids=["finished", "failed"])
+def test_a_budget_found_spent_after_the_program_finished_is_no_stop(tmp_path, exit_code, stop):
     """The program's own finish raced the budget: the kit's loop saw it running, it exited 0, then the kit found
     the budget spent and stopped a program that had exited (exit 3, no DONE, the run FAILED with its work done).
-    The race is forced: the program has exited when the budget is looked at. The run's context and its cost are
-    stand-ins (a budget of $1, $2 spent); the program is a real process."""
+    A failure in that race stays the budget's (not a start again, stopped at once). The race is forced: the
+    program has exited when the budget is looked at. The run's context and its cost are stand-ins (a budget of
+    $1, $2 spent); the program is a real process."""
     from types import SimpleNamespace
 
     from trainpod.program import Program
@@ -297,17 +299,19 @@ def test_a_budget_found_spent_after_the_program_exited_is_no_stop(tmp_path):
         watch=SimpleNamespace(requested=False), lease_lost=lambda: False, budget_usd=1.0
     )
     spent = SimpleNamespace(cost_usd=lambda: 2.0)
-    finishes_on_go = "import os, time\nwhile not os.path.exists('go'): time.sleep(0.01)"  # then exits 0
-    argv = [sys.executable, "-c", finishes_on_go]
-    program = Program(argv, tmp_path, dict(os.environ), tmp_path / "program.log")
+    exits_on_go = "import os, sys, time\nwhile not os.path.exists('go'): time.sleep(0.01)\nsys.exit(int(open('go').read()))"
+    program = Program(
+        [sys.executable, "-c", exits_on_go], tmp_path, dict(os.environ), tmp_path / "program.log"
+    )
     program.start()
     try:
         assert command._stop_to_make(context, spent, program) == "budget", "running: the budget stops it"
-        (tmp_path / "go").touch()
-        assert program.proc.wait(timeout=60) == 0  # it finished after the loop's look, before the budget's
-        assert command._stop_to_make(context, spent, program) is None, (
-            "exited: its exit decides, not the budget"
-        )
+        (tmp_path / "go.tmp").write_text(str(exit_code))
+        (tmp_path / "go.tmp").rename(tmp_path / "go")  # whole when it appears
+        assert (
+            program.proc.wait(timeout=60) == exit_code
+        )  # it exited after the loop's look, before the budget's
+        assert command._stop_to_make(context, spent, program) == stop
     finally:
         program.sweep()
 

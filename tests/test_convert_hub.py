@@ -179,6 +179,21 @@ def test_a_missing_hf_token_is_exit_2_before_anything_is_written(volume: Path, h
     assert tree_snapshot(volume) == before, "the preflight wrote to the volume (a lease, a run folder)"
 
 
+def test_huggingface_hubs_offline_mode_is_exit_2_naming_it_before_any_request(
+    volume: Path, hub: FakeHub, at_hub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """HF_HUB_OFFLINE=1 (set for reading a hub base from the volume) blocks every request huggingface_hub makes,
+    with an OfflineModeIsEnabled, a ConnectionError: the push was exit 75 at every start until the run FAILED."""
+    from huggingface_hub import constants
+
+    export_folder(volume)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # as HF_HUB_OFFLINE=1 at its import
+    with pytest.raises(InputError, match=r"HF_HUB_OFFLINE \(or TRANSFORMERS_OFFLINE\) is set") as refused:
+        push_here(volume)
+    assert refused.value.exit_code == ExitCode.BAD_INPUT
+    assert hub.requests == [] and not record_path(volume).exists()
+
+
 @pytest.mark.parametrize(
     "token", [READ_TOKEN, "hf_notatokenthehubknows0123456789abcd"], ids=["read-only", "unknown"]
 )

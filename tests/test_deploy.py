@@ -394,6 +394,11 @@ def test_a_convert_that_pushes_to_the_hub_without_hf_token_among_the_secrets_is_
     assert "pushes to the Hugging Face Hub (me/tiny-ft)" in out and "add HF_TOKEN to `secrets`" in out
     with_token = write_config(tmp_path, workload="convert", config=str(workload), secrets=["HF_TOKEN"])
     assert cli.main(["deploy", str(with_token), "--dry-run"]) == 0, capsys.readouterr().out
+    by_reference = {"extra": {"HF_TOKEN": "{{ RUNPOD_SECRET_hf_write }}"}}  # a secret of another name
+    with_token = write_config(
+        tmp_path, workload="convert", config=str(workload), secrets=[], env=by_reference
+    )
+    assert cli.main(["deploy", str(with_token), "--dry-run"]) == 0, capsys.readouterr().out
     assert fake.requests == []
 
 

@@ -99,7 +99,8 @@ def hub_token_problems(config: DeployConfig, workload_config: Any) -> list[str]:
     from trainpod.config.convert import HubTask
 
     pushes = [task for task in getattr(workload_config, "task", []) if isinstance(task, HubTask)]
-    if not pushes or "HF_TOKEN" in config.secrets:
+    # env.extra may name it too, as a reference to a RunPod secret of another name (runpod.deploy.pod_problems)
+    if not pushes or "HF_TOKEN" in config.secrets or "HF_TOKEN" in config.env.extra:
         return []
     return [
         f"config={config.config!r} pushes to the Hugging Face Hub ({pushes[0].repo_id}) with HF_TOKEN, which this "

@@ -110,7 +110,8 @@ def setup_logging(log_file: Path | None = None, rank: int = 0) -> None:
         file_handler = logging.FileHandler(log_file, encoding="utf-8")
         file_handler.setFormatter(formatter)
         root.addHandler(file_handler)
-    for noisy in ("urllib3", "filelock", "matplotlib", "PIL", "httpx"):
+    # httpx2: huggingface_hub 2.x's client, a line per request; an LFS part's is its presigned upload URL
+    for noisy in ("urllib3", "filelock", "matplotlib", "PIL", "httpx", "httpx2"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     for message in LIBRARY_NOISE:
         warnings.filterwarnings("ignore", message=message, category=FutureWarning)

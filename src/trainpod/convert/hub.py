@@ -19,7 +19,7 @@ that finds the record for the same manifest pushes nothing; a source made again 
 mid-upload leaves no record, so the next start pushes again, and the Hub keeps what it has (an LFS
 object already uploaded is not sent twice).
 
-Errors: HF_TOKEN missing is exit 2 before anything runs; the Hub refusing the token (401/403) exit 2
+Errors: HF_TOKEN missing, or huggingface_hub in offline mode (HF_HUB_OFFLINE), is exit 2 before anything runs; the Hub refusing the token (401/403) exit 2
 naming HF_TOKEN; a network failure, a timeout or a Hub answering 429 or 5xx exit 75, tried again at
 the next start (docs/design.md, "Exit codes").
 """
@@ -178,6 +178,14 @@ def plan_push(
     """The push of `task` (number `number` in the config), checked as far as it can be before any task runs:
     HF_TOKEN set, and the source there with a manifest of the kit's unless `made_by` (an earlier task of the
     config) makes it. InputError (exit 2) otherwise."""
+    from huggingface_hub.constants import is_offline_mode
+
+    if is_offline_mode():  # every request of huggingface_hub's raises then: exit 75 at every start, to FAILED
+        raise InputError(
+            f"task {number} (hub, {task.repo_id}): HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) is set, and "
+            "huggingface_hub sends no request in offline mode; unset it for this convert (a merge of a hub base "
+            "the finetune downloaded reads it from the volume's cache/hf either way)"
+        )
     token = os.environ.get("HF_TOKEN", "").strip()
     if not token:
         raise InputError(

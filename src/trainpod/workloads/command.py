@@ -256,13 +256,14 @@ def _window_left(ctx: RunContext) -> float:
 
 def _stop_to_make(ctx: RunContext, status: CommandStatus, program: Program) -> str | None:
     """The stop to make of the program still running at the loop's look: none for a budget spent once it had
-    exited since. Its own finish, racing the budget (the 50 ms between the look and the budget's), ended in 3
-    and no DONE, the run FAILED with its work done; a look again before the SIGTERM leaves microseconds of that
-    race. An exit after the SIGTERM stays the budget's (3): a program answering SIGTERM with a commit and exit 0
-    has steps left, and DONE would end its run for good where a raised budget resumes it."""
+    finished since (exit 0). Its own finish, racing the budget (the 50 ms between the look and the budget's),
+    ended in 3 and no DONE, the run FAILED with its work done; a look again before the SIGTERM leaves
+    microseconds of that race. A failure in that race stays the budget's 3 (not a start again, stopped at once),
+    and so does an exit after the SIGTERM: a program answering SIGTERM with a commit and exit 0 has steps left,
+    and DONE would end its run for good where a raised budget resumes it."""
     reason = _stop_reason(ctx, status)
-    if reason == "budget" and program.poll() is not None:
-        log.info("the program exited as the budget ran out: its exit decides")
+    if reason == "budget" and program.poll() == 0:
+        log.info("the program finished (exit 0) as the budget ran out: its work is done")
         return None
     return reason
 

@@ -8,7 +8,8 @@ uploads through Xet, which no fake can serve: tests set HF_HUB_DISABLE_XET=1):
     POST /api/models/<owner>/<name>/branch/<branch>     {startingPoint?}
     POST /api/models/<owner>/<name>/preupload/<rev>     {files: [{path, sample, size}]} -> uploadMode lfs|regular
     POST /<owner>/<name>.git/info/lfs/objects/batch     {objects: [{oid, size}]} -> upload hrefs back here
-    PUT  /lfs-objects/<oid>                             the object's bytes, checked against oid and size
+    PUT  /lfs-objects/<oid>                             the object's bytes, checked against oid and size (on
+                                                        `storage`, a server of its own, as S3 is the Hub's)
     POST /api/models/<owner>/<name>/commit/<rev>        NDJSON: header, file (base64), lfsFile (oid)
     POST /api/validate-yaml                             {content}: a README.md's metadata, before its commit
     GET  /api/models/<owner>/<name>[/revision/<rev>]    repo info with the branch's head
@@ -75,6 +76,9 @@ class FakeHub:
         self.lock = threading.Lock()
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        # The object storage LFS uploads go to, on a host of its own as the Hub's S3 links are.
+        self.storage = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
+        self.storage_url = f"http://127.0.0.1:{self.storage.server_address[1]}"
 
     def lfs_puts(self) -> int:
         return sum(1 for method, path in self.requests if method == "PUT")
@@ -91,13 +95,14 @@ class FakeHub:
 @contextmanager
 def running_hub(tokens: dict[str, str]) -> Iterator[FakeHub]:
     hub = FakeHub(tokens)
-    thread = threading.Thread(target=hub.server.serve_forever, daemon=True)
-    thread.start()
+    for server in (hub.server, hub.storage):
+        threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         yield hub
     finally:
-        hub.server.shutdown()
-        hub.server.server_close()
+        for server in (hub.server, hub.storage):
+            server.shutdown()
+            server.server_close()
 
 
 def _git_blob_sha1(data: bytes) -> str:
@@ -232,7 +237,7 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
                 described = {"oid": item["oid"], "size": item["size"], "authenticated": True}
                 if item["oid"] not in hub.lfs:
                     described["actions"] = {
-                        "upload": {"href": f"{hub.url}/lfs-objects/{item['oid']}", "header": {}}
+                        "upload": {"href": f"{hub.storage_url}/lfs-objects/{item['oid']}", "header": {}}
                     }
                 objects.append(described)
             self._reply(200, {"transfer": "basic", "objects": objects})

@@ -234,6 +234,21 @@ def test_a_hub_that_fails_or_cannot_be_reached_is_exit_75_with_no_record(
     assert not record_path(volume).exists()
 
 
+def test_an_upload_the_storage_refuses_is_exit_75_not_a_refused_token(
+    volume: Path, hub: FakeHub, at_hub
+) -> None:
+    """An LFS object goes to a presigned link on the storage's host (S3 for the real Hub); its 403 (a link that
+    expired during a slow upload) was said to be HF_TOKEN's, exit 2: the pod stopped, told to fix a good token."""
+    folder = export_folder(volume)
+    hub.fail["/lfs-objects/"] = 403
+    with pytest.raises(TemporaryError, match="the Hub's storage refused an upload") as failed:
+        push_here(volume)
+    assert "HF_TOKEN" not in str(failed.value) and not record_path(volume).exists()
+    del hub.fail["/lfs-objects/"]
+    push_here(volume)  # the next start, with new links
+    assert hub.repos[REPO].tree("main")["model.safetensors"] == (folder / "model.safetensors").read_bytes()
+
+
 def test_a_push_that_failed_after_its_upload_is_made_whole_at_the_next_start_without_uploading_again(
     volume: Path, hub: FakeHub, at_hub
 ) -> None:
@@ -367,13 +382,15 @@ def test_hf_xets_refusal_of_the_token_is_exit_2_naming_hf_token_and_its_network_
         except hf_xet.XetAuthenticationError as exc:
             raise RuntimeError("Error while uploading 'model.safetensors' to the Hub.") from exc
     except RuntimeError as wrapped:
-        refused = hub_error(wrapped, task, 2)
+        refused = hub_error(wrapped, task, 2, "https://huggingface.co")
     assert (
         isinstance(refused, InputError)
         and "refused HF_TOKEN" in str(refused)
         and "task 2 (hub)" in str(refused)
     )
-    assert isinstance(hub_error(ConnectionResetError(104, "reset"), task, 2), TemporaryError)
-    assert hub_error(ValueError("a bug"), task, 2) is None, (
+    assert isinstance(
+        hub_error(ConnectionResetError(104, "reset"), task, 2, "https://huggingface.co"), TemporaryError
+    )
+    assert hub_error(ValueError("a bug"), task, 2, "https://huggingface.co") is None, (
         "a failure neither the Hub's nor the network's is a crash"
     )

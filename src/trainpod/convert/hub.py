@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 import trainpod
 from trainpod import atomic
@@ -151,7 +151,7 @@ class HubPush:
                 num_threads=UPLOAD_THREADS,
             )
         except Exception as exc:
-            error = hub_error(exc, task, self.number)
+            error = hub_error(exc, task, self.number, api.endpoint)
             if error is None:
                 raise  # not the Hub's answer nor the network: a crash, its traceback in the log
             raise error from None
@@ -248,11 +248,13 @@ def _torn_files(folder: Path, listed: dict[str, dict[str, Any]], present: list[s
     return ""
 
 
-def hub_error(exc: BaseException, task: HubTask, number: int) -> TrainpodError | None:
+def hub_error(exc: BaseException, task: HubTask, number: int, endpoint: str) -> TrainpodError | None:
     """The exit the failed push `exc` means: a refused token exit 2, the network or a Hub outage 75; None for
-    a failure that is neither.
+    a failure that is neither. `endpoint`: the Hub's; a refusal from another host is its object storage's.
 
-    huggingface_hub wraps an LFS upload's failure in a RuntimeError; the cause chain holds the HTTP error.
+    huggingface_hub wraps an LFS upload's failure in a RuntimeError; the cause chain holds the HTTP error. The
+    upload itself goes to a presigned link on the storage's host, whose 403 is that link's (expired on a slow
+    upload), not the token's: the next start asks for fresh links.
     hf_xet (the image's upload path to the real Hub) raises XetAuthenticationError, a PermissionError, for a
     token its storage refuses, and ConnectionError or TimeoutError for the network."""
     from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
@@ -261,6 +263,11 @@ def hub_error(exc: BaseException, task: HubTask, number: int) -> TrainpodError |
     for cause in _causes(exc):
         if isinstance(cause, HfHubHTTPError) and cause.response is not None:
             status = cause.response.status_code
+            if status in (401, 403) and _from_elsewhere(cause.response, endpoint):
+                return TemporaryError(
+                    f"{where}: the Hub's storage refused an upload (HTTP {status}: its upload link, expired "
+                    "or not taken); the next start pushes again with new links"
+                )
             if status in (401, 403) or isinstance(cause, RepositoryNotFoundError):
                 return _token_refused(where, task, f"HTTP {status}")
             if status == 429 or status >= 500:
@@ -273,6 +280,12 @@ def hub_error(exc: BaseException, task: HubTask, number: int) -> TrainpodError |
                 f"{where}: the Hub could not be reached ({type(cause).__name__}); the next start pushes again"
             )
     return None
+
+
+def _from_elsewhere(response: Any, endpoint: str) -> bool:
+    """Whether `response` came from another host than the Hub's `endpoint` (the object storage of an upload)."""
+    url = getattr(response, "url", None)
+    return url is not None and urlsplit(str(url)).netloc != urlsplit(endpoint).netloc
 
 
 def _token_refused(where: str, task: HubTask, how: str) -> InputError:

@@ -23,8 +23,8 @@ from fake_hub import FakeHub, running_hub
 from support import run_trainpod, tree_snapshot
 
 RUN = "ft"
-WRITE_TOKEN = "hf_fakewritetoken0123456789abcdefghij"
-READ_TOKEN = "hf_fakereadtoken0123456789abcdefghijk"
+WRITE_TOKEN = "fake-write-token-for-the-fake-hub"
+READ_TOKEN = "fake-read-token-for-the-fake-hub"
 REPO = "someone/tiny-ft"
 
 
@@ -195,7 +195,7 @@ def test_huggingface_hubs_offline_mode_is_exit_2_naming_it_before_any_request(
 
 
 @pytest.mark.parametrize(
-    "token", [READ_TOKEN, "hf_notatokenthehubknows0123456789abcd"], ids=["read-only", "unknown"]
+    "token", [READ_TOKEN, "fake-token-the-fake-hub-does-not-know"], ids=["read-only", "unknown"]
 )
 def test_a_token_the_hub_refuses_is_exit_2_naming_hf_token_and_never_shown(
     volume: Path, hub: FakeHub, at_hub, token: str, caplog: pytest.LogCaptureFixture

@@ -171,13 +171,13 @@ def test_a_programs_line_of_a_hundred_kb_without_an_end_never_blocks_it(tmp_path
 def test_a_secret_on_the_programs_command_line_is_masked_in_its_started_line(monkeypatch, tmp_path):
     """program.log's first line, `--- started [argv]`, was written as it was: a token passed as an argument
     (`--hub-token $HF_TOKEN`, expanded by a wrapper or the config) or a git URL's password reached the volume."""
-    monkeypatch.setenv("HF_TOKEN", "hf_onthecommandline123")
+    monkeypatch.setenv("HF_TOKEN", "secret-on-the-command-line")
     argv = [
         sys.executable,
         "-c",
         "pass",
         "--hub-token",
-        "hf_onthecommandline123",
+        "secret-on-the-command-line",
         "https://me:gitpass9876@host/r",
     ]
     program = Program(argv, tmp_path, dict(os.environ), tmp_path / "program.log")
@@ -191,4 +191,4 @@ def test_a_secret_on_the_programs_command_line_is_masked_in_its_started_line(mon
     assert logged.startswith("--- started ") and "'--hub-token', '***', 'https://***@host/r'" in logged, (
         logged
     )
-    assert "hf_onthecommandline123" not in logged and "gitpass9876" not in logged
+    assert "secret-on-the-command-line" not in logged and "gitpass9876" not in logged

@@ -67,7 +67,7 @@ from trainpod.checkpoint.lease import read_lease
 from trainpod.checkpoint.rank_rng import RankRng
 from trainpod.checkpoint.writer import CheckpointWriter
 from trainpod.diskspace import volume_full_as_exit_5
-from trainpod.errors import ExitCode, InputError, TemporaryError, TrainpodError, VolumeFull
+from trainpod.errors import ExitCode, InputError, TemporaryError, TrainpodError, VolumeFull, is_whole_number
 from trainpod.preemption import PreemptionWatch
 from trainpod.train.state import capture_rng, restore_rng, stored_once
 
@@ -96,8 +96,7 @@ def _env_float(name: str, default: float) -> float:
 
 def _env_int(name: str, default: int) -> int:
     raw = os.environ.get(name)
-    # ASCII digits alone: '³' is a digit to str.isdigit but no number to int(), a ValueError (exit 1)
-    if raw and not (raw.isascii() and raw.isdigit()):
+    if raw and not is_whole_number(raw):
         raise InputError(f"{name}={raw!r} is not a whole number; set it like {name}=2")
     return int(raw) if raw else default
 

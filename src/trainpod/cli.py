@@ -867,11 +867,10 @@ def _keep_best(flag: int | None) -> int:
 def _retention_count(flag: int | None, option: str, variable: str, least: int, problem: str) -> int:
     """The flag, else the environment variable, else `least`: a whole number >= `least`, else exit 2 naming
     where it came from, its value and `problem`."""
-    from trainpod.errors import InputError
+    from trainpod.errors import InputError, is_whole_number
 
     raw = str(flag) if flag is not None else os.environ.get(variable) or str(least)
-    # ASCII digits alone: '³' is a digit to str.isdigit but no number to int(), a ValueError traceback (exit 1)
-    if not (raw.isascii() and raw.isdigit()) or int(raw) < least:
+    if not is_whole_number(raw) or int(raw) < least:
         raise InputError(f"{option if flag is not None else variable}={raw!r}{problem}")
     return int(raw)
 

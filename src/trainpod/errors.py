@@ -24,6 +24,12 @@ class ExitCode(enum.IntEnum):
     INTERRUPTED = 130  # a laptop verb (push, pull, supervise, deploy) ended with Ctrl-C (128 + SIGINT)
 
 
+def is_whole_number(text: str) -> bool:
+    """ASCII digits alone, what int() takes: str.isdigit passes '³' too, and int('³') raised a ValueError, a
+    traceback and exit 1 where a setting's reader meant its exit-2 line naming the variable."""
+    return text.isascii() and text.isdigit()
+
+
 class TrainpodError(Exception):
     """Base of every error trainpod reports to a user."""
 

@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from trainpod import atomic
-from trainpod.errors import InputError, TemporaryError
+from trainpod.errors import InputError, TemporaryError, is_whole_number
 from trainpod.log import redact, register_secret
 
 log = logging.getLogger("trainpod.s3")
@@ -266,7 +266,7 @@ class VolumeS3:
         self.target, self.sleep = target, sleep
         self.bucket = target.volume_id
         raw_mb = (environ.get(PART_MB_ENV) or str(DEFAULT_PART_MB)).strip()
-        if not (raw_mb.isascii() and raw_mb.isdigit()):  # '³' is a digit to isdigit, no number to int()
+        if not is_whole_number(raw_mb):
             raise InputError(
                 f"{PART_MB_ENV}={raw_mb!r} is not a whole number of MiB; set it like {PART_MB_ENV}=64 "
                 f"(at least {MIN_PART_MB}), or unset it for {DEFAULT_PART_MB}"

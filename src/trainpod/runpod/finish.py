@@ -56,7 +56,7 @@ from pathlib import Path
 from trainpod import atomic
 from trainpod.checkpoint.lease import call_when_taken, live_holder, read_lease, renewed_by_its_holder
 from trainpod.checkpoint.store import LATEST
-from trainpod.errors import ConfigError, ExitCode
+from trainpod.errors import ConfigError, ExitCode, is_whole_number
 from trainpod.preemption import call_at_first_signal, end_by_default_at_sigterm_meanwhile, signals_seen
 from trainpod.runpod.client import RunPodClient, RunPodError
 from trainpod.volume import RunDir, Volume
@@ -88,8 +88,7 @@ def on_finish(environ: dict[str, str]) -> str:
 
 def max_failed_starts(environ: dict[str, str]) -> int:
     raw = environ.get("TRAINPOD_MAX_FAILED_STARTS") or str(DEFAULT_MAX_FAILED_STARTS)
-    # ASCII digits alone: '³' is a digit to str.isdigit but no number to int(), a crash at boot (exit 1)
-    if not (raw.isascii() and raw.isdigit()) or int(raw) < 1:
+    if not is_whole_number(raw) or int(raw) < 1:
         raise ConfigError(
             [f"TRAINPOD_MAX_FAILED_STARTS={raw!r} is not a whole number >= 1; set it like "
              f"TRAINPOD_MAX_FAILED_STARTS={DEFAULT_MAX_FAILED_STARTS}"]

@@ -40,17 +40,18 @@ from urllib.parse import quote, urlsplit
 import trainpod
 from trainpod import atomic
 from trainpod.config.convert import HubTask
+from trainpod.convert.output import FORMAT_FAMILY, MANIFEST
 from trainpod.errors import InputError, TemporaryError, TrainpodError
 from trainpod.preemption import PreemptionWatch
+from trainpod.train.export import EXPORT_FORMAT_FAMILY
 
 log = logging.getLogger(__name__)
 
 TOKEN_VARIABLE = "HF_TOKEN"  # the kit's name for the Hub token (docs/design.md, "Environment")
 RECORD_FORMAT = "trainpod-hub-push/1"
-MANIFEST = "manifest.json"
 # The manifests of folders the kit writes: a conversion's (convert/output.py) and a training run's
 # export/hf and export/adapter (train/export.py). Both list every file's bytes and whole-file sha256.
-MANIFEST_FORMATS = ("trainpod-convert/", "trainpod-export/")
+MANIFEST_FORMATS = (FORMAT_FAMILY, EXPORT_FORMAT_FAMILY)
 # The task that makes each export folder, named in the error for a folder that is missing or torn.
 _MADE_BY = {
     "merged": "a convert `kind: merge` task",

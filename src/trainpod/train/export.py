@@ -27,7 +27,8 @@ PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_p
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-EXPORT_FORMAT = "trainpod-export/1"
+EXPORT_FORMAT_FAMILY = "trainpod-export/"  # every version's: a hub task pushes any of them
+EXPORT_FORMAT = f"{EXPORT_FORMAT_FAMILY}1"
 MANIFEST = "manifest.json"
 
 

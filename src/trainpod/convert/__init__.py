@@ -23,7 +23,7 @@ from trainpod.convert import adapter as peft_adapter
 from trainpod.convert import export, hub, inputs, merge, mlx, output
 from trainpod.errors import InputError, Preempted
 from trainpod.preemption import PreemptionWatch, WorkAbandoned
-from trainpod.volume import Volume
+from trainpod.volume import RunDir, Volume
 
 log = logging.getLogger(__name__)
 
@@ -166,46 +166,40 @@ def plan_convert(config: ConvertConfig, volume: Volume) -> ConvertPlan:
                     f"the adapter {sources.adapter.folder} cannot be merged into its base:\n  - "
                     + "\n  - ".join(problems)
                 )
-    outputs: list[Output | hub.HubPush] = []
-    for number, task in enumerate(config.task, start=1):
+    made: list[Output | None] = []  # each task's output; None for a hub task's push, planned below
+    for task in config.task:
         if isinstance(task, MlxTask):
-            outputs.append(_mlx(task, sources, export_root))
+            made.append(_mlx(task, sources, export_root))
         elif isinstance(task, MergeTask):
-            outputs.append(_merge(task, sources, export_root))
+            made.append(_merge(task, sources, export_root))
         elif isinstance(task, HubTask):
-            outputs.append(_push(task, number, outputs, config, volume))
+            made.append(None)
         else:
-            outputs.append(_export(task, config.name, volume, export_root))
-    _refuse_pushes_before_their_source(outputs)
+            made.append(_export(task, config.name, volume, export_root))
+    outputs: list[Output | hub.HubPush] = [
+        item if item is not None else _push(task, number, made, volume.run(config.name))
+        for number, (task, item) in enumerate(zip(config.task, made, strict=True), start=1)
+    ]
     return ConvertPlan(_one_output_per_folder(outputs))
 
 
-def _push(
-    task: HubTask, number: int, earlier: list[Output | hub.HubPush], config: ConvertConfig, volume: Volume
-) -> hub.HubPush:
-    export_root = volume.run(config.name).export
+def _push(task: HubTask, number: int, made: list[Output | None], run: RunDir) -> hub.HubPush:
+    """The push of task `number`, its source found among the tasks' outputs: one made by an earlier task is
+    checked once it is made; one made by a later task would be replaced after the push (exit 2)."""
     makers = [
-        item for item in earlier if isinstance(item, Output) and item.target == export_root / task.source
+        (n, item)
+        for n, item in enumerate(made, start=1)
+        if item is not None and item.target == run.export / task.source
     ]
-    made_by = makers[0].task.kind if makers else None
-    return hub.plan_push(task, number, export_root, volume.run(config.name).hub, config.name, made_by)
-
-
-def _refuse_pushes_before_their_source(outputs: list[Output | hub.HubPush]) -> None:
-    """A hub task before the task that makes its source would push the folder that task then replaces."""
-    for number, item in enumerate(outputs, start=1):
-        if not isinstance(item, hub.HubPush):
-            continue
-        later = [
-            n
-            for n, o in enumerate(outputs, start=1)
-            if n > number and isinstance(o, Output) and o.target == item.source
-        ]
-        if later:
-            raise InputError(
-                f"task {number} (hub) pushes {item.source}, which task {later[0]} ({outputs[later[0] - 1].task.kind}) "
-                "makes after it; put the hub task after that one"
-            )
+    earlier = [item.task.kind for n, item in makers if n < number]
+    push = hub.plan_push(task, number, run.export, run.hub, run.name, earlier[0] if earlier else None)
+    later = [(n, item.task.kind) for n, item in makers if n > number]
+    if later:
+        raise InputError(
+            f"task {number} (hub) pushes {push.source}, which task {later[0][0]} ({later[0][1]}) makes after it; "
+            "put the hub task after that one"
+        )
+    return push
 
 
 def _one_output_per_folder(outputs: list[Output]) -> list[Output]:

@@ -73,10 +73,6 @@ class HubPush:
     run_name: str
     token: str = field(repr=False)  # never in a repr, a log line or a traceback's message
 
-    @property
-    def settings(self) -> dict[str, Any]:
-        return {"task": self.task.model_dump(mode="json")}
-
     def finished(self) -> bool:
         """Pushed already: the record names this repo and branch and the source's present manifest."""
         record = _read_record(self.target)

@@ -183,7 +183,7 @@ def plan_push(
             "huggingface_hub sends no request in offline mode; unset it for this convert (a merge of a hub base "
             "the finetune downloaded reads it from the volume's cache/hf either way)"
         )
-    token = os.environ.get("HF_TOKEN", "").strip()
+    token = os.environ.get(TOKEN_VARIABLE, "").strip()
     if not token:
         raise InputError(
             f"task {number} (hub, {task.repo_id}): {TOKEN_VARIABLE} is not set; the push needs a Hugging Face "

@@ -32,8 +32,8 @@ BASE_CONFIGS = {
     "finetune-vlm": "configs/finetune/tiny-vlm.yaml",
     "command": "examples/nanogpt/command.yaml",
     "convert": "configs/convert/tiny.yaml",
-    "supervise": "configs/deploy/pretrain-spot.yaml",
-    "deploy": "configs/deploy/pretrain-spot.yaml",
+    "supervise": "configs/deploy/finetune-spot.yaml",  # has a `then`, whose config is required within it
+    "deploy": "configs/deploy/finetune-spot.yaml",
 }
 WRONG_TYPE = {"wrong": "type"}  # a mapping where a number, text, choice or list belongs
 WRONG_TYPE_FOR_A_MAPPING = ["wrong", "type"]  # a list where a mapping belongs (env, params, kinds)

@@ -14,7 +14,10 @@
    nodes of a RunPod Instant Cluster (NUM_NODES, NODE_RANK, NUM_TRAINERS, PRIMARY_ADDR/PORT);
    the exit code is the workload's;
 6. SSH: with PUBLIC_KEY set, a key-only sshd in the background from the start (trainpod.sshd);
-7. finish (runpod/finish.py): after DONE the pod stops itself (TRAINPOD_ON_FINISH); failed starts
+7. then (TRAINPOD_THEN_WORKLOAD, TRAINPOD_THEN_CONFIG, a deploy's `then`): once the run is DONE, the
+   conversion it names runs in this pod under the run's name (its config checked at step 3, before any
+   training), and the pod finishes after it;
+8. finish (runpod/finish.py): after DONE the pod stops itself (TRAINPOD_ON_FINISH); failed starts
    are counted on the volume and after TRAINPOD_MAX_FAILED_STARTS in a row the run is FAILED and
    the pod stopped. The `supervise` workload runs the spot supervisor with the volume in view.
 """
@@ -24,6 +27,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 from trainpod import cost, workloads
@@ -31,7 +35,14 @@ from trainpod.checkpoint.lease import sibling_lease
 from trainpod.errors import ConfigError, ExitCode, InputError, TemporaryError, TrainpodError, VolumeFull
 from trainpod.log import attach_log_file, setup_logging
 from trainpod.preemption import exit_now_when_preempted
-from trainpod.runpod.finish import after_workload, begin_start, committed_since, latest_checkpoint
+from trainpod.runpod.finish import (
+    after_workload,
+    begin_start,
+    committed_since,
+    latest_checkpoint,
+    record_then,
+    then_runs,
+)
 from trainpod.runpod.finish import check_environment as check_finish_environment
 from trainpod.sshd import start_sshd
 from trainpod.volume import RunDir, Volume, check_run_name, is_run_name
@@ -40,6 +51,8 @@ from trainpod.workloads import Kind, Workload
 log = logging.getLogger("trainpod.boot")
 
 VOLUME_FOLDERS = ("datasets", "tokenizers", "runs", "repos", "cache")
+# A deploy's `then` (config/deploy.py ThenSettings): the conversion this pod runs once the run is DONE.
+THEN_WORKLOAD_ENV, THEN_CONFIG_ENV = "TRAINPOD_THEN_WORKLOAD", "TRAINPOD_THEN_CONFIG"
 
 
 def boot(environ: dict[str, str] | None = None) -> int:
@@ -55,6 +68,10 @@ def boot(environ: dict[str, str] | None = None) -> int:
     new_run = None  # the run folder this start made for its START marker, before the workload's preflight
     # What LATEST named when this start began; progressed: the start committed a newer checkpoint (finish.py)
     run, latest_at_start, progressed = None, None, False
+    then, synced = (
+        None,
+        None,
+    )  # the conversion after DONE (TRAINPOD_THEN_WORKLOAD, TRAINPOD_THEN_CONFIG), and the synced checkout
     try:
         workload = _workload(environ)
         # Before the git sync, which can take minutes (a large repo, three tries against an outage): a typo in
@@ -62,13 +79,15 @@ def boot(environ: dict[str, str] | None = None) -> int:
         check_finish_environment(environ)
         volume.check_writable()
         _keep_deploy_record(volume, environ)  # the deploy's, whatever this start makes of its config
-        synced = None
         if environ.get("TRAINPOD_GIT_REPO"):  # first: the config may live in the synced repo
             from trainpod.gitsync import note_commit, sync
 
             synced = sync(
                 environ["TRAINPOD_GIT_REPO"], environ.get("TRAINPOD_GIT_REF"), volume.root / "repos"
             )
+        # Before hours of training, not after; and before the training config, whose refusal (a DONE run's config
+        # edited since) still lets a DONE run's pod convert.
+        then = _then(workload, volume, environ, synced and synced.path)
         config = _preflight(workload, volume, environ, synced and synced.path)
         _prepare_volume(volume, environ)  # only after preflight: bad input leaves the volume untouched
         ended = None
@@ -103,10 +122,107 @@ def boot(environ: dict[str, str] | None = None) -> int:
         owns_run=owns_run,
         lease=_dataset_lease(volume, config) if known is not None and known.kind is Kind.DATA else None,
         progressed=progressed,
+        then_follows=then is not None,
     )
+    if then is not None and then_runs(code, _run_dir(volume, config, environ)):
+        code = _run_then(then, volume, _run_dir(volume, config, environ), environ, synced and synced.path)
     if environ is os.environ:  # the pod's own boot, not a test's call with its own environment
         exit_now_when_preempted(code)
     return code
+
+
+@dataclass(frozen=True)
+class Then:
+    """The conversion a deploy's `then` runs after DONE (TRAINPOD_THEN_WORKLOAD, TRAINPOD_THEN_CONFIG): its
+    workload and its config's file, checked at boot."""
+
+    workload: Workload
+    config_path: Path
+
+
+def _then(workload: Workload, volume: Volume, environ: dict[str, str], synced: Path | None) -> Then | None:
+    """TRAINPOD_THEN_WORKLOAD and TRAINPOD_THEN_CONFIG checked at boot (exit 2 naming them), with what the
+    conversion can check before the run it converts exists (a workload's optional `check_ahead`: a hub task's
+    HF_TOKEN): a typo found after ten hours of training stopped the pod with the run DONE and nothing converted."""
+    from trainpod.workloads.lifecycle import load_workload_config, resolve_config_path
+
+    name, config = environ.get(THEN_WORKLOAD_ENV, ""), environ.get(THEN_CONFIG_ENV, "")
+    if not (name or config):
+        return None
+    conversions = [entry.name for entry in workloads.REGISTRY.values() if entry.kind is Kind.CONVERSION]
+    problems = []
+    if not workload.kind.owns_run_folder:
+        problems.append(f"{THEN_CONFIG_ENV}={config!r} with TRAINPOD_WORKLOAD={workload.name}: a conversion "
+                        f"follows a run that ends DONE (a training or command workload); unset {THEN_CONFIG_ENV}, "
+                        "or run the conversion as this pod's workload")  # fmt: skip
+    if name and name not in conversions:
+        problems.append(f"{THEN_WORKLOAD_ENV}={name!r} is no conversion workload; set it to one of: "
+                        f"{', '.join(conversions)}, or leave it unset ({conversions[0]})")  # fmt: skip
+    if not config:
+        problems.append(f"{THEN_WORKLOAD_ENV}={name!r} without {THEN_CONFIG_ENV}: set {THEN_CONFIG_ENV} to its "
+                        "YAML (a deploy config's then.config)")  # fmt: skip
+    if int(environ.get("NUM_NODES") or 1) > 1:
+        problems.append(f"{THEN_CONFIG_ENV} on a cluster of {environ['NUM_NODES']} nodes: every other node would "
+                        "wait, billed, while node 0 converted; unset it and run the conversion as its own pod")  # fmt: skip
+    if problems:
+        raise ConfigError(problems)
+    then = Then(workloads.get(name or conversions[0]), Path())
+    try:
+        then = Then(then.workload, resolve_config_path(config, volume, synced).absolute())
+        then_config = load_workload_config(then.workload, then.config_path, [], None)
+        check_ahead = getattr(then.workload.module(), "check_ahead", None)  # optional (workloads/__init__)
+        if check_ahead is not None:
+            check_ahead(then_config, environ)
+    except TrainpodError as exc:
+        # A DONE run's supervisor waits for the conversion's end: without it, it would start this pod again
+        # and again into the same refusal, up to supervise.max_restarts.
+        run = _run_dir(volume, None, environ)
+        if run is not None and run.done.exists():
+            record_then(run, then.workload.name, int(exc.exit_code), f"{THEN_CONFIG_ENV}={config!r}: {exc}")
+        raise
+    log.info("once the run is DONE: %s with %s, in this pod", then.workload.name, then.config_path)
+    return then
+
+
+def _run_then(then: Then, volume: Volume, run: RunDir, environ: dict[str, str], synced: Path | None) -> int:
+    """The conversion after DONE, under the run's name, in the environment the training had but TRAINPOD_SET
+    (its overrides are the training config's), finished as a convert pod's start is (its own failed-start count,
+    never the run's FAILED) and recorded in the run's then.json for supervisors (runpod/finish.py)."""
+    from trainpod import atomic
+
+    log.info("run %s is DONE: %s with %s", run.name, then.workload.name, then.config_path)
+    atomic.remove(run.then_record)  # an earlier end's: from here a supervisor waits for this one's
+    environ = {key: value for key, value in environ.items() if key != "TRAINPOD_SET"}
+    environ.update(TRAINPOD_WORKLOAD=then.workload.name, TRAINPOD_CONFIG=str(then.config_path))
+    last_error = (
+        _LastError()
+    )  # then.json says why, where a refusal in its preflight left no log on the volume
+    logging.getLogger("trainpod").addHandler(last_error)  # not the root's, which each start's logging resets
+    try:
+        _preflight(then.workload, volume, environ, synced)
+        code = _launch(then.workload, environ)
+    except TrainpodError as exc:
+        log.error("%s", exc)
+        code = int(exc.exit_code)
+    except Exception:  # counted, as a convert pod's crash is
+        log.exception("the %s workload after DONE crashed", then.workload.name)
+        code = 1
+    finally:
+        logging.getLogger("trainpod").removeHandler(last_error)
+    return after_workload(
+        code, run, environ, then.workload.name, owns_run=False, then_step=True, error=last_error.message
+    )
+
+
+class _LastError(logging.Handler):
+    """The last ERROR line of the kit's loggers: the conversion's reason to fail, for the run's then.json."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.message: str | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.message = record.getMessage().splitlines()[0] if record.getMessage() else None
 
 
 def _keep_deploy_record(volume: Volume, environ: dict[str, str]) -> None:

@@ -162,6 +162,14 @@ def _status_here(run_name: str | None, vol: Volume, snapshot: bool = False) -> i
                 f"  on the hub  {push['repo_id']}@{push['revision']}: {push['source']}, commit "
                 f"{str(push['commit'])[:12]} ({push['url']})"
             )
+        then = run.then_outcome()  # a deploy's `then`: the conversion the pod ran after DONE
+        if then is not None:
+            how = (
+                "done"
+                if then["outcome"] == "done"
+                else f"failed, exit {then.get('exit')}: {then.get('reason')}"
+            )
+            print(f"  after DONE  {then.get('workload')} {how} ({time.time() - then['unix']:.0f} s ago)")
     _print_pods(run_name, names)
     return ExitCode.DONE
 

@@ -7,8 +7,9 @@
 3. pretrain again with the same settings: it resumes from the newest checkpoint and finishes;
 4. transformers loads the exported model and generates a few words;
 5. finetune: QLoRA (bitsandbytes NF4 on CPU) of that model on embedded instructions, interrupted
-   by SIGTERM after a checkpoint and resumed;
-6. convert: the adapter to mlx-lm's format and merged into the base as a plain HF model;
+   by SIGTERM after a checkpoint;
+6. `trainpod boot`, as a pod runs it: resumes the finetune and, once it is DONE, converts it in the same
+   process (a deploy's `then`): the adapter to mlx-lm's format and merged into the base as a plain HF model;
 7. `trainpod generate` answers with base + adapter in the template it trained with, transformers
    loads the merged model; a summary is printed.
 Before pretraining, `trainpod estimate` says what the run will take.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -41,6 +43,15 @@ def trainpod(args: list[str], volume: Path) -> subprocess.Popen:
 
 def run_to_end(args: list[str], volume: Path) -> int:
     return trainpod(args, volume).wait()
+
+
+def boot_as_a_pod(workload: str, config: Path, volume: Path, then: Path) -> int:
+    """`trainpod boot` with the environment `trainpod deploy` gives a pod (README, "The pod's environment"), but
+    RunPod's own variables: there is no pod here to stop after DONE, and boot says so."""
+    pod = {"TRAINPOD_WORKLOAD": workload, "TRAINPOD_CONFIG": str(config), "TRAINPOD_VOLUME": str(volume)}
+    pod["TRAINPOD_THEN_CONFIG"] = str(then)
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(("TRAINPOD_", "RUNPOD_"))}
+    return subprocess.Popen([sys.executable, "-m", "trainpod", "boot"], env=environ | pod).wait()
 
 
 def latest_step(run_dir: Path) -> int:
@@ -133,15 +144,21 @@ def main(argv: list[str] | None = None) -> int:
     finetune_dir = volume / "runs" / "tiny-finetune"
     banner(
         f"5/7 finetune: QLoRA on embedded instructions, interrupted after the step-{FINETUNE_INTERRUPT_AFTER_STEP} "
-        "checkpoint, then resumed"
+        "checkpoint"
     )
     code, step = interrupt_after_checkpoint(finetune, volume, finetune_dir, FINETUNE_INTERRUPT_AFTER_STEP)
-    print(f"--> exit code {code}; newest checkpoint step-{step}; starting again")
-    if code not in (0, 143) or run_to_end(finetune, volume) != 0:
+    print(f"--> exit code {code}; newest checkpoint step-{step}")
+    if code not in (0, 143):
         return 1
 
-    banner("6/7 convert: the adapter to MLX (mlx-lm) and merged into the base model")
-    if run_to_end(["run", "convert", "--config", str(CONFIGS / "convert/tiny.yaml")], volume) != 0:
+    banner(
+        "6/7 trainpod boot, as the pod started again runs it: resumes the finetune, then converts it once DONE "
+        "(a deploy's `then`): the adapter to MLX (mlx-lm) and merged into the base model"
+    )
+    if (
+        boot_as_a_pod("finetune", CONFIGS / "finetune/tiny.yaml", volume, then=CONFIGS / "convert/tiny.yaml")
+        != 0
+    ):
         return 1
 
     banner("7/7 trainpod generate (base + adapter, the alpaca template it trained with); the merged model")

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from trainpod.config.deploy import DeployConfig
-from trainpod.config.loader import DEPLOY_ENV_SET
+from trainpod.config.loader import DEPLOY_ENV_SET, OverrideRoute
 from trainpod.errors import ConfigError, InputError, TrainpodError
 from trainpod.runpod.deploy import pod_problems
 
@@ -47,6 +47,7 @@ def config_problems(config: DeployConfig, deploy_path: str, secrets_from_env: bo
         )
     problems += cluster_workload_problems(config)
     problems += workload_config_problems(config, deploy_path)
+    problems += then_problems(config, deploy_path)
     return problems
 
 
@@ -74,26 +75,62 @@ def cluster_workload_problems(config: DeployConfig) -> list[str]:
 
 def workload_config_problems(config: DeployConfig, deploy_path: str) -> list[str]:
     """The workload config's own problems, when this repo holds the file the pod will read."""
-    from trainpod import workloads
     from trainpod.config import parse_overrides
+
+    overrides = parse_overrides(config.env.set)
+    return _config_file_problems(config, "config", config.workload, deploy_path, overrides, DEPLOY_ENV_SET)
+
+
+def then_problems(config: DeployConfig, deploy_path: str) -> list[str]:
+    """`then`: a conversion workload after one that ends DONE, and its config's problems (when this repo holds
+    it), checked as the pod's boot checks TRAINPOD_THEN_CONFIG before any training (exit 2 there, after the rent)."""
+    from trainpod import workloads
+
+    if config.then is None:
+        return []
+    conversions = [name for name, w in workloads.REGISTRY.items() if w.kind is workloads.Kind.CONVERSION]
+    first = workloads.REGISTRY.get(config.workload)
+    problems = []
+    if first is not None and not first.kind.owns_run_folder:
+        problems.append(f"then with workload={config.workload!r}: a conversion follows a run that ends DONE (a "
+                        "training or command workload); remove `then`, or deploy the conversion as the workload")  # fmt: skip
+    if config.then.workload not in conversions:
+        return [*problems, f"then.workload={config.then.workload!r} is no conversion workload; set it to one of: "
+                f"{', '.join(conversions)}"]  # fmt: skip
+    # No env.set: its overrides are the first workload's config's (the pod leaves TRAINPOD_SET out of `then`).
+    return problems + _config_file_problems(
+        config, "then.config", config.then.workload, deploy_path, [], None
+    )
+
+
+def _config_file_problems(
+    config: DeployConfig,
+    field: str,
+    workload: str,
+    deploy_path: str,
+    overrides: list[str],
+    route: OverrideRoute | None,
+) -> list[str]:
+    """The problems of the config file at `field` (config, then.config), as `workload` reads it with `overrides`;
+    a fix that overrides a field names `route`."""
+    from trainpod import workloads
     from trainpod.estimate import find_workload_config
     from trainpod.workloads.lifecycle import load_workload_config
 
-    path = find_workload_config(config.config, Path(deploy_path))
+    config_path = config.then.config if field == "then.config" and config.then is not None else config.config
+    path = find_workload_config(config_path, Path(deploy_path))
     if path is None:
         return []  # it may come from env.git_repo or the volume: the pod's boot checks it (exit 2)
     try:
-        workload_config = load_workload_config(
-            workloads.get(config.workload), path, parse_overrides(config.env.set), DEPLOY_ENV_SET
-        )
+        workload_config = load_workload_config(workloads.get(workload), path, overrides, route)
     except ConfigError as exc:
-        return [f"config={config.config!r} ({path}): {problem}" for problem in exc.problems]
+        return [f"{field}={config_path!r} ({path}): {problem}" for problem in exc.problems]
     except TrainpodError as exc:
-        return [f"config={config.config!r} ({path}): {exc}"]
-    return hub_token_problems(config, workload_config)
+        return [f"{field}={config_path!r} ({path}): {exc}"]
+    return hub_token_problems(config, workload_config, f"{field}={config_path!r}")
 
 
-def hub_token_problems(config: DeployConfig, workload_config: Any) -> list[str]:
+def hub_token_problems(config: DeployConfig, workload_config: Any, named: str | None = None) -> list[str]:
     """A convert config's hub task pushes with HF_TOKEN: a deploy that does not give the pod one rented a pod
     whose preflight could only refuse it (exit 2) after the boot and the image pull."""
     from trainpod.config.convert import HubTask
@@ -103,7 +140,8 @@ def hub_token_problems(config: DeployConfig, workload_config: Any) -> list[str]:
     if not pushes or "HF_TOKEN" in config.secrets or "HF_TOKEN" in config.env.extra:
         return []
     return [
-        f"config={config.config!r} pushes to the Hugging Face Hub ({pushes[0].repo_id}) with HF_TOKEN, which this "
+        f"{named or f'config={config.config!r}'} pushes to the Hugging Face Hub ({pushes[0].repo_id}) with HF_TOKEN, "
+        "which this "
         "deploy does not give the pod: add HF_TOKEN to `secrets` (a RunPod secret of that name holding a token "
         "with write access)"
     ]

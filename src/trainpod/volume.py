@@ -2,7 +2,7 @@
 
 $TRAINPOD_VOLUME/
   datasets/<name>/   tokenizers/<name>/   repos/<name>@<ref>/   cache/
-  runs/<run>/config.yaml checkpoints/ export/ hub/ logs/ tensorboard/ loss.png status.json DONE LEASE
+  runs/<run>/config.yaml checkpoints/ export/ hub/ logs/ tensorboard/ loss.png status.json then.json DONE LEASE
 """
 
 from __future__ import annotations
@@ -23,6 +23,10 @@ SFT_DATA_PIN = "sft_data.json"
 # The same for finetune-vlm: the cache/vlm/<key> its first start prepared data into (workloads/finetune_vlm.py).
 VLM_DATA_PIN = "vlm_data.json"
 RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"  # the configs' `name` (config/*.py NAME_PATTERN)
+# runs/<run>/: how the conversion a deploy's `then` runs after DONE in the same pod last ended (runpod/finish.py
+# writes it, supervisors and `trainpod status` read it): {"workload", "outcome": "done" or "failed", "exit",
+# "reason", "unix"}. Absent while it has not ended since its pod last started it.
+THEN_RECORD = "then.json"
 STOPPED_MARKER = (
     "STOPPED"  # written by `trainpod stop` (and `trainpod rm` of a run), removed by `trainpod deploy`
 )
@@ -34,6 +38,15 @@ def stop_marker_keys(run: str) -> tuple[str, str]:
     no folder), then runs/<run>/STOPPED, where older kits wrote it: still read, and removed with the new one. Here,
     below both runpod/ (supervisors read it) and remote/ (`trainpod rm` writes it)."""
     return f"runs/.{run}.{STOPPED_MARKER}", f"runs/{run}/{STOPPED_MARKER}"
+
+
+def is_then_record(record: object) -> bool:
+    """A THEN_RECORD's fields as runpod/finish.py writes them (a supervisor reads it through S3 as well)."""
+    return (
+        isinstance(record, dict)
+        and record.get("outcome") in ("done", "failed")
+        and isinstance(record.get("unix"), (int, float))
+    )
 
 
 def is_run_name(name: str) -> bool:
@@ -130,6 +143,18 @@ class RunDir:
             ):
                 pushes.append(record)
         return pushes
+
+    @property
+    def then_record(self) -> Path:
+        return self.root / THEN_RECORD
+
+    def then_outcome(self) -> dict[str, Any] | None:
+        """THEN_RECORD when it is a record of an ended conversion, else None (none yet, or unreadable)."""
+        try:
+            record = atomic.read_json(self.then_record)
+        except (OSError, ValueError):
+            return None
+        return record if is_then_record(record) else None
 
     @property
     def logs(self) -> Path:

@@ -56,6 +56,8 @@ SET_BY_DEPLOY = {
     "TRAINPOD_GIT_REF": "env.git_ref",
     "TRAINPOD_GPU_HOURLY_USD": "budget.hourly_usd",
     "TRAINPOD_BUDGET_USD": "budget.budget_usd",
+    "TRAINPOD_THEN_WORKLOAD": "then.workload",
+    "TRAINPOD_THEN_CONFIG": "then.config",
     SECRET_NAMES_ENV: "secrets",  # the secrets the pod's log filter would not know by their names
 }
 
@@ -237,6 +239,22 @@ class SuperviseSettings(Section):
         return self
 
 
+class ThenSettings(Section):
+    """A conversion the pod runs after the run is DONE, before it stops: merge, export to MLX, push to the Hub
+    without a second pod (docs/design.md, "Then: a conversion after DONE")."""
+
+    workload: str = Field(
+        "convert",
+        description="TRAINPOD_THEN_WORKLOAD: a conversion workload of `trainpod run --help` (convert); checked "
+        "against the registry when deploying.",
+    )
+    config: str = Field(
+        min_length=1,
+        description="TRAINPOD_THEN_CONFIG: its YAML, found as `config` is (env.set does not apply to it); its "
+        "name is the run's, its outputs go to runs/<run>/export/.",
+    )
+
+
 class DeployConfig(Section):
     """One run on RunPod: the pod `<run>-<workload>` on a network volume, from a template for the image."""
 
@@ -272,6 +290,11 @@ class DeployConfig(Section):
         "create the secrets in RunPod's console first.",
     )
     budget: BudgetSettings = Field(default_factory=BudgetSettings, description="Cost tracking and cap.")
+    then: ThenSettings | None = Field(
+        None,
+        description="A conversion the pod runs after the run is DONE, before it stops (a finetune's merge, "
+        "its push to the Hub); the supervisor brings the pod back until it has run. Unset: the pod stops at DONE.",
+    )
     supervise: SuperviseSettings = Field(default_factory=SuperviseSettings, description="Restart policy.")
 
     @property
@@ -320,6 +343,10 @@ def cluster_problems(config: DeployConfig) -> list[str]:
     if config.pod.spot:
         problems.append(f"{nodes} with pod.spot=true: RunPod's Instant Clusters have no spot option (POST "
                         "/v2/clusters has no interruptible field); set pod.spot: false, or nodes: 1")  # fmt: skip
+    if config.then is not None:
+        problems.append(f"{nodes} with then.config={config.then.config!r}: node 0 would convert while every other "
+                        "node waited, billed; deploy the conversion as its own one-pod config once the run is "
+                        "DONE, or nodes: 1")  # fmt: skip
     if config.pod.cloud != "SECURE":
         problems.append(f"{nodes} with pod.cloud={config.pod.cloud!r}: POST /v2/clusters has no cloud choice; "
                         "set pod.cloud: SECURE (or leave it out)")  # fmt: skip

@@ -31,6 +31,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -175,20 +176,7 @@ def plan_push(
     """The push of `task` (number `number` in the config), checked as far as it can be before any task runs:
     HF_TOKEN set, and the source there with a manifest of the kit's unless `made_by` (an earlier task of the
     config) makes it. InputError (exit 2) otherwise."""
-    from huggingface_hub.constants import is_offline_mode
-
-    if is_offline_mode():  # every request of huggingface_hub's raises then: exit 75 at every start, to FAILED
-        raise InputError(
-            f"task {number} (hub, {task.repo_id}): HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) is set, and "
-            "huggingface_hub sends no request in offline mode; unset it for this convert (a merge of a hub base "
-            "the finetune downloaded reads it from the volume's cache/hf either way)"
-        )
-    token = os.environ.get(TOKEN_VARIABLE, "").strip()
-    if not token:
-        raise InputError(
-            f"task {number} (hub, {task.repo_id}): {TOKEN_VARIABLE} is not set; the push needs a Hugging Face "
-            f"token with write access to {task.repo_id}: set {TOKEN_VARIABLE} (a deploy config's `secrets`)"
-        )
+    token = check_push_environment(task, number, os.environ)
     source = export_root / task.source
     if made_by is None and _source_manifest(source) is None:
         raise InputError(
@@ -198,6 +186,26 @@ def plan_push(
     owner, name = task.repo_id.split("/")
     record = record_root / f"{owner}--{name}@{quote(task.revision, safe='')}.json"
     return HubPush(task, number, source, record, run_name, token)
+
+
+def check_push_environment(task: HubTask, number: int, environ: Mapping[str, str]) -> str:
+    """The token the push of `task` sends, from `environ`; InputError (exit 2) without one, or in huggingface_hub's
+    offline mode. Nothing of the run is needed: boot checks it for a deploy's `then` before the training starts."""
+    from huggingface_hub.constants import is_offline_mode
+
+    if is_offline_mode():  # every request of huggingface_hub's raises then: exit 75 at every start, to FAILED
+        raise InputError(
+            f"task {number} (hub, {task.repo_id}): HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) is set, and "
+            "huggingface_hub sends no request in offline mode; unset it for this convert (a merge of a hub base "
+            "the finetune downloaded reads it from the volume's cache/hf either way)"
+        )
+    token = environ.get(TOKEN_VARIABLE, "").strip()
+    if not token:
+        raise InputError(
+            f"task {number} (hub, {task.repo_id}): {TOKEN_VARIABLE} is not set; the push needs a Hugging Face "
+            f"token with write access to {task.repo_id}: set {TOKEN_VARIABLE} (a deploy config's `secrets`)"
+        )
+    return token
 
 
 def verify_source(folder: Path, number: int) -> dict[str, dict[str, Any]]:

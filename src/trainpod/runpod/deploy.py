@@ -160,6 +160,8 @@ def pod_env(config: DeployConfig, secret_values: dict[str, str] | None = None) -
         "TRAINPOD_BUDGET_USD": _usd(config.budget.budget_usd)
         if config.budget.hourly_usd is not None or config.nodes == 1
         else "",
+        "TRAINPOD_THEN_WORKLOAD": config.then.workload if config.then is not None else "",
+        "TRAINPOD_THEN_CONFIG": config.then.config if config.then is not None else "",
     }
     env.update({name: value for name, value in optional.items() if value})
     env.update(config.env.extra)

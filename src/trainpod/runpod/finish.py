@@ -5,6 +5,7 @@ RunPod starts a pod's container again whenever it exits, so the exit code alone 
 | exit | meaning (docs/design.md, "Exit codes") | here |
 | --- | --- | --- |
 | 0 | DONE | failed-start count reset; TRAINPOD_ON_FINISH: stop (default), terminate or idle |
+| any but 143, the run DONE, TRAINPOD_THEN_CONFIG set | the conversion after DONE follows in this pod (boot._run_then) | the training start settled as its code says, the pod left running; the conversion's exit then decides as a convert pod's, and its end (0: done; 2, 3, 5 or a crash loop: failed) goes to runs/<run>/then.json |
 | 143 | SIGTERM (spot interruption) | count reset: the start itself worked; RunPod stops the pod |
 | 2, 3, 5 | bad input, budget spent, volume full | FAILED marker (when the run folder exists) and the pod stopped at once |
 | 4 | this machine cannot run the image (trainpod.host) | MACHINE_UNFIT marker naming this pod, not counted as a failed start; the pod stopped: the supervisor replaces it with a new pod on another machine |
@@ -57,6 +58,7 @@ from trainpod import atomic
 from trainpod.checkpoint.lease import call_when_taken, live_holder, read_lease, renewed_by_its_holder
 from trainpod.checkpoint.store import LATEST
 from trainpod.errors import ConfigError, ExitCode, is_whole_number
+from trainpod.log import redact
 from trainpod.preemption import call_at_first_signal, end_by_default_at_sigterm_meanwhile, signals_seen
 from trainpod.runpod.client import RunPodClient, RunPodError
 from trainpod.volume import RunDir, Volume
@@ -111,11 +113,18 @@ def after_workload(
     owns_run: bool = True,
     lease: Path | None = None,
     progressed: bool = False,
+    then_follows: bool = False,
+    then_step: bool = False,
+    error: str | None = None,
 ) -> int:
     """Count, mark and stop the pod as the table above says; returns `code` unchanged. `owns_run`: the
     workload's outcome is the run's (workloads.Kind.owns_run_folder), not a datagen's or a convert's.
     `lease`: the one a duplicate of this pod runs into, when not the run's (a datagen's dataset lease).
     `progressed`: this start committed a newer checkpoint than the run had when it began (committed_since).
+    `then_follows`: a deploy's `then` conversion runs in this pod once the run is DONE (TRAINPOD_THEN_CONFIG):
+    a DONE run's pod is left as it is, for boot to run it and finish after it. `then_step`: `code` is that
+    conversion's; its end (done, or failed for good: bad input, a crash loop) is recorded in the run's
+    then.json (volume.THEN_RECORD), which supervisors read beside DONE, with `error` (its last error line) as why.
 
     On an Instant Cluster only node 0 (NODE_RANK 0, which holds global rank 0) acts for the run;
     the other nodes return their code and leave markers, counters and pods alone (but for exit 4).
@@ -129,12 +138,40 @@ def after_workload(
         return code
     try:
         _end_start(run, environ)
-        action = _decide(code, run, environ, workload, owns_run, lease, progressed)
+        action = _decide(code, run, environ, workload, owns_run, lease, progressed, then_step, error)
     except (ConfigError, OSError) as exc:  # a bad setting or an unwritable volume must not hide `code`
         log.warning("after exit %d: %s; the pod is left as it is", code, exc)
         return code
+    if then_follows and then_runs(code, run):
+        return code
     _act(action, run, environ, workload, client_factory)
     return code
+
+
+def then_runs(code: int, run: RunDir | None) -> bool:
+    """Whether a deploy's `then` conversion runs after this exit: the run is DONE (now, or before this start:
+    a pod started again after a stop during the conversion, whose training start exits at once), and the start
+    was not a stop (a spot stop's SIGKILL comes 5 s after its SIGTERM)."""
+    return code != ExitCode.PREEMPTED and run is not None and run.done.exists()
+
+
+def _then_failure(reason: str, error: str | None, run: RunDir | None, workload: str) -> str:
+    """then.json's reason: the exit's meaning, the conversion's last error line, and where its log is."""
+    logged = f"runs/{run.name}/logs/{workload}.log" if run is not None else "the pod's (`trainpod logs`)"
+    return f"{reason}: {error}; its log: {logged}" if error else f"{reason}; its log: {logged}"
+
+
+def record_then(run: RunDir | None, workload: str, code: int, reason: str | None = None) -> None:
+    """How the `then` conversion ended, beside DONE: supervisors end at a "done" or "failed" newer than the
+    newest deploy, and bring the pod back while there is none (boot removes it when it starts the conversion)."""
+    if run is None:
+        return
+    outcome = "done" if code == ExitCode.DONE else "failed"
+    reason = redact(reason) if reason is not None else None
+    record = {"workload": workload, "outcome": outcome, "exit": code, "reason": reason, "unix": time.time()}
+    atomic.write_json(run.then_record, record)
+    if outcome == "failed":
+        log.error("the %s after DONE failed for good: %s; the run stays DONE", workload, reason)
 
 
 def begin_start(
@@ -278,6 +315,8 @@ def _decide(
     owns_run: bool = True,
     lease: Path | None = None,
     progressed: bool = False,
+    then_step: bool = False,
+    error: str | None = None,
 ) -> str:
     """What to do with this pod: stop, terminate, idle (leave it) or restart (let RunPod start it again)."""
     if workload == "supervise":
@@ -288,6 +327,8 @@ def _decide(
         _forget_failures_before_the_run(environ)  # this start got past them: a new count begins
     if code in START_WORKED:
         _reset_failures(run, starts_file, owns_run)
+        if then_step and code == ExitCode.DONE:
+            record_then(run, workload, code)
         return on_finish(environ) if code == ExitCode.DONE else "idle"
     if owns_run and run is not None and run.done.exists():
         # A finished run's pod started again (by hand, to reach the volume) and failed before the lifecycle's
@@ -305,6 +346,8 @@ def _decide(
         reason = f"{STOP_AT_ONCE[ExitCode(code)]} (exit {code}); restarting cannot help"
         if run is not None and run.root.is_dir() and owns_run:
             _mark_failed(run, reason, code, failures=1)
+        if then_step:
+            record_then(run, workload, code, _then_failure(reason, error, run, workload))
         # A warning: the error itself is already logged, as the one ERROR line a user looks for.
         log.warning("stopping this pod: %s", reason)
         return "stop"
@@ -332,6 +375,8 @@ def _decide(
     reason = f"{failures} failed starts in a row, the last with exit {code}; look at runs/{run.name}/logs/"
     if owns_run:
         _mark_failed(run, reason, code, failures)
+    if then_step:
+        record_then(run, workload, code, _then_failure(reason, error, run, workload))
     log.error("crash loop: %s; stopping this pod (TRAINPOD_MAX_FAILED_STARTS=%d)", reason, limit)
     return "stop"
 

@@ -7,8 +7,10 @@
 RunPod stops an interrupted spot pod and never starts it again. Each look: read the run's state on
 the volume when it is mounted here (DONE, FAILED, status.json), list the pods `<run>-<workload>`,
 then exactly one decision, logged in one line with its reason:
-  DONE -> stop a pod still running, exit 0;  FAILED marker (the pod's exit 2, 3 or 5, or a crash
-  loop; runpod/finish.py) -> exit 2, never a restart;  budget spent -> stop, exit 3;
+  DONE -> stop a pod still running, exit 0 (with the deploy's `then`: once runs/<run>/then.json, newer
+  than the newest deploy, says the conversion after DONE ended: done -> as DONE, failed -> stop, exit 2;
+  until then the DONE run's pod is brought back as below, for its boot to convert);  FAILED marker (the
+  pod's exit 2, 3 or 5, or a crash loop; runpod/finish.py) -> exit 2, never a restart;  budget spent -> stop, exit 3;
   a pod RUNNING -> wait;  EXITED or gone -> start it again, or create a new pod on the same volume
   with the same env and spot setting as deployed (GPU types in order; a gone pod's secrets as the run's pods had them: references, or
   deploy --secrets-from-env's values from this supervisor's environment, never from a file; a pod gone before
@@ -57,7 +59,7 @@ from trainpod.runpod.client import (
 from trainpod.runpod.deploy import pod_env, pod_problems
 from trainpod.runpod.finish import FAILED_MARKER, UNFIT_MARKER
 from trainpod.runpod.units import Look, build_unit
-from trainpod.volume import Volume, stop_marker_keys
+from trainpod.volume import Volume, is_then_record, stop_marker_keys
 
 if TYPE_CHECKING:
     from trainpod.remote.s3 import VolumeS3
@@ -128,6 +130,7 @@ class RunView:
     step: int | None = None  # the step status.json last recorded: the run's progress
     unreadable: str | None = None  # why the volume's S3 API could not be read at this look (not: absent)
     deployed: DeployRecord | None = None  # what the newest `trainpod deploy` rented (runs/.<run>.DEPLOYED)
+    then: dict | None = None  # how the deploy's `then` conversion last ended (runs/<run>/then.json)
 
     @classmethod
     def read(cls, volume: Volume | None, run: str) -> RunView:
@@ -169,7 +172,15 @@ class RunView:
             stopped=any(read(Path(key)) is not None for key in stop_marker_keys(run)),
             step=status.get("step") if isinstance(status.get("step"), int) else None,
             deployed=DeployRecord.parse(read(Path(deploy_record_key(run)))),
+            then=then if is_then_record(then := fields(run_dir.then_record)) else None,
         )
+
+    def then_ended(self) -> dict | None:
+        """The `then` conversion's end when it came after the newest deploy: a deploy made since (a fixed or a
+        changed conversion config) has the pod run it again, and its supervisor waits for that end."""
+        if self.then is None or (self.deployed is not None and self.then["unix"] < self.deployed.unix):
+            return None
+        return self.then
 
 
 UNREADABLE = "_unreadable"  # a marker whose bytes are not a JSON object (cut short, say)
@@ -428,7 +439,14 @@ class Supervisor:
             self._stop("the run is FAILED")
             return self._end(ExitCode.BAD_INPUT, f"run FAILED ({view.failed}); not restarting: fix it, "
                              f"delete runs/{self.config.run}/{FAILED_MARKER} and deploy again")  # fmt: skip
-        if view.done:
+        then = self.config.then
+        then_ended = view.then_ended() if then is not None else None
+        if view.done and then is not None and then_ended is not None and then_ended["outcome"] == "failed":
+            self._stop(f"the run's {then.workload} after DONE failed")
+            return self._end(ExitCode.BAD_INPUT, f"run is DONE, but its {then.workload} after DONE failed "
+                             f"({then_ended.get('reason')}); not restarting: fix {then.config} and deploy again "
+                             "(the run stays DONE: the pod converts, nothing more)")  # fmt: skip
+        if view.done and (then is None or then_ended is not None):
             if self.config.env.on_finish != "idle":
                 self._stop("the run is DONE")
             return self._end(ExitCode.DONE, "run is DONE; supervising ends")
@@ -522,9 +540,11 @@ class Supervisor:
         state.replacements = state.replacements + 1 if seen.unfit else 0
         if seen.unfit:
             self._clear_unfit_marker()
+        left = f"the run not DONE{unseen}"
+        if view.done and self.config.then is not None:
+            left = f"the run DONE but not its {self.config.then.workload} after DONE"
         return self._say(
-            f"{noun} {seen.down} and the run not DONE{unseen}: {action} "
-            f"(restart {state.restarts}/{self.policy.max_restarts})"
+            f"{noun} {seen.down} and {left}: {action} (restart {state.restarts}/{self.policy.max_restarts})"
         )
 
     def _backoff(self, failures: int) -> float:

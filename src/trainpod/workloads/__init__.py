@@ -56,6 +56,8 @@ class WorkloadModule(Protocol):
 
     # Optional: `check_gpu_memory(config, volume, gpus)`, which boot calls before starting the ranks, to
     # refuse (exit 2) a config whose estimated peak GPU memory cannot fit (pretrain has one).
+    # Optional for a CONVERSION: `check_ahead(config, environ)`, which boot calls for a deploy's `then` before the
+    # run it converts has started, to refuse (exit 2) what needs no input of the run: a hub task's HF_TOKEN.
 
 
 @dataclass(frozen=True)
@@ -84,7 +86,7 @@ _WORKLOADS = (
     Workload("finetune", Kind.TRAINING, "QLoRA, LoRA or full finetuning of an existing model", __name__ + ".finetune", "trainpod.config.finetune:FinetuneConfig"),
     Workload("finetune-vlm", Kind.TRAINING, "QLoRA, LoRA or full finetuning of a vision-language model (Qwen-VL) on images + text", __name__ + ".finetune_vlm", "trainpod.config.finetune_vlm:VlmFinetuneConfig"),
     Workload("command", Kind.COMMAND, "your own program (any language) under the run lifecycle", __name__ + ".command", "trainpod.config.command:CommandConfig"),
-    Workload("convert", Kind.CONVERSION, "adapters to MLX, merged into their base; checkpoints to HF", __name__ + ".convert", "trainpod.config.convert:ConvertConfig"),
+    Workload("convert", Kind.CONVERSION, "adapters to MLX, merged into their base; checkpoints to HF; exports pushed to the Hub", __name__ + ".convert", "trainpod.config.convert:ConvertConfig"),
     Workload("supervise", Kind.SERVICE, "bring a run's interrupted spot pods back until it is done", __name__ + ".supervise", "trainpod.config.deploy:DeployConfig"),
 )  # fmt: skip
 REGISTRY: dict[str, Workload] = {workload.name: workload for workload in _WORKLOADS}

@@ -9,6 +9,7 @@ lease (workloads/lifecycle.py), and a run converted again skips what is done.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 from trainpod.config.convert import ConvertConfig
@@ -22,6 +23,16 @@ def preflight(ctx: RunContext, config: ConvertConfig) -> None:
     from trainpod.convert import plan_convert
 
     plan_convert(_named(ctx, config), ctx.volume)
+
+
+def check_ahead(config: ConvertConfig, environ: Mapping[str, str]) -> None:
+    """What a deploy's `then` can check before the run it converts exists (boot): each hub task's HF_TOKEN."""
+    from trainpod.config.convert import HubTask
+    from trainpod.convert.hub import check_push_environment
+
+    for number, task in enumerate(config.task, start=1):
+        if isinstance(task, HubTask):
+            check_push_environment(task, number, environ)
 
 
 def run(ctx: RunContext, config: ConvertConfig) -> list[Path]:

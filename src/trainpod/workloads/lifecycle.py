@@ -204,8 +204,9 @@ def _run_conversion(workload: Workload, ctx: RunContext, config: Any) -> int:
     """Conversions write into runs/<run>/export/ under the run's lease, but never its DONE:
     the run they convert is finished already (and convert reruns skip what is done)."""
     module = workload.module()
-    module.preflight(ctx, config)
+    module.preflight(ctx, config)  # its refusal writes nothing, a log neither
     ctx.run.export.mkdir(parents=True, exist_ok=True)
+    attach_log_file(ctx.run.logs / f"{workload.name}.log")  # the log a deploy's `then` that failed points at
     ctx.lease = Lease(ctx.run.lease, CONVERSION_LEASE_TTL_S)
     ctx.lease.acquire()
     # Every output's, not only those this config makes: a task stopped midway and then dropped from the

@@ -1,0 +1,404 @@
+"""A deploy's `then`: the conversion a pod runs once its run is DONE, before it stops (docs/design.md, "Then: a
+conversion after DONE"). Real boots against the fake RunPod API (the mock of RunPod), the supervisor's looks at
+a volume whose markers the test writes, and the deploy's checks."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from trainpod import atomic, cli
+from trainpod.boot import boot
+from trainpod.config.deploy import DeployConfig
+from trainpod.deploy_checks import config_problems
+from trainpod.runpod.deploy import deploy, pod_env
+from trainpod.runpod.finish import FAILED_MARKER, after_workload
+from trainpod.runpod.supervise import DeployRecord, Supervisor, deploy_record_key
+from trainpod.volume import Volume
+
+from fake_runpod import FakeRunPodServer, api_env, client_for
+from support import RUN, TINY_PRETRAIN, child_env
+
+# Four steps of the tiny pretrain: a DONE run with a checkpoint in seconds. These overrides are the training
+# config's: the conversion after it is loaded without them (its config has no `train`).
+FOUR_STEPS = (
+    "train.max_steps=4 train.warmup_steps=1 checkpoint.every_steps=2 train.eval_every=2 train.log_every=2"
+)
+EXPORT = f"name: {RUN}\ntask:\n  - kind: export\n    output: hf-final\n"
+
+
+@pytest.fixture
+def fake():
+    with FakeRunPodServer() as fake:
+        yield fake
+    assert not fake.violations, f"requests RunPod would refuse: {fake.violations}"
+
+
+@pytest.fixture
+def pod(fake) -> dict:
+    body = {"name": f"{RUN}-pretrain", "gpuTypeIds": ["NVIDIA H100 80GB HBM3"], "interruptible": True}
+    pod = fake.pods[client_for(fake).create_pod(body).id]
+    fake.requests.clear()
+    return pod
+
+
+def then_config(tmp_path: Path, text: str = EXPORT) -> Path:
+    path = tmp_path / "convert.yaml"
+    path.write_text(text)
+    return path
+
+
+def pretrain_pod_env(fake, pod, volume: Path, then: Path, **extra: str) -> dict[str, str]:
+    return child_env(
+        {
+            **api_env(fake),
+            "RUNPOD_POD_ID": pod["id"],
+            "TRAINPOD_VOLUME": str(volume),
+            "TRAINPOD_WORKLOAD": "pretrain",
+            "TRAINPOD_CONFIG": str(TINY_PRETRAIN),
+            "TRAINPOD_SET": FOUR_STEPS,
+            "TRAINPOD_THEN_CONFIG": str(then),
+            **extra,
+        }
+    )
+
+
+def boot_in_a_child(env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "trainpod", "boot"], env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_a_pod_converts_its_run_after_done_then_stops_and_started_again_converts_nothing_twice(
+    fake, pod, volume, tmp_path
+):
+    env = pretrain_pod_env(fake, pod, volume, then_config(tmp_path))
+    first = boot_in_a_child(env)
+    out = first.stdout + first.stderr
+    assert first.returncode == 0, out
+    run = Volume(volume).run(RUN)
+    export = run.export / "hf-final"
+    assert (export / "manifest.json").is_file(), out
+    assert out.index("exported the model in HF format to") < out.index(
+        f"asked RunPod to stop this pod ({pod['id']})"
+    )
+    assert fake.pods[pod["id"]]["desiredStatus"] == "EXITED", "the pod stops after the conversion"
+    record = atomic.read_json(run.then_record)
+    assert (record["workload"], record["outcome"], record["exit"]) == ("convert", "done", 0)
+    assert "hf-final" in (run.logs / "convert.log").read_text(), "the conversion's log is the run's too"
+
+    # A stop during the conversion, or a deploy again: the pod boots, its DONE run's start exits at once,
+    # and the conversion runs again, skipping what it made.
+    made = (export / "manifest.json").stat().st_mtime_ns
+    client_for(fake).start_pod(pod["id"])
+    again = boot_in_a_child(env)
+    out = again.stdout + again.stderr
+    assert again.returncode == 0, out
+    assert "is already DONE" in out and "is up to date (same inputs and settings); skipping" in out
+    assert (export / "manifest.json").stat().st_mtime_ns == made
+    assert atomic.read_json(run.then_record)["unix"] > record["unix"]
+    assert fake.pods[pod["id"]]["desiredStatus"] == "EXITED"
+
+
+@pytest.mark.parametrize(
+    ("text", "named"),
+    [
+        (f"name: {RUN}\ntask:\n  - kind: export\n    stepp: 3\n", "task.0.export.stepp"),
+        (
+            f"name: {RUN}\ntask:\n  - kind: hub\n    source: hf\n    repo_id: someone/tiny\n",
+            "HF_TOKEN is not set",
+        ),
+    ],
+    ids=["a typo", "a push without HF_TOKEN"],
+)
+def test_a_conversion_that_cannot_run_is_exit_2_at_boot_before_any_training(tmp_path, capsys, text, named):
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    env = {
+        "TRAINPOD_VOLUME": str(volume),
+        "TRAINPOD_WORKLOAD": "pretrain",
+        "TRAINPOD_CONFIG": str(TINY_PRETRAIN),
+        "TRAINPOD_THEN_CONFIG": str(then_config(tmp_path, text)),
+    }
+    assert boot(env) == 2
+    assert named in capsys.readouterr().out
+    assert not (volume / "runs" / RUN).exists(), "nothing trained, nothing written"
+
+
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        (
+            {"TRAINPOD_THEN_WORKLOAD": "pretrain"},
+            "TRAINPOD_THEN_WORKLOAD='pretrain' is no conversion workload",
+        ),
+        (
+            {"TRAINPOD_WORKLOAD": "datagen", "TRAINPOD_CONFIG": "configs/datagen/tiny.yaml"},
+            "a conversion follows",
+        ),
+        ({"NUM_NODES": "2", "NODE_RANK": "0", "PRIMARY_ADDR": "10.0.0.1"}, "on a cluster of 2 nodes"),
+    ],
+    ids=["not a conversion", "after a workload that is never DONE", "on a cluster"],
+)
+def test_a_then_that_cannot_follow_is_exit_2_at_boot_naming_the_variable(tmp_path, capsys, extra, named):
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    env = {
+        "TRAINPOD_VOLUME": str(volume),
+        "TRAINPOD_WORKLOAD": "pretrain",
+        "TRAINPOD_CONFIG": str(TINY_PRETRAIN),
+        "TRAINPOD_THEN_CONFIG": str(then_config(tmp_path)),
+        **extra,
+    }
+    assert boot(env) == 2
+    assert named in capsys.readouterr().out
+    assert not (volume / "runs").exists() or not any((volume / "runs").iterdir())
+
+
+def done_command_run(tmp_path: Path) -> tuple[Path, Path]:
+    """A volume holding a DONE command run (its start exits at once) and that run's config."""
+    volume, workdir = tmp_path / "volume", tmp_path / "repo"
+    workdir.mkdir()
+    (workdir / "prog.py").write_text("raise SystemExit('never run: the run is DONE')\n")
+    run = Volume(volume).run("mine")
+    run.create()
+    atomic.write_json(run.done, {"step": 3})
+    config = tmp_path / "command.yaml"
+    config.write_text(f"name: mine\ncommand: [python, prog.py]\nworkdir: {workdir}\n")
+    return volume, config
+
+
+def test_a_conversion_that_fails_after_done_is_recorded_stops_the_pod_and_leaves_the_run_done(
+    fake, pod, tmp_path, capsys
+):
+    volume, config = done_command_run(tmp_path)
+    then = then_config(tmp_path, "name: mine\ntask:\n  - kind: export\n    step: 99\n")
+    env = {
+        **api_env(fake),
+        "RUNPOD_POD_ID": pod["id"],
+        "TRAINPOD_VOLUME": str(volume),
+        "TRAINPOD_WORKLOAD": "command",
+        "TRAINPOD_CONFIG": str(config),
+        "TRAINPOD_THEN_CONFIG": str(then),
+    }
+    assert boot(env) == 2
+    run = Volume(volume).run("mine")
+    record = atomic.read_json(run.then_record)
+    assert (record["outcome"], record["exit"]) == ("failed", 2)
+    assert "it is not a pretrain run on this volume" in record["reason"], (
+        "why, though its refusal wrote no log"
+    )
+    assert not (run.logs / "convert.log").exists(), "a refusal writes nothing"
+    assert fake.pods[pod["id"]]["desiredStatus"] == "EXITED", "bad input: the pod stops at once"
+    assert run.done.exists() and not (run.root / FAILED_MARKER).exists(), "the run stays DONE"
+
+    assert cli.main(["status", "mine", "--volume", str(volume)]) == 0
+    assert "after DONE  convert failed, exit 2: bad config or input" in capsys.readouterr().out
+
+
+def test_a_done_runs_pod_whose_conversion_config_is_refused_records_it_for_its_supervisor(
+    fake, pod, tmp_path
+):
+    """A DONE run's pod started again (a spot stop during the conversion) with a conversion config refused at boot:
+    without a record its supervisor, waiting for the conversion's end, started the pod again and again."""
+    volume, config = done_command_run(tmp_path)
+    then = then_config(tmp_path, "name: mine\ntask:\n  - kind: mlxx\n")
+    env = {
+        **api_env(fake),
+        "RUNPOD_POD_ID": pod["id"],
+        "TRAINPOD_VOLUME": str(volume),
+        "TRAINPOD_WORKLOAD": "command",
+        "TRAINPOD_CONFIG": str(config),
+        "TRAINPOD_THEN_CONFIG": str(then),
+        "TRAINPOD_RUN": "mine",  # as a deploy sets it: the run is known before any config is read
+    }
+    assert boot(env) == 2
+    run = Volume(volume).run("mine")
+    record = atomic.read_json(run.then_record)
+    assert (record["outcome"], record["exit"]) == ("failed", 2)
+    assert record["reason"].startswith(f"TRAINPOD_THEN_CONFIG={str(then)!r}: ") and "mlxx" in record["reason"]
+    assert fake.pods[pod["id"]]["desiredStatus"] == "EXITED"
+    assert run.done.exists() and not (run.root / FAILED_MARKER).exists()
+
+
+def test_a_conversion_in_a_crash_loop_after_done_is_recorded_as_failed_at_the_bound(fake, pod, tmp_path):
+    run = Volume(tmp_path).run("mine")
+    run.create()
+    atomic.write_json(run.done, {"step": 3})
+    env = {**api_env(fake), "RUNPOD_POD_ID": pod["id"], "TRAINPOD_MAX_FAILED_STARTS": "2"}
+    after_workload(75, run, env, "convert", owns_run=False, then_step=True)
+    assert not run.then_record.exists(), "one failure: RunPod starts the container again"
+    assert fake.pods[pod["id"]]["desiredStatus"] == "RUNNING"
+    after_workload(75, run, env, "convert", owns_run=False, then_step=True)
+    assert atomic.read_json(run.then_record)["outcome"] == "failed"
+    assert fake.pods[pod["id"]]["desiredStatus"] == "EXITED"
+
+
+def test_a_done_runs_pod_is_left_running_when_a_conversion_follows(fake, pod, tmp_path):
+    run = Volume(tmp_path).run("mine")
+    run.create()
+    atomic.write_json(run.done, {"step": 3})
+    env = {**api_env(fake), "RUNPOD_POD_ID": pod["id"]}
+    assert after_workload(0, run, env, "pretrain", then_follows=True) == 0
+    assert fake.requests == [], "boot converts first, then stops the pod"
+    assert after_workload(143, run, env, "pretrain", then_follows=True) == 143
+    assert fake.pods[pod["id"]]["desiredStatus"] == "RUNNING", "a spot stop: RunPod stops the pod itself"
+
+
+# The supervisor: DONE is the end only once the conversion after it ended, since the newest deploy.
+
+GPUS = ["NVIDIA H100 80GB HBM3"]
+
+
+def then_deploy_config(**then) -> DeployConfig:
+    return DeployConfig.model_validate(
+        {
+            "run": "tiny",
+            "workload": "finetune",
+            "config": "configs/finetune/tiny.yaml",
+            "image": {"name": "ghcr.io/org/trainpod:0.1.0"},
+            "pod": {"gpu_types": GPUS},
+            "volume": {"name": "vol", "data_center": "EU-RO-1"},
+            "then": {"config": "configs/convert/tiny.yaml", **then},
+        }
+    )
+
+
+class Clock:
+    now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def supervisor(fake, volume: Volume, config: DeployConfig) -> Supervisor:
+    state = volume.run("tiny").root / "supervise.json"
+    return Supervisor(client_for(fake), config, volume, state, clock=Clock(), sleep=lambda s: None)
+
+
+def the_pod(fake) -> dict:
+    (pod,) = fake.pods_named("tiny-finetune")
+    return pod
+
+
+@pytest.fixture
+def done(tmp_path: Path) -> Volume:
+    """A volume whose run `tiny` is DONE."""
+    vol = Volume(tmp_path / "volume")
+    vol.run("tiny").create()
+    atomic.write_json(vol.run("tiny").done, {"step": 40})
+    return vol
+
+
+def test_the_supervisor_brings_a_done_runs_pod_back_until_its_conversion_ended(fake, done, caplog):
+    config = then_deploy_config()
+    deploy(client_for(fake), config)
+    sup = supervisor(fake, done, config)
+    caplog.set_level(logging.INFO, "trainpod")
+    assert sup.step() is None and the_pod(fake)["desiredStatus"] == "RUNNING", "converting: not stopped"
+    fake.interrupt(the_pod(fake)["id"])  # a spot stop during the merge
+    assert sup.step() is None
+    assert the_pod(fake)["desiredStatus"] == "RUNNING"
+    assert "the run DONE but not its convert after DONE: started pod" in caplog.text
+    after_workload(0, done.run("tiny"), {}, "convert", owns_run=False, then_step=True)
+    assert sup.step() == 0
+    assert the_pod(fake)["desiredStatus"] == "EXITED" and "run is DONE; supervising ends" in caplog.text
+
+
+def test_a_conversion_that_failed_after_done_ends_supervising_with_exit_2(fake, done, caplog):
+    config = then_deploy_config()
+    deploy(client_for(fake), config)
+    after_workload(2, done.run("tiny"), {}, "convert", owns_run=False, then_step=True)
+    caplog.set_level(logging.INFO, "trainpod")
+    assert supervisor(fake, done, config).step() == 2
+    assert the_pod(fake)["desiredStatus"] == "EXITED"
+    assert "its convert after DONE failed (bad config or input (exit 2)" in caplog.text
+    assert "fix configs/convert/tiny.yaml and deploy again" in caplog.text
+
+
+def test_an_end_of_the_conversion_older_than_the_newest_deploy_is_not_the_end(fake, done):
+    """A deploy again after a failed conversion (its config fixed): the pod converts again, and a supervisor that
+    took the old failure for this deploy's ended at once, leaving a spot stop during the new conversion down."""
+    config = then_deploy_config()
+    deploy(client_for(fake), config)
+    after_workload(2, done.run("tiny"), {}, "convert", owns_run=False, then_step=True)
+    ended = atomic.read_json(done.run("tiny").then_record)["unix"]
+    record = DeployRecord(spot=True, secrets_as_values=False, unix=ended + 60)
+    (done.root / deploy_record_key("tiny")).write_text(record.to_json())
+    fake.interrupt(the_pod(fake)["id"])
+    assert supervisor(fake, done, config).step() is None
+    assert the_pod(fake)["desiredStatus"] == "RUNNING", "brought back to convert again"
+
+
+def test_without_then_a_done_run_ends_supervising_as_before(fake, done):
+    config = then_deploy_config()
+    config.then = None
+    deploy(client_for(fake), config)
+    assert supervisor(fake, done, config).step() == 0
+
+
+# The deploy: the pod's variables and the checks made before anything is rented.
+
+
+def test_then_reaches_the_pod_as_its_two_variables(tmp_path):
+    env = pod_env(then_deploy_config())
+    assert (env["TRAINPOD_THEN_WORKLOAD"], env["TRAINPOD_THEN_CONFIG"]) == (
+        "convert",
+        "configs/convert/tiny.yaml",
+    )
+    config = then_deploy_config()
+    config.then = None
+    assert not {"TRAINPOD_THEN_WORKLOAD", "TRAINPOD_THEN_CONFIG"} & set(pod_env(config))
+
+
+def deploy_yaml(tmp_path: Path, **changes) -> Path:
+    tree = then_deploy_config().model_dump(mode="json", exclude_none=True)
+    for key, value in changes.items():
+        tree[key] = value
+    path = tmp_path / "deploy.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("changes", "named"),
+    [
+        (
+            {"then": {"workload": "pretrain", "config": "configs/convert/tiny.yaml"}},
+            "then.workload='pretrain' is no",
+        ),
+        ({"workload": "datagen", "config": "configs/datagen/tiny.yaml"}, "then with workload='datagen'"),
+        ({"then": {"config": "configs/pretrain/tiny.yaml"}}, "then.config='configs/pretrain/tiny.yaml'"),
+    ],
+    ids=["not a conversion", "after a workload that is never DONE", "another workload's config"],
+)
+def test_deploy_refuses_a_then_the_pod_would_refuse(tmp_path, changes, named):
+    path = deploy_yaml(tmp_path, **changes)
+    config = DeployConfig.model_validate(yaml.safe_load(path.read_text()))
+    problems = config_problems(config, str(path), secrets_from_env=False)
+    assert any(named in problem for problem in problems), problems
+
+
+def test_deploy_refuses_a_then_that_pushes_to_the_hub_without_hf_token(tmp_path):
+    convert = tmp_path / "push.yaml"
+    convert.write_text("name: tiny\ntask:\n  - kind: hub\n    source: merged\n    repo_id: someone/tiny\n")
+    config = then_deploy_config(config=str(convert))
+    config.secrets = []
+    problems = config_problems(config, str(tmp_path / "deploy.yaml"), secrets_from_env=False)
+    assert any(f"then.config={str(convert)!r} pushes to the Hugging Face Hub" in p for p in problems), (
+        problems
+    )
+    config.secrets = ["HF_TOKEN"]
+    assert not [p for p in config_problems(config, str(tmp_path / "d.yaml"), False) if "Hugging Face" in p]
+
+
+def test_a_cluster_with_then_is_refused_at_the_config(tmp_path):
+    tree = then_deploy_config().model_dump(mode="json", exclude_none=True)
+    tree |= {"nodes": 2, "workload": "pretrain", "pod": {"gpu_types": GPUS, "spot": False}}
+    with pytest.raises(ValueError, match="nodes=2 with then.config='configs/convert/tiny.yaml'"):
+        DeployConfig.model_validate(tree)

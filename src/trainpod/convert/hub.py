@@ -261,7 +261,10 @@ def hub_error(exc: BaseException, task: HubTask, number: int, endpoint: str) -> 
     upload itself goes to a presigned link on the storage's host, whose 403 is that link's (expired on a slow
     upload), not the token's: the next start asks for fresh links.
     hf_xet (the image's upload path to the real Hub) raises XetAuthenticationError, a PermissionError, for a
-    token its storage refuses, and ConnectionError or TimeoutError for the network."""
+    token its storage refuses; ConnectionError for the network, its 429s and 5xx, TimeoutError for a timeout
+    (xet-core's `impl From<XetError> for PyErr`, xet_pkg/src/error.rs). A failure it only carries as text (a
+    background task's, "Task error: ...") is a RuntimeError: None here, a crash (exit 1), which finish.py counts
+    as it counts a 75, so the next start pushes again all the same."""
     from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
 
     where = f"task {number} (hub): pushing to {task.repo_id}@{task.revision}"

@@ -350,6 +350,26 @@ def test_a_program_the_kits_checkpoint_api_refused_is_exit_2_and_not_started_aga
     assert latest == "step-5", "the committed checkpoint stays LATEST"
 
 
+GOES_PAST_A_REFUSAL_THEN_CRASHES_ONCE = """
+if [ "$(cat "$TRAINPOD_CHECKPOINT_DIR/LATEST" 2>/dev/null)" = step-7 ]; then exit 0; fi  # the restart: done
+for step in 5 3 7; do  # 3 is refused, and the script goes on past it
+  mkdir -p "out-$step" && echo "$step" > "out-$step/state.txt"
+  trainpod checkpoint commit "$TRAINPOD_RUN_DIR" --step "$step" "out-$step" >/dev/null || true
+done
+exit 1  # a crash of its own, after the commits
+"""
+
+
+def test_a_refusal_the_program_went_past_with_a_commit_does_not_make_its_later_crash_exit_2(tmp_path):
+    """`commit ... || true`: the program got past the refusal and committed step 7. Its crash after that was taken
+    for the refusal's (exit 2, never started again), where it is a crash like any other: started again."""
+    config, volume = running_program(tmp_path, "go.sh", GOES_PAST_A_REFUSAL_THEN_CRASHES_ONCE, max_restarts=2)
+    config.write_text(config.read_text().replace("- python\n", "- sh\n"))
+    result = run_trainpod("run", "command", "--config", str(config), volume=volume)
+    assert result.returncode == 0, result.stdout
+    assert program_log(volume).count("--- started") == 2, "the crash was restarted, not taken for the refusal"
+
+
 COMMITS_ON_STOP = """
 import time
 import torch

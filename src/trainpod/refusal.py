@@ -33,6 +33,15 @@ def record(error: TrainpodError) -> None:
         atomic.write_text(Path(path), redact(str(error)))
 
 
+def clear() -> None:
+    """A commit the API made after a refusal: the program got past it (a shell's `commit ... || true`), so a later
+    failure of this start is its own, counted and tried again, not the refusal's exit 2."""
+    path = os.environ.get(REFUSAL_FILE_ENV)
+    if path:
+        with contextlib.suppress(OSError):
+            atomic.remove(Path(path))
+
+
 def read(path: Path) -> str | None:
     """The refusal recorded at `path` since it was cleared, or None."""
     try:

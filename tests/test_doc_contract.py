@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from trainpod import cli
+from trainpod import cli, demo
 from trainpod.config.fields import field_rows
 
 REPO = Path(__file__).resolve().parents[1]
@@ -126,3 +126,31 @@ def test_stop_says_in_its_help_that_supervisors_leave_the_run_down(capsys):
         cli.main(["stop", "--help"])
     help_text = " ".join(capsys.readouterr().out.split())
     assert "STOPPED" in help_text and "trainpod deploy" in help_text, help_text
+
+
+def demo_volume_chat_lines() -> list[tuple[str, str]]:
+    """(file, command) for each `trainpod generate` or `trainpod chat` line the docs point at the demo's volume."""
+    return [
+        (source, command)
+        for source, command in command_lines()
+        if command.split()[1] in ("generate", "chat") and "demo-volume" in command.split()
+    ]
+
+
+@pytest.mark.parametrize(("source", "command"), demo_volume_chat_lines(), ids=lambda v: v)
+def test_the_docs_generate_and_chat_on_the_demo_volume_ask_for_an_answer_its_model_has_room_for(
+    source, command
+):
+    """The README's `trainpod generate tiny-finetune ... --volume demo-volume` was exit 2 on the demo's volume: the
+    tiny model reads 128 positions, the alpaca prompt takes 107, and the default --max-new-tokens is 200."""
+    args = cli._parser().parse_args(shlex.split(command)[1:])
+    assert args.max_new_tokens <= demo.MAX_NEW_TOKENS, (
+        f"{source}: `{command}` asks for {args.max_new_tokens} new tokens; the demo's model has room for "
+        f"{demo.MAX_NEW_TOKENS} after its prompt: pass --max-new-tokens {demo.MAX_NEW_TOKENS}"
+    )
+
+
+def test_the_docs_show_generate_and_chat_on_the_demo_volume():
+    assert len(demo_volume_chat_lines()) >= 2, (
+        "the README's generate and chat lines on demo-volume were not found"
+    )

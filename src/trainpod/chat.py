@@ -1,7 +1,7 @@
 """`trainpod chat RUN` and `trainpod generate RUN --prompt ...`: talk to what a run trained.
 
-    trainpod generate tiny-finetune --prompt "Add the two numbers. 12 + 30" --volume demo-volume
-    trainpod chat tiny-finetune --volume demo-volume     # a conversation on stdin; empty line or EOF ends
+    trainpod generate tiny-finetune --prompt "Add the two numbers. 12 + 30" --volume demo-volume --max-new-tokens 16
+    trainpod chat tiny-finetune --volume demo-volume --max-new-tokens 16  # on stdin; empty line or EOF ends
 
 The run's export is loaded with transformers (and peft for an adapter): export/merged, export/hf,
 or the base model + export/adapter, in that order unless --export says which. A finetuned run's

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -31,6 +32,10 @@ REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "configs"
 INTERRUPT_AFTER_STEP = 30  # SIGTERM once this step's checkpoint is committed (tiny: every 10 of 60)
 FINETUNE_INTERRUPT_AFTER_STEP = 10  # finetune tiny: a checkpoint every 10 of 30 steps
+# The answer's length for `trainpod generate`/`chat` on the tiny model: it reads 128 positions (its seq_len),
+# and the alpaca prompt of "Add the two numbers. 12 + 30" is 107 tokens, so the CLI's default 200 refuses
+# every message (exit 2, "shorten the message or lower --max-new-tokens"). The README's commands pass it too.
+MAX_NEW_TOKENS = 16
 
 
 def banner(text: str) -> None:
@@ -163,7 +168,6 @@ def main(argv: list[str] | None = None) -> int:
 
     banner("7/7 trainpod generate (base + adapter, the alpaca template it trained with); the merged model")
     question = "Add the two numbers.\n12 + 30"
-    print(f"$ trainpod generate tiny-finetune --export adapter --prompt {question!r}", flush=True)
     generate = [
         "generate",
         "tiny-finetune",
@@ -172,8 +176,9 @@ def main(argv: list[str] | None = None) -> int:
         "--prompt",
         question,
         "--max-new-tokens",
-        "8",
+        str(MAX_NEW_TOKENS),
     ]
+    print(f"$ {shlex.join(['trainpod', *generate])}", flush=True)  # the command as run, to copy
     if run_to_end(generate, volume) != 0:
         return 1
     # The alpaca template the tiny SFT data was tokenized with (sft/templates.py), instruction + input.
@@ -209,7 +214,9 @@ def print_summary(run_dir: Path, export_dir: Path, finetune_dir: Path, seconds: 
     outputs = ", ".join(sorted(p.name for p in (finetune_dir / "export").iterdir()))
     print(f"finetune outputs {finetune_dir / 'export'} ({outputs})")
     print(f"status           trainpod status --volume {run_dir.parents[1]}")
-    print(f"chat             trainpod chat tiny-finetune --volume {run_dir.parents[1]}")
+    print(
+        f"chat             trainpod chat tiny-finetune --volume {run_dir.parents[1]} --max-new-tokens {MAX_NEW_TOKENS}"
+    )
     print(f"demo took        {seconds:.0f} s")
 
 

@@ -120,7 +120,12 @@ def test_a_program_that_exits_0_is_done_with_its_environment_and_output_captured
     # stdout and stderr are read by two threads: either stream's last line may be the newest one seen.
     assert status["state"] == "done" and status["last_log_line"] in ("to stderr", "secret ***")
     shown = run_trainpod("status", RUN, volume=volume).stdout
-    assert f"{RUN}: done | step None |" in shown and f"last line: {status['last_log_line']}" in shown
+    # No checkpoint committed, so no step: the DONE line and the status line said "step None".
+    assert f"{RUN}: done | last line: {status['last_log_line']}" in shown, shown
+    assert (
+        f"run {RUN} DONE: " in result.stdout + result.stderr and "None" not in result.stdout + result.stderr
+    )
+    assert f"runs/{RUN}: done\n" in run_trainpod("ls", volume=volume).stdout
     again = run_trainpod("run", "command", "--config", str(config), volume=volume)
     assert again.returncode == 0 and "already DONE" in again.stdout
 
@@ -796,3 +801,18 @@ def test_a_disk_full_line_before_the_first_commit_is_exit_5_only_when_it_names_n
     assert done.returncode == code, out[-3000:]
     assert ("no space left on the volume" in out) is (code == 5), out[-2000:]
     assert ("a disk outside the volume is full" in out) is (code != 5), out[-2000:]
+
+
+def test_a_command_run_with_a_checkpoint_shows_its_step_with_no_total_in_status_ls_and_its_done_line(
+    tmp_path,
+):
+    """Its program decides its steps: the status has no max_steps, which `trainpod ls` showed as "step 5/None"."""
+    program = (
+        "from trainpod import Checkpointer\nwith Checkpointer() as ckpt:\n    ckpt.commit(5, extra={})\n"
+    )
+    config, volume = running_program(tmp_path, "commit.py", program)
+    result = run_trainpod("run", "command", "--config", str(config), volume=volume)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"run {RUN} DONE: step 5, " in result.stdout + result.stderr
+    assert f"runs/{RUN}: done | step 5 | checkpoint step-5\n" in run_trainpod("ls", volume=volume).stdout
+    assert f"{RUN}: done | step 5 | " in run_trainpod("status", RUN, volume=volume).stdout

@@ -459,11 +459,13 @@ def _status_line(vol: Volume, name: str) -> str:
         return f"{name}: no status yet ({run.status} missing)"
     s = json.loads(run.status.read_text())
     state = "done" if run.done.exists() else s.get("state", "?")
-    # A command run's program decides its steps: its status has the newest checkpoint's step, no max.
-    total = f"/{s['max_steps']}" if s.get("max_steps") else ""
-    parts = [f"{name}: {state}", f"step {s.get('step')}{total}"]
-    if s.get("step") is not None and s.get("max_steps"):
-        parts[-1] += f" ({s['step'] / s['max_steps']:.0%})"
+    # A command run's program decides its steps: its status has the newest checkpoint's step, no max, and
+    # none before its first commit (shown as "step None" before).
+    parts = [f"{name}: {state}"]
+    if s.get("step") is not None:
+        parts.append(f"step {s['step']}")
+        if s.get("max_steps"):
+            parts[-1] += f"/{s['max_steps']} ({s['step'] / s['max_steps']:.0%})"
     if s.get("loss") is not None:
         parts.append(f"loss {s['loss']:.4f}")
     if s.get("tokens_per_s"):

@@ -122,8 +122,9 @@ def run_line(files: VolumeFiles, name: str) -> str:
     status = _json(files, f"{base}/status.json") or {}
     state = "done" if "DONE" in top else "failed" if "FAILED" in top else status.get("state", "no status yet")
     parts = [f"{base}: {state}"]
-    if status.get("step") is not None:
-        parts.append(f"step {status.get('step')}/{status.get('max_steps')}")
+    if status.get("step") is not None:  # a command run's has no max_steps (its program decides)
+        total = f"/{status['max_steps']}" if status.get("max_steps") else ""
+        parts.append(f"step {status['step']}{total}")
     latest = files.read(f"{base}/checkpoints/{LATEST}")
     if latest:
         parts.append(f"checkpoint {latest.decode().strip()}")

@@ -85,10 +85,12 @@ def run(ctx: RunContext, config: CommandConfig) -> dict[str, Any]:
             status.write("exited", program)
             _raise_if_stopped(code, stopped_by, status)
             if code == 0:
+                newest = status.latest()
                 return {
                     "exit_code": 0,
                     "restarts": restarts,
-                    "checkpoint": status.latest(),
+                    "checkpoint": newest,
+                    "step": newest,  # the DONE line's step, as status.json's (None: the program committed none)
                     "elapsed_s": status.elapsed(),
                 }
             _raise_if_no_checkpoint_fits(status, argv[0], code, program.last_lines)

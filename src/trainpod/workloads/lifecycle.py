@@ -415,7 +415,8 @@ def done_line(name: str, summary: dict[str, Any], done_file: Path) -> str:
     """`run x DONE: step 60, loss 2.3100 (eval 2.4012), 12m this start; export ...`; the JSON is in DONE."""
     from trainpod.train.reporting import hours_minutes
 
-    parts = [f"step {summary.get('step')}"]
+    # A command run that committed no checkpoint has no step: its line was "DONE: step None, ...".
+    parts = [f"step {summary['step']}"] if summary.get("step") is not None else []
     if summary.get("loss") is not None:
         evaluated = summary.get("eval_loss")
         parts.append(

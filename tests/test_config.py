@@ -272,3 +272,17 @@ def test_a_finetune_without_a_learning_rate_takes_the_one_axolotl_and_llamafacto
     images = "data: {datasets: [{path: data/ocr.jsonl}]}"
     vlm = write(tmp_path, FINETUNE_WITHOUT_LR.replace("METHOD", method).replace(FINETUNE_DATA, images))
     assert load_config(VlmFinetuneConfig, vlm).train.lr == lr
+
+
+def test_an_unknown_key_that_is_a_field_further_down_is_pointed_at_its_place():
+    """A finetune's user told by the SFT code to raise `sft.cutoff_len` passed --set sft.cutoff_len=256, and got
+    "sft: unknown key" with the top-level names alone; its field is data.sft.cutoff_len."""
+    from trainpod.config.finetune import FinetuneConfig
+
+    tiny = Path(__file__).resolve().parents[1] / "configs/finetune/tiny.yaml"
+    for key, place in (("sft.cutoff_len", "data.sft"), ("cutoff_len", "data.sft.cutoff_len")):
+        with pytest.raises(ConfigError) as caught:
+            load_config(FinetuneConfig, tiny, [f"{key}=256"], route=SET_FLAG)
+        assert f"{key.split('.')[0]}: unknown key; did you mean '{place}'?" in str(caught.value)
+    with pytest.raises(ConfigError, match=r"train\.lrr: unknown key; did you mean 'lr'\?"):
+        load_config(FinetuneConfig, tiny, ["train.lrr=1"])

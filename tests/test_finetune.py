@@ -664,3 +664,12 @@ def test_a_finetune_on_a_named_dataset_an_earlier_trainpod_tokenized_says_so_and
     output = ok(run_trainpod(*args, volume=volume))
     assert "data.dataset=sft-old was tokenized by an earlier trainpod" in output, output
     assert "run its datagen config again" in output, output
+
+
+def test_samples_cut_at_cutoff_len_are_reported_under_the_finetunes_own_field_names(volume):
+    """The warning said "raise sft.cutoff_len ... or set sft.overflow=drop", a datagen config's names: a finetune
+    refuses `--set sft.cutoff_len=...` (unknown key); its field is data.sft.cutoff_len."""
+    cut = ("--set", "data.sft.cutoff_len=16", "--set", "train.max_steps=1", "--set", "train.eval_every=0")
+    output = ok(run_trainpod(*finetune_args(*cut, method="lora"), volume=volume))
+    warning = next(line for line in output.splitlines() if "were cut" in line)
+    assert "raise data.sft.cutoff_len" in warning and "set data.sft.overflow=drop" in warning, warning

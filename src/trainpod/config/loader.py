@@ -17,7 +17,7 @@ import pydantic
 import yaml
 from pydantic import BaseModel, ConfigDict
 
-from trainpod.config.fields import sections_of
+from trainpod.config.fields import field_rows, sections_of
 from trainpod.errors import ConfigError
 
 
@@ -136,6 +136,18 @@ def _known_fields(model_cls: type[BaseModel], loc: tuple[Any, ...]) -> list[str]
     return sorted(getattr(cls, "model_fields", {}))
 
 
+def _deeper_homes(model_cls: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
+    """Where an unknown key is a field further down the section it was given in, as dotted paths from the top:
+    a finetune's `sft` is `data.sft`. The SFT code names its fields as a datagen config's `sft:` section has them
+    (`raise sft.cutoff_len`), which a finetune's user then passed as --set sft.cutoff_len=... to no avail."""
+    cls, _ = _section_at(model_cls, loc[:-1])
+    if cls is None:
+        return []
+    above = "".join(f"{part}." for part in loc[:-1])
+    paths = [row.path.replace("[]", "") for row in field_rows(cls)]
+    return [above + path for path in paths if "." in path and path.rsplit(".", 1)[-1] == str(loc[-1])][:3]
+
+
 def _field_description(model_cls: type[BaseModel], loc: tuple[Any, ...]) -> str | None:
     _, field = _section_at(model_cls, loc)
     return field.description if field is not None else None
@@ -212,8 +224,8 @@ def _describe(model_cls: type[BaseModel], error: dict[str, Any], route: Override
     dotted = ".".join(str(part) for part in loc) or "(top level)"
     if kind == "extra_forbidden":
         known = _known_fields(model_cls, loc[:-1])
-        guess = difflib.get_close_matches(str(loc[-1]), known, n=1)
-        hint = f"did you mean '{guess[0]}'? " if guess else ""
+        guess = difflib.get_close_matches(str(loc[-1]), known, n=1) or _deeper_homes(model_cls, loc)
+        hint = "did you mean " + " or ".join(f"'{g}'" for g in guess) + "? " if guess else ""
         return f"{dotted}: unknown key; {hint}remove it or use one of: {', '.join(known)}"
     if kind == "missing":
         description = _field_description(model_cls, loc)

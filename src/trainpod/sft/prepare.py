@@ -111,8 +111,11 @@ def prepare_sft(
     out_dir: Path,
     volume_root: Path,
     watch: PreemptionWatch | None = None,
+    field: str = "sft",
 ) -> Path:
-    """Build the dataset into `out_dir`, or reuse it there when it is complete and has the same key.
+    """Build the dataset into `out_dir`, or reuse it there when it is complete and has the same key. `field` is
+    where `data` sits in its config, as the warnings and errors name its settings: a datagen config's `sft`, a
+    finetune's `data.sft` (a finetune's user told to raise sft.cutoff_len passed a key the finetune refuses).
 
     Raises InputError (exit 2, nothing overwritten) when `out_dir` holds anything else, or the same
     settings made from source files that have changed since; Preempted (exit 143) when `watch` saw
@@ -129,7 +132,7 @@ def prepare_sft(
             # read again under the lease: the writer this one waited out may have finished meanwhile
             if not _reusable(out_dir, key, data, volume_root):
                 _raise_if_stopped(watch, "as it took the dataset's lease")
-                return _build_and_publish(data, tokenizer_dir, out_dir, volume_root, key, watch, lease)
+                return _build_and_publish(data, tokenizer_dir, out_dir, volume_root, key, watch, lease, field)
     log.info("SFT dataset %s is complete and matches (key %s): reusing it", out_dir, key)
     return out_dir
 
@@ -142,6 +145,7 @@ def _build_and_publish(
     key: str,
     watch: PreemptionWatch,
     lease: Lease,
+    field: str,
 ) -> Path:
     sources = [
         {"path": source.path, "format": source.format, "files": describe_files(source, volume_root)}
@@ -158,7 +162,7 @@ def _build_and_publish(
     tmp = temp_name(out_dir)
     tmp.mkdir()
     try:
-        manifest = _build(data, tokenizer, template, volume_root, tmp, watch, lease)
+        manifest = _build(data, tokenizer, template, volume_root, tmp, watch, lease, field)
         manifest.update(key=key, sources=sources, tokenizer=_tokenizer_record(tokenizer, tokenizer_dir))
         write_bytes(tmp / MANIFEST_FILE, json_bytes(manifest))
         if out_dir.exists():
@@ -180,23 +184,26 @@ def _build_and_publish(
         manifest["template"] or "none: plain text",
     )
     if counts["truncated"]:
-        _warn_truncated(counts, data.cutoff_len)
+        _warn_truncated(counts, data.cutoff_len, field)
     return out_dir
 
 
-def _warn_truncated(counts: dict, cutoff_len: int) -> None:
+def _warn_truncated(counts: dict, cutoff_len: int, field: str) -> None:
     """What the cut left out, where a run would otherwise never learn the ends of its long samples unseen."""
     kept = counts["train_tokens"] + counts.get("val_tokens", 0)
     log.warning(
-        "%d of %d samples were longer than sft.cutoff_len=%d and were cut: %d of their tokens (%.1f%% of the "
-        "data's) left out, the longest sample has %d; raise sft.cutoff_len to train on them whole, or set "
-        "sft.overflow=drop to leave them out",
+        "%d of %d samples were longer than %s.cutoff_len=%d and were cut: %d of their tokens (%.1f%% of the "
+        "data's) left out, the longest sample has %d; raise %s.cutoff_len to train on them whole, or set "
+        "%s.overflow=drop to leave them out",
         counts["truncated"],
         counts["train_samples"] + counts["val_samples"],
+        field,
         cutoff_len,
         counts["truncated_tokens"],
         100 * counts["truncated_tokens"] / max(kept + counts["truncated_tokens"], 1),
         counts["longest_sample_tokens"],
+        field,
+        field,
     )
 
 
@@ -283,6 +290,7 @@ def _build(
     tmp: Path,
     watch,
     lease: Lease,
+    field: str,
 ) -> dict:
     encoder = SegmentEncoder(tokenizer, data.cutoff_len, data.overflow, data.train_on_prompt)
     splits: dict[str, list] = {"train": [], "val": []}
@@ -304,9 +312,9 @@ def _build(
     if not splits["train"]:
         held_out = len(splits["val"])
         fix = (
-            f"lower sft.val_ratio={data.val_ratio} or add data"
+            f"lower {field}.val_ratio={data.val_ratio} or add data"
             if held_out
-            else "add data, raise sft.cutoff_len or set sft.overflow=truncate"
+            else f"add data, raise {field}.cutoff_len or set {field}.overflow=truncate"
         )
         raise InputError(
             f"no training samples: {rows} rows read, {dropped} dropped (over cutoff_len={data.cutoff_len} or no "

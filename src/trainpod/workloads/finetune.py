@@ -277,7 +277,7 @@ class Finetuner(Trainer):
                 )
                 return folder
         folder = volume.cache() / "sft" / sft_cache_key(sft, self.base_dir, volume.root)
-        prepare_sft(sft, self.base_dir, folder, volume.root, self.ctx.watch)
+        prepare_sft(sft, self.base_dir, folder, volume.root, self.ctx.watch, field="data.sft")
         if self.dist.is_main:
             write_cache_pin(pin, settings_key, folder.name)
         return folder

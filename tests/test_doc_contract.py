@@ -154,3 +154,17 @@ def test_the_docs_show_generate_and_chat_on_the_demo_volume():
     assert len(demo_volume_chat_lines()) >= 2, (
         "the README's generate and chat lines on demo-volume were not found"
     )
+
+
+def test_estimates_help_names_every_training_workload_it_takes(capsys):
+    """README: `estimate` takes "a pretrain, finetune, finetune-vlm or deploy config"; its help named pretrain and
+    finetune alone."""
+    from trainpod import workloads
+
+    with pytest.raises(SystemExit):
+        cli.main(["estimate", "--help"])
+    help_text = capsys.readouterr().out
+    usage, _, arguments = help_text.partition("positional arguments:")
+    for name in workloads.names(workloads.Kind.TRAINING):
+        assert re.search(rf"\b{name}\b(?!-)", " ".join(usage.split())), f"the summary leaves out {name}"
+        assert re.search(rf"\b{name}\b(?!-)", arguments), f"CONFIG's help leaves out {name}"

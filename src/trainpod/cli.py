@@ -960,9 +960,11 @@ def estimate(
 ) -> int:
     """Estimate a training run before paying for it: tokens, FLOPs, hours, GPU memory, checkpoint, dollars.
 
-    CONFIG is a pretrain or finetune config, or a deploy config (its workload config is read from
-    the repo). Prices come from RunPod's catalog when RUNPOD_API_KEY is set, else from
-    TRAINPOD_GPU_HOURLY_USD. The MFU is the one the run last measured (--volume), else an assumption.
+    CONFIG is a pretrain, finetune or finetune-vlm config, or a deploy config (its workload config is read
+    from the repo). The price is a deploy config's budget.hourly_usd (what its pod counts its cost with),
+    else RunPod's catalog when RUNPOD_API_KEY is set (on-demand list prices: a spot estimate takes
+    TRAINPOD_GPU_HOURLY_USD first), else TRAINPOD_GPU_HOURLY_USD. The MFU is the one the run last measured
+    (--volume), else an assumption.
     """
     from trainpod import estimate as estimating
     from trainpod.config.loader import SET_FLAG
@@ -1156,7 +1158,7 @@ def _deploy_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _estimate_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("config", metavar="CONFIG", help="pretrain, finetune or deploy YAML")
+    p.add_argument("config", metavar="CONFIG", help="pretrain, finetune, finetune-vlm or deploy YAML")
     p.add_argument("--gpu", help="RunPod GPU type id (default: the deploy config's first, else an H100)")
     p.add_argument("--spot", dest="spot", action="store_true", default=None, help="price a spot pod")
     p.add_argument("--on-demand", dest="spot", action="store_false", help="price an on-demand pod")

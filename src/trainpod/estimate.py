@@ -111,7 +111,7 @@ def load_target(
         deploy = load_config(DeployConfig, path)
         if workloads.get(deploy.workload).kind is not workloads.Kind.TRAINING:
             raise InputError(
-                f"{path}: workload {deploy.workload!r} trains nothing; estimate covers pretrain and finetune"
+                f"{path}: workload {deploy.workload!r} trains nothing; estimate covers pretrain, finetune and finetune-vlm"
             )
         workload_path = find_workload_config(deploy.config, Path(path))
         if workload_path is None:

@@ -168,3 +168,14 @@ def test_estimates_help_names_every_training_workload_it_takes(capsys):
     for name in workloads.names(workloads.Kind.TRAINING):
         assert re.search(rf"\b{name}\b(?!-)", " ".join(usage.split())), f"the summary leaves out {name}"
         assert re.search(rf"\b{name}\b(?!-)", arguments), f"CONFIG's help leaves out {name}"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_every_exit_code_the_kit_gives_is_a_row_of_the_docs_exit_codes_table(doc):
+    """README's table had no 130 (Ctrl-C ending push, pull, deploy or supervise), which errors.ExitCode gives."""
+    from trainpod.errors import ExitCode
+
+    section = doc.read_text(encoding="utf-8").split("Exit codes\n", 1)[1]
+    rows = {line.split("|")[1].strip() for line in section.splitlines() if line.startswith("| ")}
+    missing = [f"{code.name}={int(code)}" for code in ExitCode if str(int(code)) not in rows]
+    assert not missing, f"{doc.name}'s exit codes table has no row for {', '.join(missing)}"

@@ -673,3 +673,19 @@ def test_samples_cut_at_cutoff_len_are_reported_under_the_finetunes_own_field_na
     output = ok(run_trainpod(*finetune_args(*cut, method="lora"), volume=volume))
     warning = next(line for line in output.splitlines() if "were cut" in line)
     assert "raise data.sft.cutoff_len" in warning and "set data.sft.overflow=drop" in warning, warning
+
+
+def test_a_finetunes_data_errors_name_its_data_sft_fields(volume):
+    """A missing data file said "fix sft.datasets[].path" and a missing column "map it with sft.datasets[0].columns",
+    a datagen config's names; a finetune's are under data.sft, and --set sft.datasets... is an unknown key there."""
+    missing = json.dumps([{"path": "data/nope.jsonl", "format": "alpaca"}])
+    result = run_trainpod(*finetune_args("--set", f"data.sft.datasets={missing}"), volume=volume)
+    assert result.returncode == 2 and "fix data.sft.datasets[].path" in result.stdout + result.stderr, (
+        result.stdout + result.stderr
+    )
+    (volume / "data/qa.jsonl").write_text(json.dumps({"question": "2+3?", "answer": "5"}) + "\n")
+    unmapped = json.dumps([{"path": "data/qa.jsonl", "format": "alpaca"}])
+    result = run_trainpod(*finetune_args("--set", f"data.sft.datasets={unmapped}"), volume=volume)
+    assert (
+        result.returncode == 2 and "data.sft.datasets[0].columns.prompt" in result.stdout + result.stderr
+    ), result.stdout + result.stderr

@@ -459,7 +459,7 @@ def _count_rows(source: Any, root: Path) -> int:
         return count_rows(source, root)
     from trainpod.sft.sources import iter_rows
 
-    return sum(1 for _ in iter_rows(source, root))
+    return sum(1 for _ in iter_rows(source, root, "data.sft"))
 
 
 def _by_steps_instead(route: OverrideRoute | None) -> str:

@@ -29,11 +29,11 @@ class Sample:
 
 
 class RowReader:
-    """Turns the rows of one dataset (entry `index` of sft.datasets) into samples."""
+    """Turns the rows of one dataset (entry `index` of `section`.datasets: sft, a finetune's data.sft) into samples."""
 
-    def __init__(self, source: SftSourceConfig, index: int):
+    def __init__(self, source: SftSourceConfig, index: int, section: str = "sft"):
         self.source = source
-        self.field_prefix = f"sft.datasets[{index}]"
+        self.field_prefix = f"{section}.datasets[{index}]"
 
     def sample(self, row: Row) -> Sample:
         if self.source.format == "text":

@@ -80,7 +80,7 @@ def sft_cache_key(data: SftDataConfig, tokenizer_dir: Path, volume_root: Path) -
     """Names finetune's cache/sft/<key>: the dataset's key and its files' contents, so data edited since an
     earlier run is tokenized anew beside that run's (as cache/vlm/<key> is), not refused as a named
     dataset built from other contents is."""
-    contents = [_contents(describe_files(source, volume_root)) for source in data.datasets]
+    contents = [_contents(describe_files(source, volume_root, "data.sft")) for source in data.datasets]
     record = json.dumps([sft_key(data, tokenizer_dir), contents], separators=(",", ":"))
     return hashlib.sha256(record.encode()).hexdigest()[:16]
 
@@ -148,7 +148,7 @@ def _build_and_publish(
     field: str,
 ) -> Path:
     sources = [
-        {"path": source.path, "format": source.format, "files": describe_files(source, volume_root)}
+        {"path": source.path, "format": source.format, "files": describe_files(source, volume_root, field)}
         for source in data.datasets
     ]
     tokenizer = load_tokenizer(tokenizer_dir)
@@ -257,12 +257,12 @@ def _contents(files: list[dict]) -> list[tuple[int, str]]:
 
 
 def _segments(
-    data: SftDataConfig, template: Template | None, tokenizer, volume_root: Path
+    data: SftDataConfig, template: Template | None, tokenizer, volume_root: Path, field: str
 ) -> Iterator[Segments]:
     text = text_format(tokenizer)
     for index, source in enumerate(data.datasets):
-        reader = RowReader(source, index)
-        for row in iter_rows(source, volume_root):
+        reader = RowReader(source, index, field)
+        for row in iter_rows(source, volume_root, field):
             sample = reader.sample(row)
             if sample.text is not None:
                 yield text.segments(sample.text)
@@ -295,7 +295,7 @@ def _build(
     encoder = SegmentEncoder(tokenizer, data.cutoff_len, data.overflow, data.train_on_prompt)
     splits: dict[str, list] = {"train": [], "val": []}
     rows = dropped = truncated = cut_tokens = longest = 0
-    for chunk in _chunks(_segments(data, template, tokenizer, volume_root), ENCODE_CHUNK):
+    for chunk in _chunks(_segments(data, template, tokenizer, volume_root, field), ENCODE_CHUNK):
         _raise_if_stopped(watch, f"after {rows} rows")
         if lease.lost.is_set():
             raise lease_lost(tmp)

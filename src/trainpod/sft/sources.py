@@ -40,28 +40,30 @@ def _data_suffix(path: Path) -> str | None:
     return suffixes[-1] if suffixes and suffixes[-1] in SUFFIXES else None
 
 
-def resolve_files(source: SftSourceConfig, volume_root: Path) -> list[Path]:
-    """The files a dataset's path names (a file, a folder searched recursively, or a glob), sorted."""
+def resolve_files(source: SftSourceConfig, volume_root: Path, section: str = "sft") -> list[Path]:
+    """The files a dataset's path names (a file, a folder searched recursively, or a glob), sorted. `section` is
+    the config section that lists the datasets, as the errors name its fields: a datagen config's `sft`, a
+    finetune's `data.sft`, a finetune-vlm's `data`."""
     if source.path == BUILTIN_SFT_TINY:
         return [builtin_sft_tiny_path()]
     pattern, files = expand_path(source.path, volume_root, lambda p: _data_suffix(p) is not None)
-    _refuse_generated_dataset_folder(source, pattern)
+    _refuse_generated_dataset_folder(source, pattern, section)
     if not files:
         what = "folder holds no .json/.jsonl/.parquet files" if pattern.is_dir() else "matches no file"
         raise InputError(
             f"sft dataset path {source.path!r} ({pattern}) {what}; relative paths are taken from the volume "
-            f"root {volume_root}: fix sft.datasets[].path or copy the files there"
+            f"root {volume_root}: fix {section}.datasets[].path or copy the files there"
         )
     for path in files:
         if _data_suffix(path) is None:
             raise InputError(
                 f"sft dataset file {path} is not .json, .jsonl or .parquet (optionally .gz); "
-                "convert it or point sft.datasets[].path at the data files only"
+                f"convert it or point {section}.datasets[].path at the data files only"
             )
     return files
 
 
-def _refuse_generated_dataset_folder(source: SftSourceConfig, pattern: Path) -> None:
+def _refuse_generated_dataset_folder(source: SftSourceConfig, pattern: Path, section: str) -> None:
     """A generator run's folder (data/generate.py) holds each record three times over: in its chunks/, in one
     of train/val/test.jsonl, and its generation.json and metadata.json are no rows. Read whole, it failed on
     generation.json, 'not valid JSON ... fix that line', a file of the kit's own; README says to point at
@@ -71,16 +73,16 @@ def _refuse_generated_dataset_folder(source: SftSourceConfig, pattern: Path) -> 
     if pattern.is_dir() and (pattern / GENERATION_FILE).is_file():
         raise InputError(
             f"sft dataset path {source.path!r} ({pattern}) is the folder of a generator run: its chunks/ hold "
-            "every record again and val.jsonl and test.jsonl are held out; point sft.datasets[].path at "
-            f"{pattern / 'train.jsonl'} (and hold out with sft.val_ratio, or a second dataset entry for val)"
+            f"every record again and val.jsonl and test.jsonl are held out; point {section}.datasets[].path at "
+            f"{pattern / 'train.jsonl'} (and hold out with {section}.val_ratio, or a second dataset entry for val)"
         )
 
 
-def describe_files(source: SftSourceConfig, volume_root: Path) -> list[dict]:
+def describe_files(source: SftSourceConfig, volume_root: Path, section: str = "sft") -> list[dict]:
     """What the manifest records to recognise the inputs: each file's path, size and sha256."""
     return [
         {"path": str(p), "bytes": p.stat().st_size, "sha256": atomic.file_sha256(p)}
-        for p in resolve_files(source, volume_root)
+        for p in resolve_files(source, volume_root, section)
     ]
 
 
@@ -171,10 +173,10 @@ def rows_of_file(path: Path) -> Iterator[Row]:
         raise InputError(f"sft dataset file {path} {problem}") from None
 
 
-def iter_rows(source: SftSourceConfig, volume_root: Path) -> Iterator[Row]:
+def iter_rows(source: SftSourceConfig, volume_root: Path, section: str = "sft") -> Iterator[Row]:
     """Every row of one dataset in order, at most `max_samples`."""
     count = 0
-    for path in resolve_files(source, volume_root):
+    for path in resolve_files(source, volume_root, section):
         for row in rows_of_file(path):
             if source.max_samples is not None and count >= source.max_samples:
                 return

@@ -433,7 +433,7 @@ def _records(source: VisionSourceConfig, volume_root: Path) -> Iterator[tuple[di
         for index in range(len(data)):
             yield data[index], f"{folder}, row {index}", folder, index
         return
-    for path in resolve_files(source, volume_root):  # type: ignore[arg-type]
+    for path in resolve_files(source, volume_root, "data"):  # type: ignore[arg-type]
         for row in rows_of_file(path):
             yield row.record, row.where, path.parent, None
 
@@ -501,7 +501,7 @@ def vision_key(data: VisionDataConfig, processor: VisionProcessor, model_dir: Pa
     mounted (images are referenced by absolute path: replacing an image file without touching the data
     file is not detected, and the same volume mounted elsewhere needs its own copy of the paths)."""
     files = [
-        [f["sha256"] for f in describe_files(s, volume_root)]
+        [f["sha256"] for f in describe_files(s, volume_root, "data")]
         if s.format != "hf"
         else _hf_fingerprint(s, volume_root)  # type: ignore[arg-type]
         for s in data.datasets

@@ -95,6 +95,25 @@ def test_missing_dataset_message_names_the_path(volume):
     assert f"{volume}/datasets/nope/manifest.json does not exist" in result.stdout
 
 
+def test_a_missing_dataset_a_shipped_datagen_config_makes_is_named_with_that_config(tmp_path):
+    """README: `trainpod run pretrain --config configs/pretrain/125m.yaml` on a volume without its dataset said
+    "Make it first with ... (for example configs/datagen/tiny.yaml)", which makes tiny-stories, not fineweb-edu-10b."""
+    repo = TINY_PRETRAIN.parents[2]
+    result = subprocess.run(
+        trainpod_cmd("run", "pretrain", "--config", "configs/pretrain/125m.yaml", volume=tmp_path),
+        cwd=repo,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "`TRAINPOD_CONFIG=configs/datagen/fineweb-edu.yaml trainpod run datagen`" in result.stdout, (
+        result.stdout
+    )
+    assert "tiny.yaml" not in result.stdout and not list(tmp_path.iterdir())
+
+
 def test_a_validation_split_too_small_for_one_eval_batch_exits_2_before_the_first_step(volume):
     """The test split's one val shard holds 17,742 tokens; 36 x 512 + 1 do not fit in it. Before, the
     run trained until its first eval and died there."""

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from trainpod import atomic, cost
 from trainpod.atomic import file_sha256
 from trainpod.checkpoint import Lease
@@ -19,6 +21,24 @@ from trainpod.preemption import PreemptionWatch
 from trainpod.volume import RunDir, Volume
 
 CARRIED_TOKENIZER = "trainpod_tokenizer.json"  # in runs/<run>/tokenizer/: the source's sha256 and vocabulary
+
+
+SHIPPED_DATAGEN = Path(
+    "configs/datagen"
+)  # from the working directory: the repo's root, the image's /opt/trainpod
+
+
+def shipped_datagen_config(dataset: str) -> Path | None:
+    """The shipped datagen config whose `name` is `dataset`: the 125m preset's fineweb-edu-10b missing, the
+    hint was "for example configs/datagen/tiny.yaml", which makes tiny-stories."""
+    for path in sorted(SHIPPED_DATAGEN.glob("*.yaml")):
+        try:
+            tree = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, yaml.YAMLError):
+            continue
+        if isinstance(tree, dict) and tree.get("name") == dataset:
+            return path
+    return None
 
 
 @dataclass
@@ -44,10 +64,16 @@ class RunContext:
     def resolve_dataset(self, name: str) -> Path:
         path = Path(name) if os.path.isabs(name) else self.volume.dataset(name)
         if not (path / "manifest.json").is_file():
+            shipped = shipped_datagen_config(path.name)
+            make = (
+                f"`TRAINPOD_CONFIG={shipped} trainpod run datagen` (the shipped config that makes it)"
+                if shipped
+                else f"`TRAINPOD_CONFIG=<datagen config naming '{path.name}'> trainpod run datagen` "
+                f"(for example {self.datagen_hint})"
+            )
             raise InputError(
-                f"dataset '{name}' not found: {path}/manifest.json does not exist. Make it first with "
-                f"`TRAINPOD_CONFIG=<datagen config naming '{path.name}'> trainpod run datagen` "
-                f"(for example {self.datagen_hint}), or fix data.dataset"
+                f"dataset '{name}' not found: {path}/manifest.json does not exist. Make it first with {make}, or "
+                "fix data.dataset"
             )
         return path
 

@@ -251,6 +251,21 @@ def test_status_away_from_the_volume_says_it_is_not_here_instead_of_no_runs(tmp_
     assert "no runs under" in capsys.readouterr().out
 
 
+def test_status_of_a_run_name_the_volume_has_never_seen_is_exit_2_listing_the_runs_there(
+    tmp_path, monkeypatch, capsys
+):
+    """A typo said "no status yet" and exited 0, as for a run about to start: a script polling it waited forever.
+    A deployed run whose pod has not started yet has its deploy record beside the runs: still exit 0."""
+    monkeypatch.delenv("RUNPOD_API_KEY", raising=False)
+    Volume(tmp_path).run("tiny-pretrain").create()
+    assert cli.main(["status", "tiny-pretrian", "--volume", str(tmp_path)]) == 2
+    out = capsys.readouterr().out
+    assert "tiny-pretrian: no run of that name on the volume" in out and "runs there: tiny-pretrain" in out, out
+    (tmp_path / "runs/.deployed-only.DEPLOYED").write_text('{"spot": true, "secrets_as_values": false, "unix": 1}')
+    assert cli.main(["status", "deployed-only", "--volume", str(tmp_path)]) == 0
+    assert "deployed-only: no status yet" in capsys.readouterr().out
+
+
 def test_status_json_is_written_off_the_training_thread_and_the_newest_is_on_disk_at_close(tmp_path):
     writer = StatusWriter(tmp_path / "status.json")
     for step in range(200):  # faster than the writes: the ones overtaken are skipped, never reordered

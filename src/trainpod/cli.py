@@ -124,6 +124,13 @@ def _api_key_here() -> bool:
         return False
 
 
+def _unknown_run(vol: Volume, name: str) -> bool:
+    """No runs/<name>/ and no record of a deploy of it (runs/.<name>.DEPLOYED: deployed, its pod not started yet)."""
+    from trainpod.runpod.supervise import deploy_record_key
+
+    return not vol.run(name).root.exists() and not (vol.root / deploy_record_key(name)).exists()
+
+
 def _status_from_api(run_name: str | None, unread: str) -> int:
     """The volume cannot be read (`unread` says why): the pods RunPod's API shows, and how to see the rest."""
     print(
@@ -149,6 +156,13 @@ def _status_here(run_name: str | None, vol: Volume, snapshot: bool = False) -> i
     if not names:
         print(f"no runs under {runs_root}")
         return ExitCode.DONE
+    if run_name and not snapshot and _unknown_run(vol, run_name):
+        # A typo looked like a run about to start ("no status yet") and exited 0, as a script polling it took it.
+        there = sorted(p.name for p in runs_root.glob("*") if p.is_dir() and _visible(p.name))
+        print(f"{run_name}: no run of that name on the volume at {vol.root}, nor a deploy of one; runs there: "
+              f"{', '.join(there) or 'none'}")  # fmt: skip
+        # A pod of that name (made by hand, or deployed elsewhere) is a run about to start after all.
+        return ExitCode.DONE if _print_pods(run_name, names) else ExitCode.BAD_INPUT
     for name in names:
         print(_status_line(vol, name))
         run = vol.run(name)
@@ -409,9 +423,10 @@ def _s3_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="a deploy YAML: its volume and data center (the id looked up by name)")
 
 
-def _print_pods(run_name: str | None, names: list[str], must_show: bool = False) -> None:
+def _print_pods(run_name: str | None, names: list[str], must_show: bool = False) -> int | None:
     """The runs' pods (id, status, GPU, cost/hr) when a RunPod key is at hand; silent without one.
-    `must_show` (nothing else to show): every run with a pod when no `names`, and RunPod's errors raised."""
+    `must_show` (nothing else to show): every run with a pod when no `names`, and RunPod's errors raised.
+    Returns how many pods and clusters it showed; None where it could not look."""
     from trainpod import workloads
     from trainpod.runpod.client import RunPodAuthError, RunPodClient, RunPodError, api_key
     from trainpod.runpod.cluster import cluster_line
@@ -420,7 +435,7 @@ def _print_pods(run_name: str | None, names: list[str], must_show: bool = False)
     try:
         api_key()
     except RunPodAuthError:
-        return
+        return None
     try:
         client = RunPodClient.from_env(max_attempts=2)
         pods, clusters = client.list_pods(), client.list_clusters()
@@ -428,19 +443,23 @@ def _print_pods(run_name: str | None, names: list[str], must_show: bool = False)
         if must_show:
             raise
         print(f"pods: not shown ({exc})")
-        return
+        return None
     if must_show and not run_name and not names:
         names = _runs_of([unit.name for unit in [*pods, *clusters]], tuple(workloads.REGISTRY))
         if not names:
             print("no pods or clusters of a run (<run>-<workload>) on RunPod")
+    shown = 0
     for name in [run_name] if run_name else names:
         units = run_unit_names(name, tuple(workloads.REGISTRY))  # never a prefix: `llama` is not `llama-v2`
         mine = [pod for pod in pods if pod.name in units]
         print(f"{name}: {len(mine)} pod(s) on RunPod")
         for pod in mine:
             print(pod_line(pod))
-        for cluster in (c for c in clusters if c.name in units):
+        its_clusters = [c for c in clusters if c.name in units]
+        for cluster in its_clusters:
             print(cluster_line(cluster))
+        shown += len(mine) + len(its_clusters)
+    return shown
 
 
 def _runs_of(unit_names: list[str], workload_names: tuple[str, ...]) -> list[str]:

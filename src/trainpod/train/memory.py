@@ -158,7 +158,8 @@ def estimate_training_memory(
         "compile": t.compile,
         "ranks": world_size,
         "parallel": parallel,
-        "parameters": f"{shape.params / 1e6:,.0f}M",
+        # A tiny model's 0.14M was "0M"; a 125m preset's stays "135M".
+        "parameters": f"{shape.params / 1e6:,.0f}M" if shape.params >= 1e6 else f"{shape.params:,}",
         "peak": peak,
     }
     return MemoryEstimate(parts, gpu_bytes, settings)

@@ -397,6 +397,18 @@ def test_deploy_refuses_a_then_that_pushes_to_the_hub_without_hf_token(tmp_path)
     assert not [p for p in config_problems(config, str(tmp_path / "d.yaml"), False) if "Hugging Face" in p]
 
 
+def test_a_deploy_dry_run_says_what_runs_after_done(fake, tmp_path, monkeypatch, capsys):
+    for name, value in api_env(fake).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no user's ~/.runpod, no state written to theirs
+    path = deploy_yaml(tmp_path)
+    assert cli.main(["deploy", str(path), "--dry-run", "--force"]) == 0
+    out = capsys.readouterr().out
+    assert "then       convert with configs/convert/tiny.yaml once the run is DONE, in the same pod" in out
+    assert '"TRAINPOD_THEN_CONFIG": "configs/convert/tiny.yaml"' in out
+    assert fake.requests == [], "a dry run sends nothing"
+
+
 def test_a_cluster_with_then_is_refused_at_the_config(tmp_path):
     tree = then_deploy_config().model_dump(mode="json", exclude_none=True)
     tree |= {"nodes": 2, "workload": "pretrain", "pod": {"gpu_types": GPUS, "spot": False}}

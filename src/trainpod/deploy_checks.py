@@ -237,5 +237,8 @@ def run_checks(
     if problems:
         raise ConfigError(problems)
     echo(secrets_line(config, secrets_from_env))
+    if config.then is not None:
+        echo(f"then       {config.then.workload} with {config.then.config} once the run is DONE, in the same pod, "
+             "before it stops (runs/<run>/then.json records its end)")  # fmt: skip
     for line in estimate_lines(config, deploy_path, catalog, force):
         echo(line)

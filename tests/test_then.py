@@ -5,6 +5,7 @@ a volume whose markers the test writes, and the deploy's checks."""
 from __future__ import annotations
 
 import logging
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -223,6 +224,47 @@ def test_a_done_runs_pod_whose_conversion_config_is_refused_records_it_for_its_s
     assert (record["outcome"], record["exit"]) == ("failed", 2)
     assert record["reason"].startswith(f"TRAINPOD_THEN_CONFIG={str(then)!r}: ") and "mlxx" in record["reason"]
     assert fake.pods[pod["id"]]["desiredStatus"] == "EXITED"
+    assert run.done.exists() and not (run.root / FAILED_MARKER).exists()
+
+
+class StopWhen(logging.Handler):
+    """A spot stop (SIGTERM to this process) at the moment a log line says `text`: an event of the boot's own, no
+    sleep. The workload's stop handler only notes it, as in a pod."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(logging.INFO)
+        self.text = text
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.text in record.getMessage():
+            signal.raise_signal(signal.SIGTERM)
+
+
+def test_a_spot_stop_as_the_run_becomes_done_leaves_the_conversion_to_the_pod_started_again(
+    fake, pod, tmp_path
+):
+    """SIGTERM between the DONE start's end and the conversion: the conversion started anyway ran into the SIGKILL
+    5 s later with the run's lease held, and its pod's replacement waited that lease out."""
+    volume, config = done_command_run(tmp_path)
+    then = then_config(tmp_path, "name: mine\ntask:\n  - kind: export\n    step: 99\n")
+    env = {
+        **api_env(fake),
+        "RUNPOD_POD_ID": pod["id"],
+        "TRAINPOD_VOLUME": str(volume),
+        "TRAINPOD_WORKLOAD": "command",
+        "TRAINPOD_CONFIG": str(config),
+        "TRAINPOD_THEN_CONFIG": str(then),
+    }
+    stop = StopWhen("is already DONE")
+    logging.getLogger("trainpod").addHandler(stop)
+    try:
+        assert boot(env) == 143
+    finally:
+        logging.getLogger("trainpod").removeHandler(stop)
+    run = Volume(volume).run("mine")
+    assert not run.then_record.exists(), "nothing ended: its supervisor brings the pod back to convert"
+    assert not (run.logs / "convert.log").exists(), "the conversion never began"
+    assert fake.pods[pod["id"]]["desiredStatus"] == "RUNNING", "a spot stop: RunPod stops the pod itself"
     assert run.done.exists() and not (run.root / FAILED_MARKER).exists()
 
 

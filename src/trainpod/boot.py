@@ -34,7 +34,7 @@ from trainpod import cost, workloads
 from trainpod.checkpoint.lease import sibling_lease
 from trainpod.errors import ConfigError, ExitCode, InputError, TemporaryError, TrainpodError, VolumeFull
 from trainpod.log import attach_log_file, setup_logging
-from trainpod.preemption import exit_now_when_preempted
+from trainpod.preemption import exit_now_when_preempted, signals_seen
 from trainpod.runpod.finish import (
     after_workload,
     begin_start,
@@ -68,6 +68,7 @@ def boot(environ: dict[str, str] | None = None) -> int:
     new_run = None  # the run folder this start made for its START marker, before the workload's preflight
     # What LATEST named when this start began; progressed: the start committed a newer checkpoint (finish.py)
     run, latest_at_start, progressed = None, None, False
+    stops_before = signals_seen()  # a stop signal since: no conversion after DONE begins (_run_then)
     then, synced = (
         None,
         None,
@@ -125,7 +126,9 @@ def boot(environ: dict[str, str] | None = None) -> int:
         then_follows=then is not None,
     )
     if then is not None and then_runs(code, _run_dir(volume, config, environ)):
-        code = _run_then(then, volume, _run_dir(volume, config, environ), environ, synced and synced.path)
+        code = _run_then(
+            then, volume, _run_dir(volume, config, environ), environ, synced and synced.path, stops_before
+        )
     if environ is os.environ:  # the pod's own boot, not a test's call with its own environment
         exit_now_when_preempted(code)
     return code
@@ -184,10 +187,16 @@ def _then(workload: Workload, volume: Volume, environ: dict[str, str], synced: P
     return then
 
 
-def _run_then(then: Then, volume: Volume, run: RunDir, environ: dict[str, str], synced: Path | None) -> int:
+def _run_then(
+    then: Then, volume: Volume, run: RunDir, environ: dict[str, str], synced: Path | None, stops_before: int
+) -> int:
     """The conversion after DONE, under the run's name, in the environment the training had but TRAINPOD_SET
     (its overrides are the training config's), finished as a convert pod's start is (its own failed-start count,
-    never the run's FAILED) and recorded in the run's then.json for supervisors (runpod/finish.py)."""
+    never the run's FAILED) and recorded in the run's then.json for supervisors (runpod/finish.py).
+
+    `stops_before`: preemption.signals_seen() at boot. A stop signal since (a spot stop as the run became DONE,
+    which the training start's handler only noted) ends it as exit 143 before the conversion begins: begun, it
+    ran into the SIGKILL 5 s later holding the run's lease, which a replacement pod then waited out (300 s)."""
     from trainpod import atomic
 
     log.info("run %s is DONE: %s with %s", run.name, then.workload.name, then.config_path)
@@ -200,7 +209,13 @@ def _run_then(then: Then, volume: Volume, run: RunDir, environ: dict[str, str], 
     logging.getLogger("trainpod").addHandler(last_error)  # not the root's, which each start's logging resets
     try:
         _preflight(then.workload, volume, environ, synced)
-        code = _launch(then.workload, environ)
+        # Looked at after the preflight, which holds no lease and writes nothing a stop would leave half made.
+        if signals_seen() != stops_before:
+            log.warning("a stop signal came before the %s after DONE began: the pod started again runs it",
+                        then.workload.name)  # fmt: skip
+            code = ExitCode.PREEMPTED
+        else:
+            code = _launch(then.workload, environ)
     except TrainpodError as exc:
         log.error("%s", exc)
         code = int(exc.exit_code)

@@ -19,7 +19,7 @@ from trainpod.config.deploy import DeployConfig
 from trainpod.deploy_checks import config_problems
 from trainpod.runpod.deploy import deploy, pod_env
 from trainpod.runpod.finish import FAILED_MARKER, after_workload
-from trainpod.runpod.supervise import DeployRecord, Supervisor, deploy_record_key
+from trainpod.runpod.supervise import DeployRecord, Supervisor, SupervisorState, deploy_record_key
 from trainpod.volume import Volume
 
 from fake_runpod import FakeRunPodServer, api_env, client_for
@@ -375,6 +375,19 @@ def test_an_end_of_the_conversion_older_than_the_newest_deploy_is_not_the_end(fa
     fake.interrupt(the_pod(fake)["id"])
     assert supervisor(fake, done, config).step() is None
     assert the_pod(fake)["desiredStatus"] == "RUNNING", "brought back to convert again"
+
+
+def test_a_deploy_whose_record_reached_only_this_machine_makes_an_older_end_no_end_either(fake, done):
+    """`trainpod deploy --supervise` again after a failed conversion, its record kept off the volume by an S3 outage
+    (this machine's supervisor state has it): the old failure stopped the new pod before it booted, exit 2."""
+    config = then_deploy_config()
+    after_workload(2, done.run("tiny"), {}, "convert", owns_run=False, then_step=True)
+    ended = atomic.read_json(done.run("tiny").then_record)["unix"]
+    deploy(client_for(fake), config)
+    sup = supervisor(fake, done, config)
+    SupervisorState(spot=True, deployed_unix=ended + 60).save(sup.state_file)
+    assert sup.step() is None
+    assert the_pod(fake)["desiredStatus"] == "RUNNING", "the new deploy's pod converts again"
 
 
 def test_without_then_a_done_run_ends_supervising_as_before(fake, done):

@@ -175,10 +175,13 @@ class RunView:
             then=then if is_then_record(then := fields(run_dir.then_record)) else None,
         )
 
-    def then_ended(self) -> dict | None:
+    def then_ended(self, deployed_unix: float | None = None) -> dict | None:
         """The `then` conversion's end when it came after the newest deploy: a deploy made since (a fixed or a
-        changed conversion config) has the pod run it again, and its supervisor waits for that end."""
-        if self.then is None or (self.deployed is not None and self.then["unix"] < self.deployed.unix):
+        changed conversion config) has the pod run it again, and its supervisor waits for that end.
+        `deployed_unix`: the newest deploy the supervisor knows of besides the volume's record (its machine's own
+        deploy, whose record an S3 outage kept off the volume until the pod boots and writes it)."""
+        newest = max(self.deployed.unix if self.deployed is not None else 0.0, deployed_unix or 0.0)
+        if self.then is None or self.then["unix"] < newest:
             return None
         return self.then
 
@@ -440,7 +443,7 @@ class Supervisor:
             return self._end(ExitCode.BAD_INPUT, f"run FAILED ({view.failed}); not restarting: fix it, "
                              f"delete runs/{self.config.run}/{FAILED_MARKER} and deploy again")  # fmt: skip
         then = self.config.then
-        then_ended = view.then_ended() if then is not None else None
+        then_ended = view.then_ended(state.deployed_unix) if then is not None else None
         if view.done and then is not None and then_ended is not None and then_ended["outcome"] == "failed":
             self._stop(f"the run's {then.workload} after DONE failed")
             return self._end(ExitCode.BAD_INPUT, f"run is DONE, but its {then.workload} after DONE failed "

@@ -227,6 +227,27 @@ def test_a_done_runs_pod_whose_conversion_config_is_refused_records_it_for_its_s
     assert run.done.exists() and not (run.root / FAILED_MARKER).exists()
 
 
+def test_the_conversion_after_done_converts_the_done_run_whatever_name_its_config_gives(fake, pod, tmp_path):
+    """A pod without TRAINPOD_RUN (made by hand from infra/runpod/template.json) whose `then` config names another
+    run: that run was converted (or pushed to the Hub), and the DONE run's then.json told of it."""
+    volume, config = done_command_run(tmp_path)
+    other = Volume(volume).run("other")
+    other.create()
+    atomic.write_json(other.done, {"step": 1})
+    then = then_config(tmp_path, "name: other\ntask:\n  - kind: export\n    step: 99\n")
+    env = {
+        **api_env(fake),
+        "RUNPOD_POD_ID": pod["id"],
+        "TRAINPOD_VOLUME": str(volume),
+        "TRAINPOD_WORKLOAD": "command",
+        "TRAINPOD_CONFIG": str(config),
+        "TRAINPOD_THEN_CONFIG": str(then),
+    }
+    assert boot(env) == 2
+    reason = atomic.read_json(Volume(volume).run("mine").then_record)["reason"]
+    assert "run mine has no" in reason and "other" not in reason.split("; its log")[0], reason
+
+
 class StopWhen(logging.Handler):
     """A spot stop (SIGTERM to this process) at the moment a log line says `text`: an event of the boot's own, no
     sleep. The workload's stop handler only notes it, as in a pod."""

@@ -202,7 +202,10 @@ def _run_then(
     log.info("run %s is DONE: %s with %s", run.name, then.workload.name, then.config_path)
     atomic.remove(run.then_record)  # an earlier end's: from here a supervisor waits for this one's
     environ = {key: value for key, value in environ.items() if key != "TRAINPOD_SET"}
-    environ.update(TRAINPOD_WORKLOAD=then.workload.name, TRAINPOD_CONFIG=str(then.config_path))
+    # TRAINPOD_RUN: the DONE run, not the conversion config's `name` (a pod made by hand has no TRAINPOD_RUN).
+    environ.update(
+        TRAINPOD_WORKLOAD=then.workload.name, TRAINPOD_CONFIG=str(then.config_path), TRAINPOD_RUN=run.name
+    )
     last_error = (
         _LastError()
     )  # then.json says why, where a refusal in its preflight left no log on the volume

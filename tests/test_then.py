@@ -18,7 +18,7 @@ from trainpod.boot import boot
 from trainpod.config.deploy import DeployConfig
 from trainpod.deploy_checks import config_problems
 from trainpod.runpod.deploy import deploy, pod_env
-from trainpod.runpod.finish import FAILED_MARKER, after_workload
+from trainpod.runpod.finish import FAILED_MARKER, after_workload, begin_then
 from trainpod.runpod.supervise import DeployRecord, Supervisor, SupervisorState, deploy_record_key
 from trainpod.volume import Volume
 
@@ -287,6 +287,50 @@ def test_a_spot_stop_as_the_run_becomes_done_leaves_the_conversion_to_the_pod_st
     assert not (run.logs / "convert.log").exists(), "the conversion never began"
     assert fake.pods[pod["id"]]["desiredStatus"] == "RUNNING", "a spot stop: RunPod stops the pod itself"
     assert run.done.exists() and not (run.root / FAILED_MARKER).exists()
+
+
+def test_a_conversion_killed_without_a_word_is_counted_so_an_oom_loop_ends_at_the_bound(fake, pod, tmp_path):
+    """The OOM killer takes the merge: no exit code, the container starts again, the DONE run's start converts again
+    into the same kill. Uncounted, the pod billed in that loop for good, its supervisor waiting for then.json."""
+    volume, config = done_command_run(tmp_path)
+    run = Volume(volume).run("mine")
+    # What this pod's conversion left when the kill came: its mark of a conversion under way.
+    atomic.write_json(
+        run.then_record, {"workload": "convert", "outcome": "running", "pod": pod["id"], "unix": 1.0}
+    )
+    env = {
+        **api_env(fake),
+        "RUNPOD_POD_ID": pod["id"],
+        "TRAINPOD_VOLUME": str(volume),
+        "TRAINPOD_WORKLOAD": "command",
+        "TRAINPOD_CONFIG": str(config),
+        "TRAINPOD_THEN_CONFIG": str(
+            then_config(tmp_path, "name: mine\ntask:\n  - kind: export\n    step: 99\n")
+        ),
+        "TRAINPOD_MAX_FAILED_STARTS": "1",
+    }
+    assert boot(env) == 137, "counted as a kill: the bound, and no conversion into the same kill"
+    record = atomic.read_json(run.then_record)
+    assert (record["outcome"], record["exit"]) == ("failed", 137), record
+    assert "ended without a word" in record["reason"]
+    assert not (run.logs / "convert.log").exists()
+    assert fake.pods[pod["id"]]["desiredStatus"] == "EXITED"
+    assert run.done.exists() and not (run.root / FAILED_MARKER).exists(), "the run stays DONE"
+
+
+def test_a_conversion_under_way_is_no_end_and_one_of_another_pod_is_not_counted(fake, pod, tmp_path):
+    run = Volume(tmp_path).run("mine")
+    run.create()
+    atomic.write_json(run.done, {"step": 3})
+    env = {**api_env(fake), "RUNPOD_POD_ID": pod["id"], "TRAINPOD_MAX_FAILED_STARTS": "1"}
+    assert begin_then(run, env, "convert") is None
+    assert atomic.read_json(run.then_record)["outcome"] == "running"
+    assert run.then_outcome() is None, "under way: no end for supervisors or `trainpod status`"
+    other = {**env, "RUNPOD_POD_ID": "another-pod"}
+    assert begin_then(run, other, "convert") is None, (
+        "another pod's mark: maybe a conversion still running there"
+    )
+    assert fake.pods[pod["id"]]["desiredStatus"] == "RUNNING"
 
 
 def test_a_conversion_in_a_crash_loop_after_done_is_recorded_as_failed_at_the_bound(fake, pod, tmp_path):

@@ -38,7 +38,9 @@ from trainpod.preemption import exit_now_when_preempted, signals_seen
 from trainpod.runpod.finish import (
     after_workload,
     begin_start,
+    begin_then,
     committed_since,
+    end_then,
     latest_checkpoint,
     record_then,
     then_runs,
@@ -197,10 +199,11 @@ def _run_then(
     `stops_before`: preemption.signals_seen() at boot. A stop signal since (a spot stop as the run became DONE,
     which the training start's handler only noted) ends it as exit 143 before the conversion begins: begun, it
     ran into the SIGKILL 5 s later holding the run's lease, which a replacement pod then waited out (300 s)."""
-    from trainpod import atomic
-
     log.info("run %s is DONE: %s with %s", run.name, then.workload.name, then.config_path)
-    atomic.remove(run.then_record)  # an earlier end's: from here a supervisor waits for this one's
+    # The previous conversion's death without a word (the OOM killer) is counted there, and may end this start.
+    ended = begin_then(run, environ, then.workload.name)
+    if ended is not None:
+        return ended
     environ = {key: value for key, value in environ.items() if key != "TRAINPOD_SET"}
     # TRAINPOD_RUN: the DONE run, not the conversion config's `name` (a pod made by hand has no TRAINPOD_RUN).
     environ.update(
@@ -227,6 +230,7 @@ def _run_then(
         code = 1
     finally:
         logging.getLogger("trainpod").removeHandler(last_error)
+    end_then(run)  # it ended with a word: after_workload records the end, or a 75 is counted there
     return after_workload(
         code, run, environ, then.workload.name, owns_run=False, then_step=True, error=last_error.message
     )

@@ -5,7 +5,7 @@ RunPod starts a pod's container again whenever it exits, so the exit code alone 
 | exit | meaning (docs/design.md, "Exit codes") | here |
 | --- | --- | --- |
 | 0 | DONE | failed-start count reset; TRAINPOD_ON_FINISH: stop (default), terminate or idle |
-| any but 143, the run DONE, TRAINPOD_THEN_CONFIG set | the conversion after DONE follows in this pod (boot._run_then) | the training start settled as its code says, the pod left running; the conversion's exit then decides as a convert pod's, and its end (0: done; 2, 3, 5 or a crash loop: failed) goes to runs/<run>/then.json |
+| any but 143, the run DONE, TRAINPOD_THEN_CONFIG set | the conversion after DONE follows in this pod (boot._run_then) | the training start settled as its code says, the pod left running; the conversion's exit then decides as a convert pod's, and its end (0: done; 2, 3, 5 or a crash loop: failed) goes to runs/<run>/then.json, where its pod's mark lies while it runs (begin_then: one left at the pod's next start is a kill without a word, counted as 137) |
 | 143 | SIGTERM (spot interruption) | count reset: the start itself worked; RunPod stops the pod |
 | 2, 3, 5 | bad input, budget spent, volume full | FAILED marker (when the run folder exists) and the pod stopped at once |
 | 4 | this machine cannot run the image (trainpod.host) | MACHINE_UNFIT marker naming this pod, not counted as a failed start; the pod stopped: the supervisor replaces it with a new pod on another machine |
@@ -172,6 +172,57 @@ def record_then(run: RunDir | None, workload: str, code: int, reason: str | None
     atomic.write_json(run.then_record, record)
     if outcome == "failed":
         log.error("the %s after DONE failed for good: %s; the run stays DONE", workload, reason)
+
+
+# then.json's outcome while a `then` conversion runs (begin_then): no end, which volume.is_then_record refuses.
+THEN_UNDER_WAY = "running"
+
+
+def begin_then(
+    run: RunDir,
+    environ: dict[str, str],
+    workload: str,
+    client_factory: Callable[[dict[str, str]], RunPodClient] = RunPodClient.from_env,
+) -> int | None:
+    """Before a deploy's `then` conversion, as begin_start before a training start: count the previous one if it
+    ended without a word (this pod's mark left in then.json: the OOM killer took a merge), then mark this one.
+    Uncounted, a DONE run's pod converted again into the same kill at every start of its container, billed for
+    good. Returns the exit code to end with where that count reached TRAINPOD_MAX_FAILED_STARTS, else None."""
+    pod = environ.get("RUNPOD_POD_ID")
+    try:
+        previous = atomic.read_json(run.then_record)
+    except (FileNotFoundError, ValueError):
+        previous = None
+    atomic.remove(run.then_record)  # an earlier end's: from here a supervisor waits for this one's
+    if not pod:  # outside a pod nothing starts the container again: no loop to end
+        return None
+    if (
+        isinstance(previous, dict)
+        and previous.get("outcome") == THEN_UNDER_WAY
+        and previous.get("pod") == pod
+    ):
+        log.warning("the previous %s after DONE ended without a word (killed by a signal: the OOM killer, a "
+                    "segfault); counted as exit %d", workload, KILLED)  # fmt: skip
+        error = "the previous start ended without a word (killed: the OOM killer, a segfault)"
+        action = _decide(KILLED, run, environ, workload, owns_run=False, then_step=True, error=error)
+        if action == "stop":
+            _act(action, run, environ, workload, client_factory)
+            return KILLED
+    atomic.write_json(run.then_record, {"workload": workload, "outcome": THEN_UNDER_WAY, "pod": pod,
+                                        "unix": time.time()})  # fmt: skip
+    # A stop signal is no death without a word, even where the SIGKILL comes before the conversion exits.
+    call_at_first_signal(lambda: end_then(run))
+    return None
+
+
+def end_then(run: RunDir) -> None:
+    """Remove this start's mark of a `then` conversion under way (an end, once recorded, stays)."""
+    try:
+        mark = atomic.read_json(run.then_record)
+    except (FileNotFoundError, ValueError):
+        return
+    if isinstance(mark, dict) and mark.get("outcome") == THEN_UNDER_WAY:
+        atomic.remove(run.then_record)
 
 
 def begin_start(

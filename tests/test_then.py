@@ -455,6 +455,19 @@ def test_a_deploy_whose_record_reached_only_this_machine_makes_an_older_end_no_e
     assert the_pod(fake)["desiredStatus"] == "RUNNING", "the new deploy's pod converts again"
 
 
+def test_a_then_added_after_the_deploy_ends_supervising_saying_to_deploy_again(fake, done, caplog):
+    """The pod, started again as it was deployed (without TRAINPOD_THEN_CONFIG), stops at DONE at every start: the
+    supervisor, waiting for a conversion that pod never makes, started it again up to supervise.max_restarts."""
+    before = then_deploy_config()
+    before.then = None
+    deploy(client_for(fake), before)
+    fake.interrupt(the_pod(fake)["id"])
+    caplog.set_level(logging.INFO, "trainpod")
+    assert supervisor(fake, done, then_deploy_config()).step() == 2
+    assert the_pod(fake)["desiredStatus"] == "EXITED", "not started again"
+    assert "its pod was deployed without `then`" in caplog.text and "`trainpod deploy` again" in caplog.text
+
+
 def test_without_then_a_done_run_ends_supervising_as_before(fake, done):
     config = then_deploy_config()
     config.then = None

@@ -71,10 +71,8 @@ def boot(environ: dict[str, str] | None = None) -> int:
     # What LATEST named when this start began; progressed: the start committed a newer checkpoint (finish.py)
     run, latest_at_start, progressed = None, None, False
     stops_before = signals_seen()  # a stop signal since: no conversion after DONE begins (_run_then)
-    then, synced = (
-        None,
-        None,
-    )  # the conversion after DONE (TRAINPOD_THEN_WORKLOAD, TRAINPOD_THEN_CONFIG), and the synced checkout
+    # The conversion after DONE (TRAINPOD_THEN_WORKLOAD, TRAINPOD_THEN_CONFIG), and the synced checkout
+    then, synced = None, None
     try:
         workload = _workload(environ)
         # Before the git sync, which can take minutes (a large repo, three tries against an outage): a typo in
@@ -209,9 +207,8 @@ def _run_then(
     environ.update(
         TRAINPOD_WORKLOAD=then.workload.name, TRAINPOD_CONFIG=str(then.config_path), TRAINPOD_RUN=run.name
     )
-    last_error = (
-        _LastError()
-    )  # then.json says why, where a refusal in its preflight left no log on the volume
+    # then.json says why, where a refusal in the conversion's preflight left no log on the volume
+    last_error = _LastError()
     logging.getLogger("trainpod").addHandler(last_error)  # not the root's, which each start's logging resets
     try:
         _preflight(then.workload, volume, environ, synced)

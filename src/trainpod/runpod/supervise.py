@@ -449,6 +449,11 @@ class Supervisor:
             return self._end(ExitCode.BAD_INPUT, f"run is DONE, but its {then.workload} after DONE failed "
                              f"({then_ended.get('reason')}); not restarting: fix {then.config} and deploy again "
                              "(the run stays DONE: the pod converts, nothing more)")  # fmt: skip
+        if view.done and then is not None and then_ended is None and seen.converts_after_done is False:
+            # `then` added to the YAML after the deploy: the pod, started as deployed, stops at DONE every time.
+            return self._end(ExitCode.BAD_INPUT, f"run is DONE, and its pod was deployed without `then` (no "
+                             f"TRAINPOD_THEN_CONFIG): it would stop at DONE at every start; `trainpod deploy` again "
+                             f"to convert with {then.config} in it, or remove `then`")  # fmt: skip
         if view.done and (then is None or then_ended is not None):
             if self.config.env.on_finish != "idle":
                 self._stop("the run is DONE")

@@ -38,6 +38,8 @@ class Look:
     unfit: bool = False  # down because a machine cannot run the image: replace, never start again
     secrets_as_values: bool | None = None  # the pods' env holds the secrets' values (None: no pod to tell)
     spot: bool | None = None  # the run's pods are interruptible, as deployed (None: no pod to tell)
+    # The run's pod converts after DONE (TRAINPOD_THEN_CONFIG in its env, a deploy's `then`); None: no pod to tell
+    converts_after_done: bool | None = None
 
 
 class Unit(Protocol):
@@ -83,11 +85,14 @@ class PodUnit:
             (v for p in pods if (v := secrets_sent_as_values(self.config, p.env)) is not None), None
         )
         spot = pods[0].interruptible if pods else None
+        converts = (
+            bool(pods[0].env.get("TRAINPOD_THEN_CONFIG")) if pods and pods[0].env else None
+        )  # {}: untold
         if self._running:
-            return Look(f"pod {self._running[0].id} is RUNNING", "", hourly, False, as_values, spot)
+            return Look(f"pod {self._running[0].id} is RUNNING", "", hourly, False, as_values, spot, converts)
         unfit = self._exited is not None and self._exited.id == unfit_pod
         down = UNFIT if unfit else "EXITED" if self._exited else "gone"
-        return Look(None, down, hourly, unfit, as_values, spot)
+        return Look(None, down, hourly, unfit, as_values, spot, converts)
 
     def stop(self, why: str) -> list[str]:
         # A pod gone since the look (it terminated itself at DONE) needs no stop, and ends nothing.

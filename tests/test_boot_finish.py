@@ -324,6 +324,34 @@ def test_a_real_convert_boot_that_fails_under_a_done_runs_name_leaves_the_run_do
     assert not (run.root / FAILED_MARKER).exists() and run.done.exists()
 
 
+def test_a_convert_pod_whose_merge_the_oom_killer_took_is_counted_and_stops_at_the_bound(fake, pod, tmp_path):
+    """A convert pod's merge killed without a word (no exit code) was counted nowhere: a DONE run has no START,
+    and the container started again converted into the same kill at every start, billed for good."""
+    run = Volume(tmp_path).run("tiny")
+    run.create()
+    atomic.write_json(run.done, {"step": 10})
+    convert = tmp_path / "convert.yaml"
+    convert.write_text("name: tiny\ntask:\n  - kind: export\n")
+    env = {
+        **pod_env(fake, pod, TRAINPOD_MAX_FAILED_STARTS="2"),
+        "TRAINPOD_VOLUME": str(tmp_path),
+        "TRAINPOD_RUN": "tiny",
+        "TRAINPOD_WORKLOAD": "convert",
+        "TRAINPOD_CONFIG": str(convert),
+    }
+    # What its start left when the kill came, as begin_start marks it; then this pod's container starts again.
+    atomic.write_json(run.root / "START-convert", {"unix": 1.0, "latest": None, "pod": pod["id"]})
+    boot_module.boot(dict(env))  # the export finds no checkpoint: exit 2 here, after the count
+    assert atomic.read_json(run.root / "starts-convert.json")["consecutive_failures"] == 1
+    atomic.remove(run.root / "starts-convert.json")
+    fake.pods[pod["id"]]["desiredStatus"] = "RUNNING"
+    atomic.write_json(run.root / "START-convert", {"unix": 1.0, "latest": None, "pod": pod["id"]})
+    atomic.write_json(run.root / "starts-convert.json", {"consecutive_failures": 1, "last_exit_code": 137})
+    assert boot_module.boot(dict(env)) == KILLED, "the bound: no conversion into the same kill"
+    assert fake.pods[pod["id"]]["desiredStatus"] == "EXITED"
+    assert run.done.exists() and not (run.root / FAILED_MARKER).exists(), "a convert never marks the run"
+
+
 # A start that died with boot's own process (a segfault, the OOM killer: no after_workload) leaves its
 # START marker; the next start of the same pod counts it when no checkpoint was committed meanwhile.
 

@@ -260,8 +260,12 @@ def test_status_of_a_run_name_the_volume_has_never_seen_is_exit_2_listing_the_ru
     Volume(tmp_path).run("tiny-pretrain").create()
     assert cli.main(["status", "tiny-pretrian", "--volume", str(tmp_path)]) == 2
     out = capsys.readouterr().out
-    assert "tiny-pretrian: no run of that name on the volume" in out and "runs there: tiny-pretrain" in out, out
-    (tmp_path / "runs/.deployed-only.DEPLOYED").write_text('{"spot": true, "secrets_as_values": false, "unix": 1}')
+    assert "tiny-pretrian: no run of that name on the volume" in out and "runs there: tiny-pretrain" in out, (
+        out
+    )
+    (tmp_path / "runs/.deployed-only.DEPLOYED").write_text(
+        '{"spot": true, "secrets_as_values": false, "unix": 1}'
+    )
     assert cli.main(["status", "deployed-only", "--volume", str(tmp_path)]) == 0
     assert "deployed-only: no status yet" in capsys.readouterr().out
 

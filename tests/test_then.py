@@ -18,7 +18,7 @@ from trainpod.boot import boot
 from trainpod.config.deploy import DeployConfig
 from trainpod.deploy_checks import config_problems
 from trainpod.runpod.deploy import deploy, pod_env
-from trainpod.runpod.finish import FAILED_MARKER, after_workload, begin_then
+from trainpod.runpod.finish import FAILED_MARKER, after_workload, begin_start
 from trainpod.runpod.supervise import DeployRecord, Supervisor, SupervisorState, deploy_record_key
 from trainpod.volume import Volume
 
@@ -294,10 +294,8 @@ def test_a_conversion_killed_without_a_word_is_counted_so_an_oom_loop_ends_at_th
     into the same kill. Uncounted, the pod billed in that loop for good, its supervisor waiting for then.json."""
     volume, config = done_command_run(tmp_path)
     run = Volume(volume).run("mine")
-    # What this pod's conversion left when the kill came: its mark of a conversion under way.
-    atomic.write_json(
-        run.then_record, {"workload": "convert", "outcome": "running", "pod": pod["id"], "unix": 1.0}
-    )
+    # What this pod's conversion left when the kill came: the mark of its start in flight.
+    atomic.write_json(run.root / "START-convert", {"unix": 1.0, "latest": None, "pod": pod["id"]})
     env = {
         **api_env(fake),
         "RUNPOD_POD_ID": pod["id"],
@@ -316,6 +314,7 @@ def test_a_conversion_killed_without_a_word_is_counted_so_an_oom_loop_ends_at_th
     assert not (run.logs / "convert.log").exists()
     assert fake.pods[pod["id"]]["desiredStatus"] == "EXITED"
     assert run.done.exists() and not (run.root / FAILED_MARKER).exists(), "the run stays DONE"
+    assert not (run.root / "START").exists(), "the run's own start marker is the training's alone"
 
 
 def test_a_conversion_under_way_is_no_end_and_one_of_another_pod_is_not_counted(fake, pod, tmp_path):
@@ -323,11 +322,11 @@ def test_a_conversion_under_way_is_no_end_and_one_of_another_pod_is_not_counted(
     run.create()
     atomic.write_json(run.done, {"step": 3})
     env = {**api_env(fake), "RUNPOD_POD_ID": pod["id"], "TRAINPOD_MAX_FAILED_STARTS": "1"}
-    assert begin_then(run, env, "convert") is None
-    assert atomic.read_json(run.then_record)["outcome"] == "running"
+    assert begin_start(run, env, "convert", owns_run=False, then_step=True) is None
+    assert atomic.read_json(run.root / "START-convert")["pod"] == pod["id"]
     assert run.then_outcome() is None, "under way: no end for supervisors or `trainpod status`"
     other = {**env, "RUNPOD_POD_ID": "another-pod"}
-    assert begin_then(run, other, "convert") is None, (
+    assert begin_start(run, other, "convert", owns_run=False, then_step=True) is None, (
         "another pod's mark: maybe a conversion still running there"
     )
     assert fake.pods[pod["id"]]["desiredStatus"] == "RUNNING"

@@ -30,7 +30,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainpod import cost, workloads
+from trainpod import atomic, cost, workloads
 from trainpod.checkpoint.lease import sibling_lease
 from trainpod.errors import ConfigError, ExitCode, InputError, TemporaryError, TrainpodError, VolumeFull
 from trainpod.log import attach_log_file, setup_logging
@@ -38,9 +38,7 @@ from trainpod.preemption import exit_now_when_preempted, signals_seen
 from trainpod.runpod.finish import (
     after_workload,
     begin_start,
-    begin_then,
     committed_since,
-    end_then,
     latest_checkpoint,
     record_then,
     then_runs,
@@ -100,6 +98,12 @@ def boot(environ: dict[str, str] | None = None) -> int:
             # A DONE run's record stays the commit that finished it: its pod booted again runs nothing of it.
             if ended is None and run is not None and synced is not None and not run.done.exists():
                 note_commit(synced, environ.get("TRAINPOD_GIT_REF"), run.root)
+        elif workload.kind is Kind.CONVERSION:  # a convert pod of a run: its own START-<workload> and count
+            converted = _run_dir(volume, config, environ)
+            if (
+                converted is not None and converted.root.is_dir()
+            ):  # never a run folder made for the marker alone
+                ended = begin_start(converted, environ, workload.name, owns_run=False)
         if ended is not None:  # the starts before this one all died without a word: FAILED, pod stopped
             return ended
         code = _launch(workload, environ)
@@ -198,8 +202,9 @@ def _run_then(
     which the training start's handler only noted) ends it as exit 143 before the conversion begins: begun, it
     ran into the SIGKILL 5 s later holding the run's lease, which a replacement pod then waited out (300 s)."""
     log.info("run %s is DONE: %s with %s", run.name, then.workload.name, then.config_path)
-    # The previous conversion's death without a word (the OOM killer) is counted there, and may end this start.
-    ended = begin_then(run, environ, then.workload.name)
+    atomic.remove(run.then_record)  # an earlier end's: from here a supervisor waits for this one's
+    # The previous conversion's death without a word (the OOM killer in a merge) is counted, and may end this one.
+    ended = begin_start(run, environ, then.workload.name, owns_run=False, then_step=True)
     if ended is not None:
         return ended
     environ = {key: value for key, value in environ.items() if key != "TRAINPOD_SET"}
@@ -227,7 +232,6 @@ def _run_then(
         code = 1
     finally:
         logging.getLogger("trainpod").removeHandler(last_error)
-    end_then(run)  # it ended with a word: after_workload records the end, or a 75 is counted there
     return after_workload(
         code, run, environ, then.workload.name, owns_run=False, then_step=True, error=last_error.message
     )
@@ -271,7 +275,6 @@ def _dataset_lease(volume: Volume, config) -> Path | None:
 def _remove_unstarted(run: RunDir) -> None:
     """The run folder this start made holds nothing but its START marker (and code.json): the workload's
     preflight refused (exit 2) before the lifecycle created anything, so the folder goes again."""
-    from trainpod import atomic
     from trainpod.gitsync import CODE_FILE
     from trainpod.runpod.finish import START_MARKER
 

@@ -25,8 +25,7 @@ VLM_DATA_PIN = "vlm_data.json"
 RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"  # the configs' `name` (config/*.py NAME_PATTERN)
 # runs/<run>/: how the conversion a deploy's `then` runs after DONE in the same pod last ended (runpod/finish.py
 # writes it, supervisors and `trainpod status` read it): {"workload", "outcome": "done" or "failed", "exit",
-# "reason", "unix"}. While one runs, its pod's mark instead ({"outcome": "running", "pod"}: finish.begin_then counts
-# a mark its own pod finds left as a death without a word); absent before.
+# "reason", "unix"}. Absent while one runs (its start is marked START-<workload>, finish.start_marker).
 THEN_RECORD = "then.json"
 STOPPED_MARKER = (
     "STOPPED"  # written by `trainpod stop` (and `trainpod rm` of a run), removed by `trainpod deploy`

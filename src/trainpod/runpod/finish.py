@@ -5,7 +5,7 @@ RunPod starts a pod's container again whenever it exits, so the exit code alone 
 | exit | meaning (docs/design.md, "Exit codes") | here |
 | --- | --- | --- |
 | 0 | DONE | failed-start count reset; TRAINPOD_ON_FINISH: stop (default), terminate or idle |
-| any but 143, the run DONE, TRAINPOD_THEN_CONFIG set | the conversion after DONE follows in this pod (boot._run_then) | the training start settled as its code says, the pod left running; the conversion's exit then decides as a convert pod's, and its end (0: done; 2, 3, 5 or a crash loop: failed) goes to runs/<run>/then.json, where its pod's mark lies while it runs (begin_then: one left at the pod's next start is a kill without a word, counted as 137) |
+| any but 143, the run DONE, TRAINPOD_THEN_CONFIG set | the conversion after DONE follows in this pod (boot._run_then) | the training start settled as its code says, the pod left running; the conversion's exit then decides as a convert pod's, and its end (0: done; 2, 3, 5 or a crash loop: failed) goes to runs/<run>/then.json, its start marked as a convert pod's is (START-<workload>, below) |
 | 143 | SIGTERM (spot interruption) | count reset: the start itself worked; RunPod stops the pod |
 | 2, 3, 5 | bad input, budget spent, volume full | FAILED marker (when the run folder exists) and the pod stopped at once |
 | 4 | this machine cannot run the image (trainpod.host) | MACHINE_UNFIT marker naming this pod, not counted as a failed start; the pod stopped: the supervisor replaces it with a new pod on another machine |
@@ -20,7 +20,10 @@ reaches `after_workload`. Boot therefore writes runs/<run>/START before the work
 A pod that finds another pod's live lease on the run before its workload (a duplicate) writes none:
 the run's START is the pod's that trains, and what counts its death. Where its workload then takes the
 lease over (that pod died, its lease expired unrenewed), the duplicate is the run's writer: it writes its
-START there (checkpoint/lease.call_when_taken), else a death of it went uncounted.
+START there (checkpoint/lease.call_when_taken), else a death of it went uncounted. A conversion of the run (a
+convert pod under its name, a deploy's `then`) marks its start the same way as START-<workload> (start_marker),
+counted in starts-<workload>.json: a DONE run has no START, and the OOM killer taking a merge was uncounted, its
+container converting again into the same kill at every start, billed for good.
 The first SIGTERM removes it at once (trainpod.preemption's first-signal hooks): a spot stop is no
 crash even when its SIGKILL comes during a long preflight. It counts only when the same pod wrote it
 (another pod's may be a start still running there) and LATEST did not move meanwhile: a crash loop
@@ -137,7 +140,7 @@ def after_workload(
             )
         return code
     try:
-        _end_start(run, environ)
+        _end_start(run, environ, start_marker(workload, owns_run))
         action = _decide(code, run, environ, workload, owns_run, lease, progressed, then_step, error)
     except (ConfigError, OSError) as exc:  # a bad setting or an unwritable volume must not hide `code`
         log.warning("after exit %d: %s; the pod is left as it is", code, exc)
@@ -174,55 +177,10 @@ def record_then(run: RunDir | None, workload: str, code: int, reason: str | None
         log.error("the %s after DONE failed for good: %s; the run stays DONE", workload, reason)
 
 
-# then.json's outcome while a `then` conversion runs (begin_then): no end, which volume.is_then_record refuses.
-THEN_UNDER_WAY = "running"
-
-
-def begin_then(
-    run: RunDir,
-    environ: dict[str, str],
-    workload: str,
-    client_factory: Callable[[dict[str, str]], RunPodClient] = RunPodClient.from_env,
-) -> int | None:
-    """Before a deploy's `then` conversion, as begin_start before a training start: count the previous one if it
-    ended without a word (this pod's mark left in then.json: the OOM killer took a merge), then mark this one.
-    Uncounted, a DONE run's pod converted again into the same kill at every start of its container, billed for
-    good. Returns the exit code to end with where that count reached TRAINPOD_MAX_FAILED_STARTS, else None."""
-    pod = environ.get("RUNPOD_POD_ID")
-    try:
-        previous = atomic.read_json(run.then_record)
-    except (FileNotFoundError, ValueError):
-        previous = None
-    atomic.remove(run.then_record)  # an earlier end's: from here a supervisor waits for this one's
-    if not pod:  # outside a pod nothing starts the container again: no loop to end
-        return None
-    if (
-        isinstance(previous, dict)
-        and previous.get("outcome") == THEN_UNDER_WAY
-        and previous.get("pod") == pod
-    ):
-        log.warning("the previous %s after DONE ended without a word (killed by a signal: the OOM killer, a "
-                    "segfault); counted as exit %d", workload, KILLED)  # fmt: skip
-        error = "the previous start ended without a word (killed: the OOM killer, a segfault)"
-        action = _decide(KILLED, run, environ, workload, owns_run=False, then_step=True, error=error)
-        if action == "stop":
-            _act(action, run, environ, workload, client_factory)
-            return KILLED
-    atomic.write_json(run.then_record, {"workload": workload, "outcome": THEN_UNDER_WAY, "pod": pod,
-                                        "unix": time.time()})  # fmt: skip
-    # A stop signal is no death without a word, even where the SIGKILL comes before the conversion exits.
-    call_at_first_signal(lambda: end_then(run))
-    return None
-
-
-def end_then(run: RunDir) -> None:
-    """Remove this start's mark of a `then` conversion under way (an end, once recorded, stays)."""
-    try:
-        mark = atomic.read_json(run.then_record)
-    except (FileNotFoundError, ValueError):
-        return
-    if isinstance(mark, dict) and mark.get("outcome") == THEN_UNDER_WAY:
-        atomic.remove(run.then_record)
+def start_marker(workload: str, owns_run: bool = True) -> str:
+    """The marker of a start in flight in the run folder: START for the run's own workload, START-<workload> for
+    a conversion of the run (a convert pod, a deploy's `then`), which a DONE run may see any number of."""
+    return START_MARKER if owns_run else f"{START_MARKER}-{workload}"
 
 
 def begin_start(
@@ -230,17 +188,23 @@ def begin_start(
     environ: dict[str, str],
     workload: str,
     client_factory: Callable[[dict[str, str]], RunPodClient] = RunPodClient.from_env,
+    owns_run: bool = True,
+    then_step: bool = False,
 ) -> int | None:
     """Before the workload: count the previous start if it ended without a word and committed nothing
     (the table's last row), then mark this one. Returns the exit code to end with when that count makes
-    the run FAILED (the pod is stopped, the workload not started), else None."""
+    the run FAILED (the pod is stopped, the workload not started), else None.
+
+    `owns_run` False: a conversion of the run (its own marker and count, starts-<workload>.json; a DONE run's
+    too): the OOM killer taking a merge was uncounted, and the pod's container converted again into the same kill
+    at every start, billed for good. `then_step`: it is a deploy's `then`, whose end at the bound is then.json's."""
     pod = environ.get("RUNPOD_POD_ID")  # outside a pod nothing starts the container again: no loop to end
     if (
         not pod
         or run is None
         or workload == "supervise"
         or int(environ.get("NODE_RANK") or 0)
-        or run.done.exists()
+        or (owns_run and run.done.exists())
     ):
         return None
     holder = _leased_by_another_pod(run, pod)
@@ -253,9 +217,10 @@ def begin_start(
             "%s holds this run's lease: this start marks the run only if it takes the lease over", holder
         )
         stops_before = signals_seen()
-        call_when_taken(run.lease, lambda: _mark_start(run, pod, _latest(run), stops_before))
+        marker_name = start_marker(workload, owns_run)
+        call_when_taken(run.lease, lambda: _mark_start(run, pod, _latest(run), stops_before, marker_name))
         return None
-    marker, latest = run.root / START_MARKER, _latest(run)
+    marker, latest = run.root / start_marker(workload, owns_run), _latest(run)
     try:
         previous = atomic.read_json(marker)
     except (FileNotFoundError, ValueError):
@@ -270,17 +235,20 @@ def begin_start(
             "committed no checkpoint; counted as exit %d",
             KILLED,
         )
-        action = _decide(KILLED, run, environ, workload)
+        error = "the previous start ended without a word (killed: the OOM killer, a segfault)"
+        action = _decide(KILLED, run, environ, workload, owns_run=owns_run, then_step=then_step, error=error)
         if action == "stop":
             atomic.remove(marker)
             _act(action, run, environ, workload, client_factory)
             return KILLED
-    _mark_start(run, pod, latest)
+    _mark_start(run, pod, latest, marker=marker.name)
     end_by_default_at_sigterm_meanwhile()  # until the workload installs its own handler
     return None
 
 
-def _mark_start(run: RunDir, pod: str, latest: str | None, stops_before: int | None = None) -> None:
+def _mark_start(
+    run: RunDir, pod: str, latest: str | None, stops_before: int | None = None, marker: str = START_MARKER
+) -> None:
     """This pod's START in the run, naming the LATEST it begins from (`latest`): at boot, or where a duplicate's
     workload takes the run's lease over. There the START found is the dead pod's, not this pod's to count (its
     own earlier START, had it died silently, was counted when this pod booted without a live lease elsewhere).
@@ -288,14 +256,14 @@ def _mark_start(run: RunDir, pod: str, latest: str | None, stops_before: int | N
     `stops_before` (a takeover's): preemption.signals_seen() at boot. A stop signal that came since, while the
     workload waited for the dead pod's lease to expire, ran the first-signal hooks before this one was
     registered: the START goes at once, as that signal would have removed it."""
-    marker = run.root / START_MARKER
+    path = run.root / marker  # START, or a conversion's START-<workload> (start_marker)
     run.root.mkdir(parents=True, exist_ok=True)
-    atomic.write_json(marker, {"unix": time.time(), "latest": latest, "pod": pod})
+    atomic.write_json(path, {"unix": time.time(), "latest": latest, "pod": pod})
     # A SIGTERM from here on is a preemption, not a death without a word, even when RunPod's SIGKILL comes
     # before the workload can exit (a spot stop during a long preflight, such as a base model's download).
-    call_at_first_signal(lambda: atomic.remove(marker))
+    call_at_first_signal(lambda: atomic.remove(path))
     if stops_before is not None and signals_seen() != stops_before:  # read after the hook: no gap between
-        atomic.remove(marker)
+        atomic.remove(path)
 
 
 def _leased_by_another_pod(run: RunDir, pod: str) -> str | None:
@@ -306,11 +274,12 @@ def _leased_by_another_pod(run: RunDir, pod: str) -> str | None:
     return f"pod {owner['pod_id']}" if owner.get("pod_id") else f"a process on host {owner.get('host')}"
 
 
-def _end_start(run: RunDir | None, environ: dict[str, str]) -> None:
-    """Remove this pod's START; another pod's (a duplicate here, which wrote none) is that pod's start."""
+def _end_start(run: RunDir | None, environ: dict[str, str], name: str = START_MARKER) -> None:
+    """Remove this pod's START (`name`: start_marker's); another pod's (a duplicate here, which wrote none) is that
+    pod's start."""
     if run is None:
         return
-    marker = run.root / START_MARKER
+    marker = run.root / name
     try:
         mine = atomic.read_json(marker).get("pod") == environ.get("RUNPOD_POD_ID")
     except (FileNotFoundError, ValueError, AttributeError):

@@ -31,6 +31,8 @@ from trainpod.config.loader import OverrideRoute
 from trainpod.config.pretrain import PretrainConfig
 from trainpod.config.sft import SftDataConfig
 from trainpod.errors import ConfigError, InputError
+from trainpod.train.decoder_shape import DecoderShape, decoder_shape
+from trainpod.train.loss_chunks import PLAIN_HEAD_MODEL_TYPES
 from trainpod.train.reporting import PEAK_BF16_FLOPS, peak_flops_of
 from trainpod.volume import Volume
 
@@ -303,11 +305,39 @@ def simple_training_memory(
 
 
 def base_model_shape(config: FinetuneConfig, volume: Volume | None, notes: list[str]) -> dict[str, int]:
-    """Parameters, width, layers, vocabulary, LoRA parameters and the parameters a full finetune trains,
-    of the base model on the meta device."""
-    model_config = _base_model_config(config, volume)
+    """Parameters, width, layers, vocabulary, LoRA parameters and the parameters a full finetune trains, of the
+    base model: on paper from its config.json for a decoder train/decoder_shape.py knows, else built on the meta
+    device with transformers, else read from its name."""
+    found = _base_model_config(config, volume)
+    if found is None:
+        return _shape_from_name(config, notes)
+    data, folder = found
+    shape = None if isinstance(config, VlmFinetuneConfig) else decoder_shape(data)
+    if shape is not None:
+        return _decoder_shape_numbers(config, shape)
+    model_config = _transformers_config(config, data, folder)
     if model_config is None:
         return _shape_from_name(config, notes)
+    return _meta_model_shape(config, model_config)
+
+
+def _decoder_shape_numbers(config: FinetuneConfig, shape: DecoderShape) -> dict[str, int]:
+    """base_model_shape's numbers of a text decoder on paper: what the meta-device build gives for it."""
+    return {
+        "parameters": shape.parameters,
+        "quantized_parameters": shape.linear_weights,
+        "vision_tower_parameters": 0,
+        "full_parameters": shape.parameters,
+        "width": shape.width,
+        "layers": shape.layers,
+        "vocab": shape.vocab,
+        "lora_parameters": shape.lora_parameters(config.lora.r, config.lora.target_modules),
+        "chunked_loss": int(shape.model_type in PLAIN_HEAD_MODEL_TYPES),
+    }
+
+
+def _meta_model_shape(config: FinetuneConfig, model_config: Any) -> dict[str, int]:
+    """base_model_shape's numbers of the model transformers builds from `model_config` on the meta device."""
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
@@ -358,25 +388,39 @@ def base_model_shape(config: FinetuneConfig, volume: Volume | None, notes: list[
     }
 
 
-def _base_model_config(config: FinetuneConfig, volume: Volume | None) -> Any:
-    """The base model's transformers config: from its folder, or config.json alone from the hub. transformers is
-    imported only once a config.json is found: the estimate from the model's name, offline, needs none (seconds on a
-    laptop)."""
+def _base_model_config(config: FinetuneConfig, volume: Volume | None) -> tuple[dict, Path | None] | None:
+    """The base model's config.json and the folder it was read from: its folder here or on the volume, or (None)
+    the hub's, config.json alone. Read as JSON: transformers is imported only for a model the arithmetic does not
+    know (_transformers_config)."""
     raw = Path(config.base_model.path).expanduser()
     folders = [raw] if raw.is_absolute() else [Path.cwd() / raw] + ([volume.root / raw] if volume else [])
     for folder in folders:
         if (folder / "config.json").is_file():
-            from transformers import AutoConfig
-
-            return AutoConfig.from_pretrained(
-                str(folder), trust_remote_code=config.base_model.trust_remote_code
-            )
+            try:
+                data = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                data = None  # transformers reads it and says what is wrong with it
+            return (data if isinstance(data, dict) else {}), folder
     if config.base_model.path.count("/") != 1:
         return None
-    return _hub_config(config.base_model.path, config.base_model.revision or "main")
+    data = _hub_config(config.base_model.path, config.base_model.revision or "main")
+    return None if data is None else (data, None)
 
 
-def _hub_config(repo: str, revision: str) -> Any:
+def _transformers_config(config: FinetuneConfig, data: dict, folder: Path | None) -> Any:
+    """The base model's transformers config: from its folder, else from the hub's config.json; None for an
+    architecture transformers lacks (then the name sizes it)."""
+    from transformers import AutoConfig
+
+    if folder is not None:
+        return AutoConfig.from_pretrained(str(folder), trust_remote_code=config.base_model.trust_remote_code)
+    try:
+        return AutoConfig.for_model(**data)
+    except Exception:  # a model_type transformers lacks, a malformed config: use the name, as before
+        return None
+
+
+def _hub_config(repo: str, revision: str) -> dict | None:
     """config.json alone from the hub, one request with a short timeout (no weights, no retries)."""
     import os
     import urllib.parse
@@ -391,11 +435,9 @@ def _hub_config(repo: str, revision: str) -> Any:
     try:
         with urllib.request.urlopen(request, timeout=HUB_TIMEOUT_S) as response:  # noqa: S310 - the hub's https
             data = json.loads(response.read())
-        from transformers import AutoConfig  # only with a config to read (_base_model_config)
-
-        return AutoConfig.for_model(**data)
-    except Exception:  # offline, gated, not on the hub, or an architecture transformers lacks: use the name
+    except Exception:  # offline, gated, not on the hub: use the name
         return None
+    return data if isinstance(data, dict) else None
 
 
 def _shape_from_name(config: FinetuneConfig, notes: list[str]) -> dict[str, int]:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from trainpod.train.loss_chunks import rows_per_chunk
+from trainpod.train.loss_chunks import PLAIN_HEAD_MODEL_TYPES, rows_per_chunk
 
 IGNORE_INDEX = -100  # targets with this value add nothing to the loss (padding, prompts in SFT)
 
@@ -140,11 +140,6 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if grad_weight is not None:
             grad_weight = (grad_weight * grad_output).to(weight_dtype)
         return grad_hidden, grad_weight, None, None, None, None, None
-
-
-# Decoders whose logits are exactly lm_head(final hidden states): no soft-capping or logit scale
-# (Gemma, Cohere, Granite have one) and no auxiliary loss (mixture-of-experts models).
-PLAIN_HEAD_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 class CausalLMLoss(torch.nn.Module):

@@ -1,6 +1,6 @@
-"""How the chunked loss (train/loss.py) cuts a micro-batch into chunks of rows, without torch: the loss
-and the estimates made on paper before a GPU is paid for (train/memory.py, `trainpod estimate`) read
-the same rule.
+"""How the chunked loss (train/loss.py) cuts a micro-batch into chunks of rows, and which models it serves,
+without torch: the loss and the estimates made on paper before a GPU is paid for (train/memory.py,
+`trainpod estimate`) read the same rules.
 
     rows_per_chunk(32768, 16 * 1024)   # 1024: the 1b preset's micro-batch in 16 chunks
 """
@@ -18,6 +18,9 @@ CHUNK_LOGIT_BYTES = 64 * 2**20
 # MAX_CHUNK_LOGIT_BYTES; bigger chunks are also bigger, fewer matmuls on a GPU.
 MAX_CHUNKS = 16
 MAX_CHUNK_LOGIT_BYTES = 512 * 2**20
+# Decoders whose logits are exactly lm_head(final hidden states), which the chunked loss therefore serves: no
+# soft-capping or logit scale (Gemma, Cohere, Granite have one) and no auxiliary loss (mixture-of-experts models).
+PLAIN_HEAD_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def rows_per_chunk(vocab_size: int, rows: int | None = None) -> int:

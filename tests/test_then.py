@@ -332,6 +332,30 @@ def test_a_conversion_under_way_is_no_end_and_one_of_another_pod_is_not_counted(
     assert fake.pods[pod["id"]]["desiredStatus"] == "RUNNING"
 
 
+def test_a_done_run_whose_training_config_no_longer_loads_still_converts_with_the_volumes_caches(
+    fake, pod, tmp_path
+):
+    """A DONE run's pod started again after its training config was edited (or its branch deleted): that start is
+    refused before it makes the volume's folders and points HF_HOME at the volume, and the conversion after it
+    downloaded a hub base to the container disk, which every restart wipes."""
+    volume, config = done_command_run(tmp_path)
+    config.write_text(
+        "name: mine\ncommand: []\n"
+    )  # no longer a valid command config: exit 2 for the training
+    env = {
+        **api_env(fake),
+        "RUNPOD_POD_ID": pod["id"],
+        "TRAINPOD_VOLUME": str(volume),
+        "TRAINPOD_RUN": "mine",
+        "TRAINPOD_WORKLOAD": "command",
+        "TRAINPOD_CONFIG": str(config),
+        "TRAINPOD_THEN_CONFIG": str(then_config(tmp_path, "name: mine\ntask:\n  - kind: export\n")),
+    }
+    boot(env)
+    assert env.get("HF_HOME") == str(Volume(volume).cache() / "hf")
+    assert Volume(volume).run("mine").then_outcome() is not None, "the conversion ran and ended"
+
+
 def test_a_conversion_in_a_crash_loop_after_done_is_recorded_as_failed_at_the_bound(fake, pod, tmp_path):
     run = Volume(tmp_path).run("mine")
     run.create()

@@ -207,6 +207,9 @@ def _run_then(
     ended = begin_start(run, environ, then.workload.name, owns_run=False, then_step=True)
     if ended is not None:
         return ended
+    # The volume's folders and caches (HF_HOME on it), where the training's own start was refused before it made
+    # them: a DONE run's config edited since.
+    _prepare_volume(volume, environ)
     environ = {key: value for key, value in environ.items() if key != "TRAINPOD_SET"}
     # TRAINPOD_RUN: the DONE run, not the conversion config's `name` (a pod made by hand has no TRAINPOD_RUN).
     environ.update(

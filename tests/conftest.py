@@ -1,5 +1,5 @@
 """Fixtures: a tiny dataset made once per session by the real datagen, copied into each test's volume;
-a tiny base model and SFT rows for the finetune tests, also made once."""
+a tiny base model and SFT rows for the finetune tests, also made once; the fake RunPod API."""
 
 from __future__ import annotations
 
@@ -10,9 +10,19 @@ from pathlib import Path
 
 import pytest
 
+from fake_runpod import FakeRunPodServer
 from finetune_support import make_base_model
 from support import TINY_DATAGEN, run_trainpod
 from vlm_support import OCR_FILE, VLM_BASE, make_tiny_vlm, write_ocr_jsonl
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeRunPodServer]:
+    """The fake RunPod API on 127.0.0.1 (the mock of RunPod), which fails the test on any request RunPod's OpenAPI
+    description refuses. Tests that also point the environment at it define their own."""
+    with FakeRunPodServer() as fake:
+        yield fake
+    assert not fake.violations, f"requests RunPod would refuse: {fake.violations}"
 
 
 @pytest.fixture(scope="session")

@@ -29,7 +29,7 @@ from trainpod.runpod.finish import (
 )
 from trainpod.volume import Volume
 
-from fake_runpod import FakeRunPodServer, api_env, client_for
+from fake_runpod import api_env, client_for
 from support import (
     RUN,
     TINY_DATAGEN,
@@ -39,13 +39,6 @@ from support import (
     start_trainpod,
     status_step,
 )
-
-
-@pytest.fixture
-def fake():
-    with FakeRunPodServer() as fake:
-        yield fake
-    assert not fake.violations, f"requests RunPod would refuse: {fake.violations}"
 
 
 @pytest.fixture

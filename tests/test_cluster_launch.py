@@ -21,7 +21,7 @@ import pytest
 
 from trainpod.launch import cluster_network_env, cluster_outcome
 
-from fake_runpod import FakeRunPodServer, api_env, client_for
+from fake_runpod import api_env, client_for
 from support import RUN, TINY_PRETRAIN, child_env, status_step
 
 SHORT = "train.max_steps=16 train.log_every=1 checkpoint.every_steps=4 train.eval_every=8"
@@ -57,13 +57,6 @@ def start_node(volume: Path, rank: int, port: int, pod_id: str, extra: dict[str,
         stderr=subprocess.STDOUT,
         text=True,
     )
-
-
-@pytest.fixture
-def fake():
-    with FakeRunPodServer() as fake:
-        yield fake
-    assert not fake.violations, f"requests RunPod would refuse: {fake.violations}"
 
 
 def cluster_pods(fake) -> tuple[str, list[str]]:

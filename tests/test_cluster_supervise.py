@@ -18,7 +18,7 @@ from trainpod.runpod.finish import FAILED_MARKER, UNFIT_MARKER, after_workload
 from trainpod.runpod.supervise import Supervisor, SupervisorState
 from trainpod.volume import Volume
 
-from fake_runpod import FakeRunPodServer, api_env, client_for
+from fake_runpod import api_env, client_for
 
 GPUS = ["NVIDIA H100 80GB HBM3", "NVIDIA H200"]
 NAME = "big-pretrain"
@@ -30,13 +30,6 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
-
-
-@pytest.fixture
-def fake():
-    with FakeRunPodServer() as fake:
-        yield fake
-    assert not fake.violations, f"requests RunPod would refuse: {fake.violations}"
 
 
 def cluster_config(**supervise) -> DeployConfig:

@@ -19,14 +19,7 @@ from trainpod.runpod.client import (
     api_key,
 )
 
-from fake_runpod import KEY, FakeRunPodServer, client_for
-
-
-@pytest.fixture
-def fake():
-    with FakeRunPodServer() as fake:
-        yield fake
-    assert not fake.violations, f"requests RunPod would refuse: {fake.violations}"
+from fake_runpod import KEY, client_for
 
 
 def test_429_and_5xx_are_retried_with_exponential_backoff(fake):

@@ -21,7 +21,7 @@ from trainpod.runpod.finish import FAILED_MARKER, STARTS_FILE, UNFIT_MARKER, aft
 from trainpod.runpod.supervise import RunView, Supervisor
 from trainpod.volume import Volume
 
-from fake_runpod import KEY, FakeRunPodServer, api_env, client_for
+from fake_runpod import KEY, api_env, client_for
 
 GPUS = ["NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB"]
 
@@ -32,13 +32,6 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
-
-
-@pytest.fixture
-def fake():
-    with FakeRunPodServer() as fake:
-        yield fake
-    assert not fake.violations, f"requests RunPod would refuse: {fake.violations}"
 
 
 def deploy_config(**supervise) -> DeployConfig:

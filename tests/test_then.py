@@ -22,7 +22,7 @@ from trainpod.runpod.finish import FAILED_MARKER, after_workload, begin_start
 from trainpod.runpod.supervise import DeployRecord, Supervisor, SupervisorState, deploy_record_key
 from trainpod.volume import Volume
 
-from fake_runpod import FakeRunPodServer, api_env, client_for
+from fake_runpod import api_env, client_for
 from support import RUN, TINY_PRETRAIN, child_env
 
 # Four steps of the tiny pretrain: a DONE run with a checkpoint in seconds. These overrides are the training
@@ -31,13 +31,6 @@ FOUR_STEPS = (
     "train.max_steps=4 train.warmup_steps=1 checkpoint.every_steps=2 train.eval_every=2 train.log_every=2"
 )
 EXPORT = f"name: {RUN}\ntask:\n  - kind: export\n    output: hf-final\n"
-
-
-@pytest.fixture
-def fake():
-    with FakeRunPodServer() as fake:
-        yield fake
-    assert not fake.violations, f"requests RunPod would refuse: {fake.violations}"
 
 
 @pytest.fixture
@@ -174,19 +167,25 @@ def done_command_run(tmp_path: Path) -> tuple[Path, Path]:
     return volume, config
 
 
-def test_a_conversion_that_fails_after_done_is_recorded_stops_the_pod_and_leaves_the_run_done(
-    fake, pod, tmp_path, capsys
-):
-    volume, config = done_command_run(tmp_path)
-    then = then_config(tmp_path, "name: mine\ntask:\n  - kind: export\n    step: 99\n")
-    env = {
+def done_pod_env(fake, pod, volume: Path, config: Path, then: Path, **extra: str) -> dict[str, str]:
+    """The environment of the pod of done_command_run's run, converting with `then` after DONE."""
+    return {
         **api_env(fake),
         "RUNPOD_POD_ID": pod["id"],
         "TRAINPOD_VOLUME": str(volume),
         "TRAINPOD_WORKLOAD": "command",
         "TRAINPOD_CONFIG": str(config),
         "TRAINPOD_THEN_CONFIG": str(then),
+        **extra,
     }
+
+
+def test_a_conversion_that_fails_after_done_is_recorded_stops_the_pod_and_leaves_the_run_done(
+    fake, pod, tmp_path, capsys
+):
+    volume, config = done_command_run(tmp_path)
+    then = then_config(tmp_path, "name: mine\ntask:\n  - kind: export\n    step: 99\n")
+    env = done_pod_env(fake, pod, volume, config, then)
     assert boot(env) == 2
     run = Volume(volume).run("mine")
     record = atomic.read_json(run.then_record)
@@ -209,15 +208,8 @@ def test_a_done_runs_pod_whose_conversion_config_is_refused_records_it_for_its_s
     without a record its supervisor, waiting for the conversion's end, started the pod again and again."""
     volume, config = done_command_run(tmp_path)
     then = then_config(tmp_path, "name: mine\ntask:\n  - kind: mlxx\n")
-    env = {
-        **api_env(fake),
-        "RUNPOD_POD_ID": pod["id"],
-        "TRAINPOD_VOLUME": str(volume),
-        "TRAINPOD_WORKLOAD": "command",
-        "TRAINPOD_CONFIG": str(config),
-        "TRAINPOD_THEN_CONFIG": str(then),
-        "TRAINPOD_RUN": "mine",  # as a deploy sets it: the run is known before any config is read
-    }
+    # TRAINPOD_RUN as a deploy sets it: the run is known before any config is read
+    env = done_pod_env(fake, pod, volume, config, then, TRAINPOD_RUN="mine")
     assert boot(env) == 2
     run = Volume(volume).run("mine")
     record = atomic.read_json(run.then_record)
@@ -235,14 +227,7 @@ def test_the_conversion_after_done_converts_the_done_run_whatever_name_its_confi
     other.create()
     atomic.write_json(other.done, {"step": 1})
     then = then_config(tmp_path, "name: other\ntask:\n  - kind: export\n    step: 99\n")
-    env = {
-        **api_env(fake),
-        "RUNPOD_POD_ID": pod["id"],
-        "TRAINPOD_VOLUME": str(volume),
-        "TRAINPOD_WORKLOAD": "command",
-        "TRAINPOD_CONFIG": str(config),
-        "TRAINPOD_THEN_CONFIG": str(then),
-    }
+    env = done_pod_env(fake, pod, volume, config, then)
     assert boot(env) == 2
     reason = atomic.read_json(Volume(volume).run("mine").then_record)["reason"]
     assert "run mine has no" in reason and "other" not in reason.split("; its log")[0], reason
@@ -268,14 +253,7 @@ def test_a_spot_stop_as_the_run_becomes_done_leaves_the_conversion_to_the_pod_st
     5 s later with the run's lease held, and its pod's replacement waited that lease out."""
     volume, config = done_command_run(tmp_path)
     then = then_config(tmp_path, "name: mine\ntask:\n  - kind: export\n    step: 99\n")
-    env = {
-        **api_env(fake),
-        "RUNPOD_POD_ID": pod["id"],
-        "TRAINPOD_VOLUME": str(volume),
-        "TRAINPOD_WORKLOAD": "command",
-        "TRAINPOD_CONFIG": str(config),
-        "TRAINPOD_THEN_CONFIG": str(then),
-    }
+    env = done_pod_env(fake, pod, volume, config, then)
     stop = StopWhen("is already DONE")
     logging.getLogger("trainpod").addHandler(stop)
     try:
@@ -296,17 +274,8 @@ def test_a_conversion_killed_without_a_word_is_counted_so_an_oom_loop_ends_at_th
     run = Volume(volume).run("mine")
     # What this pod's conversion left when the kill came: the mark of its start in flight.
     atomic.write_json(run.root / "START-convert", {"unix": 1.0, "latest": None, "pod": pod["id"]})
-    env = {
-        **api_env(fake),
-        "RUNPOD_POD_ID": pod["id"],
-        "TRAINPOD_VOLUME": str(volume),
-        "TRAINPOD_WORKLOAD": "command",
-        "TRAINPOD_CONFIG": str(config),
-        "TRAINPOD_THEN_CONFIG": str(
-            then_config(tmp_path, "name: mine\ntask:\n  - kind: export\n    step: 99\n")
-        ),
-        "TRAINPOD_MAX_FAILED_STARTS": "1",
-    }
+    then = then_config(tmp_path, "name: mine\ntask:\n  - kind: export\n    step: 99\n")
+    env = done_pod_env(fake, pod, volume, config, then, TRAINPOD_MAX_FAILED_STARTS="1")
     assert boot(env) == 137, "counted as a kill: the bound, and no conversion into the same kill"
     record = atomic.read_json(run.then_record)
     assert (record["outcome"], record["exit"]) == ("failed", 137), record
@@ -342,15 +311,8 @@ def test_a_done_run_whose_training_config_no_longer_loads_still_converts_with_th
     config.write_text(
         "name: mine\ncommand: []\n"
     )  # no longer a valid command config: exit 2 for the training
-    env = {
-        **api_env(fake),
-        "RUNPOD_POD_ID": pod["id"],
-        "TRAINPOD_VOLUME": str(volume),
-        "TRAINPOD_RUN": "mine",
-        "TRAINPOD_WORKLOAD": "command",
-        "TRAINPOD_CONFIG": str(config),
-        "TRAINPOD_THEN_CONFIG": str(then_config(tmp_path, "name: mine\ntask:\n  - kind: export\n")),
-    }
+    then = then_config(tmp_path, "name: mine\ntask:\n  - kind: export\n")
+    env = done_pod_env(fake, pod, volume, config, then, TRAINPOD_RUN="mine")
     boot(env)
     assert env.get("HF_HOME") == str(Volume(volume).cache() / "hf")
     assert Volume(volume).run("mine").then_outcome() is not None, "the conversion ran and ended"

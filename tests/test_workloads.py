@@ -1,4 +1,5 @@
-"""The workload registry is the one list of workloads, and the packages import each other without cycles."""
+"""The workload registry is the one list of workloads, and the packages import each other without cycles, each only
+those above it in docs/design.md's table."""
 
 from __future__ import annotations
 
@@ -134,6 +135,26 @@ def test_no_import_cycle_between_the_projects_packages():
         f"import cycle {' -> '.join(cycle or [])}: move the shared piece below both (as RunContext lives in "
         "trainpod/context.py) or pass it in"
     )
+
+
+def _design_layers() -> dict[str, int]:
+    """docs/design.md's package table, "lowest first": each package (`errors`, `config/`) and its row."""
+    text = (REPO / "docs/design.md").read_text(encoding="utf-8")
+    table = text.split("Packages, lowest first", 1)[1].split("\n\n", 1)[1].split("\n\n", 1)[0]
+    rows = [line.split("|")[1] for line in table.splitlines()[2:]]
+    return {f"trainpod.{name.strip(' `/')}": i for i, row in enumerate(rows) for name in row.split(",")}
+
+
+def test_each_package_imports_only_packages_above_it_in_the_design_docs_table():
+    layers = _design_layers()
+    assert layers["trainpod.errors"] == 0 and layers["trainpod.remote"] < layers["trainpod.workloads"]
+    upward = [
+        f"{package} -> {target}"
+        for package, targets in _import_graph().items()
+        for target in targets
+        if package in layers and target in layers and layers[target] > layers[package]
+    ]
+    assert not upward, f'imports below their place in docs/design.md, "The shape of it": {upward}'
 
 
 def test_a_datagen_config_names_its_kind_and_an_old_one_loads_with_a_deprecation_warning(caplog):

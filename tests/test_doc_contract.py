@@ -1,6 +1,7 @@
 """What README.md and docs/design.md tell a user to type is what the code takes: every `trainpod ...` command
 line in their code blocks (and in examples/) parses with the CLI's own parser, and every config field they
-name (`train.micro_batch_size`, `supervise.max_replacements`) is a field of some config. The environment's
+name (`train.micro_batch_size`, `supervise.max_replacements`) is a field of some config, and every section of
+docs/design.md the code cites (`docs/design.md, "Exit codes"`) is one of its headings. The environment's
 side of the same contract is tests/test_env_contract.py."""
 
 from __future__ import annotations
@@ -179,3 +180,32 @@ def test_every_exit_code_the_kit_gives_is_a_row_of_the_docs_exit_codes_table(doc
     rows = {line.split("|")[1].strip() for line in section.splitlines() if line.startswith("| ")}
     missing = [f"{code.name}={int(code)}" for code in ExitCode if str(int(code)) not in rows]
     assert not missing, f"{doc.name}'s exit codes table has no row for {', '.join(missing)}"
+
+
+# `docs/design.md, "Exit codes"` as the code cites it, its title wrapped over lines of a docstring or a comment too
+CITATION = re.compile(r"design\.md,\s+(?:\"([^\"]+)\"|'([^']+)')")
+
+
+def design_citations() -> list[tuple[str, str]]:
+    """(file, section) for each citation of docs/design.md by section in the code, the tests and README."""
+    paths = [REPO / "README.md", *(REPO / "src").rglob("*.py"), *(REPO / "tests").rglob("*.py")]
+    return [
+        (str(path.relative_to(REPO)), section)
+        for path in paths
+        if path != Path(__file__).resolve()
+        for quoted in CITATION.findall(path.read_text(encoding="utf-8"))
+        for section in [re.sub(r"\s*\n\s*#?\s*", " ", "".join(quoted))]
+    ]
+
+
+def test_the_code_cites_the_design_doc_by_section():
+    assert len(design_citations()) >= 20, "the scan found too few citations: its pattern is broken"
+
+
+@pytest.mark.parametrize(("source", "section"), design_citations(), ids=lambda v: v)
+def test_every_section_the_code_cites_is_a_heading_of_the_design_doc(source, section):
+    """hub.py cited "Environment" and three places "Work of rank 0 alone" (a paragraph of "Checkpoints")."""
+    headings = re.findall(r"^#{2,3} (.+)$", (REPO / "docs/design.md").read_text(encoding="utf-8"), re.M)
+    assert section in headings, (
+        f'{source} cites docs/design.md, "{section}": no such section; one of {headings}'
+    )

@@ -1,5 +1,5 @@
 """Work that rank 0 does alone while the other ranks wait for it, run longer than the process group's
-timeout: the run still finishes (docs/design.md, "Work of rank 0 alone"; distributed.wait_for_main).
+timeout: the run still finishes (docs/design.md, "Checkpoints", work of rank 0 alone; distributed.wait_for_main).
 
 The final export of a 30-70B model, a synchronous commit of one, the checkpoint's verification at resume or
 a large SFT data build takes rank 0 minutes to tens of minutes on a network volume, longer than the process

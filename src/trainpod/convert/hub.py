@@ -48,7 +48,7 @@ from trainpod.train.export import EXPORT_FORMAT_FAMILY
 
 log = logging.getLogger(__name__)
 
-TOKEN_VARIABLE = "HF_TOKEN"  # the kit's name for the Hub token (docs/design.md, "Environment")
+TOKEN_VARIABLE = "HF_TOKEN"  # the kit's name for the Hub token (docs/design.md, "The pod's environment")
 RECORD_FORMAT = "trainpod-hub-push/1"
 # The manifests of folders the kit writes: a conversion's (convert/output.py) and a training run's
 # export/hf and export/adapter (train/export.py). Both list every file's bytes and whole-file sha256.

@@ -110,7 +110,7 @@ def gather_to_main(ctx: DistContext, obj: Any) -> list[Any] | None:
 
 
 def wait_for_main(ctx: DistContext) -> None:
-    """Every rank, after work that rank 0 does alone (docs/design.md, "Work of rank 0 alone"): the others
+    """Every rank, after work that rank 0 does alone (docs/design.md, "Checkpoints", work of rank 0 alone): the others
     wait here, however long rank 0 takes, up to SOLO_WORK_TIMEOUT, in a barrier of a gloo group of
     their own, since a wait in a collective of the training group aborts after COLLECTIVE_TIMEOUT. A barrier,
     not a wait on a store key: every rank leaves it together, so rank 0 (which hosts the store without

@@ -10,16 +10,18 @@ from pathlib import Path
 
 import pytest
 
-from fake_runpod import FakeRunPodServer
 from finetune_support import make_base_model
 from support import TINY_DATAGEN, run_trainpod
 from vlm_support import OCR_FILE, VLM_BASE, make_tiny_vlm, write_ocr_jsonl
 
 
 @pytest.fixture
-def fake() -> Iterator[FakeRunPodServer]:
+def fake() -> Iterator:
     """The fake RunPod API on 127.0.0.1 (the mock of RunPod), which fails the test on any request RunPod's OpenAPI
-    description refuses. Tests that also point the environment at it define their own."""
+    description refuses. Tests that also point the environment at it define their own. Imported here, not at the
+    top: fake_runpod needs jsonschema, which the GPU machine's `pytest -m gpu` (bench/gpu_check.py) lacks."""
+    from fake_runpod import FakeRunPodServer
+
     with FakeRunPodServer() as fake:
         yield fake
     assert not fake.violations, f"requests RunPod would refuse: {fake.violations}"

@@ -99,6 +99,22 @@ def test_a_pod_converts_its_run_after_done_then_stops_and_started_again_converts
     assert fake.pods[pod["id"]]["desiredStatus"] == "EXITED"
 
 
+def refused_at_boot(tmp_path: Path, then_text: str = EXPORT, **extra: str) -> Path:
+    """Boot a tiny pretrain on an empty volume with `then_text` after DONE (and `extra` in its environment): exit 2
+    is asserted; the volume is returned to look at."""
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    env = {
+        "TRAINPOD_VOLUME": str(volume),
+        "TRAINPOD_WORKLOAD": "pretrain",
+        "TRAINPOD_CONFIG": str(TINY_PRETRAIN),
+        "TRAINPOD_THEN_CONFIG": str(then_config(tmp_path, then_text)),
+        **extra,
+    }
+    assert boot(env) == 2
+    return volume
+
+
 @pytest.mark.parametrize(
     ("text", "named"),
     [
@@ -111,15 +127,7 @@ def test_a_pod_converts_its_run_after_done_then_stops_and_started_again_converts
     ids=["a typo", "a push without HF_TOKEN"],
 )
 def test_a_conversion_that_cannot_run_is_exit_2_at_boot_before_any_training(tmp_path, capsys, text, named):
-    volume = tmp_path / "volume"
-    volume.mkdir()
-    env = {
-        "TRAINPOD_VOLUME": str(volume),
-        "TRAINPOD_WORKLOAD": "pretrain",
-        "TRAINPOD_CONFIG": str(TINY_PRETRAIN),
-        "TRAINPOD_THEN_CONFIG": str(then_config(tmp_path, text)),
-    }
-    assert boot(env) == 2
+    volume = refused_at_boot(tmp_path, text)
     assert named in capsys.readouterr().out
     assert not (volume / "runs" / RUN).exists(), "nothing trained, nothing written"
 
@@ -140,16 +148,7 @@ def test_a_conversion_that_cannot_run_is_exit_2_at_boot_before_any_training(tmp_
     ids=["not a conversion", "after a workload that is never DONE", "on a cluster"],
 )
 def test_a_then_that_cannot_follow_is_exit_2_at_boot_naming_the_variable(tmp_path, capsys, extra, named):
-    volume = tmp_path / "volume"
-    volume.mkdir()
-    env = {
-        "TRAINPOD_VOLUME": str(volume),
-        "TRAINPOD_WORKLOAD": "pretrain",
-        "TRAINPOD_CONFIG": str(TINY_PRETRAIN),
-        "TRAINPOD_THEN_CONFIG": str(then_config(tmp_path)),
-        **extra,
-    }
-    assert boot(env) == 2
+    volume = refused_at_boot(tmp_path, **extra)
     assert named in capsys.readouterr().out
     assert not (volume / "runs").exists() or not any((volume / "runs").iterdir())
 

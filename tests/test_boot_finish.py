@@ -345,6 +345,21 @@ def test_a_convert_pod_whose_merge_the_oom_killer_took_is_counted_and_stops_at_t
     assert run.done.exists() and not (run.root / FAILED_MARKER).exists(), "a convert never marks the run"
 
 
+def test_a_conversions_marker_behind_a_newer_checkpoint_forgets_its_own_count_never_the_runs(fake, pod, run):
+    """A conversion's start found dead behind a LATEST that moved since begins its own count again; it erased the
+    run's starts.json instead, the training's crash loop count."""
+    atomic.write_json(run.root / STARTS_FILE, {"consecutive_failures": 2, "last_exit_code": 1})
+    atomic.write_json(run.root / "starts-convert.json", {"consecutive_failures": 1, "last_exit_code": 137})
+    (run.checkpoints / "LATEST").parent.mkdir(parents=True, exist_ok=True)
+    (run.checkpoints / "LATEST").write_text("step-20")
+    atomic.write_json(run.root / "START-convert", {"unix": 1.0, "latest": "step-10", "pod": pod["id"]})
+    assert begin_start(run, pod_env(fake, pod), "convert", owns_run=False) is None
+    assert not (run.root / "starts-convert.json").exists(), "its own count begins again"
+    assert atomic.read_json(run.root / STARTS_FILE)["consecutive_failures"] == 2, (
+        "the run's count is the run's"
+    )
+
+
 # A start that died with boot's own process (a segfault, the OOM killer: no after_workload) leaves its
 # START marker; the next start of the same pod counts it when no checkpoint was committed meanwhile.
 

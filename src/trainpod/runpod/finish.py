@@ -177,6 +177,12 @@ def record_then(run: RunDir | None, workload: str, code: int, reason: str | None
         log.error("the %s after DONE failed for good: %s; the run stays DONE", workload, reason)
 
 
+def starts_file(workload: str, owns_run: bool = True) -> str:
+    """Where the run folder counts a workload's failed starts: starts.json for the run's own, starts-<workload>.json
+    for a datagen's or a conversion's under the run's name (it never marks the run)."""
+    return STARTS_FILE if owns_run else f"starts-{workload}.json"
+
+
 def start_marker(workload: str, owns_run: bool = True) -> str:
     """The marker of a start in flight in the run folder: START for the run's own workload, START-<workload> for
     a conversion of the run (a convert pod, a deploy's `then`), which a DONE run may see any number of."""
@@ -228,7 +234,7 @@ def begin_start(
     # Only this pod's own earlier start: another pod's marker may belong to a start still running there.
     if previous is not None and previous.get("pod") == pod and _step(latest) > _step(previous.get("latest")):
         # It committed steps before it died: not a crash loop, whatever the starts before it did.
-        atomic.remove(run.root / STARTS_FILE)
+        atomic.remove(run.root / starts_file(workload, owns_run))
     elif previous is not None and previous.get("pod") == pod and previous.get("latest") == latest:
         log.warning(
             "the previous start ended without a word (killed by a signal: a segfault, the OOM killer) and "
@@ -342,11 +348,11 @@ def _decide(
     if workload == "supervise":
         # A supervisor that ended has nothing left to watch; 75 (RunPod unreachable) is worth another start.
         return "restart" if code == ExitCode.TEMPORARY else on_finish(environ)
-    starts_file = STARTS_FILE if owns_run else f"starts-{workload}.json"
+    counts = starts_file(workload, owns_run)
     if run is not None or code in START_WORKED:
         _forget_failures_before_the_run(environ)  # this start got past them: a new count begins
     if code in START_WORKED:
-        _reset_failures(run, starts_file, owns_run)
+        _reset_failures(run, counts, owns_run)
         if then_step and code == ExitCode.DONE:
             record_then(run, workload, code)
         return on_finish(environ) if code == ExitCode.DONE else "idle"
@@ -386,8 +392,8 @@ def _decide(
     if progressed:  # this start moved the run on: the failures before it were no loop of the same crash
         log.warning("this start committed %s before it failed: the failed starts before it are forgotten",
                     _latest(run))  # fmt: skip
-        atomic.remove(run.root / starts_file)
-    failures = _count_failure(run.root / starts_file, code)
+        atomic.remove(run.root / counts)
+    failures = _count_failure(run.root / counts, code)
     limit = max_failed_starts(environ)
     if failures < limit:
         log.warning("failed start %d/%d (exit %d); RunPod starts the container again", failures, limit, code)
@@ -429,11 +435,11 @@ def _mark_unfit(run: RunDir | None, environ: dict[str, str]) -> None:
         atomic.write_json(run.root / UNFIT_MARKER, {"pod_id": pod_id, "unix": time.time()})
 
 
-def _reset_failures(run: RunDir | None, starts_file: str, owns_run: bool) -> None:
+def _reset_failures(run: RunDir | None, counts: str, owns_run: bool) -> None:
     if run is None:
         return
     # Only what exists is removed: a DONE run's folder stays unchanged.
-    atomic.remove(run.root / starts_file)
+    atomic.remove(run.root / counts)
     if owns_run:
         atomic.remove(run.root / FAILED_MARKER)
 

@@ -100,9 +100,8 @@ def boot(environ: dict[str, str] | None = None) -> int:
                 note_commit(synced, environ.get("TRAINPOD_GIT_REF"), run.root)
         elif workload.kind is Kind.CONVERSION:  # a convert pod of a run: its own START-<workload> and count
             converted = _run_dir(volume, config, environ)
-            if (
-                converted is not None and converted.root.is_dir()
-            ):  # never a run folder made for the marker alone
+            # Never a run folder made for the marker alone.
+            if converted is not None and converted.root.is_dir():
                 ended = begin_start(converted, environ, workload.name, owns_run=False)
         if ended is not None:  # the starts before this one all died without a word: FAILED, pod stopped
             return ended
@@ -119,9 +118,10 @@ def boot(environ: dict[str, str] | None = None) -> int:
         _remove_unstarted(new_run)  # bad input leaves the volume as it was: no run folder, so no FAILED
     known = workloads.REGISTRY.get(workload_name)  # unknown: boot failed before naming it
     owns_run = known is None or known.kind.owns_run_folder
+    finishing = _run_dir(volume, config, environ)
     code = after_workload(
         code,
-        _run_dir(volume, config, environ),
+        finishing,
         environ,
         workload_name,
         owns_run=owns_run,
@@ -129,10 +129,8 @@ def boot(environ: dict[str, str] | None = None) -> int:
         progressed=progressed,
         then_follows=then is not None,
     )
-    if then is not None and then_runs(code, _run_dir(volume, config, environ)):
-        code = _run_then(
-            then, volume, _run_dir(volume, config, environ), environ, synced and synced.path, stops_before
-        )
+    if then is not None and then_runs(code, finishing):
+        code = _run_then(then, volume, finishing, environ, synced and synced.path, stops_before)
     if environ is os.environ:  # the pod's own boot, not a test's call with its own environment
         exit_now_when_preempted(code)
     return code
@@ -173,11 +171,11 @@ def _then(workload: Workload, volume: Volume, environ: dict[str, str], synced: P
                         "wait, billed, while node 0 converted; unset it and run the conversion as its own pod")  # fmt: skip
     if problems:
         raise ConfigError(problems)
-    then = Then(workloads.get(name or conversions[0]), Path())
+    then_workload = workloads.get(name or conversions[0])
     try:
-        then = Then(then.workload, resolve_config_path(config, volume, synced).absolute())
-        then_config = load_workload_config(then.workload, then.config_path, [], None)
-        check_ahead = getattr(then.workload.module(), "check_ahead", None)  # optional (workloads/__init__)
+        path = resolve_config_path(config, volume, synced).absolute()
+        then_config = load_workload_config(then_workload, path, [], None)
+        check_ahead = getattr(then_workload.module(), "check_ahead", None)  # optional (workloads/__init__)
         if check_ahead is not None:
             check_ahead(then_config, environ)
     except TrainpodError as exc:
@@ -185,10 +183,10 @@ def _then(workload: Workload, volume: Volume, environ: dict[str, str], synced: P
         # and again into the same refusal, up to supervise.max_restarts.
         run = _run_dir(volume, None, environ)
         if run is not None and run.done.exists():
-            record_then(run, then.workload.name, int(exc.exit_code), f"{THEN_CONFIG_ENV}={config!r}: {exc}")
+            record_then(run, then_workload.name, int(exc.exit_code), f"{THEN_CONFIG_ENV}={config!r}: {exc}")
         raise
-    log.info("once the run is DONE: %s with %s, in this pod", then.workload.name, then.config_path)
-    return then
+    log.info("once the run is DONE: %s with %s, in this pod", then_workload.name, path)
+    return Then(then_workload, path)
 
 
 def _run_then(
@@ -248,7 +246,8 @@ class _LastError(logging.Handler):
         self.message: str | None = None
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.message = record.getMessage().splitlines()[0] if record.getMessage() else None
+        message = record.getMessage()
+        self.message = message.splitlines()[0] if message else None
 
 
 def _keep_deploy_record(volume: Volume, environ: dict[str, str]) -> None:

@@ -154,7 +154,7 @@ def _then(workload: Workload, volume: Volume, environ: dict[str, str], synced: P
     name, config = environ.get(THEN_WORKLOAD_ENV, ""), environ.get(THEN_CONFIG_ENV, "")
     if not (name or config):
         return None
-    conversions = [entry.name for entry in workloads.REGISTRY.values() if entry.kind is Kind.CONVERSION]
+    conversions = workloads.conversions()
     problems = []
     if not workload.kind.owns_run_folder:
         problems.append(f"{THEN_CONFIG_ENV}={config!r} with TRAINPOD_WORKLOAD={workload.name}: a conversion "

@@ -78,7 +78,9 @@ def workload_config_problems(config: DeployConfig, deploy_path: str) -> list[str
     from trainpod.config import parse_overrides
 
     overrides = parse_overrides(config.env.set)
-    return _config_file_problems(config, "config", config.workload, deploy_path, overrides, DEPLOY_ENV_SET)
+    return _config_file_problems(
+        config, "config", config.config, config.workload, deploy_path, overrides, DEPLOY_ENV_SET
+    )
 
 
 def then_problems(config: DeployConfig, deploy_path: str) -> list[str]:
@@ -88,7 +90,7 @@ def then_problems(config: DeployConfig, deploy_path: str) -> list[str]:
 
     if config.then is None:
         return []
-    conversions = [name for name, w in workloads.REGISTRY.items() if w.kind is workloads.Kind.CONVERSION]
+    conversions = workloads.conversions()
     first = workloads.REGISTRY.get(config.workload)
     problems = []
     if first is not None and not first.kind.owns_run_folder:
@@ -99,25 +101,25 @@ def then_problems(config: DeployConfig, deploy_path: str) -> list[str]:
                 f"{', '.join(conversions)}"]  # fmt: skip
     # No env.set: its overrides are the first workload's config's (the pod leaves TRAINPOD_SET out of `then`).
     return problems + _config_file_problems(
-        config, "then.config", config.then.workload, deploy_path, [], None
+        config, "then.config", config.then.config, config.then.workload, deploy_path, [], None
     )
 
 
 def _config_file_problems(
     config: DeployConfig,
     field: str,
+    config_path: str,
     workload: str,
     deploy_path: str,
     overrides: list[str],
     route: OverrideRoute | None,
 ) -> list[str]:
-    """The problems of the config file at `field` (config, then.config), as `workload` reads it with `overrides`;
-    a fix that overrides a field names `route`."""
+    """The problems of the config file `config_path` (the deploy config's `field`: config, then.config), as
+    `workload` reads it with `overrides`; a fix that overrides a field names `route`."""
     from trainpod import workloads
     from trainpod.estimate import find_workload_config
     from trainpod.workloads.lifecycle import load_workload_config
 
-    config_path = config.then.config if field == "then.config" and config.then is not None else config.config
     path = find_workload_config(config_path, Path(deploy_path))
     if path is None:
         return []  # it may come from env.git_repo or the volume: the pod's boot checks it (exit 2)

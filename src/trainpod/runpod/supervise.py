@@ -442,22 +442,10 @@ class Supervisor:
             self._stop("the run is FAILED")
             return self._end(ExitCode.BAD_INPUT, f"run FAILED ({view.failed}); not restarting: fix it, "
                              f"delete runs/{self.config.run}/{FAILED_MARKER} and deploy again")  # fmt: skip
-        then = self.config.then
-        then_ended = view.then_ended(state.deployed_unix) if then is not None else None
-        if view.done and then is not None and then_ended is not None and then_ended["outcome"] == "failed":
-            self._stop(f"the run's {then.workload} after DONE failed")
-            return self._end(ExitCode.BAD_INPUT, f"run is DONE, but its {then.workload} after DONE failed "
-                             f"({then_ended.get('reason')}); not restarting: fix {then.config} and deploy again "
-                             "(the run stays DONE: the pod converts, nothing more)")  # fmt: skip
-        if view.done and then is not None and then_ended is None and seen.converts_after_done is False:
-            # `then` added to the YAML after the deploy: the pod, started as deployed, stops at DONE every time.
-            return self._end(ExitCode.BAD_INPUT, f"run is DONE, and its pod was deployed without `then` (no "
-                             f"TRAINPOD_THEN_CONFIG): it would stop at DONE at every start; `trainpod deploy` again "
-                             f"to convert with {then.config} in it, or remove `then`")  # fmt: skip
-        if view.done and (then is None or then_ended is not None):
-            if self.config.env.on_finish != "idle":
-                self._stop("the run is DONE")
-            return self._end(ExitCode.DONE, "run is DONE; supervising ends")
+        if view.done:
+            verdict = self._at_done(view, state, seen)
+            if verdict is not None:
+                return verdict
         if view.stopped or state.stopped_unix is not None:
             return self._end(ExitCode.DONE, "the run was stopped with `trainpod stop`; not bringing it back "
                              "(`trainpod deploy` starts it again)")  # fmt: skip
@@ -480,6 +468,27 @@ class Supervisor:
                              f"starting it on a guess (look {state.unreadable_looks}/"
                              f"{UNREADABLE_LOOKS_BEFORE_BLIND}, then by the API alone)")  # fmt: skip
         return self._restart(state, seen, now, view)
+
+    def _at_done(self, view: RunView, state: SupervisorState, seen: Look) -> int | None:
+        """The verdict on a DONE run: the end, but with the deploy's `then` only once its conversion ended after the
+        newest deploy (None: the pod is brought back below, for its boot to convert)."""
+        then = self.config.then
+        ended = view.then_ended(state.deployed_unix) if then is not None else None
+        if then is not None and ended is not None and ended["outcome"] == "failed":
+            self._stop(f"the run's {then.workload} after DONE failed")
+            return self._end(ExitCode.BAD_INPUT, f"run is DONE, but its {then.workload} after DONE failed "
+                             f"({ended.get('reason')}); not restarting: fix {then.config} and deploy again "
+                             "(the run stays DONE: the pod converts, nothing more)")  # fmt: skip
+        if then is not None and ended is None:
+            if seen.converts_after_done is not False:
+                return None
+            # `then` added to the YAML after the deploy: the pod, started as deployed, stops at DONE every time.
+            return self._end(ExitCode.BAD_INPUT, f"run is DONE, and its pod was deployed without `then` (no "
+                             f"TRAINPOD_THEN_CONFIG): it would stop at DONE at every start; `trainpod deploy` again "
+                             f"to convert with {then.config} in it, or remove `then`")  # fmt: skip
+        if self.config.env.on_finish != "idle":
+            self._stop("the run is DONE")
+        return self._end(ExitCode.DONE, "run is DONE; supervising ends")
 
     def _count_restarts_since_progress(self, state: SupervisorState, view: RunView) -> None:
         """supervise.max_restarts bounds restarts that get the run nowhere (a DONE run this supervisor cannot

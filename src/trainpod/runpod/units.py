@@ -85,9 +85,8 @@ class PodUnit:
             (v for p in pods if (v := secrets_sent_as_values(self.config, p.env)) is not None), None
         )
         spot = pods[0].interruptible if pods else None
-        converts = (
-            bool(pods[0].env.get("TRAINPOD_THEN_CONFIG")) if pods and pods[0].env else None
-        )  # {}: untold
+        # An env RunPod did not give ({}) tells nothing.
+        converts = bool(pods[0].env.get("TRAINPOD_THEN_CONFIG")) if pods and pods[0].env else None
         if self._running:
             return Look(f"pod {self._running[0].id} is RUNNING", "", hourly, False, as_values, spot, converts)
         unfit = self._exited is not None and self._exited.id == unfit_pod

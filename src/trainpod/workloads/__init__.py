@@ -92,6 +92,11 @@ _WORKLOADS = (
 REGISTRY: dict[str, Workload] = {workload.name: workload for workload in _WORKLOADS}
 
 
+def conversions() -> list[str]:
+    """The workloads a deploy's `then` may run after DONE (boot, deploy's checks): the CONVERSION kind's."""
+    return [name for name, workload in REGISTRY.items() if workload.kind is Kind.CONVERSION]
+
+
 def get(name: str | None) -> Workload:
     """The workload called `name`; a ConfigError (exit 2) listing the known ones otherwise."""
     workload = REGISTRY.get(name or "")

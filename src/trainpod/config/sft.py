@@ -16,9 +16,14 @@ from trainpod.config.loader import Section, without_settings_added_later
 
 # Settings added since the first SFT datasets, with their value of before (config/loader.py,
 # without_settings_added_later); tests/test_sft_data.py pins the key of today's settings.
-SETTINGS_ADDED_LATER: dict[tuple[str, ...], object] = {}
+SETTINGS_ADDED_LATER: dict[tuple[str, ...], object] = {
+    ("preference",): False,
+    ("datasets", "*", "columns", "chosen"): None,
+    ("datasets", "*", "columns", "rejected"): None,
+}
 
 BUILTIN_SFT_TINY = "builtin:sft-tiny"
+BUILTIN_DPO_TINY = "builtin:dpo-tiny"  # the same instructions, each with a right and a wrong answer
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 
 SftFormat = Literal["alpaca", "sharegpt", "messages", "text"]
@@ -26,7 +31,7 @@ SftTemplate = Literal["auto", "chatml", "qwen", "llama3", "alpaca"]
 
 # Which column keys mean something for which format (LLaMA-Factory's dataset_info.json "columns"/"tags").
 FORMAT_COLUMNS: dict[str, tuple[str, ...]] = {
-    "alpaca": ("prompt", "query", "response", "system", "history"),
+    "alpaca": ("prompt", "query", "response", "system", "history", "chosen", "rejected"),
     "sharegpt": (
         "messages",
         "system",
@@ -35,12 +40,18 @@ FORMAT_COLUMNS: dict[str, tuple[str, ...]] = {
         "user_tag",
         "assistant_tag",
         "system_tag",
+        "chosen",
+        "rejected",
     ),
     "text": ("text",),
 }
 FORMAT_COLUMNS["messages"] = FORMAT_COLUMNS["sharegpt"]
 
-# The defaults per format: LLaMA-Factory's for alpaca and sharegpt, OpenAI's for messages.
+# Columns of preference data alone (preference: true): the two answers to the row's prompt.
+PREFERENCE_COLUMNS = ("chosen", "rejected")
+
+# The defaults per format: LLaMA-Factory's for alpaca and sharegpt, OpenAI's for messages; chosen and
+# rejected are the names of LLaMA-Factory's ranking datasets and of TRL's preference datasets.
 DEFAULT_COLUMNS: dict[str, dict[str, str]] = {
     "alpaca": {
         "prompt": "instruction",
@@ -48,6 +59,8 @@ DEFAULT_COLUMNS: dict[str, dict[str, str]] = {
         "response": "output",
         "system": "system",
         "history": "history",
+        "chosen": "chosen",
+        "rejected": "rejected",
     },
     "sharegpt": {
         "messages": "conversations",
@@ -57,6 +70,8 @@ DEFAULT_COLUMNS: dict[str, dict[str, str]] = {
         "user_tag": "human",
         "assistant_tag": "gpt",
         "system_tag": "system",
+        "chosen": "chosen",
+        "rejected": "rejected",
     },
     "messages": {
         "messages": "messages",
@@ -66,6 +81,8 @@ DEFAULT_COLUMNS: dict[str, dict[str, str]] = {
         "user_tag": "user",
         "assistant_tag": "assistant",
         "system_tag": "system",
+        "chosen": "chosen",
+        "rejected": "rejected",
     },
     "text": {"text": "text"},
 }
@@ -104,6 +121,17 @@ class SftColumns(Section):
     system_tag: str | None = Field(
         None, min_length=1, description="sharegpt/messages: the role value of a system turn."
     )
+    chosen: str | None = Field(
+        None,
+        min_length=1,
+        description="preference data: the preferred answer (alpaca: a string; sharegpt/messages: a string, "
+        "one assistant turn or a list of one).",
+    )
+    rejected: str | None = Field(
+        None,
+        min_length=1,
+        description="preference data: the dispreferred answer, in the same form as chosen.",
+    )
 
 
 class SftSourceConfig(Section):
@@ -112,7 +140,8 @@ class SftSourceConfig(Section):
     path: str = Field(
         min_length=1,
         description="A .json/.jsonl/.parquet file (optionally .gz), a folder or a glob: absolute, or relative "
-        f"to the volume root; or '{BUILTIN_SFT_TINY}' for the embedded demo instructions.",
+        f"to the volume root; or '{BUILTIN_SFT_TINY}' for the embedded demo instructions ('{BUILTIN_DPO_TINY}': "
+        "the same with a chosen and a rejected answer, for preference: true).",
     )
     format: SftFormat = Field(
         "alpaca",
@@ -173,6 +202,60 @@ class SftDataConfig(Section):
         False, description="Also train on system/user tokens (default: only the assistant answers)."
     )
     seed: int = Field(0, ge=0, description="Seed of the validation choice.")
+    preference: bool = Field(
+        False,
+        description="Each row holds a prompt with a chosen and a rejected answer: DPO data; each answer is "
+        "stored as a sample of its own, chosen then rejected, and only the answer is trained.",
+    )
+
+    @model_validator(mode="after")
+    def _preference_fits(self) -> SftDataConfig:
+        if self.preference:
+            self._refuse_with_preference()
+            return self
+        for source in self.datasets:
+            given = [key for key in PREFERENCE_COLUMNS if getattr(source.columns, key) is not None]
+            if given:
+                raise ValueError(
+                    f"datasets entry {source.path!r}: columns {', '.join(given)} mean something for preference "
+                    "data only; set preference: true (each row a prompt with a chosen and a rejected answer), "
+                    "or remove them"
+                )
+            if source.path == BUILTIN_DPO_TINY:
+                raise ValueError(
+                    f"datasets entry {source.path!r} is preference data (a chosen and a rejected answer per "
+                    f"row); set preference: true, or use {BUILTIN_SFT_TINY!r} for SFT"
+                )
+        return self
+
+    def _refuse_with_preference(self) -> None:
+        """What preference: true cannot go with: each refusal names the setting and its fix."""
+        if self.packing:
+            raise ValueError(
+                "preference: true with packing: true: a preference pair is compared whole, and packing is for "
+                "SFT; set packing: false"
+            )
+        if self.train_on_prompt:
+            raise ValueError(
+                "preference: true with train_on_prompt: true: preference data trains only the chosen and "
+                "rejected answers (the prompt is the same in both); set train_on_prompt: false"
+            )
+        for source in self.datasets:
+            if source.path == BUILTIN_SFT_TINY:
+                raise ValueError(
+                    f"datasets entry {source.path!r} holds one answer per row, no chosen and rejected; with "
+                    f"preference: true use {BUILTIN_DPO_TINY!r}"
+                )
+            if source.format == "text":
+                raise ValueError(
+                    f"datasets entry {source.path!r} has format 'text', which holds no prompt and answers to "
+                    "prefer; preference: true needs format alpaca, sharegpt or messages with chosen and rejected"
+                )
+            if source.format == "alpaca" and source.columns.response is not None:
+                raise ValueError(
+                    f"datasets entry {source.path!r}: columns response means nothing with preference: true "
+                    "(the answers are the chosen and rejected columns); remove it, or map columns.chosen"
+                )
 
     def stored_settings(self) -> dict:
         """The settings the stored token ids depend on (packing happens at batch time, so it is not one)."""

@@ -22,6 +22,8 @@ _MODULE_OF = {
     "SftData": "trainpod.sft.dataset",
     "SftExample": "trainpod.sft.dataset",
     "SftExamples": "trainpod.sft.dataset",
+    "PreferencePairs": "trainpod.sft.dataset",
+    "is_preference": "trainpod.sft.dataset",
     "load_sft": "trainpod.sft.dataset",
     "prepare_sft": "trainpod.sft.prepare",
     "run_sft_datagen": "trainpod.sft.prepare",

@@ -4,6 +4,10 @@ datasets/<name>/ holds `train.safetensors` (and `val.safetensors` when val_ratio
 arrays `input_ids` (int32), `trained` (uint8: 1 where the token is a training target), `offsets`
 (int64, sample i is offsets[i]:offsets[i+1]) and `row_index` (int64, the sample's position among
 all rows of all datasets), plus `manifest.json`, written last inside a folder renamed into place.
+
+Preference data (settings.preference in the manifest) stores each row's pair as two samples one after the
+other, in the same split and with the row's row_index: sample 2k holds the chosen answer, 2k+1 the rejected
+one, after the same prompt ids; PreferencePairs reads them as pairs.
 """
 
 from __future__ import annotations
@@ -65,6 +69,38 @@ class SftExamples(Sequence):
                 "row_index": np.zeros(0, np.int64),
             }
         )
+
+
+class PreferencePairs(Sequence):
+    """The (chosen, rejected) pairs of one split of preference data: samples 2k and 2k+1 of `flat`."""
+
+    def __init__(self, flat: SftExamples):
+        if len(flat) % 2:
+            raise InputError(
+                f"a preference split holds {len(flat)} samples, not a chosen and a rejected one per row; "
+                "delete the dataset's folder and run datagen again"
+            )
+        self.flat = flat
+
+    def __len__(self) -> int:
+        return len(self.flat) // 2
+
+    def __getitem__(self, index: int) -> tuple[SftExample, SftExample]:  # type: ignore[override]
+        if not -len(self) <= index < len(self):
+            raise IndexError(index)
+        index %= len(self)
+        return self.flat[2 * index], self.flat[2 * index + 1]
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """The longer sample of each pair: what a batch of pairs pads to."""
+        lengths = self.flat.lengths
+        return np.maximum(lengths[0::2], lengths[1::2])
+
+
+def is_preference(manifest: dict) -> bool:
+    """Whether a dataset's samples are preference pairs (sft.preference; its stored settings record it)."""
+    return bool(manifest.get("settings", {}).get("preference", False))
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,10 @@ Cutoff ('truncate') follows LLaMA-Factory's `infer_seqlen`: turn by turn, the re
 shared between the prompt and the answer: a short answer (under half the budget) is kept whole and
 the prompt cut; a short prompt is kept whole and the answer cut; otherwise both are cut in
 proportion. Turns after the budget is spent are left out. 'drop' leaves over-long samples out.
+
+A preference pair (sft.preference) is cut once for both answers, by LLaMA-Factory's pairwise rule: the
+budget is shared between the prompt (every turn before the last answer) and the longer answer, and both
+answers are cut to the same length, so the two samples keep the same prompt.
 """
 
 from __future__ import annotations
@@ -71,6 +75,39 @@ def cut_sample(
     )
 
 
+def cut_pair(
+    prompt: Sequence[list[int]], chosen: list[int], rejected: list[int], cutoff_len: int, overflow: str
+) -> tuple[Encoded, Encoded] | None:
+    """A preference pair within cutoff_len: the same prompt ids ([prefix, prompt, answer, ..., last prompt]
+    groups: every answer but the last, untrained) before each last answer, the only tokens trained. None
+    when either sample is over and overflow is drop, or either has nothing trainable left."""
+    prefix, rest = list(prompt[0]), [token for group in prompt[1:] for token in group]
+    prompt_len = len(prefix) + len(rest)
+    if prompt_len + max(len(chosen), len(rejected)) > cutoff_len and overflow == "drop":
+        return None
+    source_len, target_len = infer_seqlen(prompt_len, max(len(chosen), len(rejected)), cutoff_len)
+    if source_len < prompt_len:
+        # The prompt's end is kept, not its start (LLaMA-Factory keeps the start): the turns nearest the
+        # answer and the generation prompt the answer follows; and the prefix (bos) where there is room.
+        kept_prefix = prefix if len(prefix) < source_len else []
+        prompt_ids = kept_prefix + rest[max(len(rest) - (source_len - len(kept_prefix)), 0) :]
+    else:
+        prompt_ids = prefix + rest
+    pair = []
+    for answer in (chosen, rejected):
+        ids = prompt_ids + answer[:target_len]
+        trained = [False] * len(prompt_ids) + [True] * len(answer[:target_len])
+        if trained:
+            trained[0] = False  # nothing precedes a sample's first token, so it is never a target
+        if not any(trained):
+            return None
+        full = prompt_len + len(answer)
+        pair.append(
+            Encoded(np.asarray(ids, dtype=np.int32), np.asarray(trained, dtype=bool), len(ids) < full, full)
+        )
+    return pair[0], pair[1]
+
+
 class SegmentEncoder:
     """Tokenizes many samples in one batched call of the fast tokenizer: each sample's whole text, its
     tokens then grouped by the segment their first character is in.
@@ -92,6 +129,22 @@ class SegmentEncoder:
 
     def encode(self, samples: Sequence[Segments]) -> list[Encoded | None]:
         return [self._cut(groups) for groups in segment_ids(self.tokenizer, samples)]
+
+    def encode_pairs(
+        self, pairs: Sequence[tuple[Segments, Segments]]
+    ) -> list[tuple[Encoded, Encoded] | None]:
+        """(chosen, rejected) samples, which differ in their last answer alone -> the pair within cutoff_len.
+
+        Both samples take the chosen one's prompt ids, as LLaMA-Factory encodes a pair's prompt once. They are
+        the rejected one's as well wherever the tokenizer splits the prompt's text the same whatever follows it;
+        where it would not, the rejected answer's ids, still exactly its text (no token spans an answer's start:
+        segment_ids), follow the chosen one's prompt ids. train_on_prompt is refused with preference.
+        """
+        groups = segment_ids(self.tokenizer, [sample for pair in pairs for sample in pair])
+        return [
+            cut_pair(chosen[:-1], chosen[-1], rejected[-1], self.cutoff_len, self.overflow)
+            for chosen, rejected in zip(groups[0::2], groups[1::2], strict=True)
+        ]
 
     def _cut(self, groups: list[list[int]]) -> Encoded | None:
         """[prefix, prompt, answer, prompt, answer, ...] ids -> the sample within cutoff_len."""

@@ -2,7 +2,9 @@
 
 The formats are LLaMA-Factory's: alpaca (instruction + input -> output, optional system and history
 of [instruction, answer] pairs), sharegpt (a list of {from, value} turns), and OpenAI-style messages
-({role, content}); plus text, a document trained on every token.
+({role, content}); plus text, a document trained on every token. Preference rows (sft.preference) hold a
+prompt and two answers to it, chosen and rejected, as LLaMA-Factory's ranking datasets and TRL's preference
+datasets do: RowReader.pair makes them two samples that differ in their last answer alone.
 """
 
 from __future__ import annotations
@@ -70,9 +72,14 @@ class RowReader:
         )
 
     def _alpaca(self, row: Row) -> Sample:
+        system, history, user = self._alpaca_prompt(row)
+        answer = self._string(row, "response", required=True)
+        return Sample(system, (*history, (user, answer)))
+
+    def _alpaca_prompt(self, row: Row) -> tuple[str | None, tuple[tuple[str, str], ...], str]:
+        """An alpaca row's system prompt, earlier turns and last instruction (joined with its input)."""
         instruction = self._string(row, "prompt", required=True)
         query = self._string(row, "query", required=False)
-        answer = self._string(row, "response", required=True)
         system = self._string(row, "system", required=False)
         history = self._column_value(row, "history", required=False) or []
         pairs = []
@@ -89,38 +96,46 @@ class RowReader:
                 )
             pairs.append((turn[0], turn[1]))
         user = "\n".join(part for part in (instruction, query) if part)  # LLaMA-Factory joins them so
-        pairs.append((user, answer))
-        return Sample(system or None, tuple(pairs))
+        return system or None, tuple(pairs), user
 
     def _conversation(self, row: Row) -> Sample:
+        system, turns = self._turns(row)
+        return Sample(system, self._pairs(row, self.source.column("messages"), turns))
+
+    def _turns(self, row: Row) -> tuple[str | None, list[tuple[str, str]]]:
+        """A conversation row's system prompt (its column, or a first system turn) and its other turns."""
         turns = self._column_value(row, "messages", required=True)
         column = self.source.column("messages")
         if not isinstance(turns, list) or not turns:
             raise self._bad(row, column, turns, "a non-empty list of turns")
+        system = self._string(row, "system", required=False)
+        parsed: list[tuple[str, str]] = []
+        for number, turn in enumerate(turns):
+            role, content = self._turn(row, f"{column}[{number}]", turn)
+            if role == "system" and number == 0:
+                system = content
+                continue
+            parsed.append((role, content))
+        return system or None, parsed
+
+    def _turn(self, row: Row, where: str, turn: object) -> tuple[str, str]:
+        """One {role, content} turn -> (user/assistant/system, its text)."""
         role_tag, content_tag = self.source.column("role_tag"), self.source.column("content_tag")
         roles = {
             self.source.column("user_tag"): "user",
             self.source.column("assistant_tag"): "assistant",
             self.source.column("system_tag"): "system",
         }
-        system = self._string(row, "system", required=False)
-        parsed: list[tuple[str, str]] = []
-        for number, turn in enumerate(turns):
-            where = f"{column}[{number}]"
-            if not isinstance(turn, dict) or role_tag not in turn or content_tag not in turn:
-                raise self._bad(row, where, turn, f"an object with {role_tag!r} and {content_tag!r}")
-            role = roles.get(turn[role_tag])
-            if role is None:
-                raise self._bad(
-                    row, f"{where}.{role_tag}", turn[role_tag], f"one of {', '.join(map(repr, roles))}"
-                )
-            if not isinstance(turn[content_tag], str):
-                raise self._bad(row, f"{where}.{content_tag}", turn[content_tag], "a string")
-            if role == "system" and number == 0:
-                system = turn[content_tag]
-                continue
-            parsed.append((role, turn[content_tag]))
-        return Sample(system or None, self._pairs(row, column, parsed))
+        if not isinstance(turn, dict) or role_tag not in turn or content_tag not in turn:
+            raise self._bad(row, where, turn, f"an object with {role_tag!r} and {content_tag!r}")
+        role = roles.get(turn[role_tag])
+        if role is None:
+            raise self._bad(
+                row, f"{where}.{role_tag}", turn[role_tag], f"one of {', '.join(map(repr, roles))}"
+            )
+        if not isinstance(turn[content_tag], str):
+            raise self._bad(row, f"{where}.{content_tag}", turn[content_tag], "a string")
+        return role, turn[content_tag]
 
     def _pairs(self, row: Row, column: str, turns: list[tuple[str, str]]) -> tuple[tuple[str, str], ...]:
         """user, assistant, user, assistant, ...: the order every chat template assumes."""
@@ -133,3 +148,65 @@ class RowReader:
                 "may come first); fix the row or its role tags"
             )
         return tuple((turns[i][1], turns[i + 1][1]) for i in range(0, len(turns), 2))
+
+    # Preference data (sft.preference): a prompt and two answers to it, as LLaMA-Factory's ranking datasets
+    # and TRL's preference datasets hold them.
+
+    def pair(self, row: Row) -> tuple[Sample, Sample]:
+        """A preference row -> (chosen, rejected): two samples with the same system prompt and turns, each
+        ending with its own answer to the row's last user message."""
+        if self.source.format == "alpaca":
+            system, history, user = self._alpaca_prompt(row)
+        else:
+            system, turns = self._turns(row)
+            history, user = self._prompt_turns(row, self.source.column("messages"), turns)
+        chosen, rejected = self._answer(row, "chosen"), self._answer(row, "rejected")
+        if chosen == rejected:
+            shown = repr(chosen) if len(repr(chosen)) <= 60 else repr(chosen)[:57] + "..."
+            raise InputError(
+                f"{row.where}: fields {self.source.column('chosen')!r} and {self.source.column('rejected')!r} "
+                f"hold the same answer {shown}, a pair that teaches nothing; fix the row or remove it"
+            )
+        return Sample(system, (*history, (user, chosen))), Sample(system, (*history, (user, rejected)))
+
+    def _prompt_turns(
+        self, row: Row, column: str, turns: list[tuple[str, str]]
+    ) -> tuple[tuple[tuple[str, str], ...], str]:
+        """user, assistant, ..., user: a preference row's turns, the answers to the last in chosen and rejected."""
+        expected = ["user", "assistant"] * (len(turns) // 2) + ["user"]
+        if [role for role, _ in turns] != expected:
+            order = ", ".join(role for role, _ in turns) or "(none)"
+            raise InputError(
+                f"{row.where}: field {column!r} has turns in the order {order}; a preference row needs user "
+                "and assistant turns alternating, starting and ending with user (one system turn may come "
+                f"first): the answers to the last are {self.source.column('chosen')!r} and "
+                f"{self.source.column('rejected')!r}; fix the row or its role tags"
+            )
+        history = tuple((turns[i][1], turns[i + 1][1]) for i in range(0, len(turns) - 1, 2))
+        return history, turns[-1][1]
+
+    def _answer(self, row: Row, key: str) -> str:
+        """The chosen or rejected answer: a string; in sharegpt/messages also one assistant turn, or a list
+        of one (TRL's conversational form)."""
+        value = self._column_value(row, key, required=True)
+        column = self.source.column(key)
+        if self.source.format == "alpaca":
+            if not isinstance(value, str):
+                raise self._bad(row, column, value, "a string (the answer)")
+            return value
+        assistant = self.source.column("assistant_tag")
+        expected = f"a string, one {assistant!r} turn or a list of exactly one"
+        where = column
+        if isinstance(value, list):
+            if len(value) != 1:
+                raise self._bad(row, column, value, expected)
+            value, where = value[0], f"{column}[0]"
+        if isinstance(value, dict):
+            role, content = self._turn(row, where, value)
+            if role != "assistant":
+                role_tag = self.source.column("role_tag")
+                raise self._bad(row, f"{where}.{role_tag}", value[role_tag], f"{assistant!r} (an answer)")
+            return content
+        if not isinstance(value, str):
+            raise self._bad(row, column, value, expected)
+        return value

@@ -6,6 +6,9 @@ The whole dataset is written into a temp folder beside the target and renamed in
 reader sees all of it or nothing. SFT datasets are small (minutes to tokenize at most), so a build
 interrupted by SIGTERM starts over rather than resuming. A complete dataset is reused when its key
 (the stored settings, the tokenizer files, the format version) and its source files match.
+
+Preference data (sft.preference) stores each row's chosen and rejected answers as two samples, one after
+the other in the row's split (sft/dataset.py).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from trainpod.config.sft import SftDataConfig, SftDatagenConfig
 from trainpod.errors import InputError, Preempted
 from trainpod.preemption import PreemptionWatch
 from trainpod.sft.dataset import MANIFEST_FILE, MANIFEST_FORMAT, read_manifest, split_arrays
-from trainpod.sft.encode import ENCODING, SegmentEncoder
+from trainpod.sft.encode import ENCODING, Encoded, SegmentEncoder
 from trainpod.sft.formats import RowReader
 from trainpod.sft.sources import describe_files, iter_rows
 from trainpod.sft.templates import Segments, Template, build_template, text_format
@@ -172,11 +175,13 @@ def _build_and_publish(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     counts = manifest["counts"]
+    unit = "pairs" if data.preference else "samples"
     log.info(
-        "SFT dataset %s: %d train / %d val samples, %d trained of %d tokens, %d truncated, %d dropped (template %s)",
+        "SFT dataset %s: %d train / %d val %s, %d trained of %d tokens, %d truncated, %d dropped (template %s)",
         out_dir,
-        counts["train_samples"],
-        counts["val_samples"],
+        counts[f"train_{unit}"],
+        counts[f"val_{unit}"],
+        "preference pairs (each a chosen and a rejected sample)" if data.preference else unit,
         counts["train_trained_tokens"],
         counts["train_tokens"],
         counts["truncated"],
@@ -191,12 +196,14 @@ def _build_and_publish(
 def _warn_truncated(counts: dict, cutoff_len: int, field: str) -> None:
     """What the cut left out, where a run would otherwise never learn the ends of its long samples unseen."""
     kept = counts["train_tokens"] + counts.get("val_tokens", 0)
+    unit = "pairs" if "train_pairs" in counts else "samples"  # preference data counts its cuts per pair
     log.warning(
-        "%d of %d samples were longer than %s.cutoff_len=%d and were cut: %d of their tokens (%.1f%% of the "
+        "%d of %d %s were longer than %s.cutoff_len=%d and were cut: %d of their tokens (%.1f%% of the "
         "data's) left out, the longest sample has %d; raise %s.cutoff_len to train on them whole, or set "
         "%s.overflow=drop to leave them out",
         counts["truncated"],
-        counts["train_samples"] + counts["val_samples"],
+        counts[f"train_{unit}"] + counts[f"val_{unit}"],
+        unit,
         field,
         cutoff_len,
         counts["truncated_tokens"],
@@ -258,11 +265,17 @@ def _contents(files: list[dict]) -> list[tuple[int, str]]:
 
 def _segments(
     data: SftDataConfig, template: Template | None, tokenizer, volume_root: Path, field: str
-) -> Iterator[Segments]:
+) -> Iterator[Segments | tuple[Segments, Segments]]:
+    """Each row's segments: one sample's, or with preference a (chosen, rejected) pair's."""
     text = text_format(tokenizer)
     for index, source in enumerate(data.datasets):
         reader = RowReader(source, index, field)
         for row in iter_rows(source, volume_root, field):
+            if data.preference:
+                assert template is not None  # preference refuses the text format
+                chosen, rejected = reader.pair(row)
+                yield template.segments(chosen), template.segments(rejected)
+                continue
             sample = reader.sample(row)
             if sample.text is not None:
                 yield text.segments(sample.text)
@@ -271,8 +284,18 @@ def _segments(
                 yield template.segments(sample)
 
 
-def _chunks(items: Iterator[Segments], size: int) -> Iterator[list[Segments]]:
-    chunk: list[Segments] = []
+def _encoded_rows(
+    encoder: SegmentEncoder, chunk: list, preference: bool
+) -> list[tuple[Encoded, Encoded] | tuple[Encoded] | None]:
+    """The samples of each row of `chunk` (one; with preference the pair, chosen then rejected); None for a
+    row left out (over cutoff_len with overflow drop, or no answer token left)."""
+    if preference:
+        return encoder.encode_pairs(chunk)
+    return [None if encoded is None else (encoded,) for encoded in encoder.encode(chunk)]
+
+
+def _chunks(items: Iterator, size: int) -> Iterator[list]:
+    chunk: list = []
     for item in items:
         chunk.append(item)
         if len(chunk) == size:
@@ -299,18 +322,20 @@ def _build(
         _raise_if_stopped(watch, f"after {rows} rows")
         if lease.lost.is_set():
             raise lease_lost(tmp)
-        for encoded in encoder.encode(chunk):
+        for samples in _encoded_rows(encoder, chunk, data.preference):
+            # chosen per row, so a preference pair's two samples are in the same split, one after the other
             split = "val" if data.val_ratio and is_validation(rows, data.val_ratio, data.seed) else "train"
-            if encoded is None:
+            if samples is None:
                 dropped += 1
             else:
-                truncated += encoded.truncated
-                cut_tokens += encoded.full_length - len(encoded.input_ids)
-                longest = max(longest, encoded.full_length)
-                splits[split].append((rows, encoded.input_ids, encoded.trained))
+                truncated += any(encoded.truncated for encoded in samples)
+                for encoded in samples:
+                    cut_tokens += encoded.full_length - len(encoded.input_ids)
+                    longest = max(longest, encoded.full_length)
+                    splits[split].append((rows, encoded.input_ids, encoded.trained))
             rows += 1
     if not splits["train"]:
-        held_out = len(splits["val"])
+        held_out = len({row for row, _, _ in splits["val"]})  # rows: a preference pair is two samples
         fix = (
             f"lower {field}.val_ratio={data.val_ratio} or add data"
             if held_out
@@ -324,7 +349,7 @@ def _build(
     counts = {
         "rows": rows,
         "dropped": dropped,
-        "truncated": truncated,
+        "truncated": truncated,  # rows (with preference: pairs) with a sample cut
         "truncated_tokens": cut_tokens,  # cut off the truncated samples
         "longest_sample_tokens": longest,  # of the samples kept, before any cut
     }
@@ -335,10 +360,14 @@ def _build(
         write_bytes(tmp / f"{split}.safetensors", blob)
         files[split] = {"file": f"{split}.safetensors", "bytes": len(blob), "samples": len(examples)}
         counts[f"{split}_samples"] = len(examples)
+        if data.preference:
+            counts[f"{split}_pairs"] = len(examples) // 2  # samples 2k and 2k+1: chosen and rejected
         counts[f"{split}_tokens"] = int(sum(len(ids) for _, ids, _ in examples))
         counts[f"{split}_trained_tokens"] = int(sum(int(m.sum()) for _, _, m in examples))
         counts[f"{split}_max_len"] = max((len(ids) for _, ids, _ in examples), default=0)
     counts.setdefault("val_samples", 0)
+    if data.preference:
+        counts.setdefault("val_pairs", 0)
     return {
         "format": MANIFEST_FORMAT,
         "complete": True,

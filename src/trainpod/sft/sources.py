@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainpod import atomic
-from trainpod.config.sft import BUILTIN_SFT_TINY, SftSourceConfig
+from trainpod.config.sft import BUILTIN_DPO_TINY, BUILTIN_SFT_TINY, SftSourceConfig
 from trainpod.data.sources import expand_path, unreadable_file_problem
 from trainpod.errors import InputError
 
@@ -29,8 +29,16 @@ class Row:
     where: str  # "path, line 12" or "path, row 3"
 
 
+# The embedded demo datasets a dataset's path may name, and their files in the package.
+BUILTIN_FILES = {BUILTIN_SFT_TINY: "sft_tiny.jsonl", BUILTIN_DPO_TINY: "dpo_tiny.jsonl"}
+
+
+def builtin_path(name: str) -> Path:
+    return Path(str(importlib.resources.files("trainpod") / "demo_corpus" / BUILTIN_FILES[name]))
+
+
 def builtin_sft_tiny_path() -> Path:
-    return Path(str(importlib.resources.files("trainpod") / "demo_corpus" / "sft_tiny.jsonl"))
+    return builtin_path(BUILTIN_SFT_TINY)
 
 
 def _data_suffix(path: Path) -> str | None:
@@ -44,8 +52,8 @@ def resolve_files(source: SftSourceConfig, volume_root: Path, section: str = "sf
     """The files a dataset's path names (a file, a folder searched recursively, or a glob), sorted. `section` is
     the config section that lists the datasets, as the errors name its fields: a datagen config's `sft`, a
     finetune's `data.sft`, a finetune-vlm's `data`."""
-    if source.path == BUILTIN_SFT_TINY:
-        return [builtin_sft_tiny_path()]
+    if source.path in BUILTIN_FILES:
+        return [builtin_path(source.path)]
     pattern, files = expand_path(source.path, volume_root, lambda p: _data_suffix(p) is not None)
     _refuse_generated_dataset_folder(source, pattern, section)
     if not files:

@@ -10,7 +10,8 @@
    by SIGTERM after a checkpoint;
 6. `trainpod boot`, as a pod runs it: resumes the finetune and, once it is DONE, converts it in the same
    process (a deploy's `then`): the adapter to mlx-lm's format and merged into the base as a plain HF model;
-7. `trainpod generate` answers with base + adapter in the template it trained with, transformers
+7. DPO: LoRA on the merged model, taught to prefer the right answers to wrong ones (`objective: dpo`);
+8. `trainpod generate` answers with base + adapter in the template it trained with, transformers
    loads the merged model; a summary is printed.
 Before pretraining, `trainpod estimate` says what the run will take.
 """
@@ -117,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     volume.mkdir(parents=True)
     started = time.monotonic()
 
-    banner("1/7 datagen: tokenizer + token shards from the embedded corpus")
+    banner("1/8 datagen: tokenizer + token shards from the embedded corpus")
     if run_to_end(["run", "datagen", "--config", str(CONFIGS / "datagen/tiny.yaml")], volume) != 0:
         return 1
     pretrain = ["run", "pretrain", "--config", str(CONFIGS / "pretrain/tiny.yaml")]
@@ -126,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     run_to_end(["estimate", str(CONFIGS / "pretrain/tiny.yaml")], volume)
 
     banner(
-        f"2/7 pretrain, interrupted by SIGTERM after the step-{INTERRUPT_AFTER_STEP} checkpoint (a spot warning)"
+        f"2/8 pretrain, interrupted by SIGTERM after the step-{INTERRUPT_AFTER_STEP} checkpoint (a spot warning)"
     )
     code, step = interrupt_after_checkpoint(pretrain, volume, run_dir)
     stopped_at = json.loads((run_dir / "status.json").read_text())["step"]
@@ -137,18 +138,18 @@ def main(argv: list[str] | None = None) -> int:
     if code not in (0, 143):
         return 1
 
-    banner("3/7 pretrain again with the same settings: resumes from the newest checkpoint")
+    banner("3/8 pretrain again with the same settings: resumes from the newest checkpoint")
     if run_to_end(pretrain, volume) != 0:
         return 1
 
-    banner("4/7 transformers loads the export and generates")
+    banner("4/8 transformers loads the export and generates")
     export_dir = run_dir / "export" / "hf"
     print(f"--> {generate_sample(export_dir)!r}")
 
     finetune = ["run", "finetune", "--config", str(CONFIGS / "finetune/tiny.yaml")]
     finetune_dir = volume / "runs" / "tiny-finetune"
     banner(
-        f"5/7 finetune: QLoRA on embedded instructions, interrupted after the step-{FINETUNE_INTERRUPT_AFTER_STEP} "
+        f"5/8 finetune: QLoRA on embedded instructions, interrupted after the step-{FINETUNE_INTERRUPT_AFTER_STEP} "
         "checkpoint"
     )
     code, step = interrupt_after_checkpoint(finetune, volume, finetune_dir, FINETUNE_INTERRUPT_AFTER_STEP)
@@ -157,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
     banner(
-        "6/7 trainpod boot, as the pod started again runs it: resumes the finetune, then converts it once DONE "
+        "6/8 trainpod boot, as the pod started again runs it: resumes the finetune, then converts it once DONE "
         "(a deploy's `then`): the adapter to MLX (mlx-lm) and merged into the base model"
     )
     if (
@@ -166,7 +167,13 @@ def main(argv: list[str] | None = None) -> int:
     ):
         return 1
 
-    banner("7/7 trainpod generate (base + adapter, the alpaca template it trained with); the merged model")
+    banner(
+        "7/8 DPO on the merged model: LoRA taught to prefer each right answer to a wrong one (objective: dpo)"
+    )
+    if run_to_end(["run", "finetune", "--config", str(CONFIGS / "finetune/tiny-dpo.yaml")], volume) != 0:
+        return 1
+
+    banner("8/8 trainpod generate (base + adapter, the alpaca template it trained with); the merged model")
     question = "Add the two numbers.\n12 + 30"
     generate = [
         "generate",
@@ -213,6 +220,19 @@ def print_summary(run_dir: Path, export_dir: Path, finetune_dir: Path, seconds: 
     )
     outputs = ", ".join(sorted(p.name for p in (finetune_dir / "export").iterdir()))
     print(f"finetune outputs {finetune_dir / 'export'} ({outputs})")
+    dpo = json.loads((finetune_dir.parent / "tiny-dpo" / "DONE").read_text())
+    evals = (
+        json.loads((finetune_dir.parent / "tiny-dpo" / "status.json").read_text()).get("eval_metrics") or {}
+    )
+    accuracy = evals.get("eval_rewards_accuracy")
+    print(
+        f"dpo              {dpo['step']} steps, eval DPO loss {dpo['eval_loss']:.3f} (log 2 = 0.693 before a step)"
+        + (
+            f", chosen answer preferred in {accuracy:.0%} of the validation pairs"
+            if accuracy is not None
+            else ""
+        )
+    )
     print(f"status           trainpod status --volume {run_dir.parents[1]}")
     print(
         f"chat             trainpod chat tiny-finetune --volume {run_dir.parents[1]} --max-new-tokens {MAX_NEW_TOKENS}"

@@ -204,11 +204,19 @@ def size_finetune(
     cutoff = samples.cutoff_len if samples else _dataset_cutoff(config.data.dataset, volume, notes)
     rows_per_step = t.micro_batch_size * t.grad_accum_steps * gpu_count
     steps = t.max_steps or _steps_for_epochs(config, samples, rows_per_step, volume, notes, route)
-    tokens = steps * rows_per_step * cutoff
+    # DPO: a row of the data is a pair, run as two sequences (its chosen and rejected answers), each through the
+    # reference (the base with the adapters off: one more forward, 2N) as well as the policy (train/preference.py).
+    dpo = config.objective == "dpo"
+    sequences = 2 if dpo else 1
+    tokens = steps * rows_per_step * sequences * cutoff
     notes.append(f"tokens counted as full rows of {cutoff} (an upper bound: unpacked rows are shorter)")
+    if dpo:
+        notes.append("DPO: each pair is two sequences, each also run once through the reference model")
     # Forward 2N; backward 2N for activation gradients, plus 2N weight gradients only when every
     # weight trains; gradient checkpointing runs the forward twice.
-    per_token = (2 + 2 + (2 if config.method == "full" else 0) + (2 if t.gradient_checkpointing else 0)) * n
+    per_token = (
+        2 + 2 + (2 if config.method == "full" else 0) + (2 if t.gradient_checkpointing else 0) + (2 if dpo else 0)
+    ) * n
     # NF4 with double quantization is 4.15 bits a weight. What 4-bit loading leaves alone (the embeddings and
     # output head, norms) peft's prepare_model_for_kbit_training upcasts to fp32, 4 bytes: 4.4 GB of Qwen2.5-7B,
     # counted at 2 they were 2.2 GB short; a VLM's frozen vision tower alone goes back to the compute dtype
@@ -220,7 +228,7 @@ def size_finetune(
     optimizer = 2 if "8bit" in t.optimizer else 8
     memory = simple_training_memory(
         weights=weights, trainable=trainable, optimizer_bytes_per_param=optimizer, layers=layers, width=width,
-        vocab=vocab, rows=t.micro_batch_size, seq_len=cutoff, recompute=t.gradient_checkpointing,
+        vocab=vocab, rows=t.micro_batch_size * sequences, seq_len=cutoff, recompute=t.gradient_checkpointing,
     )  # fmt: skip
     if shape.get("chunked_loss"):
         # The chunked loss keeps one chunk's fp32 logits a few times over, the hidden states' gradient and, when
@@ -228,7 +236,7 @@ def size_finetune(
         # models (15 GB for 4 x 2048 tokens of Qwen2.5's vocabulary) never exist.
         from trainpod.train.loss_chunks import rows_per_chunk
 
-        rows = t.micro_batch_size * cutoff
+        rows = t.micro_batch_size * sequences * cutoff
         chunk = 3 * 4 * min(rows, rows_per_chunk(vocab, rows)) * vocab
         head = 4 * vocab * width if config.method == "full" else 0
         memory["logits"] = float(chunk + 4 * rows * width + head)

@@ -66,6 +66,38 @@ class QuantizationSettings(Section):
     )
 
 
+class DpoSettings(Section):
+    """Direct preference optimization (Rafailov et al. 2023), as TRL's DPOTrainer and LLaMA-Factory's `stage: dpo`
+    compute it; the reference model is the base with the adapters off (train/preference.py)."""
+
+    beta: float = Field(
+        0.1,
+        gt=0,
+        description="How far the policy may move from the reference: the implicit reward is beta x the log-ratio "
+        "of the policy's and the reference's probability of an answer (TRL's and LLaMA-Factory's default 0.1).",
+    )
+    loss: Literal["sigmoid", "ipo"] = Field(
+        "sigmoid",
+        description="'sigmoid': DPO's -log sigmoid(beta x margin); 'ipo': IPO's (margin - 1/(2 beta))^2 on "
+        "per-token mean log-probabilities (Azar et al. 2023).",
+    )
+    label_smoothing: float = Field(
+        0.0,
+        ge=0,
+        lt=0.5,
+        description="sigmoid only: the assumed share of pairs whose labels are flipped (conservative DPO).",
+    )
+
+    @model_validator(mode="after")
+    def _smoothing_is_sigmoids(self) -> DpoSettings:
+        if self.label_smoothing and self.loss != "sigmoid":
+            raise ValueError(
+                f"dpo.label_smoothing={self.label_smoothing} applies to dpo.loss=sigmoid only, not "
+                f"{self.loss!r}; set it to 0, or dpo.loss to sigmoid"
+            )
+        return self
+
+
 class FinetuneDataConfig(Section):
     dataset: str | None = Field(
         None,
@@ -111,7 +143,8 @@ class FinetuneTrainConfig(Section):
         None,
         gt=0,
         description="Peak learning rate; default 2e-4 for lora and qlora, 2e-5 for full (as axolotl's and "
-        "LLaMA-Factory's examples: every weight moving at an adapter's 2e-4 forgets much of the base model).",
+        "LLaMA-Factory's examples: every weight moving at an adapter's 2e-4 forgets much of the base model), "
+        "5e-6 for objective dpo.",
     )
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Final learning rate as a fraction of lr.")
     warmup_ratio: float = Field(0.03, ge=0, lt=1, description="Share of the steps spent in linear warmup.")
@@ -232,6 +265,9 @@ class FinetuneExportConfig(Section):
 
 
 DEFAULT_LR = {"qlora": 2e-4, "lora": 2e-4, "full": 2e-5}  # train.lr when the config gives none
+# objective dpo's: LLaMA-Factory's LoRA DPO examples' 5e-6 (TRL's DPOConfig: 1e-6). An adapter's SFT 2e-4 moves the
+# policy so far from the reference in a few steps that the loss saturates and the answers degrade.
+DPO_DEFAULT_LR = 5e-6
 
 
 def fsdp_needs_full(method: str) -> str:
@@ -258,6 +294,13 @@ class FinetuneConfig(Section):
         description="'qlora': LoRA on a 4-bit NF4 base (bitsandbytes); 'lora': LoRA on a 16/32-bit base; "
         "'full': every weight trains.",
     )
+    objective: Literal["sft", "dpo"] = Field(
+        "sft",
+        description="'sft': learn the answers (supervised finetuning); 'dpo': learn to prefer each pair's chosen "
+        "answer to its rejected one (direct preference optimization, on preference data: sft.preference), "
+        "with method qlora or lora.",
+    )
+    dpo: DpoSettings = DpoSettings()
     lora: LoraSettings = LoraSettings()
     quantization: QuantizationSettings = QuantizationSettings()
     data: FinetuneDataConfig
@@ -270,7 +313,7 @@ class FinetuneConfig(Section):
     @model_validator(mode="after")
     def _default_lr_of_the_method(self) -> FinetuneConfig:
         if self.train.lr is None:
-            self.train.lr = DEFAULT_LR[self.method]
+            self.train.lr = DPO_DEFAULT_LR if self.objective == "dpo" else DEFAULT_LR[self.method]
         return self
 
     @model_validator(mode="after")
@@ -314,6 +357,40 @@ class FinetuneConfig(Section):
             raise ValueError(unshardable_optimizer(self.train.optimizer))
         if self.generation_eval.every_evals:
             raise ValueError(FSDP_WITHOUT_GENERATION)
+        return self
+
+    @model_validator(mode="after")
+    def _dpo_can_run(self) -> FinetuneConfig:
+        """What DPO here does not do, refused at load (exit 2, nothing written); preference data and the objective
+        must agree (a named dataset's kind is known once it is read: workloads/preference.py)."""
+        sft = getattr(self.data, "sft", None)  # finetune-vlm's data has none
+        if sft is not None and sft.preference != (self.objective == "dpo"):
+            raise ValueError(
+                "data.sft.preference=true holds pairs of a chosen and a rejected answer, which only objective=dpo "
+                "trains on (sft would learn the rejected answers too); set objective: dpo"
+                if sft.preference
+                else "objective=dpo trains on pairs of a chosen and a rejected answer; set data.sft.preference: "
+                "true and give each dataset's chosen and rejected columns"
+            )
+        if self.objective != "dpo":
+            return self
+        if self.method == "full":
+            raise ValueError(
+                "objective=dpo compares the policy with a reference model, which is the base with the LoRA "
+                "adapters off; method full would need a second whole copy of the model, which trainpod does not "
+                "keep. Set method: lora (or qlora)"
+            )
+        if self.data.packing:
+            raise ValueError(
+                "objective=dpo scores each chosen and rejected answer as a whole sequence; data.packing=true "
+                "packs samples for SFT. Remove data.packing (or set it to false)"
+            )
+        if self.generation_eval.every_evals:
+            raise ValueError(
+                f"generation_eval.every_evals={self.generation_eval.every_evals} scores answers against one "
+                "reference, and objective=dpo's validation pairs are scored by the DPO loss and the reward "
+                "accuracy instead; set generation_eval.every_evals=0"
+            )
         return self
 
     @property

@@ -103,4 +103,7 @@ class VlmLoraSettings(LoraSettings):
 
 class VlmFinetuneConfig(FinetuneConfig):
     data: VisionDataConfig  # type: ignore[assignment]
+    objective: Literal["sft"] = Field(  # type: ignore[assignment]
+        "sft", description="'sft': learn the answers (finetune-vlm has no preference objective)."
+    )
     lora: VlmLoraSettings = VlmLoraSettings()

@@ -31,7 +31,8 @@ def merged_model_card(
         base_model=base_name if base_revision else None,
         library_name="transformers",
         pipeline_tag="image-text-to-text" if vision else "text-generation",
-        tags=["trainpod", method, "merged"],
+        # "dpo" as TRL tags its DPO models: the Hub lists them under it
+        tags=["trainpod", method, *(["dpo"] if summary.get("objective") == "dpo" else []), "merged"],
     )
     pinned = f" at commit `{base_revision}`" if base_revision else ""
     into = (
@@ -65,7 +66,11 @@ tokenizer = AutoTokenizer.from_pretrained("<this folder or its Hub repo id>")
 def _method_line(summary: dict[str, Any], method: str) -> str:
     lora = summary.get("lora") or {}
     shape = f", rank {lora['r']}, alpha {lora['alpha']:g}" if "r" in lora and "alpha" in lora else ""
-    return f"{method}{shape}"
+    dpo = summary.get("dpo") or {}
+    objective = (
+        f", DPO with beta {dpo['beta']:g}" if summary.get("objective") == "dpo" and "beta" in dpo else ""
+    )
+    return f"{method}{shape}{objective}"
 
 
 def _training_table(summary: dict[str, Any]) -> str:
@@ -76,7 +81,8 @@ def _training_table(summary: dict[str, Any]) -> str:
         ("epochs", results.get("epoch")),
         ("final train loss", _number(results.get("loss"))),
         ("final eval loss", _number(results.get("eval_loss"))),
-        ("training samples", data.get("train_samples")),
+        ("training samples", None if "train_pairs" in data else data.get("train_samples")),
+        ("training preference pairs", data.get("train_pairs")),
         ("prompt format", data.get("template")),
         ("sequence length", data.get("cutoff_len")),
     ]

@@ -115,6 +115,8 @@ def packed_rows_batch(
 
 
 class SftBatches:
+    unit = "samples"  # what one planned row holds, as the log names it
+
     def __init__(
         self,
         examples: Sequence,
@@ -158,14 +160,15 @@ class SftBatches:
         self._planned_rows = len(self._rows)  # the first epoch's: every epoch takes this many steps
         if self.steps_per_epoch == 0:
             raise InputError(
-                f"{len(examples)} training samples make {len(self._rows)} rows, fewer than one optimizer step of "
+                f"{len(examples)} training {self.unit} make {len(self._rows)} rows, fewer than one optimizer step of "
                 f"{world_size} rank(s) x {grad_accum_steps} accumulation x {micro_batch_size}; lower the micro "
                 "batch size or train.grad_accum_steps, turn packing off, or add data"
             )
         self._report_rows_left_out()
         log.info(
-            "SFT batches: %d samples, %d steps per epoch, %s, %.1f%% of the batch tokens are real tokens",
+            "SFT batches: %d %s, %d steps per epoch, %s, %.1f%% of the batch tokens are real tokens",
             len(examples),
+            self.unit,
             self.steps_per_epoch,
             "packed" if packing else "padded",
             100 * self.packing_efficiency,
@@ -185,7 +188,7 @@ class SftBatches:
             "or train.micro_batch_size, or add data, to train on more of them",
             left_out,
             self._planned_rows,
-            "packed rows" if self.packing else "samples",
+            "packed rows" if self.packing else self.unit,
             100 * share,
             step_rows,
             self.world_size,
@@ -277,10 +280,13 @@ class SftBatches:
         self._step += 1
         batch = self.micro_batch(self.examples, rows)
         self.last_trained_tokens = int((batch["labels"] != IGNORE_INDEX).sum())
-        self.last_real_tokens = int(sum(self.lengths[row].sum() for row in rows))
+        self.last_real_tokens = self._real_tokens(rows)
         if self.pin_memory:
             batch = {key: value.pin_memory() for key, value in batch.items()}
         return batch
+
+    def _real_tokens(self, rows: Sequence[Sequence[int]]) -> int:
+        return int(sum(self.lengths[row].sum() for row in rows))
 
     def micro_batch(self, examples: Sequence, rows: Sequence[Sequence[int]]) -> dict[str, torch.Tensor]:
         """`rows` (lists of indices into `examples`) as this run lays out a micro batch: packed into one
@@ -326,6 +332,59 @@ class SftBatches:
         rows_done = int(state["step"]) * saved_world * self.micro_batch_size  # of this epoch, over all ranks
         self._epoch, self._step = int(state["epoch"]), rows_done // self._global_rows
         self._rows = self._plan(self._epoch)
+
+
+class PreferenceBatches(SftBatches):
+    """DPO batches (train/preference.py): micro batches of pairs, each laid out as its chosen samples then their
+    rejected ones, padded to the longest; never packed. `pairs` is a PreferencePairs view (sft/dataset.py): the
+    shuffle, the epochs and the checkpointed position count pairs, the plan's lengths are each pair's longer."""
+
+    unit = "pairs"
+
+    def __init__(self, pairs: Sequence, micro_batch_size: int, max_len: int, seed: int, rank: int, world_size: int,
+                 pad_id: int, pin_memory: bool = False, grad_accum_steps: int = 1):  # fmt: skip
+        self.flat = pairs.flat
+        super().__init__(
+            pairs,
+            micro_batch_size,
+            max_len,
+            False,
+            seed,
+            rank,
+            world_size,
+            pad_id,
+            pin_memory=pin_memory,
+            grad_accum_steps=grad_accum_steps,
+        )
+
+    def micro_batch(self, examples: Sequence, rows: Sequence[Sequence[int]]) -> dict[str, torch.Tensor]:
+        return pair_batch(self.flat, [row[0] for row in rows], self.max_len, self.pad_id)
+
+    def _real_tokens(self, rows: Sequence[Sequence[int]]) -> int:
+        lengths = np.minimum(np.diff(self.flat.offsets), self.max_len)
+        return int(sum(lengths[2 * row[0]] + lengths[2 * row[0] + 1] for row in rows))
+
+
+def pair_batch(flat: Sequence, pairs: Sequence[int], max_len: int, pad_id: int) -> dict[str, torch.Tensor]:
+    """Pairs `pairs` of the stored samples `flat` (chosen 2k, rejected 2k+1): the chosen rows, then the rejected."""
+    rows = [2 * k for k in pairs] + [2 * k + 1 for k in pairs]
+    return unpacked_batch(flat, rows, max_len, pad_id)
+
+
+def preference_eval_batches(
+    pairs: Sequence, micro_batch_size: int, max_len: int, pad_id: int, limit: int | None
+) -> list[dict[str, torch.Tensor]]:
+    """The validation pairs in stored order, at most `limit` batches, each with `pair_index`."""
+    starts = range(0, len(pairs), micro_batch_size)
+    if limit is not None:
+        starts = starts[:limit]
+    out = []
+    for start in starts:
+        indices = list(range(start, min(start + micro_batch_size, len(pairs))))
+        batch = pair_batch(pairs.flat, indices, max_len, pad_id)
+        batch["pair_index"] = torch.tensor(indices, dtype=torch.long)
+        out.append(batch)
+    return out
 
 
 def eval_batches(

@@ -76,6 +76,13 @@ def all_reduce_sum(ctx: DistContext, value: float) -> float:
     return tensor.item()
 
 
+def all_reduce_sum_tensor(ctx: DistContext, value: torch.Tensor) -> torch.Tensor:
+    """`value` summed over the ranks, in place (a vector of sums: one collective for all of them)."""
+    if ctx.distributed:
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    return value
+
+
 def all_reduce_mean(ctx: DistContext, value: torch.Tensor) -> torch.Tensor:
     if ctx.distributed:
         dist.all_reduce(value, op=dist.ReduceOp.AVG if ctx.device.type == "cuda" else dist.ReduceOp.SUM)

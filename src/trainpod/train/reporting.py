@@ -178,7 +178,10 @@ class RunReporter:
             parts.append(f"loss {metrics['loss']:.4f}")
         if self.last_eval_loss is not None:
             parts.append(f"eval {self.last_eval_loss:.4f}")
-        for key, fmt in (("lr", ".2e"), ("grad_norm", ".3f"), ("tokens_per_s", ",.0f"), ("mfu", ".1%")):
+        shown = (("lr", ".2e"), ("grad_norm", ".3f"), ("tokens_per_s", ",.0f"), ("mfu", ".1%"))
+        # DPO's (workloads/preference.py): how often the chosen answer wins, and by how much
+        shown += (("rewards_accuracy", ".1%"), ("rewards_margin", ".3f"))
+        for key, fmt in shown:
             if metrics.get(key) is not None:
                 parts.append(f"{key} {metrics[key]:{fmt}}")
         if metrics.get("cost_usd") is not None:

@@ -32,7 +32,7 @@ from trainpod.context import RunContext
 from trainpod.errors import InputError
 from trainpod.preemption import WorkAbandoned
 from trainpod.sft import IGNORE_INDEX, SftBatches, eval_batches, load_sft, prepare_sft, sft_cache_key, sft_key
-from trainpod.sft.dataset import read_manifest
+from trainpod.sft.dataset import is_preference, read_manifest
 from trainpod.sft.packing_probe import refuse_packing_that_leaks
 from trainpod.train import distributed as D
 from trainpod.train.base_model import (
@@ -221,6 +221,7 @@ class Finetuner(Trainer):
             folder = self._on_main_first(self._prepare_sft_cache)
         self.data = load_sft(folder)
         self._check_same_tokenizer(folder)
+        self._check_data_kind(folder)
         if self.data.manifest["settings"].get("train_on_prompt") and self.cfg.generation_eval.every_evals:
             # Every token but the first is trained: the stored mask no longer tells prompt from answer.
             raise InputError(
@@ -234,8 +235,20 @@ class Finetuner(Trainer):
             packing = bool(self.data.manifest.get("packing", False))
             if packing:
                 refuse_packing_that_mixes_samples(self.base_dir, self.packing_asked_by)
+        self.batches = self._training_batches(packing)
+
+    def _check_data_kind(self, folder: Path) -> None:
+        """Preference pairs train under objective dpo only: SFT on them would learn the rejected answers too."""
+        if is_preference(self.data.manifest):
+            raise InputError(
+                f"the dataset at {folder} holds preference pairs (made with sft.preference=true): a chosen and a "
+                "rejected answer to each prompt, which objective=sft would both learn; set objective: dpo, or "
+                "train on a dataset made without preference"
+            )
+
+    def _training_batches(self, packing: bool) -> SftBatches:
         t = self.train_cfg
-        self.batches = SftBatches(
+        return SftBatches(
             self.data.train,
             t.micro_batch_size,
             self.max_len,
@@ -943,6 +956,10 @@ class Finetuner(Trainer):
 
 def run(ctx: RunContext, config: FinetuneConfig) -> dict[str, Any]:
     """Train to the configured steps (or an eval plateau), export, and return the summary."""
+    if config.objective == "dpo":
+        from trainpod.workloads.preference import PreferenceFinetuner
+
+        return train_and_export(PreferenceFinetuner, ctx, config)
     return train_and_export(Finetuner, ctx, config)
 
 

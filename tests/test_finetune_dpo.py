@@ -1,0 +1,151 @@
+"""DPO as a user runs it (`objective: dpo` in a finetune config): the exported adapter, loaded by peft on its base,
+prefers the chosen answers more than the base does; a run stopped like a spot pod resumes to the same adapter
+bytes; what DPO here does not do is exit 2 before anything is written."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from finetune_support import BASE
+from support import CONFIGS, run_trainpod, signal_when_step_reached, start_trainpod
+
+pytestmark = pytest.mark.slow
+
+TINY_DPO = CONFIGS / "finetune/tiny-dpo.yaml"
+RUN = "tiny-dpo"
+
+
+def dpo_args(*extra: str) -> tuple[str, ...]:
+    """The shipped tiny DPO config on the test's base model (the embedded preference pairs as they ship)."""
+    return ("run", "finetune", "--config", str(TINY_DPO), "--set", f"base_model.path={BASE}", *extra)
+
+
+@pytest.fixture
+def volume(finetune_base_volume: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / "volume"
+    shutil.copytree(finetune_base_volume, copy)
+    return copy
+
+
+@pytest.fixture(scope="module")
+def trained(finetune_base_volume: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A volume with tiny-dpo trained to its end, uninterrupted."""
+    volume = tmp_path_factory.mktemp("dpo-uninterrupted")
+    shutil.copytree(finetune_base_volume, volume, dirs_exist_ok=True)
+    result = run_trainpod(*dpo_args(), volume=volume)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return volume
+
+
+def adapter_bytes(volume: Path) -> bytes:
+    return (volume / "runs" / RUN / "export" / "adapter" / "adapter_model.safetensors").read_bytes()
+
+
+def _answer_logps(model, pairs) -> torch.Tensor:
+    """Each pair's log p(chosen) - log p(rejected) under `model`, over the answers' tokens, by a plain forward."""
+    margins = []
+    for chosen, rejected in pairs:
+        totals = []
+        for sample in (chosen, rejected):
+            ids = torch.from_numpy(sample.input_ids)[None]
+            labels = torch.from_numpy(sample.labels)[None]
+            with torch.no_grad():
+                logps = torch.log_softmax(model(input_ids=ids).logits[:, :-1].float(), -1)
+            targets = labels[:, 1:]
+            trained = targets != -100
+            totals.append((logps.gather(2, targets.where(trained, 0)[..., None]).squeeze(2) * trained).sum())
+        margins.append(totals[0] - totals[1])
+    return torch.stack(margins)
+
+
+def test_the_exported_adapter_prefers_the_chosen_answers_more_than_its_base_does(trained):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from trainpod.sft.dataset import PreferencePairs, load_sft
+
+    run = trained / "runs" / RUN
+    adapter = run / "export" / "adapter"
+    summary = json.loads((adapter / "training_summary.json").read_text())
+    assert summary["objective"] == "dpo" and summary["dpo"]["beta"] == 0.1
+    assert summary["data"]["train_pairs"] > 300 and summary["results"]["step"] == 20
+
+    rows = [json.loads(line) for line in (run / "logs" / "metrics.jsonl").read_text().splitlines()]
+    evals = [row for row in rows if "eval_loss" in row]
+    assert [row["step"] for row in evals] == [10, 20]
+    # Before any step the policy is the reference: every pair's loss is log 2. The evals must beat that.
+    assert evals[-1]["eval_loss"] < math.log(2) and evals[-1]["eval_rewards_accuracy"] > 0.5
+    assert all("rewards_margin" in row for row in rows if row["step"] % 5 == 0)
+    worst = [json.loads(line) for line in (run / "eval" / "step-20.worst.jsonl").read_text().splitlines()]
+    assert len(worst) == 5 and {"prompt", "chosen", "rejected", "loss"} <= set(worst[0])
+
+    # Independently of the trainer's own loss: peft loads the adapter on its base, and on the validation pairs the
+    # chosen answer gained on the rejected one against the base.
+    data = load_sft(next((trained / "cache" / "sft").iterdir()))
+    pairs = [PreferencePairs(data.val)[i] for i in range(min(len(PreferencePairs(data.val)), 12))]
+    base = AutoModelForCausalLM.from_pretrained(trained / BASE)
+    before = _answer_logps(base, pairs)
+    tuned = PeftModel.from_pretrained(base, adapter)
+    after = _answer_logps(tuned, pairs)
+    assert (after - before).mean() > 0, (before, after)
+
+
+def test_the_dpo_adapter_merges_into_a_model_whose_card_says_dpo(trained, tmp_path):
+    from huggingface_hub import ModelCard
+    from transformers import AutoModelForCausalLM
+
+    config = tmp_path / "convert.yaml"
+    config.write_text(f"name: {RUN}\nadapter: run:{RUN}\nbase_model: {BASE}\ntask:\n  - kind: merge\n")
+    result = run_trainpod("run", "convert", "--config", str(config), volume=trained)
+    assert result.returncode == 0, result.stdout + result.stderr
+    merged = trained / "runs" / RUN / "export" / "merged"
+    assert AutoModelForCausalLM.from_pretrained(merged).config.model_type == "llama"
+    card = ModelCard.load(merged / "README.md")
+    assert "dpo" in card.data.tags
+    assert "DPO with beta 0.1" in card.text and "training preference pairs" in card.text
+
+
+def test_a_dpo_run_stopped_like_a_spot_pod_resumes_to_the_same_adapter(volume, trained):
+    proc = start_trainpod(*dpo_args(), volume=volume)
+    out = signal_when_step_reached(proc, volume, 7, signal.SIGTERM, run=RUN)
+    assert proc.returncode == 143, out
+    result = run_trainpod(*dpo_args(), volume=volume)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "resumed from step-" in result.stdout + result.stderr
+    assert adapter_bytes(volume) == adapter_bytes(trained)
+
+
+@pytest.mark.parametrize(
+    ("setting", "named"),
+    [
+        ("method=full", "method: lora"),
+        ("data.sft.preference=false", "data.sft.preference: true"),  # SFT data, which DPO cannot train on
+        ("generation_eval.every_evals=1", "generation_eval.every_evals=0"),
+        ("dpo.loss=ipo", "dpo.label_smoothing"),
+    ],
+)
+def test_what_dpo_here_does_not_do_is_exit_2_before_anything_is_written(volume, setting, named):
+    extra = {
+        "dpo.loss=ipo": ("--set", "dpo.label_smoothing=0.1"),
+        "data.sft.preference=false": ("--set", 'data.sft.datasets=[{"path": "builtin:sft-tiny"}]'),
+    }.get(setting, ())
+    result = run_trainpod(*dpo_args("--set", setting, *extra), volume=volume)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert named in result.stdout + result.stderr
+    assert not (volume / "runs" / RUN).exists() and not (volume / "cache").exists()
+
+
+def test_sft_on_preference_pairs_is_exit_2_naming_objective_dpo(volume):
+    result = run_trainpod(
+        *dpo_args("--set", "objective=sft", "--set", "lora.dropout=0.05"),
+        volume=volume,
+    )
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "set objective: dpo" in result.stdout + result.stderr

@@ -749,3 +749,24 @@ def test_the_hf_token_reaches_the_hub_alone_never_a_host_it_redirects_to(monkeyp
             server.server_close()
     assert read is not None and read["hidden_size"] == 64, "the config is read through the redirect"
     assert seen == {"hub": "Bearer hf_secret_token_123456", "storage": None}
+
+
+def test_a_dpo_finetune_counts_each_pair_as_two_sequences_and_the_reference_forward(
+    finetune_base_volume, no_runpod
+):
+    """objective dpo runs a micro batch of P pairs as 2P rows through the policy and again, without gradients,
+    through the reference (train/preference.py): the estimate counted one sequence per row and no reference."""
+    base = [f"base_model.path={BASE}", "method=lora"]
+    dpo_config = load_config(FinetuneConfig, CONFIGS / "finetune/tiny-dpo.yaml", base)
+    sft_settings = [
+        *base,
+        "objective=sft",
+        'data.sft.datasets=[{"path": "builtin:sft-tiny"}]',
+        "data.sft.preference=false",
+    ]
+    sft_config = load_config(FinetuneConfig, CONFIGS / "finetune/tiny-dpo.yaml", sft_settings)
+    volume = Volume(finetune_base_volume)
+    dpo, sft = size_finetune(dpo_config, 1, volume), size_finetune(sft_config, 1, volume)
+    assert dpo.tokens == 2 * sft.tokens
+    assert dpo.flops_per_token == sft.flops_per_token + 2 * sft.parameters
+    assert dpo.memory["activations"] == 2 * sft.memory["activations"]

@@ -269,6 +269,41 @@ def test_reading_a_name_that_was_not_committed_ends_the_program_with_exit_2_nami
     assert re.search(said, caplog.text), caplog.text
 
 
+class WiderModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(11, 8)  # the program's model grew since the commit
+        self.head = torch.nn.Linear(8, 11, bias=False)
+
+
+@pytest.mark.parametrize(
+    "target, said",
+    [
+        (lambda: WiderModel(), r"'model' in checkpoint step-3 does not fit the WiderModel.*size mismatch"),
+        (
+            lambda: torch.optim.AdamW(WiderModel().parameters(), lr=1e-2),
+            r"'optimizer' in checkpoint step-3 does not fit the AdamW",
+        ),
+    ],
+    ids=["model", "optimizer"],
+)
+def test_a_state_that_does_not_fit_its_target_ends_the_program_with_exit_2_keeping_the_checkpoint(
+    tmp_path, caplog, target, said
+):
+    """torch's RuntimeError (a model of other sizes) or ValueError (an optimizer of other groups) out of the
+    program's restore was a traceback and exit 1 at every start, counted until the run was FAILED."""
+    model, optimizer = trained_pair()
+    with Checkpointer(tmp_path / "run", watch_signals=False) as ckpt:
+        ckpt.commit(3, model=model, optimizer=optimizer)
+        restored = ckpt.restore()
+        name = "model" if "model" in said else "optimizer"
+        refused_with_exit_2(lambda: restored.load(name, target()), caplog)
+        assert not (tmp_path / "run/LEASE").exists(), "released"
+    assert re.search(said, caplog.text), caplog.text
+    assert "start a new run name (TRAINPOD_RUN)" in caplog.text
+    assert (tmp_path / "run/checkpoints/step-3/model.safetensors").exists(), "the checkpoint stays"
+
+
 def test_restoring_the_rng_of_a_checkpoint_committed_without_it_ends_the_program_with_exit_2(
     tmp_path, caplog
 ):

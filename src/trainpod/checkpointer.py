@@ -150,9 +150,31 @@ class Restored:
         return torch.load(self._file(name, ".pt"), map_location=map_location, weights_only=True)
 
     def load(self, name: str, target: Any) -> None:
-        """Load `name` into a module (strictly), an optimizer, a scheduler: anything with load_state_dict."""
+        """Load `name` into a module (strictly), an optimizer, a scheduler: anything with load_state_dict.
+
+        A state that does not fit `target` (a model whose sizes or layers changed since the commit, an optimizer of
+        other parameter groups) ends the program with exit 2 naming both, the lease released, as the kit's own
+        trainers refuse such a checkpoint (train/trainer.py checkpoint_misfit): torch's RuntimeError or
+        ValueError out of the program's restore was a traceback and exit 1 at every start, each one counted,
+        until the run was FAILED with its checkpoints there to resume from once the code is mended."""
         tensors = (self.path / f"{name}.safetensors").exists()
-        target.load_state_dict(self.tensors(name) if tensors else self.object(name))
+        state = self.tensors(name) if tensors else self.object(name)
+        try:
+            target.load_state_dict(state)
+        except torch.cuda.OutOfMemoryError:  # a RuntimeError too, but no misfit: the GPU is full
+            raise
+        except (RuntimeError, ValueError, KeyError) as exc:
+            what = " ".join(str(exc).split())
+            what = what if len(what) <= 400 else what[:397] + "..."
+            end_the_program(
+                InputError(
+                    f"{name!r} in checkpoint {self.path.name} does not fit the {type(target).__name__} given to "
+                    f"restored.load: {what}. The program changed since the commit: build the {name} as it was "
+                    "then (the same sizes and layers) to resume, or start a new run name (TRAINPOD_RUN) to train "
+                    "from scratch; the checkpoints stay as they are"
+                ),
+                self._close,
+            )
 
     def _file(self, name: str, suffix: str) -> Path:
         """`<name><suffix>` in this checkpoint. A name it does not hold, or holds as the other kind, ends the

@@ -26,6 +26,7 @@ BENCHES = [
     "bench_datagen",
     "bench_pretrain",
     "bench_loss",
+    "bench_dpo",
     "bench_checkpoint",
     "bench_checkpoint_async",
     "bench_finetune",
@@ -70,7 +71,7 @@ def main() -> int:
     )
     parser.add_argument(
         "--only",
-        help="comma-separated subset: datagen, pretrain, loss, checkpoint, checkpoint_async, finetune, "
+        help="comma-separated subset: datagen, pretrain, loss, dpo, checkpoint, checkpoint_async, finetune, "
         "finetune_vlm, convert, image, supervise",
     )
     parser.add_argument("--out", default=str(REPO / "BENCHMARKS.md"))

@@ -10,16 +10,17 @@ data stores the prompt untrained), under the policy (the model with its LoRA ada
 model, which is why DPO here takes method lora or qlora (config/finetune.py).
 
 For the decoders the chunked loss serves (train/loss.py) the log-probabilities are taken from the final hidden
-states a chunk of rows at a time, each chunk under activation checkpointing: its fp32 logits live only while
-the chunk is computed, in the forward and again in the backward, never those of the whole batch (2 x P rows x
-the answer length x a 152k vocabulary would be gigabytes). Other models give their logits whole.
+states a chunk of rows at a time, and the backward makes each chunk's logits again (`_TokenLogps`): a chunk's
+fp32 logits live only while it is computed, never those of the whole batch (2 x P rows x the answer length x a
+152k vocabulary would be gigabytes). The fused SFT loss cannot serve: it takes each row's gradient in the
+forward, and the DPO sigmoid weighs a row by a factor known only once every row's log-probability is. Other
+models give their logits whole.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from trainpod.train.loss import IGNORE_INDEX, _base_model, _compute_dtype, shift_labels
 from trainpod.train.loss_chunks import rows_per_chunk
@@ -54,33 +55,86 @@ def dpo_losses(
     return losses, chosen_rewards, rejected_rewards
 
 
-def _chunk_token_logps(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """log p(target) of each row of `hidden @ weight.T` (0 where the target is ignored), in fp32."""
+def _chunk_token_logps(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(log p(target) of each row, 0 where ignored; the fp32 logits; their log-sum-exp; the valid-row mask)."""
     logits = (hidden.to(weight.dtype) @ weight.T).float()
+    lse = torch.logsumexp(logits, dim=-1)
     valid = targets != IGNORE_INDEX
     picked = logits.gather(1, targets.where(valid, 0)[:, None]).squeeze(1)
-    return (picked - torch.logsumexp(logits, dim=-1)) * valid
+    return (picked - lse) * valid, logits, lse, valid
 
 
 def token_logps(
     hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_rows: int | None = None
 ) -> torch.Tensor:
-    """Each target's log-probability under `hidden @ weight.T`, (rows, tokens) as `targets`, chunked; under
-    autograd each chunk is checkpointed, so its logits are made again in the backward instead of kept."""
+    """Each target's log-probability under `hidden @ weight.T`, (rows, tokens) as `targets`, fp32, a chunk of rows
+    at a time; under autograd the backward makes each chunk's logits again instead of keeping them."""
     shape = targets.shape
     hidden, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
     rows = chunk_rows or rows_per_chunk(weight.shape[0], hidden.shape[0])
     compute_dtype = _compute_dtype(hidden)
-    keep_graph = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    parts = []
-    with torch.autocast(hidden.device.type, enabled=False):
-        w = weight.to(compute_dtype)
-        for h, t in zip(hidden.split(rows), targets.split(rows), strict=True):
-            if keep_graph:
-                parts.append(checkpoint(_chunk_token_logps, h, w, t, use_reentrant=False))
-            else:
-                parts.append(_chunk_token_logps(h, w, t))
-    return torch.cat(parts).reshape(shape)
+    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+        out = _TokenLogps.apply(hidden, weight, targets, rows, compute_dtype)
+    else:
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = weight.to(compute_dtype)
+            out = torch.cat(
+                [
+                    _chunk_token_logps(h, w, t)[0]
+                    for h, t in zip(hidden.split(rows), targets.split(rows), strict=True)
+                ]
+            )
+    return out.reshape(shape)
+
+
+class _TokenLogps(torch.autograd.Function):
+    """The forward keeps each row's log-sum-exp (4 bytes a row), not its logits; the backward, given d loss / d
+    log p(target) per row (g), makes a chunk's logits again and takes d / d logits = g (one_hot(target) -
+    softmax) on valid rows: three matmuls a chunk (the forward's, its remake, the gradient's), as activation
+    checkpointing would do, without autograd's graph of the chunk's log-sum-exp and gather (2x the time on CPU)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, rows, compute_dtype):
+        parts, lses = [], []
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = weight.to(compute_dtype)
+            for h, t in zip(hidden.split(rows), targets.split(rows), strict=True):
+                logps, _, lse, _ = _chunk_token_logps(h.to(compute_dtype), w, t)
+                parts.append(logps)
+                lses.append(lse)
+        ctx.save_for_backward(hidden, weight, targets, torch.cat(lses))
+        ctx.rows, ctx.compute_dtype = rows, compute_dtype
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        hidden, weight, targets, lse = ctx.saved_tensors
+        want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_hidden = torch.empty_like(hidden) if want_hidden else None
+        grad_weight = (
+            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
+        )
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = weight.to(ctx.compute_dtype)
+            for start in range(0, hidden.shape[0], ctx.rows):
+                stop = start + ctx.rows
+                h, t = hidden[start:stop].to(ctx.compute_dtype), targets[start:stop]
+                valid = t != IGNORE_INDEX
+                scale = grad_output[start:stop].float() * valid
+                grad = (h @ w.T).float().sub_(lse[start:stop, None]).exp_().mul_(-scale[:, None])
+                grad.scatter_add_(1, t.where(valid, 0)[:, None], scale[:, None])
+                grad = grad.to(ctx.compute_dtype)
+                if want_hidden:
+                    grad_hidden[start:stop] = grad @ w
+                if want_weight:
+                    grad_weight += (grad.T @ h).float()
+        if grad_hidden is not None:
+            grad_hidden = grad_hidden.to(hidden.dtype)
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None
 
 
 def logits_token_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

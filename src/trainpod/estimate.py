@@ -215,7 +215,11 @@ def size_finetune(
     # Forward 2N; backward 2N for activation gradients, plus 2N weight gradients only when every
     # weight trains; gradient checkpointing runs the forward twice.
     per_token = (
-        2 + 2 + (2 if config.method == "full" else 0) + (2 if t.gradient_checkpointing else 0) + (2 if dpo else 0)
+        2
+        + 2
+        + (2 if config.method == "full" else 0)
+        + (2 if t.gradient_checkpointing else 0)
+        + (2 if dpo else 0)
     ) * n
     # NF4 with double quantization is 4.15 bits a weight. What 4-bit loading leaves alone (the embeddings and
     # output head, norms) peft's prepare_model_for_kbit_training upcasts to fp32, 4 bytes: 4.4 GB of Qwen2.5-7B,

@@ -13,6 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from trainpod.config import load_config
+from trainpod.config.finetune import FinetuneConfig
+from trainpod.config.loader import SET_FLAG
+from trainpod.errors import ConfigError
+
 from finetune_support import BASE
 from support import CONFIGS, run_trainpod, signal_when_step_reached, start_trainpod
 
@@ -140,6 +145,27 @@ def test_what_dpo_here_does_not_do_is_exit_2_before_anything_is_written(volume, 
     assert result.returncode == 2, result.stdout + result.stderr
     assert named in result.stdout + result.stderr
     assert not (volume / "runs" / RUN).exists() and not (volume / "cache").exists()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fix"),
+    [
+        (["train.early_stopping_metric=cer"], "set train.early_stopping_metric: eval_loss"),
+        (
+            ["train.early_stopping_metric=cer", "generation_eval.every_evals=1"],
+            "set train.early_stopping_metric: eval_loss, and generation_eval.every_evals=0",
+        ),
+        (["train.parallel=fsdp"], "set train.parallel: ddp (or auto)"),
+    ],
+)
+def test_an_sft_setting_dpo_cannot_take_is_refused_with_a_fix_that_dpo_takes(overrides, fix):
+    """The SFT refusals' fixes, generation_eval on for a generation metric and method full for fsdp, are what DPO
+    refuses: a user who followed one was refused by the other, back and forth."""
+    with pytest.raises(ConfigError) as caught:
+        load_config(FinetuneConfig, TINY_DPO, overrides, SET_FLAG)
+    [problem] = caught.value.problems
+    assert fix in problem, problem
+    assert "every_evals to 1" not in problem and "method: full" not in problem
 
 
 def test_sft_on_preference_pairs_is_exit_2_naming_objective_dpo(volume):

@@ -317,6 +317,55 @@ class FinetuneConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _dpo_can_run(self) -> FinetuneConfig:
+        """What DPO here does not do, refused at load (exit 2, nothing written); preference data and the objective
+        must agree (a named dataset's kind is known once it is read: workloads/preference.py). Before the
+        validators of the SFT settings, whose fixes (a generation metric's generation_eval, fsdp's method: full)
+        are what DPO refuses: the user went back and forth between the two refusals."""
+        sft = getattr(self.data, "sft", None)  # finetune-vlm's data has none
+        if sft is not None and sft.preference != (self.objective == "dpo"):
+            raise ValueError(
+                "data.sft.preference=true holds pairs of a chosen and a rejected answer, which only objective=dpo "
+                "trains on (sft would learn the rejected answers too); set objective: dpo"
+                if sft.preference
+                else "objective=dpo trains on pairs of a chosen and a rejected answer; set data.sft.preference: "
+                "true and give each dataset's chosen and rejected columns"
+            )
+        if self.objective != "dpo":
+            return self
+        if self.method == "full":
+            raise ValueError(
+                "objective=dpo compares the policy with a reference model, which is the base with the LoRA "
+                "adapters off; method full would need a second whole copy of the model, which trainpod does not "
+                "keep. Set method: lora (or qlora)"
+            )
+        if self.train.parallel == "fsdp":
+            raise ValueError(
+                "train.parallel=fsdp shards a full finetune, and objective=dpo trains LoRA adapters, which every GPU "
+                "holds whole; set train.parallel: ddp (or auto)"
+            )
+        if self.data.packing:
+            raise ValueError(
+                "objective=dpo scores each chosen and rejected answer as a whole sequence; data.packing=true "
+                "packs samples for SFT. Remove data.packing (or set it to false)"
+            )
+        every = self.generation_eval.every_evals
+        if self.train.early_stopping_metric != "eval_loss":
+            raise ValueError(
+                f"train.early_stopping_metric={self.train.early_stopping_metric!r} is measured by generation, which "
+                "objective=dpo does not run (its evals score the validation pairs by the DPO loss, eval_loss); set "
+                "train.early_stopping_metric: eval_loss"
+                + (", and generation_eval.every_evals=0" if every else "")
+            )
+        if every:
+            raise ValueError(
+                f"generation_eval.every_evals={every} scores answers against one "
+                "reference, and objective=dpo's validation pairs are scored by the DPO loss and the reward "
+                "accuracy instead; set generation_eval.every_evals=0"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _ranked_metric_is_measured(self) -> FinetuneConfig:
         metric = self.train.early_stopping_metric
         if metric != "eval_loss" and not self.generation_eval.every_evals:
@@ -357,40 +406,6 @@ class FinetuneConfig(Section):
             raise ValueError(unshardable_optimizer(self.train.optimizer))
         if self.generation_eval.every_evals:
             raise ValueError(FSDP_WITHOUT_GENERATION)
-        return self
-
-    @model_validator(mode="after")
-    def _dpo_can_run(self) -> FinetuneConfig:
-        """What DPO here does not do, refused at load (exit 2, nothing written); preference data and the objective
-        must agree (a named dataset's kind is known once it is read: workloads/preference.py)."""
-        sft = getattr(self.data, "sft", None)  # finetune-vlm's data has none
-        if sft is not None and sft.preference != (self.objective == "dpo"):
-            raise ValueError(
-                "data.sft.preference=true holds pairs of a chosen and a rejected answer, which only objective=dpo "
-                "trains on (sft would learn the rejected answers too); set objective: dpo"
-                if sft.preference
-                else "objective=dpo trains on pairs of a chosen and a rejected answer; set data.sft.preference: "
-                "true and give each dataset's chosen and rejected columns"
-            )
-        if self.objective != "dpo":
-            return self
-        if self.method == "full":
-            raise ValueError(
-                "objective=dpo compares the policy with a reference model, which is the base with the LoRA "
-                "adapters off; method full would need a second whole copy of the model, which trainpod does not "
-                "keep. Set method: lora (or qlora)"
-            )
-        if self.data.packing:
-            raise ValueError(
-                "objective=dpo scores each chosen and rejected answer as a whole sequence; data.packing=true "
-                "packs samples for SFT. Remove data.packing (or set it to false)"
-            )
-        if self.generation_eval.every_evals:
-            raise ValueError(
-                f"generation_eval.every_evals={self.generation_eval.every_evals} scores answers against one "
-                "reference, and objective=dpo's validation pairs are scored by the DPO loss and the reward "
-                "accuracy instead; set generation_eval.every_evals=0"
-            )
         return self
 
     @property

@@ -168,6 +168,20 @@ def test_an_sft_setting_dpo_cannot_take_is_refused_with_a_fix_that_dpo_takes(ove
     assert "every_evals to 1" not in problem and "method: full" not in problem
 
 
+def test_early_stopping_with_a_val_ratio_that_held_out_no_pair_names_the_pairs_and_the_share_of_one(volume):
+    """val_ratio picks rows, a pair's two samples together: the refusal counted the samples, twice the pairs, and
+    its 'a share of at least 1/<samples> holds out one sample' held out half a pair."""
+    settings = ("--set", "data.sft.val_ratio=0.001", "--set", "train.early_stopping_patience=2")
+    result = run_trainpod(*dpo_args(*settings), volume=volume)
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output
+    [dataset] = (volume / "cache" / "sft").iterdir()
+    pairs = json.loads((dataset / "manifest.json").read_text())["counts"]["train_pairs"]
+    assert f"data.sft.val_ratio=0.001 held out none of the {pairs} pairs" in output, output
+    assert f"a share of at least 1/{pairs} holds out one pair" in output, output
+    assert not list((volume / "runs" / RUN).glob("checkpoints/step-*")), "no step may have trained"
+
+
 def test_sft_on_preference_pairs_is_exit_2_naming_objective_dpo(volume):
     result = run_trainpod(
         *dpo_args("--set", "objective=sft", "--set", "lora.dropout=0.05"),

@@ -311,11 +311,17 @@ class Finetuner(Trainer):
         its last paid step. Known only once the data is split, so after its preparation."""
         patience = self.train_cfg.early_stopping_patience
         if patience and not len(self.data.val):
+            rows, unit = self.split_rows
             raise InputError(
-                f"train.early_stopping_patience={patience} needs validation samples, and {self.val_ratio_field} "
-                f"held out none of the {len(self.data.train)} samples; raise {self.val_ratio_field} (a share "
-                f"of at least 1/{len(self.data.train)} holds out one sample), or set early_stopping_patience to 0"
+                f"train.early_stopping_patience={patience} needs validation {unit}s, and {self.val_ratio_field} "
+                f"held out none of the {rows} {unit}s; raise {self.val_ratio_field} (a share of at least "
+                f"1/{rows} holds out one {unit}), or set early_stopping_patience to 0"
             )
+
+    @property
+    def split_rows(self) -> tuple[int, str]:
+        """The training rows val_ratio picked from (its hash picks rows), and what one is: a sample."""
+        return len(self.data.train), "sample"
 
     @property
     def cutoff_len_field(self) -> str:

@@ -78,6 +78,12 @@ class PreferenceFinetuner(Finetuner):
         self.pairs = PreferencePairs(self.data.train)
         self.val_pairs = PreferencePairs(self.data.val)
 
+    @property
+    def split_rows(self) -> tuple[int, str]:
+        """A pair: both its samples are in the row's split (sft/prepare.py), so a share of 1/samples holds out
+        half a pair."""
+        return len(self.pairs), "pair"
+
     def _training_batches(self, packing: bool) -> PreferenceBatches:
         t = self.train_cfg
         return PreferenceBatches(

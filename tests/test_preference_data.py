@@ -20,6 +20,8 @@ from trainpod.config.sft import SftDataConfig, SftDatagenConfig
 from trainpod.errors import ConfigError, ExitCode, InputError
 from trainpod.preemption import PreemptionWatch
 from trainpod.sft import IGNORE_INDEX, PreferencePairs, is_preference, load_sft, prepare_sft, run_sft_datagen
+from trainpod.sft.batches import PreferenceBatches
+from trainpod.sft.dataset import SftExamples
 from trainpod.sft.demo_rows import demo_rows, preference_jsonl
 from trainpod.sft.sources import builtin_path
 from trainpod.volume import Volume
@@ -455,3 +457,30 @@ def test_a_datagen_config_of_builtin_dpo_tiny_builds_pairs_of_every_row(tmp_path
     pairs = PreferencePairs(data.train)
     rows_of_pairs = np.array([[chosen.row_index, rejected.row_index] for chosen, rejected in pairs])
     assert (rows_of_pairs[:, 0] == rows_of_pairs[:, 1]).all()
+
+
+def _pairs_of_lengths(lengths: list[tuple[int, int]]) -> PreferencePairs:
+    """Pairs whose chosen and rejected samples have these token counts (ids 1.., the first token untrained)."""
+    samples = [n for pair in lengths for n in pair]
+    return PreferencePairs(
+        SftExamples(
+            {
+                "input_ids": np.concatenate([np.arange(1, n + 1, dtype=np.int32) for n in samples]),
+                "trained": np.concatenate([np.r_[0, np.ones(n - 1)].astype(np.uint8) for n in samples]),
+                "offsets": np.r_[0, np.cumsum(samples)].astype(np.int64),
+                "row_index": np.repeat(np.arange(len(lengths)), 2).astype(np.int64),
+            }
+        )
+    )
+
+
+def test_the_batches_real_token_share_is_that_of_the_chosen_and_rejected_rows_they_hold():
+    """A long chosen answer and a short rejected one: the pair's batch holds two rows padded to the longer. The
+    log's 'x% of the batch tokens are real' (and the summary's packing_efficiency) took a pair for one row of its
+    longer sample: 100% here, where two of the four rows are mostly padding."""
+    batches = PreferenceBatches(_pairs_of_lengths([(10, 2), (10, 2)]), 2, 64, 0, 0, 1, pad_id=0)
+    batch = batches.next_batch()
+    real = batch["attention_mask"].float().mean().item()
+    assert real == pytest.approx(24 / 40)
+    assert batches.packing_efficiency == pytest.approx(real)
+    assert batches.last_real_tokens == 24

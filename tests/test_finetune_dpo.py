@@ -127,6 +127,22 @@ def test_a_dpo_run_stopped_like_a_spot_pod_resumes_to_the_same_adapter(volume, t
     assert adapter_bytes(volume) == adapter_bytes(trained)
 
 
+def test_a_dpo_run_stopped_on_two_ranks_resumes_on_one_to_the_adapter_of_the_one_rank_run(volume, trained):
+    """Two gloo ranks, one micro batch each a step, stopped like a spot pod; resumed on one rank, which takes the
+    two micro batches a step (accumulation rescaled): every step's loss is the mean over all its pairs, the
+    ranks' gradients summed by DDP and the rank's accumulated alike, and the data position counts pairs, so the
+    adapter is the one of the run that trained on one rank with accumulation 2 throughout."""
+    one_a_step = ("--set", "train.grad_accum_steps=1")
+    proc = start_trainpod(*dpo_args(*one_a_step), "--nproc-per-node", "2", volume=volume)
+    out = signal_when_step_reached(proc, volume, 7, signal.SIGTERM, run=RUN)
+    assert proc.returncode == 143, out
+    result = run_trainpod(*dpo_args(*one_a_step), volume=volume)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "the checkpoint was written by 2 rank(s); on 1, train.grad_accum_steps becomes 2" in output, output
+    assert adapter_bytes(volume) == adapter_bytes(trained)
+
+
 @pytest.mark.parametrize(
     ("setting", "named"),
     [

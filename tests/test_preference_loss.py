@@ -120,6 +120,43 @@ def test_a_fresh_adapter_is_its_own_reference_and_training_makes_the_chosen_answ
     assert torch.allclose(after, before, atol=1e-6)
 
 
+def _dropout_model(kind: str):
+    """A tiny model whose config has dropout (Llama: the attention's float rate; GPT-2: nn.Dropout modules, and
+    no chunked loss), with LoRA adapters that have their own."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    if kind == "llama":
+        config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, attention_dropout=0.3)  # fmt: skip
+        base, targets = LlamaForCausalLM(config), "all-linear"
+    else:
+        config = GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.3,
+                            embd_pdrop=0.3, attn_pdrop=0.3)  # fmt: skip
+        base, targets = GPT2LMHeadModel(config), ["c_attn", "c_fc"]
+    lora = LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0.2, target_modules=targets, fan_in_fan_out=kind == "gpt2"
+    )
+    return get_peft_model(base, lora)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_a_fresh_adapter_is_its_own_reference_in_train_mode_though_the_base_has_dropout(kind):
+    """The reference is the base run in train mode beside the policy: with the base's dropout on, each forward
+    drew other masks, and a fresh adapter's pairs (policy = reference) had a noisy margin, not 0. The adapters'
+    own dropout stays, for the policy alone."""
+    model = _dropout_model(kind)
+    loss_module = PreferenceLoss(model, beta=0.5, chunked=kind == "llama")
+    model.train()
+    for _ in range(3):
+        losses, chosen, rejected = loss_module(**_pairs())
+        assert torch.allclose(losses, torch.full((2,), math.log(2)), atol=1e-6), losses
+        assert chosen.abs().max() < 1e-6 and rejected.abs().max() < 1e-6
+    assert loss_module.dropout_turned_off > 0
+    assert {m.p for n, m in model.named_modules() if n.endswith("lora_dropout.default")} == {0.2}
+
+
 def test_the_models_own_logits_give_the_chunked_loss_and_ipo_averages_per_token():
     model = _tiny_lora_model()
     torch.manual_seed(1)

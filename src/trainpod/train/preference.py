@@ -145,13 +145,41 @@ def logits_token_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tens
     return logps.gather(2, targets.where(valid, 0)[..., None]).squeeze(2) * valid
 
 
+def turn_off_base_dropout(model: torch.nn.Module) -> int:
+    """Dropout off in `model` but for its LoRA adapters' own (lora.dropout), as TRL's DPOTrainer turns it off
+    (DPOConfig.disable_dropout, on by default); returns how many modules had some.
+
+    The reference is the same model with the adapters off, run in train mode beside the policy: the base's
+    dropout drew other masks in the two forwards, so where the policy is the reference (a fresh adapter) a pair's
+    margin was noise instead of 0: a tiny GPT-2 with dropout 0.1 began at loss 0.6975, not log 2, with
+    rewards_accuracy 37.5%, and every later reward was off by as much. The adapters' dropout stays: it acts on the
+    policy alone, since the reference runs without them. Dropout is an nn.Dropout module (GPT-2's) or the float
+    `attention_dropout` transformers' attention classes pass to the attention function (Llama's, Qwen2's)."""
+    adapters = {
+        id(dropout)
+        for module in model.modules()
+        if isinstance(getattr(module, "lora_dropout", None), torch.nn.ModuleDict)
+        for dropout in module.lora_dropout.values()
+    }
+    turned_off = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout) and module.p and id(module) not in adapters:
+            module.p = 0.0
+            turned_off += 1
+        if isinstance(getattr(module, "attention_dropout", None), float) and module.attention_dropout:
+            module.attention_dropout = 0.0
+            turned_off += 1
+    return turned_off
+
+
 class PreferenceLoss(torch.nn.Module):
     """A peft model and the DPO loss of its micro batches as one module, so DDP sees every trained parameter
     used in one forward.
 
     `forward(input_ids, labels, attention_mask)` returns the per-pair losses and the chosen and rejected
     rewards (each of P values, P = rows / 2); the step sums the losses over its pairs and divides by the
-    step's pair count, as the SFT step divides by its token count."""
+    step's pair count, as the SFT step divides by its token count. The model's own dropout is turned off
+    (`turn_off_base_dropout`; `dropout_turned_off` counts the modules), so that the reference is deterministic."""
 
     def __init__(
         self,
@@ -165,6 +193,7 @@ class PreferenceLoss(torch.nn.Module):
         self.model = model
         self.beta, self.loss, self.label_smoothing = beta, loss, label_smoothing
         self.chunked = chunked
+        self.dropout_turned_off = turn_off_base_dropout(model)
 
     def sequence_logps(self, input_ids: torch.Tensor, labels: torch.Tensor, **inputs) -> torch.Tensor:
         """Each row's log-probability of its trained tokens: summed, or for IPO their mean."""

@@ -112,6 +112,13 @@ class PreferenceFinetuner(Finetuner):
             dpo.loss,
             f", label smoothing {dpo.label_smoothing}" if dpo.label_smoothing else "",
         )
+        if self.loss_module.dropout_turned_off:
+            log.info(
+                "DPO: the base model's dropout is off in %d modules (as TRL's DPOTrainer has it), so that the "
+                "reference, the base with the adapters off, gives the same log-probabilities at every forward; "
+                "lora.dropout still applies to the adapters",
+                self.loss_module.dropout_turned_off,
+            )
 
     # ---------------------------------------------------------------------------- training
     def train_step(self, model: torch.nn.Module, step: int) -> StepResult:

@@ -382,6 +382,17 @@ def test_a_finetune_vlm_config_is_estimated_by_its_own_data_not_refused_as_a_tex
     assert "in 18 steps" in out and "full rows of 64" in out and "40 samples counted" in out
 
 
+def test_a_dpo_config_is_estimated_by_its_pairs_each_two_rows(finetune_base_volume, no_runpod, capsys):
+    """builtin:dpo-tiny's 400 rows are pairs, 380 train (val_ratio 0.05): 48 steps of 4 x 2 pairs, each pair two
+    rows of 128 tokens; the note said '400 samples counted, 380 train one row each'."""
+    args = ["estimate", str(CONFIGS / "finetune/tiny-dpo.yaml"), "--volume", str(finetune_base_volume)]
+    overrides = ["base_model.path=models/base", "train.max_steps=null", "train.epochs=1"]
+    assert cli.main([*args, *(x for o in overrides for x in ("--set", o))]) == 0
+    out = capsys.readouterr().out
+    assert f"{48 * 8 * 2 * 128:,} in 48 steps" in out, out
+    assert "400 preference pairs counted, 380 train, each two rows" in out and "one row each" not in out, out
+
+
 @pytest.mark.parametrize("overrides", [[], ["lora.train_projector=true"], ["method=full"]])
 def test_finetune_vlm_estimate_counts_exactly_the_parameters_its_trainer_trains(
     vlm_base_volume, no_runpod, tmp_path, overrides

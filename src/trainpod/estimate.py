@@ -499,9 +499,15 @@ def _steps_for_epochs(
             f"train.epochs needs the data's size: {exc}{where}; or {_by_steps_instead(route)}"
         ) from None
     train_samples = samples * (1 - sft.val_ratio)
-    notes.append(
-        f"{samples:,} samples counted, {train_samples:,.0f} train one row each (packing fits more per row)"
-    )
+    if config.objective == "dpo":  # a row of preference data is a pair: two rows of a micro batch
+        notes.append(
+            f"{samples:,} preference pairs counted, {train_samples:,.0f} train, each two rows (its chosen and "
+            "rejected answers)"
+        )
+    else:
+        notes.append(
+            f"{samples:,} samples counted, {train_samples:,.0f} train one row each (packing fits more per row)"
+        )
     return max(math.ceil(config.train.epochs * train_samples / rows_per_step), 1)
 
 

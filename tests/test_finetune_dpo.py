@@ -184,6 +184,14 @@ def test_an_sft_setting_dpo_cannot_take_is_refused_with_a_fix_that_dpo_takes(ove
     assert "every_evals to 1" not in problem and "method: full" not in problem
 
 
+def test_dpo_settings_in_an_sft_config_are_refused_not_ignored():
+    """A `dpo:` section without `objective: dpo` (the objective forgotten) trained SFT with the section unread."""
+    with pytest.raises(ConfigError) as caught:
+        load_config(FinetuneConfig, CONFIGS / "finetune/tiny.yaml", ["dpo.beta=0.2"], SET_FLAG)
+    [problem] = caught.value.problems
+    assert "applies to objective=dpo" in problem and "set objective: dpo" in problem, problem
+
+
 def test_early_stopping_with_a_val_ratio_that_held_out_no_pair_names_the_pairs_and_the_share_of_one(volume):
     """val_ratio picks rows, a pair's two samples together: the refusal counted the samples, twice the pairs, and
     its 'a share of at least 1/<samples> holds out one sample' held out half a pair."""

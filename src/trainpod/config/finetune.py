@@ -332,6 +332,11 @@ class FinetuneConfig(Section):
                 "true and give each dataset's chosen and rejected columns"
             )
         if self.objective != "dpo":
+            if "dpo" in self.model_fields_set:
+                raise ValueError(
+                    f"dpo: {self.dpo.model_dump(mode='json')} applies to objective=dpo, and this config trains "
+                    "objective=sft; set objective: dpo (with preference data), or remove the dpo section"
+                )
             return self
         if self.method == "full":
             raise ValueError(

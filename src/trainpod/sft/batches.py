@@ -116,6 +116,7 @@ def packed_rows_batch(
 
 class SftBatches:
     unit = "samples"  # what one planned row holds, as the log names it
+    label = "SFT batches"
 
     def __init__(
         self,
@@ -166,7 +167,8 @@ class SftBatches:
             )
         self._report_rows_left_out()
         log.info(
-            "SFT batches: %d %s, %d steps per epoch, %s, %.1f%% of the batch tokens are real tokens",
+            "%s: %d %s, %d steps per epoch, %s, %.1f%% of the batch tokens are real tokens",
+            self.label,
             len(examples),
             self.unit,
             self.steps_per_epoch,
@@ -340,6 +342,7 @@ class PreferenceBatches(SftBatches):
     shuffle, the epochs and the checkpointed position count pairs, the plan's lengths are each pair's longer."""
 
     unit = "pairs"
+    label = "DPO batches"
 
     def __init__(self, pairs: Sequence, micro_batch_size: int, max_len: int, seed: int, rank: int, world_size: int,
                  pad_id: int, pin_memory: bool = False, grad_accum_steps: int = 1):  # fmt: skip

@@ -117,6 +117,27 @@ def test_the_dpo_adapter_merges_into_a_model_whose_card_says_dpo(trained, tmp_pa
     assert "DPO with beta 0.1" in card.text and "training preference pairs" in card.text
 
 
+@pytest.mark.parametrize(("objective", "method"), [("orpo", "full"), ("simpo", "lora")])
+def test_reference_free_objectives_learn_the_preference_with_any_method(volume, objective, method):
+    """ORPO and SimPO need no reference model, so a full finetune takes them (DPO refuses it)."""
+    from transformers import AutoModelForCausalLM
+
+    result = run_trainpod(
+        *dpo_args("--set", f"objective={objective}", "--set", f"method={method}"), volume=volume
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"{objective.upper()}: " in result.stdout and "no reference model" in result.stdout
+    run = volume / "runs" / RUN
+    rows = [json.loads(line) for line in (run / "logs" / "metrics.jsonl").read_text().splitlines()]
+    first, last = [row for row in rows if "eval_loss" in row]
+    assert last["eval_loss"] < first["eval_loss"] and last["eval_rewards_accuracy"] > 0.5, (first, last)
+    export = run / "export" / ("hf" if method == "full" else "adapter")
+    summary = json.loads((export / "training_summary.json").read_text())
+    assert summary["objective"] == objective and "beta" in summary[objective]
+    if method == "full":
+        assert AutoModelForCausalLM.from_pretrained(export).config.model_type == "llama"
+
+
 def test_a_dpo_run_stopped_like_a_spot_pod_resumes_to_the_same_adapter(volume, trained):
     proc = start_trainpod(*dpo_args(), volume=volume)
     out = signal_when_step_reached(proc, volume, 7, signal.SIGTERM, run=RUN)

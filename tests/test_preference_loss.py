@@ -11,7 +11,14 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from trainpod.train.preference import PreferenceLoss, dpo_losses, logits_token_logps, token_logps
+from trainpod.train.preference import (
+    PreferenceLoss,
+    dpo_losses,
+    logits_token_logps,
+    orpo_losses,
+    simpo_losses,
+    token_logps,
+)
 
 IGNORE = -100
 
@@ -180,3 +187,49 @@ def test_the_models_own_logits_give_the_chunked_loss_and_ipo_averages_per_token(
         by_hand.gather(2, targets.where(targets != IGNORE, 0)[..., None]).squeeze(2) * (targets != IGNORE)
     ).sum(1)
     assert torch.allclose(logits_token_logps(logits, batch["labels"]).sum(1), expected, atol=1e-5)
+
+
+def test_orpo_is_the_chosen_answers_sft_loss_plus_beta_times_the_odds_ratio_term():
+    chosen, rejected = torch.tensor([-0.5]), torch.tensor([-2.0])  # per-token means: p = e^-0.5 and e^-2
+    losses, chosen_reward, rejected_reward = orpo_losses(chosen, rejected, beta=0.1)
+    p_c, p_r = math.exp(-0.5), math.exp(-2.0)
+    log_odds = math.log(p_c / (1 - p_c)) - math.log(p_r / (1 - p_r))
+    assert losses.item() == pytest.approx(0.5 - 0.1 * math.log(1 / (1 + math.exp(-log_odds))), rel=1e-6)
+    assert chosen_reward.item() == pytest.approx(-0.05) and rejected_reward.item() == pytest.approx(-0.2)
+    # A chosen answer the model is certain of (mean log-probability 0): finite, where log(1 - p) is -inf
+    certain, _, _ = orpo_losses(torch.tensor([0.0]), torch.tensor([-1.0]), beta=0.1)
+    assert torch.isfinite(certain).all()
+
+
+def test_simpo_is_the_margin_of_scaled_mean_log_probabilities_less_gamma():
+    losses, chosen_reward, rejected_reward = simpo_losses(
+        torch.tensor([-1.0]), torch.tensor([-1.5]), 2.0, 1.0
+    )
+    assert losses.item() == pytest.approx(-math.log(1 / (1 + math.exp(-(2.0 * 0.5 - 1.0)))), rel=1e-6)
+    assert chosen_reward.item() == pytest.approx(-2.0) and rejected_reward.item() == pytest.approx(-3.0)
+
+
+@pytest.mark.parametrize("objective", ["orpo", "simpo"])
+def test_reference_free_objectives_train_a_model_without_adapters(objective):
+    """ORPO and SimPO need no reference, so a full finetune's plain model (no disable_adapter) trains by them."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64,
+        )
+    )  # fmt: skip
+    loss_module = PreferenceLoss(
+        model, beta=0.5 if objective == "orpo" else 2.0, objective=objective, gamma=0.5
+    )
+    batch = _pairs()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _, chosen, rejected = loss_module(**batch)
+    start_margin = (chosen - rejected).mean()
+    for _ in range(15):
+        losses, _, _ = loss_module(**batch)
+        losses.mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    _, chosen, rejected = loss_module(**batch)
+    assert (chosen - rejected).mean() > start_margin and (chosen > rejected).all()

@@ -204,14 +204,18 @@ def size_finetune(
     cutoff = samples.cutoff_len if samples else _dataset_cutoff(config.data.dataset, volume, notes)
     rows_per_step = t.micro_batch_size * t.grad_accum_steps * gpu_count
     steps = t.max_steps or _steps_for_epochs(config, samples, rows_per_step, volume, notes, route)
-    # DPO: a row of the data is a pair, run as two sequences (its chosen and rejected answers), each through the
-    # reference (the base with the adapters off: one more forward, 2N) as well as the policy (train/preference.py).
-    dpo = config.objective == "dpo"
-    sequences = 2 if dpo else 1
+    # A preference objective: a row of the data is a pair, run as two sequences (its chosen and rejected answers);
+    # DPO's also go through the reference (the base with the adapters off: one more forward, 2N) (train/preference.py).
+    pairs = config.objective != "sft"  # dpo, orpo, simpo; finetune-vlm's objective is sft
+    reference = config.objective == "dpo"  # orpo and simpo need no reference forward
+    sequences = 2 if pairs else 1
     tokens = steps * rows_per_step * sequences * cutoff
     notes.append(f"tokens counted as full rows of {cutoff} (an upper bound: unpacked rows are shorter)")
-    if dpo:
-        notes.append("DPO: each pair is two sequences, each also run once through the reference model")
+    if pairs:
+        notes.append(
+            f"{config.objective}: each pair is two sequences"
+            + (", each also run once through the reference model" if reference else "")
+        )
     # Forward 2N; backward 2N for activation gradients, plus 2N weight gradients only when every
     # weight trains; gradient checkpointing runs the forward twice.
     per_token = (
@@ -219,7 +223,7 @@ def size_finetune(
         + 2
         + (2 if config.method == "full" else 0)
         + (2 if t.gradient_checkpointing else 0)
-        + (2 if dpo else 0)
+        + (2 if reference else 0)
     ) * n
     # NF4 with double quantization is 4.15 bits a weight. What 4-bit loading leaves alone (the embeddings and
     # output head, norms) peft's prepare_model_for_kbit_training upcasts to fp32, 4 bytes: 4.4 GB of Qwen2.5-7B,
@@ -499,7 +503,7 @@ def _steps_for_epochs(
             f"train.epochs needs the data's size: {exc}{where}; or {_by_steps_instead(route)}"
         ) from None
     train_samples = samples * (1 - sft.val_ratio)
-    if config.objective == "dpo":  # a row of preference data is a pair: two rows of a micro batch
+    if config.objective != "sft":  # a row of preference data is a pair: two rows of a micro batch
         notes.append(
             f"{samples:,} preference pairs counted, {train_samples:,.0f} train, each two rows (its chosen and "
             "rejected answers)"

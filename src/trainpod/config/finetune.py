@@ -98,6 +98,42 @@ class DpoSettings(Section):
         return self
 
 
+class OrpoSettings(Section):
+    """Odds-ratio preference optimization (Hong et al. 2024): SFT on the chosen answer and a preference term in one
+    loss, with no reference model (TRL's ORPOTrainer, LLaMA-Factory's pref_loss: orpo, axolotl's rl: orpo)."""
+
+    beta: float = Field(
+        0.1,
+        gt=0,
+        description="Weight of the odds-ratio term beside the chosen answer's SFT loss (the paper's lambda; TRL's "
+        "default 0.1).",
+    )
+
+
+class SimpoSettings(Section):
+    """Simple preference optimization (Meng et al. 2024): the length-normalised log-probability as the implicit
+    reward, with no reference model (TRL's CPOTrainer loss_type simpo, LLaMA-Factory's pref_loss: simpo)."""
+
+    beta: float = Field(
+        2.0,
+        gt=0,
+        description="Scale of the reward, beta x the per-token mean log-probability (the paper's 2-2.5).",
+    )
+    gamma: float = Field(
+        1.0,
+        ge=0,
+        description="Target reward margin between the chosen and the rejected answer (the paper's gamma/beta "
+        "0.3-0.8, so about half of beta).",
+    )
+
+
+PREFERENCE_OBJECTIVES = (
+    "dpo",
+    "orpo",
+    "simpo",
+)  # each trains on preference pairs; each has its settings section
+
+
 class FinetuneDataConfig(Section):
     dataset: str | None = Field(
         None,
@@ -144,7 +180,7 @@ class FinetuneTrainConfig(Section):
         gt=0,
         description="Peak learning rate; default 2e-4 for lora and qlora, 2e-5 for full (as axolotl's and "
         "LLaMA-Factory's examples: every weight moving at an adapter's 2e-4 forgets much of the base model), "
-        "5e-6 for objective dpo.",
+        "5e-6 for objective dpo, orpo or simpo (1e-6 with method full).",
     )
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Final learning rate as a fraction of lr.")
     warmup_ratio: float = Field(0.03, ge=0, lt=1, description="Share of the steps spent in linear warmup.")
@@ -265,9 +301,10 @@ class FinetuneExportConfig(Section):
 
 
 DEFAULT_LR = {"qlora": 2e-4, "lora": 2e-4, "full": 2e-5}  # train.lr when the config gives none
-# objective dpo's: LLaMA-Factory's LoRA DPO examples' 5e-6 (TRL's DPOConfig: 1e-6). An adapter's SFT 2e-4 moves the
-# policy so far from the reference in a few steps that the loss saturates and the answers degrade.
-DPO_DEFAULT_LR = 5e-6
+# The preference objectives': LLaMA-Factory's LoRA DPO examples' 5e-6, and for every weight SimPO's and TRL's 1e-6
+# (the ORPO and SimPO papers: 5e-7 to 8e-6). An adapter's SFT 2e-4 moves the policy so far in a few steps that the
+# loss saturates and the answers degrade.
+PREFERENCE_DEFAULT_LR = {"qlora": 5e-6, "lora": 5e-6, "full": 1e-6}
 
 
 def fsdp_needs_full(method: str) -> str:
@@ -294,13 +331,16 @@ class FinetuneConfig(Section):
         description="'qlora': LoRA on a 4-bit NF4 base (bitsandbytes); 'lora': LoRA on a 16/32-bit base; "
         "'full': every weight trains.",
     )
-    objective: Literal["sft", "dpo"] = Field(
+    objective: Literal["sft", "dpo", "orpo", "simpo"] = Field(
         "sft",
-        description="'sft': learn the answers (supervised finetuning); 'dpo': learn to prefer each pair's chosen "
-        "answer to its rejected one (direct preference optimization, on preference data: sft.preference), "
-        "with method qlora or lora.",
+        description="'sft': learn the answers (supervised finetuning). On preference data (sft.preference), learn "
+        "to prefer each pair's chosen answer to its rejected one: 'dpo' (against a reference model, the base with "
+        "the adapters off: method qlora or lora), 'orpo' (SFT on the chosen answer plus an odds-ratio term) or "
+        "'simpo' (length-normalised rewards and a target margin); orpo and simpo need no reference, so any method.",
     )
     dpo: DpoSettings = DpoSettings()
+    orpo: OrpoSettings = OrpoSettings()
+    simpo: SimpoSettings = SimpoSettings()
     lora: LoraSettings = LoraSettings()
     quantization: QuantizationSettings = QuantizationSettings()
     data: FinetuneDataConfig
@@ -313,60 +353,70 @@ class FinetuneConfig(Section):
     @model_validator(mode="after")
     def _default_lr_of_the_method(self) -> FinetuneConfig:
         if self.train.lr is None:
-            self.train.lr = DPO_DEFAULT_LR if self.objective == "dpo" else DEFAULT_LR[self.method]
+            self.train.lr = (
+                PREFERENCE_DEFAULT_LR[self.method] if self.is_preference else DEFAULT_LR[self.method]
+            )
         return self
 
+    @property
+    def is_preference(self) -> bool:
+        """Whether the objective trains on preference pairs (dpo, orpo, simpo)."""
+        return self.objective in PREFERENCE_OBJECTIVES
+
     @model_validator(mode="after")
-    def _dpo_can_run(self) -> FinetuneConfig:
-        """What DPO here does not do, refused at load (exit 2, nothing written); preference data and the objective
-        must agree (a named dataset's kind is known once it is read: workloads/preference.py). Before the
-        validators of the SFT settings, whose fixes (a generation metric's generation_eval, fsdp's method: full)
-        are what DPO refuses: the user went back and forth between the two refusals."""
+    def _preference_objective_can_run(self) -> FinetuneConfig:
+        """What the preference objectives here do not do, refused at load (exit 2, nothing written); preference data
+        and the objective must agree (a named dataset's kind is known once it is read: workloads/preference.py).
+        Before the validators of the SFT settings, whose fixes (a generation metric's generation_eval, fsdp's method:
+        full) are what DPO refuses: the user went back and forth between the two refusals."""
+        objective = self.objective
         sft = getattr(self.data, "sft", None)  # finetune-vlm's data has none
-        if sft is not None and sft.preference != (self.objective == "dpo"):
+        if sft is not None and sft.preference != self.is_preference:
             raise ValueError(
-                "data.sft.preference=true holds pairs of a chosen and a rejected answer, which only objective=dpo "
-                "trains on (sft would learn the rejected answers too); set objective: dpo"
+                "data.sft.preference=true holds pairs of a chosen and a rejected answer, which only objective dpo, "
+                "orpo or simpo trains on (sft would learn the rejected answers too); set objective: dpo"
                 if sft.preference
-                else "objective=dpo trains on pairs of a chosen and a rejected answer; set data.sft.preference: "
-                "true and give each dataset's chosen and rejected columns"
+                else f"objective={objective} trains on pairs of a chosen and a rejected answer; set "
+                "data.sft.preference: true and give each dataset's chosen and rejected columns"
             )
-        if self.objective != "dpo":
-            if "dpo" in self.model_fields_set:
+        for section in PREFERENCE_OBJECTIVES:
+            if section != objective and section in self.model_fields_set:
                 raise ValueError(
-                    f"dpo: {self.dpo.model_dump(mode='json')} applies to objective=dpo, and this config trains "
-                    "objective=sft; set objective: dpo (with preference data), or remove the dpo section"
+                    f"{section}: {getattr(self, section).model_dump(mode='json')} applies to objective={section}, "
+                    f"and this config trains objective={objective}; set objective: {section}"
+                    f"{' (with preference data)' if not self.is_preference else ''}, or remove the {section} section"
                 )
+        if not self.is_preference:
             return self
-        if self.method == "full":
+        if objective == "dpo" and self.method == "full":
             raise ValueError(
                 "objective=dpo compares the policy with a reference model, which is the base with the LoRA "
                 "adapters off; method full would need a second whole copy of the model, which trainpod does not "
-                "keep. Set method: lora (or qlora)"
+                "keep. Set method: lora (or qlora), or objective: orpo or simpo, which need no reference"
             )
         if self.train.parallel == "fsdp":
             raise ValueError(
-                "train.parallel=fsdp shards a full finetune, and objective=dpo trains LoRA adapters, which every GPU "
-                "holds whole; set train.parallel: ddp (or auto)"
+                f"train.parallel=fsdp shards a full finetune's state, and objective={objective} runs each pair's "
+                "two sequences through one replicated model; set train.parallel: ddp (or auto)"
             )
         if self.data.packing:
             raise ValueError(
-                "objective=dpo scores each chosen and rejected answer as a whole sequence; data.packing=true "
-                "packs samples for SFT. Remove data.packing (or set it to false)"
+                f"objective={objective} scores each chosen and rejected answer as a whole sequence; "
+                "data.packing=true packs samples for SFT. Remove data.packing (or set it to false)"
             )
         every = self.generation_eval.every_evals
         if self.train.early_stopping_metric != "eval_loss":
             raise ValueError(
                 f"train.early_stopping_metric={self.train.early_stopping_metric!r} is measured by generation, which "
-                "objective=dpo does not run (its evals score the validation pairs by the DPO loss, eval_loss); set "
-                "train.early_stopping_metric: eval_loss"
+                f"objective={objective} does not run (its evals score the validation pairs by the {objective} "
+                "loss, eval_loss); set train.early_stopping_metric: eval_loss"
                 + (", and generation_eval.every_evals=0" if every else "")
             )
         if every:
             raise ValueError(
-                f"generation_eval.every_evals={every} scores answers against one "
-                "reference, and objective=dpo's validation pairs are scored by the DPO loss and the reward "
-                "accuracy instead; set generation_eval.every_evals=0"
+                f"generation_eval.every_evals={every} scores answers against one reference, and objective="
+                f"{objective}'s validation pairs are scored by its loss and the reward accuracy instead; set "
+                "generation_eval.every_evals=0"
             )
         return self
 

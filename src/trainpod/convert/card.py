@@ -27,12 +27,13 @@ def merged_model_card(
 
     summary = summary or {}
     method = str(summary.get("method") or "lora")
+    objective = str(summary.get("objective") or "sft")
     data = ModelCardData(
         base_model=base_name if base_revision else None,
         library_name="transformers",
         pipeline_tag="image-text-to-text" if vision else "text-generation",
-        # "dpo" as TRL tags its DPO models: the Hub lists them under it
-        tags=["trainpod", method, *(["dpo"] if summary.get("objective") == "dpo" else []), "merged"],
+        # "dpo" (orpo, simpo) as TRL tags its models: the Hub lists them under it
+        tags=["trainpod", method, *([objective] if objective != "sft" else []), "merged"],
     )
     pinned = f" at commit `{base_revision}`" if base_revision else ""
     into = (
@@ -66,11 +67,10 @@ tokenizer = AutoTokenizer.from_pretrained("<this folder or its Hub repo id>")
 def _method_line(summary: dict[str, Any], method: str) -> str:
     lora = summary.get("lora") or {}
     shape = f", rank {lora['r']}, alpha {lora['alpha']:g}" if "r" in lora and "alpha" in lora else ""
-    dpo = summary.get("dpo") or {}
-    objective = (
-        f", DPO with beta {dpo['beta']:g}" if summary.get("objective") == "dpo" and "beta" in dpo else ""
-    )
-    return f"{method}{shape}{objective}"
+    objective = str(summary.get("objective") or "sft")
+    settings = summary.get(objective) or {}
+    trained_by = f", {objective.upper()} with beta {settings['beta']:g}" if "beta" in settings else ""
+    return f"{method}{shape}{trained_by}"
 
 
 def _training_table(summary: dict[str, Any]) -> str:

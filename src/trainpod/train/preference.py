@@ -1,5 +1,6 @@
-"""Direct preference optimization: each pair's chosen answer made likelier than its rejected one, relative to a
-reference model (Rafailov et al. 2023, "Direct Preference Optimization"), as TRL's DPOTrainer computes it.
+"""Preference optimization: each pair's chosen answer made likelier than its rejected one. DPO relative to a
+reference model (Rafailov et al. 2023, "Direct Preference Optimization"), as TRL's DPOTrainer computes it; ORPO
+(Hong et al. 2024) and SimPO (Meng et al. 2024) with none, as TRL's ORPOTrainer and CPOTrainer compute them.
 
     losses, chosen_rewards, rejected_rewards = PreferenceLoss(peft_model, beta=0.1)(input_ids, labels, mask)
 
@@ -7,7 +8,8 @@ A micro batch holds 2 x P rows: the P chosen samples, then their P rejected ones
 PreferencePairs). Each row's log-probability is the sum over its trained tokens (the final answer only: the
 data stores the prompt untrained), under the policy (the model with its LoRA adapters) and under the reference
 (the same model with the adapters off, peft's `disable_adapter`, without gradients): no second copy of the
-model, which is why DPO here takes method lora or qlora (config/finetune.py).
+model, which is why DPO here takes method lora or qlora (config/finetune.py). ORPO and SimPO take each answer's
+per-token mean log-probability under the policy alone, so any method.
 
 For the decoders the chunked loss serves (train/loss.py) the log-probabilities are taken from the final hidden
 states a chunk of rows at a time, and the backward makes each chunk's logits again (`_TokenLogps`): a chunk's
@@ -172,14 +174,38 @@ def turn_off_base_dropout(model: torch.nn.Module) -> int:
     return turned_off
 
 
+def orpo_losses(
+    chosen: torch.Tensor, rejected: torch.Tensor, beta: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ORPO (Hong et al. 2024) from the answers' per-token mean log-probabilities: the chosen answer's SFT loss
+    (its negative mean log-probability) plus beta x -log sigmoid of the log odds ratio, odds(p) = p / (1 - p); the
+    rewards beta x the mean log-probabilities, as TRL's ORPOTrainer and LLaMA-Factory compute them."""
+    # log(1 - p) from log p, exactly near p = 1 (expm1), clamped off log p = 0, whose 1 - p is 0
+    log_one_minus = lambda logp: torch.log(-torch.expm1(logp.clamp(max=-1e-6)))  # noqa: E731
+    log_odds = (chosen - rejected) - (log_one_minus(chosen) - log_one_minus(rejected))
+    losses = -chosen - beta * F.logsigmoid(log_odds)
+    return losses, beta * chosen.detach(), beta * rejected.detach()
+
+
+def simpo_losses(
+    chosen: torch.Tensor, rejected: torch.Tensor, beta: float, gamma: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """SimPO (Meng et al. 2024) from the answers' per-token mean log-probabilities: -log sigmoid(beta (chosen -
+    rejected) - gamma); the rewards beta x the mean log-probabilities (TRL's CPOTrainer, loss_type simpo)."""
+    losses = -F.logsigmoid(beta * (chosen - rejected) - gamma)
+    return losses, beta * chosen.detach(), beta * rejected.detach()
+
+
 class PreferenceLoss(torch.nn.Module):
-    """A peft model and the DPO loss of its micro batches as one module, so DDP sees every trained parameter
+    """A model and the preference loss of its micro batches as one module, so DDP sees every trained parameter
     used in one forward.
 
     `forward(input_ids, labels, attention_mask)` returns the per-pair losses and the chosen and rejected
     rewards (each of P values, P = rows / 2); the step sums the losses over its pairs and divides by the
-    step's pair count, as the SFT step divides by its token count. The model's own dropout is turned off
-    (`turn_off_base_dropout`; `dropout_turned_off` counts the modules), so that the reference is deterministic."""
+    step's pair count, as the SFT step divides by its token count. `objective` dpo compares with the reference,
+    the peft model with its adapters off (no gradients); orpo and simpo need none, so their model may be any, a
+    full finetune's too. The model's own dropout is turned off (`turn_off_base_dropout`; `dropout_turned_off`
+    counts the modules), so that the reference is deterministic, as TRL's trainers do for all three."""
 
     def __init__(
         self,
@@ -188,15 +214,20 @@ class PreferenceLoss(torch.nn.Module):
         loss: str = "sigmoid",
         label_smoothing: float = 0.0,
         chunked: bool = True,
+        objective: str = "dpo",
+        gamma: float = 0.0,
     ):
         super().__init__()
         self.model = model
-        self.beta, self.loss, self.label_smoothing = beta, loss, label_smoothing
+        self.objective = objective
+        self.beta, self.loss, self.label_smoothing, self.gamma = beta, loss, label_smoothing, gamma
         self.chunked = chunked
+        # IPO, ORPO and SimPO score an answer by its per-token mean log-probability, DPO by the sum
+        self.averaged = objective in ("orpo", "simpo") or loss == "ipo"
         self.dropout_turned_off = turn_off_base_dropout(model)
 
     def sequence_logps(self, input_ids: torch.Tensor, labels: torch.Tensor, **inputs) -> torch.Tensor:
-        """Each row's log-probability of its trained tokens: summed, or for IPO their mean."""
+        """Each row's log-probability of its trained tokens: summed, or their mean (IPO, ORPO, SimPO)."""
         if self.chunked:
             base = _base_model(self.model)
             hidden = base.get_decoder()(input_ids=input_ids, **inputs).last_hidden_state
@@ -204,7 +235,7 @@ class PreferenceLoss(torch.nn.Module):
         else:
             logps = logits_token_logps(self.model(input_ids=input_ids, **inputs).logits, labels)
         total = logps.sum(-1)
-        if self.loss == "ipo":
+        if self.averaged:
             return total / (shift_labels(labels) != IGNORE_INDEX).sum(-1).clamp(min=1)
         return total
 
@@ -213,11 +244,16 @@ class PreferenceLoss(torch.nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         pairs = input_ids.shape[0] // 2
         policy = self.sequence_logps(input_ids, labels, **inputs)
+        chosen, rejected = policy[:pairs], policy[pairs:]
+        if self.objective == "orpo":
+            return orpo_losses(chosen, rejected, self.beta)
+        if self.objective == "simpo":
+            return simpo_losses(chosen, rejected, self.beta, self.gamma)
         with torch.no_grad(), self.model.disable_adapter():
             reference = self.sequence_logps(input_ids, labels, **inputs)
         return dpo_losses(
-            policy[:pairs],
-            policy[pairs:],
+            chosen,
+            rejected,
             reference[:pairs],
             reference[pairs:],
             self.beta,

@@ -238,7 +238,7 @@ class Finetuner(Trainer):
         self.batches = self._training_batches(packing)
 
     def _check_data_kind(self, folder: Path) -> None:
-        """Preference pairs train under objective dpo only: SFT on them would learn the rejected answers too."""
+        """Preference pairs train under a preference objective only: SFT on them would learn the rejected answers too."""
         if is_preference(self.data.manifest):
             raise InputError(
                 f"the dataset at {folder} holds preference pairs (made with sft.preference=true): a chosen and a "
@@ -962,7 +962,7 @@ class Finetuner(Trainer):
 
 def run(ctx: RunContext, config: FinetuneConfig) -> dict[str, Any]:
     """Train to the configured steps (or an eval plateau), export, and return the summary."""
-    if config.objective == "dpo":
+    if config.is_preference:
         from trainpod.workloads.preference import PreferenceFinetuner
 
         return train_and_export(PreferenceFinetuner, ctx, config)

@@ -1,8 +1,9 @@
-"""Finetune's `objective: dpo`: LoRA or QLoRA trained on preference pairs by the DPO loss (train/preference.py).
+"""Finetune's preference objectives (`objective: dpo`, `orpo`, `simpo`): trained on preference pairs by their
+loss (train/preference.py).
 
     TRAINPOD_CONFIG=configs/finetune/tiny-dpo.yaml TRAINPOD_VOLUME=./demo-volume trainpod run finetune
 
-Not a workload of its own: `trainpod run finetune` picks this trainer for a config with `objective: dpo`
+Not a workload of its own: `trainpod run finetune` picks this trainer for a config with a preference objective
 (workloads/finetune.py, run), and everything else is the SFT finetune's: base model, adapters, checkpoints of
 the adapter, the stop protocol, resume, export. What differs is the data (pairs of a chosen and a rejected
 answer, sft/dataset.py PreferencePairs), the batches (chosen rows then rejected rows), the step's loss (the mean
@@ -71,7 +72,8 @@ class PreferenceFinetuner(Finetuner):
     def _check_data_kind(self, folder: Path) -> None:
         if not is_preference(self.data.manifest):
             raise InputError(
-                f"objective=dpo trains on pairs of a chosen and a rejected answer, and the dataset at {folder} holds "
+                f"objective={self.cfg.objective} trains on pairs of a chosen and a rejected answer, and the dataset "
+                f"at {folder} holds "
                 "SFT samples (made without sft.preference); make it with sft.preference: true and each dataset's "
                 "chosen and rejected columns, or set objective: sft"
             )
@@ -100,23 +102,32 @@ class PreferenceFinetuner(Finetuner):
 
     def _setup_model(self) -> None:
         super()._setup_model()
-        dpo = self.cfg.dpo
-        # The model with the DPO loss, where DDP wraps it (wrap_for_training) and the step calls it.
+        objective = self.cfg.objective
+        settings = getattr(self.cfg, objective)  # its section: dpo, orpo or simpo
+        # The model with the preference loss, where DDP wraps it (wrap_for_training) and the step calls it.
         self.loss_module = PreferenceLoss(
-            self.model, dpo.beta, dpo.loss, dpo.label_smoothing, self.chunked_loss
+            self.model,
+            settings.beta,
+            getattr(settings, "loss", "sigmoid"),
+            getattr(settings, "label_smoothing", 0.0),
+            self.chunked_loss,
+            objective=objective,
+            gamma=getattr(settings, "gamma", 0.0),
         )
         log.info(
-            "DPO: %d training pairs, beta %s, loss %s%s; the reference model is the base with the adapters off",
+            "%s: %d training pairs, %s; %s",
+            objective.upper(),
             len(self.pairs),
-            dpo.beta,
-            dpo.loss,
-            f", label smoothing {dpo.label_smoothing}" if dpo.label_smoothing else "",
+            ", ".join(f"{key} {value}" for key, value in settings.model_dump().items()),
+            "the reference model is the base with the adapters off"
+            if objective == "dpo"
+            else "no reference model",
         )
         if self.loss_module.dropout_turned_off:
             log.info(
-                "DPO: the base model's dropout is off in %d modules (as TRL's DPOTrainer has it), so that the "
-                "reference, the base with the adapters off, gives the same log-probabilities at every forward; "
-                "lora.dropout still applies to the adapters",
+                "%s: the base model's dropout is off in %d modules (as TRL's trainers have it), so that the "
+                "log-probabilities are the same at every forward; lora.dropout still applies to the adapters",
+                objective.upper(),
                 self.loss_module.dropout_turned_off,
             )
 
@@ -161,7 +172,7 @@ class PreferenceFinetuner(Finetuner):
 
     @torch.no_grad()
     def evaluate(self, model: torch.nn.Module, step: int) -> float:
-        """The validation pairs' mean DPO loss; the reward means go to eval_metrics as eval_rewards_*."""
+        """The validation pairs' mean loss (the objective's); the reward means go to eval_metrics as eval_rewards_*."""
         model.eval()
         t = self.train_cfg
         batches = preference_eval_batches(
@@ -196,7 +207,7 @@ class PreferenceFinetuner(Finetuner):
         return loss_sum / max(float(sums[-1]), 1.0)
 
     def _write_worst_pairs(self, step: int, per_pair: list[tuple[float, int, float, float]]) -> None:
-        """The validation pairs the model prefers least (highest DPO loss): prompt, chosen and rejected decoded."""
+        """The validation pairs the model prefers least (highest loss): prompt, chosen and rejected decoded."""
         worst = sorted(per_pair, key=lambda item: (-item[0], item[1]))[: self.train_cfg.worst_samples]
         lines = []
         for loss, index, chosen_reward, rejected_reward in worst:
@@ -223,10 +234,11 @@ class PreferenceFinetuner(Finetuner):
     # ------------------------------------------------------------------------------ finish
     def training_summary(self) -> dict[str, Any]:
         summary = super().training_summary()
-        summary["objective"] = "dpo"
-        summary["dpo"] = self.cfg.dpo.model_dump(mode="json")
+        objective = self.cfg.objective
+        summary["objective"] = objective
+        summary[objective] = getattr(self.cfg, objective).model_dump(mode="json")
         summary["data"] |= {"train_pairs": len(self.pairs), "val_pairs": len(self.val_pairs)}
         return summary
 
     def summary(self) -> dict[str, Any]:
-        return super().summary() | {"objective": "dpo"}
+        return super().summary() | {"objective": self.cfg.objective}

@@ -781,3 +781,19 @@ def test_a_dpo_finetune_counts_each_pair_as_two_sequences_and_the_reference_forw
     assert dpo.tokens == 2 * sft.tokens
     assert dpo.flops_per_token == sft.flops_per_token + 2 * sft.parameters
     assert dpo.memory["activations"] == 2 * sft.memory["activations"]
+
+
+def test_a_full_orpo_finetune_on_several_gpus_is_estimated_replicated_as_it_trains(
+    finetune_base_volume, no_runpod, monkeypatch
+):
+    """train.parallel auto picks FSDP for a full finetune of 1B parameters or more on several GPUs, but a preference
+    objective replicates the model (workloads/preference.py): the estimate must not count its state sharded."""
+    size = size_finetune
+    monkeypatch.setattr("trainpod.train.parallel.FSDP_AUTO_PARAMS", 0)  # the tiny model stands for a 7B one
+    base = [f"base_model.path={BASE}", "method=full", "train.optimizer=adamw"]
+    orpo = load_config(FinetuneConfig, CONFIGS / "finetune/tiny-dpo.yaml", [*base, "objective=orpo"])
+    volume = Volume(finetune_base_volume)
+    one, eight = size(orpo, 1, volume).memory, size(orpo, 8, volume).memory
+    assert eight["weights"] == one["weights"] and "fsdp gathered" not in eight
+    sft = load_config(FinetuneConfig, TINY_FINETUNE, [*base, "data.sft.packing=false"])
+    assert "fsdp gathered" in size(sft, 8, volume).memory, "the same full finetune under SFT is sharded"

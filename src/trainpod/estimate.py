@@ -251,7 +251,9 @@ def size_finetune(
     # A full finetune under FSDP (train.parallel, chosen as the trainer chooses it) keeps 1/N of the weights,
     # gradients and optimizer states per GPU, plus the units it gathers: counted whole, an 8B full finetune on
     # 8 GPUs read as not fitting them.
-    parallel = "ddp" if config.method != "full" else resolve_parallel(t.parallel, gpu_count, n, t.optimizer)
+    # A preference objective replicates the model (workloads/preference.py), a full ORPO or SimPO finetune too.
+    replicated = config.method != "full" or config.objective != "sft"
+    parallel = "ddp" if replicated else resolve_parallel(t.parallel, gpu_count, n, t.optimizer)
     if parallel == "fsdp" and gpu_count > 1:
         for part in ("weights", "gradients", "optimizer"):
             memory[part] /= gpu_count

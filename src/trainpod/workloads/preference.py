@@ -86,6 +86,12 @@ class PreferenceFinetuner(Finetuner):
         half a pair."""
         return len(self.pairs), "pair"
 
+    def _parallel(self) -> str:
+        """DDP always: the preference loss runs the model whole (PreferenceLoss wraps it after the SFT setup, where
+        FSDP would have sharded the SFT loss module instead). train.parallel=fsdp is refused at load; `auto`, which
+        picks fsdp for a full finetune of 1B parameters or more on several GPUs, replicates here."""
+        return "ddp"
+
     def _training_batches(self, packing: bool) -> PreferenceBatches:
         t = self.train_cfg
         return PreferenceBatches(

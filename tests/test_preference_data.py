@@ -33,6 +33,13 @@ HISTORY = ("Add 2 and 3.", "5")
 QUESTION = "Reverse\ncloud"
 CHOSEN, REJECTED = "duolc", "cloud"
 
+CONVERSATION = [  # the prompt's turns as OpenAI-style messages
+    {"role": "system", "content": SYSTEM},
+    {"role": "user", "content": HISTORY[0]},
+    {"role": "assistant", "content": HISTORY[1]},
+    {"role": "user", "content": QUESTION},
+]
+
 # One preference row in each format, with each form an answer may take; every one must give the same pair.
 ROWS = {
     "alpaca": (
@@ -83,6 +90,24 @@ ROWS = {
             ],
             "chosen": [{"role": "assistant", "content": CHOSEN}],
             "rejected": [{"role": "assistant", "content": REJECTED}],
+        },
+    ),
+    # TRL's implicit prompt (trl-lib/ultrafeedback_binarized): no prompt column, the turns the two share are it;
+    # HuggingFaceH4/ultrafeedback_binarized adds the prompt as a string and the chosen conversation as messages.
+    "messages, whole conversations sharing the prompt (TRL's implicit prompt)": (
+        "messages",
+        {
+            "chosen": [*CONVERSATION, {"role": "assistant", "content": CHOSEN}],
+            "rejected": [*CONVERSATION, {"role": "assistant", "content": REJECTED}],
+        },
+    ),
+    "messages, whole conversations beside a prompt string (HuggingFaceH4's)": (
+        "messages",
+        {
+            "prompt": QUESTION,
+            "messages": [*CONVERSATION, {"role": "assistant", "content": CHOSEN}],
+            "chosen": [*CONVERSATION, {"role": "assistant", "content": CHOSEN}],
+            "rejected": [*CONVERSATION, {"role": "assistant", "content": REJECTED}],
         },
     ),
 }
@@ -401,6 +426,23 @@ ROW_REFUSALS = {
             "rejected": {"from": "gpt", "value": "No"},
         },
         r"line 1: field 'chosen.from' = 'human' is not 'gpt' \(an answer\)",
+    ),
+    "whole conversations that differ before their answers": (
+        "messages",
+        {
+            "chosen": [*MESSAGES, {"role": "assistant", "content": "Yo"}],
+            "rejected": [{"role": "user", "content": "Bye"}, {"role": "assistant", "content": "No"}],
+        },
+        r"line 1: fields 'chosen' and 'rejected' hold whole conversations that differ before their last turn "
+        r"\(at turn 0\); .*or put the prompt in its own column \(sft.datasets\[0\].columns.messages\)",
+    ),
+    "whole conversations ending with a user turn": (
+        "messages",
+        {
+            "chosen": [*MESSAGES, {"role": "assistant", "content": "Yo"}],
+            "rejected": [*MESSAGES, {"role": "user", "content": "No"}],
+        },
+        r"line 1: field 'rejected\[1\].role' = 'user' is not 'assistant' \(the answer\)",
     ),
     "a turn without content": (
         "messages",

@@ -125,7 +125,8 @@ class SftColumns(Section):
         None,
         min_length=1,
         description="preference data: the preferred answer (alpaca: a string; sharegpt/messages: a string, "
-        "one assistant turn or a list of one).",
+        "one assistant turn or a list of one; or, in chosen and rejected both, the whole conversation, whose turns "
+        "before the answer the two share: the prompt, TRL's implicit prompt).",
     )
     rejected: str | None = Field(
         None,
@@ -204,7 +205,8 @@ class SftDataConfig(Section):
     seed: int = Field(0, ge=0, description="Seed of the validation choice.")
     preference: bool = Field(
         False,
-        description="Each row holds a prompt with a chosen and a rejected answer: DPO data; each answer is "
+        description="Each row holds a prompt with a chosen and a rejected answer: the data of objective dpo, "
+        "orpo and simpo; each answer is "
         "stored as a sample of its own, chosen then rejected, and only the answer is trained.",
     )
 

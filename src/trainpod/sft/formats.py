@@ -157,10 +157,13 @@ class RowReader:
         ending with its own answer to the row's last user message."""
         if self.source.format == "alpaca":
             system, history, user = self._alpaca_prompt(row)
+            chosen, rejected = self._answer(row, "chosen"), self._answer(row, "rejected")
+        elif self._whole_conversations(row):
+            system, history, user, chosen, rejected = self._shared_prompt(row)
         else:
             system, turns = self._turns(row)
             history, user = self._prompt_turns(row, self.source.column("messages"), turns)
-        chosen, rejected = self._answer(row, "chosen"), self._answer(row, "rejected")
+            chosen, rejected = self._answer(row, "chosen"), self._answer(row, "rejected")
         if chosen == rejected:
             shown = repr(chosen) if len(repr(chosen)) <= 60 else repr(chosen)[:57] + "..."
             raise InputError(
@@ -168,6 +171,51 @@ class RowReader:
                 f"hold the same answer {shown}, a pair that teaches nothing; fix the row or remove it"
             )
         return Sample(system, (*history, (user, chosen))), Sample(system, (*history, (user, rejected)))
+
+    def _whole_conversations(self, row: Row) -> bool:
+        """Whether the row's chosen and rejected are whole conversations, the prompt's turns included (TRL's
+        implicit prompt: trl-lib/ultrafeedback_binarized, HuggingFaceH4/ultrafeedback_binarized), not answers."""
+        return all(
+            isinstance(value := row.record.get(self.source.column(key)), list) and len(value) > 1
+            for key in ("chosen", "rejected")
+        )
+
+    def _shared_prompt(self, row: Row) -> tuple[str | None, tuple[tuple[str, str], ...], str, str, str]:
+        """(system, history, last user message, chosen answer, rejected answer) of a row whose chosen and rejected
+        are whole conversations: the prompt is the turns the two share, each answer its own last assistant turn,
+        as TRL's extract_prompt splits them. The row's messages column is not read (HuggingFaceH4's
+        ultrafeedback_binarized holds the chosen conversation there again, and its prompt as a string)."""
+        conversations = {}
+        for key in ("chosen", "rejected"):
+            column = self.source.column(key)
+            turns = row.record[column]
+            conversations[key] = [self._turn(row, f"{column}[{n}]", turn) for n, turn in enumerate(turns)]
+        chosen, rejected = conversations["chosen"], conversations["rejected"]
+        names = f"{self.source.column('chosen')!r} and {self.source.column('rejected')!r}"
+        if chosen[:-1] != rejected[:-1]:
+            turn = next(
+                (n for n, (a, b) in enumerate(zip(chosen[:-1], rejected[:-1], strict=False)) if a != b),
+                min(len(chosen), len(rejected)) - 1,
+            )
+            raise InputError(
+                f"{row.where}: fields {names} hold whole conversations that differ before their last turn (at "
+                f"turn {turn}); a preference pair is one prompt and two answers to it: give the same turns up to "
+                "the user's last, then one assistant answer each, or put the prompt in its own column "
+                f"({self.field_prefix}.columns.messages) and one answer in each"
+            )
+        for key, turns in conversations.items():
+            if turns[-1][0] != "assistant":
+                column, role_tag = self.source.column(key), self.source.column("role_tag")
+                last = f"{column}[{len(turns) - 1}].{role_tag}"
+                raise self._bad(
+                    row, last, turns[-1][0], f"{self.source.column('assistant_tag')!r} (the answer)"
+                )
+        system = self._string(row, "system", required=False)
+        prompt = chosen[:-1]
+        if prompt[0][0] == "system":
+            system, prompt = prompt[0][1], prompt[1:]
+        history, user = self._prompt_turns(row, self.source.column("chosen"), prompt)
+        return system or None, history, user, chosen[-1][1], rejected[-1][1]
 
     def _prompt_turns(
         self, row: Row, column: str, turns: list[tuple[str, str]]

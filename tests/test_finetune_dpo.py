@@ -227,10 +227,10 @@ def test_early_stopping_with_a_val_ratio_that_held_out_no_pair_names_the_pairs_a
     assert not list((volume / "runs" / RUN).glob("checkpoints/step-*")), "no step may have trained"
 
 
-def test_sft_on_preference_pairs_is_exit_2_naming_objective_dpo(volume):
+def test_sft_on_preference_pairs_is_exit_2_naming_each_preference_objective(volume):
     result = run_trainpod(
         *dpo_args("--set", "objective=sft", "--set", "lora.dropout=0.05"),
         volume=volume,
     )
     assert result.returncode == 2, result.stdout + result.stderr
-    assert "set objective: dpo" in result.stdout + result.stderr
+    assert "set objective: dpo, orpo or simpo" in result.stdout + result.stderr

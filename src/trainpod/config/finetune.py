@@ -374,7 +374,7 @@ class FinetuneConfig(Section):
         if sft is not None and sft.preference != self.is_preference:
             raise ValueError(
                 "data.sft.preference=true holds pairs of a chosen and a rejected answer, which only objective dpo, "
-                "orpo or simpo trains on (sft would learn the rejected answers too); set objective: dpo"
+                "orpo or simpo trains on (sft would learn the rejected answers too); set objective: dpo, orpo or simpo"
                 if sft.preference
                 else f"objective={objective} trains on pairs of a chosen and a rejected answer; set "
                 "data.sft.preference: true and give each dataset's chosen and rejected columns"

@@ -242,8 +242,8 @@ class Finetuner(Trainer):
         if is_preference(self.data.manifest):
             raise InputError(
                 f"the dataset at {folder} holds preference pairs (made with sft.preference=true): a chosen and a "
-                "rejected answer to each prompt, which objective=sft would both learn; set objective: dpo, or "
-                "train on a dataset made without preference"
+                "rejected answer to each prompt, which objective=sft would both learn; set objective: dpo, orpo or "
+                "simpo, or train on a dataset made without preference"
             )
 
     def _training_batches(self, packing: bool) -> SftBatches:

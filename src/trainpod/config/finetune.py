@@ -173,7 +173,12 @@ class FinetuneTrainConfig(Section):
     epochs: float | None = Field(
         None, gt=0, description="Passes over the training samples; or give max_steps."
     )
-    micro_batch_size: int = Field(4, ge=1, description="Rows per GPU per forward pass.")
+    micro_batch_size: int = Field(
+        4,
+        ge=1,
+        description="Rows per GPU per forward pass; under objective dpo, orpo or simpo, preference pairs, each two "
+        "rows (its chosen and its rejected answer).",
+    )
     grad_accum_steps: int = Field(4, ge=1, description="Micro-batches accumulated per optimizer step.")
     lr: float | None = Field(  # 0 refused as pretrain's (config/pretrain.py): a paid run that changes nothing
         None,

@@ -197,7 +197,8 @@ class SftDataConfig(Section):
         0.0,
         ge=0,
         lt=1,
-        description="Share of samples held out for validation, chosen by a hash of the index.",
+        description="Share of samples held out for validation, chosen by a hash of the index (of the row: a "
+        "preference pair's two samples stay together).",
     )
     train_on_prompt: bool = Field(
         False, description="Also train on system/user tokens (default: only the assistant answers)."

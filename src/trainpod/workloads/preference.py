@@ -7,7 +7,7 @@ Not a workload of its own: `trainpod run finetune` picks this trainer for a conf
 (workloads/finetune.py, run), and everything else is the SFT finetune's: base model, adapters, checkpoints of
 the adapter, the stop protocol, resume, export. What differs is the data (pairs of a chosen and a rejected
 answer, sft/dataset.py PreferencePairs), the batches (chosen rows then rejected rows), the step's loss (the mean
-DPO loss over the step's pairs on every rank) and the eval: eval_loss is the validation pairs' mean DPO loss,
+loss over the step's pairs on every rank) and the eval: eval_loss is the validation pairs' mean loss,
 with the reward accuracy and margin beside it, and the worst pairs written to eval/step-<N>.worst.jsonl.
 """
 

@@ -19,6 +19,7 @@ from trainpod.train.preference import (
     simpo_losses,
     token_logps,
 )
+from trainpod.workloads.preference import least_preferred
 
 IGNORE = -100
 
@@ -207,6 +208,19 @@ def test_simpo_is_the_margin_of_scaled_mean_log_probabilities_less_gamma():
     )
     assert losses.item() == pytest.approx(-math.log(1 / (1 + math.exp(-(2.0 * 0.5 - 1.0)))), rel=1e-6)
     assert chosen_reward.item() == pytest.approx(-2.0) and rejected_reward.item() == pytest.approx(-3.0)
+
+
+def test_the_worst_pairs_of_an_orpo_eval_are_those_it_prefers_least_not_those_of_the_unlikeliest_chosen_answer():
+    """ORPO's loss holds the chosen answer's SFT loss: the pair whose chosen answer is unlikely (mean log-probability
+    -3) but preferred to its rejected one (-4) has the highest loss, and was written first to worst.jsonl, above
+    the pair whose rejected answer the model prefers (-0.5 against -0.4)."""
+    chosen, rejected = torch.tensor([-3.0, -0.5, -1.0]), torch.tensor([-4.0, -0.4, -1.5])
+    losses, chosen_rewards, rejected_rewards = orpo_losses(chosen, rejected, beta=0.1)
+    per_pair = list(
+        zip(losses.tolist(), range(3), chosen_rewards.tolist(), rejected_rewards.tolist(), strict=True)
+    )
+    assert max(range(3), key=lambda i: losses[i]) == 0, "the preferred pair has the highest loss"
+    assert [index for _, index, _, _ in least_preferred(per_pair, 2)] == [1, 2]
 
 
 @pytest.mark.parametrize("objective", ["orpo", "simpo"])

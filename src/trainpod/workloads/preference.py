@@ -61,6 +61,16 @@ def reward_means(sums: torch.Tensor, prefix: str = "") -> dict[str, float]:
     }
 
 
+def least_preferred(
+    per_pair: list[tuple[float, int, float, float]], count: int
+) -> list[tuple[float, int, float, float]]:
+    """The `count` pairs (loss, pair index, chosen reward, rejected reward) the model prefers least: the lowest
+    reward margin first, then by index. Not the highest loss: ORPO's holds the chosen answer's SFT loss, so its
+    highest were the pairs with the unlikeliest chosen answers, preferred or not, and IPO's grows again past its
+    target margin."""
+    return sorted(per_pair, key=lambda item: (item[2] - item[3], item[1]))[:count]
+
+
 class PreferenceFinetuner(Finetuner):
     model_inputs = PAIR_INPUTS
 
@@ -213,8 +223,8 @@ class PreferenceFinetuner(Finetuner):
         return loss_sum / max(float(sums[-1]), 1.0)
 
     def _write_worst_pairs(self, step: int, per_pair: list[tuple[float, int, float, float]]) -> None:
-        """The validation pairs the model prefers least (highest loss): prompt, chosen and rejected decoded."""
-        worst = sorted(per_pair, key=lambda item: (-item[0], item[1]))[: self.train_cfg.worst_samples]
+        """The validation pairs the model prefers least (least_preferred): prompt, chosen and rejected decoded."""
+        worst = least_preferred(per_pair, self.train_cfg.worst_samples)
         lines = []
         for loss, index, chosen_reward, rejected_reward in worst:
             chosen, rejected = self.val_pairs[index]

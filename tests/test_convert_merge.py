@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
 from trainpod.chat import find_export
 from trainpod.convert import run_convert
+from trainpod.convert.card import merged_model_card
 from trainpod.errors import ExitCode, InputError
 from trainpod.preemption import PreemptionWatch
 from trainpod.volume import Volume
@@ -575,3 +576,36 @@ def test_a_base_stored_in_4_bits_is_exit_2_asking_for_the_16bit_base_before_anyt
     assert str(tmp_path / "base-bnb-4bit") in message and "bitsandbytes" in message, message
     assert "16-bit" in message and "base_model" in message and "(2048, 1)" not in message, message
     assert sorted(p.name for p in vol.run("ft").export.iterdir()) == ["adapter"]
+
+
+@pytest.mark.parametrize(
+    ("objective", "settings", "line"),
+    [
+        ("simpo", {"beta": 2.0, "gamma": 1.0}, "lora, rank 8, alpha 16, SimPO with beta 2, gamma 1)"),
+        ("orpo", {"beta": 0.1}, "lora, rank 8, alpha 16, ORPO with beta 0.1)"),
+        (
+            "dpo",
+            {"beta": 0.1, "loss": "sigmoid", "label_smoothing": 0.0},
+            "lora, rank 8, alpha 16, DPO with beta 0.1)",
+        ),
+        (
+            "dpo",
+            {"beta": 0.5, "loss": "ipo", "label_smoothing": 0.0},
+            "lora, rank 8, alpha 16, DPO with beta 0.5, ipo loss)",
+        ),
+        (
+            "dpo",
+            {"beta": 0.1, "loss": "sigmoid", "label_smoothing": 0.2},
+            "lora, rank 8, alpha 16, DPO with beta 0.1, label smoothing 0.2)",
+        ),
+    ],
+)
+def test_a_preference_merges_card_names_its_objective_and_each_setting_that_shaped_it(
+    objective, settings, line
+):
+    """The card said 'SIMPO with beta 2': not the objective's name, and without the target margin gamma (nor
+    DPO's ipo loss or label smoothing) that a person needs to train it again."""
+    summary = {"method": "lora", "lora": {"r": 8, "alpha": 16}, "objective": objective, objective: settings}
+    card = ModelCard(merged_model_card(summary, "base", None, "float32", dequantized=False, vision=False))
+    assert f"finetuned with trainpod ({line}" in card.text, card.text
+    assert objective in card.data.tags

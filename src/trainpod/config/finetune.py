@@ -132,6 +132,7 @@ PREFERENCE_OBJECTIVES = (
     "orpo",
     "simpo",
 )  # each trains on preference pairs; each has its settings section
+OBJECTIVE_NAMES = {"dpo": "DPO", "orpo": "ORPO", "simpo": "SimPO"}  # as their papers and TRL write them
 
 
 class FinetuneDataConfig(Section):

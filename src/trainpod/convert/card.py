@@ -68,9 +68,24 @@ def _method_line(summary: dict[str, Any], method: str) -> str:
     lora = summary.get("lora") or {}
     shape = f", rank {lora['r']}, alpha {lora['alpha']:g}" if "r" in lora and "alpha" in lora else ""
     objective = str(summary.get("objective") or "sft")
-    settings = summary.get(objective) or {}
-    trained_by = f", {objective.upper()} with beta {settings['beta']:g}" if "beta" in settings else ""
-    return f"{method}{shape}{trained_by}"
+    return f"{method}{shape}{_objective_line(objective, summary.get(objective) or {})}"
+
+
+def _objective_line(objective: str, settings: dict[str, Any]) -> str:
+    """', SimPO with beta 2, gamma 1': each setting that changes what the preference objective learns, not those
+    left at their no-op (DPO's sigmoid loss, label smoothing 0); '' for SFT."""
+    from trainpod.config.finetune import OBJECTIVE_NAMES
+
+    if "beta" not in settings:
+        return ""
+    shown = [f"beta {settings['beta']:g}"]
+    if "gamma" in settings:
+        shown.append(f"gamma {settings['gamma']:g}")
+    if settings.get("loss", "sigmoid") != "sigmoid":
+        shown.append(f"{settings['loss']} loss")
+    if settings.get("label_smoothing"):
+        shown.append(f"label smoothing {settings['label_smoothing']:g}")
+    return f", {OBJECTIVE_NAMES.get(objective, objective)} with {', '.join(shown)}"
 
 
 def _training_table(summary: dict[str, Any]) -> str:

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from trainpod import atomic
+from trainpod.config.finetune import OBJECTIVE_NAMES
 from trainpod.errors import InputError
 from trainpod.sft.batches import PreferenceBatches, preference_eval_batches
 from trainpod.sft.dataset import IGNORE_INDEX, PreferencePairs, is_preference
@@ -132,7 +133,7 @@ class PreferenceFinetuner(Finetuner):
         )
         log.info(
             "%s: %d training pairs, %s; %s",
-            objective.upper(),
+            OBJECTIVE_NAMES[objective],
             len(self.pairs),
             ", ".join(f"{key} {value}" for key, value in settings.model_dump().items()),
             "the reference model is the base with the adapters off"
@@ -143,7 +144,7 @@ class PreferenceFinetuner(Finetuner):
             log.info(
                 "%s: the base model's dropout is off in %d modules (as TRL's trainers have it), so that the "
                 "log-probabilities are the same at every forward; lora.dropout still applies to the adapters",
-                objective.upper(),
+                OBJECTIVE_NAMES[objective],
                 self.loss_module.dropout_turned_off,
             )
 

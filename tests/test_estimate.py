@@ -797,3 +797,19 @@ def test_a_full_orpo_finetune_on_several_gpus_is_estimated_replicated_as_it_trai
     assert eight["weights"] == one["weights"] and "fsdp gathered" not in eight
     sft = load_config(FinetuneConfig, TINY_FINETUNE, [*base, "data.sft.packing=false"])
     assert "fsdp gathered" in size(sft, 8, volume).memory, "the same full finetune under SFT is sharded"
+
+
+def test_estimate_reads_the_volume_of_trainpod_volume_as_the_other_commands_do(
+    no_runpod, tmp_path, monkeypatch, capsys
+):
+    """Every command reads the volume mounted here from --volume, else $TRAINPOD_VOLUME; estimate read --volume alone,
+    so on a pod (TRAINPOD_VOLUME set) it assumed an MFU a run there had measured."""
+    status = tmp_path / "vol/runs/pretrain-125m/status.json"
+    status.parent.mkdir(parents=True)
+    status.write_text(json.dumps({"mfu": 0.31}))
+    monkeypatch.setenv("TRAINPOD_VOLUME", str(tmp_path / "vol"))
+    assert cli.main(["estimate", str(PRETRAIN_125M)]) == 0
+    assert "31% MFU, measured by run pretrain-125m" in capsys.readouterr().out
+    monkeypatch.setenv("TRAINPOD_VOLUME", str(tmp_path / "nowhere"))
+    assert cli.main(["estimate", str(PRETRAIN_125M)]) == 2
+    assert f"TRAINPOD_VOLUME {tmp_path / 'nowhere'} does not exist here" in capsys.readouterr().out

@@ -991,13 +991,17 @@ def estimate(
 
     def act() -> int:
         workload_config, deploy_config = estimating.load_target(config, list(set or []), SET_FLAG)
-        vol = Volume(Path(volume)) if volume else None
+        # --volume, else $TRAINPOD_VOLUME, as every other command reads the volume mounted here
+        named, given_as = (
+            (volume, "--volume") if volume else (os.environ.get("TRAINPOD_VOLUME"), "TRAINPOD_VOLUME")
+        )
+        vol = Volume(Path(named)) if named else None
         if (
             vol is not None and not vol.root.is_dir()
         ):  # it was read as an empty one: vocabulary, data, MFU assumed
             raise InputError(
-                f"--volume {vol.root} does not exist here; pass the folder that holds the run's datasets/ and runs/, "
-                "or leave --volume out to estimate from the config alone"
+                f"{given_as} {vol.root} does not exist here; pass the folder that holds the run's datasets/ and runs/, "
+                f"or leave {given_as} out to estimate from the config alone"
             )
         est = estimating.estimate(
             workload_config, deploy_config, gpu, spot, mfu, _catalog(deploy_config), vol, SET_FLAG
@@ -1183,7 +1187,10 @@ def _estimate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--on-demand", dest="spot", action="store_false", help="price an on-demand pod")
     p.add_argument("--mfu", type=float, help="model FLOPs utilisation to assume, e.g. 0.4")
     p.add_argument("--set", action="append", metavar="KEY.PATH=VALUE", help="workload config override")
-    p.add_argument("--volume", help="a volume holding runs/<run>/status.json (measured MFU) and datasets")
+    p.add_argument(
+        "--volume",
+        help="a volume holding runs/<run>/status.json (measured MFU) and datasets (default: $TRAINPOD_VOLUME)",
+    )
 
 
 def _positive_int(raw: str) -> int:

@@ -16,24 +16,13 @@ alternate in ABBA order; the best run of each is judged. Target: chunked peak <=
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 from abba import paired
+from peak_rss import comparison_rows, in_fresh_process, peak_bytes_since, reset_peak
 
-REPO = Path(__file__).resolve().parents[1]
 MEMORY_TARGET = 0.5
 VOCAB, WIDTH = 32768, 256
-
-
-def _status_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 def child(variant: str, pairs: int, length: int, steps: int) -> dict:
@@ -63,8 +52,7 @@ def child(variant: str, pairs: int, length: int, steps: int) -> dict:
         return token_logps(hidden, weight, targets).sum(-1)
 
     logps_of = whole if variant == "whole" else chunked
-    before = _status_kib("VmRSS")
-    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+    before = reset_peak()
     times = []
     for _ in range(steps):
         start = time.perf_counter()
@@ -73,17 +61,7 @@ def child(variant: str, pairs: int, length: int, steps: int) -> dict:
         loss = losses.mean()
         loss.backward()
         times.append(time.perf_counter() - start)
-    return {"peak_bytes": (_status_kib("VmHWM") - before) * 1024, "step_s": min(times), "loss": loss.item()}
-
-
-def run_variant(variant: str, pairs: int, length: int, steps: int) -> dict:
-    code = (
-        f"import sys, json; sys.path.insert(0, {str(REPO / 'bench')!r}); import bench_dpo; "
-        f"print(json.dumps(bench_dpo.child({variant!r}, {pairs}, {length}, {steps})))"
-    )
-    env = os.environ | {"PYTHONPATH": str(REPO / "src")}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return {"peak_bytes": peak_bytes_since(before), "step_s": min(times), "loss": loss.item()}
 
 
 def run(workdir: Path, quick: bool = False) -> str:
@@ -92,16 +70,10 @@ def run(workdir: Path, quick: bool = False) -> str:
     rounds = 1 if quick else 2
     whole, chunked = paired(
         rounds,
-        lambda: run_variant("whole", pairs, length, steps),
-        lambda: run_variant("chunked", pairs, length, steps),
+        lambda: in_fresh_process("bench_dpo", "child", "whole", pairs, length, steps),
+        lambda: in_fresh_process("bench_dpo", "child", "chunked", pairs, length, steps),
     )
-    whole_peak = min(r["peak_bytes"] for r in whole)
-    our_peak = min(r["peak_bytes"] for r in chunked)
-    whole_s = min(r["step_s"] for r in whole)
-    our_s = min(r["step_s"] for r in chunked)
-    memory_ratio = our_peak / whole_peak
-    same = abs(whole[0]["loss"] - chunked[0]["loss"]) <= 1e-5 * abs(whole[0]["loss"])
-    mib = 2**20
+    table = comparison_rows(("whole logits", "whole"), ("chunked", "chunked"), whole, chunked, MEMORY_TARGET)
     return "\n".join(
         [
             "## DPO log-probabilities",
@@ -114,18 +86,7 @@ def run(workdir: Path, quick: bool = False) -> str:
             f"process, peak resident memory above the step's start (VmHWM), {rounds} pairs in ABBA order, best of "
             f"each; step time the best of {steps} steps, noisy on this shared 2-core machine.",
             "",
-            "| metric | measured | target | result |",
-            "| --- | --- | --- | --- |",
-            f"| whole logits: peak memory of the step | {whole_peak / mib:,.0f} MiB | | |",
-            f"| chunked: peak memory of the step | {our_peak / mib:,.0f} MiB | | |",
-            f"| chunked / whole peak memory | {memory_ratio:.3f}x | <= {MEMORY_TARGET}x | "
-            f"{'pass' if memory_ratio <= MEMORY_TARGET else 'FAIL'} |",
-            f"| whole logits: step time | {whole_s * 1000:,.0f} ms | | |",
-            f"| chunked: step time | {our_s * 1000:,.0f} ms | | |",
-            f"| chunked / whole speed | {whole_s / our_s:.3f}x | | |",
-            f"| same loss value | {'yes' if same else 'NO'} ({chunked[0]['loss']:.6f}) | identical within fp32 | "
-            f"{'pass' if same else 'FAIL'} |",
-            "",
+            *table,
         ]
     )
 

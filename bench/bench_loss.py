@@ -14,24 +14,13 @@ Target: chunked peak <= 0.5x the plain one; the speed ratio is reported.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 from abba import paired
+from peak_rss import comparison_rows, in_fresh_process, peak_bytes_since, reset_peak
 
-REPO = Path(__file__).resolve().parents[1]
 MEMORY_TARGET = 0.5
 VOCAB, WIDTH = 32768, 256
-
-
-def _status_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 def child(variant: str, rows: int, steps: int) -> dict:
@@ -53,25 +42,14 @@ def child(variant: str, rows: int, steps: int) -> dict:
         loss_fn = lambda: F.cross_entropy((hidden @ weight.T).float(), targets)  # noqa: E731
     else:
         loss_fn = lambda: linear_cross_entropy(hidden, weight, targets)  # noqa: E731
-    before = _status_kib("VmRSS")
-    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+    before = reset_peak()
     times = []
     for _ in range(steps):
         start = time.perf_counter()
         loss = loss_fn()
         loss.backward()
         times.append(time.perf_counter() - start)
-    return {"peak_bytes": (_status_kib("VmHWM") - before) * 1024, "step_s": min(times), "loss": loss.item()}
-
-
-def run_variant(variant: str, rows: int, steps: int) -> dict:
-    code = (
-        f"import sys, json; sys.path.insert(0, {str(REPO / 'bench')!r}); import bench_loss; "
-        f"print(json.dumps(bench_loss.child({variant!r}, {rows}, {steps})))"
-    )
-    env = os.environ | {"PYTHONPATH": str(REPO / "src")}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return {"peak_bytes": peak_bytes_since(before), "step_s": min(times), "loss": loss.item()}
 
 
 def run(workdir: Path, quick: bool = False) -> str:
@@ -79,15 +57,13 @@ def run(workdir: Path, quick: bool = False) -> str:
     steps = 2
     pairs = 1 if quick else 2
     plain, chunked = paired(
-        pairs, lambda: run_variant("plain", rows, steps), lambda: run_variant("chunked", rows, steps)
+        pairs,
+        lambda: in_fresh_process("bench_loss", "child", "plain", rows, steps),
+        lambda: in_fresh_process("bench_loss", "child", "chunked", rows, steps),
     )
-    plain_peak = min(r["peak_bytes"] for r in plain)
-    our_peak = min(r["peak_bytes"] for r in chunked)
-    plain_s = min(r["step_s"] for r in plain)
-    our_s = min(r["step_s"] for r in chunked)
-    memory_ratio = our_peak / plain_peak
-    same = abs(plain[0]["loss"] - chunked[0]["loss"]) <= 1e-5 * abs(plain[0]["loss"])
-    mib = 2**20
+    table = comparison_rows(
+        ("plain loss", "plain"), ("chunked loss", "chunked"), plain, chunked, MEMORY_TARGET
+    )
     return "\n".join(
         [
             "## Loss",
@@ -100,18 +76,7 @@ def run(workdir: Path, quick: bool = False) -> str:
             f"ABBA order, best of each; step time the best of {steps} steps. The machine is shared with other "
             "engineers' jobs (2 cores), so the times are noisy; the memory is not.",
             "",
-            "| metric | measured | target | result |",
-            "| --- | --- | --- | --- |",
-            f"| plain loss: peak memory of the step | {plain_peak / mib:,.0f} MiB | | |",
-            f"| chunked loss: peak memory of the step | {our_peak / mib:,.0f} MiB | | |",
-            f"| chunked / plain peak memory | {memory_ratio:.3f}x | <= {MEMORY_TARGET}x | "
-            f"{'pass' if memory_ratio <= MEMORY_TARGET else 'FAIL'} |",
-            f"| plain loss: step time | {plain_s * 1000:,.0f} ms | | |",
-            f"| chunked loss: step time | {our_s * 1000:,.0f} ms | | |",
-            f"| chunked / plain speed | {plain_s / our_s:.3f}x | | |",
-            f"| same loss value | {'yes' if same else 'NO'} ({chunked[0]['loss']:.6f}) | identical within fp32 | "
-            f"{'pass' if same else 'FAIL'} |",
-            "",
+            *table,
         ]
     )
 

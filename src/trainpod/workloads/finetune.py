@@ -650,13 +650,19 @@ class Finetuner(Trainer):
         return checkpoint_bytes(sizes, self.train_cfg.optimizer)
 
     # ---------------------------------------------------------------------------- training
-    def train_step(self, model: torch.nn.Module, step: int) -> StepResult:
+    def _begin_step(self, step: int) -> tuple[list[dict[str, torch.Tensor]], int]:
+        """Set the step's learning rate and draw its micro batches: (the batches, the real tokens they hold)."""
         t = self.train_cfg
         self.set_lr(cosine_with_warmup(step - 1, self.max_steps, t.lr, self.warmup_steps, t.min_lr_ratio))
         micro_batches, real_tokens = [], 0
         for _ in range(self.grad_accum_steps):
             micro_batches.append(self.batches.next_batch())
             real_tokens += self.batches.last_real_tokens
+        return micro_batches, real_tokens
+
+    def train_step(self, model: torch.nn.Module, step: int) -> StepResult:
+        t = self.train_cfg
+        micro_batches, real_tokens = self._begin_step(step)
         # The loss is a mean over every trained token of the step on every rank, as if there were one
         # big batch: each micro-batch's summed loss is divided by that global count (and multiplied by
         # the rank count, which DDP's gradient averaging divides out again).

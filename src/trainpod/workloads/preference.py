@@ -28,7 +28,6 @@ from trainpod.sft.dataset import IGNORE_INDEX, PreferencePairs, is_preference
 from trainpod.train import distributed as D
 from trainpod.train.batches import to_device
 from trainpod.train.preference import PreferenceLoss
-from trainpod.train.schedule import cosine_with_warmup
 from trainpod.train.sharding import local_value
 from trainpod.train.trainer import StepResult
 from trainpod.workloads.finetune import Finetuner
@@ -151,11 +150,7 @@ class PreferenceFinetuner(Finetuner):
     # ---------------------------------------------------------------------------- training
     def train_step(self, model: torch.nn.Module, step: int) -> StepResult:
         t = self.train_cfg
-        self.set_lr(cosine_with_warmup(step - 1, self.max_steps, t.lr, self.warmup_steps, t.min_lr_ratio))
-        micro_batches, real_tokens = [], 0
-        for _ in range(self.grad_accum_steps):
-            micro_batches.append(self.batches.next_batch())
-            real_tokens += self.batches.last_real_tokens
+        micro_batches, real_tokens = self._begin_step(step)
         # The loss is the mean over every pair of the step on every rank, as if there were one big batch (the
         # SFT step's mean over trained tokens, per pair): each micro batch's summed loss over that global count,
         # times the rank count, which DDP's gradient averaging divides out again.

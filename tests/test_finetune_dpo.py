@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import signal
 from pathlib import Path
@@ -100,6 +101,12 @@ def test_the_exported_adapter_prefers_the_chosen_answers_more_than_its_base_does
     tuned = PeftModel.from_pretrained(base, adapter)
     after = _answer_logps(tuned, pairs)
     assert (after - before).mean() > 0, (before, after)
+
+
+def test_status_shows_the_latest_evals_reward_accuracy_in_percent_as_the_log_does(trained):
+    result = run_trainpod("status", RUN, volume=trained)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert re.search(r"rewards_accuracy \d+\.\d%, .*\(step 20\)", result.stdout), result.stdout
 
 
 def test_the_dpo_adapter_merges_into_a_model_whose_card_says_dpo(trained, tmp_path):

@@ -501,7 +501,8 @@ def _status_line(vol: Volume, name: str) -> str:
     if evals:
         at = evals.pop("step", None)
         parts.append(
-            ", ".join(f"{k.removeprefix('eval_')} {v:.4f}" for k, v in evals.items()) + f" (step {at})"
+            ", ".join(f"{k.removeprefix('eval_')} {_eval_value(k, v)}" for k, v in evals.items())
+            + f" (step {at})"
         )
         predictions = run.root / "eval" / f"step-{at}.predictions.jsonl"
         if predictions.exists():
@@ -1191,6 +1192,11 @@ def _estimate_arguments(p: argparse.ArgumentParser) -> None:
         "--volume",
         help="a volume holding runs/<run>/status.json (measured MFU) and datasets (default: $TRAINPOD_VOLUME)",
     )
+
+
+def _eval_value(name: str, value: float) -> str:
+    """An eval metric as the log shows it: a share (a preference objective's rewards_accuracy) in percent."""
+    return f"{value:.1%}" if name.endswith("accuracy") else f"{value:.4f}"
 
 
 def _positive_int(raw: str) -> int:

@@ -83,6 +83,31 @@ def test_a_non_final_checkpoint_exports_to_a_model_transformers_loads(vol: Volum
     assert model.generate(ids, max_new_tokens=3, do_sample=False).shape[1] == ids.shape[1] + 3
 
 
+def test_a_pretrains_export_and_a_checkpoints_carry_the_card_of_a_model_trained_from_scratch(
+    vol: Volume,
+) -> None:
+    from huggingface_hub import ModelCard
+
+    run = vol.run(RUN)
+    done = json.loads((run.root / "DONE").read_text())
+    card = ModelCard.load(run.export / "hf" / "README.md")
+    assert card.data.base_model is None, "trained from scratch: no base model"
+    assert card.data.library_name == "transformers" and card.data.pipeline_tag == "text-generation"
+    assert "trained from scratch with trainpod" in card.text and "`tiny-stories`" in card.text
+    assert f"| tokens seen | {done['tokens_seen']:,} |" in card.text
+    assert f"| final train loss | {done['loss']:.4f} |" in card.text
+    assert f"| parameters | {done['parameters']:,} |" in card.text
+    assert "README.md" in json.loads((run.export / "hf" / "manifest.json").read_text())["files"]
+
+    out = export(vol, step=2)
+    state = json.loads((run.checkpoints / "step-2" / "trainer_state.json").read_text())
+    card = ModelCard.load(out / "README.md")
+    assert card.data.library_name == "transformers" and card.data.base_model is None
+    assert "| steps | 2 |" in card.text
+    assert f"| tokens seen | {state['progress']['tokens_seen']:,} |" in card.text
+    assert "README.md" in json.loads((out / "manifest.json").read_text())["files"]
+
+
 def test_latest_exports_the_newest_committed_step(vol: Volume) -> None:
     out = export(vol, dtype="bfloat16")
     assert out.name == "hf-step-4"

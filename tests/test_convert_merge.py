@@ -16,9 +16,9 @@ from huggingface_hub import ModelCard
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
+from trainpod.card import merged_model_card
 from trainpod.chat import find_export
 from trainpod.convert import run_convert
-from trainpod.convert.card import merged_model_card
 from trainpod.errors import ExitCode, InputError
 from trainpod.preemption import PreemptionWatch
 from trainpod.volume import Volume

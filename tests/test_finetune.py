@@ -72,14 +72,51 @@ def test_qlora_adapter_loads_in_peft_with_the_tokenizer_summary_and_eval_reports
     assert 0 < done["packing_efficiency"] <= 1
 
 
-def test_lora_and_full_finetunes_export_what_peft_and_transformers_load(volume):
+HUB_BASE = "org/tiny-base"
+HUB_COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def as_hub_download(volume: Path) -> None:
+    """The test's base model as the volume's cache/hf holds a download of the hub id HUB_BASE at HUB_COMMIT,
+    which a run with HF_HUB_OFFLINE=1 takes from there as it would from the Hub."""
+    repo = volume / "cache" / "hf" / f"models--{HUB_BASE.replace('/', '--')}"
+    shutil.copytree(volume / BASE, repo / "snapshots" / HUB_COMMIT)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(HUB_COMMIT)
+
+
+def test_lora_and_full_finetunes_export_what_peft_and_transformers_load_with_the_card_a_push_sends(
+    volume, monkeypatch
+):
+    from huggingface_hub import ModelCard, constants
     from peft import PeftConfig
     from transformers import AutoModelForCausalLM
 
+    from trainpod.config.convert import ConvertConfig
+    from trainpod.config.loader import validate_tree
+    from trainpod.convert import run_convert
+    from trainpod.preemption import PreemptionWatch
+    from trainpod.volume import Volume
+
+    from fake_hub import running_hub
+
     steps = ("--set", "train.max_steps=4", "--set", "train.eval_every=2")
-    ok(run_trainpod(*finetune_args(*steps, method="lora"), volume=volume))
-    config = PeftConfig.from_pretrained(run_dir(volume) / "export" / "adapter")
+    as_hub_download(volume)
+    hub_base = ("--set", f"base_model.path={HUB_BASE}")
+    ok(
+        run_trainpod(
+            *finetune_args(*steps, *hub_base, method="lora"), volume=volume, env={"HF_HUB_OFFLINE": "1"}
+        )
+    )
+    adapter = run_dir(volume) / "export" / "adapter"
+    config = PeftConfig.from_pretrained(adapter)
     assert config.r == 8 and config.lora_alpha == 16
+    # In place of peft's template ("[More Information Needed]"): the Hub lists it among its base's adapters.
+    card = ModelCard.load(adapter / "README.md")
+    assert card.data.library_name == "peft" and card.data.pipeline_tag == "text-generation"
+    assert card.data.base_model == HUB_BASE and card.data.base_model_relation == "adapter"
+    assert f"`{HUB_BASE}` at commit `{HUB_COMMIT}`" in card.text and "AutoPeftModelForCausalLM" in card.text
+    assert "More Information Needed" not in card.text and "| steps | 4 |" in card.text
 
     ok(run_trainpod(*finetune_args(*steps, "--run", "full-run", method="full"), volume=volume))
     exported = volume / "runs" / "full-run" / "export" / "hf"
@@ -92,6 +129,25 @@ def test_lora_and_full_finetunes_export_what_peft_and_transformers_load(volume):
     ]
     assert len(moved) == len(list(model.parameters())), "a full finetune trains every weight"
     assert json.loads((exported / "training_summary.json").read_text())["method"] == "full"
+    card = ModelCard.load(exported / "README.md")
+    assert card.data.base_model is None, "a base on the volume is no Hub model to link to"
+    assert card.data.library_name == "transformers" and card.data.tags == ["trainpod", "full"]
+    assert "full finetune" in card.text and "AutoModelForCausalLM.from_pretrained" in card.text
+
+    # Each export's manifest lists its card, so that a hub task pushes it.
+    token = "fake-write-token-for-the-fake-hub"
+    with running_hub({token: "write"}) as hub:
+        monkeypatch.setattr(constants, "ENDPOINT", hub.url)
+        monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
+        monkeypatch.setenv("HF_TOKEN", token)
+        for run, source in ((FINETUNE_RUN, "adapter"), ("full-run", "hf")):
+            task = {"kind": "hub", "source": source, "repo_id": f"someone/{source}"}
+            config = validate_tree(ConvertConfig, {"name": run, "task": [task]})
+            run_convert(config, Volume(volume), PreemptionWatch())
+        pushed = {repo: hub.repos[f"someone/{repo}"].tree("main") for repo in ("adapter", "hf")}
+    assert pushed["adapter"]["README.md"] == (adapter / "README.md").read_bytes()
+    assert pushed["hf"]["README.md"] == (exported / "README.md").read_bytes()
+    assert [card["library_name"] for card in hub.model_cards] == ["peft", "transformers"]
 
 
 def test_an_eval_plateau_stops_early_commits_and_exports(volume):

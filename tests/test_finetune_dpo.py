@@ -126,7 +126,9 @@ def test_the_dpo_adapter_merges_into_a_model_whose_card_says_dpo(trained, tmp_pa
 
 @pytest.mark.parametrize(("objective", "method"), [("orpo", "full"), ("simpo", "lora")])
 def test_reference_free_objectives_learn_the_preference_with_any_method(volume, objective, method):
-    """ORPO and SimPO need no reference model, so a full finetune takes them (DPO refuses it)."""
+    """ORPO and SimPO need no reference model, so a full finetune takes them (DPO refuses it); the export's
+    model card names the objective."""
+    from huggingface_hub import ModelCard
     from transformers import AutoModelForCausalLM
 
     result = run_trainpod(
@@ -142,6 +144,9 @@ def test_reference_free_objectives_learn_the_preference_with_any_method(volume, 
     export = run / "export" / ("hf" if method == "full" else "adapter")
     summary = json.loads((export / "training_summary.json").read_text())
     assert summary["objective"] == objective and "beta" in summary[objective]
+    card = ModelCard.load(export / "README.md")  # the Hub lists it under its objective, as TRL's models
+    assert card.data.tags == ["trainpod", method, objective] and f"{name} with beta" in card.text
+    assert card.data.library_name == ("transformers" if method == "full" else "peft")
     if method == "full":
         assert AutoModelForCausalLM.from_pretrained(export).config.model_type == "llama"
 
@@ -154,6 +159,8 @@ def test_a_dpo_run_stopped_like_a_spot_pod_resumes_to_the_same_adapter(volume, t
     assert result.returncode == 0, result.stdout + result.stderr
     assert "resumed from step-" in result.stdout + result.stderr
     assert adapter_bytes(volume) == adapter_bytes(trained)
+    card = Path("runs", RUN, "export", "adapter", "README.md")
+    assert (volume / card).read_bytes() == (trained / card).read_bytes(), "the card holds no time of its own"
 
 
 def test_a_dpo_run_stopped_on_two_ranks_resumes_on_one_to_the_adapter_of_the_one_rank_run(volume, trained):

@@ -3,7 +3,8 @@
 The model is rebuilt exactly as the pretrain workload builds it (runs/<run>/config.yaml, the tokenizer the
 run kept in runs/<run>/tokenizer/, or for a run older than that the one its dataset's manifest names), the
 checkpoint is verified against its manifest, and its weights (model.safetensors, or an FSDP run's DCP
-shards) are loaded and exported with the pretrain workload's own export_hf.
+shards) are loaded and exported with the pretrain workload's own export_hf, with the model card of a
+pretrain's export (trainpod/card.py) from the checkpoint's progress.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from trainpod.card import pretrained_model_card
 from trainpod.checkpoint import CheckpointStore
 from trainpod.checkpoint.store import LATEST, MANIFEST, step_dir_name
 from trainpod.config import load_config
@@ -23,7 +25,7 @@ from trainpod.diskspace import check_room
 from trainpod.errors import InputError
 from trainpod.preemption import PreemptionWatch
 from trainpod.train.export import DTYPES, export_hf
-from trainpod.train.model import build_model, llama_config
+from trainpod.train.model import build_model, llama_config, parameter_count
 from trainpod.train.shape import padded_vocab
 from trainpod.train.sharding import has_shards, load_sharded_weights
 from trainpod.train.state import load_weights
@@ -151,5 +153,14 @@ def write_export(source: CheckpointSource, folder: Path, dtype: str) -> None:
             load_weights(model, (source.path / "model.safetensors").read_bytes(), state["aliased_weights"])
     except ValueError as exc:
         raise InputError(f"{source.path}: {exc}") from None
+    progress = state.get("progress") or {}
+    results = {
+        "parameters": parameter_count(model_config),
+        "step": source.step,
+        "tokens_seen": progress.get("tokens_seen"),
+        "loss": progress.get("last_loss"),
+        "eval_loss": progress.get("last_eval_loss"),
+    }
+    card = pretrained_model_card(source.run.name, source.config.data.dataset, model_config, results)
     # No export manifest: the conversion output's own (convert/output.py) covers the folder.
-    export_hf(model, source.tokenizer_dir, folder, DTYPES[dtype], manifest=False)
+    export_hf(model, source.tokenizer_dir, folder, DTYPES[dtype], model_card=card, manifest=False)

@@ -22,6 +22,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as transformers_logging
 
+from trainpod.card import MODEL_CARD, merged_model_card
 from trainpod.convert import tensor_merge
 from trainpod.convert.adapter import (
     TRAINING_SUMMARY,
@@ -29,7 +30,6 @@ from trainpod.convert.adapter import (
     base_weight_shapes,
     vision_module_shapes,
 )
-from trainpod.convert.card import MODEL_CARD, merged_model_card
 from trainpod.convert.output import Staging
 from trainpod.diskspace import check_room
 from trainpod.errors import InputError

@@ -18,6 +18,7 @@ from transformers import AutoTokenizer, PreTrainedModel
 from transformers.utils import logging as transformers_logging
 
 from trainpod import atomic
+from trainpod.card import MODEL_CARD
 from trainpod.errors import InputError
 from trainpod.preemption import WorkAbandoned
 
@@ -94,13 +95,15 @@ def export_hf(
     dtype: torch.dtype,
     extra_json: dict[str, Any] | None = None,
     template_name: str | None = None,
+    model_card: str | None = None,
     manifest: bool = True,
     weights: dict[str, Any] | None = None,
     abandoning: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
     publishing: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
 ) -> Path:
     """Write `model`, its tokenizer (with the chat template `template_name` it was trained with:
-    carry_training_template) and `extra_json` files to `target` atomically (replacing an older export),
+    carry_training_template), `extra_json` files and its model card (README.md: trainpod/card.py) to `target`
+    atomically (replacing an older export),
     with an export manifest naming the step of the weights (`weights`) unless the caller's own output manifest
     covers the folder (`manifest=False`: a conversion's, convert/output.py). Everything before the rename into
     place runs inside `abandoning()` (PreemptionWatch.abandoning: a stop ends it there, leaving the temp folder
@@ -122,6 +125,8 @@ def export_hf(
             for name, content in (extra_json or {}).items():
                 atomic.write_json(tmp / name, content)
             carry_training_template(tmp, template_name)
+            if model_card is not None:  # before the manifest, which lists it: a hub task pushes what it lists
+                atomic.write_text(tmp / MODEL_CARD, model_card)
             if manifest:
                 write_export_manifest(tmp, weights)
         with publishing():

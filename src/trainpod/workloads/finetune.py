@@ -26,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 from transformers import AutoTokenizer
 
 from trainpod import atomic
+from trainpod.card import MODEL_CARD, adapter_model_card, finetuned_model_card
 from trainpod.checkpoint.tree import load_state_file
 from trainpod.config.finetune import FSDP_WITHOUT_GENERATION, FinetuneConfig, fsdp_needs_full
 from trainpod.context import RunContext
@@ -851,17 +852,21 @@ class Finetuner(Trainer):
         model = gathered_copy(self.model) if self.parallel == "fsdp" else self.model
         if not self.dist.is_main:
             return None
+        summary = self.training_summary()
+        vision = summary.get("vision") is not None
         if self.method == "full":
             dtype_name = self.cfg.export.dtype
             if dtype_name == "auto":
                 dtype_name = "bfloat16" if self.autocast_dtype == torch.bfloat16 else "float32"
+            card = finetuned_model_card(summary, self._hub_base_revision(summary), dtype_name, vision)
             return export_hf(
                 model,
                 self.base_dir,
                 self.ctx.run.export / "hf",
                 DTYPES[dtype_name],
-                extra_json={"training_summary.json": self.training_summary(), **self.processor_json()},
+                extra_json={"training_summary.json": summary, **self.processor_json()},
                 template_name=self.data.manifest.get("template"),
+                model_card=card,
                 weights=self.exported_weights,
                 abandoning=self.abandoning_export,
                 publishing=self.publishing_export,
@@ -876,7 +881,11 @@ class Finetuner(Trainer):
                 self.save_processor(tmp)
                 self._save_generation_config(tmp)
                 carry_training_template(tmp, self.data.manifest.get("template"))
-                atomic.write_json(tmp / "training_summary.json", self.training_summary())
+                atomic.write_json(tmp / "training_summary.json", summary)
+                # In place of the README.md peft's save_pretrained wrote: its template, "[More Information
+                # Needed]" in every section, and no base_model where the base was a folder.
+                card = adapter_model_card(summary, self._hub_base_revision(summary), vision)
+                atomic.write_text(tmp / MODEL_CARD, card)
                 write_export_manifest(tmp, self.exported_weights)
             with self.publishing_export():
                 atomic.replace_dir(tmp, target)  # a publish begun is never abandoned
@@ -887,6 +896,14 @@ class Finetuner(Trainer):
             raise
         log.info("exported the PEFT adapter to %s", target)
         return target
+
+    def _hub_base_revision(self, summary: dict[str, Any]) -> str | None:
+        """The hub commit the model trained on, for its card's base_model; None for a base given as a folder,
+        which names nothing on the Hub."""
+        return summary["base_model_revision"] if self._base_is_from_hub() else None
+
+    def _base_is_from_hub(self) -> bool:
+        return self.base_dir.is_relative_to(self.ctx.volume.cache() / "hf")
 
     def _save_generation_config(self, folder: Path) -> None:
         """The base's generation config beside the adapter, for carry_training_template to add the template's end

@@ -20,6 +20,7 @@ import safetensors.torch
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from trainpod.card import pretrained_model_card
 from trainpod.checkpoint.tree import load_state_file
 from trainpod.config.pretrain import PretrainConfig
 from trainpod.context import RunContext
@@ -306,6 +307,9 @@ class Pretrainer(Trainer):
             self.tokenizer_dir,
             self.ctx.run.export / "hf",
             DTYPES[dtype_name],
+            model_card=pretrained_model_card(
+                self.ctx.run.name, self.cfg.data.dataset, self.model_config, self.summary()
+            ),
             weights=self.exported_weights,
             abandoning=self.abandoning_export,
             publishing=self.publishing_export,

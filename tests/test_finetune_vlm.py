@@ -64,6 +64,7 @@ def test_checkpoints_compete_for_best_by_cer(finished):
 
 
 def test_the_adapter_loads_with_peft_onto_the_base_and_the_processor_from_its_folder(finished):
+    from huggingface_hub import ModelCard
     from peft import PeftModel
     from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
 
@@ -78,6 +79,9 @@ def test_the_adapter_loads_with_peft_onto_the_base_and_the_processor_from_its_fo
     assert any("lora_A" in name for name, _ in model.named_parameters())
     assert AutoImageProcessor.from_pretrained(str(adapter)).merge_size == 2
     assert AutoTokenizer.from_pretrained(str(adapter)).chat_template
+    card = ModelCard.load(adapter / "README.md")  # how the Hub page says to load it: on its base, as above
+    assert card.data.library_name == "peft" and card.data.pipeline_tag == "image-text-to-text"
+    assert "PeftModel.from_pretrained(base" in card.text and "AutoProcessor.from_pretrained" in card.text
 
 
 @pytest.mark.parametrize(

@@ -818,7 +818,7 @@ class Finetuner(Trainer):
     def _write_worst_samples(self, step: int, per_sample: list[tuple[float, int]]) -> None:
         """The highest-loss eval samples, prompt and answer decoded, for a look at what the model gets wrong."""
         worst = sorted(per_sample, key=lambda item: (-item[0], item[1]))[: self.train_cfg.worst_samples]
-        lines = []
+        records = []
         for loss, index in worst:
             example = self.data.val[index]
             trained = example.labels != IGNORE_INDEX
@@ -830,10 +830,15 @@ class Finetuner(Trainer):
                 "prompt": self.tokenizer.decode(example.input_ids[~trained].tolist()),
                 "answer": self.tokenizer.decode(example.input_ids[trained].tolist()),
             }
-            lines.append(json.dumps(record, ensure_ascii=False) + "\n")
+            records.append(record)
+        self._write_worst(step, records)
+
+    def _write_worst(self, step: int, records: list[dict[str, Any]]) -> None:
+        """eval/step-<N>.worst.jsonl: one JSON record a line, written whole (atomic)."""
         folder = self.ctx.run.root / "eval"
         folder.mkdir(exist_ok=True)
-        atomic.write_text(folder / f"step-{step}.worst.jsonl", "".join(lines))
+        text = "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
+        atomic.write_text(folder / f"step-{step}.worst.jsonl", text)
 
     def should_stop_early(self) -> str | None:
         patience = self.train_cfg.early_stopping_patience

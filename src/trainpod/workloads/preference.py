@@ -13,14 +13,12 @@ with the reward accuracy and margin beside it, and the worst pairs written to ev
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from trainpod import atomic
 from trainpod.config.finetune import OBJECTIVE_NAMES
 from trainpod.errors import InputError
 from trainpod.sft.batches import PreferenceBatches, preference_eval_batches
@@ -221,7 +219,7 @@ class PreferenceFinetuner(Finetuner):
     def _write_worst_pairs(self, step: int, per_pair: list[tuple[float, int, float, float]]) -> None:
         """The validation pairs the model prefers least (least_preferred): prompt, chosen and rejected decoded."""
         worst = least_preferred(per_pair, self.train_cfg.worst_samples)
-        lines = []
+        records = []
         for loss, index, chosen_reward, rejected_reward in worst:
             chosen, rejected = self.val_pairs[index]
             trained = chosen.labels != IGNORE_INDEX
@@ -238,10 +236,8 @@ class PreferenceFinetuner(Finetuner):
                     rejected.input_ids[rejected.labels != IGNORE_INDEX].tolist()
                 ),
             }
-            lines.append(json.dumps(record, ensure_ascii=False) + "\n")
-        folder = self.ctx.run.root / "eval"
-        folder.mkdir(exist_ok=True)
-        atomic.write_text(folder / f"step-{step}.worst.jsonl", "".join(lines))
+            records.append(record)
+        self._write_worst(step, records)
 
     # ------------------------------------------------------------------------------ finish
     def training_summary(self) -> dict[str, Any]:

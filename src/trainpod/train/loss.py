@@ -78,10 +78,7 @@ def token_losses(
     with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
         w = weight.to(compute_dtype)
         for h, t in zip(hidden.split(rows), targets.split(rows), strict=True):
-            logits = (h.to(compute_dtype) @ w.T).float()
-            valid = t != ignore_index
-            picked = logits.gather(1, t.where(valid, 0)[:, None]).squeeze(1)
-            losses.append((torch.logsumexp(logits, dim=-1) - picked) * valid)
+            losses.append(chunk_token_losses(h, w, t, ignore_index)[0])
     return torch.cat(losses).reshape(shape)
 
 
@@ -92,15 +89,25 @@ def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
     return hidden.dtype
 
 
-def _chunk_loss(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int
+def chunk_token_losses(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int = IGNORE_INDEX
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(summed loss, fp32 logits, log-sum-exp, valid-row mask) of one chunk."""
+    """(each row's cross-entropy, 0 where its target is ignored; the fp32 logits; their log-sum-exp; the valid-row
+    mask) of one chunk of `hidden @ weight.T`: the chunked SFT loss's, its eval's and DPO's log-probabilities'
+    (train/preference.py) one computation."""
     logits = (hidden.to(weight.dtype) @ weight.T).float()
     lse = torch.logsumexp(logits, dim=-1)
     valid = targets != ignore_index
     picked = logits.gather(1, targets.where(valid, 0)[:, None]).squeeze(1)
-    return ((lse - picked) * valid).sum(), logits, lse, valid
+    return (lse - picked) * valid, logits, lse, valid
+
+
+def _chunk_loss(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(summed loss, fp32 logits, log-sum-exp, valid-row mask) of one chunk."""
+    losses, logits, lse, valid = chunk_token_losses(hidden, weight, targets, ignore_index)
+    return losses.sum(), logits, lse, valid
 
 
 class _LinearCrossEntropy(torch.autograd.Function):

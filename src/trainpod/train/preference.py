@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from trainpod.train.loss import IGNORE_INDEX, _base_model, _compute_dtype, shift_labels
+from trainpod.train.loss import IGNORE_INDEX, _base_model, _compute_dtype, chunk_token_losses, shift_labels
 from trainpod.train.loss_chunks import rows_per_chunk
 
 
@@ -57,17 +57,6 @@ def dpo_losses(
     return losses, chosen_rewards, rejected_rewards
 
 
-def _chunk_token_logps(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(log p(target) of each row, 0 where ignored; the fp32 logits; their log-sum-exp; the valid-row mask)."""
-    logits = (hidden.to(weight.dtype) @ weight.T).float()
-    lse = torch.logsumexp(logits, dim=-1)
-    valid = targets != IGNORE_INDEX
-    picked = logits.gather(1, targets.where(valid, 0)[:, None]).squeeze(1)
-    return (picked - lse) * valid, logits, lse, valid
-
-
 def token_logps(
     hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_rows: int | None = None
 ) -> torch.Tensor:
@@ -84,7 +73,7 @@ def token_logps(
             w = weight.to(compute_dtype)
             out = torch.cat(
                 [
-                    _chunk_token_logps(h, w, t)[0]
+                    -chunk_token_losses(h, w, t)[0]
                     for h, t in zip(hidden.split(rows), targets.split(rows), strict=True)
                 ]
             )
@@ -103,8 +92,8 @@ class _TokenLogps(torch.autograd.Function):
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(compute_dtype)
             for h, t in zip(hidden.split(rows), targets.split(rows), strict=True):
-                logps, _, lse, _ = _chunk_token_logps(h.to(compute_dtype), w, t)
-                parts.append(logps)
+                losses, _, lse, _ = chunk_token_losses(h.to(compute_dtype), w, t)
+                parts.append(-losses)
                 lses.append(lse)
         ctx.save_for_backward(hidden, weight, targets, torch.cat(lses))
         ctx.rows, ctx.compute_dtype = rows, compute_dtype

@@ -396,16 +396,20 @@ def preference_eval_batches(
     pairs: Sequence, micro_batch_size: int, max_len: int, pad_id: int, limit: int | None
 ) -> list[dict[str, torch.Tensor]]:
     """The validation pairs in stored order, at most `limit` batches, each with `pair_index`."""
-    starts = range(0, len(pairs), micro_batch_size)
-    if limit is not None:
-        starts = starts[:limit]
     out = []
-    for start in starts:
-        indices = list(range(start, min(start + micro_batch_size, len(pairs))))
+    for indices in in_stored_order(len(pairs), micro_batch_size, limit):
         batch = pair_batch(pairs.flat, indices, max_len, pad_id)
         batch["pair_index"] = torch.tensor(indices, dtype=torch.long)
         out.append(batch)
     return out
+
+
+def in_stored_order(count: int, micro_batch_size: int, limit: int | None) -> list[list[int]]:
+    """The indices of `count` items in stored order, micro_batch_size a batch, at most `limit` batches (None: all)."""
+    starts = range(0, count, micro_batch_size)
+    if limit is not None:
+        starts = starts[:limit]
+    return [list(range(start, min(start + micro_batch_size, count))) for start in starts]
 
 
 def eval_batches(
@@ -415,13 +419,8 @@ def eval_batches(
 
     Each batch also has `sample_index` (the sample's index in `examples`), for per-sample losses.
     """
-    count = len(examples)
-    starts = range(0, count, micro_batch_size)
-    if limit is not None:
-        starts = starts[:limit]
     out = []
-    for start in starts:
-        indices = list(range(start, min(start + micro_batch_size, count)))
+    for indices in in_stored_order(len(examples), micro_batch_size, limit):
         batch = unpacked_batch(examples, indices, max_len, pad_id)
         batch["sample_index"] = torch.tensor(indices, dtype=torch.long)
         out.append(batch)

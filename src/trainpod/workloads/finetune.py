@@ -925,7 +925,7 @@ class Finetuner(Trainer):
         axolotl's and LLaMA-Factory's adapters name it: peft records the folder the model was loaded
         from, here the pod's cache/hf download, which no other machine loading the adapter
         (AutoPeftModelForCausalLM, vLLM) has. A base given as a folder stays named by that folder."""
-        if not self.base_dir.is_relative_to(self.ctx.volume.cache() / "hf"):
+        if not self._base_is_from_hub():
             return
         base = self.cfg.base_model
         for peft_config in self.model.peft_config.values():
